@@ -1,0 +1,179 @@
+"""The CDI spec we own (`<cdi_dir>/hyperlight.json`): its exact bytes, and atomic repair.
+
+We own that one file and nothing else in the directory. Repair writes a temp file whose name
+CDI runtimes ignore (they read only *.json and *.yaml), fsyncs it, renames it over the target
+and fsyncs the directory, so a reader sees the complete old file or the complete new one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import stat
+from typing import Optional
+
+from . import contracts
+
+SPEC_MODE = 0o644  # runtimes (often not root) must read it
+DEVICE_FILE_MODE = 0o660  # the node in containers: owner and group only (podman's default is 0666)
+
+
+class CdiError(Exception):
+    """The spec could not be verified or repaired; the message names the path and the cause."""
+
+
+def render(hypervisor: str, device_path: str, uid: int, gid: int) -> bytes:
+    """The canonical spec bytes; "exact" means byte-equal to this.
+
+    >>> b'"name": "kvm"' in render("kvm", "/dev/kvm", 65534, 65534)
+    True
+    """
+    spec = {
+        "cdiVersion": contracts.CDI_VERSION,
+        "kind": contracts.CDI_KIND,
+        "devices": [
+            {
+                "name": hypervisor,
+                "containerEdits": {
+                    "env": [
+                        f"{contracts.ENV_HYPERVISOR}={hypervisor}",
+                        f"{contracts.ENV_DEVICE_PATH}={device_path}",
+                    ],
+                    "deviceNodes": [
+                        {
+                            "path": device_path,
+                            "type": "c",
+                            "permissions": "rw",
+                            "fileMode": DEVICE_FILE_MODE,
+                            "uid": uid,
+                            "gid": gid,
+                        }
+                    ],
+                },
+            }
+        ],
+    }
+    return (json.dumps(spec, indent=2) + "\n").encode()
+
+
+def device_name(hypervisor: str) -> str:
+    """The fully qualified CDI device name Allocate returns: hyperlight.dev/hypervisor=kvm."""
+    return f"{contracts.CDI_KIND}={hypervisor}"
+
+
+def spec_path(cdi_dir: str) -> str:
+    return os.path.join(cdi_dir, contracts.CDI_SPEC_FILE)
+
+
+def inspect(cdi_dir: str, wanted: bytes) -> Optional[str]:
+    """What is wrong with the spec, without changing anything; None when it is exact."""
+    path = spec_path(cdi_dir)
+    try:
+        current = _read_owned(path)
+    except CdiError as exc:
+        return str(exc)
+    if current is None:
+        return f"{path} is missing"
+    if current != wanted:
+        return f"{path} differs from the expected spec"
+    return None
+
+
+def reconcile(cdi_dir: str, wanted: bytes) -> bool:
+    """Make the spec exactly `wanted`. True if it had to be written. Raises CdiError."""
+    path = spec_path(cdi_dir)
+    _remove_leftover_temps(cdi_dir)
+    if _read_owned(path) == wanted:
+        return False
+    try:
+        os.makedirs(cdi_dir, mode=0o755, exist_ok=True)
+    except OSError as exc:
+        raise CdiError(f"{cdi_dir}: cannot create CDI directory: {exc.strerror or exc}") from exc
+    _write_atomically(cdi_dir, path, wanted)
+    return True
+
+
+def _read_owned(path: str) -> Optional[bytes]:
+    """The spec's bytes, or None if absent. Refuses (never follows) anything not a regular file."""
+    try:
+        # O_NONBLOCK: a FIFO planted at our path must not hang the agent.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CdiError(f"{path} is a symlink; refusing to follow or replace it") from exc
+        raise CdiError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise CdiError(f"{path} is a directory; refusing to replace it")
+        if not stat.S_ISREG(st.st_mode):
+            raise CdiError(f"{path} is not a regular file; refusing to replace it")
+        chunks = []
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    except OSError as exc:
+        raise CdiError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(cdi_dir: str, path: str, data: bytes) -> None:
+    temp = os.path.join(
+        cdi_dir, f"{contracts.CDI_TEMP_PREFIX}{secrets.token_hex(6)}{contracts.CDI_TEMP_SUFFIX}"
+    )
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     SPEC_MODE)
+    except OSError as exc:
+        raise CdiError(f"{path}: cannot write (temp file in {cdi_dir}): {exc.strerror or exc}") from exc
+    try:
+        try:
+            os.fchmod(fd, SPEC_MODE)  # the umask must not decide who may read the spec
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(temp, path)
+    except OSError as exc:
+        _unlink_quietly(temp)
+        raise CdiError(f"{path}: cannot write: {exc.strerror or exc}") from exc
+    try:
+        dir_fd = os.open(cdi_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        raise CdiError(f"{cdi_dir}: cannot sync directory: {exc.strerror or exc}") from exc
+
+
+def _remove_leftover_temps(cdi_dir: str) -> None:
+    """Delete temp files of ours left by a crash mid-write; nothing else is touched."""
+    try:
+        names = os.listdir(cdi_dir)
+    except OSError:
+        return  # reconcile reports the directory's problem when it reads or writes
+    for name in names:
+        if name.startswith(contracts.CDI_TEMP_PREFIX) and name.endswith(contracts.CDI_TEMP_SUFFIX):
+            candidate = os.path.join(cdi_dir, name)
+            try:
+                if stat.S_ISREG(os.lstat(candidate).st_mode):
+                    os.unlink(candidate)
+            except OSError:
+                pass
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

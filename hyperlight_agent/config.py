@@ -1,0 +1,234 @@
+"""Settings: one table, four sources. A flag beats the environment, which beats the TOML file,
+which beats the default. Every setting is validated here, before anything touches the disk.
+
+The README's settings table and `--help` are both generated from or checked against SETTINGS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+from . import contracts
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on the hosts' older Pythons
+    import tomli as tomllib
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONFIG_FILE = "/etc/hyperlight-agent/agent.toml"
+CONFIG_ENV = "HYPERLIGHT_CONFIG"
+ALLOCATION_MODES = ("cdi", "device-spec", "both")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+UINT32_MAX = 2**32 - 1
+# A ListAndWatch list of more devices than this exceeds the kubelet's 4 MiB gRPC message limit.
+MAX_DEVICE_COUNT = 100_000
+
+
+class ConfigError(Exception):
+    """An invalid setting: the message names the setting and the value, on one line."""
+
+
+def _int_in(low: int, high: int, what: str) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        if isinstance(value, bool):
+            raise ValueError(f"must be {what}")
+        if isinstance(value, str):
+            try:
+                value = int(value.strip(), 10)
+            except ValueError:
+                raise ValueError(f"must be {what}") from None
+        if not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"must be {what}")
+        return value
+
+    return parse
+
+
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("must be a number of seconds from 0.1 to 86400")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError("must be a number of seconds from 0.1 to 86400") from None
+    if not 0.1 <= number <= 86400:
+        raise ValueError("must be a number of seconds from 0.1 to 86400")
+    return number
+
+
+def _abs_dir(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ValueError("must be an absolute directory path")
+    return os.path.normpath(value)
+
+
+def _choice(choices: Sequence[str]) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if not isinstance(value, str) or value.lower() not in choices:
+            raise ValueError("must be one of " + ", ".join(choices))
+        return value.lower()
+
+    return parse
+
+
+def _listen_address(value: Any) -> str:
+    host, sep, port = str(value).rpartition(":")
+    if not isinstance(value, str) or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("must be HOST:PORT, e.g. 127.0.0.1:9464")
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str  # TOML key and Settings attribute
+    env: str
+    flag: str
+    default: Any
+    parse: Callable[[Any], Any]
+    help: str
+    # For drop-in compatibility with the original's manifests: a bad value in this
+    # environment variable is ignored with a warning instead of stopping the agent.
+    lenient_env: bool = False
+    # TOML is typed: a quoted number where a number belongs is a mistake worth reporting.
+    toml_types: tuple[type, ...] = (str,)
+
+    @property
+    def default_text(self) -> str:
+        return "unset" if self.default is None else str(self.default)
+
+
+U32 = _int_in(0, UINT32_MAX, f"an integer from 0 to {UINT32_MAX}")
+SETTINGS: tuple[Setting, ...] = (
+    Setting("device_count", "DEVICE_COUNT", "--device-count", 2000,
+            _int_in(1, MAX_DEVICE_COUNT, f"an integer from 1 to {MAX_DEVICE_COUNT}"),
+            "slots advertised for the shared hypervisor device", lenient_env=True, toml_types=(int,)),
+    Setting("device_uid", "DEVICE_UID", "--device-uid", 65534, U32,
+            "owner of the device node inside containers (CDI)", lenient_env=True, toml_types=(int,)),
+    Setting("device_gid", "DEVICE_GID", "--device-gid", 65534, U32,
+            "group of the device node inside containers (CDI)", lenient_env=True, toml_types=(int,)),
+    Setting("host_device_dir", "HOST_DEVICE_DIR", "--host-device-dir", None, _abs_dir,
+            "where the host's /dev is visible (e.g. /host-dev in a pod); unset: the device dir"),
+    Setting("device_dir", "HYPERLIGHT_DEVICE_DIR", "--device-dir", "/dev", _abs_dir,
+            "directory holding the hypervisor node the agent probes"),
+    Setting("kubelet_dir", "HYPERLIGHT_KUBELET_DIR", "--kubelet-dir", contracts.KUBELET_PLUGIN_DIR,
+            _abs_dir, "the kubelet's device-plugin directory (kubelet.sock, our socket)"),
+    Setting("cdi_dir", "HYPERLIGHT_CDI_DIR", "--cdi-dir", contracts.CDI_DIR, _abs_dir,
+            "CDI spec directory; the agent owns only hyperlight.json in it"),
+    Setting("check_interval_seconds", "HYPERLIGHT_CHECK_INTERVAL", "--check-interval", 30,
+            _seconds, "seconds between periodic device checks", toml_types=(int, float)),
+    Setting("allocation", "HYPERLIGHT_ALLOCATION", "--allocation", "cdi",
+            _choice(ALLOCATION_MODES),
+            "what Allocate returns: cdi, device-spec (runtimes without CDI) or both"),
+    Setting("log_level", "HYPERLIGHT_LOG_LEVEL", "--log-level", "info", _choice(LOG_LEVELS),
+            "debug, info, warning or error"),
+)
+BY_KEY = {s.key: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    device_count: int = 2000
+    device_uid: int = 65534
+    device_gid: int = 65534
+    host_device_dir: Optional[str] = None
+    device_dir: str = "/dev"
+    kubelet_dir: str = contracts.KUBELET_PLUGIN_DIR
+    cdi_dir: str = contracts.CDI_DIR
+    check_interval_seconds: float = 30
+    allocation: str = "cdi"
+    log_level: str = "info"
+    config_file: Optional[str] = None  # the file actually read, if any
+
+
+assert {f.name for f in fields(Settings)} - {"config_file"} == set(BY_KEY), "SETTINGS and Settings differ"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; defaults stay None so we can tell "not given" apart."""
+    group = parser.add_argument_group("settings (flag > environment > TOML file > default)")
+    for s in SETTINGS:
+        group.add_argument(
+            s.flag, dest=s.key, metavar="VALUE", default=None,
+            help=f"{s.help} [env {s.env}; toml {s.key}; default {s.default_text}]",
+        )
+    group.add_argument(
+        "--config", dest="config", metavar="FILE", default=None,
+        help=f"TOML settings file [env {CONFIG_ENV}; default {DEFAULT_CONFIG_FILE}; "
+        "a missing default file is fine]",
+    )
+
+
+def load(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
+    """Resolve every setting from flags, environment, file and defaults. Raises ConfigError."""
+    explicit_file = args.config or environ.get(CONFIG_ENV) or None
+    path = explicit_file or DEFAULT_CONFIG_FILE
+    from_file, file_read = read_file(path, required=explicit_file is not None)
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        values[s.key] = _resolve(s, getattr(args, s.key, None), environ, from_file, path)
+    return Settings(**values, config_file=path if file_read else None)
+
+
+def read_file(path: str, required: bool) -> tuple[dict[str, Any], bool]:
+    """The TOML file's settings (validated keys and types), and whether a file was read."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(f"config file {path}: does not exist") from None
+        return {}, False
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
+    for key in data:
+        if key not in BY_KEY:
+            raise ConfigError(f"config file {path}: unknown setting {key!r}")
+    return data, True
+
+
+def _resolve(s: Setting, flag: Optional[str], environ: Mapping[str, str],
+             from_file: Mapping[str, Any], path: str) -> Any:
+    if flag is not None:
+        return _parse(s, flag, s.flag)
+    env_value = environ.get(s.env, "")
+    if env_value != "":
+        try:
+            return s.parse(env_value)
+        except ValueError as exc:
+            if not s.lenient_env:
+                raise ConfigError(f"{s.env}={env_value!r}: {exc}") from None
+            log.warning("ignoring %s=%r (%s); using %s", s.env, env_value, exc,
+                        "the config file's value" if s.key in from_file else f"the default {s.default}")
+    if s.key in from_file:
+        value = from_file[s.key]
+        if isinstance(value, bool) or not isinstance(value, s.toml_types):
+            wanted = " or ".join(t.__name__ for t in s.toml_types)
+            raise ConfigError(f"{s.key} in {path} = {value!r}: must be a TOML {wanted}")
+        return _parse(s, value, f"{s.key} in {path}")
+    return s.default
+
+
+def _parse(s: Setting, value: Any, where: str) -> Any:
+    try:
+        return s.parse(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where} = {value!r}: {exc}") from None
+
+
+def settings_table() -> str:
+    """The README's settings table, as Markdown rows (a test compares the two)."""
+    rows = ["| TOML key | environment | flag | default | meaning |", "|---|---|---|---|---|"]
+    for s in SETTINGS:
+        rows.append(f"| {s.key} | {s.env} | {s.flag} | {s.default_text} | {s.help} |")
+    rows.append(f"| (the file itself) | {CONFIG_ENV} | --config | {DEFAULT_CONFIG_FILE} | "
+                "TOML file with any of the keys above; a missing default file is fine |")
+    return "\n".join(rows)

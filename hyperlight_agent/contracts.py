@@ -1,0 +1,60 @@
+"""Names and numbers that other parties own: the kubelet, CDI, the Linux kernel and systemd.
+
+None of these is a tunable. Components still take their directories as arguments (tests run in
+temporary directories); the values here are the defaults those arguments take in production.
+Standard library only: the probe helper imports this module.
+"""
+
+from __future__ import annotations
+
+# --- kubelet device-plugin API (owner: Kubernetes, pkg/kubelet/apis/deviceplugin/v1beta1) ---
+KUBELET_API_VERSION = "v1beta1"
+KUBELET_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+KUBELET_SOCKET = "kubelet.sock"
+# The kubelet keeps this file across restarts; it deletes every other file in the directory.
+KUBELET_CHECKPOINT = "kubelet_internal_checkpoint"
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+# The kubelet rejects device IDs longer than this.
+MAX_DEVICE_ID_LENGTH = 63
+# The kubelet dials the plugin back inside Register with this timeout.
+KUBELET_DIAL_TIMEOUT_S = 10.0
+
+# --- our resources (owner: hyperlight-agent; workloads and manifests depend on them) ---
+RESOURCE_HYPERVISOR = "hyperlight.dev/hypervisor"
+RESOURCE_DEVICE_ACCESS = "hyperlight.dev/device-access"
+PLUGIN_SOCKET = "hyperlight.sock"
+DEVICE_ACCESS_SOCKET = "hyperlight-access.sock"
+
+# --- Container Device Interface (owner: cncf-tags/container-device-interface) ---
+CDI_DIR = "/var/run/cdi"
+CDI_KIND = RESOURCE_HYPERVISOR
+CDI_SPEC_FILE = "hyperlight.json"
+# The minimum version our content needs; podman 4.3 silently ignores specs declaring 0.6.0+.
+CDI_VERSION = "0.3.0"
+# Runtimes read only *.json and *.yaml, so our temp files end in neither.
+CDI_TEMP_PREFIX = ".hyperlight.json."
+CDI_TEMP_SUFFIX = ".tmp"
+ENV_HYPERVISOR = "HYPERLIGHT_HYPERVISOR"
+ENV_DEVICE_PATH = "HYPERLIGHT_DEVICE_PATH"
+
+# --- Linux KVM (owner: the kernel, include/uapi/linux/kvm.h) ---
+KVM_API_VERSION = 12
+KVM_GET_API_VERSION = 0xAE00  # _IO(0xAE, 0x00)
+KVM_CREATE_VM = 0xAE01  # _IO(0xAE, 0x01)
+KVM_VM_TYPE_DEFAULT = 0
+
+# --- Linux MSHV (owner: the kernel, include/uapi/linux/mshv.h) ---
+MSHV_CREATE_PARTITION = 0x4010B800  # _IOW(0xB8, 0x00, struct mshv_create_partition)
+MSHV_PT_BIT_LAPIC = 0
+MSHV_PT_BIT_X2APIC = 1
+MSHV_PT_BIT_GPA_SUPER_PAGES = 2
+# Bit 3 (CPU_AND_XSAVE_FEATURES) switches to a 64-byte struct that older kernels reject;
+# we never set it, so CPU and XSAVE features stay at the kernel's defaults.
+MSHV_PT_ISOLATION_NONE = 0
+MSHV_CREATE_PARTITION_SIZE = 16
+
+# --- systemd (owner: systemd, sd_notify(3)) ---
+NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"
+WATCHDOG_USEC_ENV = "WATCHDOG_USEC"
+JOURNAL_STREAM_ENV = "JOURNAL_STREAM"

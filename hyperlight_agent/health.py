@@ -1,0 +1,52 @@
+"""The one shared health observation: versioned, replaced as a whole, broadcast to waiters.
+
+Health is state that recovers, never a latch: every completed check publishes a fresh
+observation, and every ListAndWatch stream wakes when it changes. Create inside the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Observation:
+    healthy: bool
+    # Why the device is unhealthy (empty when healthy); shown in logs, status and RPC errors.
+    reason: str
+    # The detected hypervisor's name ("kvm", "mshv"), or None when no device exists.
+    hypervisor: Optional[str]
+
+
+INITIAL = Observation(healthy=False, reason="no device check has completed yet", hypervisor=None)
+
+
+class HealthState:
+    """Holds the current Observation; version 0 means no check has completed yet."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.current = INITIAL
+        self._changed = asyncio.Event()
+
+    def publish(self, observation: Observation) -> bool:
+        """Record a completed check's result; wakes waiters if it differs. True if it did.
+
+        The first publication always counts as a change: it is what lets streams send their
+        first list.
+        """
+        if observation == self.current and self.version > 0:
+            return False
+        self.current = observation
+        self.version += 1
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        return True
+
+    async def wait_newer(self, version: int) -> Observation:
+        """Return the current observation once its version is greater than `version`."""
+        while self.version <= version:
+            await self._changed.wait()
+        return self.current

@@ -1,0 +1,160 @@
+"""The probe helper, seen from the agent: one long-lived child process, bounded per request.
+
+A fresh process per check costs ~13 ms here against a ~0.4 ms probe, so the helper lives on
+and answers requests over a pipe. When a request misses its deadline the helper is killed
+(the only way to abandon an ioctl stuck in the kernel) and replaced on the next check. At most
+one helper exists at any time: a killed helper that has not been reaped blocks new checks,
+which fail fast with "previous probe has not exited" instead of accumulating processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+PROBE_DEADLINE_S = 2.0
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def default_argv() -> list[str]:
+    """`python -I -S`: no site-packages, so the helper cannot import grpc even by accident."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); "
+        "from hyperlight_agent.probe import serve; serve()"
+    )
+    return [sys.executable, "-I", "-S", "-c", code, _PACKAGE_PARENT]
+
+
+class ProbeHelper:
+    """Runs probe requests in the helper process, one at a time, each within `deadline`."""
+
+    def __init__(
+        self,
+        argv: Optional[Sequence[str]] = None,
+        deadline: float = PROBE_DEADLINE_S,
+        kill: Callable[[int, int], None] = os.kill,
+        on_timeout: Optional[Callable[[], None]] = None,
+    ) -> None:
+        self._argv = list(argv) if argv is not None else default_argv()
+        self.deadline = deadline
+        self._kill = kill  # a parameter so tests can simulate a helper stuck in the kernel
+        self._on_timeout = on_timeout
+        self._proc: Optional[asyncio.subprocess.Process] = None
+        # A killed helper whose exit we have not yet seen, and the task that reaps it.
+        self._dying: Optional[asyncio.subprocess.Process] = None
+        self._reaper: Optional[asyncio.Future[int]] = None
+        self._stuck = False
+        self._lock = asyncio.Lock()
+        self.started = 0  # helper processes started so far (benchmarks and tests read this)
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if self._proc and self._proc.returncode is None else None
+
+    @property
+    def dying_pid(self) -> Optional[int]:
+        return self._dying.pid if self._dying else None
+
+    async def run(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Send one request; the reply, or {"ok": False, "reason": …} on any failure."""
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            give_up_at = loop.time() + self.deadline
+            if self._dying is not None:
+                # The first check after a kill spends its budget waiting for the exit; once
+                # that has failed, later checks fail at once until the helper is reaped.
+                budget = 0.0 if self._stuck else give_up_at - loop.time()
+                if not await self._reap(budget):
+                    self._stuck = True
+                    return _failure(f"previous probe has not exited (pid {self._dying.pid})")
+                self._stuck = False
+            try:
+                proc = await self._ensure_started()
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(json.dumps(request).encode() + b"\n")
+                await proc.stdin.drain()
+                line = await asyncio.wait_for(proc.stdout.readline(), give_up_at - loop.time())
+            except asyncio.TimeoutError:
+                self._abandon()
+                if self._on_timeout:
+                    self._on_timeout()
+                return _failure(f"probe did not finish within {self.deadline:g} s (helper killed)")
+            except asyncio.CancelledError:
+                # Our caller went away mid-request: the reply would pair with the next request.
+                self._abandon()
+                raise
+            except OSError as exc:
+                self._abandon()
+                return _failure(f"probe helper failed: {exc}")
+            if not line:
+                self._abandon()
+                return _failure("probe helper exited unexpectedly")
+            try:
+                reply = json.loads(line)
+            except ValueError:
+                self._abandon()
+                return _failure(f"probe helper sent a malformed reply: {line[:80]!r}")
+            return dict(reply)
+
+    async def close(self) -> None:
+        """Stop the helper (EOF on its stdin, then kill) and reap everything."""
+        async with self._lock:
+            proc = self._proc
+            if proc is not None and proc.returncode is None and proc.stdin is not None:
+                proc.stdin.close()
+                try:
+                    await asyncio.wait_for(proc.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+            self._abandon()
+            await self._reap(self.deadline)
+
+    async def _ensure_started(self) -> asyncio.subprocess.Process:
+        if self._proc is None or self._proc.returncode is not None:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self._argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                close_fds=True,
+            )
+            self.started += 1
+        return self._proc
+
+    def _abandon(self) -> None:
+        """Kill the current helper and start reaping it in the background."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.returncode is None:
+            try:
+                self._kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._dying = proc
+        self._reaper = asyncio.ensure_future(proc.wait())
+
+    async def _reap(self, budget: float) -> bool:
+        """Wait up to budget seconds for the killed helper to exit; True once it has."""
+        if self._dying is None or self._reaper is None:
+            return True
+        if not self._reaper.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._reaper), max(budget, 0.0))
+            except asyncio.TimeoutError:
+                if not self._stuck:
+                    log.warning("probe helper pid %d has not exited after SIGKILL", self._dying.pid)
+                return False
+        self._dying = None
+        self._reaper = None
+        return True
+
+
+def _failure(reason: str) -> dict[str, Any]:
+    return {"ok": False, "reason": reason}

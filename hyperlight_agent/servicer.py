@@ -1,0 +1,163 @@
+"""The DevicePlugin service: what the kubelet sees of the agent.
+
+Slots are IDs `<hypervisor>-<n>`, all sharing the one device; their health is all Healthy or
+all Unhealthy, straight from the shared observation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional
+
+import grpc
+
+from . import cdi, contracts, hypervisors
+from . import deviceplugin_pb2 as pb
+from .checker import Checker
+from .health import HealthState, Observation
+
+log = logging.getLogger(__name__)
+
+_DEVICE_ID = re.compile(r"^([a-z]+)-(0|[1-9][0-9]*)$")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What one plugin advertises and how it allocates; replaced as a whole on reload."""
+
+    resource: str
+    socket: str
+    slots: int
+    # "cdi", "device-spec" or "both" (see config.ALLOCATION_MODES).
+    allocation: str
+
+
+def device_ids(hypervisor: str, slots: int) -> list[str]:
+    return [f"{hypervisor}-{i}" for i in range(slots)]
+
+
+class DevicePluginServicer:
+    def __init__(self, profile: Profile, state: HealthState, checker: Checker,
+                 on_streams_changed: Optional[Callable[[int], None]] = None,
+                 on_allocate: Optional[Callable[[str], None]] = None) -> None:
+        self.profile = profile
+        self._state = state
+        self._checker = checker
+        self._on_streams_changed = on_streams_changed
+        self._on_allocate = on_allocate  # outcome ("ok", "invalid", "unavailable") for metrics
+        self.streams = 0
+        # The last response built, reused by every stream until health or slots change.
+        self._cached: Optional[tuple[Observation, int, pb.ListAndWatchResponse]] = None
+
+    def list_response(self, observation: Observation) -> pb.ListAndWatchResponse:
+        slots = self.profile.slots
+        if self._cached and self._cached[0] == observation and self._cached[1] == slots:
+            return self._cached[2]
+        health = contracts.HEALTHY if observation.healthy else contracts.UNHEALTHY
+        ids = device_ids(observation.hypervisor, slots) if observation.hypervisor else []
+        response = pb.ListAndWatchResponse(devices=[pb.Device(ID=i, health=health) for i in ids])
+        self._cached = (observation, slots, response)
+        return response
+
+    # --- RPCs -------------------------------------------------------------------------------
+
+    async def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=False)
+
+    async def ListAndWatch(self, request: pb.Empty, context: Any) -> AsyncIterator[pb.ListAndWatchResponse]:
+        self._streams_changed(+1)
+        try:
+            # The first list goes out only after the first check has completed.
+            await self._state.wait_newer(0)
+            last_sent: Optional[pb.ListAndWatchResponse] = None
+            while True:
+                version = self._state.version
+                response = self.list_response(self._state.current)
+                if response is not last_sent:
+                    yield response
+                    last_sent = response
+                await self._state.wait_newer(version)
+        finally:
+            self._streams_changed(-1)
+
+    async def GetPreferredAllocation(self, request: pb.PreferredAllocationRequest,
+                                     context: Any) -> pb.PreferredAllocationResponse:
+        # Slots are interchangeable: honour must-include IDs, then take the first available.
+        responses = []
+        for req in request.container_requests:
+            chosen = list(req.must_include_deviceIDs)
+            for device_id in req.available_deviceIDs:
+                if len(chosen) >= req.allocation_size:
+                    break
+                if device_id not in chosen:
+                    chosen.append(device_id)
+            responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen[: max(req.allocation_size, len(req.must_include_deviceIDs))]))
+        return pb.PreferredAllocationResponse(container_responses=responses)
+
+    async def PreStartContainer(self, request: pb.PreStartContainerRequest,
+                                context: Any) -> pb.PreStartContainerResponse:
+        return pb.PreStartContainerResponse()
+
+    async def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
+        if not request.container_requests:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", "no container requests")
+        # Answer from a check that completes after this request arrived, never from a cached
+        # result; the kubelet sets no deadline, but honour one if a caller does.
+        try:
+            observation = await self._checker.check(timeout=context.time_remaining())
+        except asyncio.TimeoutError:
+            await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline",
+                               "deadline passed while waiting for the device check")
+        if observation.hypervisor is None or not observation.healthy:
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "unavailable",
+                               f"{self.profile.resource} is unhealthy: {observation.reason}")
+        hypervisor = hypervisors.BY_NAME[str(observation.hypervisor)]
+        responses = []
+        for n, req in enumerate(request.container_requests):
+            if not req.devices_ids:
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid",
+                                   f"container request {n} names no device IDs")
+            for device_id in req.devices_ids:
+                problem = self._id_problem(device_id, hypervisor.name)
+                if problem:
+                    await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", problem)
+            responses.append(self._container_response(hypervisor))
+        if self._on_allocate:
+            self._on_allocate("ok")
+        return pb.AllocateResponse(container_responses=responses)
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _id_problem(self, device_id: str, hypervisor: str) -> Optional[str]:
+        match = _DEVICE_ID.match(device_id)
+        if not match:
+            return f"malformed device ID {device_id!r}"
+        if match.group(1) != hypervisor or int(match.group(2)) >= self.profile.slots:
+            return f"unknown device ID {device_id!r}"
+        return None
+
+    def _container_response(self, hypervisor: hypervisors.Hypervisor) -> pb.ContainerAllocateResponse:
+        response = pb.ContainerAllocateResponse()
+        if self.profile.allocation in ("cdi", "both"):
+            response.cdi_devices.append(pb.CDIDevice(name=cdi.device_name(hypervisor.name)))
+        if self.profile.allocation in ("device-spec", "both"):
+            response.devices.append(pb.DeviceSpec(
+                container_path=hypervisor.container_path,
+                host_path=hypervisor.container_path,
+                permissions="rw",
+            ))
+        return response
+
+    async def _refuse(self, context: Any, code: grpc.StatusCode, outcome: str, message: str) -> None:
+        if self._on_allocate:
+            self._on_allocate(outcome)
+        log.info("Allocate refused: %s", message)
+        await context.abort(code, message)
+
+    def _streams_changed(self, delta: int) -> None:
+        self.streams += delta
+        if self._on_streams_changed:
+            self._on_streams_changed(self.streams)
