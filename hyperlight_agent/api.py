@@ -30,11 +30,11 @@ REGISTRATION_METHODS: dict[str, tuple[Any, Any, bool]] = {
 
 
 def generic_handler(service: str, methods: dict[str, tuple[Any, Any, bool]],
-                    implementation: object) -> grpc.GenericRpcHandler:
+                    implementation: object) -> grpc.GenericRpcHandler[Any, Any]:
     """A handler serving `service` with implementation's methods of the same names."""
     handlers = {}
     for name, (request, response, streaming) in methods.items():
-        make: Callable[..., grpc.RpcMethodHandler] = (
+        make: Callable[..., grpc.RpcMethodHandler[Any, Any]] = (
             grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
         )
         handlers[name] = make(
@@ -45,11 +45,11 @@ def generic_handler(service: str, methods: dict[str, tuple[Any, Any, bool]],
     return grpc.method_handlers_generic_handler(service, handlers)
 
 
-def device_plugin_handler(servicer: object) -> grpc.GenericRpcHandler:
+def device_plugin_handler(servicer: object) -> grpc.GenericRpcHandler[Any, Any]:
     return generic_handler(DEVICE_PLUGIN_SERVICE, DEVICE_PLUGIN_METHODS, servicer)
 
 
-def registration_handler(servicer: object) -> grpc.GenericRpcHandler:
+def registration_handler(servicer: object) -> grpc.GenericRpcHandler[Any, Any]:
     return generic_handler(REGISTRATION_SERVICE, REGISTRATION_METHODS, servicer)
 
 

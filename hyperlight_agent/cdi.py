@@ -7,6 +7,7 @@ and fsyncs the directory, so a reader sees the complete old file or the complete
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -112,7 +113,7 @@ def _read_owned(path: str) -> Optional[bytes]:
             raise CdiError(f"{path} is a directory; refusing to replace it")
         if not stat.S_ISREG(st.st_mode):
             raise CdiError(f"{path} is not a regular file; refusing to replace it")
-        chunks = []
+        chunks: list[bytes] = []
         while True:
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -173,7 +174,5 @@ def _remove_leftover_temps(cdi_dir: str) -> None:
 
 
 def _unlink_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass

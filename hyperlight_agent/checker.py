@@ -9,6 +9,7 @@ observation it will publish, untouched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import stat
@@ -67,10 +68,8 @@ class Checker:
         self._again = False
         if self._running is not None:
             self._running.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._running
-            except asyncio.CancelledError:
-                pass
 
     def _start(self) -> asyncio.Task[Observation]:
         self._again = False

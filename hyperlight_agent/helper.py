@@ -10,6 +10,7 @@ which fail fast with "previous probe has not exited" instead of accumulating pro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -109,10 +110,8 @@ class ProbeHelper:
             proc = self._proc
             if proc is not None and proc.returncode is None and proc.stdin is not None:
                 proc.stdin.close()
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(proc.wait(), 0.5)
-                except asyncio.TimeoutError:
-                    pass
             self._abandon()
             await self._reap(self.deadline)
 
@@ -133,10 +132,8 @@ class ProbeHelper:
         if proc is None:
             return
         if proc.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 self._kill(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self._dying = proc
         self._reaper = asyncio.ensure_future(proc.wait())
 

@@ -12,11 +12,12 @@ socket removals and stale events cannot cause a spurious restart.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
 import stat
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import grpc
 
@@ -46,9 +47,9 @@ class Backoff:
         self.attempt = 0
 
     def next(self) -> float:
-        base = min(self._cap, self._initial * (2 ** self.attempt))
+        base: float = min(self._cap, self._initial * (2.0 ** self.attempt))
         self.attempt += 1
-        return base * (0.5 + 0.5 * self._rand())
+        return base * (0.5 + 0.5 * float(self._rand()))
 
     def reset(self) -> None:
         self.attempt = 0
@@ -67,7 +68,7 @@ class Registrar:
     """Keeps one plugin server (a grpc.aio server with our handlers) registered with the kubelet."""
 
     def __init__(self, kubelet_dir: str, socket_name: str, resource: str,
-                 handlers: list[grpc.GenericRpcHandler],
+                 handlers: list[grpc.GenericRpcHandler[Any, Any]],
                  on_change: Optional[Callable[[], None]] = None,
                  register_timeout: float = REGISTER_TIMEOUT_S,
                  backoff: Optional[Backoff] = None) -> None:
@@ -100,8 +101,8 @@ class Registrar:
     async def run(self) -> None:
         """Forever: serve and stay registered. Cancel to stop; then call stop()."""
         while True:
-            await self._serve()
             try:
+                await self._serve()
                 await self._register()
             except RegistrationError as exc:
                 self.last_error = str(exc)
@@ -140,8 +141,14 @@ class Registrar:
     async def _serve(self) -> None:
         server = grpc.aio.server()
         server.add_generic_rpc_handlers(self._handlers)
-        if server.add_insecure_port(api.unix_target(self.socket_path)) == 0:
-            raise OSError(f"cannot listen on {self.socket_path}")
+        try:
+            # Fails while the directory does not exist yet (kubelet not installed or started).
+            port = server.add_insecure_port(api.unix_target(self.socket_path))
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            await server.stop(0)
+            raise RegistrationError(f"cannot listen on {self.socket_path}")
         await server.start()
         self._server = server
         self._served = _identity(self.socket_path)
@@ -187,10 +194,8 @@ class Registrar:
                 return
             if _identity(self.kubelet_socket) not in (None, self._kubelet_seen):
                 return
-            try:
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), VERIFY_INTERVAL_S)
-            except asyncio.TimeoutError:
-                pass
 
     def _notify(self) -> None:
         if self._on_change:

@@ -89,12 +89,9 @@ class DevicePluginServicer:
         responses = []
         for req in request.container_requests:
             chosen = list(req.must_include_deviceIDs)
-            for device_id in req.available_deviceIDs:
-                if len(chosen) >= req.allocation_size:
-                    break
-                if device_id not in chosen:
-                    chosen.append(device_id)
-            responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen[: max(req.allocation_size, len(req.must_include_deviceIDs))]))
+            room = max(0, req.allocation_size - len(chosen))
+            chosen += [d for d in req.available_deviceIDs if d not in chosen][:room]
+            responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return pb.PreferredAllocationResponse(container_responses=responses)
 
     async def PreStartContainer(self, request: pb.PreStartContainerRequest,

@@ -13,6 +13,7 @@ It can also hang Register (until released) or reject it, to exercise the plugin'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import threading
@@ -133,7 +134,7 @@ class KubeletStandin:
             options = await api.device_plugin_stub(channel).GetDevicePluginOptions(
                 pb.Empty(), timeout=contracts.KUBELET_DIAL_TIMEOUT_S)
         except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
-            await channel.close()
+            await channel.close(None)
             await context.abort(grpc.StatusCode.UNKNOWN, f"cannot reach plugin endpoint: {exc}")
         old = self.plugins.get(request.resource_name)
         if old is not None:
@@ -162,7 +163,7 @@ class KubeletStandin:
             plugin.stream_task.cancel()
             await asyncio.gather(plugin.stream_task, return_exceptions=True)
         if plugin.channel is not None:
-            await plugin.channel.close()
+            await plugin.channel.close(None)
 
     # --- calls the kubelet makes later ----------------------------------------------------
 
@@ -227,10 +228,8 @@ class StandinThread:
                 remaining = deadline - self.loop.time()
                 if remaining <= 0:
                     raise TimeoutError(f"kubelet stand-in: timed out after {timeout} s waiting for {what}")
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(event.wait(), remaining)
-                except asyncio.TimeoutError:
-                    pass
 
         return self.call(wait(), timeout=timeout + 5)
 

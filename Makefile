@@ -1,0 +1,49 @@
+# Every target sets itself up: a fresh Debian 12 with root and package registries is enough.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Debian packages the tests drive for real: protoc (generated-code check), podman + runc (a real
+# CDI consumer), debootstrap + systemd-container (systemd as PID 1), python3-venv (fresh hosts).
+APT_PACKAGES := python3-venv protobuf-compiler podman runc
+
+.PHONY: run test lint typecheck bench proto system-deps clean
+
+run: $(VENV)/.installed
+	$(PY) -m hyperlight_agent.demo
+
+test: $(VENV)/.installed system-deps
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy hyperlight_agent tests bench
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+typecheck: $(VENV)/.installed
+	$(VENV)/bin/mypy hyperlight_agent tests bench
+
+bench: $(VENV)/.installed
+	$(PY) -m bench
+
+# Regenerate the committed message code with Debian 12's protoc (3.21): code from a newer protoc
+# would not import under Debian's python3-protobuf 3.21.
+proto: system-deps
+	protoc -I proto --python_out=hyperlight_agent --pyi_out=hyperlight_agent proto/deviceplugin.proto
+
+$(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -m venv --help >/dev/null 2>&1 && $(PYTHON) -c 'import ensurepip' 2>/dev/null \
+	  || $(MAKE) --no-print-directory system-deps
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+system-deps:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:" $$missing; \
+	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; \
+	fi
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,147 @@
+"""Shared fixtures: short temp dirs, the kubelet stand-in, a real agent process, and guards
+that the host's /dev/kvm and process table are left exactly as found."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+import pytest
+
+from hyperlight_agent.standin import StandinThread
+
+HOST_KVM = "/dev/kvm"
+HELPER_MARK = "from hyperlight_agent.probe import serve"
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 10, what: str = "condition",
+             interval: float = 0.005) -> Any:
+    """Poll condition() until truthy or the deadline passes; returns its value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def helper_pids() -> list[int]:
+    """Probe helpers alive anywhere on this machine (tests run one agent at a time)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            if HELPER_MARK in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+def _kvm_metadata() -> Optional[tuple[int, int, int, int]]:
+    try:
+        st = os.stat(HOST_KVM)
+    except OSError:
+        return None
+    return (st.st_uid, st.st_gid, st.st_mode, st.st_rdev)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def host_kvm_untouched() -> Iterator[None]:
+    """The whole suite must leave the real /dev/kvm's owner, mode and device number alone."""
+    before = _kvm_metadata()
+    yield
+    assert _kvm_metadata() == before, f"{HOST_KVM} metadata changed during the test suite"
+
+
+@pytest.fixture
+def tmp() -> Iterator[str]:
+    """A short temp dir: unix socket paths must stay under 108 bytes."""
+    path = tempfile.mkdtemp(prefix="hl-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def kubelet(tmp: str) -> Iterator[StandinThread]:
+    with StandinThread(os.path.join(tmp, "kubelet")) as standin:
+        yield standin
+
+
+def make_node(path: str, major: int, minor: int) -> str:
+    os.mknod(path, 0o600 | 0o020000, os.makedev(major, minor))
+    return path
+
+
+@pytest.fixture
+def kvm_dir(tmp: str) -> str:
+    """A device dir holding a node with the real KVM's numbers (10:232): probes really work."""
+    path = os.path.join(tmp, "dev")
+    os.mkdir(path)
+    make_node(os.path.join(path, "kvm"), 10, 232)
+    return path
+
+
+class AgentProcess:
+    """The real agent as a child process, with its stderr kept for assertions."""
+
+    def __init__(self, tmp: str, *args: str, env: Optional[dict[str, str]] = None) -> None:
+        self.log_path = os.path.join(tmp, f"agent-{time.monotonic_ns()}.log")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith(("HYPERLIGHT_", "DEVICE_"))}
+        full_env.pop("HOST_DEVICE_DIR", None)
+        full_env.pop("NOTIFY_SOCKET", None)
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+
+    @property
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+StartAgent = Callable[..., AgentProcess]
+
+
+@pytest.fixture
+def start_agent(tmp: str) -> Iterator[StartAgent]:
+    """start_agent(*flags, env={...}): runs the agent with temp kubelet and CDI dirs by default."""
+    agents: list[AgentProcess] = []
+
+    def start(*args: str, env: Optional[dict[str, str]] = None, defaults: bool = True) -> AgentProcess:
+        base = ["--kubelet-dir", os.path.join(tmp, "kubelet"), "--cdi-dir", os.path.join(tmp, "cdi")]
+        agent = AgentProcess(tmp, *(base if defaults else []), *args, env=env)
+        agents.append(agent)
+        return agent
+
+    yield start
+    for agent in agents:
+        agent.kill()
+    wait_for(lambda: not helper_pids(), 5, "probe helpers to exit after the agent")

@@ -1,0 +1,298 @@
+"""The real agent process against the kubelet stand-in: registration, restarts, streams,
+allocation, live health and shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+from hyperlight_agent import api, cdi, contracts
+from hyperlight_agent import deviceplugin_pb2 as pb
+from hyperlight_agent.standin import KubeletStandin, Plugin, StandinThread
+from tests.conftest import StartAgent, helper_pids, make_node, wait_for
+
+R = contracts.RESOURCE_HYPERVISOR
+
+
+def plugin(k: KubeletStandin) -> Plugin | None:
+    return k.plugins.get(R)
+
+
+def listed(k: KubeletStandin) -> list[tuple[str, str]]:
+    p = plugin(k)
+    return p.devices if p and p.stream_open else []
+
+
+def healthy_slots(k: KubeletStandin) -> int:
+    p = plugin(k)
+    return p.healthy if p else 0
+
+
+def test_serves_before_registering_and_advertises_device_count(kubelet: StandinThread, start_agent: StartAgent) -> None:
+    agent = start_agent("--device-count", "7")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 7, 15, "7 healthy slots")
+    # The stand-in dials back inside Register; success proves the agent served first.
+    (_t, request), = kubelet.kubelet.register_calls
+    assert (request.version, request.endpoint, request.resource_name) == ("v1beta1", "hyperlight.sock", R)
+    assert not request.options.pre_start_required
+    assert not request.options.get_preferred_allocation_available
+    assert [d for d, _ in listed(kubelet.kubelet)] == [f"kvm-{i}" for i in range(7)]
+    assert agent.stop() == 0
+
+
+def test_default_device_count_is_2000(kubelet: StandinThread, start_agent: StartAgent) -> None:
+    start_agent()
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2000, 15, "2000 healthy slots")
+
+
+def test_allocate_returns_cdi_device_per_container(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
+    start_agent("--device-count", "4")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 4, 15)
+    response = kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"], ["kvm-1", "kvm-2"]))
+    assert len(response.container_responses) == 2
+    for c in response.container_responses:
+        assert [d.name for d in c.cdi_devices] == ["hyperlight.dev/hypervisor=kvm"]
+        assert list(c.devices) == []
+    with open(cdi.spec_path(os.path.join(tmp, "cdi")), "rb") as f:
+        assert f.read() == cdi.render("kvm", "/dev/kvm", 65534, 65534)
+
+
+@pytest.mark.parametrize(("mode", "cdi_devices", "specs"), [("device-spec", 0, 1), ("both", 1, 1)])
+def test_allocation_setting_offers_a_device_spec(kubelet: StandinThread, start_agent: StartAgent,
+                                                 mode: str, cdi_devices: int, specs: int) -> None:
+    start_agent("--device-count", "2", env={"HYPERLIGHT_ALLOCATION": mode})
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    (c,) = kubelet.call(kubelet.kubelet.allocate(R, ["kvm-1"])).container_responses
+    assert len(c.cdi_devices) == cdi_devices
+    specs_seen = [(d.container_path, d.host_path, d.permissions) for d in c.devices]
+    assert specs_seen == [("/dev/kvm", "/dev/kvm", "rw")] * specs
+
+
+@pytest.mark.parametrize(("ids", "message"), [
+    (["kvm-2"], "unknown device ID 'kvm-2'"),
+    (["mshv-0"], "unknown device ID 'mshv-0'"),
+    (["kvm-01"], "malformed device ID 'kvm-01'"),
+    (["gpu"], "malformed device ID 'gpu'"),
+    ([], "names no device IDs"),
+])
+def test_allocate_rejects_unknown_ids(kubelet: StandinThread, start_agent: StartAgent, ids: list[str],
+                                      message: str) -> None:
+    start_agent("--device-count", "2")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"], ids))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in str(info.value.details())
+
+
+def test_plugin_options_preferred_allocation_and_prestart(kubelet: StandinThread, start_agent: StartAgent,
+                                                         tmp: str) -> None:
+    start_agent("--device-count", "3")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
+
+    async def calls() -> tuple[pb.DevicePluginOptions, pb.PreferredAllocationResponse, pb.PreStartContainerResponse]:
+        async with grpc.aio.insecure_channel(api.unix_target(os.path.join(tmp, "kubelet", "hyperlight.sock"))) as ch:
+            stub = api.device_plugin_stub(ch)
+            options = await stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
+            preferred = await stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
+                pb.ContainerPreferredAllocationRequest(available_deviceIDs=["kvm-0", "kvm-1", "kvm-2"],
+                                                       must_include_deviceIDs=["kvm-2"], allocation_size=2)]),
+                timeout=5)
+            prestart = await stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=["kvm-0"]), timeout=5)
+            return options, preferred, prestart
+
+    options, preferred, prestart = kubelet.call(calls())
+    assert not options.pre_start_required and not options.get_preferred_allocation_available
+    assert list(preferred.container_responses[0].deviceIDs) == ["kvm-2", "kvm-0"]
+    assert prestart == pb.PreStartContainerResponse()
+
+
+def test_reregisters_after_kubelet_restart(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
+    start_agent("--device-count", "3")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
+    other = os.path.join(tmp, "kubelet", "other-plugin.sock")
+    delays = []
+    for _ in range(3):
+        kubelet.call(kubelet.kubelet.restart())
+        kubelet.wait_until(lambda k: healthy_slots(k) == 3, 5, "healthy slots after restart")
+        k = kubelet.kubelet
+        delays.append(k.register_calls[-1][0] - k.started_at)
+    print(f"new kubelet.sock → Register: {', '.join(f'{d * 1000:.0f} ms' for d in delays)}")
+    assert max(delays) < 0.5
+    assert os.path.exists(kubelet.kubelet.checkpoint)
+    assert not os.path.exists(other)
+
+
+def test_reregisters_when_only_our_socket_is_deleted(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
+    start_agent("--device-count", "3")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
+    os.unlink(os.path.join(tmp, "kubelet", "hyperlight.sock"))
+    kubelet.wait_until(lambda k: len(k.register_calls) == 2 and healthy_slots(k) == 3, 5)
+
+
+def test_never_touches_other_files_in_kubelet_dir(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
+    kdir = os.path.join(tmp, "kubelet")
+    other = os.path.join(kdir, "someone-else.sock")
+    with open(other, "w") as f:
+        f.write("x")
+    agent = start_agent("--device-count", "1")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    assert agent.stop() == 0
+    assert sorted(os.listdir(kdir)) == sorted([contracts.KUBELET_SOCKET, contracts.KUBELET_CHECKPOINT,
+                                               "someone-else.sock"])
+
+
+def test_hung_register_is_bounded_and_retried(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
+    kubelet.run(lambda k: setattr(k, "mode", "hang"))
+    agent = start_agent("--device-count", "2")
+    kubelet.wait_until(lambda k: len(k.register_calls) >= 1, 15)
+    # The agent gives up after its 5 s deadline, stops serving, and retries with backoff.
+    wait_for(lambda: "DEADLINE_EXCEEDED" in agent.log, 10, "the Register deadline")
+    wait_for(lambda: not os.path.exists(os.path.join(tmp, "kubelet", "hyperlight.sock")), 5,
+             "the socket to be removed after a failed registration")
+    kubelet.run(lambda k: setattr(k, "mode", "normal"))
+    kubelet.run(lambda k: k.release())
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 20, "registration after the kubelet recovers")
+    assert len(kubelet.kubelet.register_calls) >= 2
+
+
+def test_rejected_register_backs_off_without_spinning(kubelet: StandinThread, start_agent: StartAgent) -> None:
+    kubelet.run(lambda k: setattr(k, "mode", "reject"))
+    agent = start_agent("--device-count", "2")
+    kubelet.wait_until(lambda k: len(k.register_calls) >= 3, 15, "three attempts")
+    calls = [t for t, _ in kubelet.kubelet.register_calls]
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    assert all(g >= 0.2 for g in gaps), f"retries too fast: {gaps}"
+    assert gaps[1] > gaps[0] * 0.9 or gaps[1] >= 0.5, f"no backoff growth: {gaps}"
+    assert "retrying in" in agent.log
+    kubelet.run(lambda k: setattr(k, "mode", "normal"))
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+
+
+def test_no_kubelet_yet_then_kubelet_appears(tmp: str, start_agent: StartAgent) -> None:
+    kdir = os.path.join(tmp, "kubelet")
+    agent = start_agent("--device-count", "2")
+    wait_for(lambda: "cannot listen on" in agent.log, 10)
+    with StandinThread(kdir) as kubelet:
+        kubelet.wait_until(lambda k: healthy_slots(k) == 2, 5, "registration once kubelet.sock appears")
+        assert agent.stop() == 0
+
+
+def test_every_open_stream_gets_each_health_change(kubelet: StandinThread, start_agent: StartAgent, tmp: str,
+                                                  kvm_dir: str) -> None:
+    start_agent("--device-count", "3", "--device-dir", kvm_dir)
+    kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
+    sock = os.path.join(tmp, "kubelet", "hyperlight.sock")
+    seen: list[list[list[tuple[str, str]]]] = [[] for _ in range(5)]
+
+    async def watch(i: int) -> None:
+        async with grpc.aio.insecure_channel(api.unix_target(sock)) as ch:
+            async for response in api.device_plugin_stub(ch).ListAndWatch(pb.Empty()):
+                seen[i].append([(d.ID, d.health) for d in response.devices])
+
+    import asyncio
+    tasks = [asyncio.run_coroutine_threadsafe(watch(i), kubelet.loop) for i in range(5)]
+    try:
+        wait_for(lambda: all(s for s in seen), 10, "first lists on all streams")
+        node = os.path.join(kvm_dir, "kvm")
+        os.unlink(node)
+        make_node(node, 1, 3)  # an unusable device: inotify triggers a check at once
+        wait_for(lambda: all(s[-1] and s[-1][0][1] == "Unhealthy" for s in seen), 10, "Unhealthy everywhere")
+        kubelet.wait_until(lambda k: healthy_slots(k) == 0, 5)
+        assert all(len(s[-1]) == 3 and {h for _, h in s[-1]} == {"Unhealthy"} for s in seen)
+        os.unlink(node)
+        make_node(node, 10, 232)
+        wait_for(lambda: all(s[-1][0][1] == "Healthy" for s in seen), 10, "recovery everywhere")
+        kubelet.wait_until(lambda k: healthy_slots(k) == 3, 5)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def test_allocate_on_unhealthy_device_is_unavailable_with_reason(kubelet: StandinThread, start_agent: StartAgent,
+                                                                 kvm_dir: str) -> None:
+    start_agent("--device-count", "2", "--device-dir", kvm_dir)
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    node = os.path.join(kvm_dir, "kvm")
+    os.unlink(node)
+    make_node(node, 1, 3)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"]))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "KVM_GET_API_VERSION failed" in str(info.value.details())
+    os.unlink(node)
+    make_node(node, 10, 232)
+    assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"])).container_responses
+
+
+def test_no_device_advertises_nothing_then_notices_one(kubelet: StandinThread, start_agent: StartAgent,
+                                                       tmp: str) -> None:
+    device_dir = os.path.join(tmp, "dev")
+    os.mkdir(device_dir)
+    agent = start_agent("--device-count", "2", "--device-dir", device_dir)
+    kubelet.wait_until(lambda k: plugin(k) and plugin(k).lists, 15, "the first (empty) list")  # type: ignore[union-attr]
+    assert listed(kubelet.kubelet) == []
+    wait_for(lambda: "no hypervisor device in" in agent.log, 5)
+    make_node(os.path.join(device_dir, "kvm"), 10, 232)
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 5, "slots once the device appears")
+    os.unlink(os.path.join(device_dir, "kvm"))
+    kubelet.wait_until(lambda k: plugin(k) and plugin(k).lists[-1][1] == [], 5, "capacity withdrawn")  # type: ignore[union-attr]
+
+
+def test_host_identity_loss_makes_slots_unhealthy(kubelet: StandinThread, start_agent: StartAgent, tmp: str,
+                                                  kvm_dir: str) -> None:
+    host = os.path.join(tmp, "host-dev")
+    os.mkdir(host)
+    make_node(os.path.join(host, "kvm"), 10, 232)
+    start_agent("--device-count", "2", "--device-dir", kvm_dir, env={"HOST_DEVICE_DIR": host})
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    os.unlink(os.path.join(host, "kvm"))
+    kubelet.wait_until(lambda k: healthy_slots(k) == 0 and listed(k), 5, "unhealthy after host node removal")
+    make_node(os.path.join(host, "kvm"), 10, 200)
+    with pytest.raises(grpc.aio.AioRpcError, match="differs from the host's 10:200"):
+        kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"]))
+    os.unlink(os.path.join(host, "kvm"))
+    make_node(os.path.join(host, "kvm"), 10, 232)
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 5, "recovery")
+
+
+def test_cdi_drift_is_repaired_on_change(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
+    start_agent("--device-count", "1")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    path = cdi.spec_path(os.path.join(tmp, "cdi"))
+    wanted = cdi.render("kvm", "/dev/kvm", 65534, 65534)
+    for damage in ("delete", "corrupt"):
+        if damage == "delete":
+            os.unlink(path)
+        else:
+            with open(path, "wb") as f:
+                f.write(b"{broken")
+        started = time.monotonic()
+        wait_for(lambda: read(path) == wanted, 2, f"repair after {damage}")
+        print(f"repair after {damage}: {(time.monotonic() - started) * 1000:.1f} ms")
+
+
+def read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_cleanly(kubelet: StandinThread, start_agent: StartAgent, tmp: str, sig: int) -> None:
+    agent = start_agent("--device-count", "1")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    assert helper_pids()
+    started = time.monotonic()
+    assert agent.stop(sig) == 0
+    assert time.monotonic() - started < 5
+    assert not os.path.exists(os.path.join(tmp, "kubelet", "hyperlight.sock"))
+    assert os.path.exists(cdi.spec_path(os.path.join(tmp, "cdi"))), "the spec stays for restarts"
+    assert helper_pids() == []
+    kubelet.wait_until(lambda k: not plugin(k).stream_open, 5)  # type: ignore[union-attr]

@@ -1,0 +1,160 @@
+"""Shared health: single-flight checks, callers that give up, broadcast and recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+from hyperlight_agent import cdi
+from hyperlight_agent.checker import Checker, CheckTarget
+from hyperlight_agent.health import HealthState, Observation
+from hyperlight_agent.helper import ProbeHelper
+from tests.conftest import helper_pids, make_node
+
+
+def target(tmp: str, device_dir: str, **kw: object) -> CheckTarget:
+    return CheckTarget(device_dir=device_dir, host_device_dir=None,
+                       cdi_dir=os.path.join(tmp, "cdi"), uid=65534, gid=65534, **kw)  # type: ignore[arg-type]
+
+
+def test_initial_state_is_unhealthy_until_a_check_completes() -> None:
+    async def run() -> None:
+        state = HealthState()
+        assert state.version == 0 and not state.current.healthy
+        waiter = asyncio.ensure_future(state.wait_newer(0))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        state.publish(Observation(True, "", "kvm"))
+        assert (await waiter).healthy
+
+    asyncio.run(run())
+
+
+def test_publish_wakes_all_waiters_once_per_change() -> None:
+    async def run() -> None:
+        state = HealthState()
+        state.publish(Observation(True, "", "kvm"))
+        waiters = [asyncio.ensure_future(state.wait_newer(state.version)) for _ in range(50)]
+        assert not state.publish(Observation(True, "", "kvm"))  # same observation: no wake-up
+        await asyncio.sleep(0)
+        assert not any(w.done() for w in waiters)
+        assert state.publish(Observation(False, "gone", "kvm"))
+        results = await asyncio.gather(*waiters)
+        assert all(r.reason == "gone" for r in results)
+
+    asyncio.run(run())
+
+
+def test_burst_of_500_checks_runs_a_handful_of_probes(tmp: str, kvm_dir: str) -> None:
+    async def run() -> None:
+        helper = ProbeHelper()
+        checker = Checker(target(tmp, kvm_dir), helper, HealthState())
+        alive: set[int] = set()
+
+        async def one() -> Observation:
+            alive.update(helper_pids())
+            return await checker.check()
+
+        results = await asyncio.gather(*(one() for _ in range(500)))
+        assert all(r.healthy for r in results)
+        assert checker.completed <= 5, f"{checker.completed} checks for one burst"
+        assert helper.started == 1 and len(alive) <= 1
+        await helper.close()
+
+    asyncio.run(run())
+
+
+def test_check_after_arrival_never_a_cached_result(tmp: str, kvm_dir: str) -> None:
+    async def run() -> None:
+        helper = ProbeHelper()
+        checker = Checker(target(tmp, kvm_dir), helper, HealthState())
+        assert (await checker.check()).healthy
+        os.unlink(os.path.join(kvm_dir, "kvm"))
+        after = await checker.check()  # nothing in flight: a new check must run
+        assert not after.healthy and "no hypervisor device" in after.reason
+        await helper.close()
+
+    asyncio.run(run())
+
+
+def test_caller_that_gives_up_does_not_change_shared_health(tmp: str, kvm_dir: str) -> None:
+    marker = os.path.join(tmp, "slow")
+    open(marker, "w").close()
+    slow = [sys.executable, "-I", "-S", "-c",
+            "import os, sys, time, json\n"
+            "for line in sys.stdin:\n"
+            "    while os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+            "    print(json.dumps({'ok': True, 'reason': ''}), flush=True)\n", marker]
+
+    async def run() -> None:
+        state = HealthState()
+        helper = ProbeHelper(argv=slow, deadline=5)
+        checker = Checker(target(tmp, kvm_dir), helper, state)
+        cancelled = asyncio.ensure_future(checker.check())
+        with pytest.raises(asyncio.TimeoutError):
+            await checker.check(timeout=0.05)  # a caller deadline is respected...
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert state.version == 0  # ...and neither caller published anything
+        os.unlink(marker)
+        result = await checker.check()  # the shared check carried on and completed
+        assert result.healthy and state.current.healthy
+        assert helper.started == 1, "a caller giving up must not kill the shared probe"
+        await helper.close()
+
+    asyncio.run(run())
+
+
+def test_recovery_without_restart(tmp: str, kvm_dir: str) -> None:
+    async def run() -> None:
+        state = HealthState()
+        helper = ProbeHelper()
+        checker = Checker(target(tmp, kvm_dir), helper, state)
+        node = os.path.join(kvm_dir, "kvm")
+        assert (await checker.check()).healthy
+        os.unlink(node)
+        make_node(node, 1, 3)  # /dev/null's numbers: an unusable device
+        bad = await checker.check()
+        assert not bad.healthy and "KVM_GET_API_VERSION failed" in bad.reason
+        os.unlink(node)
+        make_node(node, 10, 232)
+        assert (await checker.check()).healthy
+        assert state.version == 3
+        await helper.close()
+
+    asyncio.run(run())
+
+
+def test_cdi_failure_makes_the_device_unhealthy(tmp: str, kvm_dir: str) -> None:
+    async def run() -> None:
+        checker = Checker(target(tmp, kvm_dir), helper := ProbeHelper(), HealthState())
+        os.makedirs(cdi.spec_path(os.path.join(tmp, "cdi")))  # a directory at our path
+        bad = await checker.check()
+        assert not bad.healthy and "is a directory" in bad.reason
+        os.rmdir(cdi.spec_path(os.path.join(tmp, "cdi")))
+        assert (await checker.check()).healthy
+        await helper.close()
+
+    asyncio.run(run())
+
+
+def test_inventory_mode_never_opens_the_device(tmp: str) -> None:
+    """A node whose open would fail (numbers of no existing device) still inventories."""
+    device_dir = os.path.join(tmp, "dev")
+    os.mkdir(device_dir)
+    make_node(os.path.join(device_dir, "kvm"), 250, 250)
+    with pytest.raises(OSError):
+        os.close(os.open(os.path.join(device_dir, "kvm"), os.O_RDWR))
+
+    async def run() -> None:
+        helper = ProbeHelper()
+        checker = Checker(target(tmp, device_dir, inventory_only=True), helper, HealthState())
+        assert (await checker.check()).healthy
+        assert helper.started == 0
+        assert not os.path.exists(os.path.join(tmp, "cdi"))
+        await helper.close()
+
+    asyncio.run(run())

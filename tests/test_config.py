@@ -1,0 +1,114 @@
+"""Settings: precedence, leniency kept for the original's environment variables, and every
+bad-input path exiting 2 with one line that names the setting and the value."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hyperlight_agent import cli, config
+
+
+def load(argv: list[str], env: dict[str, str]) -> config.Settings:
+    return config.load(cli.build_parser().parse_args(argv), env)
+
+
+def write(tmp: str, text: str) -> str:
+    path = os.path.join(tmp, "agent.toml")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def test_defaults_match_the_documented_table(tmp: str) -> None:
+    s = load(["--config", write(tmp, "")], {})
+    assert (s.device_count, s.device_uid, s.device_gid) == (2000, 65534, 65534)
+    assert s.host_device_dir is None
+    assert (s.device_dir, s.cdi_dir) == ("/dev", "/var/run/cdi")
+    assert s.kubelet_dir == "/var/lib/kubelet/device-plugins"
+    assert (s.check_interval_seconds, s.allocation, s.log_level) == (30, "cdi", "info")
+
+
+def test_flag_beats_env_beats_file_beats_default(tmp: str) -> None:
+    path = write(tmp, "device_count = 10\ndevice_uid = 11\ndevice_gid = 12\n")
+    s = load(["--config", path, "--device-count", "30"], {"DEVICE_COUNT": "20", "DEVICE_UID": "21"})
+    assert (s.device_count, s.device_uid, s.device_gid) == (30, 21, 12)
+    assert s.config_file == path
+
+
+def test_config_file_from_environment(tmp: str) -> None:
+    path = write(tmp, 'allocation = "both"\n')
+    assert load([], {"HYPERLIGHT_CONFIG": path}).allocation == "both"
+
+
+def test_missing_default_file_is_fine() -> None:
+    # The default path does not exist on a test machine; the agent still starts on defaults.
+    assert not os.path.exists(config.DEFAULT_CONFIG_FILE)
+    assert load([], {}).config_file is None
+
+
+@pytest.mark.parametrize("variable", ["DEVICE_COUNT", "DEVICE_UID", "DEVICE_GID"])
+@pytest.mark.parametrize("value", ["abc", "-1", "4294967296", "1.5"])
+def test_invalid_original_env_keeps_default_with_warning(variable: str, value: str,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    s = load([], {variable: value})
+    key = variable.lower()
+    assert getattr(s, key) == config.BY_KEY[key].default
+    assert f"{variable}={value!r}" in caplog.text
+
+
+def test_uid_gid_are_unsigned_32_bit() -> None:
+    s = load([], {"DEVICE_UID": "4294967295", "DEVICE_GID": "0"})
+    assert (s.device_uid, s.device_gid) == (2**32 - 1, 0)
+
+
+@pytest.mark.parametrize(("argv", "env", "toml", "expected"), [
+    (["--device-count", "0"], {}, "", "--device-count = '0'"),
+    (["--device-count", "-5"], {}, "", "--device-count = '-5'"),
+    (["--device-count", "100001"], {}, "", "--device-count = '100001'"),
+    (["--device-uid", "x"], {}, "", "--device-uid = 'x'"),
+    (["--allocation", "magic"], {}, "", "--allocation = 'magic'"),
+    (["--check-interval", "0"], {}, "", "--check-interval = '0'"),
+    (["--cdi-dir", "relative/dir"], {}, "", "--cdi-dir = 'relative/dir'"),
+    (["--no-such-flag"], {}, "", "--no-such-flag"),
+    ([], {"HYPERLIGHT_ALLOCATION": "nope"}, "", "HYPERLIGHT_ALLOCATION='nope'"),
+    ([], {"HYPERLIGHT_CHECK_INTERVAL": "soon"}, "", "HYPERLIGHT_CHECK_INTERVAL='soon'"),
+    ([], {"HYPERLIGHT_KUBELET_DIR": "kubelet"}, "", "HYPERLIGHT_KUBELET_DIR='kubelet'"),
+    ([], {}, "device_count = 0\n", "device_count in"),
+    ([], {}, 'device_count = "5"\n', "device_count in"),
+    ([], {}, "device_count = true\n", "device_count in"),
+    ([], {}, "check_interval_seconds = \"30\"\n", "check_interval_seconds in"),
+    ([], {}, "device_cont = 5\n", "unknown setting 'device_cont'"),
+    ([], {}, "device_count = \n", "invalid TOML"),
+])
+def test_bad_input_exits_2_with_one_line(tmp: str, argv: list[str], env: dict[str, str],
+                                         toml: str, expected: str) -> None:
+    cdi_dir = os.path.join(tmp, "cdi")
+    full_env = {**os.environ, **env, "HYPERLIGHT_CDI_DIR": cdi_dir}
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperlight_agent", "--config", write(tmp, toml), *argv],
+        env=full_env, capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("hyperlight-agent: error: ")
+    assert expected in lines[0]
+    assert not os.path.exists(cdi_dir), "nothing may be written before the settings are valid"
+
+
+def test_explicit_missing_config_file_exits_2(tmp: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperlight_agent", "--config", os.path.join(tmp, "nope.toml")],
+        capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert "nope.toml: does not exist" in result.stderr
+
+
+def test_unreadable_config_file_exits_2(tmp: str) -> None:
+    path = os.path.join(tmp, "dir.toml")
+    os.mkdir(path)  # reading a directory fails even as root
+    with pytest.raises(config.ConfigError, match=r"dir\.toml: cannot read"):
+        load(["--config", path], {})
