@@ -1,0 +1,102 @@
+"""A real CDI consumer: podman 4.3 resolves the agent-written spec, creates the node with our
+owner and mode, and a non-root process in the container creates a VM through it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from hyperlight_agent import cdi, contracts
+from hyperlight_agent.standin import StandinThread
+from tests.conftest import StartAgent
+from tests.test_docs import ROOT
+
+pytestmark = pytest.mark.system
+
+CONTAINERS_CONF = """\
+[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=4096:4096"]
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+events_logger = "file"
+"""
+
+
+@pytest.fixture
+def podman(tmp: str) -> Iterator[list[str]]:
+    """podman with private storage under tmp, and a one-binary image holding kvmcheck."""
+    assert shutil.which("podman"), "podman is missing: `make test` installs it"
+    rootfs = os.path.join(tmp, "rootfs")
+    os.makedirs(os.path.join(rootfs, "dev"))
+    subprocess.run(["gcc", "-static", "-O2", "-o", os.path.join(rootfs, "kvmcheck"),
+                    os.path.join(ROOT, "tests", "data", "kvmcheck.c")], check=True, timeout=120)
+    conf = os.path.join(tmp, "containers.conf")
+    with open(conf, "w") as f:
+        f.write(CONTAINERS_CONF)
+    base = ["podman", "--root", os.path.join(tmp, "storage"), "--runroot", os.path.join(tmp, "run"),
+            "--storage-driver", "vfs"]
+    env = {**os.environ, "CONTAINERS_CONF": conf}
+    with subprocess.Popen(["tar", "-C", rootfs, "-cf", "-", "."], stdout=subprocess.PIPE) as tar:
+        subprocess.run([*base, "import", "-", "localhost/kvmcheck:1"], stdin=tar.stdout, check=True,
+                       env=env, timeout=120, capture_output=True)
+    os.environ["CONTAINERS_CONF"] = conf
+    try:
+        yield base
+    finally:
+        os.environ.pop("CONTAINERS_CONF", None)
+        subprocess.run([*base, "rmi", "-a", "-f"], check=False, timeout=120, capture_output=True)
+        subprocess.run(["umount", "-R", os.path.join(tmp, "storage")], check=False, capture_output=True)
+
+
+@pytest.fixture
+def system_cdi_dir() -> Iterator[str]:
+    """/var/run/cdi is where podman 4.3 looks; restore exactly what was there before."""
+    directory = contracts.CDI_DIR
+    created_dir = not os.path.isdir(directory)
+    path = cdi.spec_path(directory)
+    before = None
+    if os.path.lexists(path):
+        with open(path, "rb") as f:
+            before = f.read()
+    others = set(os.listdir(directory)) if not created_dir else set()
+    yield directory
+    if before is None:
+        if os.path.lexists(path):
+            os.unlink(path)
+    else:
+        with open(path, "wb") as f:
+            f.write(before)
+    assert (set(os.listdir(directory)) if os.path.isdir(directory) else set()) - {contracts.CDI_SPEC_FILE} \
+        == others - {contracts.CDI_SPEC_FILE}
+    if created_dir:
+        os.rmdir(directory)
+
+
+def run(podman: list[str], user: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*podman, "run", "--rm", "--user", user, "--device", "hyperlight.dev/hypervisor=kvm",
+                           "localhost/kvmcheck:1", "/kvmcheck"], capture_output=True, text=True, timeout=120,
+                          check=False)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="this machine has no /dev/kvm")
+def test_podman_resolves_our_spec_and_a_non_root_user_creates_a_vm(
+        podman: list[str], system_cdi_dir: str, kubelet: StandinThread, start_agent: StartAgent) -> None:
+    start_agent("--device-count", "2", "--cdi-dir", system_cdi_dir)
+    kubelet.wait_until(lambda k: k.plugins.get(contracts.RESOURCE_HYPERVISOR)
+                       and k.plugins[contracts.RESOURCE_HYPERVISOR].healthy == 2, 15)
+    response = kubelet.call(kubelet.kubelet.allocate(contracts.RESOURCE_HYPERVISOR, ["kvm-0"]))
+    assert response.container_responses[0].cdi_devices[0].name == "hyperlight.dev/hypervisor=kvm"
+
+    ok = run(podman, "65534:65534")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "uid=65534 node=660 owner=65534:65534 env=kvm api=12 vm=created" in ok.stdout
+
+    # Neither the owner nor in the group: the 0660 mode keeps it out.
+    refused = run(podman, "12345:12345")
+    assert refused.returncode == 3, refused.stdout + refused.stderr
+    assert "open: Permission denied" in refused.stdout
