@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 
 import pytest
 
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # stand-in restarts make grpc log GOAWAYs at INFO
+
 from hyperlight_agent.standin import StandinThread
 
 HOST_KVM = "/dev/kvm"
