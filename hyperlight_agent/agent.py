@@ -8,15 +8,20 @@ thread of control means the shared state needs no locks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-from . import api, contracts, hypervisors
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from . import api, config, contracts, hypervisors
 from .checker import Checker, CheckTarget
 from .config import Settings
 from .health import HealthState, Observation
 from .helper import ProbeHelper
+from .notify import Notifier
 from .registration import Registrar
 from .servicer import DevicePluginServicer, Profile
 from .watcher import CONTENT, DirectoryWatcher
@@ -24,6 +29,8 @@ from .watcher import CONTENT, DirectoryWatcher
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 2.0
+# gRPC health service names: "" (overall) is readiness; LIVENESS is SERVING while the server runs.
+LIVENESS = "liveness"
 
 
 def profile_for(settings: Settings, device_access: bool) -> Profile:
@@ -41,11 +48,14 @@ def target_for(settings: Settings, device_access: bool) -> CheckTarget:
 
 class Agent:
     def __init__(self, settings: Settings, device_access: bool = False,
-                 helper_argv: Optional[Sequence[str]] = None) -> None:
+                 helper_argv: Optional[Sequence[str]] = None,
+                 reload: Optional[Callable[[], Settings]] = None) -> None:
         self.settings = settings
         self.device_access = device_access
         self._helper_argv = helper_argv
+        self._reload = reload  # re-reads the settings for SIGHUP; raises config.ConfigError
         self._stop: Optional[asyncio.Event] = None
+        self.notifier = Notifier()
 
     def request_stop(self) -> None:
         if self._stop is not None:
@@ -62,13 +72,18 @@ class Agent:
         self.profile = profile_for(self.settings, self.device_access)
         self.servicer = DevicePluginServicer(self.profile, self.state, self.checker,
                                              on_streams_changed=lambda n: self._status_changed())
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.registrar = Registrar(self.settings.kubelet_dir, self.profile.socket, self.profile.resource,
-                                   [api.device_plugin_handler(self.servicer)],
-                                   on_change=self._status_changed)
+                                   self._configure_server, on_change=self._status_changed)
         self._last_status = ""
-        # Signals, in one place: TERM and INT mean a graceful, bounded stop.
+        self._serving: Optional[bool] = None
+        self._health_update: Optional[asyncio.Future[None]] = None
+        # Signals, in one place:
+        #   SIGTERM, SIGINT  graceful stop within SHUTDOWN_GRACE_S (systemd stop, kubelet pod deletion)
+        #   SIGHUP           re-read the config file and apply it (systemctl reload)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
 
         watcher = self._make_watcher()
         log.info("starting: resource %s, socket %s, %d slot(s), device dir %s",
@@ -76,24 +91,67 @@ class Agent:
                  self.settings.device_dir)
         self._status_changed()
         self.checker.request()
-        tasks = [asyncio.ensure_future(c) for c in
-                 (self.registrar.run(), watcher.run(), self._periodic_checks())]
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(health.OVERALL_HEALTH, health_pb2.HealthCheckResponse.NOT_SERVING)
+        jobs = [self.registrar.run(), watcher.run(), self._periodic_checks()]
+        if self.notifier.watchdog_interval is not None:
+            jobs.append(self._watchdog(self.notifier.watchdog_interval))
+        # These run until cancelled: one that ends early has failed, and stops the agent.
+        tasks = [asyncio.ensure_future(c) for c in jobs]
         try:
             stop_wait = asyncio.ensure_future(self._stop.wait())
             done, _ = await asyncio.wait([stop_wait, *tasks], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                if task is not stop_wait and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+                if task is not stop_wait:
+                    error = task.exception()
+                    raise error or RuntimeError("an agent task ended unexpectedly")
         finally:
             log.info("stopping")
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.wait_for(self._shutdown(), SHUTDOWN_GRACE_S + 3)
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
 
+    def _configure_server(self, server: grpc.aio.Server) -> None:
+        server.add_generic_rpc_handlers([api.device_plugin_handler(self.servicer)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+
+    async def _watchdog(self, interval: float) -> None:
+        """WATCHDOG=1 from the loop that does the work: if the loop wedges, systemd restarts us."""
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    def _on_sighup(self) -> None:
+        self.notifier.reloading()
+        log.info("reloading configuration")
+        try:
+            new = self._reload() if self._reload else self.settings
+        except config.ConfigError as exc:
+            log.error("reload failed, keeping the running configuration: %s", exc)
+            self._last_status = ""
+            self.notifier.status(f"reload failed, kept running configuration: {exc}")
+            self.notifier.reloaded()
+            return
+        fixed = [k for k in ("device_dir", "host_device_dir", "kubelet_dir", "cdi_dir")
+                 if getattr(new, k) != getattr(self.settings, k)]
+        if fixed:
+            log.warning("reload: %s change only on restart; kept", ", ".join(fixed))
+            new = dataclasses.replace(new, **{k: getattr(self.settings, k) for k in fixed})
+        self.settings = new
+        logging.getLogger().setLevel(new.log_level.upper())
+        self.profile = profile_for(new, self.device_access)
+        self.servicer.profile = self.profile
+        self.checker.target = target_for(new, self.device_access)
+        self.state.republish()  # streams resend the list (slot count may have changed)
+        self.checker.request()  # the CDI spec follows new uid/gid at once
+        self._status_changed()
+        self.notifier.reloaded()
+
     async def _shutdown(self) -> None:
+        self.notifier.stopping()
         # Keep the CDI spec: containers created during an agent restart still resolve it.
         await self.registrar.stop(grace=SHUTDOWN_GRACE_S)
         await self.checker.close()
@@ -149,3 +207,11 @@ class Agent:
         if text != self._last_status:
             self._last_status = text
             log.info("status: %s", text)
+            self.notifier.status(text)
+        ready = self.ready
+        if ready:
+            self.notifier.ready()
+        if ready != self._serving:
+            self._serving = ready
+            status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+            self._health_update = asyncio.ensure_future(self.health.set(health.OVERALL_HEALTH, status))

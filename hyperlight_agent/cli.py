@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Mapping, NoReturn, Optional, Sequence
 
-from . import __version__, config
+from . import __version__, config, journal
 
 PROG = "hyperlight-agent"
 DESCRIPTION = (
@@ -40,32 +40,52 @@ def build_parser() -> argparse.ArgumentParser:
         help="bootstrap mode: advertise one hyperlight.dev/device-access slot on "
         "hyperlight-access.sock that grants the raw device (DeviceSpec only; never opens it)",
     )
+    actions = parser.add_mutually_exclusive_group()
+    actions.add_argument(
+        "--health-check", choices=("liveness", "readiness"), default=None,
+        help="exec probe: one gRPC health Check against the running agent's socket (with "
+        "--device-access, that mode's socket); exit 0 if SERVING, else 1, with one line why",
+    )
+    actions.add_argument(
+        "--check", action="store_true",
+        help="one-shot diagnostic: detect, probe, check host identity and the CDI spec without "
+        "changing anything; exit 0 when this node can serve Hyperlight",
+    )
     config.add_arguments(parser)
     return parser
-
-
-def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
 
 
 def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None) -> int:
     environ = os.environ if environ is None else environ
     # Warnings about lenient environment values must be visible before settings are known.
-    setup_logging("info")
+    journal.setup("info", environ)
     try:
         args = build_parser().parse_args(argv)
         settings = config.load(args, environ)
     except config.ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    setup_logging(settings.log_level)
+    if args.health_check:
+        from .probes import health_check
+
+        ok, line = health_check(settings, args.health_check, args.device_access)
+        print(line)
+        return 0 if ok else 1
+    if args.check:
+        from .diagnose import diagnose
+
+        ok, lines = diagnose(settings)
+        print("\n".join(lines))
+        print("this node can serve Hyperlight" if ok else "this node cannot serve Hyperlight")
+        return 0 if ok else 1
+    journal.setup(settings.log_level, environ, {
+        "resource": "hyperlight.dev/device-access" if args.device_access else "hyperlight.dev/hypervisor",
+        "cdi_path": os.path.join(settings.cdi_dir, "hyperlight.json"),
+        "device_dir": settings.device_dir})
     from .agent import Agent  # grpc is imported only for the long-running modes
 
-    agent = Agent(settings, device_access=args.device_access)
+    agent = Agent(settings, device_access=args.device_access,
+                  reload=lambda: config.load(args, environ))
     try:
         asyncio.run(agent.run())
     except Exception as exc:  # the one place a fatal runtime error becomes an exit code

@@ -45,6 +45,13 @@ class HealthState:
         changed.set()
         return True
 
+    def republish(self) -> None:
+        """Wake every waiter with the same observation (what they derive from it changed)."""
+        if self.version > 0:
+            self.version += 1
+            changed, self._changed = self._changed, asyncio.Event()
+            changed.set()
+
     async def wait_newer(self, version: int) -> Observation:
         """Return the current observation once its version is greater than `version`."""
         while self.version <= version:

@@ -17,7 +17,7 @@ import logging
 import os
 import random
 import stat
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import grpc
 
@@ -68,7 +68,7 @@ class Registrar:
     """Keeps one plugin server (a grpc.aio server with our handlers) registered with the kubelet."""
 
     def __init__(self, kubelet_dir: str, socket_name: str, resource: str,
-                 handlers: list[grpc.GenericRpcHandler[Any, Any]],
+                 configure: Callable[[grpc.aio.Server], None],
                  on_change: Optional[Callable[[], None]] = None,
                  register_timeout: float = REGISTER_TIMEOUT_S,
                  backoff: Optional[Backoff] = None) -> None:
@@ -77,7 +77,7 @@ class Registrar:
         self.kubelet_socket = os.path.join(kubelet_dir, contracts.KUBELET_SOCKET)
         self._socket_name = socket_name
         self._resource = resource
-        self._handlers = handlers
+        self._configure = configure  # adds our services to each new server
         self._on_change = on_change  # readiness and status are derived from our state
         self._register_timeout = register_timeout
         self._backoff = backoff or Backoff()
@@ -140,7 +140,7 @@ class Registrar:
 
     async def _serve(self) -> None:
         server = grpc.aio.server()
-        server.add_generic_rpc_handlers(self._handlers)
+        self._configure(server)
         try:
             # Fails while the directory does not exist yet (kubelet not installed or started).
             port = server.add_insecure_port(api.unix_target(self.socket_path))

@@ -1,0 +1,53 @@
+"""systemd readiness protocol (sd_notify) through the sdnotify library.
+
+Without NOTIFY_SOCKET (not under systemd) every call does nothing and nothing fails.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+from . import contracts
+
+
+class Notifier:
+    def __init__(self, environ: Mapping[str, str] = os.environ) -> None:
+        self._notifier = None
+        if environ.get(contracts.NOTIFY_SOCKET_ENV):
+            import sdnotify  # only under systemd
+
+            self._notifier = sdnotify.SystemdNotifier()
+        usec = environ.get(contracts.WATCHDOG_USEC_ENV, "")
+        # systemd asks for pings at least every WATCHDOG_USEC; half of it leaves room for a slow tick.
+        self.watchdog_interval: Optional[float] = (
+            int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 and self._notifier else None)
+        self.ready_sent = False
+        self._status = ""
+
+    def send(self, *lines: str) -> None:
+        if self._notifier is not None:
+            self._notifier.notify("\n".join(lines))
+
+    def status(self, text: str) -> None:
+        if text != self._status:
+            self._status = text
+            self.send(f"STATUS={text}")
+
+    def ready(self) -> None:
+        """READY=1, once: the first time readiness holds (later losses show in STATUS only)."""
+        if not self.ready_sent:
+            self.ready_sent = True
+            self.send("READY=1", f"STATUS={self._status}")
+
+    def watchdog(self) -> None:
+        self.send("WATCHDOG=1")
+
+    def reloading(self) -> None:
+        self.send("RELOADING=1", "STATUS=reloading configuration")
+
+    def reloaded(self) -> None:
+        self.send("READY=1", f"STATUS={self._status}")
+
+    def stopping(self) -> None:
+        self.send("STOPPING=1", "STATUS=stopping")
