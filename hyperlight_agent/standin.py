@@ -67,6 +67,7 @@ class KubeletStandin:
         self.plugins: dict[str, Plugin] = {}
         self.register_calls: list[tuple[float, pb.RegisterRequest]] = []
         self.mode = "normal"  # "normal", "hang" or "reject"
+        self.open_streams = True  # False: register plugins but never call ListAndWatch
         self._release = asyncio.Event()
         self._server: Optional[grpc.aio.Server] = None
         self.changed = asyncio.Event()  # set whenever anything above changes
@@ -140,7 +141,8 @@ class KubeletStandin:
         if old is not None:
             await self._drop(old)
         plugin = Plugin(request.resource_name, request.endpoint, options, time.monotonic(), channel)
-        plugin.stream_task = asyncio.ensure_future(self._watch(plugin))
+        if self.open_streams:
+            plugin.stream_task = asyncio.ensure_future(self._watch(plugin))
         self.plugins[request.resource_name] = plugin
         self._changed()
         return pb.Empty()
@@ -157,6 +159,14 @@ class KubeletStandin:
         finally:
             plugin.stream_open = False
             self._changed()
+
+    async def drop_stream(self, resource: str) -> None:
+        """End a plugin's ListAndWatch stream (as if the kubelet's watcher died)."""
+        plugin = self.plugins[resource]
+        if plugin.stream_task is not None:
+            plugin.stream_task.cancel()
+            await asyncio.gather(plugin.stream_task, return_exceptions=True)
+            plugin.stream_task = None
 
     async def _drop(self, plugin: Plugin) -> None:
         if plugin.stream_task is not None:

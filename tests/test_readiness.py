@@ -1,0 +1,215 @@
+"""Readiness told truthfully: the gRPC health service, the exec probes, sd_notify and --check."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from hyperlight_agent import contracts, journal
+from hyperlight_agent.standin import KubeletStandin, StandinThread
+from tests.conftest import StartAgent, make_node, wait_for
+
+R = contracts.RESOURCE_HYPERVISOR
+
+
+def probe(tmp: str, which: str, *extra: str) -> tuple[int, str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--kubelet-dir",
+         os.path.join(tmp, "kubelet"), f"--health-check={which}", *extra],
+        capture_output=True, text=True, timeout=30, check=False)
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1, result.stdout + result.stderr
+    return result.returncode, lines[0]
+
+
+def slots(k: KubeletStandin) -> int:
+    p = k.plugins.get(R)
+    return p.healthy if p else 0
+
+
+def test_probes_with_no_agent_fail_with_a_reason(tmp: str) -> None:
+    code, line = probe(tmp, "liveness")
+    assert code == 1
+    assert line.startswith("liveness: not serving: no socket at ")
+
+
+def test_probes_in_every_state(kubelet: StandinThread, start_agent: StartAgent, tmp: str, kvm_dir: str) -> None:
+    # Not registered: the kubelet hangs Register, so the agent serves but is not ready.
+    kubelet.run(lambda k: setattr(k, "mode", "hang"))
+    kubelet.run(lambda k: setattr(k, "open_streams", False))
+    start_agent("--device-count", "2", "--device-dir", kvm_dir)
+    kubelet.wait_until(lambda k: k.register_calls, 15)
+    assert probe(tmp, "liveness") == (0, f"liveness: SERVING ({tmp}/kubelet/hyperlight.sock)")
+    code, line = probe(tmp, "readiness")
+    assert (code, line.split(" (")[0]) == (1, "readiness: NOT_SERVING")
+
+    # Registered, but no ListAndWatch stream: still not ready.
+    kubelet.run(lambda k: setattr(k, "mode", "normal"))
+    kubelet.run(lambda k: k.release())
+    kubelet.wait_until(lambda k: k.plugins.get(R), 15, "registration")
+    assert probe(tmp, "readiness")[0] == 1
+
+    # Ready once the kubelet watches.
+    kubelet.run(lambda k: setattr(k, "open_streams", True))
+    kubelet.call(kubelet.kubelet.restart())
+    kubelet.wait_until(lambda k: slots(k) == 2, 15)
+    wait_for(lambda: probe(tmp, "readiness")[0] == 0, 10, "readiness")
+
+    # Unhealthy device: live, not ready.
+    node = os.path.join(kvm_dir, "kvm")
+    os.unlink(node)
+    make_node(node, 1, 3)
+    kubelet.wait_until(lambda k: slots(k) == 0, 10)
+    wait_for(lambda: probe(tmp, "readiness")[0] == 1, 10, "not ready when unhealthy")
+    assert probe(tmp, "liveness")[0] == 0
+    os.unlink(node)
+    make_node(node, 10, 232)
+    wait_for(lambda: probe(tmp, "readiness")[0] == 0, 10, "ready again")
+
+    # The kubelet's stream ends: not ready until a new one opens.
+    kubelet.call(kubelet.kubelet.drop_stream(R))
+    wait_for(lambda: probe(tmp, "readiness")[0] == 1, 10, "not ready without a stream")
+
+
+def test_device_access_probe_uses_its_own_socket(kubelet: StandinThread, start_agent: StartAgent,
+                                                 tmp: str, kvm_dir: str) -> None:
+    start_agent("--device-access", "--device-dir", kvm_dir)
+    kubelet.wait_until(lambda k: k.plugins.get(contracts.RESOURCE_DEVICE_ACCESS) and
+                       k.plugins[contracts.RESOURCE_DEVICE_ACCESS].healthy == 1, 15)
+    wait_for(lambda: probe(tmp, "readiness", "--device-access")[0] == 0, 10)
+    assert "hyperlight-access.sock" in probe(tmp, "liveness", "--device-access")[1]
+    assert probe(tmp, "liveness")[1].startswith("liveness: not serving: no socket")
+
+
+class NotifySocket:
+    """What systemd's end of NOTIFY_SOCKET would receive."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.settimeout(0.05)
+        self.messages: list[tuple[float, str]] = []
+
+    def drain(self) -> list[str]:
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                break
+            self.messages.append((time.monotonic(), data.decode()))
+        return [m for _, m in self.messages]
+
+    def lines(self) -> list[str]:
+        return [line for m in self.drain() for line in m.split("\n")]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def notify_socket(tmp: str) -> Iterator[NotifySocket]:
+    ns = NotifySocket(os.path.join(tmp, "notify"))
+    yield ns
+    ns.close()
+
+
+def test_sd_notify_sequence(tmp: str, start_agent: StartAgent, notify_socket: NotifySocket, kvm_dir: str) -> None:
+    config = os.path.join(tmp, "agent.toml")
+    with open(config, "w") as f:
+        f.write("device_count = 3\n")
+    agent = start_agent("--config", config, "--device-dir", kvm_dir,
+                        env={"NOTIFY_SOCKET": notify_socket.path, "WATCHDOG_USEC": "200000"})
+    wait_for(lambda: any(line.startswith("STATUS=waiting for kubelet at ") for line in notify_socket.lines()), 10)
+    wait_for(lambda: notify_socket.lines().count("WATCHDOG=1") >= 3, 10, "watchdog pings at WATCHDOG_USEC/2")
+    assert "READY=1" not in notify_socket.lines(), "no kubelet yet: not ready"
+
+    with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
+        kubelet.wait_until(lambda k: slots(k) == 3, 15)
+        wait_for(lambda: "READY=1" in notify_socket.lines(), 10, "READY=1")
+        ready_message = next(m for m in notify_socket.drain() if "READY=1" in m)
+        assert "STATUS=ready: kvm, 3 slots, 1 stream" in ready_message
+        assert notify_socket.lines().count("READY=1") == 1
+
+        # SIGHUP applies a changed file between RELOADING=1 and READY=1.
+        with open(config, "w") as f:
+            f.write("device_count = 5\n")
+        agent.proc.send_signal(signal.SIGHUP)
+        kubelet.wait_until(lambda k: slots(k) == 5, 10, "5 slots after reload")
+        lines = notify_socket.lines()
+        assert lines.index("RELOADING=1") < len(lines) - 1 - lines[::-1].index("READY=1")
+
+        # An invalid file is refused: the running settings stay, and STATUS says why.
+        with open(config, "w") as f:
+            f.write("device_count = 0\n")
+        before = len(notify_socket.lines())
+        agent.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: any(line.startswith("STATUS=reload failed") for line in notify_socket.lines()[before:]), 10)
+        assert "device_count in" in agent.log and "reload failed" in agent.log
+        assert slots(kubelet.kubelet) == 5
+        assert agent.stop() == 0
+    assert "STOPPING=1" in notify_socket.lines()
+
+
+def test_without_notify_socket_nothing_is_sent_and_nothing_fails(kubelet: StandinThread,
+                                                                 start_agent: StartAgent) -> None:
+    agent = start_agent("--device-count", "1")
+    kubelet.wait_until(lambda k: slots(k) == 1, 15)
+    assert agent.stop() == 0
+    assert "Error" not in agent.log
+
+
+def test_check_reports_a_usable_node(tmp: str, kvm_dir: str) -> None:
+    cdi_dir = os.path.join(tmp, "cdi")
+    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--check",
+                             "--device-dir", kvm_dir, "--cdi-dir", cdi_dir],
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"ok   device: kvm at {kvm_dir}/kvm" in result.stdout
+    assert "ok   probe: empty VM created and closed" in result.stdout
+    assert "note CDI spec:" in result.stdout
+    assert not os.path.exists(cdi_dir), "--check changes nothing"
+
+
+def test_check_reports_an_unusable_node(tmp: str) -> None:
+    dev = os.path.join(tmp, "dev")
+    os.mkdir(dev)
+    make_node(os.path.join(dev, "kvm"), 1, 3)
+    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--check",
+                             "--device-dir", dev], capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 1
+    assert "FAIL probe:" in result.stdout and "KVM_GET_API_VERSION failed" in result.stdout
+    os.unlink(os.path.join(dev, "kvm"))
+    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--check",
+                             "--device-dir", dev], capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 1 and "FAIL device: none of" in result.stdout
+
+
+def test_journal_only_when_stderr_is_the_journal(tmp: str) -> None:
+    with open(os.path.join(tmp, "f"), "w") as f:
+        st = os.fstat(f.fileno())
+    assert not journal.stderr_is_journal({"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
+    assert not journal.stderr_is_journal({"JOURNAL_STREAM": "garbage"})
+    st = os.fstat(sys.stderr.fileno())
+    # stderr matches, but without python-systemd (or with it) setup must not fail.
+    kind = journal.setup("info", {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
+    assert kind in ("journal", "stderr")
+    assert journal.setup("info", {}) == "stderr"
+
+
+def test_health_check_starts_fast_without_agent_modules(tmp: str) -> None:
+    code = ("import sys, runpy; sys.argv=['x','--config','/dev/null','--kubelet-dir',sys.argv[1],"
+            "'--health-check=liveness']\n"
+            "from hyperlight_agent import cli\ncli.main()\n"
+            "heavy=[m for m in ('hyperlight_agent.agent','hyperlight_agent.servicer',"
+            "'hyperlight_agent.registration') if m in sys.modules]\nprint('HEAVY', heavy)")
+    out = subprocess.run([sys.executable, "-c", code, tmp], capture_output=True, text=True, timeout=30,
+                         check=False).stdout
+    assert "HEAVY []" in out
