@@ -21,6 +21,7 @@ from .checker import Checker, CheckTarget
 from .config import Settings
 from .health import HealthState, Observation
 from .helper import ProbeHelper
+from .metrics import Metrics
 from .notify import Notifier
 from .registration import Registrar
 from .servicer import DevicePluginServicer, Profile
@@ -65,16 +66,19 @@ class Agent:
         """Serve until SIGTERM or SIGINT (or request_stop), then shut down within a bounded grace."""
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
+        self.metrics = Metrics()
         self.state = HealthState()
-        self.helper = ProbeHelper(argv=self._helper_argv)
+        self.helper = ProbeHelper(argv=self._helper_argv, on_timeout=self.metrics.helper_timeouts.inc)
         self.checker = Checker(target_for(self.settings, self.device_access), self.helper, self.state,
                                on_result=self._on_check)
         self.profile = profile_for(self.settings, self.device_access)
-        self.servicer = DevicePluginServicer(self.profile, self.state, self.checker,
-                                             on_streams_changed=lambda n: self._status_changed())
+        self.servicer = DevicePluginServicer(
+            self.profile, self.state, self.checker, on_streams_changed=self._on_streams,
+            on_allocate=lambda outcome: self.metrics.allocations.labels(outcome).inc())
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.registrar = Registrar(self.settings.kubelet_dir, self.profile.socket, self.profile.resource,
-                                   self._configure_server, on_change=self._status_changed)
+                                   self._configure_server, on_change=self._on_registrar)
+        self._counted = (0, 0)
         self._last_status = ""
         self._serving: Optional[bool] = None
         self._health_update: Optional[asyncio.Future[None]] = None
@@ -85,6 +89,8 @@ class Agent:
             loop.add_signal_handler(signum, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
 
+        if self.settings.metrics_address:
+            self.metrics.serve(self.settings.metrics_address)
         watcher = self._make_watcher()
         log.info("starting: resource %s, socket %s, %d slot(s), device dir %s",
                  self.profile.resource, self.registrar.socket_path, self.profile.slots,
@@ -177,6 +183,18 @@ class Agent:
             self.checker.request()
 
     def _on_check(self, observation: Observation, seconds: float, repaired: bool) -> None:
+        self.metrics.check_done(observation, seconds, repaired)
+        self._status_changed()
+
+    def _on_streams(self, count: int) -> None:
+        self.metrics.streams.set(count)
+        self._status_changed()
+
+    def _on_registrar(self) -> None:
+        registrar = self.registrar
+        self.metrics.registrations.inc(registrar.registrations - self._counted[0])
+        self.metrics.kubelet_restarts.inc(registrar.kubelet_restarts - self._counted[1])
+        self._counted = (registrar.registrations, registrar.kubelet_restarts)
         self._status_changed()
 
     @property

@@ -103,11 +103,13 @@ class Checker:
         hypervisor = hypervisors.detect(t.device_dir)
         if hypervisor is None:
             names = ", ".join(h.node for h in hypervisors.HYPERVISORS)
-            return Observation(False, f"no hypervisor device in {t.device_dir} (looked for {names})", None), False
+            reason = f"no hypervisor device in {t.device_dir} (looked for {names})"
+            return Observation(False, reason, None, "no-device"), False
         device = hypervisor.device_path(t.device_dir)
         host = hypervisor.device_path(t.host_device_dir) if t.host_device_dir else None
         if t.inventory_only:
-            return Observation(*_inventory(device, host), hypervisor.name), False
+            ok, reason = _inventory(device, host)
+            return Observation(ok, reason, hypervisor.name, "" if ok else "probe"), False
         repaired = False
         cdi_problem = ""
         try:
@@ -120,9 +122,9 @@ class Checker:
             cdi_problem = str(exc)
         reply = await self._helper.run({"hypervisor": hypervisor.name, "device": device, "host": host})
         if not reply.get("ok"):
-            return Observation(False, str(reply.get("reason") or "probe failed"), hypervisor.name), repaired
+            return Observation(False, str(reply.get("reason") or "probe failed"), hypervisor.name, "probe"), repaired
         if cdi_problem:
-            return Observation(False, cdi_problem, hypervisor.name), repaired
+            return Observation(False, cdi_problem, hypervisor.name, "cdi"), repaired
         return Observation(True, "", hypervisor.name), repaired
 
 

@@ -128,6 +128,8 @@ SETTINGS: tuple[Setting, ...] = (
             "what Allocate returns: cdi, device-spec (runtimes without CDI) or both"),
     Setting("log_level", "HYPERLIGHT_LOG_LEVEL", "--log-level", "info", _choice(LOG_LEVELS),
             "debug, info, warning or error"),
+    Setting("metrics_address", "HYPERLIGHT_METRICS_ADDRESS", "--metrics-address", None, _listen_address,
+            "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464); unset: off"),
 )
 BY_KEY = {s.key: s for s in SETTINGS}
 
@@ -144,6 +146,7 @@ class Settings:
     check_interval_seconds: float = 30
     allocation: str = "cdi"
     log_level: str = "info"
+    metrics_address: Optional[str] = None
     config_file: Optional[str] = None  # the file actually read, if any
 
 

@@ -18,9 +18,12 @@ class Observation:
     reason: str
     # The detected hypervisor's name ("kvm", "mshv"), or None when no device exists.
     hypervisor: Optional[str]
+    # What kind of failure ("no-device", "probe", "cdi"), for metrics; empty when healthy.
+    cause: str = ""
 
 
-INITIAL = Observation(healthy=False, reason="no device check has completed yet", hypervisor=None)
+INITIAL = Observation(healthy=False, reason="no device check has completed yet", hypervisor=None,
+                      cause="starting")
 
 
 class HealthState:
