@@ -66,7 +66,7 @@ class Agent:
         """Serve until SIGTERM or SIGINT (or request_stop), then shut down within a bounded grace."""
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self.metrics = Metrics()
+        self.metrics = Metrics(enabled=self.settings.metrics_address is not None)
         self.state = HealthState()
         self.helper = ProbeHelper(argv=self._helper_argv, on_timeout=self.metrics.helper_timeouts.inc)
         self.checker = Checker(target_for(self.settings, self.device_access), self.helper, self.state,

@@ -1,7 +1,8 @@
 """One device check (detect → bounded probe with host identity → CDI repair), run single-flight.
 
-Callers that arrive while a check is running join it instead of starting their own, so a
-burst of Allocates costs a handful of probes. The running check is shielded from its callers:
+A caller always gets a check that started after it asked. Callers that arrive while a check is
+running share the next one instead of starting their own, so a burst of Allocates costs at
+most two probes per probe time. The running check is shielded from its callers:
 one that gives up (cancelled, or past its deadline) leaves the check, and the shared health
 observation it will publish, untouched.
 """
@@ -45,34 +46,41 @@ class Checker:
         self._state = state
         self._on_result = on_result  # (observation, seconds, cdi_repaired) for logs and metrics
         self._running: Optional[asyncio.Task[Observation]] = None
-        self._again = False
+        # Callers waiting for the check after the running one, which starts when it ends.
+        self._next: Optional[asyncio.Future[Observation]] = None
+        self._closed = False
         self.completed = 0  # checks completed (tests and benchmarks read this)
 
     async def check(self, timeout: Optional[float] = None) -> Observation:
-        """The result of a check that completes after this call: joins one in flight, else starts one.
+        """The result of a check that starts after this call.
 
-        Raises asyncio.TimeoutError past `timeout`; the check itself carries on.
+        If a check is in flight (it may have looked before our caller's reason to ask), wait for
+        the next one; every caller arriving meanwhile shares that same next check. Raises
+        asyncio.TimeoutError past `timeout`; the check itself carries on.
         """
-        task = self._running or self._start()
-        return await asyncio.wait_for(asyncio.shield(task), timeout)
+        return await asyncio.wait_for(asyncio.shield(self._fresh()), timeout)
 
     def request(self) -> None:
-        """Ask for a check that *starts* after now (for change events: one already running
-        may have looked before the change). Never waits."""
-        if self._running is None:
-            self._start()
-        else:
-            self._again = True
+        """Ask for a check that starts after now (for change events); never waits."""
+        self._fresh()
 
     async def close(self) -> None:
-        self._again = False
+        self._closed = True
+        if self._next is not None:
+            self._next.cancel()
         if self._running is not None:
             self._running.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._running
 
+    def _fresh(self) -> asyncio.Future[Observation]:
+        if self._running is None:
+            return self._start()
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+        return self._next
+
     def _start(self) -> asyncio.Task[Observation]:
-        self._again = False
         task = asyncio.ensure_future(self._run_one())
         task.add_done_callback(self._finished)
         self._running = task
@@ -80,10 +88,13 @@ class Checker:
 
     def _finished(self, task: asyncio.Task[Observation]) -> None:
         self._running = None
-        # A change arrived while this check ran: it needs one more check. Joiners of the
-        # finished check already have their answer; they never wait for follow-ups.
-        if self._again and not task.cancelled():
-            self._start()
+        waiting, self._next = self._next, None
+        if waiting is None or waiting.done():
+            return
+        if self._closed or task.cancelled():
+            waiting.cancel()
+            return
+        self._start().add_done_callback(lambda t: _forward(t, waiting))
 
     async def _run_one(self) -> Observation:
         started = time.monotonic()
@@ -126,6 +137,17 @@ class Checker:
         if cdi_problem:
             return Observation(False, cdi_problem, hypervisor.name, "cdi"), repaired
         return Observation(True, "", hypervisor.name), repaired
+
+
+def _forward(source: asyncio.Task[Observation], target: asyncio.Future[Observation]) -> None:
+    if target.done():
+        return
+    if source.cancelled():
+        target.cancel()
+    elif source.exception() is not None:
+        target.set_exception(source.exception())  # type: ignore[arg-type]
+    else:
+        target.set_result(source.result())
 
 
 def _inventory(device: str, host: Optional[str]) -> tuple[bool, str]:

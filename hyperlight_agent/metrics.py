@@ -8,16 +8,36 @@ free-text reason, which names paths and would make unbounded label values.
 from __future__ import annotations
 
 import logging
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from typing import Any
 
 from .health import Observation
 
 log = logging.getLogger(__name__)
 
 
+class _Off:
+    """Stands in for every series when metrics are off: prometheus_client is then never imported
+    (it would add ~3 MiB of RSS for nothing)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return self._ignore
+
+    def _ignore(self, *args: Any, **kwargs: Any) -> _Off:
+        return self
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool) -> None:
+        self._cause = ""
+        self.enabled = enabled
+        if not enabled:
+            off: Any = _Off()
+            self.healthy = self.unhealthy_cause = self.check_seconds = self.checks = self.failures = off
+            self.cdi_repairs = self.registrations = self.kubelet_restarts = self.allocations = off
+            self.streams = self.helper_timeouts = off
+            return
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
         self.registry = CollectorRegistry()
         r = self.registry
         self.healthy = Gauge("hyperlight_device_healthy", "1 when the last device check passed", registry=r)
@@ -40,9 +60,10 @@ class Metrics:
         self.streams = Gauge("hyperlight_listandwatch_streams", "open ListAndWatch streams", registry=r)
         self.helper_timeouts = Counter("hyperlight_probe_helper_timeouts_total",
                                        "probe helpers killed for missing their deadline", registry=r)
-        self._cause = ""
 
     def serve(self, address: str) -> None:
+        from prometheus_client import start_http_server
+
         host, _, port = address.rpartition(":")
         start_http_server(int(port), addr=host.strip("[]"), registry=self.registry)
         log.info("metrics on http://%s/metrics", address)
@@ -55,7 +76,7 @@ class Metrics:
             self.cdi_repairs.inc()
         if not observation.healthy:
             self.failures.labels(observation.cause).inc()
-        if observation.cause != self._cause:
+        if self.enabled and observation.cause != self._cause:
             if self._cause:
                 self.unhealthy_cause.remove(self._cause)
             if observation.cause:

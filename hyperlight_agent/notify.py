@@ -18,6 +18,10 @@ class Notifier:
             import sdnotify  # only under systemd
 
             self._notifier = sdnotify.SystemdNotifier()
+            if self._notifier.socket is not None:
+                # Never block the event loop on a full notify queue (a stuck or absent reader):
+                # a dropped STATUS line is better than a wedged agent.
+                self._notifier.socket.setblocking(False)
         usec = environ.get(contracts.WATCHDOG_USEC_ENV, "")
         # systemd asks for pings at least every WATCHDOG_USEC; half of it leaves room for a slow tick.
         self.watchdog_interval: Optional[float] = (

@@ -213,3 +213,18 @@ def test_health_check_starts_fast_without_agent_modules(tmp: str) -> None:
     out = subprocess.run([sys.executable, "-c", code, tmp], capture_output=True, text=True, timeout=30,
                          check=False).stdout
     assert "HEAVY []" in out
+
+
+def test_a_notify_reader_that_never_reads_cannot_wedge_the_agent(kubelet: StandinThread, start_agent: StartAgent,
+                                                                  tmp: str) -> None:
+    path = os.path.join(tmp, "deaf")
+    deaf = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    deaf.bind(path)  # the queue fills after a few datagrams; sends would then block
+    try:
+        agent = start_agent("--device-count", "1", env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "20000"})
+        kubelet.wait_until(lambda k: slots(k) == 1, 15)
+        started = time.monotonic()
+        assert agent.stop(timeout=10) == 0
+        assert time.monotonic() - started < 5
+    finally:
+        deaf.close()
