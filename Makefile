@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # Debian packages the tests drive for real: protoc (generated-code check), podman + runc (a real
-# CDI consumer, with gcc building its one-binary test image), python3-venv (fresh hosts).
-APT_PACKAGES := python3-venv protobuf-compiler podman runc gcc libc6-dev
+# CDI consumer, with gcc building its one-binary test image), debootstrap + systemd-container
+# (systemd as PID 1), python3-venv (fresh hosts).
+APT_PACKAGES := python3-venv protobuf-compiler podman runc gcc libc6-dev debootstrap systemd-container
 
 .PHONY: run test lint typecheck bench proto system-deps clean
 

@@ -235,3 +235,24 @@ def settings_table() -> str:
     rows.append(f"| (the file itself) | {CONFIG_ENV} | --config | {DEFAULT_CONFIG_FILE} | "
                 "TOML file with any of the keys above; a missing default file is fine |")
     return "\n".join(rows)
+
+
+UNSET_EXAMPLES = {"host_device_dir": "/host-dev", "metrics_address": "127.0.0.1:9464"}
+
+
+def default_file() -> str:
+    """The commented default agent.toml shipped in the packages (a test keeps the two equal)."""
+    out = [
+        "# hyperlight-agent settings. Every key is optional; shown here with its default.",
+        "# Environment variables and flags override this file (see `hyperlight-agent --help`).",
+        "# After editing: `systemctl reload hyperlight-agent` (directories change only on restart).",
+    ]
+    for s in SETTINGS:
+        out += ["", f"# {s.help[0].upper()}{s.help[1:]}.", f"# env {s.env}, flag {s.flag}"]
+        if s.default is None:
+            out.append(f'#{s.key} = "{UNSET_EXAMPLES[s.key]}"   # unset by default')
+        elif isinstance(s.default, str):
+            out.append(f'#{s.key} = "{s.default}"')
+        else:
+            out.append(f"#{s.key} = {s.default}")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,33 @@
+#!/bin/sh
+# Stage the installed file tree of hyperlight-agent into DESTDIR: the layout the .deb and .rpm
+# ship and the system tests boot. Dependencies are wheels for the *target* Python, fetched at
+# build time, so nothing is downloaded at install time.
+#   usage: packaging/stage.sh DESTDIR [TARGET_PYTHON_VERSION] [ARCH]   (defaults: 3.11 x86_64)
+set -eu
+dest=$1
+pyver=${2:-3.11}
+arch=${3:-x86_64}
+python=${PYTHON:-python3}
+here=$(cd "$(dirname "$0")/.." && pwd)
+lib="$dest/usr/lib/hyperlight-agent"
+wheels=$(mktemp -d)
+trap 'rm -rf "$wheels"' EXIT
+
+rm -rf "$lib"
+# sdnotify is published as source only; it is pure Python, so a wheel built here fits any target.
+"$python" -m pip wheel --no-deps --quiet --wheel-dir "$wheels" "$here" sdnotify
+"$python" -m pip install --quiet --no-compile --target "$lib" --find-links "$wheels" \
+    --python-version "$pyver" --implementation cp --only-binary=:all: \
+    --platform "manylinux2014_$arch" --platform "manylinux_2_17_$arch" --platform "manylinux_2_28_$arch" \
+    "$wheels"/hyperlight_agent-*.whl
+# pip's own bookkeeping and console-script stubs are not part of the installed tree.
+rm -rf "$lib"/bin "$lib"/*.dist-info/RECORD "$lib"/*.dist-info/INSTALLER "$lib"/*.dist-info/REQUESTED \
+       "$lib"/*.dist-info/direct_url.json
+find "$lib" -name '__pycache__' -type d -prune -exec rm -rf {} +
+
+install -D -m 0755 "$here/packaging/hyperlight-agent" "$dest/usr/bin/hyperlight-agent"
+install -D -m 0644 "$here/systemd/hyperlight-agent.service" "$dest/lib/systemd/system/hyperlight-agent.service"
+install -D -m 0644 "$here/packaging/tmpfiles.conf" "$dest/usr/lib/tmpfiles.d/hyperlight-agent.conf"
+install -D -m 0644 "$here/packaging/agent.toml" "$dest/etc/hyperlight-agent/agent.toml"
+mkdir -p "$dest/usr/share/man/man8"
+"$python" "$here/packaging/manpage.py" | gzip -9n > "$dest/usr/share/man/man8/hyperlight-agent.8.gz"

@@ -1,0 +1,124 @@
+"""Real systemd as PID 1: a debootstrapped Debian 12 booted with systemd-nspawn, controlled
+from the host with nsenter. Recipe and flags: ../shared/docs/test-environment.md."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import signal
+import subprocess
+
+from typing import Optional, Sequence
+
+from tests.conftest import wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD = os.path.join(ROOT, "build")
+ROOTFS = os.path.join(BUILD, "rootfs-bookworm")
+# python3-systemd lets the agent log to the guest's journal with fields; procps has /bin/kill
+# (ExecReload); man-db lets `systemd-analyze verify` check the unit's Documentation=.
+PACKAGES = "systemd,systemd-sysv,dbus,python3,python3-systemd,procps,man-db"
+
+
+def require_tools() -> None:
+    missing = [t for t in ("debootstrap", "systemd-nspawn", "nsenter") if not shutil.which(t)]
+    assert not missing, f"missing {missing}: `make test` installs debootstrap and systemd-container"
+
+
+def rootfs() -> str:
+    """The cached root filesystem, built once (about a minute) and reused by every boot."""
+    require_tools()
+    os.makedirs(BUILD, exist_ok=True)
+    with open(os.path.join(BUILD, ".rootfs.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = os.path.join(ROOTFS, ".complete")
+        try:
+            with open(done) as f:
+                current = f.read() == PACKAGES  # rebuilt whenever the package list changes
+        except OSError:
+            current = False
+        if not current:
+            shutil.rmtree(ROOTFS, ignore_errors=True)
+            subprocess.run(["debootstrap", "--variant=minbase", f"--include={PACKAGES}", "bookworm", ROOTFS],
+                           check=True, timeout=900, stdout=subprocess.DEVNULL)
+            with open(done, "w") as f:
+                f.write(PACKAGES)
+    return ROOTFS
+
+
+def stage(dest: str) -> str:
+    """The installed file tree (packaging/stage.sh), as the packages ship it."""
+    subprocess.run([os.path.join(ROOT, "packaging", "stage.sh"), dest], check=True, timeout=600,
+                   env={**os.environ, "PYTHON": os.environ.get("PYTHON", "python3")})
+    return dest
+
+
+class Guest:
+    """One booted container. Use as a context manager; it powers off and is reaped on exit."""
+
+    def __init__(self, directory: str, binds: Sequence[str] = (), ephemeral: bool = True) -> None:
+        args = ["systemd-nspawn", "-D", directory, "--boot", "--register=no", "--keep-unit",
+                "--console=read-only", "--private-network", "--system-call-filter=bpf",
+                "--capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN"]
+        if ephemeral:
+            args.append("--ephemeral")
+        args += [f"--bind={b}" for b in binds]
+        env = {**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"}
+        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+        self.pid1 = wait_for(self._find_pid1, 30, "the guest's systemd")
+        wait_for(lambda: self.run("systemctl", "is-system-running", check=False).stdout.strip()
+                 in ("running", "degraded"), 60, "the guest to boot")
+
+    def _find_pid1(self) -> Optional[int]:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"systemd-nspawn exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                    with open(f"/proc/{entry}/comm") as f:
+                        comm = f.read().strip()
+                except OSError:
+                    continue
+                if int(fields[1]) == self.proc.pid and comm == "systemd":
+                    return int(entry)
+        return None
+
+    def run(self, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["nsenter", "-t", str(self.pid1), "-m", "-u", "-i", "-n", "-p", "--", *cmd],
+                              capture_output=True, text=True, timeout=timeout, check=check)
+
+    def is_active(self, unit: str) -> str:
+        return self.run("systemctl", "is-active", unit, check=False).stdout.strip()
+
+    def status(self, unit: str) -> str:
+        return self.run("systemctl", "status", "--no-pager", "--lines=0", unit, check=False).stdout
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.run("systemctl", "poweroff", "--no-block", check=False)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if self.proc.stderr:
+            self.proc.stderr.close()
+
+    def __enter__(self) -> Guest:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def pipe(directory: str, *cmd: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """One command in the root filesystem without booting, with the host's network."""
+    return subprocess.run(["systemd-nspawn", "-q", "-D", directory, "--register=no", "--keep-unit", "--pipe", *cmd],
+                          capture_output=True, text=True, timeout=timeout, check=False,
+                          env={**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"})
+
+
