@@ -14,14 +14,14 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed system-deps
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy hyperlight_agent tests bench
+	$(VENV)/bin/mypy hyperlight_agent tests bench packaging/manpage.py
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
 typecheck: $(VENV)/.installed
-	$(VENV)/bin/mypy hyperlight_agent tests bench
+	$(VENV)/bin/mypy hyperlight_agent tests bench packaging/manpage.py
 
 bench: $(VENV)/.installed
 	$(PY) -m bench

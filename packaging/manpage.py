@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hyperlight_agent import __version__, cli, config, contracts  # noqa: E402
+from hyperlight_agent import __version__, cli, config, contracts
 
 
 def esc(text: str) -> str:
@@ -31,8 +31,8 @@ def render() -> str:
         esc(cli.DESCRIPTION),
         ".SH OPTIONS",
     ]
-    for action in parser._actions:  # noqa: SLF001 - argparse exposes no public iterator
-        if not action.option_strings or isinstance(action, argparse._HelpAction):  # noqa: SLF001
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, argparse._HelpAction):
             continue
         flag = ", ".join(action.option_strings)
         if action.choices:

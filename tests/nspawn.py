@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-
 from typing import Optional, Sequence
 
 from tests.conftest import wait_for
@@ -73,7 +72,8 @@ class Guest:
 
     def _find_pid1(self) -> Optional[int]:
         if self.proc.poll() is not None:
-            raise AssertionError(f"systemd-nspawn exited: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+            why = self.proc.stderr.read().decode() if self.proc.stderr else ""
+            raise AssertionError(f"systemd-nspawn exited: {why}")
         for entry in os.listdir("/proc"):
             if entry.isdigit():
                 try:
