@@ -4,10 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Debian packages the tests drive for real: protoc (generated-code check), podman + runc (a real
 # CDI consumer, with gcc building its one-binary test image), debootstrap + systemd-container
-# (systemd as PID 1), python3-venv (fresh hosts).
-APT_PACKAGES := python3-venv protobuf-compiler podman runc gcc libc6-dev debootstrap systemd-container
+# (systemd as PID 1), debhelper + lintian and rpm + rpmlint (packages), python3-venv (fresh hosts).
+APT_PACKAGES := python3-venv protobuf-compiler podman runc gcc libc6-dev debootstrap systemd-container \
+  debhelper lintian rpm rpmlint python3-pip
 
-.PHONY: run test lint typecheck bench proto system-deps clean
+.PHONY: run test lint typecheck bench proto system-deps clean deb rpm
+# Package builds run in a copy of the sources under build/, never in the work tree.
+PKG_SOURCES := pyproject.toml README.md hyperlight_agent proto packaging systemd
 
 run: $(VENV)/.installed
 	$(PY) -m hyperlight_agent.demo
@@ -45,6 +48,16 @@ system-deps:
 	  echo "installing:" $$missing; \
 	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; \
 	fi
+
+# A .deb for Debian 12 (its python3 3.11): debhelper runs packaging/stage.sh, lintian judges.
+deb: $(VENV)/.installed system-deps
+	rm -rf build/deb && mkdir -p build/deb/hyperlight-agent
+	cp -r $(PKG_SOURCES) build/deb/hyperlight-agent/
+	cp -r packaging/debian build/deb/hyperlight-agent/debian
+	cd build/deb/hyperlight-agent && PYTHON=$(abspath $(PY)) dpkg-buildpackage -b -us -uc >../build.log 2>&1 \
+	  || { tail -30 ../build.log; exit 1; }
+	lintian --fail-on error,warning --suppress-tags-from-file /dev/null build/deb/*.deb
+	@ls -l build/deb/*.deb
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -45,7 +45,13 @@ class Notifier:
             self.send("READY=1", f"STATUS={self._status}")
 
     def watchdog(self) -> None:
-        self.send("WATCHDOG=1")
+        """WATCHDOG=1; before readiness also EXTEND_TIMEOUT_USEC, so systemd's start timeout keeps
+        moving while (and only while) the loop is alive: waiting hours for a kubelet is fine,
+        a wedged agent still times out and is restarted."""
+        if self.ready_sent or self.watchdog_interval is None:
+            self.send("WATCHDOG=1")
+        else:
+            self.send("WATCHDOG=1", f"EXTEND_TIMEOUT_USEC={int(self.watchdog_interval * 4e6)}")
 
     def reloading(self) -> None:
         self.send("RELOADING=1", "STATUS=reloading configuration")

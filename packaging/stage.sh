@@ -24,6 +24,11 @@ rm -rf "$lib"
 rm -rf "$lib"/bin "$lib"/*.dist-info/RECORD "$lib"/*.dist-info/INSTALLER "$lib"/*.dist-info/REQUESTED \
        "$lib"/*.dist-info/direct_url.json
 find "$lib" -name '__pycache__' -type d -prune -exec rm -rf {} +
+# Wheels carry arbitrary modes and stray #! lines on modules nobody executes; a library tree is
+# 0644 files in 0755 directories, and a module is imported, never run.
+find "$lib" -type d -exec chmod 0755 {} +
+find "$lib" -type f -exec chmod 0644 {} +
+find "$lib" -type f -name '*.py' -exec sed -i '1{/^#!/d}' {} +
 
 install -D -m 0755 "$here/packaging/hyperlight-agent" "$dest/usr/bin/hyperlight-agent"
 install -D -m 0644 "$here/systemd/hyperlight-agent.service" "$dest/lib/systemd/system/hyperlight-agent.service"
