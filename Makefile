@@ -59,5 +59,20 @@ deb: $(VENV)/.installed system-deps
 	lintian --fail-on error,warning --suppress-tags-from-file /dev/null build/deb/*.deb
 	@ls -l build/deb/*.deb
 
+# RPMs for the RPM hosts that run Hyperlight, one per target Python: EL9 (3.9) and
+# Azure Linux 3 (3.12), the MSHV hosts. rpmlint judges with the project's config.
+RPM_TARGETS := el9:3.9 azl3:3.12
+rpm: $(VENV)/.installed system-deps
+	rm -rf build/rpm && mkdir -p build/rpm
+	set -e; for target in $(RPM_TARGETS); do dist=$${target%%:*}; py=$${target#*:}; \
+	  UNITDIR=/usr/lib/systemd/system PYTHON=$(abspath $(PY)) packaging/stage.sh build/rpm/stage-$$dist $$py x86_64; \
+	  rpmbuild -bb --quiet --define "_topdir $(CURDIR)/build/rpm/top" \
+	    --define "stagedir $(CURDIR)/build/rpm/stage-$$dist" --define "target_python $$py" \
+	    --define "dist .$$dist" --define "notice $(CURDIR)/packaging/debian/copyright" \
+	    packaging/rpm/hyperlight-agent.spec; \
+	done
+	rpmlint --config packaging/rpm/rpmlint.toml build/rpm/top/RPMS/*/*.rpm
+	@ls -l build/rpm/top/RPMS/*/*.rpm
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -16,10 +16,16 @@ trap 'rm -rf "$wheels"' EXIT
 rm -rf "$lib"
 # sdnotify is published as source only; it is pure Python, so a wheel built here fits any target.
 "$python" -m pip wheel --no-deps --quiet --wheel-dir "$wheels" "$here" sdnotify
+# pip evaluates environment markers against the Python running pip, not --python-version, so
+# marker-selected dependencies for an older target are named here (tests/test_rpm.py checks).
+extra=""
+if [ "$(printf '%s\n%s\n' "$pyver" 3.11 | sort -V | head -n1)" != 3.11 ]; then
+    extra="tomli>=1.1"
+fi
 "$python" -m pip install --quiet --no-compile --target "$lib" --find-links "$wheels" \
     --python-version "$pyver" --implementation cp --only-binary=:all: \
     --platform "manylinux2014_$arch" --platform "manylinux_2_17_$arch" --platform "manylinux_2_28_$arch" \
-    "$wheels"/hyperlight_agent-*.whl
+    "$wheels"/hyperlight_agent-*.whl $extra
 # pip's own bookkeeping and console-script stubs are not part of the installed tree.
 rm -rf "$lib"/bin "$lib"/*.dist-info/RECORD "$lib"/*.dist-info/INSTALLER "$lib"/*.dist-info/REQUESTED \
        "$lib"/*.dist-info/direct_url.json
@@ -31,7 +37,9 @@ find "$lib" -type f -exec chmod 0644 {} +
 find "$lib" -type f -name '*.py' -exec sed -i '1{/^#!/d}' {} +
 
 install -D -m 0755 "$here/packaging/hyperlight-agent" "$dest/usr/bin/hyperlight-agent"
-install -D -m 0644 "$here/systemd/hyperlight-agent.service" "$dest/lib/systemd/system/hyperlight-agent.service"
+# Debian 12 keeps units in /lib/systemd/system; RPM distributions use /usr/lib/systemd/system.
+unitdir=${UNITDIR:-/lib/systemd/system}
+install -D -m 0644 "$here/systemd/hyperlight-agent.service" "$dest$unitdir/hyperlight-agent.service"
 install -D -m 0644 "$here/packaging/tmpfiles.conf" "$dest/usr/lib/tmpfiles.d/hyperlight-agent.conf"
 install -D -m 0644 "$here/packaging/agent.toml" "$dest/etc/hyperlight-agent/agent.toml"
 mkdir -p "$dest/usr/share/man/man8"

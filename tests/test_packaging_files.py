@@ -1,0 +1,54 @@
+"""Files the packages ship that are generated from the code: they must not drift from it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from hyperlight_agent import cli, config
+from tests.test_docs import ROOT
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def test_shipped_agent_toml_is_the_generated_one() -> None:
+    with open(os.path.join(ROOT, "packaging", "agent.toml")) as f:
+        assert f.read() == config.default_file(), "run: python -c 'from hyperlight_agent import config; " \
+            "print(config.default_file(), end=\"\")' > packaging/agent.toml"
+
+
+def test_shipped_agent_toml_documents_every_setting_with_its_default(tmp: str) -> None:
+    text = config.default_file()
+    assert tomllib.loads(text) == {}, "everything is commented out: defaults apply"
+    uncommented = "\n".join(line[1:] for line in text.splitlines() if re.match(r"#[a-z_]+ = ", line))
+    values = tomllib.loads(uncommented)
+    assert set(values) == set(config.BY_KEY)
+    for key, value in values.items():
+        default = config.BY_KEY[key].default
+        if default is not None:
+            assert value == default, key
+    path = os.path.join(tmp, "agent.toml")
+    with open(path, "w") as f:
+        f.write(uncommented)
+    settings = config.load(cli.build_parser().parse_args(["--config", path]), {})
+    assert settings.device_count == 2000 and settings.host_device_dir == "/host-dev"
+
+
+def test_man_page_is_generated_from_the_parser() -> None:
+    page = subprocess.run([sys.executable, os.path.join(ROOT, "packaging", "manpage.py")], capture_output=True,
+                          text=True, check=True, timeout=30).stdout
+    assert page.startswith(".TH HYPERLIGHT-AGENT 8")
+    for action in cli.build_parser()._actions:  # noqa: SLF001
+        for flag in action.option_strings:
+            if flag not in ("-h", "--help"):
+                assert flag.replace("-", "\\-") in page, flag
+    for s in config.SETTINGS:
+        assert s.env.replace("-", "\\-") in page
+    lint = subprocess.run(["man", "--warnings", "-l", "-"], input=page, capture_output=True, text=True,
+                          timeout=30, check=False, env={**os.environ, "MANWIDTH": "80"})
+    assert lint.returncode == 0 and not lint.stderr.strip(), lint.stderr
