@@ -43,7 +43,7 @@ def test_man_page_is_generated_from_the_parser() -> None:
     page = subprocess.run([sys.executable, os.path.join(ROOT, "packaging", "manpage.py")], capture_output=True,
                           text=True, check=True, timeout=30).stdout
     assert page.startswith(".TH HYPERLIGHT-AGENT 8")
-    for action in cli.build_parser()._actions:  # noqa: SLF001
+    for action in cli.build_parser()._actions:
         for flag in action.option_strings:
             if flag not in ("-h", "--help"):
                 assert flag.replace("-", "\\-") in page, flag
