@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from . import api, config, contracts, hypervisors
+from . import api, config, contracts, hypervisors, labels
 from .checker import Checker, CheckTarget
 from .config import Settings
 from .health import HealthState, Observation
@@ -79,6 +79,7 @@ class Agent:
         self.registrar = Registrar(self.settings.kubelet_dir, self.profile.socket, self.profile.resource,
                                    self._configure_server, on_change=self._on_registrar)
         self._counted = (0, 0)
+        self._labelled: Optional[str] = "unknown"  # what the feature file says; forces a first sync
         self._last_status = ""
         self._serving: Optional[bool] = None
         self._health_update: Optional[asyncio.Future[None]] = None
@@ -184,7 +185,19 @@ class Agent:
 
     def _on_check(self, observation: Observation, seconds: float, repaired: bool) -> None:
         self.metrics.check_done(observation, seconds, repaired)
+        self._sync_labels(observation.hypervisor)
         self._status_changed()
+
+    def _sync_labels(self, hypervisor: Optional[str]) -> None:
+        """The NFD feature file follows the detected hypervisor (main plugin only: one writer)."""
+        directory = self.settings.nfd_features_dir
+        if directory is None or self.device_access or hypervisor == self._labelled:
+            return
+        try:
+            labels.sync(directory, hypervisor)
+            self._labelled = hypervisor
+        except OSError as exc:
+            log.warning("cannot write node labels in %s: %s", directory, exc.strerror or exc)
 
     def _on_streams(self, count: int) -> None:
         self.metrics.streams.set(count)

@@ -7,15 +7,13 @@ and fsyncs the directory, so a reader sees the complete old file or the complete
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
-import secrets
 import stat
 from typing import Optional
 
-from . import contracts
+from . import atomic, contracts
 
 SPEC_MODE = 0o644  # runtimes (often not root) must read it
 DEVICE_FILE_MODE = 0o660  # the node in containers: owner and group only (podman's default is 0666)
@@ -85,14 +83,18 @@ def inspect(cdi_dir: str, wanted: bytes) -> Optional[str]:
 def reconcile(cdi_dir: str, wanted: bytes) -> bool:
     """Make the spec exactly `wanted`. True if it had to be written. Raises CdiError."""
     path = spec_path(cdi_dir)
-    _remove_leftover_temps(cdi_dir)
+    atomic.remove_temps(cdi_dir, contracts.CDI_TEMP_PREFIX, contracts.CDI_TEMP_SUFFIX)
     if _read_owned(path) == wanted:
         return False
     try:
         os.makedirs(cdi_dir, mode=0o755, exist_ok=True)
     except OSError as exc:
         raise CdiError(f"{cdi_dir}: cannot create CDI directory: {exc.strerror or exc}") from exc
-    _write_atomically(cdi_dir, path, wanted)
+    try:
+        atomic.write(cdi_dir, contracts.CDI_SPEC_FILE, wanted, contracts.CDI_TEMP_PREFIX,
+                     contracts.CDI_TEMP_SUFFIX, SPEC_MODE)
+    except OSError as exc:
+        raise CdiError(f"{path}: cannot write: {exc.strerror or exc}") from exc
     return True
 
 
@@ -123,56 +125,3 @@ def _read_owned(path: str) -> Optional[bytes]:
         raise CdiError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
-
-
-def _write_atomically(cdi_dir: str, path: str, data: bytes) -> None:
-    temp = os.path.join(
-        cdi_dir, f"{contracts.CDI_TEMP_PREFIX}{secrets.token_hex(6)}{contracts.CDI_TEMP_SUFFIX}"
-    )
-    try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     SPEC_MODE)
-    except OSError as exc:
-        raise CdiError(f"{path}: cannot write (temp file in {cdi_dir}): {exc.strerror or exc}") from exc
-    try:
-        try:
-            os.fchmod(fd, SPEC_MODE)  # the umask must not decide who may read the spec
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(temp, path)
-    except OSError as exc:
-        _unlink_quietly(temp)
-        raise CdiError(f"{path}: cannot write: {exc.strerror or exc}") from exc
-    try:
-        dir_fd = os.open(cdi_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except OSError as exc:
-        raise CdiError(f"{cdi_dir}: cannot sync directory: {exc.strerror or exc}") from exc
-
-
-def _remove_leftover_temps(cdi_dir: str) -> None:
-    """Delete temp files of ours left by a crash mid-write; nothing else is touched."""
-    try:
-        names = os.listdir(cdi_dir)
-    except OSError:
-        return  # reconcile reports the directory's problem when it reads or writes
-    for name in names:
-        if name.startswith(contracts.CDI_TEMP_PREFIX) and name.endswith(contracts.CDI_TEMP_SUFFIX):
-            candidate = os.path.join(cdi_dir, name)
-            try:
-                if stat.S_ISREG(os.lstat(candidate).st_mode):
-                    os.unlink(candidate)
-            except OSError:
-                pass
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)

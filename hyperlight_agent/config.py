@@ -128,6 +128,9 @@ SETTINGS: tuple[Setting, ...] = (
             "what Allocate returns: cdi, device-spec (runtimes without CDI) or both"),
     Setting("log_level", "HYPERLIGHT_LOG_LEVEL", "--log-level", "info", _choice(LOG_LEVELS),
             "debug, info, warning or error"),
+    Setting("nfd_features_dir", "HYPERLIGHT_NFD_FEATURES_DIR", "--nfd-features-dir", None, _abs_dir,
+            "write node labels as an NFD feature file here (e.g. "
+            "/etc/kubernetes/node-feature-discovery/features.d); unset: off"),
     Setting("metrics_address", "HYPERLIGHT_METRICS_ADDRESS", "--metrics-address", None, _listen_address,
             "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464); unset: off"),
 )
@@ -146,6 +149,7 @@ class Settings:
     check_interval_seconds: float = 30
     allocation: str = "cdi"
     log_level: str = "info"
+    nfd_features_dir: Optional[str] = None
     metrics_address: Optional[str] = None
     config_file: Optional[str] = None  # the file actually read, if any
 
@@ -237,7 +241,8 @@ def settings_table() -> str:
     return "\n".join(rows)
 
 
-UNSET_EXAMPLES = {"host_device_dir": "/host-dev", "metrics_address": "127.0.0.1:9464"}
+UNSET_EXAMPLES = {"host_device_dir": "/host-dev", "metrics_address": "127.0.0.1:9464",
+                  "nfd_features_dir": "/etc/kubernetes/node-feature-discovery/features.d"}
 
 
 def default_file() -> str:

@@ -1,0 +1,56 @@
+"""Node labels without Kubernetes credentials: a node-feature-discovery local feature file.
+
+NFD's local source reads every file in its features.d directory (names starting with "." are
+ignored, which our temp files use) and turns `name=value` lines into node labels. The file says
+which hypervisor this node has; it is rewritten when that changes and removed when there is none.
+NFD must be allowed the hyperlight.dev label namespace (-extra-label-ns=hyperlight.dev).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Optional
+
+from . import atomic
+
+log = logging.getLogger(__name__)
+
+FEATURE_FILE = "hyperlight"
+TEMP_PREFIX = ".hyperlight."
+ENABLED_LABEL = "hyperlight.dev/enabled"
+HYPERVISOR_LABEL = "hyperlight.dev/hypervisor"
+
+
+def render(hypervisor: str) -> bytes:
+    """The feature file's content.
+
+    >>> render("kvm")
+    b'hyperlight.dev/enabled=true\\nhyperlight.dev/hypervisor=kvm\\n'
+    """
+    return f"{ENABLED_LABEL}=true\n{HYPERVISOR_LABEL}={hypervisor}\n".encode()
+
+
+def sync(features_dir: str, hypervisor: Optional[str]) -> bool:
+    """Make the feature file match `hypervisor` (None: remove it). True if anything changed.
+
+    Raises OSError; the caller logs it (labels are advice to the scheduler, not health).
+    """
+    path = os.path.join(features_dir, FEATURE_FILE)
+    atomic.remove_temps(features_dir, TEMP_PREFIX)
+    if hypervisor is None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        log.info("node labels withdrawn: removed %s", path)
+        return True
+    wanted = render(hypervisor)
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        if f.read() == wanted:
+            return False
+    os.makedirs(features_dir, mode=0o755, exist_ok=True)
+    atomic.write(features_dir, FEATURE_FILE, wanted, TEMP_PREFIX)
+    log.info("node labels %s=true, %s=%s written to %s", ENABLED_LABEL, HYPERVISOR_LABEL, hypervisor, path)
+    return True

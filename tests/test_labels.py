@@ -1,0 +1,81 @@
+"""Node labels through an NFD local feature file: content, atomic replacement, removal."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from hyperlight_agent import labels
+from hyperlight_agent.standin import KubeletStandin, StandinThread
+from tests.conftest import StartAgent, make_node, wait_for
+
+
+def read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def test_content_is_nfd_name_value_lines() -> None:
+    assert labels.render("mshv") == b"hyperlight.dev/enabled=true\nhyperlight.dev/hypervisor=mshv\n"
+
+
+def test_sync_writes_replaces_and_removes(tmp: str) -> None:
+    features = os.path.join(tmp, "features.d")
+    path = os.path.join(features, labels.FEATURE_FILE)
+    other = os.path.join(tmp, "other")
+    assert labels.sync(features, "kvm")
+    assert read(path) == labels.render("kvm")
+    inode = os.stat(path).st_ino
+    assert not labels.sync(features, "kvm")  # unchanged: not rewritten
+    assert os.stat(path).st_ino == inode
+    with open(os.path.join(features, "other-vendor"), "w") as f:
+        f.write("x=y\n")
+    assert labels.sync(features, "mshv")
+    assert read(path) == labels.render("mshv")
+    assert os.stat(path).st_ino != inode, "replaced by rename, not rewritten in place"
+    assert labels.sync(features, None)
+    assert read(path) is None
+    assert sorted(os.listdir(features)) == ["other-vendor"]
+    assert not os.path.exists(other)
+
+
+def test_readers_never_see_a_partial_file(tmp: str) -> None:
+    features = os.path.join(tmp, "features.d")
+    labels.sync(features, "kvm")
+    path = os.path.join(features, labels.FEATURE_FILE)
+    stop = os.path.join(tmp, "stop")
+    reader = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys\nbad = reads = 0\n"
+        "while not os.path.exists(sys.argv[2]):\n"
+        "    data = open(sys.argv[1], 'rb').read()\n    reads += 1\n"
+        "    bad += data not in (b'hyperlight.dev/enabled=true\\nhyperlight.dev/hypervisor=kvm\\n',"
+        " b'hyperlight.dev/enabled=true\\nhyperlight.dev/hypervisor=mshv\\n')\n"
+        "print(reads, bad)\n"), path, stop], stdout=subprocess.PIPE, text=True)
+    for i in range(300):
+        labels.sync(features, "mshv" if i % 2 == 0 else "kvm")
+    open(stop, "w").close()
+    reads, bad = map(int, reader.communicate(timeout=30)[0].split())
+    assert reads > 0 and bad == 0
+
+
+def slots(k: KubeletStandin) -> int:
+    p = k.plugins.get("hyperlight.dev/hypervisor")
+    return p.healthy if p else 0
+
+
+def test_agent_labels_follow_the_device(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
+    device_dir = os.path.join(tmp, "dev")
+    os.mkdir(device_dir)
+    features = os.path.join(tmp, "features.d")
+    path = os.path.join(features, labels.FEATURE_FILE)
+    start_agent("--device-count", "1", "--device-dir", device_dir, "--nfd-features-dir", features)
+    kubelet.wait_until(lambda k: k.plugins.get("hyperlight.dev/hypervisor"), 15)
+    make_node(os.path.join(device_dir, "kvm"), 10, 232)
+    kubelet.wait_until(lambda k: slots(k) == 1, 10)
+    wait_for(lambda: read(path) == labels.render("kvm"), 5, "labels for kvm")
+    os.unlink(os.path.join(device_dir, "kvm"))
+    wait_for(lambda: read(path) is None, 5, "labels removed with the device")
