@@ -8,14 +8,17 @@ PY := $(VENV)/bin/python
 APT_PACKAGES := python3-venv protobuf-compiler podman runc gcc libc6-dev debootstrap systemd-container \
   debhelper lintian rpm rpmlint python3-pip
 
-.PHONY: run test lint typecheck bench proto system-deps clean deb rpm
+.PHONY: run test lint typecheck bench proto system-deps clean deb rpm image
 # Package builds run in a copy of the sources under build/, never in the work tree.
 PKG_SOURCES := pyproject.toml README.md hyperlight_agent proto packaging systemd
 
 run: $(VENV)/.installed
 	$(PY) -m hyperlight_agent.demo
 
-test: $(VENV)/.installed system-deps
+# Manifest judges (checkov, kubernetes-validate) pin their own dependencies: a venv of their own.
+JUDGES := build/judges
+
+test: $(VENV)/.installed $(JUDGES)/.installed system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy hyperlight_agent tests bench packaging/manpage.py
 	$(PY) -m pytest -q
@@ -40,6 +43,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+$(JUDGES)/.installed:
+	$(PYTHON) -m venv $(JUDGES)
+	$(JUDGES)/bin/pip install -q checkov kubernetes-validate
 	touch $@
 
 system-deps:
@@ -73,6 +81,19 @@ rpm: $(VENV)/.installed system-deps
 	done
 	rpmlint --config packaging/rpm/rpmlint.toml build/rpm/top/RPMS/*/*.rpm
 	@ls -l build/rpm/top/RPMS/*/*.rpm
+
+# The container image, for amd64 and arm64, with the git commit baked in. Needs a container
+# engine that can reach the base image's registry (docker buildx, or podman).
+IMAGE ?= ghcr.io/hyperlight-dev/hyperlight-agent:dev
+GIT_COMMIT := $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+image:
+	@if docker buildx version >/dev/null 2>&1 && docker info >/dev/null 2>&1; then \
+	  docker buildx build --platform linux/amd64,linux/arm64 --build-arg GIT_COMMIT=$(GIT_COMMIT) \
+	    -f Containerfile -t $(IMAGE) . ; \
+	elif command -v podman >/dev/null 2>&1; then \
+	  podman build --platform linux/amd64,linux/arm64 --manifest $(IMAGE) --build-arg GIT_COMMIT=$(GIT_COMMIT) \
+	    -f Containerfile . && podman manifest inspect $(IMAGE) | grep digest; \
+	else echo "make image: no container engine (docker buildx or podman) found" >&2; exit 1; fi
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

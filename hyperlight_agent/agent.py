@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 from typing import Callable, Optional, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from . import api, config, contracts, hypervisors, labels
+from . import __version__, api, config, contracts, hypervisors, labels
 from .checker import Checker, CheckTarget
 from .config import Settings
 from .health import HealthState, Observation
@@ -30,6 +31,8 @@ from .watcher import CONTENT, DirectoryWatcher
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 2.0
+# Baked into the container image at build time (Containerfile), printed at startup.
+COMMIT_ENV = "HYPERLIGHT_AGENT_COMMIT"
 # gRPC health service names: "" (overall) is readiness; LIVENESS is SERVING while the server runs.
 LIVENESS = "liveness"
 
@@ -93,9 +96,9 @@ class Agent:
         if self.settings.metrics_address:
             self.metrics.serve(self.settings.metrics_address)
         watcher = self._make_watcher()
-        log.info("starting: resource %s, socket %s, %d slot(s), device dir %s",
-                 self.profile.resource, self.registrar.socket_path, self.profile.slots,
-                 self.settings.device_dir)
+        log.info("starting hyperlight-agent %s (commit %s): resource %s, socket %s, %d slot(s), device dir %s",
+                 __version__, os.environ.get(COMMIT_ENV, "unknown"), self.profile.resource,
+                 self.registrar.socket_path, self.profile.slots, self.settings.device_dir)
         self._status_changed()
         self.checker.request()
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
