@@ -84,6 +84,9 @@ class Registrar:
         self._server: Optional[grpc.aio.Server] = None
         self._served: Optional[tuple[int, int]] = None
         self._kubelet_seen: Optional[tuple[int, int]] = None
+        # The kubelet.sock a failed attempt used (None: there was none). Any other one ends the
+        # backoff at once, even if it appeared before the backoff began.
+        self._kubelet_tried: Optional[tuple[int, int]] = None
         self._wake = asyncio.Event()
         self.registered = False
         self.registrations = 0
@@ -101,6 +104,7 @@ class Registrar:
     async def run(self) -> None:
         """Forever: serve and stay registered. Cancel to stop; then call stop()."""
         while True:
+            self._kubelet_tried = _identity(self.kubelet_socket)
             try:
                 await self._serve()
                 await self._register()
@@ -154,7 +158,7 @@ class Registrar:
         self._served = _identity(self.socket_path)
 
     async def _register(self) -> None:
-        kubelet = _identity(self.kubelet_socket)
+        kubelet = self._kubelet_tried = _identity(self.kubelet_socket)
         if kubelet is None:
             raise RegistrationError(f"no kubelet socket at {self.kubelet_socket}")
         request = pb.RegisterRequest(
@@ -176,11 +180,10 @@ class Registrar:
         """Sleep `delay`, cut short as soon as a (new) kubelet.sock exists."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + delay
-        before = _identity(self.kubelet_socket)
         while loop.time() < deadline:
             self._wake.clear()
             now = _identity(self.kubelet_socket)
-            if now is not None and now != before:
+            if now is not None and now != self._kubelet_tried:
                 return
             try:
                 await asyncio.wait_for(self._wake.wait(), deadline - loop.time())

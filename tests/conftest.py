@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import pytest
 
@@ -98,15 +98,17 @@ def kvm_dir(tmp: str) -> str:
 class AgentProcess:
     """The real agent as a child process, with its stderr kept for assertions."""
 
-    def __init__(self, tmp: str, *args: str, env: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, tmp: str, *args: str, env: Optional[dict[str, str]] = None,
+                 prefix: Sequence[str] = ()) -> None:
         self.log_path = os.path.join(tmp, f"agent-{time.monotonic_ns()}.log")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         full_env = {k: v for k, v in os.environ.items() if not k.startswith(("HYPERLIGHT_", "DEVICE_"))}
         full_env.pop("HOST_DEVICE_DIR", None)
         full_env.pop("NOTIFY_SOCKET", None)
         full_env.update(env or {})
+        # prefix: a wrapper that execs the agent (the PID stays the agent's), e.g. unshare.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", *args],
+            [*prefix, sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
 
     @property

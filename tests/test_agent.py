@@ -116,7 +116,7 @@ def test_reregisters_after_kubelet_restart(kubelet: StandinThread, start_agent: 
     kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
     other = os.path.join(tmp, "kubelet", "other-plugin.sock")
     delays = []
-    for _ in range(3):
+    for _ in range(10):
         kubelet.call(kubelet.kubelet.restart())
         kubelet.wait_until(lambda k: healthy_slots(k) == 3, 5, "healthy slots after restart")
         k = kubelet.kubelet
