@@ -20,7 +20,7 @@ import grpc
 
 from hyperlight_agent import api, cdi, contracts, probe
 from hyperlight_agent import deviceplugin_pb2 as pb
-from hyperlight_agent.helper import ProbeHelper
+from hyperlight_agent.helper import ProbeHelper, running_helpers
 from hyperlight_agent.standin import KubeletStandin, StandinThread
 
 R = contracts.RESOURCE_HYPERVISOR
@@ -169,25 +169,12 @@ def bench_allocate(top: str, raw_probe: float) -> None:
         fut = asyncio.run_coroutine_threadsafe(burst(), k.loop)
         max_alive = 0
         while not done:
-            pids = helper_pids()
+            pids = running_helpers()
             alive.update(pids)
             max_alive = max(max_alive, len(pids))
         fut.result(60)
         row("helpers alive at once during a 500-Allocate burst", str(max_alive), "≤ 1")
         agent.stop()
-
-
-def helper_pids() -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if b"from hyperlight_agent.probe import serve" in f.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
 
 
 def bench_streams(top: str) -> None:

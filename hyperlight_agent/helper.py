@@ -24,12 +24,27 @@ PROBE_DEADLINE_S = 2.0
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Every helper's command line contains this; it is how tests and benchmarks count helpers.
+HELPER_MARK = "from hyperlight_agent.probe import serve"
+
+
+def running_helpers() -> list[int]:
+    """PIDs of probe helpers alive on this machine, from any agent."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if HELPER_MARK.encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
 def default_argv() -> list[str]:
     """`python -I -S`: no site-packages, so the helper cannot import grpc even by accident."""
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); "
-        "from hyperlight_agent.probe import serve; serve()"
-    )
+    code = f"import sys; sys.path.insert(0, sys.argv[1]); {HELPER_MARK}; serve()"
     return [sys.executable, "-I", "-S", "-c", code, _PACKAGE_PARENT]
 
 

@@ -17,10 +17,10 @@ import pytest
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # stand-in restarts make grpc log GOAWAYs at INFO
 
+from hyperlight_agent.helper import running_helpers
 from hyperlight_agent.standin import StandinThread
 
 HOST_KVM = "/dev/kvm"
-HELPER_MARK = "from hyperlight_agent.probe import serve"
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 10, what: str = "condition",
@@ -38,17 +38,36 @@ def wait_for(condition: Callable[[], Any], timeout: float = 10, what: str = "con
 
 def helper_pids() -> list[int]:
     """Probe helpers alive anywhere on this machine (tests run one agent at a time)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmdline = f.read().decode(errors="replace")
-            except OSError:
-                continue
-            if HELPER_MARK in cmdline:
-                pids.append(int(entry))
-    return pids
+    return running_helpers()
+
+
+def read_bytes(path: str) -> Optional[bytes]:
+    """A file's bytes, or None if there is no regular file there."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except (FileNotFoundError, IsADirectoryError):
+        return None
+
+
+# Run in other processes: read a JSON file until `stop` exists; print reads and unparsable reads.
+JSON_READER = """
+import json, os, sys
+path, stop = sys.argv[1], sys.argv[2]
+reads = bad = 0
+while not os.path.exists(stop):
+    try:
+        with open(path, 'rb') as f:
+            data = f.read()
+    except FileNotFoundError:
+        continue
+    reads += 1
+    try:
+        json.loads(data)
+    except ValueError:
+        bad += 1
+print(reads, bad)
+"""
 
 
 def _kvm_metadata() -> Optional[tuple[int, int, int, int]]:

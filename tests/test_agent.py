@@ -14,6 +14,7 @@ from hyperlight_agent import api, cdi, contracts
 from hyperlight_agent import deviceplugin_pb2 as pb
 from hyperlight_agent.standin import KubeletStandin, Plugin, StandinThread
 from tests.conftest import StartAgent, helper_pids, make_node, wait_for
+from tests.conftest import read_bytes as read
 
 R = contracts.RESOURCE_HYPERVISOR
 
@@ -274,14 +275,6 @@ def test_cdi_drift_is_repaired_on_change(kubelet: StandinThread, start_agent: St
         started = time.monotonic()
         wait_for(lambda: read(path) == wanted, 2, f"repair after {damage}")
         print(f"repair after {damage}: {(time.monotonic() - started) * 1000:.1f} ms")
-
-
-def read(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import pytest
 
 from hyperlight_agent import cdi, contracts
+from tests.conftest import JSON_READER
 
 WANTED = cdi.render("kvm", "/dev/kvm", 65534, 65534)
 
@@ -202,31 +203,11 @@ def test_read_only_directory_with_exact_spec_is_fine(tmp: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-READER = """
-import json, sys, time
-path, stop = sys.argv[1], sys.argv[2]
-import os
-reads = bad = 0
-while not os.path.exists(stop):
-    try:
-        with open(path, 'rb') as f:
-            data = f.read()
-    except FileNotFoundError:
-        continue
-    reads += 1
-    try:
-        json.loads(data)
-    except ValueError:
-        bad += 1
-print(reads, bad)
-"""
-
-
 def test_concurrent_readers_never_see_a_partial_file(tmp: str) -> None:
     cdi_dir = os.path.join(tmp, "cdi")
     cdi.reconcile(cdi_dir, WANTED)
     stop = os.path.join(tmp, "stop")
-    readers = [subprocess.Popen([sys.executable, "-c", READER, cdi.spec_path(cdi_dir), stop],
+    readers = [subprocess.Popen([sys.executable, "-c", JSON_READER, cdi.spec_path(cdi_dir), stop],
                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]
     other = cdi.render("kvm", "/dev/kvm", 1000, 1000)
     try:

@@ -21,7 +21,8 @@ import pytest
 
 from hyperlight_agent import cdi, contracts
 from hyperlight_agent.standin import KubeletStandin, StandinThread
-from tests.conftest import AgentProcess, StartAgent, helper_pids, make_node, wait_for
+from tests.conftest import JSON_READER, AgentProcess, StartAgent, helper_pids, make_node, wait_for
+from tests.conftest import read_bytes as read
 
 R = contracts.RESOURCE_HYPERVISOR
 SLOTS = 3
@@ -37,14 +38,6 @@ def slots(k: KubeletStandin) -> int:
 def listed_unhealthy(k: KubeletStandin) -> bool:
     p = k.plugins.get(R)
     return bool(p and p.stream_open and p.devices and all(h == "Unhealthy" for _, h in p.devices))
-
-
-def read(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except (FileNotFoundError, IsADirectoryError):
-        return None
 
 
 @dataclass
@@ -231,28 +224,9 @@ def test_row8_kubelet_restart(node: Node) -> None:
     node.healthy()
 
 
-READER = """
-import json, os, sys
-path, stop = sys.argv[1], sys.argv[2]
-reads = bad = 0
-while not os.path.exists(stop):
-    try:
-        with open(path, 'rb') as f:
-            data = f.read()
-    except FileNotFoundError:
-        continue
-    reads += 1
-    try:
-        json.loads(data)
-    except ValueError:
-        bad += 1
-print(reads, bad)
-"""
-
-
 def test_row9_atomic_replacement_during_allocation(node: Node) -> None:
     stop = os.path.join(node.tmp, "stop")
-    readers = [subprocess.Popen([sys.executable, "-c", READER, node.spec, stop], stdout=subprocess.PIPE,
+    readers = [subprocess.Popen([sys.executable, "-c", JSON_READER, node.spec, stop], stdout=subprocess.PIPE,
                                 text=True) for _ in range(2)]
     stale = cdi.render("kvm", "/dev/kvm", 1, 1)
     try:

@@ -9,14 +9,7 @@ import sys
 from hyperlight_agent import labels
 from hyperlight_agent.standin import KubeletStandin, StandinThread
 from tests.conftest import StartAgent, make_node, wait_for
-
-
-def read(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
+from tests.conftest import read_bytes as read
 
 
 def test_content_is_nfd_name_value_lines() -> None:
