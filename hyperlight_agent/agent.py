@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from . import __version__, api, config, contracts, hypervisors, labels
+from . import __version__, api, atomic, config, contracts, hypervisors, labels
 from .checker import Checker, CheckTarget
 from .config import Settings
 from .health import HealthState, Observation
@@ -31,6 +31,8 @@ from .watcher import CONTENT, DirectoryWatcher
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 2.0
+# Settings a reload cannot change (they name what is watched, written or served): kept, with a warning.
+RESTART_ONLY = ("device_dir", "host_device_dir", "kubelet_dir", "cdi_dir", "nfd_features_dir", "metrics_address")
 # Baked into the container image at build time (Containerfile), printed at startup.
 COMMIT_ENV = "HYPERLIGHT_AGENT_COMMIT"
 # gRPC health service names: "" (overall) is readiness; LIVENESS is SERVING while the server runs.
@@ -117,12 +119,17 @@ class Agent:
                     raise error or RuntimeError("an agent task ended unexpectedly")
         finally:
             log.info("stopping")
+            # No reload may start work (a check, a helper) while we take things down; a repeated
+            # TERM/INT stays handled (it only sets the stop event again).
+            loop.add_signal_handler(signal.SIGHUP, lambda: None)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.wait_for(self._shutdown(), SHUTDOWN_GRACE_S + 3)
-            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(signum)
+            try:
+                await asyncio.wait_for(self._shutdown(), SHUTDOWN_GRACE_S + 3)
+            finally:
+                for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    loop.remove_signal_handler(signum)
 
     def _configure_server(self, server: grpc.aio.Server) -> None:
         server.add_generic_rpc_handlers([api.device_plugin_handler(self.servicer)])
@@ -138,15 +145,19 @@ class Agent:
         self.notifier.reloading()
         log.info("reloading configuration")
         try:
+            self._apply_reload()
+        finally:
+            self.notifier.reloaded()  # systemd must never be left waiting in "reloading"
+
+    def _apply_reload(self) -> None:
+        try:
             new = self._reload() if self._reload else self.settings
         except config.ConfigError as exc:
             log.error("reload failed, keeping the running configuration: %s", exc)
             self._last_status = ""
             self.notifier.status(f"reload failed, kept running configuration: {exc}")
-            self.notifier.reloaded()
             return
-        fixed = [k for k in ("device_dir", "host_device_dir", "kubelet_dir", "cdi_dir")
-                 if getattr(new, k) != getattr(self.settings, k)]
+        fixed = [k for k in RESTART_ONLY if getattr(new, k) != getattr(self.settings, k)]
         if fixed:
             log.warning("reload: %s change only on restart; kept", ", ".join(fixed))
             new = dataclasses.replace(new, **{k: getattr(self.settings, k) for k in fixed})
@@ -158,7 +169,6 @@ class Agent:
         self.state.republish()  # streams resend the list (slot count may have changed)
         self.checker.request()  # the CDI spec follows new uid/gid at once
         self._status_changed()
-        self.notifier.reloaded()
 
     async def _shutdown(self) -> None:
         self.notifier.stopping()
@@ -199,6 +209,8 @@ class Agent:
         try:
             labels.sync(directory, hypervisor)
             self._labelled = hypervisor
+        except atomic.Refused as exc:
+            log.warning("node labels not written: %s", exc)
         except OSError as exc:
             log.warning("cannot write node labels in %s: %s", directory, exc.strerror or exc)
 

@@ -7,8 +7,48 @@ rename it over the target, fsync the directory.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
+import stat
+from typing import Optional
+
+
+class Refused(Exception):
+    """Something other than a regular file is at a path we own: never followed or replaced."""
+
+
+def read_regular(path: str, limit: int) -> Optional[bytes]:
+    """Up to `limit` bytes of the regular file at path, or None if nothing is there.
+
+    Raises Refused for a symlink, directory, FIFO or device (the message says which), OSError
+    for other failures. Never follows a symlink, never blocks on a FIFO.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise Refused(f"{path} is a symlink; refusing to follow or replace it") from exc
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise Refused(f"{path} is a directory; refusing to replace it")
+        if not stat.S_ISREG(mode):
+            raise Refused(f"{path} is not a regular file; refusing to replace it")
+        chunks: list[bytes] = []
+        remaining = limit
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 65536))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def write(directory: str, name: str, data: bytes, temp_prefix: str, temp_suffix: str = ".tmp",

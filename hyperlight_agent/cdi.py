@@ -7,10 +7,8 @@ and fsyncs the directory, so a reader sees the complete old file or the complete
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import stat
 from typing import Optional
 
 from . import atomic, contracts
@@ -70,7 +68,7 @@ def inspect(cdi_dir: str, wanted: bytes) -> Optional[str]:
     """What is wrong with the spec, without changing anything; None when it is exact."""
     path = spec_path(cdi_dir)
     try:
-        current = _read_owned(path)
+        current = _read_owned(path, wanted)
     except CdiError as exc:
         return str(exc)
     if current is None:
@@ -84,7 +82,7 @@ def reconcile(cdi_dir: str, wanted: bytes) -> bool:
     """Make the spec exactly `wanted`. True if it had to be written. Raises CdiError."""
     path = spec_path(cdi_dir)
     atomic.remove_temps(cdi_dir, contracts.CDI_TEMP_PREFIX, contracts.CDI_TEMP_SUFFIX)
-    if _read_owned(path) == wanted:
+    if _read_owned(path, wanted) == wanted:
         return False
     try:
         os.makedirs(cdi_dir, mode=0o755, exist_ok=True)
@@ -98,30 +96,11 @@ def reconcile(cdi_dir: str, wanted: bytes) -> bool:
     return True
 
 
-def _read_owned(path: str) -> Optional[bytes]:
-    """The spec's bytes, or None if absent. Refuses (never follows) anything not a regular file."""
+def _read_owned(path: str, wanted: bytes) -> Optional[bytes]:
+    """The spec's bytes (at most one more than `wanted`: a longer file differs anyway), or None."""
     try:
-        # O_NONBLOCK: a FIFO planted at our path must not hang the agent.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise CdiError(f"{path} is a symlink; refusing to follow or replace it") from exc
-        raise CdiError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise CdiError(f"{path} is a directory; refusing to replace it")
-        if not stat.S_ISREG(st.st_mode):
-            raise CdiError(f"{path} is not a regular file; refusing to replace it")
-        chunks: list[bytes] = []
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
+        return atomic.read_regular(path, len(wanted) + 1)
+    except atomic.Refused as exc:
+        raise CdiError(str(exc)) from exc
     except OSError as exc:
         raise CdiError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    finally:
-        os.close(fd)

@@ -74,6 +74,10 @@ class Checker:
                 await self._running
 
     def _fresh(self) -> asyncio.Future[Observation]:
+        if self._closed:  # shutting down: no new check, no new helper
+            closed: asyncio.Future[Observation] = asyncio.get_running_loop().create_future()
+            closed.cancel()
+            return closed
         if self._running is None:
             return self._start()
         if self._next is None:

@@ -194,7 +194,7 @@ def read_file(path: str, required: bool) -> tuple[dict[str, Any], bool]:
         return {}, False
     except OSError as exc:
         raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
     for key in data:
         if key not in BY_KEY:
@@ -250,7 +250,8 @@ def default_file() -> str:
     out = [
         "# hyperlight-agent settings. Every key is optional; shown here with its default.",
         "# Environment variables and flags override this file (see `hyperlight-agent --help`).",
-        "# After editing: `systemctl reload hyperlight-agent` (directories change only on restart).",
+        "# After editing: `systemctl reload hyperlight-agent`. Directories, nfd_features_dir and",
+        "# metrics_address change only on restart.",
     ]
     for s in SETTINGS:
         out += ["", f"# {s.help[0].upper()}{s.help[1:]}.", f"# env {s.env}, flag {s.flag}"]

@@ -8,7 +8,6 @@ NFD must be allowed the hyperlight.dev label namespace (-extra-label-ns=hyperlig
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from typing import Optional
@@ -35,21 +34,22 @@ def render(hypervisor: str) -> bytes:
 def sync(features_dir: str, hypervisor: Optional[str]) -> bool:
     """Make the feature file match `hypervisor` (None: remove it). True if anything changed.
 
-    Raises OSError; the caller logs it (labels are advice to the scheduler, not health).
+    Raises OSError, or atomic.Refused when something other than a regular file is at our path
+    (it is never followed, replaced or removed); the caller logs either (labels are advice to the
+    scheduler, not health).
     """
     path = os.path.join(features_dir, FEATURE_FILE)
     atomic.remove_temps(features_dir, TEMP_PREFIX)
+    wanted = render(hypervisor) if hypervisor else b""
+    current = atomic.read_regular(path, len(wanted) + 1)
     if hypervisor is None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
+        if current is None:
             return False
+        os.unlink(path)
         log.info("node labels withdrawn: removed %s", path)
         return True
-    wanted = render(hypervisor)
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        if f.read() == wanted:
-            return False
+    if current == wanted:
+        return False
     os.makedirs(features_dir, mode=0o755, exist_ok=True)
     atomic.write(features_dir, FEATURE_FILE, wanted, TEMP_PREFIX)
     log.info("node labels %s=true, %s=%s written to %s", ENABLED_LABEL, HYPERVISOR_LABEL, hypervisor, path)

@@ -27,6 +27,7 @@ class Notifier:
         self.watchdog_interval: Optional[float] = (
             int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 and self._notifier else None)
         self.ready_sent = False
+        self.stopping_sent = False
         self._status = ""
 
     def send(self, *lines: str) -> None:
@@ -57,7 +58,15 @@ class Notifier:
         self.send("RELOADING=1", "STATUS=reloading configuration")
 
     def reloaded(self) -> None:
-        self.send("READY=1", f"STATUS={self._status}")
+        """End a reload: READY=1 again only if we had been ready (a reload must not make an
+        activating unit active), never after STOPPING=1."""
+        if self.stopping_sent:
+            return
+        if self.ready_sent:
+            self.send("READY=1", f"STATUS={self._status}")
+        else:
+            self.send(f"STATUS={self._status}")
 
     def stopping(self) -> None:
+        self.stopping_sent = True
         self.send("STOPPING=1", "STATUS=stopping")

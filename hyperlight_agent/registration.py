@@ -48,7 +48,8 @@ class Backoff:
 
     def next(self) -> float:
         base: float = min(self._cap, self._initial * (2.0 ** self.attempt))
-        self.attempt += 1
+        if base < self._cap:  # past the cap the exponent stops growing (and cannot overflow)
+            self.attempt += 1
         return base * (0.5 + 0.5 * float(self._rand()))
 
     def reset(self) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from hyperlight_agent import api, cdi, contracts
 from hyperlight_agent import deviceplugin_pb2 as pb
+from hyperlight_agent.registration import Backoff
 from hyperlight_agent.standin import KubeletStandin, Plugin, StandinThread
 from tests.conftest import StartAgent, helper_pids, make_node, wait_for
 from tests.conftest import read_bytes as read
@@ -161,6 +162,17 @@ def test_hung_register_is_bounded_and_retried(kubelet: StandinThread, start_agen
     assert len(kubelet.kubelet.register_calls) >= 2
 
 
+def test_backoff_is_capped_jittered_and_never_overflows() -> None:
+    backoff = Backoff(rand=lambda: 1.0)
+    delays = [backoff.next() for _ in range(5000)]
+    assert delays[:7] == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0]
+    assert max(delays) == 30.0 and delays[-1] == 30.0
+    low = Backoff(rand=lambda: 0.0)
+    assert [low.next() for _ in range(3)] == [0.25, 0.5, 1.0]  # jitter: half to full
+    backoff.reset()
+    assert backoff.next() == 0.5
+
+
 def test_rejected_register_backs_off_without_spinning(kubelet: StandinThread, start_agent: StartAgent) -> None:
     kubelet.run(lambda k: setattr(k, "mode", "reject"))
     agent = start_agent("--device-count", "2")
@@ -289,3 +301,11 @@ def test_signal_stops_cleanly(kubelet: StandinThread, start_agent: StartAgent, t
     assert os.path.exists(cdi.spec_path(os.path.join(tmp, "cdi"))), "the spec stays for restarts"
     assert helper_pids() == []
     kubelet.wait_until(lambda k: not plugin(k).stream_open, 5)  # type: ignore[union-attr]
+
+
+def test_repeated_sigterm_during_shutdown_still_exits_cleanly(kubelet: StandinThread, start_agent: StartAgent) -> None:
+    agent = start_agent("--device-count", "1")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    agent.proc.send_signal(signal.SIGTERM)
+    agent.proc.send_signal(signal.SIGTERM)  # e.g. an impatient operator, or systemd and kubelet both
+    assert agent.stop() == 0

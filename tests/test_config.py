@@ -112,3 +112,14 @@ def test_unreadable_config_file_exits_2(tmp: str) -> None:
     os.mkdir(path)  # reading a directory fails even as root
     with pytest.raises(config.ConfigError, match=r"dir\.toml: cannot read"):
         load(["--config", path], {})
+
+
+def test_config_file_that_is_not_utf8_exits_2(tmp: str) -> None:
+    path = os.path.join(tmp, "latin1.toml")
+    with open(path, "wb") as f:
+        f.write(b"# caf\xe9\ndevice_count = 3\n")
+    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", path],
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "latin1.toml: invalid TOML" in result.stderr

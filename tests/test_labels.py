@@ -6,7 +6,9 @@ import os
 import subprocess
 import sys
 
-from hyperlight_agent import labels
+import pytest
+
+from hyperlight_agent import atomic, labels
 from hyperlight_agent.standin import KubeletStandin, StandinThread
 from tests.conftest import StartAgent, make_node, wait_for
 from tests.conftest import read_bytes as read
@@ -34,6 +36,25 @@ def test_sync_writes_replaces_and_removes(tmp: str) -> None:
     assert read(path) is None
     assert sorted(os.listdir(features)) == ["other-vendor"]
     assert not os.path.exists(other)
+
+
+def test_something_else_at_our_path_is_refused_never_replaced(tmp: str) -> None:
+    features = os.path.join(tmp, "features.d")
+    os.mkdir(features)
+    path = os.path.join(features, labels.FEATURE_FILE)
+    target = os.path.join(tmp, "theirs")
+    with open(target, "w") as f:
+        f.write("keep")
+    os.symlink(target, path)
+    with pytest.raises(atomic.Refused, match="is a symlink"):
+        labels.sync(features, "kvm")
+    with pytest.raises(atomic.Refused, match="is a symlink"):
+        labels.sync(features, None)
+    assert os.path.islink(path) and read(target) == b"keep"
+    os.unlink(path)
+    os.mkfifo(path)  # would block a plain open() forever
+    with pytest.raises(atomic.Refused, match="not a regular file"):
+        labels.sync(features, "kvm")
 
 
 def test_readers_never_see_a_partial_file(tmp: str) -> None:

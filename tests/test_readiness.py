@@ -129,7 +129,14 @@ def test_sd_notify_sequence(tmp: str, start_agent: StartAgent, notify_socket: No
                         env={"NOTIFY_SOCKET": notify_socket.path, "WATCHDOG_USEC": "200000"})
     wait_for(lambda: any(line.startswith("STATUS=waiting for kubelet at ") for line in notify_socket.lines()), 10)
     wait_for(lambda: notify_socket.lines().count("WATCHDOG=1") >= 3, 10, "watchdog pings at WATCHDOG_USEC/2")
+    assert any(line.startswith("EXTEND_TIMEOUT_USEC=") for line in notify_socket.lines()), \
+        "until ready, pings also extend systemd's start timeout"
     assert "READY=1" not in notify_socket.lines(), "no kubelet yet: not ready"
+    # A reload while still activating must not send READY=1 (it would make the unit active).
+    agent.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: "RELOADING=1" in notify_socket.lines(), 10)
+    wait_for(lambda: "reloading configuration" in agent.log, 10)
+    assert "READY=1" not in notify_socket.lines()
 
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
         kubelet.wait_until(lambda k: slots(k) == 3, 15)
@@ -145,6 +152,12 @@ def test_sd_notify_sequence(tmp: str, start_agent: StartAgent, notify_socket: No
         kubelet.wait_until(lambda k: slots(k) == 5, 10, "5 slots after reload")
         lines = notify_socket.lines()
         assert lines.index("RELOADING=1") < len(lines) - 1 - lines[::-1].index("READY=1")
+
+        # Settings naming what is watched or served change only on restart.
+        with open(config, "w") as f:
+            f.write(f'device_count = 5\nnfd_features_dir = "{tmp}/elsewhere"\n')
+        agent.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "nfd_features_dir change only on restart" in agent.log, 10)
 
         # An invalid file is refused: the running settings stay, and STATUS says why.
         with open(config, "w") as f:
