@@ -57,14 +57,23 @@ class Agent:
         self.proc.terminate()
         self.proc.wait(10)
 
-    def rss_mib(self) -> float:
-        total = 0
-        for pid in [self.proc.pid]:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-        return total / 1024
+    def rss_mib(self) -> tuple[float, float, float]:
+        """(agent RSS, helper RSS, helper private) in MiB. The helper maps the same interpreter
+        and libraries as the agent, which a pod's memory cgroup charges once: what the helper
+        adds to the agent is its private memory."""
+        helpers = running_helpers()
+        return (_smaps(self.proc.pid, ("Rss",)), sum(_smaps(p, ("Rss",)) for p in helpers),
+                sum(_smaps(p, ("Private_Clean", "Private_Dirty")) for p in helpers))
+
+
+def _smaps(pid: int, fields: tuple[str, ...]) -> float:
+    total = 0
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in fields:
+                total += int(rest.split()[0])
+    return total / 1024
 
 
 def healthy(k: KubeletStandin, n: int) -> bool:
@@ -209,9 +218,10 @@ def bench_streams(top: str) -> None:
             arrivals = [r[c] for r, c in zip(received, counts)]
             spreads.append(max(arrivals) - min(arrivals))
             totals.append(max(arrivals) - t0)
-        row("50 streams: first → last stream updated, worst of 10 changes", ms(max(spreads)), "≤ 50 ms")
-        row("50 streams: device change → last stream updated, p50", ms(statistics.median(totals)))
-        row("RSS with 2000 slots and 51 streams (MiB)", f"{rss_many:.1f}")
+        row("50 streams: first → last stream updated, worst of 10 changes", ms(max(spreads)))
+        row("50 streams: device change → all updated (check included), worst of 10", ms(max(totals)), "≤ 50 ms")
+        row("RSS with 2000 slots and 51 streams: agent + helper's private (MiB)",
+            f"{rss_many[0] + rss_many[2]:.1f}")
         for t in tasks:
             t.cancel()
     agent.stop()
@@ -257,7 +267,10 @@ def bench_rss_and_start(top: str) -> None:
         notify.close()
     row("process start → READY=1 (sd_notify), p50", ms(statistics.median(starts)), "≤ 1.5 s")
     row("python -c 'import grpc' p50 (baseline)", ms(statistics.median(grpc_imports)))
-    row("RSS with 2000 slots and 10 streams (MiB)", f"{rss:.1f}", "≤ 48 MiB")
+    row("RSS with 2000 slots and 10 streams: agent / probe helper (its private part) (MiB)",
+        f"{rss[0]:.1f} / {rss[1]:.1f} ({rss[2]:.1f})")
+    row("RSS with 2000 slots and 10 streams: agent + helper's private (MiB)", f"{rss[0] + rss[2]:.1f}",
+        "≤ 48 MiB")
 
 
 def bench_restart_and_cdi(top: str) -> None:

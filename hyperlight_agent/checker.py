@@ -105,10 +105,14 @@ class Checker:
         observation, repaired = await self._check_once()
         self.completed += 1
         if self._state.publish(observation):
+            # Structured fields for the journal (journal.py); plain stderr ignores them.
+            fields = {"HYPERVISOR": observation.hypervisor or "", "REASON": observation.reason,
+                      "DEVICE_PATH": hypervisors.BY_NAME[observation.hypervisor].device_path(self.target.device_dir)
+                      if observation.hypervisor else ""}
             if observation.healthy:
-                log.info("device healthy: %s", observation.hypervisor)
+                log.info("device healthy: %s", observation.hypervisor, extra=fields)
             else:
-                log.warning("device unhealthy: %s", observation.reason)
+                log.warning("device unhealthy: %s", observation.reason, extra=fields)
         if self._on_result:
             self._on_result(observation, time.monotonic() - started, repaired)
         return observation

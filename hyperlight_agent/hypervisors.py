@@ -6,26 +6,34 @@ Standard library only: the probe helper imports this module.
 from __future__ import annotations
 
 import os
-import stat
-from dataclasses import dataclass
-from typing import Callable, Optional
 
 from . import probe
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time
 
-@dataclass(frozen=True)
+if TYPE_CHECKING:
+    from typing import Callable, Optional
+
+
 class Hypervisor:
-    """One supported hypervisor device.
+    """One supported hypervisor device. (A plain class, not a dataclass: the probe helper imports
+    this module, and dataclasses would cost it more memory than the whole table.)
 
     >>> KVM.device_path("/dev"), KVM.container_path
     ('/dev/kvm', '/dev/kvm')
     """
 
-    name: str
-    # The node's name under the device directory and under /dev in containers.
-    node: str
-    # The kernel-level usability check, run inside the probe helper on an open fd.
-    check: Callable[[int], None]
+    __slots__ = ("check", "name", "node")
+
+    def __init__(self, name: str, node: str, check: Callable[[int], None]) -> None:
+        self.name = name
+        # The node's name under the device directory and under /dev in containers.
+        self.node = node
+        # The kernel-level usability check, run inside the probe helper on an open fd.
+        self.check = check
+
+    def __repr__(self) -> str:
+        return f"Hypervisor({self.name!r})"
 
     def device_path(self, device_dir: str) -> str:
         return os.path.join(device_dir, self.node)
@@ -60,9 +68,3 @@ def detect(device_dir: str) -> Optional[Hypervisor]:
         return hypervisor
     return None
 
-
-def is_char_device(path: str) -> bool:
-    try:
-        return stat.S_ISCHR(os.lstat(path).st_mode)
-    except OSError:
-        return False

@@ -14,12 +14,16 @@ import os
 import stat
 import struct
 import sys
-from typing import Any, Callable, Optional
 
 from . import contracts
 
-# ioctl(fd, request, arg[, mutate]) -> int; a parameter so tests can drive every error path.
-Ioctl = Callable[..., Any]
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time
+
+if TYPE_CHECKING:  # typing costs the helper memory at run time; annotations need it only here
+    from typing import Any, Callable, Optional
+
+    # ioctl(fd, request, arg[, mutate]) -> int; a parameter so tests can drive every error path.
+    Ioctl = Callable[..., Any]
 
 
 class ProbeError(Exception):

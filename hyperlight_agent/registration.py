@@ -56,13 +56,17 @@ class Backoff:
         self.attempt = 0
 
 
-def _identity(path: str) -> Optional[tuple[int, int]]:
-    """(device, inode) of a socket at path, or None if there is none."""
+def _identity(path: str) -> Optional[tuple[int, int, int]]:
+    """(device, inode, ctime) of a socket at path, or None if there is none.
+
+    The inode alone is not enough: ext4 and xfs hand a deleted file's inode number to the next
+    file created, so a kubelet.sock recreated at once can reuse it; its ctime still differs.
+    """
     try:
         st = os.lstat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
 
 
 class Registrar:
@@ -83,11 +87,11 @@ class Registrar:
         self._register_timeout = register_timeout
         self._backoff = backoff or Backoff()
         self._server: Optional[grpc.aio.Server] = None
-        self._served: Optional[tuple[int, int]] = None
-        self._kubelet_seen: Optional[tuple[int, int]] = None
+        self._served: Optional[tuple[int, int, int]] = None
+        self._kubelet_seen: Optional[tuple[int, int, int]] = None
         # The kubelet.sock a failed attempt used (None: there was none). Any other one ends the
         # backoff at once, even if it appeared before the backoff began.
-        self._kubelet_tried: Optional[tuple[int, int]] = None
+        self._kubelet_tried: Optional[tuple[int, int, int]] = None
         self._wake = asyncio.Event()
         self.registered = False
         self.registrations = 0

@@ -106,6 +106,19 @@ class KubeletStandin:
         await self.start()
         self._changed()
 
+    async def replace_socket(self) -> None:
+        """Serve a new kubelet.sock without touching anything else (plugins' sockets stay)."""
+        self._release.set()
+        for plugin in self.plugins.values():
+            await self._drop(plugin)
+        self.plugins.clear()
+        if self._server is not None:
+            await self._server.stop(0)
+        with contextlib.suppress(FileNotFoundError):  # grpc may already have removed it
+            os.unlink(self.socket_path)
+        self._release = asyncio.Event()
+        await self.start()
+
     def release(self) -> None:
         """Let hung Register calls return."""
         self._release.set()

@@ -70,7 +70,7 @@ print(reads, bad)
 """
 
 
-def _kvm_metadata() -> Optional[tuple[int, int, int, int]]:
+def kvm_metadata() -> Optional[tuple[int, int, int, int]]:
     try:
         st = os.stat(HOST_KVM)
     except OSError:
@@ -81,9 +81,9 @@ def _kvm_metadata() -> Optional[tuple[int, int, int, int]]:
 @pytest.fixture(scope="session", autouse=True)
 def host_kvm_untouched() -> Iterator[None]:
     """The whole suite must leave the real /dev/kvm's owner, mode and device number alone."""
-    before = _kvm_metadata()
+    before = kvm_metadata()
     yield
-    assert _kvm_metadata() == before, f"{HOST_KVM} metadata changed during the test suite"
+    assert kvm_metadata() == before, f"{HOST_KVM} metadata changed during the test suite"
 
 
 @pytest.fixture

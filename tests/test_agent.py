@@ -116,7 +116,6 @@ def test_plugin_options_preferred_allocation_and_prestart(kubelet: StandinThread
 def test_reregisters_after_kubelet_restart(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
     start_agent("--device-count", "3")
     kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
-    other = os.path.join(tmp, "kubelet", "other-plugin.sock")
     delays = []
     for _ in range(10):
         kubelet.call(kubelet.kubelet.restart())
@@ -126,7 +125,18 @@ def test_reregisters_after_kubelet_restart(kubelet: StandinThread, start_agent: 
     print(f"new kubelet.sock → Register: {', '.join(f'{d * 1000:.0f} ms' for d in delays)}")
     assert max(delays) < 0.5
     assert os.path.exists(kubelet.kubelet.checkpoint)
-    assert not os.path.exists(other)
+
+
+def test_reregisters_when_only_kubelet_sock_is_created_anew(kubelet: StandinThread, start_agent: StartAgent,
+                                                            tmp: str) -> None:
+    start_agent("--device-count", "3")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
+    sock = os.path.join(tmp, "kubelet", "hyperlight.sock")
+    ours = os.stat(sock)
+    kubelet.call(kubelet.kubelet.replace_socket())  # our socket is left in place
+    kubelet.wait_until(lambda k: len(k.register_calls) == 2 and healthy_slots(k) == 3, 5)
+    again = os.stat(sock)  # (a reused inode number is possible; the ctime tells files apart)
+    assert (again.st_ino, again.st_ctime_ns) != (ours.st_ino, ours.st_ctime_ns), "served again"
 
 
 def test_reregisters_when_only_our_socket_is_deleted(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
@@ -309,3 +319,21 @@ def test_repeated_sigterm_during_shutdown_still_exits_cleanly(kubelet: StandinTh
     agent.proc.send_signal(signal.SIGTERM)
     agent.proc.send_signal(signal.SIGTERM)  # e.g. an impatient operator, or systemd and kubelet both
     assert agent.stop() == 0
+
+
+def test_startup_log_names_version_and_baked_commit(kubelet: StandinThread, start_agent: StartAgent) -> None:
+    agent = start_agent("--device-count", "1", env={"HYPERLIGHT_AGENT_COMMIT": "0123abcd"})
+    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    assert agent.stop() == 0
+    assert "starting hyperlight-agent 0.1.0 (commit 0123abcd)" in agent.log
+
+
+def test_log_level_setting_is_honoured(kubelet: StandinThread, start_agent: StartAgent) -> None:
+    agent = start_agent("--device-count", "1", env={"HYPERLIGHT_LOG_LEVEL": "warning"})
+    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    assert agent.stop() == 0
+    assert "INFO" not in agent.log
+    loud = start_agent("--device-count", "1", "--log-level", "debug")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    assert loud.stop() == 0
+    assert "INFO: status: ready" in loud.log

@@ -110,8 +110,11 @@ def test_explicit_missing_config_file_exits_2(tmp: str) -> None:
 def test_unreadable_config_file_exits_2(tmp: str) -> None:
     path = os.path.join(tmp, "dir.toml")
     os.mkdir(path)  # reading a directory fails even as root
-    with pytest.raises(config.ConfigError, match=r"dir\.toml: cannot read"):
-        load(["--config", path], {})
+    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", path],
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("hyperlight-agent: error: config file ") and "dir.toml: cannot read" in line
 
 
 def test_config_file_that_is_not_utf8_exits_2(tmp: str) -> None:

@@ -29,10 +29,20 @@ def deb() -> str:
     return path
 
 
+def apt(root: str, *args: str, binds: tuple[str, ...] = ()) -> None:
+    result = nspawn.pipe(root, "env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-y", "-q", *args, binds=binds)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 @pytest.fixture
 def guest(tmp: str, deb: str) -> Iterator[nspawn.Guest]:
+    """A clean Debian 12 where the .deb was installed with only Debian's archive reachable: its
+    dependencies (procps, python3-systemd) are removed first so apt must fetch them from there."""
     root = os.path.join(tmp, "root")
     subprocess.run(["cp", "-a", "--reflink=auto", nspawn.rootfs(), root], check=True, timeout=300)
+    apt(root, "purge", "procps", "python3-systemd")
+    apt(root, "update")
+    apt(root, "install", "/root/agent.deb", binds=(f"{deb}:/root/agent.deb",))
     os.makedirs(os.path.join(tmp, "kubelet"))
     kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
     binds = [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins", f"{deb}:/root/agent.deb"]
@@ -53,10 +63,14 @@ def install(guest: nspawn.Guest) -> None:
 
 
 def test_install_run_reload_remove_purge(guest: nspawn.Guest, tmp: str) -> None:
-    install(guest)
+    # Installed before boot (fixture): enabled, so the boot started it.
+    assert guest.run("dpkg-query", "-W", "-f=${Status}", "procps", "python3-systemd").stdout.count(
+        "install ok installed") == 2
     assert guest.run("systemctl", "is-enabled", UNIT).stdout.strip() == "enabled"
     wait_for(lambda: "waiting for kubelet at" in guest.status(UNIT), 30, "the waiting STATUS")
     assert guest.is_active(UNIT) == "activating"
+    # The boot is not held up: multi-user.target was reached while we wait for a kubelet.
+    assert guest.is_active("multi-user.target") == "active"
 
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
         kubelet.wait_until(lambda k: slots(k) == 2000, 30)
@@ -70,8 +84,14 @@ def test_install_run_reload_remove_purge(guest: nspawn.Guest, tmp: str) -> None:
         guest.run("systemctl", "reload", UNIT)
         kubelet.wait_until(lambda k: slots(k) == 7, 15, "7 slots after reload")
 
-        # Remove: stopped, no socket, no process; config and the CDI directory stay.
+        # Remove: stopped, no socket, no process, none of its files; config and the CDI directory stay.
+        owned = guest.run("dpkg-query", "-L", "hyperlight-agent").stdout.split()
+        conffiles = {"/etc/hyperlight-agent/agent.toml"}
         guest.run("env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "remove", "-y", "-q", "hyperlight-agent")
+        # Files and file symlinks only: directories such as /lib (a symlink under usrmerge) are shared.
+        left = guest.run("sh", "-c", 'for f in "$@"; do [ -d "$f" ] || { [ -e "$f" ] || [ -L "$f" ]; } && '
+                         '[ ! -d "$f" ] && echo "$f"; done; true', "sh", *owned).stdout.split()
+        assert set(left) <= conffiles, f"files left behind: {sorted(set(left) - conffiles)[:5]}"
         assert guest.is_active(UNIT) in ("inactive", "unknown")
         assert not os.path.exists(os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET))
         assert guest.run("pgrep", "-f", "hyperlight", check=False).returncode == 1, "a process was left"

@@ -132,3 +132,13 @@ def test_overlays_change_only_what_varies() -> None:
             assert o["volumes"] == b["volumes"]
             assert o["containers"][0]["volumeMounts"] == b["containers"][0]["volumeMounts"]
             assert o["containers"][0]["securityContext"] == b["containers"][0]["securityContext"]
+
+
+@pytest.mark.parametrize(("overlay", "count", "metrics"), [
+    ("base", "2000", False), ("kind", "100", False), ("aks-kvm", "5000", True), ("aks-mshv", "2000", True)])
+def test_overlay_settings(overlay: str, count: str, metrics: bool) -> None:
+    path = os.path.join(DEPLOY, overlay) if overlay == "base" else os.path.join(DEPLOY, "overlays", overlay)
+    main = _daemonsets(render(path))["hyperlight-device-plugin"]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    assert (env["DEVICE_COUNT"], env["DEVICE_UID"], env["DEVICE_GID"]) == (count, "65534", "65534")
+    assert ("HYPERLIGHT_METRICS_ADDRESS" in env) == metrics

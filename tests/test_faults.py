@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 
 from hyperlight_agent import cdi, contracts
 from hyperlight_agent.standin import KubeletStandin, StandinThread
-from tests.conftest import JSON_READER, AgentProcess, StartAgent, helper_pids, make_node, wait_for
+from tests.conftest import JSON_READER, AgentProcess, StartAgent, helper_pids, kvm_metadata, make_node, wait_for
 from tests.conftest import read_bytes as read
 
 R = contracts.RESOURCE_HYPERVISOR
@@ -94,6 +95,7 @@ def node(tmp: str, kubelet: StandinThread) -> Iterator[Node]:
         f.write(SENTINEL)
     kubelet_dir = os.path.join(tmp, "kubelet")
     checkpoint = read(kubelet.kubelet.checkpoint)
+    host_kvm = kvm_metadata()
     # The agent runs in a private mount namespace where dev/ and cdi/ are bind mounts of
     # themselves, so a row can make them read-only or bind /dev/null over the device for the
     # agent alone.
@@ -111,6 +113,7 @@ def node(tmp: str, kubelet: StandinThread) -> Iterator[Node]:
     # Preservation and cleanup, after every row.
     assert read(os.path.join(cdi_dir, "sentinel.json")) == SENTINEL
     assert read(kubelet.kubelet.checkpoint) == checkpoint
+    assert kvm_metadata() == host_kvm, "the host's /dev/kvm changed"
     assert sorted(os.listdir(cdi_dir)) == ["hyperlight.json", "sentinel.json"], "stray files in the CDI dir"
     assert read(n.spec) == WANTED
     assert not os.path.exists(os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET))
@@ -191,6 +194,24 @@ def test_row6_registration_failure(node: Node) -> None:
     node.kubelet.run(lambda k: setattr(k, "mode", "normal"))
     node.kubelet.run(lambda k: k.release())
     node.healthy(40)  # the next attempt after backoff (≤ 1 s here) or a new kubelet.sock
+
+
+def test_row6_empty_socket_directory(tmp: str, start_agent: StartAgent) -> None:
+    """An agent started on an empty socket directory (no kubelet): bounded attempts, backing
+    off, not ready; a kubelet appearing recovers it at once."""
+    kubelet_dir = os.path.join(tmp, "kubelet")
+    os.mkdir(kubelet_dir)
+    agent = start_agent("--device-count", str(SLOTS))
+    wait_for(lambda: agent.log.count("retrying in") >= 3, 20, "three backed-off attempts")
+    probe = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--kubelet-dir",
+                            kubelet_dir, "--health-check=readiness"], capture_output=True, timeout=30, check=False)
+    assert probe.returncode == 1
+    delays = [float(d) for d in re.findall(r"retrying in ([0-9.]+) s", agent.log)][:3]
+    assert delays[2] > delays[0], f"no backoff: {delays}"
+    assert os.listdir(kubelet_dir) == [], "a failed attempt leaves no socket behind"
+    with StandinThread(kubelet_dir) as kubelet:
+        kubelet.wait_until(lambda k: slots(k) == SLOTS, 5, "registration once kubelet.sock appears")
+        assert agent.stop() == 0
 
 
 def test_row7_plugin_restart_capacity_gap(tmp: str, kubelet: StandinThread, start_agent: StartAgent) -> None:

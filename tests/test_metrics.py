@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import urllib.request
 
@@ -9,6 +11,7 @@ import grpc
 import pytest
 
 from hyperlight_agent import contracts
+from hyperlight_agent.helper import running_helpers
 from hyperlight_agent.standin import KubeletStandin, StandinThread
 from tests.conftest import StartAgent, wait_for
 
@@ -58,3 +61,20 @@ def test_metrics_are_off_by_default(kubelet: StandinThread, start_agent: StartAg
     kubelet.wait_until(lambda k: slots(k) == 1, 15)
     assert agent.stop() == 0
     assert "metrics on" not in agent.log
+
+
+def test_metrics_count_failures_by_cause_and_helper_timeouts(kubelet: StandinThread, start_agent: StartAgent,
+                                                             kvm_dir: str) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    start_agent("--device-count", "1", "--device-dir", kvm_dir, "--metrics-address", address,
+                "--check-interval", "1")
+    kubelet.wait_until(lambda k: slots(k) == 1, 15)
+    (helper,) = running_helpers()
+    os.kill(helper, signal.SIGSTOP)  # the next check times out and kills it
+    wait_for(lambda: "hyperlight_probe_helper_timeouts_total 1.0" in scrape(address), 10, "a helper timeout")
+    text = scrape(address)
+    assert 'hyperlight_check_failures_total{cause="probe"} 1.0' in text
+    kubelet.wait_until(lambda k: slots(k) == 1, 10, "recovery with a new helper")
+    os.unlink(os.path.join(kvm_dir, "kvm"))
+    wait_for(lambda: 'hyperlight_device_unhealthy_cause{cause="no-device"} 1.0' in scrape(address), 10)
+    assert "hyperlight_device_healthy 0.0" in scrape(address)

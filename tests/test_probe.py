@@ -203,10 +203,15 @@ def test_mshv_live_partition_creation() -> None:
 
 def test_probe_modules_import_without_site_packages() -> None:
     # The helper runs under `python -I -S`: the probe and its imports must need nothing else.
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import hyperlight_agent.probe, "
-            "hyperlight_agent.hypervisors; print(sorted(m for m in sys.modules if 'grpc' in m or "
-            "m.startswith('google')))")
+    code = ("import io, sys; sys.path.insert(0, sys.argv[1]); from hyperlight_agent.probe import serve; "
+            "serve(io.StringIO(sys.argv[2] + '\\n'), io.StringIO()); "
+            "print(sorted(m for m in sys.modules if 'grpc' in m or m.startswith(('google', 'hyperlight')) "
+            "or m in ('typing', 'dataclasses', 'asyncio')))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(probe.__file__)))
-    out = subprocess.run([sys.executable, "-I", "-S", "-c", code, root], capture_output=True,
+    request = '{"hypervisor": "kvm", "device": "/dev/null", "host": null}'
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code, root, request], capture_output=True,
                          text=True, check=True, timeout=30)
-    assert out.stdout.strip() == "[]"
+    # After serving a request the helper holds exactly these agent modules (standard library
+    # only), and none of grpc, typing, dataclasses or asyncio: it stays small.
+    assert out.stdout.strip() == str(["hyperlight_agent", "hyperlight_agent.contracts",
+                                      "hyperlight_agent.hypervisors", "hyperlight_agent.probe"])

@@ -151,7 +151,8 @@ def test_sd_notify_sequence(tmp: str, start_agent: StartAgent, notify_socket: No
         agent.proc.send_signal(signal.SIGHUP)
         kubelet.wait_until(lambda k: slots(k) == 5, 10, "5 slots after reload")
         lines = notify_socket.lines()
-        assert lines.index("RELOADING=1") < len(lines) - 1 - lines[::-1].index("READY=1")
+        last_reload = len(lines) - 1 - lines[::-1].index("RELOADING=1")
+        assert "READY=1" in lines[last_reload:], "a reload of a ready agent ends with READY=1"
 
         # Settings naming what is watched or served change only on restart.
         with open(config, "w") as f:
@@ -176,7 +177,7 @@ def test_without_notify_socket_nothing_is_sent_and_nothing_fails(kubelet: Standi
     agent = start_agent("--device-count", "1")
     kubelet.wait_until(lambda k: slots(k) == 1, 15)
     assert agent.stop() == 0
-    assert "Error" not in agent.log
+    assert "ERROR" not in agent.log and "Traceback" not in agent.log
 
 
 def test_check_reports_a_usable_node(tmp: str, kvm_dir: str) -> None:
@@ -211,9 +212,15 @@ def test_journal_only_when_stderr_is_the_journal(tmp: str) -> None:
     assert not journal.stderr_is_journal({"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
     assert not journal.stderr_is_journal({"JOURNAL_STREAM": "garbage"})
     st = os.fstat(sys.stderr.fileno())
-    # stderr matches, but without python-systemd (or with it) setup must not fail.
-    kind = journal.setup("info", {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
-    assert kind in ("journal", "stderr")
+    matching = {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+    assert journal.stderr_is_journal(matching)
+    # stderr is the journal: python-systemd's handler if it is installed, else stderr, no error.
+    try:
+        import systemd.journal  # noqa: F401
+        expected = "journal"
+    except ImportError:
+        expected = "stderr"
+    assert journal.setup("info", matching) == expected
     assert journal.setup("info", {}) == "stderr"
 
 
@@ -241,3 +248,21 @@ def test_a_notify_reader_that_never_reads_cannot_wedge_the_agent(kubelet: Standi
         assert time.monotonic() - started < 5
     finally:
         deaf.close()
+
+
+def test_no_ready_while_unhealthy_and_status_says_why(tmp: str, start_agent: StartAgent,
+                                                      notify_socket: NotifySocket) -> None:
+    cdi_dir = os.path.join(tmp, "cdi")
+    os.mkdir(cdi_dir)
+    os.symlink("/etc/hostname", os.path.join(cdi_dir, "hyperlight.json"))
+    agent = start_agent("--device-count", "2", env={"NOTIFY_SOCKET": notify_socket.path})
+    with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
+        # Registered, streamed, but unhealthy: never READY=1.
+        kubelet.wait_until(lambda k: k.plugins.get(R) and k.plugins[R].stream_open and k.plugins[R].lists, 15)
+        wanted = f"STATUS=unhealthy: {cdi_dir}/hyperlight.json is a symlink; refusing to follow or replace it"
+        wait_for(lambda: wanted in notify_socket.lines(), 10, "the unhealthy STATUS")
+        assert "READY=1" not in notify_socket.lines()
+        os.unlink(os.path.join(cdi_dir, "hyperlight.json"))
+        kubelet.wait_until(lambda k: slots(k) == 2, 10)
+        wait_for(lambda: "READY=1" in notify_socket.lines(), 10, "READY=1 once healthy")
+        assert agent.stop() == 0

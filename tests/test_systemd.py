@@ -73,6 +73,8 @@ def test_notify_unit_is_active_only_when_ready(guest: nspawn.Guest, tmp: str) ->
         ours = [e for e in entries if e.get("SYSLOG_IDENTIFIER") == "hyperlight-agent"]
         assert ours and ours[-1].get("RESOURCE") == R
         assert ours[-1].get("CDI_PATH") == "/var/run/cdi/hyperlight.json"
+        (healthy,) = [e for e in ours if e.get("MESSAGE") == "device healthy: kvm"]
+        assert (healthy.get("HYPERVISOR"), healthy.get("DEVICE_PATH")) == ("kvm", "/dev/kvm")
 
         guest.run("systemctl", "stop", UNIT)
         assert guest.is_active(UNIT) == "inactive"
