@@ -28,14 +28,15 @@ _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELPER_MARK = "from hyperlight_agent.probe import serve"
 
 
-def running_helpers() -> list[int]:
-    """PIDs of probe helpers alive on this machine, from any agent."""
+def running_helpers(mark: str = HELPER_MARK) -> list[int]:
+    """PIDs of processes whose command line contains `mark`: by default, the probe helpers
+    alive on this machine, from any agent."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if HELPER_MARK.encode() in f.read():
+                    if mark.encode() in f.read():
                         pids.append(int(entry))
             except OSError:
                 continue

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from hyperlight_agent.helper import ProbeHelper, default_argv
+from hyperlight_agent.helper import ProbeHelper, default_argv, running_helpers
 from tests.conftest import helper_pids
 
 
@@ -104,16 +104,7 @@ def test_unreaped_helper_blocks_new_checks_until_it_exits(tmp: str, kvm_dir: str
 
 
 def hanging_pids(marker: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
+    return running_helpers(marker)
 
 
 def test_cancelled_request_abandons_the_helper(tmp: str, kvm_dir: str) -> None:
