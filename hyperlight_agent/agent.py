@@ -31,6 +31,7 @@ from .watcher import CONTENT, DirectoryWatcher
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 2.0
+_UNSYNCED = object()
 # Settings a reload cannot change (they name what is watched, written or served): kept, with a warning.
 RESTART_ONLY = ("device_dir", "host_device_dir", "kubelet_dir", "cdi_dir", "nfd_features_dir", "metrics_address")
 # Baked into the container image at build time (Containerfile), printed at startup.
@@ -84,7 +85,8 @@ class Agent:
         self.registrar = Registrar(self.settings.kubelet_dir, self.profile.socket, self.profile.resource,
                                    self._configure_server, on_change=self._on_registrar)
         self._counted = (0, 0)
-        self._labelled: Optional[str] = "unknown"  # what the feature file says; forces a first sync
+        # What the feature file says; _UNSYNCED forces the first sync.
+        self._labelled: object = _UNSYNCED
         self._last_status = ""
         self._serving: Optional[bool] = None
         self._health_update: Optional[asyncio.Future[None]] = None

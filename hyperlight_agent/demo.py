@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
 
 from . import contracts, hypervisors
 from .standin import StandinThread
@@ -21,7 +20,7 @@ from .standin import StandinThread
 SLOTS = 8
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main() -> int:
     top = tempfile.mkdtemp(prefix="hyperlight-demo-")
     detected = hypervisors.detect("/dev")
     print(f"== hyperlight-agent demo in {top}")

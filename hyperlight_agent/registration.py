@@ -98,10 +98,6 @@ class Registrar:
         self.kubelet_restarts = 0
         self.last_error = ""
 
-    @property
-    def serving(self) -> bool:
-        return self._server is not None
-
     def wake(self) -> None:
         """Something changed in the kubelet directory (called by the watcher)."""
         self._wake.set()
