@@ -20,8 +20,9 @@ import grpc
 
 from hyperlight_agent import api, cdi, contracts, probe
 from hyperlight_agent import deviceplugin_pb2 as pb
-from hyperlight_agent.helper import ProbeHelper, running_helpers
+from hyperlight_agent.helper import ProbeHelper
 from hyperlight_agent.standin import KubeletStandin, StandinThread
+from tests import procs
 
 R = contracts.RESOURCE_HYPERVISOR
 ROWS: list[tuple[str, str, str]] = []
@@ -61,7 +62,7 @@ class Agent:
         """(agent RSS, helper RSS, helper private) in MiB. The helper maps the same interpreter
         and libraries as the agent, which a pod's memory cgroup charges once: what the helper
         adds to the agent is its private memory."""
-        helpers = running_helpers()
+        helpers = procs.children(self.proc.pid)
         return (_smaps(self.proc.pid, ("Rss",)), sum(_smaps(p, ("Rss",)) for p in helpers),
                 sum(_smaps(p, ("Private_Clean", "Private_Dirty")) for p in helpers))
 
@@ -178,7 +179,7 @@ def bench_allocate(top: str, raw_probe: float) -> None:
         fut = asyncio.run_coroutine_threadsafe(burst(), k.loop)
         max_alive = 0
         while not done:
-            pids = running_helpers()
+            pids = procs.children(agent.proc.pid)
             alive.update(pids)
             max_alive = max(max_alive, len(pids))
         fut.result(60)

@@ -172,10 +172,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
+def load(args: argparse.Namespace, environ: Mapping[str, str],
+         default_file_path: str = DEFAULT_CONFIG_FILE) -> Settings:
     """Resolve every setting from flags, environment, file and defaults. Raises ConfigError."""
     explicit_file = args.config or environ.get(CONFIG_ENV) or None
-    path = explicit_file or DEFAULT_CONFIG_FILE
+    path = explicit_file or default_file_path
     from_file, file_read = read_file(path, required=explicit_file is not None)
     values: dict[str, Any] = {}
     for s in SETTINGS:

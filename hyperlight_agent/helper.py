@@ -24,23 +24,9 @@ PROBE_DEADLINE_S = 2.0
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# Every helper's command line contains this; it is how tests and benchmarks count helpers.
+# Every helper's command line contains this, so `ps` shows what the child is (tests find
+# their own helpers by it and by parent PID).
 HELPER_MARK = "from hyperlight_agent.probe import serve"
-
-
-def running_helpers(mark: str = HELPER_MARK) -> list[int]:
-    """PIDs of processes whose command line contains `mark`: by default, the probe helpers
-    alive on this machine, from any agent."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if mark.encode() in f.read():
-                        pids.append(int(entry))
-            except OSError:
-                continue
-    return pids
 
 
 def default_argv() -> list[str]:

@@ -17,8 +17,8 @@ import pytest
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # stand-in restarts make grpc log GOAWAYs at INFO
 
-from hyperlight_agent.helper import running_helpers
 from hyperlight_agent.standin import StandinThread
+from tests import procs
 
 HOST_KVM = "/dev/kvm"
 
@@ -34,11 +34,6 @@ def wait_for(condition: Callable[[], Any], timeout: float = 10, what: str = "con
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
-
-
-def helper_pids() -> list[int]:
-    """Probe helpers alive anywhere on this machine (tests run one agent at a time)."""
-    return running_helpers()
 
 
 def read_bytes(path: str) -> Optional[bytes]:
@@ -129,6 +124,20 @@ class AgentProcess:
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        # Helpers seen as this agent's children before it was told to stop: after it is gone
+        # they are orphans (no longer its children), and must still exit.
+        self.last_helpers: list[int] = []
+
+    def helpers(self) -> list[int]:
+        """This agent's probe helpers (its children), none of any other agent's."""
+        found = procs.children(self.proc.pid) if self.proc.poll() is None else []
+        if found:
+            self.last_helpers = sorted(set(self.last_helpers) | set(found))
+        return found
+
+    def helpers_left(self) -> list[int]:
+        """Helpers this agent ever showed that are still running."""
+        return procs.alive(self.last_helpers)
 
     @property
     def log(self) -> str:
@@ -137,6 +146,7 @@ class AgentProcess:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10) -> int:
         if self.proc.poll() is None:
+            self.helpers()
             self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout)
@@ -145,6 +155,7 @@ class AgentProcess:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
+            self.helpers()
             self.proc.kill()
             self.proc.wait(10)
         self._log.close()
@@ -167,4 +178,4 @@ def start_agent(tmp: str) -> Iterator[StartAgent]:
     yield start
     for agent in agents:
         agent.kill()
-    wait_for(lambda: not helper_pids(), 5, "probe helpers to exit after the agent")
+    wait_for(lambda: not any(a.helpers_left() for a in agents), 5, "probe helpers to exit after the agent")

@@ -14,7 +14,7 @@ from hyperlight_agent import api, cdi, contracts
 from hyperlight_agent import deviceplugin_pb2 as pb
 from hyperlight_agent.registration import Backoff
 from hyperlight_agent.standin import KubeletStandin, Plugin, StandinThread
-from tests.conftest import StartAgent, helper_pids, make_node, wait_for
+from tests.conftest import StartAgent, make_node, wait_for
 from tests.conftest import read_bytes as read
 
 R = contracts.RESOURCE_HYPERVISOR
@@ -303,13 +303,13 @@ def test_cdi_drift_is_repaired_on_change(kubelet: StandinThread, start_agent: St
 def test_signal_stops_cleanly(kubelet: StandinThread, start_agent: StartAgent, tmp: str, sig: int) -> None:
     agent = start_agent("--device-count", "1")
     kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
-    assert helper_pids()
+    assert agent.helpers()
     started = time.monotonic()
     assert agent.stop(sig) == 0
     assert time.monotonic() - started < 5
     assert not os.path.exists(os.path.join(tmp, "kubelet", "hyperlight.sock"))
     assert os.path.exists(cdi.spec_path(os.path.join(tmp, "cdi"))), "the spec stays for restarts"
-    assert helper_pids() == []
+    assert agent.helpers_left() == []
     kubelet.wait_until(lambda k: not plugin(k).stream_open, 5)  # type: ignore[union-attr]
 
 

@@ -12,7 +12,8 @@ from hyperlight_agent import cdi
 from hyperlight_agent.checker import Checker, CheckTarget
 from hyperlight_agent.health import HealthState, Observation
 from hyperlight_agent.helper import ProbeHelper
-from tests.conftest import helper_pids, make_node
+from tests.conftest import make_node
+from tests.procs import my_helpers
 
 
 def target(tmp: str, device_dir: str, **kw: object) -> CheckTarget:
@@ -55,7 +56,7 @@ def test_burst_of_500_checks_runs_a_handful_of_probes(tmp: str, kvm_dir: str) ->
         most_alive = 0
         burst = asyncio.gather(*(checker.check() for _ in range(500)))
         while not burst.done():  # sample the process table while the burst runs
-            most_alive = max(most_alive, len(helper_pids()))
+            most_alive = max(most_alive, len(my_helpers()))
             await asyncio.sleep(0)
         results = await burst
         assert all(r.healthy for r in results)

@@ -9,7 +9,7 @@ import pytest
 
 from hyperlight_agent import contracts
 from hyperlight_agent.standin import KubeletStandin, StandinThread
-from tests.conftest import StartAgent, helper_pids, make_node
+from tests.conftest import StartAgent, make_node
 
 R = contracts.RESOURCE_DEVICE_ACCESS
 
@@ -31,7 +31,7 @@ def test_one_slot_devicespec_only_no_cdi_never_opened(kubelet: StandinThread, st
     kubelet.wait_until(lambda k: plugin_slots(k) == [("kvm-0", "Healthy")], 15)
     ((_, request),) = kubelet.kubelet.register_calls
     assert (request.endpoint, request.resource_name) == ("hyperlight-access.sock", R)
-    assert helper_pids() == [], "bootstrap mode never starts the probe helper"
+    assert agent.helpers() == [], "bootstrap mode never starts the probe helper"
 
     (container,) = kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"])).container_responses
     assert [(d.container_path, d.host_path, d.permissions) for d in container.devices] == \

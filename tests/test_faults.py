@@ -22,7 +22,7 @@ import pytest
 
 from hyperlight_agent import cdi, contracts
 from hyperlight_agent.standin import KubeletStandin, StandinThread
-from tests.conftest import JSON_READER, AgentProcess, StartAgent, helper_pids, kvm_metadata, make_node, wait_for
+from tests.conftest import JSON_READER, AgentProcess, StartAgent, kvm_metadata, make_node, wait_for
 from tests.conftest import read_bytes as read
 
 R = contracts.RESOURCE_HYPERVISOR
@@ -117,7 +117,7 @@ def node(tmp: str, kubelet: StandinThread) -> Iterator[Node]:
     assert sorted(os.listdir(cdi_dir)) == ["hyperlight.json", "sentinel.json"], "stray files in the CDI dir"
     assert read(n.spec) == WANTED
     assert not os.path.exists(os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET))
-    wait_for(lambda: not helper_pids(), 5, "no helper left")
+    wait_for(lambda: not agent.helpers_left(), 5, "no helper left")
 
 
 @pytest.mark.parametrize("fault", ["missing", "stale", "malformed"])
@@ -267,15 +267,15 @@ def test_row9_atomic_replacement_during_allocation(node: Node) -> None:
 
 
 def test_hung_probe_helper_is_killed_and_replaced(node: Node) -> None:
-    (helper,) = helper_pids()
+    (helper,) = node.agent.helpers()
     os.kill(helper, signal.SIGSTOP)  # hung: it will never answer
     # The next check misses its 2 s deadline: Unhealthy. The check after that starts a new helper
     # and recovers on its own, so the Unhealthy window is about one check interval long.
     node.kubelet.wait_until(listed_unhealthy, 10, "Unhealthy slots")
     assert "probe did not finish within 2 s (helper killed)" in node.agent.log
-    wait_for(lambda: helper not in helper_pids(), 5, "the hung helper to be reaped")
+    wait_for(lambda: helper not in node.agent.helpers(), 5, "the hung helper to be reaped")
     node.healthy()
-    assert len(helper_pids()) == 1
+    assert len(node.agent.helpers()) == 1
 
 
 def test_sigkill_mid_repair_leaves_a_complete_file(tmp: str, kubelet: StandinThread,

@@ -8,8 +8,8 @@ import os
 import sys
 from typing import Any
 
-from hyperlight_agent.helper import ProbeHelper, default_argv, running_helpers
-from tests.conftest import helper_pids
+from hyperlight_agent.helper import ProbeHelper, default_argv
+from tests.procs import alive, my_helpers
 
 
 def hanging_helper(marker: str) -> list[str]:
@@ -28,18 +28,19 @@ def request(kvm_dir: str) -> dict[str, Any]:
 
 
 def test_one_long_lived_helper_serves_many_checks(kvm_dir: str) -> None:
-    async def run() -> None:
+    async def run() -> int:
         helper = ProbeHelper()
         for _ in range(20):
             assert await helper.run(request(kvm_dir)) == {"ok": True, "reason": ""}
         assert helper.started == 1
         pid = helper.pid
-        assert pid is not None and helper_pids() == [pid]
+        assert pid is not None and my_helpers() == [pid]
         await helper.close()
         assert helper.pid is None
+        return pid
 
-    asyncio.run(run())
-    assert helper_pids() == []
+    pid = asyncio.run(run())
+    assert alive([pid]) == []
 
 
 def test_helper_argv_isolates_from_site_packages() -> None:
@@ -104,7 +105,7 @@ def test_unreaped_helper_blocks_new_checks_until_it_exits(tmp: str, kvm_dir: str
 
 
 def hanging_pids(marker: str) -> list[int]:
-    return running_helpers(marker)
+    return my_helpers(marker)
 
 
 def test_cancelled_request_abandons_the_helper(tmp: str, kvm_dir: str) -> None:

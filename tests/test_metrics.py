@@ -11,7 +11,6 @@ import grpc
 import pytest
 
 from hyperlight_agent import contracts
-from hyperlight_agent.helper import running_helpers
 from hyperlight_agent.standin import KubeletStandin, StandinThread
 from tests.conftest import StartAgent, wait_for
 
@@ -66,10 +65,10 @@ def test_metrics_are_off_by_default(kubelet: StandinThread, start_agent: StartAg
 def test_metrics_count_failures_by_cause_and_helper_timeouts(kubelet: StandinThread, start_agent: StartAgent,
                                                              kvm_dir: str) -> None:
     address = f"127.0.0.1:{free_port()}"
-    start_agent("--device-count", "1", "--device-dir", kvm_dir, "--metrics-address", address,
-                "--check-interval", "1")
+    agent = start_agent("--device-count", "1", "--device-dir", kvm_dir, "--metrics-address", address,
+                        "--check-interval", "1")
     kubelet.wait_until(lambda k: slots(k) == 1, 15)
-    (helper,) = running_helpers()
+    (helper,) = agent.helpers()
     os.kill(helper, signal.SIGSTOP)  # the next check times out and kills it
     wait_for(lambda: "hyperlight_probe_helper_timeouts_total 1.0" in scrape(address), 10, "a helper timeout")
     text = scrape(address)
