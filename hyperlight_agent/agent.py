@@ -43,7 +43,8 @@ LIVENESS = "liveness"
 def profile_for(settings: Settings, device_access: bool) -> Profile:
     if device_access:
         # Bootstrap mode: one grant of the raw device to the main plugin's pod, DeviceSpec only.
-        return Profile(contracts.RESOURCE_DEVICE_ACCESS, contracts.DEVICE_ACCESS_SOCKET, 1, "device-spec")
+        return Profile(contracts.RESOURCE_DEVICE_ACCESS, contracts.DEVICE_ACCESS_SOCKET, 1, "device-spec",
+                       workload_env=False)
     return Profile(contracts.RESOURCE_HYPERVISOR, contracts.PLUGIN_SOCKET,
                    settings.device_count, settings.allocation)
 

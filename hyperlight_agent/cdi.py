@@ -8,11 +8,17 @@ and fsyncs the directory, so a reader sees the complete old file or the complete
 from __future__ import annotations
 
 import json
+import logging
 import os
-from typing import Optional
+import stat
+from typing import Optional, Sequence
 
 from . import atomic, contracts
 
+log = logging.getLogger(__name__)
+
+# Larger than any spec we write; a bigger file at our path is not ours to learn names from.
+MAX_SPEC_BYTES = 64 * 1024
 SPEC_MODE = 0o644  # runtimes (often not root) must read it
 DEVICE_FILE_MODE = 0o660  # the node in containers: owner and group only (podman's default is 0666)
 
@@ -21,26 +27,32 @@ class CdiError(Exception):
     """The spec could not be verified or repaired; the message names the path and the cause."""
 
 
-def render(hypervisor: str, device_path: str, uid: int, gid: int) -> bytes:
-    """The canonical spec bytes; "exact" means byte-equal to this.
+def render(hypervisor: str, device_path: str, uid: int, gid: int,
+           kept: Sequence[tuple[str, str]] = ()) -> bytes:
+    """The canonical spec bytes; "exact" means byte-equal to this (and SPEC_MODE, owned by us).
+
+    `kept` are (name, device path) of devices an earlier spec listed: a name handed out in an
+    Allocate is replayed by the kubelet when a container restarts, so it must keep resolving
+    even after the node's hypervisor changed.
 
     >>> b'"name": "kvm"' in render("kvm", "/dev/kvm", 65534, 65534)
     True
     """
+    devices = sorted({(hypervisor, device_path), *kept})
     spec = {
         "cdiVersion": contracts.CDI_VERSION,
         "kind": contracts.CDI_KIND,
         "devices": [
             {
-                "name": hypervisor,
+                "name": name,
                 "containerEdits": {
                     "env": [
-                        f"{contracts.ENV_HYPERVISOR}={hypervisor}",
-                        f"{contracts.ENV_DEVICE_PATH}={device_path}",
+                        f"{contracts.ENV_HYPERVISOR}={name}",
+                        f"{contracts.ENV_DEVICE_PATH}={path}",
                     ],
                     "deviceNodes": [
                         {
-                            "path": device_path,
+                            "path": path,
                             "type": "c",
                             "permissions": "rw",
                             "fileMode": DEVICE_FILE_MODE,
@@ -50,9 +62,25 @@ def render(hypervisor: str, device_path: str, uid: int, gid: int) -> bytes:
                     ],
                 },
             }
+            for name, path in devices
         ],
     }
     return (json.dumps(spec, indent=2) + "\n").encode()
+
+
+def listed_devices(cdi_dir: str) -> set[str]:
+    """Device names the spec at our path lists now (empty when it is missing, foreign or junk)."""
+    try:
+        current = atomic.read_regular(spec_path(cdi_dir), MAX_SPEC_BYTES)
+        spec = json.loads(current.data) if current else None
+    except (OSError, atomic.Refused, ValueError, RecursionError):
+        return set()
+    if not isinstance(spec, dict) or spec.get("kind") != contracts.CDI_KIND:
+        return set()
+    devices = spec.get("devices")
+    if not isinstance(devices, list):
+        return set()
+    return {d["name"] for d in devices if isinstance(d, dict) and isinstance(d.get("name"), str)}
 
 
 def device_name(hypervisor: str) -> str:
@@ -73,16 +101,26 @@ def inspect(cdi_dir: str, wanted: bytes) -> Optional[str]:
         return str(exc)
     if current is None:
         return f"{path} is missing"
-    if current != wanted:
+    if current.data != wanted:
         return f"{path} differs from the expected spec"
+    if not atomic.is_exact(current, wanted, SPEC_MODE):
+        st = current.st
+        return (f"{path} has mode {stat.S_IMODE(st.st_mode):04o} and owner {st.st_uid}:{st.st_gid}, "
+                f"expected {SPEC_MODE:04o} and {os.geteuid()}:{os.getegid()}")
     return None
 
 
 def reconcile(cdi_dir: str, wanted: bytes) -> bool:
-    """Make the spec exactly `wanted`. True if it had to be written. Raises CdiError."""
+    """Make the spec exactly `wanted` (bytes, mode, owner). True if it had to be written.
+
+    Raises CdiError; anything but a regular file at our path, even one that appears while we
+    write, is left in place.
+    """
     path = spec_path(cdi_dir)
-    atomic.remove_temps(cdi_dir, contracts.CDI_TEMP_PREFIX, contracts.CDI_TEMP_SUFFIX)
-    if _read_owned(path, wanted) == wanted:
+    for stale in atomic.remove_temps(cdi_dir, contracts.CDI_TEMP_PREFIX, contracts.CDI_TEMP_SUFFIX):
+        log.info("removed abandoned temp file %s", stale)
+    current = _read_owned(path, wanted)
+    if atomic.is_exact(current, wanted, SPEC_MODE):
         return False
     try:
         os.makedirs(cdi_dir, mode=0o755, exist_ok=True)
@@ -90,14 +128,17 @@ def reconcile(cdi_dir: str, wanted: bytes) -> bool:
         raise CdiError(f"{cdi_dir}: cannot create CDI directory: {exc.strerror or exc}") from exc
     try:
         atomic.write(cdi_dir, contracts.CDI_SPEC_FILE, wanted, contracts.CDI_TEMP_PREFIX,
-                     contracts.CDI_TEMP_SUFFIX, SPEC_MODE)
+                     contracts.CDI_TEMP_SUFFIX, SPEC_MODE,
+                     replace=current.identity if current is not None else None)
+    except atomic.Refused as exc:
+        raise CdiError(str(exc)) from exc
     except OSError as exc:
         raise CdiError(f"{path}: cannot write: {exc.strerror or exc}") from exc
     return True
 
 
-def _read_owned(path: str, wanted: bytes) -> Optional[bytes]:
-    """The spec's bytes (at most one more than `wanted`: a longer file differs anyway), or None."""
+def _read_owned(path: str, wanted: bytes) -> Optional[atomic.Current]:
+    """The spec (at most one byte more than `wanted`: a longer file differs anyway), or None."""
     try:
         return atomic.read_regular(path, len(wanted) + 1)
     except atomic.Refused as exc:

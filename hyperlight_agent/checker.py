@@ -119,32 +119,48 @@ class Checker:
 
     async def _check_once(self) -> tuple[Observation, bool]:
         t = self.target
-        hypervisor = hypervisors.detect(t.device_dir)
-        if hypervisor is None:
-            names = ", ".join(h.node for h in hypervisors.HYPERVISORS)
-            reason = f"no hypervisor device in {t.device_dir} (looked for {names})"
-            return Observation(False, reason, None, "no-device"), False
-        device = hypervisor.device_path(t.device_dir)
-        host = hypervisor.device_path(t.host_device_dir) if t.host_device_dir else None
+        candidates = hypervisors.present(t.device_dir)
+        if not candidates:
+            return Observation(False, hypervisors.absence_reason(t.device_dir), None, "no-device"), False
         if t.inventory_only:
-            ok, reason = _inventory(device, host)
+            hypervisor = candidates[0]
+            ok, reason = _inventory(hypervisor.device_path(t.device_dir), self._host_path(hypervisor))
             return Observation(ok, reason, hypervisor.name, "" if ok else "probe"), False
-        repaired = False
-        cdi_problem = ""
+        # The first row whose probe passes serves; when none does, the first row's failure is
+        # what the node reports.
+        failure: Optional[Observation] = None
+        for hypervisor in candidates:
+            reply = await self._helper.run({"hypervisor": hypervisor.name,
+                                            "device": hypervisor.device_path(t.device_dir),
+                                            "host": self._host_path(hypervisor)})
+            if reply.get("ok"):
+                break
+            failure = failure or Observation(False, str(reply.get("reason") or "probe failed"),
+                                             hypervisor.name, "probe")
+        else:
+            assert failure is not None
+            return failure, False
+        # Only a hypervisor that passed its probe may change the spec.
         try:
-            wanted = cdi.render(hypervisor.name, hypervisor.container_path, t.uid, t.gid)
-            # Inline, not in a thread: a few small local file operations, well under a millisecond.
-            repaired = cdi.reconcile(t.cdi_dir, wanted)
-            if repaired:
-                log.info("CDI spec %s written", cdi.spec_path(t.cdi_dir))
+            repaired = cdi.reconcile(t.cdi_dir, self._wanted_spec(hypervisor))
         except cdi.CdiError as exc:
-            cdi_problem = str(exc)
-        reply = await self._helper.run({"hypervisor": hypervisor.name, "device": device, "host": host})
-        if not reply.get("ok"):
-            return Observation(False, str(reply.get("reason") or "probe failed"), hypervisor.name, "probe"), repaired
-        if cdi_problem:
-            return Observation(False, cdi_problem, hypervisor.name, "cdi"), repaired
+            return Observation(False, str(exc), hypervisor.name, "cdi"), False
+        if repaired:
+            log.info("CDI spec %s written", cdi.spec_path(t.cdi_dir))
         return Observation(True, "", hypervisor.name), repaired
+
+    def _host_path(self, hypervisor: hypervisors.Hypervisor) -> Optional[str]:
+        host_dir = self.target.host_device_dir
+        return hypervisor.device_path(host_dir) if host_dir else None
+
+    def _wanted_spec(self, hypervisor: hypervisors.Hypervisor) -> bytes:
+        """Our device, plus every other row the spec already lists (their names may still be in
+        use by containers whose Allocate the kubelet replays)."""
+        t = self.target
+        listed = cdi.listed_devices(t.cdi_dir)
+        kept = [(h.name, h.container_path) for h in hypervisors.HYPERVISORS
+                if h.name in listed and h is not hypervisor]
+        return cdi.render(hypervisor.name, hypervisor.container_path, t.uid, t.gid, kept)
 
 
 def _forward(source: asyncio.Task[Observation], target: asyncio.Future[Observation]) -> None:

@@ -123,9 +123,10 @@ SETTINGS: tuple[Setting, ...] = (
             "CDI spec directory; the agent owns only hyperlight.json in it"),
     Setting("check_interval_seconds", "HYPERLIGHT_CHECK_INTERVAL", "--check-interval", 30,
             _seconds, "seconds between periodic device checks", toml_types=(int, float)),
-    Setting("allocation", "HYPERLIGHT_ALLOCATION", "--allocation", "cdi",
+    Setting("allocation", "HYPERLIGHT_ALLOCATION", "--allocation", "both",
             _choice(ALLOCATION_MODES),
-            "what Allocate returns: cdi, device-spec (runtimes without CDI) or both"),
+            "what Allocate returns: both (CDI name and DeviceSpec: works on every runtime), "
+            "cdi, or device-spec"),
     Setting("log_level", "HYPERLIGHT_LOG_LEVEL", "--log-level", "info", _choice(LOG_LEVELS),
             "debug, info, warning or error"),
     Setting("nfd_features_dir", "HYPERLIGHT_NFD_FEATURES_DIR", "--nfd-features-dir", None, _abs_dir,
@@ -139,19 +140,26 @@ BY_KEY = {s.key: s for s in SETTINGS}
 
 @dataclass(frozen=True)
 class Settings:
-    device_count: int = 2000
-    device_uid: int = 65534
-    device_gid: int = 65534
-    host_device_dir: Optional[str] = None
-    device_dir: str = "/dev"
-    kubelet_dir: str = contracts.KUBELET_PLUGIN_DIR
-    cdi_dir: str = contracts.CDI_DIR
-    check_interval_seconds: float = 30
-    allocation: str = "cdi"
-    log_level: str = "info"
-    nfd_features_dir: Optional[str] = None
-    metrics_address: Optional[str] = None
+    """Resolved settings. No defaults here: SETTINGS is their one home (see defaults())."""
+
+    device_count: int
+    device_uid: int
+    device_gid: int
+    host_device_dir: Optional[str]
+    device_dir: str
+    kubelet_dir: str
+    cdi_dir: str
+    check_interval_seconds: float
+    allocation: str
+    log_level: str
+    nfd_features_dir: Optional[str]
+    metrics_address: Optional[str]
     config_file: Optional[str] = None  # the file actually read, if any
+
+    @classmethod
+    def defaults(cls, **overrides: Any) -> Settings:
+        """Every setting at its default, except `overrides` (for tests and embedders)."""
+        return cls(**{**{s.key: s.default for s in SETTINGS}, **overrides})
 
 
 assert {f.name for f in fields(Settings)} - {"config_file"} == set(BY_KEY), "SETTINGS and Settings differ"

@@ -6,6 +6,7 @@ Standard library only: the probe helper imports this module.
 from __future__ import annotations
 
 import os
+import stat
 
 from . import probe
 
@@ -52,19 +53,38 @@ HYPERVISORS: tuple[Hypervisor, ...] = (MSHV, KVM)
 BY_NAME = {h.name: h for h in HYPERVISORS}
 
 
-def detect(device_dir: str) -> Optional[Hypervisor]:
-    """The first hypervisor whose node exists under device_dir as a character device, or None.
+def present(device_dir: str) -> list[Hypervisor]:
+    """The rows whose node under device_dir is a character device, in detection order.
 
-    Uses lstat: a symlink or regular file at the path is "something there", so it is detected
-    and then fails the probe with a reason, rather than silently falling through to another row.
+    lstat only, nothing is opened: a symlink, regular file or anything else at a row's path is
+    not that hypervisor (junk at /dev/mshv must not hide a working /dev/kvm).
     """
+    found = []
     for hypervisor in HYPERVISORS:
         try:
-            os.lstat(hypervisor.device_path(device_dir))
-        except FileNotFoundError:
-            continue
+            st = os.lstat(hypervisor.device_path(device_dir))
         except OSError:
-            return hypervisor
-        return hypervisor
-    return None
+            continue
+        if stat.S_ISCHR(st.st_mode):
+            found.append(hypervisor)
+    return found
 
+
+def detect(device_dir: str) -> Optional[Hypervisor]:
+    """The first row present as a character device, or None."""
+    found = present(device_dir)
+    return found[0] if found else None
+
+
+def absence_reason(device_dir: str) -> str:
+    """Why no row is present, naming whatever non-device sits at a row's path."""
+    odd = []
+    for hypervisor in HYPERVISORS:
+        path = hypervisor.device_path(device_dir)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        odd.append(f"{path} is not a character device (mode {stat.filemode(st.st_mode)})")
+    names = ", ".join(h.node for h in HYPERVISORS)
+    return f"no hypervisor device in {device_dir} (looked for {names})" + ("; " + "; ".join(odd) if odd else "")

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 
 FEATURE_FILE = "hyperlight"
 TEMP_PREFIX = ".hyperlight."
+FILE_MODE = 0o644
 ENABLED_LABEL = "hyperlight.dev/enabled"
 HYPERVISOR_LABEL = "hyperlight.dev/hypervisor"
 
@@ -48,9 +49,10 @@ def sync(features_dir: str, hypervisor: Optional[str]) -> bool:
         os.unlink(path)
         log.info("node labels withdrawn: removed %s", path)
         return True
-    if current == wanted:
+    if atomic.is_exact(current, wanted, FILE_MODE):
         return False
     os.makedirs(features_dir, mode=0o755, exist_ok=True)
-    atomic.write(features_dir, FEATURE_FILE, wanted, TEMP_PREFIX)
+    atomic.write(features_dir, FEATURE_FILE, wanted, TEMP_PREFIX, mode=FILE_MODE,
+                 replace=current.identity if current is not None else None)
     log.info("node labels %s=true, %s=%s written to %s", ENABLED_LABEL, HYPERVISOR_LABEL, hypervisor, path)
     return True

@@ -17,11 +17,30 @@ import grpc
 from . import cdi, contracts, hypervisors
 from . import deviceplugin_pb2 as pb
 from .checker import Checker
+from .config import MAX_DEVICE_COUNT
 from .health import HealthState, Observation
 
 log = logging.getLogger(__name__)
 
-_DEVICE_ID = re.compile(r"^([a-z]+)-(0|[1-9][0-9]*)$")
+# More IDs than the most slots a node can advertise is no request the kubelet makes.
+MAX_IDS_PER_REQUEST = MAX_DEVICE_COUNT
+
+# Matched whole (fullmatch): "kvm-0\n" is no ID. The length limit is checked first, so the
+# number never meets int()'s digit limit.
+_DEVICE_ID = re.compile(r"([a-z]+)-(0|[1-9][0-9]*)")
+# How much of an offending value a log line or an error message quotes.
+QUOTE_LIMIT = 40
+
+
+def quote(value: str, limit: int = QUOTE_LIMIT) -> str:
+    """repr(value), shortened: a hostile 1 MiB ID must not be echoed into logs and statuses.
+
+    >>> quote("kvm-" + "1" * 100)
+    "'kvm-111111111111111111111111111111111111'… (104 characters)"
+    """
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}… ({len(value)} characters)"
 
 
 @dataclass(frozen=True)
@@ -33,6 +52,9 @@ class Profile:
     slots: int
     # "cdi", "device-spec" or "both" (see config.ALLOCATION_MODES).
     allocation: str
+    # Whether a DeviceSpec comes with the workload environment the CDI spec sets (not for the
+    # bootstrap grant, which only the plugin's own pod receives).
+    workload_env: bool = True
 
 
 def device_ids(hypervisor: str, slots: int) -> list[str]:
@@ -86,11 +108,24 @@ class DevicePluginServicer:
     async def GetPreferredAllocation(self, request: pb.PreferredAllocationRequest,
                                      context: Any) -> pb.PreferredAllocationResponse:
         # Slots are interchangeable: honour must-include IDs, then take the first available.
+        # Linear in the request's size, which is bounded: this runs on the event loop.
+        total = sum(len(r.available_deviceIDs) + len(r.must_include_deviceIDs)
+                    for r in request.container_requests)
+        if total > 2 * MAX_IDS_PER_REQUEST:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{total} device IDs in one request; at most {2 * MAX_IDS_PER_REQUEST}")
         responses = []
         for req in request.container_requests:
-            chosen = list(req.must_include_deviceIDs)
-            room = max(0, req.allocation_size - len(chosen))
-            chosen += [d for d in req.available_deviceIDs if d not in chosen][:room]
+            chosen = list(dict.fromkeys(req.must_include_deviceIDs))
+            seen = set(chosen)
+            room = req.allocation_size - len(chosen)
+            for device_id in req.available_deviceIDs:
+                if room <= 0:
+                    break
+                if device_id not in seen:
+                    seen.add(device_id)
+                    chosen.append(device_id)
+                    room -= 1
             responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return pb.PreferredAllocationResponse(container_responses=responses)
 
@@ -112,6 +147,10 @@ class DevicePluginServicer:
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "unavailable",
                                f"{self.profile.resource} is unhealthy: {observation.reason}")
         hypervisor = hypervisors.BY_NAME[str(observation.hypervisor)]
+        named = sum(len(req.devices_ids) for req in request.container_requests)
+        if named > self.profile.slots:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid",
+                               f"{named} device IDs requested; this node has {self.profile.slots} slots")
         responses = []
         for n, req in enumerate(request.container_requests):
             if not req.devices_ids:
@@ -129,11 +168,13 @@ class DevicePluginServicer:
     # --- helpers ----------------------------------------------------------------------------
 
     def _id_problem(self, device_id: str, hypervisor: str) -> Optional[str]:
-        match = _DEVICE_ID.match(device_id)
+        if len(device_id) > contracts.MAX_DEVICE_ID_LENGTH:
+            return f"malformed device ID {quote(device_id)}: longer than {contracts.MAX_DEVICE_ID_LENGTH} characters"
+        match = _DEVICE_ID.fullmatch(device_id)
         if not match:
-            return f"malformed device ID {device_id!r}"
+            return f"malformed device ID {quote(device_id)}"
         if match.group(1) != hypervisor or int(match.group(2)) >= self.profile.slots:
-            return f"unknown device ID {device_id!r}"
+            return f"unknown device ID {quote(device_id)}"
         return None
 
     def _container_response(self, hypervisor: hypervisors.Hypervisor) -> pb.ContainerAllocateResponse:
@@ -146,6 +187,11 @@ class DevicePluginServicer:
                 host_path=hypervisor.container_path,
                 permissions="rw",
             ))
+            if self.profile.workload_env:
+                # What the CDI spec sets, for runtimes that ignore CDI (containerd 1.6). Where
+                # both arrive, the values are the same.
+                response.envs[contracts.ENV_HYPERVISOR] = hypervisor.name
+                response.envs[contracts.ENV_DEVICE_PATH] = hypervisor.container_path
         return response
 
     async def _refuse(self, context: Any, code: grpc.StatusCode, outcome: str, message: str) -> None:

@@ -51,27 +51,31 @@ def test_default_device_count_is_2000(kubelet: StandinThread, start_agent: Start
     kubelet.wait_until(lambda k: healthy_slots(k) == 2000, 15, "2000 healthy slots")
 
 
-def test_allocate_returns_cdi_device_per_container(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
+def test_default_allocation_returns_cdi_name_device_spec_and_env(kubelet: StandinThread,
+                                                                 start_agent: StartAgent, tmp: str) -> None:
     start_agent("--device-count", "4")
     kubelet.wait_until(lambda k: healthy_slots(k) == 4, 15)
-    response = kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"], ["kvm-1", "kvm-2"]))
-    assert len(response.container_responses) == 2
-    for c in response.container_responses:
-        assert [d.name for d in c.cdi_devices] == ["hyperlight.dev/hypervisor=kvm"]
-        assert list(c.devices) == []
+    (c,) = kubelet.call(kubelet.kubelet.allocate(R, ["kvm-1", "kvm-2"])).container_responses
+    print(f"Allocate response (default, both): {' '.join(str(c).split())}")
+    assert [d.name for d in c.cdi_devices] == ["hyperlight.dev/hypervisor=kvm"]
+    assert [(d.container_path, d.host_path, d.permissions) for d in c.devices] == [("/dev/kvm", "/dev/kvm", "rw")]
+    assert dict(c.envs) == {"HYPERLIGHT_HYPERVISOR": "kvm", "HYPERLIGHT_DEVICE_PATH": "/dev/kvm"}
     with open(cdi.spec_path(os.path.join(tmp, "cdi")), "rb") as f:
         assert f.read() == cdi.render("kvm", "/dev/kvm", 65534, 65534)
 
 
-@pytest.mark.parametrize(("mode", "cdi_devices", "specs"), [("device-spec", 0, 1), ("both", 1, 1)])
-def test_allocation_setting_offers_a_device_spec(kubelet: StandinThread, start_agent: StartAgent,
-                                                 mode: str, cdi_devices: int, specs: int) -> None:
+@pytest.mark.parametrize(("mode", "cdi_devices", "specs"), [("device-spec", 0, 1), ("cdi", 1, 0), ("both", 1, 1)])
+def test_allocation_setting_chooses_cdi_device_spec_or_both(kubelet: StandinThread, start_agent: StartAgent,
+                                                            mode: str, cdi_devices: int, specs: int) -> None:
     start_agent("--device-count", "2", env={"HYPERLIGHT_ALLOCATION": mode})
     kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
     (c,) = kubelet.call(kubelet.kubelet.allocate(R, ["kvm-1"])).container_responses
+    print(f"Allocate response ({mode}): {' '.join(str(c).split())}")
     assert len(c.cdi_devices) == cdi_devices
     specs_seen = [(d.container_path, d.host_path, d.permissions) for d in c.devices]
     assert specs_seen == [("/dev/kvm", "/dev/kvm", "rw")] * specs
+    # A DeviceSpec comes with the environment the CDI spec would set.
+    assert dict(c.envs) == ({"HYPERLIGHT_HYPERVISOR": "kvm", "HYPERLIGHT_DEVICE_PATH": "/dev/kvm"} if specs else {})
 
 
 @pytest.mark.parametrize(("ids", "message"), [

@@ -7,11 +7,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any, Callable
 
 import pytest
 
-from hyperlight_agent import cdi, contracts
+from hyperlight_agent import atomic, cdi, contracts
 from tests.conftest import JSON_READER
 
 WANTED = cdi.render("kvm", "/dev/kvm", 65534, 65534)
@@ -138,22 +139,28 @@ def test_fifo_at_our_path_is_refused_without_hanging(tmp: str) -> None:
         cdi.reconcile(tmp, WANTED)
 
 
-def test_unrelated_files_are_untouched_and_our_leftover_temps_removed(tmp: str) -> None:
+def test_unrelated_files_are_untouched_and_only_our_abandoned_temps_removed(tmp: str) -> None:
     others = {
         "other-vendor.json": b'{"cdiVersion":"0.5.0"}',
         "hyperlight.yaml": b"not ours",
         "hyperlight.json.bak": b"someone's backup",
         "notes.txt": b"keep",
+        # Temp-looking names that are not of our pattern: someone else's.
+        f"{contracts.CDI_TEMP_PREFIX}deadbeef{contracts.CDI_TEMP_SUFFIX}": b"{theirs",
+        f"{contracts.CDI_TEMP_PREFIX}hlagent-1-xyz{contracts.CDI_TEMP_SUFFIX}": b"{theirs",
     }
-    for name, data in others.items():
+    ours = f"{contracts.CDI_TEMP_PREFIX}hlagent-4242-0123456789ab{contracts.CDI_TEMP_SUFFIX}"
+    young = f"{contracts.CDI_TEMP_PREFIX}hlagent-4243-0123456789ab{contracts.CDI_TEMP_SUFFIX}"
+    for name, data in {**others, ours: b"{half", young: b"{in progress"}.items():
         with open(os.path.join(tmp, name), "wb") as f:
             f.write(data)
-    leftover = os.path.join(tmp, f"{contracts.CDI_TEMP_PREFIX}deadbeef{contracts.CDI_TEMP_SUFFIX}")
-    with open(leftover, "wb") as f:
-        f.write(b"{half")
+    old = time.time() - atomic.ABANDONED_AFTER_S - 1
+    for name in [*others, ours]:
+        os.utime(os.path.join(tmp, name), (old, old))
     before = {n: os.stat(os.path.join(tmp, n)) for n in others}
     cdi.reconcile(tmp, WANTED)
-    assert not os.path.exists(leftover)
+    assert not os.path.exists(os.path.join(tmp, ours)), "an abandoned temp file of ours is removed"
+    assert os.path.exists(os.path.join(tmp, young)), "a write in progress (young) is left alone"
     for name, data in others.items():
         path = os.path.join(tmp, name)
         with open(path, "rb") as f:
@@ -161,9 +168,19 @@ def test_unrelated_files_are_untouched_and_our_leftover_temps_removed(tmp: str) 
         assert os.stat(path).st_mtime_ns == before[name].st_mtime_ns
 
 
-def test_temp_names_are_invisible_to_cdi_runtimes() -> None:
-    name = f"{contracts.CDI_TEMP_PREFIX}0123456789ab{contracts.CDI_TEMP_SUFFIX}"
-    assert not name.endswith((".json", ".yaml"))
+def test_temp_files_are_invisible_to_cdi_runtimes(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+    real_fill = atomic._fill
+
+    def spy(fd: int, data: bytes) -> None:
+        seen.extend(n for n in os.listdir(tmp) if n != contracts.CDI_SPEC_FILE)
+        real_fill(fd, data)
+
+    monkeypatch.setattr(atomic, "_fill", spy)
+    assert cdi.reconcile(tmp, WANTED)
+    (temp,) = seen
+    assert temp.startswith(".") and not temp.endswith((".json", ".yaml")), temp
+    assert os.listdir(tmp) == [contracts.CDI_SPEC_FILE]
 
 
 RO_SCRIPT = """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 
@@ -158,3 +159,65 @@ def test_inventory_mode_never_opens_the_device(tmp: str) -> None:
         await helper.close()
 
     asyncio.run(run())
+
+
+def check_once(tmp: str, device_dir: str) -> Observation:
+    async def run() -> Observation:
+        helper = ProbeHelper()
+        try:
+            return await Checker(target(tmp, device_dir), helper, HealthState()).check()
+        finally:
+            await helper.close()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("junk", ["regular file", "symlink", "directory"])
+def test_junk_at_another_hypervisors_path_changes_nothing(tmp: str, kvm_dir: str, junk: str) -> None:
+    mshv = os.path.join(kvm_dir, "mshv")
+    if junk == "regular file":
+        with open(mshv, "w") as f:
+            f.write("x")
+    elif junk == "symlink":
+        os.symlink("kvm", mshv)
+    else:
+        os.mkdir(mshv)
+    observation = check_once(tmp, kvm_dir)
+    assert (observation.healthy, observation.hypervisor) == (True, "kvm")
+    with open(cdi.spec_path(os.path.join(tmp, "cdi")), "rb") as f:
+        assert f.read() == cdi.render("kvm", "/dev/kvm", 65534, 65534)
+
+
+def test_a_failing_probe_never_changes_the_spec(tmp: str) -> None:
+    dev = os.path.join(tmp, "dev")
+    os.mkdir(dev)
+    make_node(os.path.join(dev, "mshv"), 1, 3)  # /dev/null's numbers: the MSHV ioctl fails
+    cdi_dir = os.path.join(tmp, "cdi")
+    os.mkdir(cdi_dir)
+    kvm_spec = cdi.render("kvm", "/dev/kvm", 65534, 65534)
+    with open(cdi.spec_path(cdi_dir), "wb") as f:
+        f.write(kvm_spec)
+    observation = check_once(tmp, dev)
+    assert (observation.healthy, observation.hypervisor, observation.cause) == (False, "mshv", "probe")
+    with open(cdi.spec_path(cdi_dir), "rb") as f:
+        assert f.read() == kvm_spec
+
+
+def test_a_working_row_serves_when_a_preferred_row_fails_its_probe(tmp: str, kvm_dir: str) -> None:
+    make_node(os.path.join(kvm_dir, "mshv"), 1, 3)
+    observation = check_once(tmp, kvm_dir)
+    assert (observation.healthy, observation.hypervisor) == (True, "kvm")
+
+
+def test_names_handed_out_earlier_keep_resolving_after_the_hypervisor_changes(tmp: str, kvm_dir: str) -> None:
+    """A node that served mshv and now serves kvm: containers whose replayed Allocate names
+    hyperlight.dev/hypervisor=mshv must still find that device in the spec."""
+    cdi_dir = os.path.join(tmp, "cdi")
+    os.mkdir(cdi_dir)
+    with open(cdi.spec_path(cdi_dir), "wb") as f:
+        f.write(cdi.render("mshv", "/dev/mshv", 65534, 65534))
+    assert check_once(tmp, kvm_dir).healthy
+    both = cdi.render("kvm", "/dev/kvm", 65534, 65534, kept=[("mshv", "/dev/mshv")])
+    with open(cdi.spec_path(cdi_dir), "rb") as f:
+        assert f.read() == both
+    assert [d["name"] for d in json.loads(both)["devices"]] == ["kvm", "mshv"]

@@ -34,7 +34,7 @@ def test_defaults_match_the_documented_table(tmp: str) -> None:
     assert s.host_device_dir is None
     assert (s.device_dir, s.cdi_dir) == ("/dev", "/var/run/cdi")
     assert s.kubelet_dir == "/var/lib/kubelet/device-plugins"
-    assert (s.check_interval_seconds, s.allocation, s.log_level) == (30, "cdi", "info")
+    assert (s.check_interval_seconds, s.allocation, s.log_level) == (30, "both", "info")
 
 
 def test_flag_beats_env_beats_file_beats_default(tmp: str) -> None:
