@@ -1,5 +1,11 @@
-import sys
+# Before anything else: a SIGTERM while the agent is still importing must stop it cleanly, not
+# kill it with the default action (signals.py says what each signal means).
+from .signals import install_early
 
-from .cli import main
+install_early()
+
+import sys  # noqa: E402 - after the handlers, on purpose
+
+from .cli import main  # noqa: E402
 
 sys.exit(main())

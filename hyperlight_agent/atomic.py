@@ -152,6 +152,26 @@ def _rename2(src: str, dst: str, flags: int) -> None:
         raise OSError(code, os.strerror(code), dst)
 
 
+def rename_noreplace(src: str, dst: str) -> None:
+    """Rename src to dst only if nothing is at dst (Refused otherwise); atomic."""
+    _create(src, dst)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(src)  # still there only after the link(2) fallback
+
+
+def exchange(src: str, dst: str) -> bool:
+    """Swap the entries at src and dst atomically (True). Where the filesystem cannot, dst is
+    replaced by src (False; the caller has just checked what dst is: a window of microseconds)."""
+    try:
+        _rename2(src, dst, RENAME_EXCHANGE)
+    except OSError as exc:
+        if not _unsupported(exc):
+            raise
+        os.rename(src, dst)
+        return False
+    return True
+
+
 def _unsupported(exc: OSError) -> bool:
     return exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 

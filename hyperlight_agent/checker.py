@@ -20,9 +20,13 @@ from typing import Callable, Optional
 
 from . import cdi, hypervisors
 from .health import HealthState, Observation
-from .helper import ProbeHelper
+from .helper import ProbeHelper, ProbeRequest
 
 log = logging.getLogger(__name__)
+
+# After a check failed because of the helper (stalled, killed, died), check again this soon
+# rather than a whole check interval later; once per streak, so a stuck kernel cannot loop us.
+HELPER_RECHECK_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,8 @@ class Checker:
         # Callers waiting for the check after the running one, which starts when it ends.
         self._next: Optional[asyncio.Future[Observation]] = None
         self._closed = False
+        self._helper_trouble = False  # the last check failed because of the helper
+        self._rechecked = False  # a prompt re-check was already scheduled for this streak
         self.completed = 0  # checks completed (tests and benchmarks read this)
 
     async def check(self, timeout: Optional[float] = None) -> Observation:
@@ -102,8 +108,14 @@ class Checker:
 
     async def _run_one(self) -> Observation:
         started = time.monotonic()
+        self._helper_trouble = False
         observation, repaired = await self._check_once()
         self.completed += 1
+        if not self._helper_trouble:
+            self._rechecked = False
+        elif not self._rechecked and not self._closed:
+            self._rechecked = True
+            asyncio.get_running_loop().call_later(HELPER_RECHECK_S, self.request)
         if self._state.publish(observation):
             # Structured fields for the journal (journal.py); plain stderr ignores them.
             fields = {"HYPERVISOR": observation.hypervisor or "", "REASON": observation.reason,
@@ -130,13 +142,12 @@ class Checker:
         # what the node reports.
         failure: Optional[Observation] = None
         for hypervisor in candidates:
-            reply = await self._helper.run({"hypervisor": hypervisor.name,
-                                            "device": hypervisor.device_path(t.device_dir),
-                                            "host": self._host_path(hypervisor)})
-            if reply.get("ok"):
+            result = await self._helper.run(ProbeRequest(hypervisor.name, hypervisor.device_path(t.device_dir),
+                                                          self._host_path(hypervisor)))
+            if result.ok:
                 break
-            failure = failure or Observation(False, str(reply.get("reason") or "probe failed"),
-                                             hypervisor.name, "probe")
+            self._helper_trouble = self._helper_trouble or result.helper_fault
+            failure = failure or Observation(False, result.reason or "probe failed", hypervisor.name, "probe")
         else:
             assert failure is not None
             return failure, False

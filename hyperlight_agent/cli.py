@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Mapping, NoReturn, Optional, Sequence
 
-from . import __version__, config, journal
+from . import __version__, config, contracts, journal, modes, notify, signals
 
 PROG = "hyperlight-agent"
 DESCRIPTION = (
@@ -22,8 +22,9 @@ DESCRIPTION = (
     "kubelet and keeps the CDI spec hyperlight.json exactly right."
 )
 EPILOG = (
-    "Exit status: 0 on a clean stop, 1 on a runtime failure, 2 on a usage or configuration error. "
-    "SIGTERM or SIGINT stops gracefully; the CDI spec is kept."
+    "Exit status: 0 on a clean stop, 1 on a runtime failure (also when another agent already serves "
+    "our socket), 2 on a usage or configuration error. SIGTERM or SIGINT stops gracefully (also "
+    "during startup); SIGHUP reloads the config file; the CDI spec is kept."
 )
 
 
@@ -56,15 +57,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None) -> int:
+    signals.install_early()  # from here on a signal is remembered, never fatal
     environ = os.environ if environ is None else environ
     # Warnings about lenient environment values must be visible before settings are known.
     journal.setup("info", environ)
     try:
         args = build_parser().parse_args(argv)
         settings = config.load(args, environ)
+        try:
+            notify.watchdog_usec(environ)
+        except ValueError as exc:
+            value = environ.get(contracts.WATCHDOG_USEC_ENV, "")
+            raise config.ConfigError(f"{contracts.WATCHDOG_USEC_ENV}={config.quote(value)}: {exc}") from None
     except config.ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    if args.health_check or args.check:
+        signals.restore_defaults()
     if args.health_check:
         from .probes import health_check
 
@@ -79,19 +88,37 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
         print("this node can serve Hyperlight" if ok else "this node cannot serve Hyperlight")
         return 0 if ok else 1
     journal.setup(settings.log_level, environ, {
-        "resource": "hyperlight.dev/device-access" if args.device_access else "hyperlight.dev/hypervisor",
+        "resource": modes.of(args.device_access).resource,
         "cdi_path": os.path.join(settings.cdi_dir, "hyperlight.json"),
         "device_dir": settings.device_dir})
-    from .agent import Agent  # grpc is imported only for the long-running modes
+    from .registration import AlreadyServed  # grpc is imported only for the long-running modes
 
-    agent = Agent(settings, device_access=args.device_access,
-                  reload=lambda: config.load(args, environ))
     try:
-        asyncio.run(agent.run())
+        asyncio.run(_serve(settings, args, environ))
+    except AlreadyServed as exc:
+        logging.getLogger(PROG).error("%s", exc)
+        return 1
     except Exception as exc:  # the one place a fatal runtime error becomes an exit code
         logging.getLogger(PROG).error("fatal: %s", exc, exc_info=settings.log_level == "debug")
         return 1
     return 0
+
+
+async def _serve(settings: config.Settings, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
+    from .agent import Agent
+
+    agent = Agent(settings, device_access=args.device_access, reload=lambda: config.load(args, environ))
+    loop = asyncio.get_running_loop()
+    signals.attach(loop, agent.stop, agent.reload)
+    try:
+        await agent.start()
+        try:
+            await agent.wait()
+        finally:
+            signals.stopping(loop)
+            await agent.close()
+    finally:
+        signals.detach(loop)
 
 
 def main_exit() -> NoReturn:

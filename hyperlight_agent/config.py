@@ -7,8 +7,11 @@ The README's settings table and `--help` are both generated from or checked agai
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import re
+import stat
 import sys
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -29,6 +32,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 UINT32_MAX = 2**32 - 1
 # A ListAndWatch list of more devices than this exceeds the kubelet's 4 MiB gRPC message limit.
 MAX_DEVICE_COUNT = 100_000
+# The settings file is a few kilobytes; anything this large is a mistake.
+MAX_CONFIG_BYTES = 1024 * 1024
+PATH_MAX = 4096
 
 
 class ConfigError(Exception):
@@ -40,10 +46,12 @@ def _int_in(low: int, high: int, what: str) -> Callable[[Any], int]:
         if isinstance(value, bool):
             raise ValueError(f"must be {what}")
         if isinstance(value, str):
-            try:
-                value = int(value.strip(), 10)
-            except ValueError:
-                raise ValueError(f"must be {what}") from None
+            text = value.strip()
+            # ASCII digits only (int() takes any Unicode digit), and few enough that int()'s
+            # digit limit is never reached.
+            if not (text.isascii() and text.isdigit() and len(text) <= 20):
+                raise ValueError(f"must be {what}")
+            value = int(text, 10)
         if not isinstance(value, int) or not low <= value <= high:
             raise ValueError(f"must be {what}")
         return value
@@ -52,7 +60,7 @@ def _int_in(low: int, high: int, what: str) -> Callable[[Any], int]:
 
 
 def _seconds(value: Any) -> float:
-    if isinstance(value, bool):
+    if isinstance(value, bool) or (isinstance(value, str) and not (value.isascii() and len(value) <= 40)):
         raise ValueError("must be a number of seconds from 0.1 to 86400")
     try:
         number = float(value)
@@ -64,8 +72,10 @@ def _seconds(value: Any) -> float:
 
 
 def _abs_dir(value: Any) -> str:
-    if not isinstance(value, str) or not value.startswith("/"):
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
         raise ValueError("must be an absolute directory path")
+    if len(value.encode("utf-8", "surrogateescape")) > PATH_MAX:
+        raise ValueError(f"must be at most {PATH_MAX} bytes")
     return os.path.normpath(value)
 
 
@@ -78,10 +88,29 @@ def _choice(choices: Sequence[str]) -> Callable[[Any], str]:
     return parse
 
 
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
 def _listen_address(value: Any) -> str:
-    host, sep, port = str(value).rpartition(":")
-    if not isinstance(value, str) or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError("must be HOST:PORT, e.g. 127.0.0.1:9464")
+    """HOST:PORT where HOST is an IP address ([v6] in brackets) or a host name; checked here,
+    not when the server binds after startup."""
+    problem = ValueError("must be HOST:PORT with an IP address or host name, e.g. 127.0.0.1:9464")
+    if not isinstance(value, str) or len(value) > 300:
+        raise problem
+    host, sep, port = value.rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        raise problem
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise problem from None
+        return value
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not (host.isascii() and _HOSTNAME.fullmatch(host)):
+            raise problem from None
     return value
 
 
@@ -98,10 +127,17 @@ class Setting:
     lenient_env: bool = False
     # TOML is typed: a quoted number where a number belongs is a mistake worth reporting.
     toml_types: tuple[type, ...] = (str,)
+    # It names what is watched, written or served: a reload keeps the running value.
+    restart_only: bool = False
 
     @property
     def default_text(self) -> str:
         return "unset" if self.default is None else str(self.default)
+
+    @property
+    def meaning(self) -> str:
+        """The help text, with the reload rule: for --help, README and the shipped agent.toml."""
+        return self.help + ("; changes only on restart" if self.restart_only else "")
 
 
 U32 = _int_in(0, UINT32_MAX, f"an integer from 0 to {UINT32_MAX}")
@@ -114,13 +150,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("device_gid", "DEVICE_GID", "--device-gid", 65534, U32,
             "group of the device node inside containers (CDI)", lenient_env=True, toml_types=(int,)),
     Setting("host_device_dir", "HOST_DEVICE_DIR", "--host-device-dir", None, _abs_dir,
-            "where the host's /dev is visible (e.g. /host-dev in a pod); unset: the device dir"),
+            "where the host's /dev is visible (e.g. /host-dev in a pod); unset: the device dir",
+            restart_only=True),
     Setting("device_dir", "HYPERLIGHT_DEVICE_DIR", "--device-dir", "/dev", _abs_dir,
-            "directory holding the hypervisor node the agent probes"),
+            "directory holding the hypervisor node the agent probes", restart_only=True),
     Setting("kubelet_dir", "HYPERLIGHT_KUBELET_DIR", "--kubelet-dir", contracts.KUBELET_PLUGIN_DIR,
-            _abs_dir, "the kubelet's device-plugin directory (kubelet.sock, our socket)"),
+            _abs_dir, "the kubelet's device-plugin directory (kubelet.sock, our socket)", restart_only=True),
     Setting("cdi_dir", "HYPERLIGHT_CDI_DIR", "--cdi-dir", contracts.CDI_DIR, _abs_dir,
-            "CDI spec directory; the agent owns only hyperlight.json in it"),
+            "CDI spec directory; the agent owns only hyperlight.json in it", restart_only=True),
     Setting("check_interval_seconds", "HYPERLIGHT_CHECK_INTERVAL", "--check-interval", 30,
             _seconds, "seconds between periodic device checks", toml_types=(int, float)),
     Setting("allocation", "HYPERLIGHT_ALLOCATION", "--allocation", "both",
@@ -131,11 +168,16 @@ SETTINGS: tuple[Setting, ...] = (
             "debug, info, warning or error"),
     Setting("nfd_features_dir", "HYPERLIGHT_NFD_FEATURES_DIR", "--nfd-features-dir", None, _abs_dir,
             "write node labels as an NFD feature file here (e.g. "
-            "/etc/kubernetes/node-feature-discovery/features.d); unset: off"),
+            "/etc/kubernetes/node-feature-discovery/features.d); unset: off", restart_only=True),
     Setting("metrics_address", "HYPERLIGHT_METRICS_ADDRESS", "--metrics-address", None, _listen_address,
-            "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464); unset: off"),
+            "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464); unset: off",
+            restart_only=True),
 )
 BY_KEY = {s.key: s for s in SETTINGS}
+RESTART_ONLY = tuple(s.key for s in SETTINGS if s.restart_only)
+# The longest socket path the agent binds in kubelet_dir (a private name, renamed into place).
+LONGEST_SOCKET_NAME = max(len(contracts.private_socket_name(n, contracts.PID_MAX, "0" * 8))
+                          for n in (contracts.PLUGIN_SOCKET, contracts.DEVICE_ACCESS_SOCKET))
 
 
 @dataclass(frozen=True)
@@ -171,7 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for s in SETTINGS:
         group.add_argument(
             s.flag, dest=s.key, metavar="VALUE", default=None,
-            help=f"{s.help} [env {s.env}; toml {s.key}; default {s.default_text}]",
+            help=f"{s.meaning} [env {s.env}; toml {s.key}; default {s.default_text}]",
         )
     group.add_argument(
         "--config", dest="config", metavar="FILE", default=None,
@@ -189,25 +231,56 @@ def load(args: argparse.Namespace, environ: Mapping[str, str],
     values: dict[str, Any] = {}
     for s in SETTINGS:
         values[s.key] = _resolve(s, getattr(args, s.key, None), environ, from_file, path)
+    socket_bytes = len(values["kubelet_dir"].encode("utf-8", "surrogateescape")) + 1 + LONGEST_SOCKET_NAME
+    if socket_bytes > contracts.UNIX_PATH_MAX:
+        raise ConfigError(f"kubelet_dir = {values['kubelet_dir']!r}: socket paths in it would be up to "
+                          f"{socket_bytes} bytes; unix sockets allow {contracts.UNIX_PATH_MAX}")
     return Settings(**values, config_file=path if file_read else None)
+
+
+def _read_bytes(path: str) -> Optional[bytes]:
+    """The file's bytes (None when missing): regular files only (and /dev/null, read as empty),
+    never blocking (a FIFO is refused at once), at most MAX_CONFIG_BYTES."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3):
+            return b""  # /dev/null: "no settings file", as tests and `make run` use it
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"config file {path}: not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path}: larger than {MAX_CONFIG_BYTES} bytes")
+        data = os.read(fd, MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path}: larger than {MAX_CONFIG_BYTES} bytes")
+        return data
+    finally:
+        os.close(fd)
 
 
 def read_file(path: str, required: bool) -> tuple[dict[str, Any], bool]:
     """The TOML file's settings (validated keys and types), and whether a file was read."""
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        if required:
-            raise ConfigError(f"config file {path}: does not exist") from None
-        return {}, False
+        raw = _read_bytes(path)
+        if raw is None:
+            if required:
+                raise ConfigError(f"config file {path}: does not exist")
+            return {}, False
+        data = tomllib.loads(raw.decode("utf-8"))
     except OSError as exc:
         raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path}: invalid TOML: {exc}") from None
+        raise ConfigError(f"config file {path}: invalid TOML: {_one_line(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path}: invalid TOML: nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer beyond int()'s digit limit
+        raise ConfigError(f"config file {path}: invalid TOML: {_one_line(exc)}") from None
     for key in data:
         if key not in BY_KEY:
-            raise ConfigError(f"config file {path}: unknown setting {key!r}")
+            raise ConfigError(f"config file {path}: unknown setting {quote(key)}")
     return data, True
 
 
@@ -221,14 +294,14 @@ def _resolve(s: Setting, flag: Optional[str], environ: Mapping[str, str],
             return s.parse(env_value)
         except ValueError as exc:
             if not s.lenient_env:
-                raise ConfigError(f"{s.env}={env_value!r}: {exc}") from None
-            log.warning("ignoring %s=%r (%s); using %s", s.env, env_value, exc,
+                raise ConfigError(f"{s.env}={quote(env_value)}: {exc}") from None
+            log.warning("ignoring %s=%s (%s); using %s", s.env, quote(env_value), exc,
                         "the config file's value" if s.key in from_file else f"the default {s.default}")
     if s.key in from_file:
         value = from_file[s.key]
         if isinstance(value, bool) or not isinstance(value, s.toml_types):
             wanted = " or ".join(t.__name__ for t in s.toml_types)
-            raise ConfigError(f"{s.key} in {path} = {value!r}: must be a TOML {wanted}")
+            raise ConfigError(f"{s.key} in {path} = {quote(value)}: must be a TOML {wanted}")
         return _parse(s, value, f"{s.key} in {path}")
     return s.default
 
@@ -237,14 +310,24 @@ def _parse(s: Setting, value: Any, where: str) -> Any:
     try:
         return s.parse(value)
     except ValueError as exc:
-        raise ConfigError(f"{where} = {value!r}: {exc}") from None
+        raise ConfigError(f"{where} = {quote(value)}: {exc}") from None
+
+
+def quote(value: Any, limit: int = 60) -> str:
+    """repr(value), shortened: an error line names the value without echoing megabytes."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200]
 
 
 def settings_table() -> str:
     """The README's settings table, as Markdown rows (a test compares the two)."""
     rows = ["| TOML key | environment | flag | default | meaning |", "|---|---|---|---|---|"]
     for s in SETTINGS:
-        rows.append(f"| {s.key} | {s.env} | {s.flag} | {s.default_text} | {s.help} |")
+        rows.append(f"| {s.key} | {s.env} | {s.flag} | {s.default_text} | {s.meaning} |")
     rows.append(f"| (the file itself) | {CONFIG_ENV} | --config | {DEFAULT_CONFIG_FILE} | "
                 "TOML file with any of the keys above; a missing default file is fine |")
     return "\n".join(rows)
@@ -259,11 +342,11 @@ def default_file() -> str:
     out = [
         "# hyperlight-agent settings. Every key is optional; shown here with its default.",
         "# Environment variables and flags override this file (see `hyperlight-agent --help`).",
-        "# After editing: `systemctl reload hyperlight-agent`. Directories, nfd_features_dir and",
-        "# metrics_address change only on restart.",
+        "# After editing: `systemctl reload hyperlight-agent` (settings marked \"changes only on",
+        "# restart\" need `systemctl restart hyperlight-agent`).",
     ]
     for s in SETTINGS:
-        out += ["", f"# {s.help[0].upper()}{s.help[1:]}.", f"# env {s.env}, flag {s.flag}"]
+        out += ["", f"# {s.meaning[0].upper()}{s.meaning[1:]}.", f"# env {s.env}, flag {s.flag}"]
         if s.default is None:
             out.append(f'#{s.key} = "{UNSET_EXAMPLES[s.key]}"   # unset by default')
         elif isinstance(s.default, str):

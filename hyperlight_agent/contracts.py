@@ -26,6 +26,16 @@ RESOURCE_DEVICE_ACCESS = "hyperlight.dev/device-access"
 PLUGIN_SOCKET = "hyperlight.sock"
 DEVICE_ACCESS_SOCKET = "hyperlight-access.sock"
 
+# --- Linux (owner: the kernel) ---
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
+PID_MAX = 4194304  # /proc/sys/kernel/pid_max's upper bound
+
+
+def private_socket_name(socket_name: str, pid: int, token: str) -> str:
+    """Where a server binds before its socket is renamed into place: .hyperlight.sock.<pid>.<hex>."""
+    return f".{socket_name}.{pid}.{token}"
+
+
 # --- Container Device Interface (owner: cncf-tags/container-device-interface) ---
 CDI_DIR = "/var/run/cdi"
 CDI_KIND = RESOURCE_HYPERVISOR

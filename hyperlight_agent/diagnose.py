@@ -7,7 +7,7 @@ import asyncio
 
 from . import cdi, hypervisors
 from .config import Settings
-from .helper import ProbeHelper
+from .helper import ProbeHelper, ProbeRequest, ProbeResult
 
 
 def diagnose(settings: Settings) -> tuple[bool, list[str]]:
@@ -20,17 +20,17 @@ def diagnose(settings: Settings) -> tuple[bool, list[str]]:
     host = hypervisor.device_path(settings.host_device_dir) if settings.host_device_dir else None
     lines.append(f"ok   device: {hypervisor.name} at {device}" + (f" (host node {host})" if host else ""))
 
-    async def probe() -> dict[str, object]:
+    async def probe() -> ProbeResult:
         helper = ProbeHelper()
         try:
-            return await helper.run({"hypervisor": hypervisor.name, "device": device, "host": host})
+            return await helper.run(ProbeRequest(hypervisor.name, device, host))
         finally:
             await helper.close()
 
-    reply = asyncio.run(probe())
-    ok = bool(reply.get("ok"))
+    result = asyncio.run(probe())
+    ok = result.ok
     check = "empty VM created" if hypervisor.name == "kvm" else "partition created"
-    lines.append(f"ok   probe: {check} and closed" if ok else f"FAIL probe: {reply.get('reason')}")
+    lines.append(f"ok   probe: {check} and closed" if ok else f"FAIL probe: {result.reason}")
     wanted = cdi.render(hypervisor.name, hypervisor.container_path, settings.device_uid, settings.device_gid)
     problem = cdi.inspect(settings.cdi_dir, wanted)
     if problem is None:

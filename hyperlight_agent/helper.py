@@ -16,11 +16,26 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
 PROBE_DEADLINE_S = 2.0
+
+
+class ProbeRequest(NamedTuple):
+    """One check for the helper: open `device`, confirm it is the host's node, run the row's probe."""
+
+    hypervisor: str
+    device: str
+    host: Optional[str] = None  # where the host's own node is visible; None: `device` is
+
+
+class ProbeResult(NamedTuple):
+    ok: bool
+    reason: str = ""
+    # The helper itself failed (stalled, killed, died, garbled): says nothing about the device.
+    helper_fault: bool = False
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -65,8 +80,8 @@ class ProbeHelper:
     def dying_pid(self) -> Optional[int]:
         return self._dying.pid if self._dying else None
 
-    async def run(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Send one request; the reply, or {"ok": False, "reason": …} on any failure."""
+    async def run(self, request: ProbeRequest) -> ProbeResult:
+        """Send one request; the helper's result, or a helper_fault result on any failure."""
         async with self._lock:
             loop = asyncio.get_running_loop()
             give_up_at = loop.time() + self.deadline
@@ -81,7 +96,7 @@ class ProbeHelper:
             try:
                 proc = await self._ensure_started()
                 assert proc.stdin is not None and proc.stdout is not None
-                proc.stdin.write(json.dumps(request).encode() + b"\n")
+                proc.stdin.write(json.dumps(request._asdict()).encode() + b"\n")
                 await proc.stdin.drain()
                 line = await asyncio.wait_for(proc.stdout.readline(), give_up_at - loop.time())
             except asyncio.TimeoutError:
@@ -101,10 +116,10 @@ class ProbeHelper:
                 return _failure("probe helper exited unexpectedly")
             try:
                 reply = json.loads(line)
-            except ValueError:
+                return ProbeResult(bool(reply["ok"]), str(reply["reason"]))
+            except (ValueError, TypeError, KeyError):
                 self._abandon()
                 return _failure(f"probe helper sent a malformed reply: {line[:80]!r}")
-            return dict(reply)
 
     async def close(self) -> None:
         """Stop the helper (EOF on its stdin, then kill) and reap everything."""
@@ -155,5 +170,5 @@ class ProbeHelper:
         return True
 
 
-def _failure(reason: str) -> dict[str, Any]:
-    return {"ok": False, "reason": reason}
+def _failure(reason: str) -> ProbeResult:
+    return ProbeResult(False, reason, helper_fault=True)

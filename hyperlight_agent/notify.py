@@ -11,6 +11,16 @@ from typing import Mapping, Optional
 from . import contracts
 
 
+def watchdog_usec(environ: Mapping[str, str]) -> Optional[int]:
+    """WATCHDOG_USEC as systemd sets it (ASCII digits), or None when unset. Raises ValueError."""
+    usec = environ.get(contracts.WATCHDOG_USEC_ENV, "")
+    if not usec:
+        return None
+    if not (usec.isascii() and usec.isdigit() and len(usec) <= 20) or int(usec) == 0:
+        raise ValueError("must be a positive number of microseconds")
+    return int(usec)
+
+
 class Notifier:
     def __init__(self, environ: Mapping[str, str] = os.environ) -> None:
         self._notifier = None
@@ -22,10 +32,9 @@ class Notifier:
                 # Never block the event loop on a full notify queue (a stuck or absent reader):
                 # a dropped STATUS line is better than a wedged agent.
                 self._notifier.socket.setblocking(False)
-        usec = environ.get(contracts.WATCHDOG_USEC_ENV, "")
+        usec = watchdog_usec(environ)  # validated by the CLI before anything started
         # systemd asks for pings at least every WATCHDOG_USEC; half of it leaves room for a slow tick.
-        self.watchdog_interval: Optional[float] = (
-            int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 and self._notifier else None)
+        self.watchdog_interval: Optional[float] = usec / 2e6 if usec and self._notifier else None
         self.ready_sent = False
         self.stopping_sent = False
         self._status = ""

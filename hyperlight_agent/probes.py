@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import os
 
-from . import contracts
+from . import modes
 from .config import Settings
 
 PROBE_TIMEOUT_S = 2.0
-# The agent's health service names: readiness is the overall service "".
-SERVICES = {"liveness": "liveness", "readiness": ""}
 
 
 def health_check(settings: Settings, which: str, device_access: bool) -> tuple[bool, str]:
     import grpc
     from grpc_health.v1 import health_pb2
 
-    socket_name = contracts.DEVICE_ACCESS_SOCKET if device_access else contracts.PLUGIN_SOCKET
-    path = os.path.join(settings.kubelet_dir, socket_name)
+    path = os.path.join(settings.kubelet_dir, modes.of(device_access).socket)
     if not os.path.exists(path):
         return False, f"{which}: not serving: no socket at {path}"
     with grpc.insecure_channel("unix://" + path) as channel:
@@ -28,7 +25,8 @@ def health_check(settings: Settings, which: str, device_access: bool) -> tuple[b
             response_deserializer=health_pb2.HealthCheckResponse.FromString,
         )
         try:
-            response = check(health_pb2.HealthCheckRequest(service=SERVICES[which]), timeout=PROBE_TIMEOUT_S)
+            request = health_pb2.HealthCheckRequest(service=modes.HEALTH_SERVICES[which])
+            response = check(request, timeout=PROBE_TIMEOUT_S)
         except grpc.RpcError as exc:
             return False, f"{which}: no answer from {path}: {exc.code().name}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

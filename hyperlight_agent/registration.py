@@ -1,27 +1,41 @@
-"""The kubelet lifecycle, kept apart from device logic: serve, register, watch, serve again.
+"""The kubelet lifecycle, kept apart from device logic: serve, register, stay streamed, serve again.
 
-    serve our socket → Register (bounded) ─ok→ registered ─kubelet restart→ stop, serve again
-                 ↑           └─fail→ stop serving, remove our socket, back off (capped, jittered)
-                 └────────────── or at once when kubelet.sock is created anew
+    serve (private name → our socket) → Register (bounded) ─ok→ registered ─stream opens→ streamed
+          ↑                                  └─fail→ stop, back off (capped, jittered) or until
+          │                                          a new kubelet.sock appears
+          └── stop serving (streams end first), then again, when:
+                - the kubelet restarted (our socket gone, or kubelet.sock replaced): at once;
+                - no ListAndWatch stream opened within STREAM_OPEN_TIMEOUT_S of Register, or the
+                  stream ended: after the backoff (the kubelet never dials a plugin again once its
+                  stream ended, so "registered" without a stream would strand the node at 0).
 
-A kubelet restart shows as our socket disappearing or kubelet.sock being replaced. Watcher
-events only wake us; what happened is always decided by stat()ing both sockets, so our own
-socket removals and stale events cannot cause a spurious restart.
+Our socket is never someone else's file: the server binds a private name and renames it into
+place without replacing a live socket (another agent serving the same path makes us exit), and
+only the socket we put there is ever removed. grpcio unlinks whatever is at the path it binds
+and again at stop; binding a private name keeps both of those off the shared path.
+
+Watcher events only wake us; what happened is always decided by stat()ing both sockets and by
+counting this server's streams, so stale events and streams of a server we already replaced
+cannot cause anything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import random
+import secrets
+import socket
 import stat
+import time
 from typing import Callable, Optional
 
 import grpc
 
-from . import api, contracts
+from . import api, atomic, contracts
 from . import deviceplugin_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -29,13 +43,27 @@ log = logging.getLogger(__name__)
 REGISTER_TIMEOUT_S = 5.0
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_CAP_S = 30.0
+# The kubelet opens ListAndWatch right after Register returns; without one this long after, the
+# registration did not take.
+STREAM_OPEN_TIMEOUT_S = 3.0
+# A stream that lived this long was a healthy registration: the backoff starts over after it.
+STABLE_STREAM_S = 30.0
+# After ending a stream the kubelet still had open, before registering again: the kubelet handles
+# the end asynchronously, and in 1.28 an old stream ending after a new Register disconnects the
+# new one (kubernetes issue 121994); later releases mark the resource unhealthy instead.
+STREAM_SETTLE_S = 0.1
 # A safety net behind inotify (which can be unavailable or overflow): re-check sockets this often.
 VERIFY_INTERVAL_S = 5.0
 STOP_GRACE_S = 1.0
+LIVE_PROBE_TIMEOUT_S = 1.0
 
 
 class RegistrationError(Exception):
     pass
+
+
+class AlreadyServed(Exception):
+    """A live plugin (another agent) serves our socket path: we never take it over."""
 
 
 class Backoff:
@@ -56,7 +84,10 @@ class Backoff:
         self.attempt = 0
 
 
-def _identity(path: str) -> Optional[tuple[int, int, int]]:
+Identity = tuple[int, int, int]
+
+
+def _identity(path: str) -> Optional[Identity]:
     """(device, inode, ctime) of a socket at path, or None if there is none.
 
     The inode alone is not enough: ext4 and xfs hand a deleted file's inode number to the next
@@ -69,73 +100,167 @@ def _identity(path: str) -> Optional[tuple[int, int, int]]:
     return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
 
 
+def _inode(path: str) -> Optional[tuple[int, int]]:
+    """(device, inode) of a socket at path: stable across renames, which change the ctime."""
+    identity = _identity(path)
+    return identity[:2] if identity else None
+
+
+def _is_live(path: str) -> bool:
+    """Whether something accepts connections on the unix socket at path (a stale file refuses)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
+        probe.settimeout(LIVE_PROBE_TIMEOUT_S)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError as exc:
+            # A full backlog (EAGAIN) or a slow peer (timeout) is a live server.
+            return exc.errno in (errno.EAGAIN, None)
+        return True
+
+
+# What the registrar is doing, for status lines and readiness.
+WAITING = "waiting"  # for a kubelet (serving or registering failed; backing off)
+REGISTERED = "registered"  # Register succeeded; no stream yet
+STREAMED = "streamed"  # the kubelet's ListAndWatch stream is open
+LOST = "lost"  # the stream ended, or never opened: serving and registering again
+
+
 class Registrar:
-    """Keeps one plugin server (a grpc.aio server with our handlers) registered with the kubelet."""
+    """Keeps one plugin server (a grpc.aio server with our handlers) registered and streamed."""
 
     def __init__(self, kubelet_dir: str, socket_name: str, resource: str,
-                 configure: Callable[[grpc.aio.Server], None],
+                 configure: Callable[[grpc.aio.Server, Callable[[int], None]], Callable[[], None]],
                  on_change: Optional[Callable[[], None]] = None,
                  register_timeout: float = REGISTER_TIMEOUT_S,
-                 backoff: Optional[Backoff] = None) -> None:
+                 backoff: Optional[Backoff] = None,
+                 stream_open_timeout: float = STREAM_OPEN_TIMEOUT_S) -> None:
         self.kubelet_dir = kubelet_dir
         self.socket_path = os.path.join(kubelet_dir, socket_name)
         self.kubelet_socket = os.path.join(kubelet_dir, contracts.KUBELET_SOCKET)
         self._socket_name = socket_name
         self._resource = resource
-        self._configure = configure  # adds our services to each new server
+        # configure(server, on_stream) adds our services to a new server; on_stream(+1/-1) must be
+        # called as that server's ListAndWatch streams open and end. It returns a function that
+        # ends those streams (called when the server stops).
+        self._configure = configure
         self._on_change = on_change  # readiness and status are derived from our state
         self._register_timeout = register_timeout
+        self._stream_open_timeout = stream_open_timeout
         self._backoff = backoff or Backoff()
         self._server: Optional[grpc.aio.Server] = None
-        self._served: Optional[tuple[int, int, int]] = None
-        self._kubelet_seen: Optional[tuple[int, int, int]] = None
+        self._end_streams: Callable[[], None] = lambda: None
+        self._served: Optional[Identity] = None
+        self._kubelet_seen: Optional[Identity] = None
         # The kubelet.sock a failed attempt used (None: there was none). Any other one ends the
         # backoff at once, even if it appeared before the backoff began.
-        self._kubelet_tried: Optional[tuple[int, int, int]] = None
+        self._kubelet_tried: Optional[Identity] = None
         self._wake = asyncio.Event()
-        self.registered = False
+        self._generation = 0  # of the current server; streams of older ones are ignored
+        self.streams = 0  # open ListAndWatch streams on the current server
+        self._stream_since = 0.0
+        self._streamed_before_stop = False
+        self.state = WAITING
         self.registrations = 0
         self.kubelet_restarts = 0
+        self.streams_lost = 0
         self.last_error = ""
+
+    @property
+    def registered(self) -> bool:
+        return self.state in (REGISTERED, STREAMED)
 
     def wake(self) -> None:
         """Something changed in the kubelet directory (called by the watcher)."""
         self._wake.set()
 
     async def run(self) -> None:
-        """Forever: serve and stay registered. Cancel to stop; then call stop()."""
+        """Forever: serve, register, stay streamed. Cancel to stop; then call stop().
+
+        Raises AlreadyServed when another live plugin serves our socket path.
+        """
         while True:
             self._kubelet_tried = _identity(self.kubelet_socket)
             try:
                 await self._serve()
+                if self._streamed_before_stop:
+                    await asyncio.sleep(STREAM_SETTLE_S)
+                    self._streamed_before_stop = False
                 await self._register()
             except RegistrationError as exc:
                 self.last_error = str(exc)
                 await self.stop(grace=0)
+                self._set(WAITING)
                 delay = self._backoff.next()
                 log.warning("registration failed: %s; retrying in %.1f s or when %s appears",
                             exc, delay, self.kubelet_socket)
-                self._notify()
                 await self._wait_for_kubelet(delay)
                 continue
-            self._backoff.reset()
-            self.registered, self.last_error = True, ""
             self.registrations += 1
+            self.last_error = ""
             log.info("registered %s with the kubelet (endpoint %s)", self._resource, self._socket_name)
-            self._notify()
-            await self._wait_for_kubelet_restart()
-            self.registered = False
-            self.kubelet_restarts += 1
-            log.info("kubelet restart detected; serving and registering again")
-            self._notify()
+            self._set(STREAMED if self.streams else REGISTERED)
+            outcome = await self._watch()
+            if outcome == "restart":
+                self.kubelet_restarts += 1
+                self._backoff.reset()
+                log.info("kubelet restart detected; serving and registering again")
+                self._set(WAITING)
+                await self.stop(grace=0)
+                continue
+            # The stream ended or never opened: the kubelet will not dial us again.
+            if time.monotonic() - self._stream_since >= STABLE_STREAM_S and outcome == "lost":
+                self._backoff.reset()  # a long-lived stream: this is no loop
+            delay = self._backoff.next()
+            self.last_error = outcome_text(outcome, self._stream_open_timeout)
+            log.warning("%s; serving and registering again in %.1f s", self.last_error, delay)
+            self._set(LOST)
             await self.stop(grace=0)
+            if await self._wait_for_kubelet(delay):
+                # A new kubelet.sock: the stream ended because the kubelet restarted.
+                self.kubelet_restarts += 1
+                self._backoff.reset()
+                log.info("kubelet restart detected; serving and registering again")
+            else:
+                self.streams_lost += 1
+
+    def end_streams(self) -> None:
+        """End the current server's ListAndWatch streams now (the first step of a shutdown)."""
+        end_streams, self._end_streams = self._end_streams, lambda: None
+        end_streams()
 
     async def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """Stop serving and remove our socket (only if it is still the one we created)."""
-        self.registered = False
+        """Stop serving: end our streams and stop accepting at once, give in-flight calls `grace`,
+        then remove our socket (only if it is still the one we put there)."""
         server, self._server = self._server, None
+        self._generation += 1  # from here on, the old server's streams change nothing
+        if self.streams:
+            self._streamed_before_stop = True
+        self.streams = 0
+        self.end_streams()
         if server is not None:
             await server.stop(grace)
+        self._remove_ours()
+
+    def _set(self, state: str) -> None:
+        self.state = state
+        if self._on_change:
+            self._on_change()
+
+    def _on_stream(self, generation: int, delta: int) -> None:
+        if generation != self._generation:
+            return  # a server we already replaced
+        self.streams = max(0, self.streams + delta)
+        if delta > 0 and self.streams == 1:
+            self._stream_since = time.monotonic()
+            if self.state == REGISTERED:
+                self._set(STREAMED)
+        self._wake.set()
+        if self._on_change:
+            self._on_change()
+
+    def _remove_ours(self) -> None:
         if self._served is not None and _identity(self.socket_path) == self._served:
             try:
                 os.unlink(self.socket_path)
@@ -144,19 +269,63 @@ class Registrar:
         self._served = None
 
     async def _serve(self) -> None:
+        self._generation += 1
+        generation = self._generation
         server = grpc.aio.server()
-        self._configure(server)
+        self._end_streams = self._configure(server, lambda delta: self._on_stream(generation, delta))
+        private = os.path.join(self.kubelet_dir,
+                               contracts.private_socket_name(self._socket_name, os.getpid(), secrets.token_hex(4)))
         try:
             # Fails while the directory does not exist yet (kubelet not installed or started).
-            port = server.add_insecure_port(api.unix_target(self.socket_path))
+            port = server.add_insecure_port(api.unix_target(private))
         except RuntimeError:
             port = 0
         if port == 0:
             await server.stop(0)
-            raise RegistrationError(f"cannot listen on {self.socket_path}")
+            raise RegistrationError(f"cannot listen on {private}")
         await server.start()
+        try:
+            self._served = self._put_in_place(private)
+        except BaseException:
+            await server.stop(0)
+            with contextlib.suppress(OSError):
+                os.unlink(private)
+            raise
         self._server = server
-        self._served = _identity(self.socket_path)
+
+    def _put_in_place(self, private: str) -> Identity:
+        """Rename our freshly bound socket to our path, never over a live one; returns the
+        identity it has there (a rename changes the ctime, so it is taken afterwards)."""
+        mine = _inode(private)
+        if mine is None:
+            raise RegistrationError(f"{private}: the socket we bound is gone")
+        for _ in range(3):  # each retry follows a concurrent change at our path
+            existing = _inode(self.socket_path)
+            if existing is None:
+                if os.path.lexists(self.socket_path):
+                    raise RegistrationError(f"{self.socket_path} exists and is not a socket; not replacing it")
+                try:
+                    atomic.rename_noreplace(private, self.socket_path)
+                except atomic.Refused:
+                    continue
+                return self._placed(mine)
+            if _is_live(self.socket_path):
+                raise AlreadyServed(f"{self.socket_path}: another agent is serving it; not taking it over")
+            # A stale socket (nothing listening): swap ours in, and drop it only if it is the
+            # stale one we probed.
+            if not atomic.exchange(private, self.socket_path) or _inode(private) == existing:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(private)
+                log.info("replaced a stale socket at %s", self.socket_path)
+                return self._placed(mine)
+            atomic.exchange(private, self.socket_path)  # not what we probed: put it back
+        raise RegistrationError(f"{self.socket_path} keeps changing; not serving there")
+
+    def _placed(self, mine: tuple[int, int]) -> Identity:
+        placed = _identity(self.socket_path)
+        if placed is None or placed[:2] != mine:
+            raise RegistrationError(f"{self.socket_path} changed right after we put our socket there")
+        return placed
 
     async def _register(self) -> None:
         kubelet = self._kubelet_tried = _identity(self.kubelet_socket)
@@ -177,30 +346,44 @@ class Registrar:
                 f"Register with {self.kubelet_socket}: {exc.code().name}: {exc.details()}") from exc
         self._kubelet_seen = kubelet
 
-    async def _wait_for_kubelet(self, delay: float) -> None:
-        """Sleep `delay`, cut short as soon as a (new) kubelet.sock exists."""
+    async def _wait_for_kubelet(self, delay: float) -> bool:
+        """Sleep `delay`, cut short (True) as soon as a (new) kubelet.sock exists."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + delay
         while loop.time() < deadline:
             self._wake.clear()
             now = _identity(self.kubelet_socket)
             if now is not None and now != self._kubelet_tried:
-                return
+                return True
             try:
                 await asyncio.wait_for(self._wake.wait(), deadline - loop.time())
             except asyncio.TimeoutError:
-                return
+                return False
+        return False
 
-    async def _wait_for_kubelet_restart(self) -> None:
+    async def _watch(self) -> str:
+        """Until the registration ends: "restart" (kubelet restarted or our socket is gone),
+        "lost" (the stream ended) or "no-stream" (none opened in time)."""
+        loop = asyncio.get_running_loop()
+        no_stream_by = loop.time() + self._stream_open_timeout
         while True:
             self._wake.clear()
             if _identity(self.socket_path) != self._served:
-                return
+                return "restart"
             if _identity(self.kubelet_socket) not in (None, self._kubelet_seen):
-                return
+                return "restart"
+            if self.state == STREAMED and self.streams == 0:
+                return "lost"
+            timeout = VERIFY_INTERVAL_S
+            if self.state == REGISTERED:
+                timeout = no_stream_by - loop.time()
+                if timeout <= 0:
+                    return "no-stream"
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), VERIFY_INTERVAL_S)
+                await asyncio.wait_for(self._wake.wait(), timeout)
 
-    def _notify(self) -> None:
-        if self._on_change:
-            self._on_change()
+
+def outcome_text(outcome: str, stream_open_timeout: float) -> str:
+    if outcome == "no-stream":
+        return f"no ListAndWatch stream within {stream_open_timeout:g} s of registering"
+    return "the kubelet's ListAndWatch stream ended"

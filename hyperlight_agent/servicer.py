@@ -10,7 +10,7 @@ import asyncio
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
 
@@ -90,10 +90,24 @@ class DevicePluginServicer:
         return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=False)
 
     async def ListAndWatch(self, request: pb.Empty, context: Any) -> AsyncIterator[pb.ListAndWatchResponse]:
+        stream = self.watch(asyncio.Event())
+        try:
+            async for response in stream:
+                yield response
+        finally:
+            await stream.aclose()  # `async for` alone leaves the inner generator to the GC
+
+    async def watch(self, closed: asyncio.Event, on_stream: Optional[Callable[[int], None]] = None,
+                    ) -> AsyncGenerator[pb.ListAndWatchResponse, None]:
+        """A ListAndWatch stream's lists, until `closed` is set (then the stream ends at once).
+        on_stream(+1) and on_stream(-1) are called as it opens and ends."""
         self._streams_changed(+1)
+        if on_stream:
+            on_stream(+1)
         try:
             # The first list goes out only after the first check has completed.
-            await self._state.wait_newer(0)
+            if not await _unless_closed(self._state.wait_newer(0), closed):
+                return
             last_sent: Optional[pb.ListAndWatchResponse] = None
             while True:
                 version = self._state.version
@@ -101,9 +115,12 @@ class DevicePluginServicer:
                 if response is not last_sent:
                     yield response
                     last_sent = response
-                await self._state.wait_newer(version)
+                if not await _unless_closed(self._state.wait_newer(version), closed):
+                    return
         finally:
             self._streams_changed(-1)
+            if on_stream:
+                on_stream(-1)
 
     async def GetPreferredAllocation(self, request: pb.PreferredAllocationRequest,
                                      context: Any) -> pb.PreferredAllocationResponse:
@@ -204,3 +221,44 @@ class DevicePluginServicer:
         self.streams += delta
         if self._on_streams_changed:
             self._on_streams_changed(self.streams)
+
+
+async def _unless_closed(waiter: Awaitable[object], closed: asyncio.Event) -> bool:
+    """Await waiter; False (waiter cancelled) as soon as `closed` is set."""
+    work = asyncio.ensure_future(waiter)
+    if closed.is_set():
+        work.cancel()
+        return False
+    closing = asyncio.ensure_future(closed.wait())
+    try:
+        await asyncio.wait((work, closing), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        work.cancel()
+        closing.cancel()
+    return not closed.is_set()
+
+
+class Endpoint:
+    """What one server serves: the servicer's methods, with that server's streams counted on
+    their own and ended together when the server stops (the kubelet must see the stream end
+    before our socket disappears)."""
+
+    def __init__(self, servicer: DevicePluginServicer, on_stream: Callable[[int], None]) -> None:
+        self._servicer = servicer
+        self._on_stream = on_stream
+        self._closed = asyncio.Event()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._servicer, name)
+
+    async def ListAndWatch(self, request: pb.Empty, context: Any) -> AsyncIterator[pb.ListAndWatchResponse]:
+        # grpc.aio wants an async generator function here, so the stream is relayed.
+        stream = self._servicer.watch(self._closed, self._on_stream)
+        try:
+            async for response in stream:
+                yield response
+        finally:
+            await stream.aclose()  # `async for` alone leaves the inner generator to the GC

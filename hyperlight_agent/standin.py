@@ -1,13 +1,21 @@
 """A kubelet stand-in: the device manager's side of the v1beta1 contract, for tests and demos.
 
-It behaves like the real kubelet where plugins can tell the difference:
+As strict as the real device manager (../shared/docs/kubelet-contract.md), never more forgiving:
 - Register validates the version and resource name, then *inside the call* dials the plugin's
-  endpoint (10 s) and calls GetDevicePluginOptions, then starts ListAndWatch in the background;
-- a later Register for the same resource replaces the earlier endpoint and stream;
-- restart() deletes every file in its directory except its checkpoint, then serves a new
-  kubelet.sock;
-- allocate() calls Allocate with no deadline.
+  endpoint (10 s) and calls GetDevicePluginOptions with no deadline, then starts ListAndWatch in
+  the background;
+- when a ListAndWatch stream ends, for any reason, every device of the resource is unhealthy and
+  the endpoint stopped; the stand-in never dials that plugin again (only a new Register helps);
+- a later Register for the same resource replaces the client, and the old client lives on until
+  its stream ends; that end then hits the resource's *current* registration: kubelet 1.28
+  ("1.28") disconnects it (its stream ends), later releases ("current") mark the resource
+  unhealthy and its endpoint stopped while the new stream stays open;
+- allocate() calls Allocate only while the endpoint is live and the IDs are healthy devices,
+  with exactly one ContainerRequest and no deadline;
+- restart() deletes the sockets in its directory (not regular files, directories or the
+  checkpoint), then serves a new kubelet.sock.
 It can also hang Register (until released) or reject it, to exercise the plugin's bounds.
+raw_allocate() is not kubelet behaviour: any client's Allocate, to test a plugin's own checks.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import asyncio
 import contextlib
 import os
 import re
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +53,9 @@ class Plugin:
     # (monotonic time, [(ID, health)]) for every list received, in order.
     lists: list[tuple[float, list[tuple[str, str]]]] = field(default_factory=list)
     stream_open: bool = False
+    # The endpoint was stopped (its stream ended, or an older client's did): no Allocate, ever.
+    stopped: bool = False
+    stream_ended_at: Optional[float] = None
 
     @property
     def devices(self) -> list[tuple[str, str]]:
@@ -51,10 +63,17 @@ class Plugin:
 
     @property
     def healthy(self) -> int:
-        """Allocatable slots as the kubelet would count them (0 once the stream has ended)."""
-        if not self.stream_open:
+        """Allocatable slots as the kubelet would count them (0 once the endpoint stopped)."""
+        if not self.stream_open or self.stopped:
             return 0
         return sum(1 for _, health in self.devices if health == contracts.HEALTHY)
+
+
+class NotAllocatable(Exception):
+    """The real kubelet would not call Allocate now (the pod fails admission instead)."""
+
+
+FLAVORS = ("1.28", "current")
 
 
 class KubeletStandin:
@@ -68,6 +87,9 @@ class KubeletStandin:
         self.register_calls: list[tuple[float, pb.RegisterRequest]] = []
         self.mode = "normal"  # "normal", "hang" or "reject"
         self.open_streams = True  # False: register plugins but never call ListAndWatch
+        self.flavor = "1.28"  # how an old client's stream end hits a newer registration (FLAVORS)
+        # Clients replaced by a later Register whose streams have not ended yet.
+        self.replaced: list[Plugin] = []
         self._release = asyncio.Event()
         self._server: Optional[grpc.aio.Server] = None
         self.changed = asyncio.Event()  # set whenever anything above changes
@@ -87,20 +109,21 @@ class KubeletStandin:
 
     async def stop(self) -> None:
         self._release.set()
-        for plugin in self.plugins.values():
+        for plugin in [*self.plugins.values(), *self.replaced]:
             await self._drop(plugin)
+        self.replaced.clear()
         if self._server is not None:
             await self._server.stop(0)
             self._server = None
 
     async def restart(self) -> None:
-        """As the kubelet does on start: remove all but the checkpoint, serve kubelet.sock anew."""
+        """As the kubelet does on start: remove the sockets in its directory, serve kubelet.sock anew."""
         await self.stop()
         self.plugins.clear()
         for name in os.listdir(self.directory):
-            if name != contracts.KUBELET_CHECKPOINT:
-                path = os.path.join(self.directory, name)
-                if not os.path.isdir(path) or os.path.islink(path):
+            path = os.path.join(self.directory, name)
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
                     os.unlink(path)
         self._release = asyncio.Event()
         await self.start()
@@ -109,8 +132,9 @@ class KubeletStandin:
     async def replace_socket(self) -> None:
         """Serve a new kubelet.sock without touching anything else (plugins' sockets stay)."""
         self._release.set()
-        for plugin in self.plugins.values():
+        for plugin in [*self.plugins.values(), *self.replaced]:
             await self._drop(plugin)
+        self.replaced.clear()
         self.plugins.clear()
         if self._server is not None:
             await self._server.stop(0)
@@ -145,14 +169,14 @@ class KubeletStandin:
         try:
             # Dial back inside Register, as the kubelet's device manager does.
             await asyncio.wait_for(channel.channel_ready(), contracts.KUBELET_DIAL_TIMEOUT_S)
-            options = await api.device_plugin_stub(channel).GetDevicePluginOptions(
-                pb.Empty(), timeout=contracts.KUBELET_DIAL_TIMEOUT_S)
+            # No deadline, as the kubelet: a plugin that never answers hangs this Register.
+            options = await api.device_plugin_stub(channel).GetDevicePluginOptions(pb.Empty())
         except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
             await channel.close(None)
             await context.abort(grpc.StatusCode.UNKNOWN, f"cannot reach plugin endpoint: {exc}")
         old = self.plugins.get(request.resource_name)
-        if old is not None:
-            await self._drop(old)
+        if old is not None and old.stream_task is not None and not old.stream_task.done():
+            self.replaced.append(old)  # it lives on until its stream ends
         plugin = Plugin(request.resource_name, request.endpoint, options, time.monotonic(), channel)
         if self.open_streams:
             plugin.stream_task = asyncio.ensure_future(self._watch(plugin))
@@ -171,15 +195,32 @@ class KubeletStandin:
             pass
         finally:
             plugin.stream_open = False
+            plugin.stopped = True
+            plugin.stream_ended_at = time.monotonic()
+            if plugin in self.replaced:
+                self.replaced.remove(plugin)
+                self._old_client_ended(plugin)
             self._changed()
 
+    def _old_client_ended(self, old: Plugin) -> None:
+        """What a replaced client's end does to the resource's current registration."""
+        current = self.plugins.get(old.resource)
+        if current is None or current is old:
+            return
+        if self.flavor == "1.28":
+            # runClient looks the client up by resource name and disconnects the new one.
+            if current.stream_task is not None:
+                current.stream_task.cancel()
+        else:
+            # PluginDisconnected marks the resource unhealthy and stops the current endpoint.
+            current.stopped = True
+
     async def drop_stream(self, resource: str) -> None:
-        """End a plugin's ListAndWatch stream (as if the kubelet's watcher died)."""
+        """End a plugin's ListAndWatch stream (as if the connection broke or the kubelet ended it)."""
         plugin = self.plugins[resource]
         if plugin.stream_task is not None:
             plugin.stream_task.cancel()
             await asyncio.gather(plugin.stream_task, return_exceptions=True)
-            plugin.stream_task = None
 
     async def _drop(self, plugin: Plugin) -> None:
         if plugin.stream_task is not None:
@@ -190,9 +231,27 @@ class KubeletStandin:
 
     # --- calls the kubelet makes later ----------------------------------------------------
 
-    async def allocate(self, resource: str, *containers: list[str],
-                       timeout: Optional[float] = None) -> pb.AllocateResponse:
-        """Allocate as the kubelet does: no deadline unless a test asks for one."""
+    async def allocate(self, resource: str, ids: list[str]) -> pb.AllocateResponse:
+        """Allocate as the kubelet does: one container, healthy device IDs, a live endpoint, no
+        deadline. Raises NotAllocatable where the kubelet would not call the plugin at all."""
+        plugin = self.plugins.get(resource)
+        if plugin is None:
+            raise NotAllocatable(f"{resource}: no plugin registered")
+        if plugin.stopped or not plugin.stream_open:
+            raise NotAllocatable(f"{resource}: endpoint stopped")
+        healthy = {i for i, health in plugin.devices if health == contracts.HEALTHY}
+        if not ids or not set(ids) <= healthy:
+            raise NotAllocatable(f"{resource}: {ids} are not healthy devices")
+        request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
+        response: pb.AllocateResponse = await api.device_plugin_stub(plugin.channel).Allocate(request)
+        if not response.container_responses:
+            raise NotAllocatable(f"{resource}: Allocate returned no container response")
+        return response
+
+    async def raw_allocate(self, resource: str, *containers: list[str],
+                           timeout: Optional[float] = None) -> pb.AllocateResponse:
+        """Any client's Allocate on the plugin's channel: whatever IDs, whatever health (not
+        kubelet behaviour; for testing the plugin's own checks)."""
         plugin = self.plugins[resource]
         request = pb.AllocateRequest(container_requests=[
             pb.ContainerAllocateRequest(devices_ids=ids) for ids in containers])

@@ -8,9 +8,11 @@ periodic check, and our own writes causing events are harmless.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import os
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from asyncinotify import Inotify, Mask
 
@@ -22,7 +24,9 @@ ENTRIES = (Mask.CREATE | Mask.DELETE | Mask.MOVED_FROM | Mask.MOVED_TO | Mask.AT
 # ...and their content being written. Not for device directories: the probe's own
 # open(O_RDWR)/close of the device node raises CLOSE_WRITE, which would trigger the next check.
 CONTENT = ENTRIES | Mask.CLOSE_WRITE | Mask.MODIFY
-# How often to retry watching a directory that does not exist (yet).
+# How often to retry watching a directory that does not exist (yet), and to check that each
+# watched path is still the directory we watch: a filesystem mounted over it (a tmpfs over the
+# CDI dir, a kubelet dir mounted late) raises no event at all.
 RETRY_S = 1.0
 
 # callback(name) — name is the entry that changed, or "" when the directory itself did.
@@ -33,6 +37,7 @@ class DirectoryWatcher:
     def __init__(self) -> None:
         self._wanted: dict[str, list[tuple[Optional[frozenset[str]], Callback]]] = {}
         self._masks: dict[str, Mask] = {}
+        self._failed: dict[str, Optional[int]] = {}  # directory → errno of its last failed watch
 
     def watch(self, directory: str, callback: Callback,
               names: Optional[set[str]] = None, mask: Mask = ENTRIES) -> None:
@@ -52,19 +57,25 @@ class DirectoryWatcher:
             await asyncio.Event().wait()
             return
         with inotify:
-            watching: dict[str, object] = {}
+            watching: dict[str, tuple[Any, tuple[int, int]]] = {}  # directory → (watch, identity)
             pending = set(self._wanted)
+            loop = asyncio.get_running_loop()
+            next_look = loop.time()
             while True:
+                if loop.time() >= next_look:  # on a timer, however busy the directories are
+                    next_look = loop.time() + RETRY_S
+                    for directory in self._moved(watching):
+                        log.info("%s is another directory now (a mount?); watching it anew", directory)
+                        with contextlib.suppress(OSError):
+                            inotify.rm_watch(watching.pop(directory)[0])
+                        pending.add(directory)
                 for directory in sorted(pending):
-                    try:
-                        watching[directory] = inotify.add_watch(directory, self._masks[directory])
+                    if self._add(inotify, directory, watching):
                         pending.discard(directory)
                         # Anything may have happened while we were not watching.
                         self._fire(directory, "")
-                    except OSError:
-                        pass
                 try:
-                    event = await asyncio.wait_for(inotify.get(), RETRY_S if pending else None)
+                    event = await asyncio.wait_for(inotify.get(), max(0.0, next_look - loop.time()))
                 except asyncio.TimeoutError:
                     continue
                 if event.mask & Mask.Q_OVERFLOW:
@@ -78,6 +89,36 @@ class DirectoryWatcher:
                     watching.pop(directory, None)
                     pending.add(directory)
                 self._fire(directory, str(event.name) if event.name else "")
+
+    def _add(self, inotify: Inotify, directory: str, watching: dict[str, tuple[Any, tuple[int, int]]]) -> bool:
+        try:
+            st = os.stat(directory)
+            watch = inotify.add_watch(directory, self._masks[directory])
+        except OSError as exc:
+            # A missing directory is normal (kubelet not started yet); a watch limit or a
+            # permission problem is not, and is said once, not at every retry.
+            level = logging.DEBUG if exc.errno == errno.ENOENT else logging.WARNING
+            if self._failed.get(directory) != exc.errno:
+                self._failed[directory] = exc.errno
+                log.log(level, "cannot watch %s (%s); retrying every %g s, periodic checks go on",
+                        directory, exc.strerror or exc, RETRY_S)
+            return False
+        if self._failed.pop(directory, None) is not None:
+            log.info("watching %s", directory)
+        watching[directory] = (watch, (st.st_dev, st.st_ino))
+        return True
+
+    @staticmethod
+    def _moved(watching: dict[str, tuple[Any, tuple[int, int]]]) -> list[str]:
+        moved = []
+        for directory, (_, identity) in watching.items():
+            try:
+                st = os.stat(directory)
+            except OSError:
+                continue  # gone: the kernel tells us with IGNORED
+            if (st.st_dev, st.st_ino) != identity:
+                moved.append(directory)
+        return moved
 
     def _fire(self, directory: str, name: str) -> None:
         for names, callback in self._wanted.get(directory, []):

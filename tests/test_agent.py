@@ -90,7 +90,7 @@ def test_allocate_rejects_unknown_ids(kubelet: StandinThread, start_agent: Start
     start_agent("--device-count", "2")
     kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"], ids))
+        kubelet.call(kubelet.kubelet.raw_allocate(R, ids))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in str(info.value.details())
 
@@ -233,7 +233,7 @@ def test_every_open_stream_gets_each_health_change(kubelet: StandinThread, start
         assert all(len(s[-1]) == 3 and {h for _, h in s[-1]} == {"Unhealthy"} for s in seen)
         os.unlink(node)
         make_node(node, 10, 232)
-        wait_for(lambda: all(s[-1][0][1] == "Healthy" for s in seen), 10, "recovery everywhere")
+        wait_for(lambda: all(s[-1] and s[-1][0][1] == "Healthy" for s in seen), 10, "recovery everywhere")
         kubelet.wait_until(lambda k: healthy_slots(k) == 3, 5)
     finally:
         for t in tasks:
@@ -247,12 +247,14 @@ def test_allocate_on_unhealthy_device_is_unavailable_with_reason(kubelet: Standi
     node = os.path.join(kvm_dir, "kvm")
     os.unlink(node)
     make_node(node, 1, 3)
+    # The kubelet would not call Allocate now; the agent must refuse anyone who does.
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"]))
+        kubelet.call(kubelet.kubelet.raw_allocate(R, ["kvm-0"]))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "KVM_GET_API_VERSION failed" in str(info.value.details())
     os.unlink(node)
     make_node(node, 10, 232)
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 10, "recovery")
     assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"])).container_responses
 
 
@@ -281,7 +283,7 @@ def test_host_identity_loss_makes_slots_unhealthy(kubelet: StandinThread, start_
     kubelet.wait_until(lambda k: healthy_slots(k) == 0 and listed(k), 5, "unhealthy after host node removal")
     make_node(os.path.join(host, "kvm"), 10, 200)
     with pytest.raises(grpc.aio.AioRpcError, match="differs from the host's 10:200"):
-        kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"]))
+        kubelet.call(kubelet.kubelet.raw_allocate(R, ["kvm-0"]))
     os.unlink(os.path.join(host, "kvm"))
     make_node(os.path.join(host, "kvm"), 10, 232)
     kubelet.wait_until(lambda k: healthy_slots(k) == 2, 5, "recovery")

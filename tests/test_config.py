@@ -119,7 +119,7 @@ def test_unreadable_config_file_exits_2(tmp: str) -> None:
                             capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
-    assert line.startswith("hyperlight-agent: error: config file ") and "dir.toml: cannot read" in line
+    assert line.startswith("hyperlight-agent: error: config file ") and "dir.toml: not a regular file" in line
 
 
 def test_config_file_that_is_not_utf8_exits_2(tmp: str) -> None:

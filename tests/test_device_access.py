@@ -38,7 +38,7 @@ def test_one_slot_devicespec_only_no_cdi_never_opened(kubelet: StandinThread, st
         [("/dev/kvm", "/dev/kvm", "rw")]
     assert list(container.cdi_devices) == [] and not container.envs and not container.mounts
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        kubelet.call(kubelet.kubelet.allocate(R, ["kvm-1"]))
+        kubelet.call(kubelet.kubelet.raw_allocate(R, ["kvm-1"]))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert not os.path.exists(os.path.join(tmp, "cdi")), "bootstrap mode writes no CDI"
     assert agent.stop() == 0

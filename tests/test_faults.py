@@ -61,9 +61,11 @@ class Node:
                                "--kubelet-dir", self.kubelet_dir, f"--health-check={which}"],
                               capture_output=True, timeout=30, check=False).returncode
 
-    def allocate(self) -> grpc.StatusCode:
+    def allocate(self, raw: bool = False) -> grpc.StatusCode:
+        """As the kubelet would (raw=False), or as any client could (the agent's own refusal)."""
+        k = self.kubelet.kubelet
         try:
-            self.kubelet.call(self.kubelet.kubelet.allocate(R, ["kvm-0"]))
+            self.kubelet.call(k.raw_allocate(R, ["kvm-0"]) if raw else k.allocate(R, ["kvm-0"]))
         except grpc.aio.AioRpcError as exc:
             return exc.code()
         return grpc.StatusCode.OK
@@ -80,7 +82,7 @@ class Node:
         self.kubelet.wait_until(listed_unhealthy, 10, "Unhealthy slots")
         wait_for(lambda: self.probe("readiness") == 1, 10, "readiness to fail")
         assert self.probe("liveness") == 0, "liveness stays SERVING"
-        assert self.allocate() == code
+        assert self.allocate(raw=True) == code
 
 
 @pytest.fixture

@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from typing import Any
 
-from hyperlight_agent.helper import ProbeHelper, default_argv
+from hyperlight_agent.helper import ProbeHelper, ProbeRequest, ProbeResult, default_argv
 from tests.procs import alive, my_helpers
 
 
@@ -23,15 +22,15 @@ def hanging_helper(marker: str) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", code, marker]
 
 
-def request(kvm_dir: str) -> dict[str, Any]:
-    return {"hypervisor": "kvm", "device": os.path.join(kvm_dir, "kvm"), "host": None}
+def request(kvm_dir: str) -> ProbeRequest:
+    return ProbeRequest("kvm", os.path.join(kvm_dir, "kvm"))
 
 
 def test_one_long_lived_helper_serves_many_checks(kvm_dir: str) -> None:
     async def run() -> int:
         helper = ProbeHelper()
         for _ in range(20):
-            assert await helper.run(request(kvm_dir)) == {"ok": True, "reason": ""}
+            assert await helper.run(request(kvm_dir)) == ProbeResult(True, "")
         assert helper.started == 1
         pid = helper.pid
         assert pid is not None and my_helpers() == [pid]
@@ -57,10 +56,10 @@ def test_deadline_kills_and_replaces_the_helper(tmp: str, kvm_dir: str) -> None:
         helper = ProbeHelper(argv=hanging_helper(marker), deadline=0.3,
                              on_timeout=lambda: timeouts.append(1))
         reply = await helper.run(request(kvm_dir))
-        assert reply == {"ok": False, "reason": "probe did not finish within 0.3 s (helper killed)"}
+        assert reply == ProbeResult(False, "probe did not finish within 0.3 s (helper killed)", helper_fault=True)
         assert helper.pid is None
         os.unlink(marker)
-        assert (await helper.run(request(kvm_dir)))["ok"]
+        assert (await helper.run(request(kvm_dir))).ok
         assert helper.started == 2
         await helper.close()
 
@@ -79,22 +78,22 @@ def test_unreaped_helper_blocks_new_checks_until_it_exits(tmp: str, kvm_dir: str
         loop = asyncio.get_running_loop()
         helper = ProbeHelper(argv=hanging_helper(marker), deadline=0.3,
                              kill=lambda pid, sig: killed.append(pid))
-        assert "did not finish" in (await helper.run(request(kvm_dir)))["reason"]
+        assert "did not finish" in (await helper.run(request(kvm_dir))).reason
         stuck_pid = helper.dying_pid
         assert stuck_pid is not None and killed == [stuck_pid]
         first = await helper.run(request(kvm_dir))  # spends its budget waiting for the exit
-        assert first["reason"] == f"previous probe has not exited (pid {stuck_pid})"
+        assert first.reason == f"previous probe has not exited (pid {stuck_pid})"
         started = loop.time()
         for _ in range(5):
             again = await helper.run(request(kvm_dir))
-            assert again["reason"] == first["reason"]
+            assert again.reason == first.reason
         assert loop.time() - started < 0.3, "later checks must fail fast, not wait each time"
         assert len(hanging_pids(marker)) == 1, "never more than one helper"
         # The stuck helper finally exits: a check after that reaps it and starts afresh.
         os.unlink(marker)
         os.kill(stuck_pid, 9)
         deadline = loop.time() + 5
-        while not (await helper.run(request(kvm_dir)))["ok"]:
+        while not (await helper.run(request(kvm_dir))).ok:
             assert loop.time() < deadline, "the reaped helper was never replaced"
             await asyncio.sleep(0.01)
         assert helper.started == 2
@@ -121,7 +120,7 @@ def test_cancelled_request_abandons_the_helper(tmp: str, kvm_dir: str) -> None:
         await asyncio.gather(task, return_exceptions=True)
         assert helper.pid is None and helper.dying_pid is not None
         os.unlink(marker)
-        assert (await helper.run(request(kvm_dir)))["ok"]  # reaps the cancelled one first
+        assert (await helper.run(request(kvm_dir))).ok  # reaps the cancelled one first
         await helper.close()
 
     asyncio.run(run())
@@ -132,7 +131,7 @@ def test_helper_that_dies_is_reported_and_replaced(kvm_dir: str) -> None:
     async def run() -> None:
         helper = ProbeHelper(argv=[sys.executable, "-I", "-S", "-c", "import sys; sys.stdin.readline()"])
         reply = await helper.run(request(kvm_dir))
-        assert reply == {"ok": False, "reason": "probe helper exited unexpectedly"}
+        assert reply == ProbeResult(False, "probe helper exited unexpectedly", helper_fault=True)
         await helper.close()
 
     asyncio.run(run())

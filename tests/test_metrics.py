@@ -41,7 +41,7 @@ def test_metrics_count_what_happened(kubelet: StandinThread, start_agent: StartA
     kubelet.wait_until(lambda k: slots(k) == 2, 15)
     kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"]))
     with pytest.raises(grpc.aio.AioRpcError):
-        kubelet.call(kubelet.kubelet.allocate(R, ["kvm-9"]))
+        kubelet.call(kubelet.kubelet.raw_allocate(R, ["kvm-9"]))
     kubelet.call(kubelet.kubelet.restart())
     kubelet.wait_until(lambda k: slots(k) == 2, 15)
     text = wait_for(lambda: (t := scrape(address)) and "hyperlight_kubelet_restarts_total 1.0" in t and t,

@@ -63,9 +63,22 @@ def test_notify_unit_is_active_only_when_ready(guest: nspawn.Guest, tmp: str) ->
         wait_for(lambda: guest.is_active(UNIT) == "active", 15, "READY=1 to make the unit active")
         wait_for(lambda: "Status: \"ready: kvm, 2000 slots, 1 stream\"" in guest.status(UNIT), 10)
 
-        # The kubelet's stream goes away: systemctl status says so at once.
+        # The kubelet's stream goes away: systemctl status says so, and the agent registers again
+        # (the kubelet never dials back by itself).
         kubelet.call(kubelet.kubelet.drop_stream(R))
-        wait_for(lambda: "registered; waiting for the kubelet's ListAndWatch stream" in guest.status(UNIT), 10)
+        wait_for(lambda: "the kubelet's ListAndWatch stream ended; registering again" in guest.status(UNIT), 10)
+        kubelet.wait_until(lambda k: slots(k) == 2000 and len(k.register_calls) == 2, 10, "registered again")
+        wait_for(lambda: "Status: \"ready: kvm, 2000 slots, 1 stream\"" in guest.status(UNIT), 10)
+
+        # systemctl restart: active again; the kubelet's zero-healthy window is short.
+        old = kubelet.kubelet.plugins[R]
+        guest.run("systemctl", "restart", UNIT)
+        kubelet.wait_until(lambda k: k.plugins[R] is not old and slots(k) == 2000, 30, "registered after restart")
+        wait_for(lambda: guest.is_active(UNIT) == "active", 15, "active again")
+        new = kubelet.kubelet.plugins[R]
+        assert old.stream_ended_at is not None
+        healthy_at = next(t for t, devices in new.lists if devices and devices[0][1] == contracts.HEALTHY)
+        print(f"systemctl restart: zero-healthy window {(healthy_at - old.stream_ended_at) * 1000:.0f} ms")
 
         # The journal has our structured fields (python3-systemd is in the guest).
         entries = [json.loads(line) for line in guest.run(
@@ -73,8 +86,9 @@ def test_notify_unit_is_active_only_when_ready(guest: nspawn.Guest, tmp: str) ->
         ours = [e for e in entries if e.get("SYSLOG_IDENTIFIER") == "hyperlight-agent"]
         assert ours and ours[-1].get("RESOURCE") == R
         assert ours[-1].get("CDI_PATH") == "/var/run/cdi/hyperlight.json"
-        (healthy,) = [e for e in ours if e.get("MESSAGE") == "device healthy: kvm"]
-        assert (healthy.get("HYPERVISOR"), healthy.get("DEVICE_PATH")) == ("kvm", "/dev/kvm")
+        healthy = [e for e in ours if e.get("MESSAGE") == "device healthy: kvm"]
+        assert len(healthy) == 2, "one per agent process (the restart started a new one)"
+        assert all((e.get("HYPERVISOR"), e.get("DEVICE_PATH")) == ("kvm", "/dev/kvm") for e in healthy)
 
         guest.run("systemctl", "stop", UNIT)
         assert guest.is_active(UNIT) == "inactive"

@@ -1,0 +1,66 @@
+"""Signals, in one place. What each one means:
+
+    SIGTERM, SIGINT  stop gracefully (systemd stop, kubelet pod deletion, Ctrl-C): the kubelet's
+                     stream ends and our socket goes in the same moment; in-flight Allocates
+                     get a short grace
+    SIGHUP           re-read the config file and apply it (systemctl reload)
+
+install_early() runs first thing in main(): a signal that arrives while the agent is still
+starting is remembered instead of killing the process with the default action, and replayed
+once the event loop takes over (attach()).
+"""
+
+from __future__ import annotations
+
+import signal
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: this runs first, keep it light
+if TYPE_CHECKING:
+    import asyncio
+    from typing import Any, Callable
+
+STOP = (signal.SIGTERM, signal.SIGINT)
+RELOAD = signal.SIGHUP
+_early: list[int] = []
+
+
+def _remember(signum: int, frame: Any) -> None:
+    _early.append(signum)
+
+
+def install_early() -> None:
+    for signum in (*STOP, RELOAD):
+        signal.signal(signum, _remember)
+
+
+def restore_defaults() -> None:
+    """For the one-shot modes (--check, --health-check): signals act as usual, also one that
+    arrived while we were parsing."""
+    for signum in (*STOP, RELOAD):
+        signal.signal(signum, signal.SIG_DFL)
+    pending, _early[:] = list(_early), []
+    for early in pending:
+        signal.raise_signal(early)
+
+
+def attach(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], reload: Callable[[], None]) -> None:
+    """Hand the signals to the event loop; replay any that arrived early (a stop wins)."""
+    for signum in STOP:
+        loop.add_signal_handler(signum, stop)
+    loop.add_signal_handler(RELOAD, reload)
+    pending, _early[:] = list(_early), []
+    if any(s in STOP for s in pending):
+        stop()
+    # An early SIGHUP needs nothing: the configuration was read after it arrived.
+
+
+def stopping(loop: asyncio.AbstractEventLoop) -> None:
+    """While shutting down: a reload must not start work; another TERM/INT changes nothing."""
+    loop.add_signal_handler(RELOAD, lambda: None)
+
+
+def detach(loop: asyncio.AbstractEventLoop) -> None:
+    """Back to remembering: a signal during the last steps of exit must not kill us mid-way."""
+    for signum in (*STOP, RELOAD):
+        loop.remove_signal_handler(signum)
+    install_early()
