@@ -88,6 +88,16 @@ def test_uid_gid_are_unsigned_32_bit() -> None:
     ([], {}, "check_interval_seconds = \"30\"\n", "check_interval_seconds in"),
     ([], {}, "device_cont = 5\n", "unknown setting 'device_cont'"),
     ([], {}, "device_count = \n", "invalid TOML"),
+    # Caught before anything starts (they used to fail after startup, or with a traceback):
+    (["--metrics-address", "not a host:9464"], {}, "", "--metrics-address = 'not a host:9464'"),
+    (["--metrics-address", "127.0.0.1:99999"], {}, "", "--metrics-address = '127.0.0.1:99999'"),
+    (["--kubelet-dir", "/" + "k" * 90], {}, "", "kubelet_dir = '/kkk"),
+    ([], {"WATCHDOG_USEC": "3\u00b2"}, "", "WATCHDOG_USEC='3\u00b2'"),
+    ([], {"HYPERLIGHT_CHECK_INTERVAL": "\u0661\u0660"}, "", "HYPERLIGHT_CHECK_INTERVAL="),
+    (["--device-count", "\u0663"], {}, "", "--device-count = '\u0663'"),
+    ([], {}, "device_count = " + "1" * 5000 + "\n", "invalid TOML"),
+    ([], {}, "a = " + "[" * 5000 + "]" * 5000 + "\n", "invalid TOML: nested too deeply"),
+    (["--device-uid", "1" * 5000], {}, "", "characters): must be"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp: str, argv: list[str], env: dict[str, str],
                                          toml: str, expected: str) -> None:

@@ -1,0 +1,198 @@
+"""Hostile input and hostile neighbours, one test per defect found when the agent was attacked:
+a FIFO for a config file, parser bombs on reload, oversized and malformed device IDs, a
+quadratic request, a filesystem mounted over a watched directory, the spec's mode and owner."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from hyperlight_agent import api, cdi, contracts, watcher
+from hyperlight_agent import deviceplugin_pb2 as pb
+from hyperlight_agent.standin import KubeletStandin, StandinThread
+from tests.conftest import AgentProcess, StartAgent, wait_for
+
+R = contracts.RESOURCE_HYPERVISOR
+
+
+def healthy_slots(k: KubeletStandin) -> int:
+    p = k.plugins.get(R)
+    return p.healthy if p else 0
+
+
+def health_check(tmp: str, which: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--kubelet-dir",
+                           os.path.join(tmp, "kubelet"), f"--health-check={which}"],
+                          capture_output=True, text=True, timeout=30, check=False)
+
+
+def test_a_fifo_for_a_config_file_is_refused_at_startup(tmp: str) -> None:
+    fifo = os.path.join(tmp, "agent.toml")
+    os.mkfifo(fifo)
+    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", fifo, "--cdi-dir",
+                             os.path.join(tmp, "cdi")], capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"hyperlight-agent: error: config file {fifo}: not a regular file"
+    assert not os.path.exists(os.path.join(tmp, "cdi"))
+
+
+@pytest.mark.parametrize("bad", ["fifo", "huge integer", "deep nesting", "not utf-8"])
+def test_a_bad_file_on_reload_never_stalls_and_is_refused(kubelet: StandinThread, tmp: str, bad: str) -> None:
+    config = os.path.join(tmp, "agent.toml")
+    with open(config, "w") as f:
+        f.write("device_count = 3\n")
+    # The last --config wins over AgentProcess's own --config /dev/null.
+    agent = AgentProcess(tmp, "--kubelet-dir", os.path.join(tmp, "kubelet"), "--cdi-dir", os.path.join(tmp, "cdi"),
+                         "--config", config)
+    try:
+        kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
+        os.unlink(config)
+        if bad == "fifo":
+            os.mkfifo(config)  # nobody ever writes: a blocking read would wedge the agent
+        else:
+            with open(config, "wb") as f:
+                f.write({"huge integer": b"device_count = " + b"7" * 5000 + b"\n",
+                         "deep nesting": b"a = " + b"[" * 5000 + b"]" * 5000 + b"\n",
+                         "not utf-8": b"device_count = 3 # \xff\n"}[bad])
+        agent.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "reload failed, keeping the running configuration" in agent.log, 10, "the refusal")
+        assert "Traceback" not in agent.log
+        # Everything else carries on: probes answer, Allocate works, a stop is prompt.
+        assert health_check(tmp, "liveness").returncode == 0
+        assert health_check(tmp, "readiness").returncode == 0
+        assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-2"])).container_responses
+        assert healthy_slots(kubelet.kubelet) == 3, "the running settings are kept"
+        started = time.monotonic()
+        assert agent.stop() == 0
+        print(f"stop after a refused reload ({bad}): {(time.monotonic() - started) * 1000:.0f} ms")
+    finally:
+        agent.kill()
+        wait_for(lambda: not agent.helpers_left(), 5, "no helper left")
+
+
+def raw_call(tmp: str, method: str, request: Any, timeout: float = 10) -> Any:
+    async def call() -> Any:
+        async with grpc.aio.insecure_channel(api.unix_target(os.path.join(tmp, "kubelet",
+                                                                          contracts.PLUGIN_SOCKET))) as ch:
+            return await getattr(api.device_plugin_stub(ch), method)(request, timeout=timeout)
+
+    return asyncio.run(call())
+
+
+@pytest.mark.parametrize(("device_id", "message"), [
+    ("kvm-" + "1" * 5000, "malformed device ID 'kvm-111111111111111111111111111111111111'… (5004 characters)"),
+    ("kvm-0\n", "malformed device ID 'kvm-0\\n'"),
+    ("k" * (1 << 20), "(1048576 characters): longer than 63 characters"),
+    ("kvm-" + "9" * 59, "unknown device ID"),
+])
+def test_hostile_device_ids_are_invalid_arguments_quoted_short(kubelet: StandinThread, start_agent: StartAgent,
+                                                               tmp: str, device_id: str, message: str) -> None:
+    agent = start_agent("--device-count", "2")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[device_id])])
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        raw_call(tmp, "Allocate", request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = str(info.value.details())
+    assert message in details and len(details) < 200, details
+    assert agent.stop() == 0
+    assert "Traceback" not in agent.log and len(agent.log) < 10_000
+
+
+def test_preferred_allocation_is_linear_and_bounded(kubelet: StandinThread, start_agent: StartAgent,
+                                                    tmp: str) -> None:
+    start_agent("--device-count", "2")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    ids = [f"kvm-{i}" for i in range(20_000)]
+    request = pb.PreferredAllocationRequest(container_requests=[pb.ContainerPreferredAllocationRequest(
+        available_deviceIDs=ids, must_include_deviceIDs=list(reversed(ids)), allocation_size=20_000)])
+    started = time.monotonic()
+    # Quadratic, this took 7 s and stalled every other call; the generous bound leaves CI room.
+    response = raw_call(tmp, "GetPreferredAllocation", request, timeout=3)
+    print(f"GetPreferredAllocation 20k × 20k: {(time.monotonic() - started) * 1000:.0f} ms")
+    assert list(response.container_responses[0].deviceIDs) == list(reversed(ids))
+    too_many = pb.PreferredAllocationRequest(container_requests=[pb.ContainerPreferredAllocationRequest(
+        available_deviceIDs=["kvm-0"] * 200_001, allocation_size=1)])
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        raw_call(tmp, "GetPreferredAllocation", too_many)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_filesystem_mounted_over_the_cdi_dir_is_watched_anew(kubelet: StandinThread, tmp: str) -> None:
+    """A tmpfs over the CDI directory raises no inotify event; the spec must still come back
+    (the check interval is an hour: only the re-watch can do it)."""
+    cdi_dir = os.path.join(tmp, "cdi")
+    os.mkdir(cdi_dir)
+    wrapper = ["unshare", "--mount", "--propagation", "private"]
+    agent = AgentProcess(tmp, "--kubelet-dir", os.path.join(tmp, "kubelet"), "--cdi-dir", cdi_dir,
+                         "--check-interval", "3600", prefix=wrapper)
+    try:
+        kubelet.wait_until(lambda k: healthy_slots(k) == 2000, 15)
+        in_agent = ["nsenter", "-t", str(agent.proc.pid), "-m"]
+        subprocess.run([*in_agent, "mount", "-t", "tmpfs", "tmpfs", cdi_dir], check=True, timeout=30)
+        spec = cdi.spec_path(cdi_dir)
+
+        def repaired() -> bool:
+            shown = subprocess.run([*in_agent, "cat", spec], capture_output=True, timeout=30, check=False)
+            return shown.returncode == 0 and shown.stdout == cdi.render("kvm", "/dev/kvm", 65534, 65534)
+
+        wait_for(repaired, 10, "the spec written into the new filesystem", interval=0.1)
+        wait_for(lambda: "another directory now" in agent.log, 5)
+        assert agent.stop() == 0
+    finally:
+        agent.kill()
+        wait_for(lambda: not agent.helpers_left(), 5, "no helper left")
+
+
+def test_a_watch_that_cannot_be_added_is_said_once(tmp: str, caplog: pytest.LogCaptureFixture,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from asyncinotify import Inotify
+
+    def no_room(self: Inotify, path: str, mask: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Inotify, "add_watch", no_room)
+    monkeypatch.setattr(watcher, "RETRY_S", 0.01)
+    w = watcher.DirectoryWatcher()
+    w.watch(tmp, lambda name: None)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(w.run())
+        await asyncio.sleep(0.2)  # twenty retries' worth: the warning must still appear once
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    with caplog.at_level(logging.DEBUG, logger="hyperlight_agent.watcher"):
+        asyncio.run(run())
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("drift", ["chmod 600", "chown 1234:1234"])
+def test_the_spec_mode_and_owner_are_repaired(kubelet: StandinThread, start_agent: StartAgent, tmp: str,
+                                              drift: str) -> None:
+    start_agent("--device-count", "1")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    spec = cdi.spec_path(os.path.join(tmp, "cdi"))
+    if drift.startswith("chmod"):
+        os.chmod(spec, 0o600)
+    else:
+        os.chown(spec, 1234, 1234)
+
+    def exact() -> bool:
+        st = os.stat(spec)
+        return (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (cdi.SPEC_MODE, os.geteuid(), os.getegid())
+
+    wait_for(exact, 5, "mode and owner repaired (inotify ATTRIB)")
