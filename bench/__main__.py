@@ -18,7 +18,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc loads: no GOAWAY
 
 import grpc
 
-from hyperlight_agent import api, cdi, contracts, probe
+from hyperlight_agent import api, cdi, contracts, kernel
 from hyperlight_agent import deviceplugin_pb2 as pb
 from hyperlight_agent.helper import ProbeHelper, ProbeRequest
 from hyperlight_agent.standin import KubeletStandin, Plugin, StandinThread
@@ -100,7 +100,7 @@ def bench_probe(device_dir: str) -> float:
     raw = []
     for _ in range(200):
         t = time.perf_counter()
-        probe.check_device(probe.check_kvm, node)
+        kernel.check_device(kernel.check_kvm, node)
         raw.append(time.perf_counter() - t)
 
     async def helper_times() -> tuple[list[float], list[float]]:
@@ -118,9 +118,9 @@ def bench_probe(device_dir: str) -> float:
             t = time.perf_counter()
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-I", "-S", "-c",
-                "import sys; sys.path.insert(0, sys.argv[1]); from hyperlight_agent import probe; "
-                "probe.check_device(probe.check_kvm, sys.argv[2])",
-                os.path.dirname(os.path.dirname(os.path.abspath(probe.__file__))), node)
+                "import sys; sys.path.insert(0, sys.argv[1]); from hyperlight_agent import kernel; "
+                "kernel.check_device(kernel.check_kvm, sys.argv[2])",
+                os.path.dirname(os.path.dirname(os.path.abspath(kernel.__file__))), node)
             await proc.wait()
             fresh.append(time.perf_counter() - t)
         return times, fresh

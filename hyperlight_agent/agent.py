@@ -21,12 +21,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from . import __version__, api, atomic, config, contracts, hypervisors, labels, modes, readiness
-from .checker import Checker, CheckTarget
+from .checker import Checker, target_for
 from .config import Settings
-from .health import HealthState, Observation
 from .helper import ProbeHelper
 from .metrics import Metrics
 from .notify import Notifier
+from .observation import Observation, SharedObservation
 from .registration import Registrar
 from .servicer import DevicePluginServicer, Endpoint, Profile
 from .watcher import CONTENT, DirectoryWatcher
@@ -74,11 +74,6 @@ def profile_for(settings: Settings, mode: modes.Mode) -> Profile:
                    mode.allocation or settings.allocation, workload_env=mode.workload_env)
 
 
-def target_for(settings: Settings, mode: modes.Mode) -> CheckTarget:
-    return CheckTarget(settings.device_dir, settings.host_device_dir, settings.cdi_dir,
-                       settings.device_uid, settings.device_gid, inventory_only=mode.inventory_only)
-
-
 class Agent:
     def __init__(self, settings: Settings, device_access: bool = False,
                  reload: Optional[Callable[[], Settings]] = None,
@@ -89,14 +84,14 @@ class Agent:
         self._reload = reload  # re-reads the settings for reload(); raises config.ConfigError
         self.notifier = notifier or Notifier()
         self.metrics = Metrics(enabled=settings.metrics_address is not None)
-        self.state = HealthState()
+        self.state = SharedObservation()
         self.helper = ProbeHelper(argv=helper_argv, on_timeout=self.metrics.helper_timeouts.inc)
         self.checker = Checker(target_for(settings, self.mode), self.helper, self.state, on_result=self._on_check)
         self.profile = profile_for(settings, self.mode)
         self.servicer = DevicePluginServicer(
             self.profile, self.state, self.checker, on_streams_changed=self._on_streams,
             on_allocate=lambda outcome: self.metrics.allocations.labels(outcome).inc())
-        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self.health_service = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.registrar = Registrar(settings.kubelet_dir, self.profile.socket, self.profile.resource,
                                    self._configure_server, on_change=self._on_registrar)
         self.watcher = self._make_watcher()
@@ -124,8 +119,8 @@ class Agent:
                  self.registrar.socket_path, self.profile.slots, self.settings.device_dir)
         self._status_changed()
         self.checker.request()
-        await self.health.set(modes.HEALTH_SERVICES["liveness"], health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set(modes.HEALTH_SERVICES["readiness"], health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health_service.set(modes.HEALTH_SERVICES["liveness"], health_pb2.HealthCheckResponse.SERVING)
+        await self.health_service.set(modes.HEALTH_SERVICES["readiness"], health_pb2.HealthCheckResponse.NOT_SERVING)
         jobs = [self.registrar.run(), self.watcher.run(), self._periodic_checks()]
         if self.notifier.watchdog_interval is not None:
             jobs.append(self._watchdog(self.notifier.watchdog_interval))
@@ -226,7 +221,7 @@ class Agent:
     def _configure_server(self, server: grpc.aio.Server, on_stream: Callable[[int], None]) -> Callable[[], None]:
         endpoint = Endpoint(self.servicer, on_stream)
         server.add_generic_rpc_handlers([api.device_plugin_handler(endpoint)])
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health_service, server)
         return endpoint.close
 
     async def _watchdog(self, interval: float) -> None:
@@ -317,4 +312,4 @@ class Agent:
             self._serving = ready
             status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
             self._health_update = asyncio.ensure_future(
-                self.health.set(modes.HEALTH_SERVICES["readiness"], status))
+                self.health_service.set(modes.HEALTH_SERVICES["readiness"], status))

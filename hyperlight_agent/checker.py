@@ -12,15 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import stat
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from . import cdi, hypervisors
-from .health import HealthState, Observation
+from . import cdi, hypervisors, kernel, modes
+from .config import Settings
 from .helper import ProbeHelper, ProbeRequest
+from .observation import Observation, SharedObservation
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +39,18 @@ class CheckTarget:
     gid: int
     # Bootstrap (--device-access) mode: inventory only; never open the device, never write CDI.
     inventory_only: bool = False
+    # --check: inspect the spec instead of repairing it (the problem is kept in Checker.cdi_note).
+    read_only: bool = False
+
+
+def target_for(settings: Settings, mode: modes.Mode, read_only: bool = False) -> CheckTarget:
+    return CheckTarget(settings.device_dir, settings.host_device_dir, settings.cdi_dir,
+                       settings.device_uid, settings.device_gid, inventory_only=mode.inventory_only,
+                       read_only=read_only)
 
 
 class Checker:
-    def __init__(self, target: CheckTarget, helper: ProbeHelper, state: HealthState,
+    def __init__(self, target: CheckTarget, helper: ProbeHelper, state: SharedObservation,
                  on_result: Optional[Callable[[Observation, float, bool], None]] = None) -> None:
         self.target = target
         self._helper = helper
@@ -56,6 +63,7 @@ class Checker:
         self._helper_trouble = False  # the last check failed because of the helper
         self._rechecked = False  # a prompt re-check was already scheduled for this streak
         self.completed = 0  # checks completed (tests and benchmarks read this)
+        self.cdi_note: Optional[str] = None  # read_only: what is wrong with the spec, if anything
 
     async def check(self, timeout: Optional[float] = None) -> Observation:
         """The result of a check that starts after this call.
@@ -152,6 +160,9 @@ class Checker:
             assert failure is not None
             return failure, False
         # Only a hypervisor that passed its probe may change the spec.
+        if t.read_only:
+            self.cdi_note = cdi.inspect(t.cdi_dir, self._wanted_spec(hypervisor))
+            return Observation(True, "", hypervisor.name), False
         try:
             repaired = cdi.reconcile(t.cdi_dir, self._wanted_spec(hypervisor))
         except cdi.CdiError as exc:
@@ -188,16 +199,8 @@ def _forward(source: asyncio.Task[Observation], target: asyncio.Future[Observati
 def _inventory(device: str, host: Optional[str]) -> tuple[bool, str]:
     """lstat only: the node must be a character device (not a symlink) and match the host's."""
     try:
-        st = os.lstat(device)
-    except OSError as exc:
-        return False, f"{device}: cannot stat: {exc.strerror or exc}"
-    if not stat.S_ISCHR(st.st_mode):
-        return False, f"{device} is not a character device"
-    if host:
-        try:
-            host_st = os.lstat(host)
-        except OSError as exc:
-            return False, f"{host}: cannot stat host device node: {exc.strerror or exc}"
-        if not stat.S_ISCHR(host_st.st_mode) or host_st.st_rdev != st.st_rdev:
+        if kernel.host_identity(device) != kernel.host_identity(host or device):
             return False, f"{host} is not the same character device as {device}"
+    except kernel.ProbeError as exc:
+        return False, str(exc)
     return True, ""

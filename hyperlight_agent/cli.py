@@ -75,7 +75,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
     if args.health_check or args.check:
         signals.restore_defaults()
     if args.health_check:
-        from .probes import health_check
+        from .healthcheck import health_check
 
         ok, line = health_check(settings, args.health_check, args.device_access)
         print(line)

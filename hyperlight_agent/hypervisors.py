@@ -1,6 +1,6 @@
 """The hypervisors we support: one row each. Supporting another is one more row.
 
-Standard library only: the probe helper imports this module.
+Standard library only: the probe helper (helper_main.py) imports this module.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import stat
 
-from . import probe
+from . import kernel
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time
 
@@ -45,8 +45,8 @@ class Hypervisor:
         return "/dev/" + self.node
 
 
-MSHV = Hypervisor(name="mshv", node="mshv", check=probe.check_mshv)
-KVM = Hypervisor(name="kvm", node="kvm", check=probe.check_kvm)
+MSHV = Hypervisor(name="mshv", node="mshv", check=kernel.check_mshv)
+KVM = Hypervisor(name="kvm", node="kvm", check=kernel.check_kvm)
 
 # Detection order: the first row present wins (on hosts with both, mshv, as the original did).
 HYPERVISORS: tuple[Hypervisor, ...] = (MSHV, KVM)

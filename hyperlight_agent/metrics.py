@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .health import Observation
+from .observation import Observation
 
 log = logging.getLogger(__name__)
 

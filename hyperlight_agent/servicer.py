@@ -18,7 +18,7 @@ from . import cdi, contracts, hypervisors
 from . import deviceplugin_pb2 as pb
 from .checker import Checker
 from .config import MAX_DEVICE_COUNT
-from .health import HealthState, Observation
+from .observation import Observation, SharedObservation
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def device_ids(hypervisor: str, slots: int) -> list[str]:
 
 
 class DevicePluginServicer:
-    def __init__(self, profile: Profile, state: HealthState, checker: Checker,
+    def __init__(self, profile: Profile, state: SharedObservation, checker: Checker,
                  on_streams_changed: Optional[Callable[[int], None]] = None,
                  on_allocate: Optional[Callable[[str], None]] = None) -> None:
         self.profile = profile

@@ -11,8 +11,8 @@ import pytest
 
 from hyperlight_agent import cdi
 from hyperlight_agent.checker import Checker, CheckTarget
-from hyperlight_agent.health import HealthState, Observation
 from hyperlight_agent.helper import ProbeHelper
+from hyperlight_agent.observation import Observation, SharedObservation
 from tests.conftest import make_node
 from tests.procs import my_helpers
 
@@ -24,7 +24,7 @@ def target(tmp: str, device_dir: str, **kw: object) -> CheckTarget:
 
 def test_initial_state_is_unhealthy_until_a_check_completes() -> None:
     async def run() -> None:
-        state = HealthState()
+        state = SharedObservation()
         assert state.version == 0 and not state.current.healthy
         waiter = asyncio.ensure_future(state.wait_newer(0))
         await asyncio.sleep(0)
@@ -37,7 +37,7 @@ def test_initial_state_is_unhealthy_until_a_check_completes() -> None:
 
 def test_publish_wakes_all_waiters_once_per_change() -> None:
     async def run() -> None:
-        state = HealthState()
+        state = SharedObservation()
         state.publish(Observation(True, "", "kvm"))
         waiters = [asyncio.ensure_future(state.wait_newer(state.version)) for _ in range(50)]
         assert not state.publish(Observation(True, "", "kvm"))  # same observation: no wake-up
@@ -53,7 +53,7 @@ def test_publish_wakes_all_waiters_once_per_change() -> None:
 def test_burst_of_500_checks_runs_a_handful_of_probes(tmp: str, kvm_dir: str) -> None:
     async def run() -> None:
         helper = ProbeHelper()
-        checker = Checker(target(tmp, kvm_dir), helper, HealthState())
+        checker = Checker(target(tmp, kvm_dir), helper, SharedObservation())
         most_alive = 0
         burst = asyncio.gather(*(checker.check() for _ in range(500)))
         while not burst.done():  # sample the process table while the burst runs
@@ -71,7 +71,7 @@ def test_burst_of_500_checks_runs_a_handful_of_probes(tmp: str, kvm_dir: str) ->
 def test_check_after_arrival_never_a_cached_result(tmp: str, kvm_dir: str) -> None:
     async def run() -> None:
         helper = ProbeHelper()
-        checker = Checker(target(tmp, kvm_dir), helper, HealthState())
+        checker = Checker(target(tmp, kvm_dir), helper, SharedObservation())
         assert (await checker.check()).healthy
         os.unlink(os.path.join(kvm_dir, "kvm"))
         after = await checker.check()  # nothing in flight: a new check must run
@@ -91,7 +91,7 @@ def test_caller_that_gives_up_does_not_change_shared_health(tmp: str, kvm_dir: s
             "    print(json.dumps({'ok': True, 'reason': ''}), flush=True)\n", marker]
 
     async def run() -> None:
-        state = HealthState()
+        state = SharedObservation()
         helper = ProbeHelper(argv=slow, deadline=5)
         checker = Checker(target(tmp, kvm_dir), helper, state)
         cancelled = asyncio.ensure_future(checker.check())
@@ -111,7 +111,7 @@ def test_caller_that_gives_up_does_not_change_shared_health(tmp: str, kvm_dir: s
 
 def test_recovery_without_restart(tmp: str, kvm_dir: str) -> None:
     async def run() -> None:
-        state = HealthState()
+        state = SharedObservation()
         helper = ProbeHelper()
         checker = Checker(target(tmp, kvm_dir), helper, state)
         node = os.path.join(kvm_dir, "kvm")
@@ -131,7 +131,7 @@ def test_recovery_without_restart(tmp: str, kvm_dir: str) -> None:
 
 def test_cdi_failure_makes_the_device_unhealthy(tmp: str, kvm_dir: str) -> None:
     async def run() -> None:
-        checker = Checker(target(tmp, kvm_dir), helper := ProbeHelper(), HealthState())
+        checker = Checker(target(tmp, kvm_dir), helper := ProbeHelper(), SharedObservation())
         os.makedirs(cdi.spec_path(os.path.join(tmp, "cdi")))  # a directory at our path
         bad = await checker.check()
         assert not bad.healthy and "is a directory" in bad.reason
@@ -152,7 +152,7 @@ def test_inventory_mode_never_opens_the_device(tmp: str) -> None:
 
     async def run() -> None:
         helper = ProbeHelper()
-        checker = Checker(target(tmp, device_dir, inventory_only=True), helper, HealthState())
+        checker = Checker(target(tmp, device_dir, inventory_only=True), helper, SharedObservation())
         assert (await checker.check()).healthy
         assert helper.started == 0
         assert not os.path.exists(os.path.join(tmp, "cdi"))
@@ -165,7 +165,7 @@ def check_once(tmp: str, device_dir: str) -> Observation:
     async def run() -> Observation:
         helper = ProbeHelper()
         try:
-            return await Checker(target(tmp, device_dir), helper, HealthState()).check()
+            return await Checker(target(tmp, device_dir), helper, SharedObservation()).check()
         finally:
             await helper.close()
 

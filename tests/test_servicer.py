@@ -12,8 +12,8 @@ import pytest
 from hyperlight_agent import cdi
 from hyperlight_agent import deviceplugin_pb2 as pb
 from hyperlight_agent.checker import Checker, CheckTarget
-from hyperlight_agent.health import HealthState, Observation
 from hyperlight_agent.helper import ProbeHelper
+from hyperlight_agent.observation import Observation, SharedObservation
 from hyperlight_agent.servicer import DevicePluginServicer, Profile
 from tests.conftest import read_bytes
 
@@ -31,8 +31,8 @@ class Context:
         raise RuntimeError(f"{code.name}: {message}")
 
 
-def setup(tmp: str, kvm_dir: str) -> tuple[HealthState, ProbeHelper, DevicePluginServicer]:
-    state = HealthState()
+def setup(tmp: str, kvm_dir: str) -> tuple[SharedObservation, ProbeHelper, DevicePluginServicer]:
+    state = SharedObservation()
     helper = ProbeHelper()
     checker = Checker(CheckTarget(kvm_dir, None, os.path.join(tmp, "cdi"), 65534, 65534), helper, state)
     return state, helper, DevicePluginServicer(Profile("hyperlight.dev/hypervisor", "x.sock", 3, "cdi"),

@@ -1,19 +1,16 @@
-"""Kernel-level usability checks, and the helper process that runs them under a deadline.
+"""Kernel-level usability checks: a leaf (it imports only contracts and the standard library).
 
-A hypervisor ioctl can block in the kernel, so the agent never calls these itself: it sends
-requests to a long-lived helper process (`serve`) and kills the helper when it misses its
-deadline (see helper.py). The helper is started with `python -I -S`, so this module and the
-modules it imports (contracts, hypervisors) must use the standard library only.
+A hypervisor ioctl can block in the kernel, so the agent never calls these itself: the probe
+helper process (helper_main.py) runs them, and the agent kills it when it misses its deadline
+(helper.py). The helper is started with `python -I -S`: standard library only.
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import stat
 import struct
-import sys
 
 from . import contracts
 
@@ -132,34 +129,3 @@ def _kind(mode: int) -> str:
 
 def _numbers(rdev: int) -> str:
     return f"{os.major(rdev)}:{os.minor(rdev)}"
-
-
-def run_request(request: dict[str, Any]) -> dict[str, Any]:
-    """One helper request → one reply. Request: {"hypervisor", "device", "host"}."""
-    from .hypervisors import BY_NAME  # here, not at the top: hypervisors imports this module
-
-    hypervisor = BY_NAME.get(str(request.get("hypervisor")))
-    if hypervisor is None:
-        return {"ok": False, "reason": f"unknown hypervisor {request.get('hypervisor')!r}"}
-    try:
-        check_device(hypervisor.check, str(request["device"]), request.get("host"))
-    except ProbeError as exc:
-        return {"ok": False, "reason": str(exc)}
-    return {"ok": True, "reason": ""}
-
-
-def serve(stdin: Any = None, stdout: Any = None) -> None:
-    """The helper's main loop: one JSON request per line in, one JSON reply per line out."""
-    stdin = stdin or sys.stdin
-    stdout = stdout or sys.stdout
-    for line in stdin:
-        try:
-            reply = run_request(json.loads(line))
-        except (ValueError, KeyError, TypeError) as exc:
-            reply = {"ok": False, "reason": f"bad probe request: {exc}"}
-        stdout.write(json.dumps(reply) + "\n")
-        stdout.flush()
-
-
-if __name__ == "__main__":  # pragma: no cover - started by helper.py
-    serve()

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hyperlight_agent import contracts, hypervisors, probe
+from hyperlight_agent import contracts, helper_main, hypervisors, kernel
 from tests.conftest import make_node
 
 
@@ -27,7 +27,7 @@ def test_ioctl_numbers_follow_the_kernel_encoding() -> None:
 
 
 def test_mshv_request_is_the_16_byte_backward_compatible_struct() -> None:
-    arg = probe.mshv_create_partition_arg()
+    arg = kernel.mshv_create_partition_arg()
     assert len(arg) == contracts.MSHV_CREATE_PARTITION_SIZE == 16
     flags, isolation = struct.unpack("=QQ", arg)
     assert flags == 0b111  # LAPIC, X2APIC, GPA_SUPER_PAGES
@@ -52,11 +52,11 @@ def test_detect(tmp: str) -> None:
 
 @pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="this machine has no /dev/kvm")
 def test_real_kvm_is_usable() -> None:
-    probe.check_device(probe.check_kvm, "/dev/kvm")
+    kernel.check_device(kernel.check_kvm, "/dev/kvm")
 
 
 def test_made_node_with_kvm_numbers_is_usable(kvm_dir: str) -> None:
-    probe.check_device(probe.check_kvm, os.path.join(kvm_dir, "kvm"))
+    kernel.check_device(kernel.check_kvm, os.path.join(kvm_dir, "kvm"))
 
 
 class Recorder:
@@ -80,7 +80,7 @@ class Recorder:
 
 def test_kvm_check_creates_and_closes_one_vm() -> None:
     r = Recorder({contracts.KVM_GET_API_VERSION: 12, contracts.KVM_CREATE_VM: 99})
-    probe.check_kvm(7, ioctl=r.ioctl, close=r.close)
+    kernel.check_kvm(7, ioctl=r.ioctl, close=r.close)
     assert r.calls == [(7, contracts.KVM_GET_API_VERSION, 0), (7, contracts.KVM_CREATE_VM, 0)]
     assert r.closed == [99]
 
@@ -94,15 +94,15 @@ def test_kvm_check_creates_and_closes_one_vm() -> None:
 ])
 def test_kvm_check_errors(results: dict[int, Any], message: str) -> None:
     r = Recorder(results)
-    with pytest.raises(probe.ProbeError, match=message):
-        probe.check_kvm(7, ioctl=r.ioctl, close=r.close)
+    with pytest.raises(kernel.ProbeError, match=message):
+        kernel.check_kvm(7, ioctl=r.ioctl, close=r.close)
     assert r.closed == []  # no VM fd was ever returned
 
 
 def test_mshv_check_creates_and_closes_one_partition() -> None:
     r = Recorder({contracts.MSHV_CREATE_PARTITION: 42})
-    probe.check_mshv(7, ioctl=r.ioctl, close=r.close)
-    assert r.calls == [(7, contracts.MSHV_CREATE_PARTITION, probe.mshv_create_partition_arg())]
+    kernel.check_mshv(7, ioctl=r.ioctl, close=r.close)
+    assert r.calls == [(7, contracts.MSHV_CREATE_PARTITION, kernel.mshv_create_partition_arg())]
     assert r.closed == [42]
 
 
@@ -113,8 +113,8 @@ def test_mshv_check_creates_and_closes_one_partition() -> None:
 ])
 def test_mshv_check_errors(result: Any, message: str) -> None:
     r = Recorder({contracts.MSHV_CREATE_PARTITION: result})
-    with pytest.raises(probe.ProbeError, match=message):
-        probe.check_mshv(7, ioctl=r.ioctl, close=r.close)
+    with pytest.raises(kernel.ProbeError, match=message):
+        kernel.check_mshv(7, ioctl=r.ioctl, close=r.close)
     assert r.closed == []
 
 
@@ -133,11 +133,11 @@ def test_device_fd_is_closed_on_every_path(kvm_dir: str) -> None:
         os.close(fd)
 
     def failing(fd: int) -> None:
-        raise probe.ProbeError("boom")
+        raise kernel.ProbeError("boom")
 
-    with pytest.raises(probe.ProbeError, match="boom"):
-        probe.check_device(failing, os.path.join(kvm_dir, "kvm"), open_=open_, close=close)
-    probe.check_device(probe.check_kvm, os.path.join(kvm_dir, "kvm"), open_=open_, close=close)
+    with pytest.raises(kernel.ProbeError, match="boom"):
+        kernel.check_device(failing, os.path.join(kvm_dir, "kvm"), open_=open_, close=close)
+    kernel.check_device(kernel.check_kvm, os.path.join(kvm_dir, "kvm"), open_=open_, close=close)
     assert opened == closed and len(opened) == 2
 
 
@@ -146,8 +146,8 @@ def test_dev_null_is_not_a_hypervisor(tmp: str, hypervisor: hypervisors.Hypervis
     # /dev/null's numbers at the device path, with a matching host identity: only the ioctl can
     # tell, and it must.
     node = make_node(os.path.join(tmp, hypervisor.node), 1, 3)
-    with pytest.raises(probe.ProbeError, match="failed: Inappropriate ioctl for device"):
-        probe.check_device(hypervisor.check, node)
+    with pytest.raises(kernel.ProbeError, match="failed: Inappropriate ioctl for device"):
+        kernel.check_device(hypervisor.check, node)
 
 
 def test_host_identity_cases(tmp: str, kvm_dir: str) -> None:
@@ -155,63 +155,66 @@ def test_host_identity_cases(tmp: str, kvm_dir: str) -> None:
     host = os.path.join(tmp, "host")
     os.mkdir(host)
     host_kvm = os.path.join(host, "kvm")
-    with pytest.raises(probe.ProbeError, match="host device node is missing"):
-        probe.check_device(probe.check_kvm, device, host_kvm)
+    with pytest.raises(kernel.ProbeError, match="host device node is missing"):
+        kernel.check_device(kernel.check_kvm, device, host_kvm)
     make_node(host_kvm, 10, 232)
-    probe.check_device(probe.check_kvm, device, host_kvm)  # same numbers: fine
+    kernel.check_device(kernel.check_kvm, device, host_kvm)  # same numbers: fine
     os.unlink(host_kvm)
     make_node(host_kvm, 10, 233)
-    with pytest.raises(probe.ProbeError, match="device 10:232 differs from the host's 10:233"):
-        probe.check_device(probe.check_kvm, device, host_kvm)
+    with pytest.raises(kernel.ProbeError, match="device 10:232 differs from the host's 10:233"):
+        kernel.check_device(kernel.check_kvm, device, host_kvm)
     os.unlink(host_kvm)
     with open(host_kvm, "w"):
         pass
-    with pytest.raises(probe.ProbeError, match="is a regular file, not a character device"):
-        probe.check_device(probe.check_kvm, device, host_kvm)
+    with pytest.raises(kernel.ProbeError, match="is a regular file, not a character device"):
+        kernel.check_device(kernel.check_kvm, device, host_kvm)
     os.unlink(host_kvm)
     os.symlink(device, host_kvm)
-    with pytest.raises(probe.ProbeError, match="is a symlink, not a character device"):
-        probe.check_device(probe.check_kvm, device, host_kvm)
+    with pytest.raises(kernel.ProbeError, match="is a symlink, not a character device"):
+        kernel.check_device(kernel.check_kvm, device, host_kvm)
 
 
 def test_device_path_symlink_or_file_is_refused(tmp: str, kvm_dir: str) -> None:
     link = os.path.join(tmp, "kvm-link")
     os.symlink(os.path.join(kvm_dir, "kvm"), link)
-    with pytest.raises(probe.ProbeError, match="symlink"):
-        probe.check_device(probe.check_kvm, link)
+    with pytest.raises(kernel.ProbeError, match="symlink"):
+        kernel.check_device(kernel.check_kvm, link)
     regular = os.path.join(tmp, "kvm-file")
     with open(regular, "w"):
         pass
-    with pytest.raises(probe.ProbeError, match="regular file"):
-        probe.check_device(probe.check_kvm, regular)
+    with pytest.raises(kernel.ProbeError, match="regular file"):
+        kernel.check_device(kernel.check_kvm, regular)
 
 
 def test_helper_protocol_reports_reasons(kvm_dir: str, tmp: str) -> None:
-    assert probe.run_request({"hypervisor": "kvm", "device": os.path.join(kvm_dir, "kvm"), "host": None}) \
+    assert helper_main.run_request({"hypervisor": "kvm", "device": os.path.join(kvm_dir, "kvm"), "host": None}) \
         == {"ok": True, "reason": ""}
-    bad = probe.run_request({"hypervisor": "kvm", "device": os.path.join(tmp, "none"), "host": None})
+    bad = helper_main.run_request({"hypervisor": "kvm", "device": os.path.join(tmp, "none"), "host": None})
     assert not bad["ok"] and "missing" in bad["reason"]
-    assert probe.run_request({"hypervisor": "xen", "device": "/dev/xen"})["reason"] == "unknown hypervisor 'xen'"
+    assert helper_main.run_request({"hypervisor": "xen", "device": "/dev/xen", "host": None})["reason"] == \
+        "unknown hypervisor 'xen'"
+    assert helper_main.run_request({"hypervisor": "kvm"})["reason"].startswith("bad probe request")
 
 
 @pytest.mark.skipif(os.environ.get("TEST_MSHV_LIVE") != "1", reason="opt-in: TEST_MSHV_LIVE=1 on an MSHV host")
 def test_mshv_live_partition_creation() -> None:
     """TEST_MSHV_LIVE=1: the real MSHV check on this host; fails clearly where /dev/mshv is absent."""
     assert os.path.exists("/dev/mshv"), "TEST_MSHV_LIVE=1 but this host has no /dev/mshv"
-    probe.check_device(probe.check_mshv, "/dev/mshv")
+    kernel.check_device(kernel.check_mshv, "/dev/mshv")
 
 
 def test_probe_modules_import_without_site_packages() -> None:
     # The helper runs under `python -I -S`: the probe and its imports must need nothing else.
-    code = ("import io, sys; sys.path.insert(0, sys.argv[1]); from hyperlight_agent.probe import serve; "
+    code = ("import io, sys; sys.path.insert(0, sys.argv[1]); from hyperlight_agent.helper_main import serve; "
             "serve(io.StringIO(sys.argv[2] + '\\n'), io.StringIO()); "
             "print(sorted(m for m in sys.modules if 'grpc' in m or m.startswith(('google', 'hyperlight')) "
             "or m in ('typing', 'dataclasses', 'asyncio')))")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(probe.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kernel.__file__)))
     request = '{"hypervisor": "kvm", "device": "/dev/null", "host": null}'
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code, root, request], capture_output=True,
                          text=True, check=True, timeout=30)
     # After serving a request the helper holds exactly these agent modules (standard library
     # only), and none of grpc, typing, dataclasses or asyncio: it stays small.
     assert out.stdout.strip() == str(["hyperlight_agent", "hyperlight_agent.contracts",
-                                      "hyperlight_agent.hypervisors", "hyperlight_agent.probe"])
+                                      "hyperlight_agent.helper_main", "hyperlight_agent.hypervisors",
+                                      "hyperlight_agent.kernel"])

@@ -1,6 +1,7 @@
-"""The one shared health observation: versioned, replaced as a whole, broadcast to waiters.
+"""The one shared observation of the device: versioned, replaced as a whole, broadcast to waiters.
 
-Health is state that recovers, never a latch: every completed check publishes a fresh
+(Not the gRPC health service, nor the exec probe: those are agent.py and healthcheck.py.) The
+observation recovers, never a latch: every completed check publishes a fresh
 observation, and every ListAndWatch stream wakes when it changes. Create inside the event loop.
 """
 
@@ -26,7 +27,7 @@ INITIAL = Observation(healthy=False, reason="no device check has completed yet",
                       cause="starting")
 
 
-class HealthState:
+class SharedObservation:
     """Holds the current Observation; version 0 means no check has completed yet."""
 
     def __init__(self) -> None:
