@@ -83,6 +83,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
     if args.check:
         from .diagnose import diagnose
 
+        logging.getLogger("hyperlight_agent").setLevel(logging.ERROR)  # the report says it all
         ok, lines = diagnose(settings)
         print("\n".join(lines))
         print("this node can serve Hyperlight" if ok else "this node cannot serve Hyperlight")

@@ -203,7 +203,8 @@ def test_check_reports_an_unusable_node(tmp: str) -> None:
     os.unlink(os.path.join(dev, "kvm"))
     result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--check",
                              "--device-dir", dev], capture_output=True, text=True, timeout=30, check=False)
-    assert result.returncode == 1 and "FAIL device: none of" in result.stdout
+    assert result.returncode == 1 and "FAIL device: no hypervisor device in" in result.stdout
+    assert result.stderr == "", "the report is the output; no log lines besides it"
 
 
 def test_journal_only_when_stderr_is_the_journal(tmp: str) -> None:
