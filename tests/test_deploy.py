@@ -76,8 +76,9 @@ def _checkov(directory: str) -> dict[str, Any]:
                              "--quiet", "--compact", "-o", "json"], capture_output=True, text=True, timeout=300,
                             check=False)
     report = json.loads(result.stdout)
+    # One framework's report is an object; nothing to judge gives the bare summary.
     summaries = [report] if isinstance(report, dict) else report
-    return {key: sum(r["summary"][key] for r in summaries) for key in ("passed", "failed")}
+    return {key: sum(r.get("summary", r)[key] for r in summaries) for key in ("passed", "failed")}
 
 
 def test_overlays_exist() -> None:
@@ -86,8 +87,8 @@ def test_overlays_exist() -> None:
 
 def test_checkov_passes_the_sources() -> None:
     # The chart's templates are not manifests until rendered (tests/test_helm.py judges those), and
-    # components hold only patches: each overlay's rendering is judged below.
-    sources = [os.path.join(DEPLOY, d) for d in ("base", "overlays", "examples")]
+    # overlays and components hold only patches: each overlay's rendering is judged below.
+    sources = [os.path.join(DEPLOY, d) for d in ("base", "examples")]
     summary = checkov_many(sources)
     assert summary["failed"] == 0, summary
     assert summary["passed"] > 100
