@@ -28,13 +28,16 @@ fi
 
 args="--build-arg BASE_IMAGE=$base --build-arg GIT_COMMIT=${GIT_COMMIT:-unknown} --build-arg VERSION=${VERSION:-0.1.0} -f Containerfile"
 log=build/image.log
-rm -f build/image.id build/image.digest
+rm -f build/image.id build/image.digest build/image.json
 if [ -z "${PLATFORMS:-}" ]; then
     # shellcheck disable=SC2086 # args is a list of words
     $engine build $args --iidfile build/image.id -t "$image" . >"$log" 2>&1 \
         || { tail -n 20 "$log" >&2; fail "build failed, see $log"; }
     id=$(cat build/image.id)
     size=$($engine image inspect --format '{{.Size}}' "$id")
+    # For `make bench` (bench/__main__.py): what was built, on which base, how big.
+    printf '{"image": "%s", "id": "%s", "base": "%s", "engine": "%s", "size": %s}\n' \
+        "$image" "$id" "$base" "$kind" "$size" >build/image.json
     echo "image: $image"
     echo "id: $id ($(( size / 1000000 )) MB)"
     if [ "$kind" = podman ]; then
