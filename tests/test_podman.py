@@ -4,7 +4,6 @@ owner and mode, and a non-root process in the container creates a VM through it.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 
@@ -13,49 +12,38 @@ import pytest
 from hyperlight_agent import cdi, contracts
 from hyperlight_agent.standin import StandinThread
 from tests.conftest import StartAgent
+from tests.podman import Podman, system_cdi_lock
 from tests.test_docs import ROOT
 
 pytestmark = pytest.mark.system
 
-CONTAINERS_CONF = """\
-[containers]
-default_ulimits = ["nofile=20000:20000", "nproc=4096:4096"]
-[engine]
-runtime = "runc"
-cgroup_manager = "cgroupfs"
-events_logger = "file"
-"""
-
 
 @pytest.fixture
-def podman(tmp: str) -> Iterator[list[str]]:
+def podman(tmp: str) -> Iterator[Podman]:
     """podman with private storage under tmp, and a one-binary image holding kvmcheck."""
-    assert shutil.which("podman"), "podman is missing: `make test` installs it"
     rootfs = os.path.join(tmp, "rootfs")
     os.makedirs(os.path.join(rootfs, "dev"))
     subprocess.run(["gcc", "-static", "-O2", "-o", os.path.join(rootfs, "kvmcheck"),
                     os.path.join(ROOT, "tests", "data", "kvmcheck.c")], check=True, timeout=120)
-    conf = os.path.join(tmp, "containers.conf")
-    with open(conf, "w") as f:
-        f.write(CONTAINERS_CONF)
-    base = ["podman", "--root", os.path.join(tmp, "storage"), "--runroot", os.path.join(tmp, "run"),
-            "--storage-driver", "vfs"]
-    env = {**os.environ, "CONTAINERS_CONF": conf}
-    with subprocess.Popen(["tar", "-C", rootfs, "-cf", "-", "."], stdout=subprocess.PIPE) as tar:
-        subprocess.run([*base, "import", "-", "localhost/kvmcheck:1"], stdin=tar.stdout, check=True,
-                       env=env, timeout=120, capture_output=True)
-    os.environ["CONTAINERS_CONF"] = conf
+    engine = Podman(tmp)
     try:
-        yield base
+        with subprocess.Popen(["tar", "-C", rootfs, "-cf", "-", "."], stdout=subprocess.PIPE) as tar:
+            subprocess.run([*engine.argv, "import", "-", "localhost/kvmcheck:1"], stdin=tar.stdout, check=True,
+                           env=engine.env, timeout=120, capture_output=True)
+        yield engine
     finally:
-        os.environ.pop("CONTAINERS_CONF", None)
-        subprocess.run([*base, "rmi", "-a", "-f"], check=False, timeout=120, capture_output=True)
-        subprocess.run(["umount", "-R", os.path.join(tmp, "storage")], check=False, capture_output=True)
+        engine.close()
 
 
 @pytest.fixture
 def system_cdi_dir() -> Iterator[str]:
-    """/var/run/cdi is where podman 4.3 looks; restore exactly what was there before."""
+    """/var/run/cdi is where podman 4.3 looks: hold the machine-wide lock while our spec is there,
+    and restore exactly what was there before."""
+    with system_cdi_lock():
+        yield from _system_cdi_dir()
+
+
+def _system_cdi_dir() -> Iterator[str]:
     directory = contracts.CDI_DIR
     created_dir = not os.path.isdir(directory)
     path = cdi.spec_path(directory)
@@ -77,15 +65,14 @@ def system_cdi_dir() -> Iterator[str]:
         os.rmdir(directory)
 
 
-def run(podman: list[str], user: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*podman, "run", "--rm", "--user", user, "--device", "hyperlight.dev/hypervisor=kvm",
-                           "localhost/kvmcheck:1", "/kvmcheck"], capture_output=True, text=True, timeout=120,
-                          check=False)
+def run(podman: Podman, user: str) -> subprocess.CompletedProcess[str]:
+    return podman("run", "--rm", "--user", user, "--device", "hyperlight.dev/hypervisor=kvm",
+                  "localhost/kvmcheck:1", "/kvmcheck", check=False)
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="this machine has no /dev/kvm")
 def test_podman_resolves_our_spec_and_a_non_root_user_creates_a_vm(
-        podman: list[str], system_cdi_dir: str, kubelet: StandinThread, start_agent: StartAgent) -> None:
+        podman: Podman, system_cdi_dir: str, kubelet: StandinThread, start_agent: StartAgent) -> None:
     start_agent("--device-count", "2", "--cdi-dir", system_cdi_dir)
     kubelet.wait_until(lambda k: k.plugins.get(contracts.RESOURCE_HYPERVISOR)
                        and k.plugins[contracts.RESOURCE_HYPERVISOR].healthy == 2, 15)
