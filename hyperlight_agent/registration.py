@@ -83,6 +83,11 @@ class Backoff:
     def reset(self) -> None:
         self.attempt = 0
 
+    @staticmethod
+    def initial_floor(attempt: int, initial: float = BACKOFF_INITIAL_S, cap: float = BACKOFF_CAP_S) -> float:
+        """The shortest wait the attempt-th retry can have (jitter at its lowest)."""
+        return 0.5 * min(cap, initial * 2.0 ** attempt)
+
 
 Identity = tuple[int, int, int]
 
