@@ -4,18 +4,47 @@ checks host identity and the CDI spec, changes nothing, and prints a short repor
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 
 from . import cdi, hypervisors
 from .config import Settings
 from .helper import ProbeHelper
 
 
+def runtime() -> tuple[bool, str]:
+    """Can the agent itself start here? A tree built for another Python passes every node check
+    and then dies importing grpc's extension module, so import what the daemon imports and bind
+    a gRPC server on a unix socket in a temp directory."""
+
+    async def bind(address: str) -> None:
+        import grpc
+
+        server = grpc.aio.server()
+        if not server.add_insecure_port(address):  # older grpcio returns 0 instead of raising
+            raise OSError(f"cannot bind {address}")
+        await server.start()
+        await server.stop(None)
+
+    try:
+        from . import agent  # noqa: F401 - the daemon's whole import graph, grpc's extension first
+    except Exception as exc:
+        return False, f"FAIL runtime: cannot import the agent: {type(exc).__name__}: {exc}"
+    try:
+        with tempfile.TemporaryDirectory(prefix="hyperlight-check-") as tmp:
+            asyncio.run(bind(f"unix:{os.path.join(tmp, 'check.sock')}"))
+    except Exception as exc:
+        return False, f"FAIL runtime: gRPC server cannot bind a unix socket: {type(exc).__name__}: {exc}"
+    return True, "ok   runtime: the agent imports and its gRPC server binds a unix socket"
+
+
 def diagnose(settings: Settings) -> tuple[bool, list[str]]:
-    lines: list[str] = []
+    runtime_ok, runtime_line = runtime()
+    lines = [runtime_line]
     hypervisor = hypervisors.detect(settings.device_dir)
     if hypervisor is None:
         names = ", ".join(h.device_path(settings.device_dir) for h in hypervisors.HYPERVISORS)
-        return False, [f"FAIL device: none of {names} exists"]
+        return False, [*lines, f"FAIL device: none of {names} exists"]
     device = hypervisor.device_path(settings.device_dir)
     host = hypervisor.device_path(settings.host_device_dir) if settings.host_device_dir else None
     lines.append(f"ok   device: {hypervisor.name} at {device}" + (f" (host node {host})" if host else ""))
@@ -38,4 +67,4 @@ def diagnose(settings: Settings) -> tuple[bool, list[str]]:
     else:
         # The agent repairs this when it runs; the node can serve once it does.
         lines.append(f"note CDI spec: {problem} (the running agent repairs it)")
-    return ok, lines
+    return ok and runtime_ok, lines

@@ -30,9 +30,10 @@ HELPER_MARK = "from hyperlight_agent.probe import serve"
 
 
 def default_argv() -> list[str]:
-    """`python -I -S`: no site-packages, so the helper cannot import grpc even by accident."""
+    """`python -I -S -B`: no site-packages, so the helper cannot import grpc even by accident,
+    and no bytecode written next to the modules (a package's files belong to its manager)."""
     code = f"import sys; sys.path.insert(0, sys.argv[1]); {HELPER_MARK}; serve()"
-    return [sys.executable, "-I", "-S", "-c", code, _PACKAGE_PARENT]
+    return [sys.executable, "-I", "-S", "-B", "-c", code, _PACKAGE_PARENT]
 
 
 class ProbeHelper:

@@ -43,9 +43,9 @@ def test_one_long_lived_helper_serves_many_checks(kvm_dir: str) -> None:
     assert alive([pid]) == []
 
 
-def test_helper_argv_isolates_from_site_packages() -> None:
+def test_helper_argv_isolates_from_site_packages_and_writes_no_bytecode() -> None:
     argv = default_argv()
-    assert argv[1:3] == ["-I", "-S"]
+    assert argv[1:4] == ["-I", "-S", "-B"]
 
 
 def test_deadline_kills_and_replaces_the_helper(tmp: str, kvm_dir: str) -> None:
