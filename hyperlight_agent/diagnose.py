@@ -1,10 +1,13 @@
-"""`--check`: is this node able to serve Hyperlight? One device check exactly as the agent runs
-it (detect, bounded probe in the helper, host identity), except that the CDI spec is inspected,
-not repaired: nothing is changed. Prints a short report."""
+"""`--check`: is this node able to serve Hyperlight? First whether the agent itself can run here,
+then one device check exactly as the agent runs it (detect, bounded probe in the helper, host
+identity), except that the CDI spec is inspected, not repaired: nothing is changed. Prints a
+short report."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 from typing import Optional
 
 from . import cdi, hypervisors, modes
@@ -17,14 +20,42 @@ from .observation import Observation, SharedObservation
 PROVED = {"kvm": "empty VM created and closed", "mshv": "partition created and closed"}
 
 
+def runtime() -> tuple[bool, str]:
+    """Can the agent itself start here? A tree built for another Python passes every node check
+    and then dies importing grpc's extension module, so import what the daemon imports and bind
+    a gRPC server on a unix socket in a temp directory."""
+
+    async def bind(address: str) -> None:
+        import grpc
+
+        server = grpc.aio.server()
+        if not server.add_insecure_port(address):  # older grpcio returns 0 instead of raising
+            raise OSError(f"cannot bind {address}")
+        await server.start()
+        await server.stop(None)
+
+    try:
+        from . import agent  # noqa: F401 - the daemon's whole import graph, grpc's extension first
+    except Exception as exc:
+        return False, f"FAIL runtime: cannot import the agent: {type(exc).__name__}: {exc}"
+    try:
+        with tempfile.TemporaryDirectory(prefix="hyperlight-check-") as tmp:
+            asyncio.run(bind(f"unix:{os.path.join(tmp, 'check.sock')}"))
+    except Exception as exc:
+        return False, f"FAIL runtime: gRPC server cannot bind a unix socket: {type(exc).__name__}: {exc}"
+    return True, "ok   runtime: the agent imports and its gRPC server binds a unix socket"
+
+
 def diagnose(settings: Settings) -> tuple[bool, list[str]]:
+    runtime_ok, runtime_line = runtime()
     observation, cdi_note = asyncio.run(_check(settings))
+    lines = [runtime_line]
     if observation.hypervisor is None:
-        return False, [f"FAIL device: {observation.reason}"]
+        return False, [*lines, f"FAIL device: {observation.reason}"]
     hypervisor = hypervisors.BY_NAME[observation.hypervisor]
     device = hypervisor.device_path(settings.device_dir)
     host = hypervisor.device_path(settings.host_device_dir) if settings.host_device_dir else None
-    lines = [f"ok   device: {hypervisor.name} at {device}" + (f" (host node {host})" if host else "")]
+    lines.append(f"ok   device: {hypervisor.name} at {device}" + (f" (host node {host})" if host else ""))
     if not observation.healthy:
         return False, [*lines, f"FAIL probe: {observation.reason}"]
     lines.append(f"ok   probe: {PROVED.get(hypervisor.name, 'passed')}")
@@ -33,7 +64,7 @@ def diagnose(settings: Settings) -> tuple[bool, list[str]]:
     else:
         # The agent repairs this when it runs; the node can serve once it does.
         lines.append(f"note CDI spec: {cdi_note} (the running agent repairs it)")
-    return True, lines
+    return runtime_ok, lines
 
 
 async def _check(settings: Settings) -> tuple[Observation, Optional[str]]:

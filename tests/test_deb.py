@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -110,3 +112,133 @@ def test_install_run_reload_remove_purge(guest: nspawn.Guest, tmp: str) -> None:
         wait_for(lambda: guest.is_active(UNIT) == "active", 30)
         print(f"apt-get install → active: {time.monotonic() - started:.2f} s")
         kubelet.wait_until(lambda k: slots(k) == 2000, 15)
+
+
+NEXT_VERSION = "0.1.1"
+
+
+@pytest.fixture(scope="module")
+def deb_next(deb: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Version N+1 for the upgrade: the package `make deb` built, with its version bumped in the
+    control file and in the agent itself (so the running code says which version it is)."""
+    work = str(tmp_path_factory.mktemp("next"))
+    tree = os.path.join(work, "tree")
+    subprocess.run(["dpkg-deb", "-R", deb, tree], check=True, timeout=120)
+    current = subprocess.run(["dpkg-deb", "-f", deb, "Version"], capture_output=True, text=True, check=True,
+                             timeout=30).stdout.strip()
+    module = "usr/lib/hyperlight-agent/hyperlight_agent/__init__.py"
+    for name, old, new in (("DEBIAN/control", f"Version: {current}\n", f"Version: {NEXT_VERSION}\n"),
+                           (module, f'__version__ = "{current}"', f'__version__ = "{NEXT_VERSION}"')):
+        path = os.path.join(tree, name)
+        with open(path) as f:
+            text = f.read()
+        assert old in text, (name, old)
+        with open(path, "w") as f:
+            f.write(text.replace(old, new))
+    digest = subprocess.run(["md5sum", module], cwd=tree, capture_output=True, text=True, check=True,
+                            timeout=30).stdout
+    with open(os.path.join(tree, "DEBIAN", "md5sums")) as f:
+        sums = [line for line in f.read().splitlines() if not line.endswith(f"  {module}")]
+    with open(os.path.join(tree, "DEBIAN", "md5sums"), "w") as f:
+        f.write("\n".join([*sums, digest.strip()]) + "\n")
+    path = os.path.join(work, f"hyperlight-agent_{NEXT_VERSION}_amd64.deb")
+    subprocess.run(["dpkg-deb", "--root-owner-group", "-b", tree, path], check=True, timeout=300,
+                   stdout=subprocess.DEVNULL)
+    return path
+
+
+@pytest.fixture
+def bare_guest(tmp: str, deb: str, deb_next: str) -> Iterator[nspawn.Guest]:
+    """A clean Debian 12 (with the package's dependencies, nothing of ours), booted, with both
+    versions of the package at hand and the host's kubelet directory bind-mounted."""
+    root = os.path.join(tmp, "root")
+    subprocess.run(["cp", "-a", "--reflink=auto", nspawn.rootfs(), root], check=True, timeout=300)
+    os.makedirs(os.path.join(tmp, "kubelet"))
+    kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
+    binds = [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins",
+             f"{deb}:/root/agent-n.deb", f"{deb_next}:/root/agent-n1.deb"]
+    with nspawn.Guest(root, binds, ephemeral=False) as g:
+        yield g
+
+
+# What the guest's root holds, as paths: the persistent tree and /run (a tmpfs of its own).
+# /proc, /sys, /dev and /tmp are other file systems (-xdev), and the kubelet directory is the
+# host's, bind-mounted: the test checks the socket there from the host.
+LISTING = ("find / /run -xdev -path /var/lib/kubelet/device-plugins -prune -o -print | sort -u")
+# Paths that changed between the two listings here, none of them ours (the test prints them).
+NOT_OURS = (
+    "/var/log/apt/", "/var/log/journal/", "/run/log/",  # apt's history and the journal: logs, not state
+    "/var/cache/apt/",                # apt's package caches
+    "/var/cache/man/",                # man-db's index (its trigger ran when our man page came and went)
+    "/var/lib/apt/",                  # apt's extended_states (auto-installed marks) and list bookkeeping
+    "/run/agetty.reload",             # agetty's reload flag, touched by the console getty
+)
+# Documented to stay after purge (README, "On hosts"): /run/cdi, which several CDI producers
+# share (created by our tmpfiles entry if missing), and the CDI spec the agent kept on shutdown.
+DOCUMENTED = ("/run/cdi", "/run/cdi/hyperlight.json")
+
+
+def listing(guest: nspawn.Guest) -> set[str]:
+    return set(guest.run("sh", "-c", LISTING, timeout=120).stdout.splitlines())
+
+
+def agent_starts(guest: nspawn.Guest) -> list[str]:
+    """The versions the unit's processes announced at start, in order (from the journal)."""
+    out = guest.run("journalctl", "-u", UNIT, "-o", "cat", "--no-pager").stdout
+    return re.findall(r"starting hyperlight-agent (\S+) \(commit ", out)
+
+
+def apt_get(guest: nspawn.Guest, *args: str) -> subprocess.CompletedProcess[str]:
+    # stdin is /dev/null: a conffile prompt would fail the command instead of waiting for an answer.
+    return guest.run("sh", "-c", 'DEBIAN_FRONTEND=noninteractive apt-get -y -q "$@" </dev/null', "sh", *args,
+                     check=False, timeout=300)
+
+
+def test_upgrade_keeps_the_edited_config_restarts_once_and_purge_leaves_nothing(
+        bare_guest: nspawn.Guest, tmp: str) -> None:
+    guest = bare_guest
+    before = listing(guest)
+    with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
+        result = apt_get(guest, "install", "/root/agent-n.deb")
+        assert result.returncode == 0, result.stdout + result.stderr
+        kubelet.wait_until(lambda k: slots(k) == 2000, 30, "version N registered")
+        old = guest.run("hyperlight-agent", "--version").stdout.strip()
+        assert old != f"hyperlight-agent {NEXT_VERSION}"
+        # The commands of the original report, as root: neither may write into /usr/lib.
+        assert guest.run("hyperlight-agent", "--check", check=False).returncode == 0
+        wait_for(lambda: guest.run("hyperlight-agent", "--health-check=readiness", check=False).returncode == 0,
+                 15, "readiness")
+        assert guest.run("find", "/usr/lib/hyperlight-agent", "-name", "__pycache__").stdout == ""
+
+        guest.run("sh", "-c", "echo 'device_count = 7' >> /etc/hyperlight-agent/agent.toml")
+        guest.run("systemctl", "reload", UNIT)
+        kubelet.wait_until(lambda k: slots(k) == 7, 15, "7 slots after reload")
+        assert agent_starts(guest) == [old.split()[-1]]
+
+        # Upgrade while the kubelet watches: the slots drop to zero once, for the restart.
+        with ThreadPoolExecutor(1) as pool:
+            upgrade = pool.submit(apt_get, guest, "install", "/root/agent-n1.deb")
+            gone = kubelet.wait_until(lambda k: slots(k) == 0 and time.monotonic(), 120, "the old agent to stop")
+            back = kubelet.wait_until(lambda k: slots(k) == 7 and time.monotonic(), 60, "the new agent to register")
+            result = upgrade.result(300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        print(f"upgrade N → N+1: kubelet saw 0 healthy slots for {back - gone:.2f} s")
+        assert "device_count = 7" in guest.run("cat", "/etc/hyperlight-agent/agent.toml").stdout
+        assert guest.run("hyperlight-agent", "--version").stdout.strip() == f"hyperlight-agent {NEXT_VERSION}"
+        wait_for(lambda: guest.is_active(UNIT) == "active", 15)
+        assert agent_starts(guest) == [old.split()[-1], NEXT_VERSION], "restarted once, onto the new code"
+        assert guest.run("systemctl", "show", "-P", "NRestarts", UNIT).stdout.strip() == "0"
+
+        result = apt_get(guest, "remove", "hyperlight-agent")
+        assert result.returncode == 0, result.stdout + result.stderr
+        wait_for(lambda: not os.path.exists(os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET)), 10,
+                 "the plugin socket to go")
+        result = apt_get(guest, "purge", "hyperlight-agent")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "not empty" not in result.stdout + result.stderr
+    after = listing(guest)
+    ignored = sorted(p for p in before ^ after if p.startswith(NOT_OURS) or p in DOCUMENTED)
+    print(f"install → upgrade → purge: {len(ignored)} paths changed that are not ours: {ignored}")
+    changed = sorted(p for p in before ^ after if not p.startswith(NOT_OURS) and p not in DOCUMENTED)
+    assert changed == [], f"install → upgrade → purge changed: {changed[:20]}"
+    assert guest.run("pgrep", "-f", "hyperlight", check=False).returncode == 1, "a process was left"

@@ -52,3 +52,19 @@ def test_man_page_is_generated_from_the_parser() -> None:
     lint = subprocess.run(["man", "--warnings", "-l", "-"], input=page, capture_output=True, text=True,
                           timeout=30, check=False, env={**os.environ, "MANWIDTH": "80"})
     assert lint.returncode == 0 and not lint.stderr.strip(), lint.stderr
+
+
+def test_package_builds_install_build_dependencies_only() -> None:
+    """`make deb`/`make rpm` on a fresh machine: what they would install, read from make's own plan."""
+    def plan(*targets: str) -> str:
+        return subprocess.run(["make", "-n", "--always-make", *targets], cwd=ROOT, capture_output=True, text=True,
+                              check=True, timeout=60).stdout
+
+    packaging = plan("deb", "rpm")
+    for build_dependency in ("debhelper", "lintian", "rpmlint", "binutils", "python3-venv"):
+        assert build_dependency in packaging, build_dependency
+    for test_only in ("podman", "debootstrap", "systemd-container", "gcc", "protobuf-compiler", "[test]"):
+        assert test_only not in packaging, f"`make deb`/`make rpm` would install {test_only}"
+    testing = plan("test")
+    for needed in ("podman", "debootstrap", "debhelper", "rpmlint", "cpio", "[test]"):
+        assert needed in testing, needed

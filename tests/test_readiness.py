@@ -186,6 +186,7 @@ def test_check_reports_a_usable_node(tmp: str, kvm_dir: str) -> None:
                              "--device-dir", kvm_dir, "--cdi-dir", cdi_dir],
                             capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "ok   runtime: the agent imports and its gRPC server binds a unix socket" in result.stdout
     assert f"ok   device: kvm at {kvm_dir}/kvm" in result.stdout
     assert "ok   probe: empty VM created and closed" in result.stdout
     assert "note CDI spec:" in result.stdout
