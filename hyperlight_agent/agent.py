@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from . import __version__, api, atomic, config, contracts, hypervisors, labels, modes, readiness
+from . import __version__, api, atomic, config, contracts, hypervisors, labels, modes, readiness, waits
 from .checker import Checker, target_for
 from .config import Settings
 from .helper import ProbeHelper
@@ -155,7 +155,7 @@ class Agent:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.wait_for(self._shutdown(), SHUTDOWN_GRACE_S + 3)
+        await waits.within(self._shutdown(), SHUTDOWN_GRACE_S + 3)
 
     async def run(self) -> None:
         """start → wait → close."""
@@ -247,9 +247,7 @@ class Agent:
     async def _periodic_checks(self) -> None:
         while True:
             self._interval_changed.clear()
-            try:
-                await asyncio.wait_for(self._interval_changed.wait(), self.settings.check_interval_seconds)
-            except asyncio.TimeoutError:
+            if not await waits.event(self._interval_changed, self.settings.check_interval_seconds):
                 self.checker.request()
             # else: a reload changed the interval; start waiting anew with the new one.
 

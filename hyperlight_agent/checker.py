@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from . import cdi, hypervisors, kernel, modes
+from . import cdi, hypervisors, kernel, modes, waits
 from .config import Settings
 from .helper import ProbeHelper, ProbeRequest
 from .observation import Observation, SharedObservation
@@ -72,7 +72,7 @@ class Checker:
         the next one; every caller arriving meanwhile shares that same next check. Raises
         asyncio.TimeoutError past `timeout`; the check itself carries on.
         """
-        return await asyncio.wait_for(asyncio.shield(self._fresh()), timeout)
+        return await waits.within(asyncio.shield(self._fresh()), timeout)
 
     def request(self) -> None:
         """Ask for a check that starts after now (for change events); never waits."""

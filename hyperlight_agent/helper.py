@@ -18,6 +18,8 @@ import signal
 import sys
 from typing import Callable, NamedTuple, Optional, Sequence
 
+from . import waits
+
 log = logging.getLogger(__name__)
 
 PROBE_DEADLINE_S = 2.0
@@ -99,7 +101,7 @@ class ProbeHelper:
                 assert proc.stdin is not None and proc.stdout is not None
                 proc.stdin.write(json.dumps(request._asdict()).encode() + b"\n")
                 await proc.stdin.drain()
-                line = await asyncio.wait_for(proc.stdout.readline(), give_up_at - loop.time())
+                line = await waits.within(proc.stdout.readline(), give_up_at - loop.time())
             except asyncio.TimeoutError:
                 self._abandon()
                 if self._on_timeout:
@@ -129,7 +131,7 @@ class ProbeHelper:
             if proc is not None and proc.returncode is None and proc.stdin is not None:
                 proc.stdin.close()
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(proc.wait(), 0.5)
+                    await waits.within(proc.wait(), 0.5)
             self._abandon()
             await self._reap(self.deadline)
 
@@ -161,7 +163,7 @@ class ProbeHelper:
             return True
         if not self._reaper.done():
             try:
-                await asyncio.wait_for(asyncio.shield(self._reaper), max(budget, 0.0))
+                await waits.within(asyncio.shield(self._reaper), max(budget, 0.0))
             except asyncio.TimeoutError:
                 if not self._stuck:
                     log.warning("probe helper pid %d has not exited after SIGKILL", self._dying.pid)

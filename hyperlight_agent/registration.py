@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import grpc
 
-from . import api, atomic, contracts
+from . import api, atomic, contracts, waits
 from . import deviceplugin_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -140,7 +140,8 @@ class Registrar:
                  on_change: Optional[Callable[[], None]] = None,
                  register_timeout: float = REGISTER_TIMEOUT_S,
                  backoff: Optional[Backoff] = None,
-                 stream_open_timeout: float = STREAM_OPEN_TIMEOUT_S) -> None:
+                 stream_open_timeout: float = STREAM_OPEN_TIMEOUT_S,
+                 loss_backoff: Optional[Backoff] = None) -> None:
         self.kubelet_dir = kubelet_dir
         self.socket_path = os.path.join(kubelet_dir, socket_name)
         self.kubelet_socket = os.path.join(kubelet_dir, contracts.KUBELET_SOCKET)
@@ -153,7 +154,10 @@ class Registrar:
         self._on_change = on_change  # readiness and status are derived from our state
         self._register_timeout = register_timeout
         self._stream_open_timeout = stream_open_timeout
-        self._backoff = backoff or Backoff()
+        self._backoff = backoff or Backoff()  # Register failures; reset by a successful one
+        # Streams lost (or never opened) after a successful Register: reset only after a stream
+        # that lived STABLE_STREAM_S, so a kubelet that keeps dropping streams backs us off too.
+        self._loss_backoff = loss_backoff or Backoff()
         self._server: Optional[grpc.aio.Server] = None
         self._end_streams: Callable[[], None] = lambda: None
         self._served: Optional[Identity] = None
@@ -203,21 +207,22 @@ class Registrar:
                 await self._wait_for_kubelet(delay)
                 continue
             self.registrations += 1
+            self._backoff.reset()  # Register works; stream losses have their own backoff
             self.last_error = ""
             log.info("registered %s with the kubelet (endpoint %s)", self._resource, self._socket_name)
             self._set(STREAMED if self.streams else REGISTERED)
             outcome = await self._watch()
             if outcome == "restart":
                 self.kubelet_restarts += 1
-                self._backoff.reset()
+                self._loss_backoff.reset()
                 log.info("kubelet restart detected; serving and registering again")
                 self._set(WAITING)
                 await self.stop(grace=0)
                 continue
             # The stream ended or never opened: the kubelet will not dial us again.
             if time.monotonic() - self._stream_since >= STABLE_STREAM_S and outcome == "lost":
-                self._backoff.reset()  # a long-lived stream: this is no loop
-            delay = self._backoff.next()
+                self._loss_backoff.reset()  # a long-lived stream: this is no loop
+            delay = self._loss_backoff.next()
             self.last_error = outcome_text(outcome, self._stream_open_timeout)
             log.warning("%s; serving and registering again in %.1f s", self.last_error, delay)
             self._set(LOST)
@@ -225,7 +230,7 @@ class Registrar:
             if await self._wait_for_kubelet(delay):
                 # A new kubelet.sock: the stream ended because the kubelet restarted.
                 self.kubelet_restarts += 1
-                self._backoff.reset()
+                self._loss_backoff.reset()
                 log.info("kubelet restart detected; serving and registering again")
             else:
                 self.streams_lost += 1
@@ -360,9 +365,7 @@ class Registrar:
             now = _identity(self.kubelet_socket)
             if now is not None and now != self._kubelet_tried:
                 return True
-            try:
-                await asyncio.wait_for(self._wake.wait(), deadline - loop.time())
-            except asyncio.TimeoutError:
+            if not await waits.event(self._wake, deadline - loop.time()):
                 return False
         return False
 
@@ -384,8 +387,7 @@ class Registrar:
                 timeout = no_stream_by - loop.time()
                 if timeout <= 0:
                     return "no-stream"
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            await waits.event(self._wake, timeout)
 
 
 def outcome_text(outcome: str, stream_open_timeout: float) -> str:

@@ -186,14 +186,17 @@ class KubeletStandin:
 
     async def _watch(self, plugin: Plugin) -> None:
         plugin.stream_open = True
+        call = api.device_plugin_stub(plugin.channel).ListAndWatch(pb.Empty())
         try:
-            call = api.device_plugin_stub(plugin.channel).ListAndWatch(pb.Empty())
             async for response in call:
                 plugin.lists.append((time.monotonic(), [(d.ID, d.health) for d in response.devices]))
                 self._changed()
         except grpc.aio.AioRpcError:
             pass
         finally:
+            # As the kubelet's Disconnect: the stream and the connection go, so the plugin sees it.
+            call.cancel()
+            asyncio.ensure_future(plugin.channel.close(None))
             plugin.stream_open = False
             plugin.stopped = True
             plugin.stream_ended_at = time.monotonic()

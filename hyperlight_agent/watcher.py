@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 
 from asyncinotify import Inotify, Mask
 
+from . import waits
+
 log = logging.getLogger(__name__)
 
 # Entries appearing, vanishing or changing owner/mode, and the directory itself going away.
@@ -75,7 +77,7 @@ class DirectoryWatcher:
                         # Anything may have happened while we were not watching.
                         self._fire(directory, "")
                 try:
-                    event = await asyncio.wait_for(inotify.get(), max(0.0, next_look - loop.time()))
+                    event = await waits.within(inotify.get(), next_look - loop.time())
                 except asyncio.TimeoutError:
                     continue
                 if event.mask & Mask.Q_OVERFLOW:
