@@ -20,7 +20,7 @@ apt_install = missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $
 	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; \
 	fi
 
-.PHONY: run test lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
+.PHONY: run test check lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
   image-wheels tools
 # Package builds run in a copy of the sources under build/, never in the work tree.
 PKG_SOURCES := pyproject.toml README.md hyperlight_agent proto packaging systemd
@@ -31,10 +31,17 @@ run: $(VENV)/.installed
 # Manifest judges (checkov, kubernetes-validate) pin their own dependencies: a venv of their own.
 JUDGES := build/judges
 
+# Everything, system tests included, beside a neighbour agent (tests observe only what they create).
 test: $(VENV)/.installed $(JUDGES)/.installed system-deps tools
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy hyperlight_agent tests bench packaging/manpage.py
-	$(PY) -m pytest -q
+	HYPERLIGHT_TEST_NEIGHBOUR=1 $(PY) -m pytest -q
+
+# The fast inner loop: no system tests, nothing that needs root, no manifest judges.
+check: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy hyperlight_agent tests bench packaging/manpage.py
+	$(PY) -m pytest -q -m "not system and not root and not judge"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

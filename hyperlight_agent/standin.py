@@ -56,6 +56,7 @@ class Plugin:
     # The endpoint was stopped (its stream ended, or an older client's did): no Allocate, ever.
     stopped: bool = False
     stream_ended_at: Optional[float] = None
+    closing: Optional[asyncio.Future[None]] = None  # the connection, closed when the stream ended
 
     @property
     def devices(self) -> list[tuple[str, str]]:
@@ -196,7 +197,7 @@ class KubeletStandin:
         finally:
             # As the kubelet's Disconnect: the stream and the connection go, so the plugin sees it.
             call.cancel()
-            asyncio.ensure_future(plugin.channel.close(None))
+            plugin.closing = asyncio.ensure_future(plugin.channel.close(None))
             plugin.stream_open = False
             plugin.stopped = True
             plugin.stream_ended_at = time.monotonic()

@@ -23,6 +23,16 @@ from tests import procs
 HOST_KVM = "/dev/kvm"
 
 
+# Fixtures that need root: device nodes made with mknod, an agent probing the host's /dev/kvm.
+ROOT_FIXTURES = {"kvm_dir", "start_agent", "node"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if ROOT_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.root)
+
+
 def wait_for(condition: Callable[[], Any], timeout: float = 10, what: str = "condition",
              interval: float = 0.005) -> Any:
     """Poll condition() until truthy or the deadline passes; returns its value."""
@@ -79,6 +89,45 @@ def host_kvm_untouched() -> Iterator[None]:
     before = kvm_metadata()
     yield
     assert kvm_metadata() == before, f"{HOST_KVM} metadata changed during the test suite"
+
+
+NEIGHBOUR_ENV = "HYPERLIGHT_TEST_NEIGHBOUR"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def neighbour_agent() -> Iterator[None]:
+    """With HYPERLIGHT_TEST_NEIGHBOUR=1 (`make test` sets it): another agent, run from a copy of
+    the package with its own kubelet stand-in and probe helper, for the whole session. The suite
+    must pass beside it (tests observe only what they created), and it must come through alive."""
+    if os.environ.get(NEIGHBOUR_ENV) != "1":
+        yield
+        return
+    top = tempfile.mkdtemp(prefix="hl-neighbour-")
+    shutil.copytree(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hyperlight_agent"),
+                    os.path.join(top, "copy", "hyperlight_agent"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    standin = StandinThread(os.path.join(top, "kubelet"))
+    log = open(os.path.join(top, "agent.log"), "wb")  # noqa: SIM115 - closed below
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYPERLIGHT_", "DEVICE_", "NOTIFY_SOCKET"))}
+    agent = subprocess.Popen([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--device-count", "3",
+                              "--kubelet-dir", os.path.join(top, "kubelet"), "--cdi-dir", os.path.join(top, "cdi")],
+                             cwd=os.path.join(top, "copy"), env={**env, "PYTHONPATH": os.path.join(top, "copy")},
+                             stdout=log, stderr=subprocess.STDOUT)
+    try:
+        standin.wait_until(lambda k: (p := k.plugins.get("hyperlight.dev/hypervisor")) and p.healthy == 3, 30,
+                           "the neighbour agent to be Healthy")
+        assert procs.children(agent.pid), "the neighbour runs its own probe helper"
+        yield
+        assert agent.poll() is None, "the neighbour agent did not survive the suite"
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(15) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(10)
+        log.close()
+        standin.close()
+        shutil.rmtree(top, ignore_errors=True)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import asyncio
 import os
 from typing import Callable, Optional
 
+import pytest
 from grpc_health.v1 import health_pb2
 
 from hyperlight_agent import contracts, modes, readiness, registration
@@ -15,6 +16,9 @@ from hyperlight_agent.config import Settings
 from hyperlight_agent.notify import Notifier
 from hyperlight_agent.observation import Observation
 from hyperlight_agent.standin import KubeletStandin
+
+# Real agents on real device nodes (mknod) and the host's /dev/kvm.
+pytestmark = pytest.mark.root
 
 R = contracts.RESOURCE_HYPERVISOR
 

@@ -8,8 +8,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.test_docs import ROOT
 
+# Real agents on real device nodes (mknod) and the host's /dev/kvm.
+pytestmark = pytest.mark.root
 
 def test_make_run_shows_registration_slots_allocation_and_spec() -> None:
     with open(os.path.join(ROOT, "Makefile")) as f:

@@ -24,6 +24,9 @@ from hyperlight_agent.standin import KubeletStandin, StandinThread
 from tests.conftest import JSON_READER, AgentProcess, StartAgent, kvm_metadata, make_node, wait_for
 from tests.conftest import read_bytes as read
 
+# Real agents on real device nodes (mknod) and the host's /dev/kvm.
+pytestmark = pytest.mark.root
+
 R = contracts.RESOURCE_HYPERVISOR
 SLOTS = 3
 WANTED = cdi.render("kvm", "/dev/kvm", 65534, 65534)

@@ -15,6 +15,9 @@ import yaml
 from hyperlight_agent import __version__
 from tests.test_deploy import DEPLOY, OVERLAYS, checkov, documents, judge, render, tool
 
+# Rendered by kubectl/helm and judged by checkov and kubernetes-validate (build/tools, build/judges).
+pytestmark = pytest.mark.judge
+
 CHART = os.path.join(DEPLOY, "helm", "hyperlight-agent")
 VALUES = os.path.join(DEPLOY, "helm", "values")
 NAMESPACE = "hyperlight-system"

@@ -22,6 +22,9 @@ from hyperlight_agent import deviceplugin_pb2 as pb
 from hyperlight_agent.standin import KubeletStandin, StandinThread
 from tests.conftest import AgentProcess, StartAgent, wait_for
 
+# Real agents on real device nodes (mknod) and the host's /dev/kvm.
+pytestmark = pytest.mark.root
+
 R = contracts.RESOURCE_HYPERVISOR
 
 

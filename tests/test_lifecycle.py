@@ -19,6 +19,9 @@ from hyperlight_agent import contracts, registration
 from hyperlight_agent.standin import KubeletStandin, NotAllocatable, Plugin, StandinThread
 from tests.conftest import StartAgent, wait_for
 
+# Real agents on real device nodes (mknod) and the host's /dev/kvm.
+pytestmark = pytest.mark.root
+
 R = contracts.RESOURCE_HYPERVISOR
 
 
