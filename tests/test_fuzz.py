@@ -446,7 +446,7 @@ def servicer(slots: int, allocation: str = "both", healthy: bool = True,
 @given(seed=SEEDS, slots=st.sampled_from(SLOT_COUNTS), ids=st.lists(DEVICE_ID, min_size=1, max_size=20))
 def test_fuzz_device_ids_valid_accepted_anything_else_a_short_quoted_problem(
         seed: int, slots: int, ids: list[str]) -> None:
-    ids = [v for i, device_id in enumerate(ids) for v in variants(seed + i, device_id, 12)]
+    ids = [v for i, device_id in enumerate(ids) for v in variants(seed + i, device_id, 24)]
     count_inputs("device IDs", len(ids))
     s = servicer(slots)
     for device_id in ids:
@@ -794,7 +794,7 @@ LINE_TEXT = st.one_of(
 @settings(max_examples=fuzz_budget(400))
 @given(seed=SEEDS, lines=st.lists(LINE_TEXT, min_size=1, max_size=6))
 def test_fuzz_helper_lines_always_one_json_reply(nodes: str, seed: int, lines: list[str]) -> None:
-    lines = [v for i, line in enumerate(lines) for v in variants(seed + i, line, 10)]
+    lines = [v for i, line in enumerate(lines) for v in variants(seed + i, line, 16)]
     count_inputs("helper lines (text)", len(lines))
     for text in lines:
         line = text.replace("/x/", nodes + "/")
