@@ -7,9 +7,10 @@ grpcio (Debian 12 ships 1.51), and the services are five methods and one: a tabl
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from . import deviceplugin_pb2 as pb
 
@@ -38,11 +39,54 @@ def generic_handler(service: str, methods: dict[str, tuple[Any, Any, bool]],
             grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
         )
         handlers[name] = make(
-            getattr(implementation, name),
-            request_deserializer=request.FromString,
+            _refusing_unparsable(getattr(implementation, name), streaming),
+            request_deserializer=_parser(request),
             response_serializer=response.SerializeToString,
         )
     return grpc.method_handlers_generic_handler(service, handlers)
+
+
+class Unparsable:
+    """A request whose bytes are not its message type. grpc turns a deserializer's exception into
+    UNKNOWN "Unexpected …" and logs a traceback, so the deserializer returns this instead and
+    the method refuses it with INVALID_ARGUMENT."""
+
+    def __init__(self, request_type: Any, exc: DecodeError) -> None:
+        self.message = f"cannot parse {request_type.DESCRIPTOR.full_name}: {str(exc)[:200]}"
+
+
+def _parser(request_type: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return request_type.FromString(data)
+        except DecodeError as exc:
+            return Unparsable(request_type, exc)
+
+    return parse
+
+
+def _refusing_unparsable(method: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
+    # grpc.aio tells the kinds of handler apart by what they are: a stream stays an async
+    # generator function, a unary method a coroutine function.
+    if streaming:
+        async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+            if isinstance(request, Unparsable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            responses = method(request, context)
+            try:
+                async for response in responses:
+                    yield response
+            finally:
+                await responses.aclose()  # `async for` alone leaves the inner generator to the GC
+
+        return stream
+
+    async def unary(request: Any, context: Any) -> Any:
+        if isinstance(request, Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await method(request, context)
+
+    return unary
 
 
 def device_plugin_handler(servicer: object) -> grpc.GenericRpcHandler[Any, Any]:

@@ -30,7 +30,8 @@ EPILOG = (
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + message
-        raise config.ConfigError(message)
+        # The message quotes arguments as given: escaped and cut like every other error line.
+        raise config.ConfigError(config.shown(message, 200))
 
 
 def build_parser() -> argparse.ArgumentParser:

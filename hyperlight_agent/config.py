@@ -64,7 +64,7 @@ def _seconds(value: Any) -> float:
         raise ValueError("must be a number of seconds from 0.1 to 86400")
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: a TOML integer beyond float's range
         raise ValueError("must be a number of seconds from 0.1 to 86400") from None
     if not 0.1 <= number <= 86400:
         raise ValueError("must be a number of seconds from 0.1 to 86400")
@@ -233,7 +233,7 @@ def load(args: argparse.Namespace, environ: Mapping[str, str],
         values[s.key] = _resolve(s, getattr(args, s.key, None), environ, from_file, path)
     socket_bytes = len(values["kubelet_dir"].encode("utf-8", "surrogateescape")) + 1 + LONGEST_SOCKET_NAME
     if socket_bytes > contracts.UNIX_PATH_MAX:
-        raise ConfigError(f"kubelet_dir = {values['kubelet_dir']!r}: socket paths in it would be up to "
+        raise ConfigError(f"kubelet_dir = {quote(values['kubelet_dir'])}: socket paths in it would be up to "
                           f"{socket_bytes} bytes; unix sockets allow {contracts.UNIX_PATH_MAX}")
     return Settings(**values, config_file=path if file_read else None)
 
@@ -250,12 +250,12 @@ def _read_bytes(path: str) -> Optional[bytes]:
         if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3):
             return b""  # /dev/null: "no settings file", as tests and `make run` use it
         if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"config file {path}: not a regular file")
+            raise ConfigError(f"config file {shown(path)}: not a regular file")
         if st.st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"config file {path}: larger than {MAX_CONFIG_BYTES} bytes")
+            raise ConfigError(f"config file {shown(path)}: larger than {MAX_CONFIG_BYTES} bytes")
         data = os.read(fd, MAX_CONFIG_BYTES + 1)
         if len(data) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"config file {path}: larger than {MAX_CONFIG_BYTES} bytes")
+            raise ConfigError(f"config file {shown(path)}: larger than {MAX_CONFIG_BYTES} bytes")
         return data
     finally:
         os.close(fd)
@@ -267,20 +267,20 @@ def read_file(path: str, required: bool) -> tuple[dict[str, Any], bool]:
         raw = _read_bytes(path)
         if raw is None:
             if required:
-                raise ConfigError(f"config file {path}: does not exist")
+                raise ConfigError(f"config file {shown(path)}: does not exist")
             return {}, False
         data = tomllib.loads(raw.decode("utf-8"))
     except OSError as exc:
-        raise ConfigError(f"config file {path}: cannot read: {exc.strerror or exc}") from None
+        raise ConfigError(f"config file {shown(path)}: cannot read: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path}: invalid TOML: {_one_line(exc)}") from None
+        raise ConfigError(f"config file {shown(path)}: invalid TOML: {_one_line(exc)}") from None
     except RecursionError:
-        raise ConfigError(f"config file {path}: invalid TOML: nested too deeply") from None
+        raise ConfigError(f"config file {shown(path)}: invalid TOML: nested too deeply") from None
     except ValueError as exc:  # e.g. an integer beyond int()'s digit limit
-        raise ConfigError(f"config file {path}: invalid TOML: {_one_line(exc)}") from None
+        raise ConfigError(f"config file {shown(path)}: invalid TOML: {_one_line(exc)}") from None
     for key in data:
         if key not in BY_KEY:
-            raise ConfigError(f"config file {path}: unknown setting {quote(key)}")
+            raise ConfigError(f"config file {shown(path)}: unknown setting {quote(key)}")
     return data, True
 
 
@@ -301,8 +301,8 @@ def _resolve(s: Setting, flag: Optional[str], environ: Mapping[str, str],
         value = from_file[s.key]
         if isinstance(value, bool) or not isinstance(value, s.toml_types):
             wanted = " or ".join(t.__name__ for t in s.toml_types)
-            raise ConfigError(f"{s.key} in {path} = {quote(value)}: must be a TOML {wanted}")
-        return _parse(s, value, f"{s.key} in {path}")
+            raise ConfigError(f"{s.key} in {shown(path)} = {quote(value)}: must be a TOML {wanted}")
+        return _parse(s, value, f"{s.key} in {shown(path)}")
     return s.default
 
 
@@ -316,6 +316,18 @@ def _parse(s: Setting, value: Any, where: str) -> Any:
 def quote(value: Any, limit: int = 60) -> str:
     """repr(value), shortened: an error line names the value without echoing megabytes."""
     text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
+def shown(text: str, limit: int = 120) -> str:
+    """text for an error line: non-printable characters escaped (a newline must not split the
+    line), and at most `limit` characters of it.
+
+    >>> shown("/etc/a\\nb.toml")
+    '/etc/a\\\\nb.toml'
+    """
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any, Callable, Optional, Sequence
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # stand-in restarts make grpc log GOAWAYs at INFO
 
@@ -21,6 +22,35 @@ from hyperlight_agent.standin import StandinThread
 from tests import procs
 
 HOST_KVM = "/dev/kvm"
+
+# Property and fuzz tests: fixed seeds (the same inputs on every run), no example database in
+# the work tree, no per-example deadline (the machine is shared), budgets set per test and
+# multiplied by HYPERLIGHT_FUZZ_SCALE (e.g. 10) for a longer search.
+settings.register_profile(
+    "hyperlight", derandomize=True, database=None, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,
+                           HealthCheck.large_base_example])
+settings.load_profile("hyperlight")
+FUZZ_SCALE = max(1, int(os.environ.get("HYPERLIGHT_FUZZ_SCALE", "1") or "1"))
+# Inputs each fuzzed surface was given in this session, for the summary at the end.
+FUZZ_INPUTS: dict[str, int] = {}
+
+
+def fuzz_budget(examples: int) -> int:
+    return examples * FUZZ_SCALE
+
+
+def count_inputs(surface: str, n: int = 1) -> None:
+    FUZZ_INPUTS[surface] = FUZZ_INPUTS.get(surface, 0) + n
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not FUZZ_INPUTS:
+        return
+    terminalreporter.section("fuzzed inputs")
+    for surface, n in sorted(FUZZ_INPUTS.items()):
+        terminalreporter.write_line(f"{surface}: {n}")
+    terminalreporter.write_line(f"total: {sum(FUZZ_INPUTS.values())} (HYPERLIGHT_FUZZ_SCALE={FUZZ_SCALE})")
 
 
 # Fixtures that need root: device nodes made with mknod, an agent probing the host's /dev/kvm.

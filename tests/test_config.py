@@ -141,3 +141,20 @@ def test_config_file_that_is_not_utf8_exits_2(tmp: str) -> None:
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1
     assert "latin1.toml: invalid TOML" in result.stderr
+
+
+@pytest.mark.parametrize(("argv", "toml", "expected"), [
+    # Found by tests/test_fuzz.py: a float() overflow escaped as a traceback...
+    ([], "check_interval_seconds = 1" + "0" * 400 + "\n", "check_interval_seconds in"),
+    # ...and arguments, the config file's own path and kubelet_dir were echoed raw and whole.
+    (["x\x1ey" * 1000], "", "unrecognized arguments: x\\x1ey"),
+    (["--kubelet-dir", "/" + "k" * 4000], "", "kubelet_dir = '/kkk"),
+    (["--config", "PATH\nwith a newline" + "n" * 4000], "", "\\nwith a newline"),
+])
+def test_every_error_is_one_bounded_line(tmp: str, argv: list[str], toml: str, expected: str) -> None:
+    path = write(tmp, toml)
+    argv = [a.replace("PATH", path) for a in argv]
+    with pytest.raises(config.ConfigError) as info:
+        load(["--config", path, *argv], {})
+    message = str(info.value)
+    assert expected in message and len(message) <= 400 and message.splitlines() == [message], message
