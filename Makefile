@@ -41,7 +41,7 @@ test: $(VENV)/.installed $(JUDGES)/.installed system-deps tools
 check: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy hyperlight_agent tests bench packaging/manpage.py
-	$(PY) -m pytest -q -m "not system and not root and not judge"
+	HYPERLIGHT_FUZZ_SCALE=0.1 $(PY) -m pytest -q -m "not system and not root and not judge"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
