@@ -57,4 +57,11 @@ def test_architecture_names_every_module() -> None:
 
 
 def test_parser_description_matches_readme_summary() -> None:
-    assert "hyperlight.dev/hypervisor" in cli.DESCRIPTION
+    """What --help says the agent is, README's "What it is" says too: the same devices, resource
+    and spec file."""
+    summary = read("README.md").split("## What it is", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"/dev/\w+|hyperlight\.dev/[\w-]+|hyperlight\.json", cli.DESCRIPTION))
+    assert named == {"/dev/mshv", "/dev/kvm", "hyperlight.dev/hypervisor", "hyperlight.json"}
+    missing = [name for name in sorted(named) if name not in summary]
+    assert not missing, f"README's summary does not mention {missing}"
+
