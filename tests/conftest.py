@@ -3,6 +3,7 @@ that the host's /dev/kvm and process table are left exactly as found."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -75,6 +76,15 @@ def wait_for(condition: Callable[[], Any], timeout: float = 10, what: str = "con
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+async def until(condition: Callable[[], Any], timeout: float = 10, what: str = "condition") -> None:
+    """wait_for for code on an event loop: poll condition() between the loop's other work."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while not condition():
+        assert loop.time() < started + timeout, f"timed out after {timeout} s waiting for {what}"
+        await asyncio.sleep(0.005)
 
 
 def read_bytes(path: str) -> Optional[bytes]:
@@ -150,12 +160,9 @@ def neighbour_agent() -> Iterator[None]:
         assert procs.children(agent.pid), "the neighbour runs its own probe helper"
         yield
         assert agent.poll() is None, "the neighbour agent did not survive the suite"
-        agent.send_signal(signal.SIGTERM)
-        assert agent.wait(15) == 0
+        assert procs.terminate(agent) == 0
     finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait(10)
+        procs.reap(agent)
         log.close()
         standin.close()
         shutil.rmtree(top, ignore_errors=True)

@@ -5,6 +5,8 @@ helpers are none of a test's business."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from typing import Iterable
 
 from hyperlight_agent.helper import HELPER_MARK
@@ -37,6 +39,19 @@ def children(parent: int, mark: str = HELPER_MARK) -> list[int]:
 def my_helpers(mark: str = HELPER_MARK) -> list[int]:
     """Probe helpers started by this (test) process itself, e.g. by an in-process ProbeHelper."""
     return children(os.getpid(), mark)
+
+
+def terminate(proc: subprocess.Popen[bytes], timeout: float = 15) -> int:
+    """SIGTERM, then its exit status (TimeoutExpired if it does not exit in time)."""
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout)
+
+
+def reap(proc: subprocess.Popen[bytes]) -> None:
+    """Whatever happened: leave no process running (for a finally clause)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
 
 
 def alive(pids: Iterable[int], mark: str = HELPER_MARK) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Callable, Optional
+from typing import Optional
 
 import pytest
 from grpc_health.v1 import health_pb2
@@ -16,6 +16,7 @@ from hyperlight_agent.config import Settings
 from hyperlight_agent.notify import Notifier
 from hyperlight_agent.observation import Observation
 from hyperlight_agent.standin import KubeletStandin
+from tests.conftest import until
 
 # Real agents on real device nodes (mknod) and the host's /dev/kvm.
 pytestmark = pytest.mark.root
@@ -37,15 +38,6 @@ class RecordingNotifier(Notifier):
     def statuses(self) -> list[str]:
         return [line[len("STATUS="):] for m in self.messages for line in m if line.startswith("STATUS=")]
 
-
-async def until(condition: Callable[[], object], timeout: float = 10, what: str = "condition") -> None:
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    polls = 0
-    while not condition():
-        polls += 1
-        assert loop.time() < started + timeout, f"timed out waiting for {what} ({polls} polls)"
-        await asyncio.sleep(0.005)
 
 
 def healthy(kubelet: KubeletStandin) -> int:

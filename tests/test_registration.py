@@ -16,16 +16,10 @@ from hyperlight_agent.observation import Observation, SharedObservation
 from hyperlight_agent.registration import AlreadyServed, Backoff, Registrar
 from hyperlight_agent.servicer import DevicePluginServicer, Endpoint, Profile
 from hyperlight_agent.standin import KubeletStandin
+from tests.conftest import until
 
 R = contracts.RESOURCE_HYPERVISOR
 
-
-async def until(condition: Callable[[], object], timeout: float = 10) -> None:
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    while not condition():
-        assert loop.time() < started + timeout, "timed out"
-        await asyncio.sleep(0.005)
 
 
 def make(kubelet_dir: str, on_stream_seen: Callable[[int], None] | None = None,

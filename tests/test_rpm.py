@@ -11,7 +11,6 @@ import glob
 import os
 import re
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator
 from email.parser import Parser
@@ -231,12 +230,9 @@ def test_rpm_tree_runs_under_the_target_python(rpms: dict[str, str], dist: str, 
         device = kubelet.run(lambda k: k.plugins[R].devices[0][0])
         (response,) = kubelet.call(kubelet.kubelet.allocate(R, [device])).container_responses
         assert [d.name for d in response.cdi_devices] == ["hyperlight.dev/hypervisor=kvm"]
-        agent.send_signal(signal.SIGTERM)
-        assert agent.wait(15) == 0
+        assert procs.terminate(agent) == 0
     finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait(10)
+        procs.reap(agent)
     wait_for(lambda: not procs.alive(helpers), 5, "the probe helper to exit with the agent")
     with open(log_path, errors="replace") as f:
         text = f.read()

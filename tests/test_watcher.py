@@ -6,17 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-from typing import Callable
 
 from hyperlight_agent import watcher
-
-
-async def until(condition: Callable[[], object], timeout: float = 5) -> None:
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    while not condition():
-        assert loop.time() < started + timeout, "timed out"
-        await asyncio.sleep(0.005)
+from tests.conftest import until
 
 
 def test_only_the_names_asked_for_wake_us(tmp: str) -> None:
