@@ -116,7 +116,8 @@ def test_rpm_layout_config_and_scriptlets(rpms: dict[str, str], dist: str, tmp: 
     bin_dir = os.path.join(tmp, "bin")
     os.mkdir(bin_dir)
     log = os.path.join(tmp, "calls")
-    for tool in ("systemctl", "systemd-tmpfiles"):
+    # (python3 and find too: the scriptlets compile and clean the host's tree, which is not ours here.)
+    for tool in ("systemctl", "systemd-tmpfiles", "python3", "find"):
         with open(os.path.join(bin_dir, tool), "w") as f:
             f.write(f'#!/bin/sh\necho "{tool} $*" >> {log}\n')
         os.chmod(os.path.join(bin_dir, tool), 0o755)  # noqa: S103 - a command on PATH must be executable
@@ -134,10 +135,13 @@ def test_rpm_layout_config_and_scriptlets(rpms: dict[str, str], dist: str, tmp: 
             return f.read().splitlines()
 
     unit = "hyperlight-agent.service"
-    assert run("postinstall", "1") == [f"systemctl --no-reload preset {unit}",
+    compile_tree = "python3 -m compileall -q /usr/lib/hyperlight-agent"
+    assert run("postinstall", "1") == [compile_tree, f"systemctl --no-reload preset {unit}",
                                        "systemd-tmpfiles --create hyperlight-agent.conf"]
-    assert run("postinstall", "2") == [], "an upgrade keeps the admin's enablement"
-    assert run("preuninstall", "0") == [f"systemctl --no-reload disable --now {unit}"]
+    assert run("postinstall", "2") == [compile_tree], "an upgrade compiles, and keeps the admin's enablement"
+    assert run("preuninstall", "0") == [f"systemctl --no-reload disable --now {unit}",
+                                        "find /usr/lib/hyperlight-agent -name __pycache__ -type d -prune -exec rm -rf {} +"]
+    assert run("preuninstall", "1") == [], "an upgrade's old preun must not remove the new bytecode"
     assert run("postuninstall", "1") == ["systemctl daemon-reload", f"systemctl --no-block try-restart {unit}"]
     assert run("postuninstall", "0") == ["systemctl daemon-reload"]
 
