@@ -4,8 +4,6 @@ from .signals import install_early
 
 install_early()
 
-import sys  # noqa: E402 - after the handlers, on purpose
+from .cli import exit_now, main  # noqa: E402 - after the handlers, on purpose
 
-from .cli import main  # noqa: E402
-
-sys.exit(main())
+exit_now(main())

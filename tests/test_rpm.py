@@ -139,8 +139,8 @@ def test_rpm_layout_config_and_scriptlets(rpms: dict[str, str], dist: str, tmp: 
     assert run("postinstall", "1") == [compile_tree, f"systemctl --no-reload preset {unit}",
                                        "systemd-tmpfiles --create hyperlight-agent.conf"]
     assert run("postinstall", "2") == [compile_tree], "an upgrade compiles, and keeps the admin's enablement"
-    assert run("preuninstall", "0") == [f"systemctl --no-reload disable --now {unit}",
-                                        "find /usr/lib/hyperlight-agent -name __pycache__ -type d -prune -exec rm -rf {} +"]
+    clean_tree = "find /usr/lib/hyperlight-agent -name __pycache__ -type d -prune -exec rm -rf {} +"
+    assert run("preuninstall", "0") == [f"systemctl --no-reload disable --now {unit}", clean_tree]
     assert run("preuninstall", "1") == [], "an upgrade's old preun must not remove the new bytecode"
     assert run("postuninstall", "1") == ["systemctl daemon-reload", f"systemctl --no-block try-restart {unit}"]
     assert run("postuninstall", "0") == ["systemctl daemon-reload"]
