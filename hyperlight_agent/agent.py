@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import threading
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -77,15 +77,14 @@ def profile_for(settings: Settings, mode: modes.Mode) -> Profile:
 class Agent:
     def __init__(self, settings: Settings, device_access: bool = False,
                  reload: Optional[Callable[[], Settings]] = None,
-                 notifier: Optional[Notifier] = None,
-                 helper_argv: Optional[Sequence[str]] = None) -> None:
+                 notifier: Optional[Notifier] = None) -> None:
         self.settings = settings
         self.mode = modes.of(device_access)
         self._reload = reload  # re-reads the settings for reload(); raises config.ConfigError
         self.notifier = notifier or Notifier()
         self.metrics = Metrics(enabled=settings.metrics_address is not None)
         self.state = SharedObservation()
-        self.helper = ProbeHelper(argv=helper_argv, on_timeout=self.metrics.helper_timeouts.inc)
+        self.helper = ProbeHelper(on_timeout=self.metrics.helper_timeouts.inc)
         self.checker = Checker(target_for(settings, self.mode), self.helper, self.state, on_result=self._on_check)
         self.profile = profile_for(settings, self.mode)
         self.servicer = DevicePluginServicer(

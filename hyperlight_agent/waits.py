@@ -18,9 +18,11 @@ T = TypeVar("T")
 async def within(awaitable: Awaitable[T], timeout: Optional[float]) -> T:
     """awaitable's result, or asyncio.TimeoutError after `timeout` seconds (it is cancelled then).
     A cancellation of the caller always propagates (and cancels awaitable too)."""
+    if timeout is None:
+        return await awaitable  # nothing to race against: a plain await loses no cancellation
     task = asyncio.ensure_future(awaitable)
     try:
-        done, _ = await asyncio.wait({task}, timeout=None if timeout is None else max(timeout, 0.0))
+        done, _ = await asyncio.wait({task}, timeout=max(timeout, 0.0))
     except asyncio.CancelledError:
         task.cancel()
         raise
