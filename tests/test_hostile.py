@@ -20,7 +20,7 @@ import pytest
 from hyperlight_agent import api, cdi, contracts, watcher
 from hyperlight_agent import deviceplugin_pb2 as pb
 from hyperlight_agent.standin import KubeletStandin, StandinThread
-from tests.conftest import AgentProcess, StartAgent, wait_for
+from tests.conftest import AgentProcess, StartAgent, until, wait_for
 
 # Real agents on real device nodes (mknod) and the host's /dev/kvm.
 pytestmark = pytest.mark.root
@@ -163,7 +163,10 @@ def test_a_watch_that_cannot_be_added_is_said_once(tmp: str, caplog: pytest.LogC
 
     from asyncinotify import Inotify
 
+    attempts: list[str] = []
+
     def no_room(self: Inotify, path: str, mask: Any) -> Any:
+        attempts.append(path)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(Inotify, "add_watch", no_room)
@@ -173,7 +176,7 @@ def test_a_watch_that_cannot_be_added_is_said_once(tmp: str, caplog: pytest.LogC
 
     async def run() -> None:
         task = asyncio.ensure_future(w.run())
-        await asyncio.sleep(0.2)  # twenty retries' worth: the warning must still appear once
+        await until(lambda: len(attempts) >= 20, what="twenty attempts")  # the warning must still appear once
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 

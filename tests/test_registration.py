@@ -53,6 +53,13 @@ def run(tmp: str, body: Callable[[KubeletStandin, str], Awaitable[None]]) -> Non
     asyncio.run(main())
 
 
+async def shut_down(task: asyncio.Task[None], registrar: Registrar) -> None:
+    """As the agent's close(): cancel the registrar's loop, then stop serving."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await registrar.stop()
+
+
 def test_stop_ends_the_stream_while_the_socket_is_still_there(tmp: str) -> None:
     """The kubelet must see the stream end before (not after) our socket disappears."""
     seen: list[tuple[int, bool]] = []
@@ -62,9 +69,7 @@ def test_stop_ends_the_stream_while_the_socket_is_still_there(tmp: str) -> None:
         registrar = make(kdir, lambda delta: seen.append((delta, os.path.exists(socket_path))))
         task = asyncio.ensure_future(registrar.run())
         await until(lambda: registrar.state == registration.STREAMED)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await registrar.stop()
+        await shut_down(task, registrar)
         assert not os.path.exists(socket_path)
 
     run(tmp, body)
@@ -79,9 +84,7 @@ def test_streams_of_a_replaced_server_change_nothing(tmp: str) -> None:
         old_generation = registrar._generation - 1  # a server we no longer run
         registrar._on_stream(old_generation, -1)
         assert (registrar.state, registrar.streams) == (registration.STREAMED, 1)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await registrar.stop()
+        await shut_down(task, registrar)
 
     run(tmp, body)
 
@@ -97,9 +100,7 @@ def test_a_kubelet_that_keeps_dropping_streams_backs_us_off(tmp: str) -> None:
             await until(lambda n=n: registrar.streams_lost == n)  # type: ignore[misc]
         assert losses.attempt == 3, "each loss waits longer than the last"
         assert len(kubelet.register_calls) in (3, 4)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await registrar.stop()
+        await shut_down(task, registrar)
 
     run(tmp, body)
 
