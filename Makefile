@@ -8,10 +8,13 @@ PY := $(VENV)/bin/python
 #          lintian (.deb), rpm + rpmlint + binutils (.rpm; readelf derives its library Requires).
 #   test:  protoc (generated-code check), podman + runc (a real CDI consumer, with gcc building its
 #          one-binary test image), debootstrap + systemd-container (systemd as PID 1), cpio (RPM
-#          contents), man-db (man page lint), unzip (helm and kubectl from their npm package).
+#          contents), man-db (man page lint), unzip (helm and kubectl from their npm package);
+#          for the real cluster (make e2e): containernetworking-plugins (pod networks), busybox-static
+#          (the workload image's shell), openssl (per-run certificates), iproute2 (bridges).
 DEB_BUILD_PACKAGES := python3-venv python3-pip debhelper lintian
 RPM_BUILD_PACKAGES := python3-venv python3-pip rpm rpmlint binutils
-TEST_PACKAGES := protobuf-compiler podman runc gcc libc6-dev debootstrap systemd-container cpio man-db unzip
+TEST_PACKAGES := protobuf-compiler podman runc gcc libc6-dev debootstrap systemd-container cpio man-db unzip \
+  containernetworking-plugins busybox-static openssl iproute2
 APT_PACKAGES := $(sort $(DEB_BUILD_PACKAGES) $(RPM_BUILD_PACKAGES) $(TEST_PACKAGES))
 # Install those of $(1) that are missing.
 apt_install = missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -20,7 +23,7 @@ apt_install = missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $
 	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; \
 	fi
 
-.PHONY: run test check lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
+.PHONY: e2e e2e-components run test check lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
   image-wheels tools
 # Package builds run in a copy of the sources under build/, never in the work tree.
 PKG_SOURCES := pyproject.toml README.md hyperlight_agent proto packaging systemd
@@ -32,10 +35,19 @@ run: $(VENV)/.installed
 JUDGES := build/judges
 
 # Everything, system tests included, beside a neighbour agent (tests observe only what they create).
-test: $(VENV)/.installed $(JUDGES)/.installed system-deps tools
+test: $(VENV)/.installed $(JUDGES)/.installed system-deps tools e2e-components
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy hyperlight_agent tests bench packaging/manpage.py
 	HYPERLIGHT_TEST_NEIGHBOUR=1 $(PY) -m pytest -q
+
+# Just the real-cluster tests (tests/test_e2e.py): Kubernetes, etcd and containerd built from the
+# pinned Go modules under tests/e2e/components, once (build/e2e/bin, Go's caches).
+e2e: $(VENV)/.installed system-deps tools e2e-components
+	$(PY) -m pytest -q -m e2e
+
+E2E_BIN := build/e2e/bin
+e2e-components:
+	@tests/e2e/components/build.sh $(E2E_BIN)
 
 # The fast inner loop: no system tests, nothing that needs root, no manifest judges.
 check: $(VENV)/.installed

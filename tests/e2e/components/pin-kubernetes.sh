@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Writes k8s-v1.MINOR/go.mod for one Kubernetes release: k8s.io/kubernetes at that version, and every
+# staging module it replaces with a path inside its own repository replaced by the published release
+# of the same minor (v1.37.2 <-> v0.37.2); replaces of a dependency are ignored by Go, so we must.
+# Then adds the commands we build as tool directives and records go.sum.
+# Usage: pin-kubernetes.sh v1.37.2 kubelet kube-apiserver ...
+set -euo pipefail
+version=$1; shift
+minor=$(cut -d. -f2 <<<"$version"); patch=$(cut -d. -f3 <<<"$version")
+dir=$(dirname "$0")/k8s-v1.$minor
+mkdir -p "$dir" && cd "$dir"
+upstream=$(cd / && GOFLAGS=-mod=mod go mod download -json "k8s.io/kubernetes@$version" \
+  | python3 -c 'import json, sys; print(json.load(sys.stdin)["GoMod"])')
+{
+  echo "// Kubernetes $version for the e2e tests (written by ../pin-kubernetes.sh)."
+  echo "module hyperlight.dev/e2e/k8s-v1.$minor"
+  echo
+  echo "go 1.26"
+  echo
+  echo "require k8s.io/kubernetes $version"
+  echo
+  echo "replace ("
+  awk -v to="v0.$minor.$patch" '$2 == "=>" && $3 ~ /^\.\/staging\// {print "\t" $1 " => " $1 " " to}' "$upstream"
+  echo ")"
+} >go.mod
+rm -f go.sum
+go get -tool $(printf "k8s.io/kubernetes/cmd/%s@$version " "$@")
+go mod tidy
