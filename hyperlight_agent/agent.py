@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from . import __version__, api, atomic, config, contracts, hypervisors, labels, modes, readiness, waits
+from . import __version__, api, atomic, config, contracts, handover, hypervisors, labels, modes, readiness, waits
 from .checker import Checker, target_for
 from .config import Settings
 from .helper import ProbeHelper
@@ -69,7 +69,7 @@ def _settle(future: asyncio.Future[T], result: Optional[T], error: Optional[Base
 
 
 def profile_for(settings: Settings, mode: modes.Mode) -> Profile:
-    return Profile(mode.resource, mode.socket,
+    return Profile(mode.resource, contracts.instance_socket_name(mode.socket, settings.instance),
                    mode.slots if mode.slots is not None else settings.device_count,
                    mode.allocation or settings.allocation, workload_env=mode.workload_env)
 
@@ -98,6 +98,7 @@ class Agent:
         self._interval_changed = asyncio.Event()
         self._tasks: list[asyncio.Future[Any]] = []
         self._stopping = False
+        self._handing_over = False
         self._counted = (0, 0, 0)
         # What the feature file says; _UNSYNCED forces the first sync.
         self._labelled: object = _UNSYNCED
@@ -141,11 +142,15 @@ class Agent:
                 raise task.exception() or RuntimeError("an agent task ended unexpectedly")
 
     async def close(self) -> None:
-        """Shut down, bounded: the kubelet's streams end and our socket goes in one moment,
-        in-flight Allocates get SHUTDOWN_GRACE_S, then the helper is stopped. The CDI spec stays:
-        containers created during an agent restart still resolve it."""
-        if self._stopping:
+        """Shut down, bounded: first, with handover_seconds set, serve on until a successor is ready
+        (handover.py); then the kubelet's streams end and our socket goes in one moment, in-flight
+        Allocates get SHUTDOWN_GRACE_S, then the helper is stopped. The CDI spec stays: containers
+        created during an agent restart still resolve it."""
+        if self._stopping or self._handing_over:
             return
+        if self.settings.handover_seconds > 0:
+            self._handing_over = True
+            await self._hand_over(self.settings.handover_seconds)
         self._stopping = True
         log.info("stopping")
         self.notifier.stopping()
@@ -163,6 +168,15 @@ class Agent:
             await self.wait()
         finally:
             await self.close()
+
+    async def _hand_over(self, timeout: float) -> None:
+        log.info("stop requested: serving until a successor is ready (up to %g s)", timeout)
+        successor = await handover.wait_for_successor(self.settings.kubelet_dir, self.mode.socket,
+                                                      self.profile.socket, timeout)
+        if successor:
+            log.info("handing over to %s", successor)
+        else:
+            log.info("no successor within %g s", timeout)
 
     async def _shutdown(self) -> None:
         await self.registrar.stop(grace=SHUTDOWN_GRACE_S)

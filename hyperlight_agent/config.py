@@ -114,6 +114,32 @@ def _listen_address(value: Any) -> str:
     return value
 
 
+_INSTANCE = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?")
+
+
+def _instance(value: Any) -> str:
+    if not (isinstance(value, str) and value.isascii() and _INSTANCE.fullmatch(value)):
+        raise ValueError("must be 1 to 63 lowercase letters, digits, '-' or '.', starting and ending with a "
+                         "letter or digit (e.g. the pod's name)")
+    return value
+
+
+MAX_HANDOVER_S = 3600.0
+
+
+def _handover_seconds(value: Any) -> float:
+    problem = ValueError(f"must be a number of seconds from 0 to {MAX_HANDOVER_S:g}")
+    if isinstance(value, bool) or (isinstance(value, str) and not (value.isascii() and len(value) <= 40)):
+        raise problem
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise problem from None
+    if not 0 <= number <= MAX_HANDOVER_S:  # also refuses nan
+        raise problem
+    return number
+
+
 @dataclass(frozen=True)
 class Setting:
     key: str  # TOML key and Settings attribute
@@ -172,12 +198,24 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("metrics_address", "HYPERLIGHT_METRICS_ADDRESS", "--metrics-address", None, _listen_address,
             "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464); unset: off",
             restart_only=True),
+    Setting("instance", "HYPERLIGHT_INSTANCE", "--instance", None, _instance,
+            "a name unique to this agent on its node (in a pod: the pod's name); the socket becomes "
+            "hyperlight.INSTANCE.sock, so a successor can register beside this agent during an update; "
+            "unset: hyperlight.sock", restart_only=True),
+    Setting("handover_seconds", "HYPERLIGHT_HANDOVER_SECONDS", "--handover-seconds", 0, _handover_seconds,
+            "on SIGTERM, keep serving up to this long until another agent for the same resource is ready "
+            "in the kubelet dir (a surge update), so the kubelet never counts zero devices; 0: stop at once",
+            toml_types=(int, float)),
 )
 BY_KEY = {s.key: s for s in SETTINGS}
 RESTART_ONLY = tuple(s.key for s in SETTINGS if s.restart_only)
-# The longest socket path the agent binds in kubelet_dir (a private name, renamed into place).
-LONGEST_SOCKET_NAME = max(len(contracts.private_socket_name(n, contracts.PID_MAX, "0" * 8))
-                          for n in (contracts.PLUGIN_SOCKET, contracts.DEVICE_ACCESS_SOCKET))
+
+
+def longest_socket_name(instance: Optional[str]) -> int:
+    """The longest name the agent binds in kubelet_dir (a private name, renamed into place)."""
+    return max(len(contracts.private_socket_name(contracts.instance_socket_name(n, instance), contracts.PID_MAX,
+                                                 "0" * 8))
+               for n in (contracts.PLUGIN_SOCKET, contracts.DEVICE_ACCESS_SOCKET))
 
 
 @dataclass(frozen=True)
@@ -196,6 +234,8 @@ class Settings:
     log_level: str
     nfd_features_dir: Optional[str]
     metrics_address: Optional[str]
+    instance: Optional[str]
+    handover_seconds: float
     config_file: Optional[str] = None  # the file actually read, if any
 
     @classmethod
@@ -231,9 +271,11 @@ def load(args: argparse.Namespace, environ: Mapping[str, str],
     values: dict[str, Any] = {}
     for s in SETTINGS:
         values[s.key] = _resolve(s, getattr(args, s.key, None), environ, from_file, path)
-    socket_bytes = len(values["kubelet_dir"].encode("utf-8", "surrogateescape")) + 1 + LONGEST_SOCKET_NAME
+    socket_bytes = (len(values["kubelet_dir"].encode("utf-8", "surrogateescape")) + 1
+                    + longest_socket_name(values["instance"]))
     if socket_bytes > contracts.UNIX_PATH_MAX:
-        raise ConfigError(f"kubelet_dir = {quote(values['kubelet_dir'])}: socket paths in it would be up to "
+        named = f" with instance = {quote(values['instance'])}" if values["instance"] else ""
+        raise ConfigError(f"kubelet_dir = {quote(values['kubelet_dir'])}{named}: socket paths in it would be up to "
                           f"{socket_bytes} bytes; unix sockets allow {contracts.UNIX_PATH_MAX}")
     return Settings(**values, config_file=path if file_read else None)
 
@@ -345,7 +387,7 @@ def settings_table() -> str:
     return "\n".join(rows)
 
 
-UNSET_EXAMPLES = {"host_device_dir": "/host-dev", "metrics_address": "127.0.0.1:9464",
+UNSET_EXAMPLES = {"host_device_dir": "/host-dev", "metrics_address": "127.0.0.1:9464", "instance": "node-agent-1",
                   "nfd_features_dir": "/etc/kubernetes/node-feature-discovery/features.d"}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from . import modes
+from . import contracts, modes
 from .config import Settings
 
 PROBE_TIMEOUT_S = 2.0
@@ -15,7 +15,8 @@ def health_check(settings: Settings, which: str, device_access: bool) -> tuple[b
     import grpc
     from grpc_health.v1 import health_pb2
 
-    path = os.path.join(settings.kubelet_dir, modes.of(device_access).socket)
+    path = os.path.join(settings.kubelet_dir,
+                        contracts.instance_socket_name(modes.of(device_access).socket, settings.instance))
     if not os.path.exists(path):
         return False, f"{which}: not serving: no socket at {path}"
     with grpc.insecure_channel("unix://" + path) as channel:

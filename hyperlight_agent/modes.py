@@ -27,7 +27,9 @@ class Mode(NamedTuple):
 
 PLUGIN = Mode("plugin", contracts.RESOURCE_HYPERVISOR, contracts.PLUGIN_SOCKET, None, None,
               workload_env=True, inventory_only=False)
-DEVICE_ACCESS = Mode("device-access", contracts.RESOURCE_DEVICE_ACCESS, contracts.DEVICE_ACCESS_SOCKET, 1,
+# Two slots: the device plugin's running pod and, during a surge update or a replacement after a
+# delete, its successor (both hold the device until the handover; see handover.py).
+DEVICE_ACCESS = Mode("device-access", contracts.RESOURCE_DEVICE_ACCESS, contracts.DEVICE_ACCESS_SOCKET, 2,
                      "device-spec", workload_env=False, inventory_only=True)
 
 

@@ -66,14 +66,20 @@ class AlreadyServed(Exception):
 
 
 class Backoff:
-    """Capped exponential backoff with jitter: 0.5, 1, 2 … 30 s, each scaled by 0.5–1.0."""
+    """Capped exponential backoff with jitter: 0.5, 1, 2 … 30 s, each scaled by 0.5–1.0; with
+    immediate_first, a 0 s retry comes before those."""
 
     def __init__(self, initial: float = BACKOFF_INITIAL_S, cap: float = BACKOFF_CAP_S,
-                 rand: Callable[[], float] = random.random) -> None:
+                 rand: Callable[[], float] = random.random, immediate_first: bool = False) -> None:
         self._initial, self._cap, self._rand = initial, cap, rand
+        self._immediate_first = immediate_first
+        self._immediate_due = immediate_first
         self.attempt = 0
 
     def next(self) -> float:
+        if self._immediate_due:
+            self._immediate_due = False
+            return 0.0
         base: float = min(self._cap, self._initial * (2.0 ** self.attempt))
         if base < self._cap:  # past the cap the exponent stops growing (and cannot overflow)
             self.attempt += 1
@@ -81,6 +87,7 @@ class Backoff:
 
     def reset(self) -> None:
         self.attempt = 0
+        self._immediate_due = self._immediate_first
 
     @staticmethod
     def initial_floor(attempt: int, initial: float = BACKOFF_INITIAL_S, cap: float = BACKOFF_CAP_S) -> float:
@@ -156,7 +163,10 @@ class Registrar:
         self._backoff = backoff or Backoff()  # Register failures; reset by a successful one
         # Streams lost (or never opened) after a successful Register: reset only after a stream
         # that lived STABLE_STREAM_S, so a kubelet that keeps dropping streams backs us off too.
-        self._loss_backoff = loss_backoff or Backoff()
+        # The first retry is immediate: a 1.34 kubelet ends our stream when the agent we took over
+        # from ends its own (handover.py), and every moment until we register again is a moment
+        # with no healthy device.
+        self._loss_backoff = loss_backoff or Backoff(immediate_first=True)
         self._server: Optional[grpc.aio.Server] = None
         self._end_streams: Callable[[], None] = lambda: None
         self._served: Optional[Identity] = None

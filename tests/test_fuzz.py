@@ -144,7 +144,7 @@ def assert_in_range(s: config.Settings) -> None:
         assert isinstance(path, str) and path.startswith("/") and "\0" not in path, (key, path)
         assert path == os.path.normpath(path)
         assert len(path.encode("utf-8", "surrogateescape")) <= config.PATH_MAX
-    socket_bytes = len(s.kubelet_dir.encode("utf-8", "surrogateescape")) + 1 + config.LONGEST_SOCKET_NAME
+    socket_bytes = len(s.kubelet_dir.encode("utf-8", "surrogateescape")) + 1 + config.longest_socket_name(s.instance)
     assert socket_bytes <= contracts.UNIX_PATH_MAX
     assert isinstance(s.check_interval_seconds, (int, float)) and math.isfinite(s.check_interval_seconds)
     assert 0.1 <= s.check_interval_seconds <= 86400

@@ -60,3 +60,14 @@ capabilities:
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
+
+{{/* Each agent's socket is named for its pod, so a successor registers beside it, and it serves on
+     after SIGTERM until the successor is ready (handover.py). */}}
+{{- define "hyperlight.handoverEnv" -}}
+- name: HYPERLIGHT_INSTANCE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: HYPERLIGHT_HANDOVER_SECONDS
+  value: {{ .Values.handoverSeconds | quote }}
+{{- end }}
