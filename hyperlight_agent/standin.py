@@ -7,9 +7,14 @@ As strict as the real device manager (../shared/docs/kubelet-contract.md), never
 - when a ListAndWatch stream ends, for any reason, every device of the resource is unhealthy and
   the endpoint stopped; the stand-in never dials that plugin again (only a new Register helps);
 - a later Register for the same resource replaces the client, and the old client lives on until
-  its stream ends; that end then hits the resource's *current* registration: kubelet 1.28
-  ("1.28") disconnects it (its stream ends), later releases ("current") mark the resource
-  unhealthy and its endpoint stopped while the new stream stays open;
+  its stream ends. What that end does depends on the kubelet (`flavor`, read from the kubelet's
+  devicemanager sources at the pinned versions, tests/e2e/components):
+  "1.34" (also 1.28): one client per resource name; the old client's end looks the client up by
+  name and disconnects the *newest* one (its stream ends, the resource is unhealthy);
+  "1.35" (1.35 to 1.37): one endpoint per socket path; an old endpoint's end removes only it,
+  the primary's end promotes a remaining live endpoint (the resource never drops), and only the
+  last one's end stops the resource. A Register at a socket path that is still connected is
+  refused ("device plugin already connected");
 - allocate() calls Allocate only while the endpoint is live and the IDs are healthy devices,
   with exactly one ContainerRequest and no deadline;
 - restart() deletes the sockets in its directory (not regular files, directories or the
@@ -74,7 +79,7 @@ class NotAllocatable(Exception):
     """The real kubelet would not call Allocate now (the pod fails admission instead)."""
 
 
-FLAVORS = ("1.28", "current")
+FLAVORS = ("1.34", "1.35")
 
 
 class KubeletStandin:
@@ -88,12 +93,14 @@ class KubeletStandin:
         self.register_calls: list[tuple[float, pb.RegisterRequest]] = []
         self.mode = "normal"  # "normal", "hang" or "reject"
         self.open_streams = True  # False: register plugins but never call ListAndWatch
-        self.flavor = "1.28"  # how an old client's stream end hits a newer registration (FLAVORS)
+        self.flavor = "1.34"  # how an old client's stream end hits a newer registration (FLAVORS)
         # Clients replaced by a later Register whose streams have not ended yet.
         self.replaced: list[Plugin] = []
         self._release = asyncio.Event()
         self._server: Optional[grpc.aio.Server] = None
         self.changed = asyncio.Event()  # set whenever anything above changes
+        # (monotonic time, {resource: allocatable slots}) at every change: the view admission uses.
+        self.timeline: list[tuple[float, dict[str, int]]] = []
         self.started_at = 0.0
 
     async def start(self) -> None:
@@ -176,6 +183,11 @@ class KubeletStandin:
             await channel.close(None)
             await context.abort(grpc.StatusCode.UNKNOWN, f"cannot reach plugin endpoint: {exc}")
         old = self.plugins.get(request.resource_name)
+        if self.flavor == "1.35" and any(p.endpoint == request.endpoint and p.stream_open
+                                         for p in (old, *self.replaced) if p and p.resource == request.resource_name):
+            await channel.close(None)
+            await context.abort(grpc.StatusCode.UNKNOWN, "device plugin already connected: "
+                                + os.path.join(self.directory, request.endpoint))
         if old is not None and old.stream_task is not None and not old.stream_task.done():
             self.replaced.append(old)  # it lives on until its stream ends
         plugin = Plugin(request.resource_name, request.endpoint, options, time.monotonic(), channel)
@@ -204,20 +216,26 @@ class KubeletStandin:
             if plugin in self.replaced:
                 self.replaced.remove(plugin)
                 self._old_client_ended(plugin)
+            elif self.flavor == "1.35" and self.plugins.get(plugin.resource) is plugin:
+                self._promote(plugin.resource)
             self._changed()
+
+    def _promote(self, resource: str) -> None:
+        """1.35+: the primary endpoint ended; another live one for the resource takes its place."""
+        live = [p for p in self.replaced if p.resource == resource and p.stream_open]
+        if live:
+            self.replaced.remove(live[-1])
+            self.plugins[resource] = live[-1]
 
     def _old_client_ended(self, old: Plugin) -> None:
         """What a replaced client's end does to the resource's current registration."""
         current = self.plugins.get(old.resource)
-        if current is None or current is old:
-            return
-        if self.flavor == "1.28":
-            # runClient looks the client up by resource name and disconnects the new one.
-            if current.stream_task is not None:
-                current.stream_task.cancel()
-        else:
-            # PluginDisconnected marks the resource unhealthy and stops the current endpoint.
-            current.stopped = True
+        if current is None or current is old or self.flavor == "1.35":
+            return  # 1.35+: endpoints are per socket path; the old one's end touches no other
+        # runClient looks the client up by resource name and disconnects the newest one: its
+        # stream ends and the resource is unhealthy until a new Register.
+        if current.stream_task is not None:
+            current.stream_task.cancel()
 
     async def drop_stream(self, resource: str) -> None:
         """End a plugin's ListAndWatch stream (as if the connection broke or the kubelet ended it)."""
@@ -264,6 +282,7 @@ class KubeletStandin:
         return response
 
     def _changed(self) -> None:
+        self.timeline.append((time.monotonic(), {r: p.healthy for r, p in self.plugins.items()}))
         event, self.changed = self.changed, asyncio.Event()
         event.set()
 

@@ -16,7 +16,7 @@ import time
 import grpc
 import pytest
 
-from hyperlight_agent import contracts, registration
+from hyperlight_agent import contracts, registration, standin
 from hyperlight_agent.standin import KubeletStandin, NotAllocatable, Plugin, StandinThread
 from tests.conftest import StartAgent, wait_for
 
@@ -41,7 +41,7 @@ def socket_identity(path: str) -> tuple[int, int]:
     return (st.st_dev, st.st_ino)
 
 
-@pytest.mark.parametrize("flavor", ["1.28", "current"])
+@pytest.mark.parametrize("flavor", standin.FLAVORS)
 def test_stream_dropped_by_the_kubelet_is_registered_again(kubelet: StandinThread, start_agent: StartAgent,
                                                             flavor: str) -> None:
     kubelet.run(lambda k: setattr(k, "flavor", flavor))
@@ -73,12 +73,12 @@ def test_no_stream_after_register_is_registered_again(kubelet: StandinThread, st
     wait_for(lambda: "no ListAndWatch stream within" in agent.log, 5)
 
 
-@pytest.mark.parametrize("flavor", ["1.28", "current"])
+@pytest.mark.parametrize("flavor", standin.FLAVORS)
 def test_old_stream_ends_before_the_next_register(kubelet: StandinThread, start_agent: StartAgent, tmp: str,
                                                   flavor: str) -> None:
     """Our socket deleted under a live stream (no kubelet restart): the agent serves anew. The old
-    stream must end before the new Register, or the kubelet disconnects (1.28) or silently stops
-    (later releases) the new registration."""
+    stream must end before the new Register, or the kubelet disconnects the new registration
+    (1.34) or refuses a Register at a socket path still connected (1.35+)."""
     kubelet.run(lambda k: setattr(k, "flavor", flavor))
     start_agent("--device-count", "2")
     kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
@@ -222,3 +222,63 @@ def test_stalled_helper_is_rechecked_promptly(kubelet: StandinThread, start_agen
     kubelet.wait_until(lambda k: healthy_slots(k) == 0, 10, "Unhealthy after the helper missed its deadline")
     kubelet.wait_until(lambda k: healthy_slots(k) == 1, 10, "Healthy again without waiting an hour")
     assert helper not in agent.helpers()
+
+
+def zero_after_healthy(k: KubeletStandin, since: float) -> list[float]:
+    """Moments after `since` at which the stand-in counted no allocatable slot of R."""
+    return [at for at, counts in k.timeline if at >= since and counts.get(R, 0) == 0]
+
+
+@pytest.mark.parametrize("flavor", standin.FLAVORS)
+def test_handover_to_a_successor(kubelet: StandinThread, start_agent: StartAgent, tmp: str, flavor: str) -> None:
+    """A surge update: the successor registers under its own socket beside the running agent;
+    the running agent, stopped, serves on until the successor is ready, then ends its stream.
+    1.35+ never counts zero slots; 1.34 disconnects the successor once and it registers again
+    at once (kubernetes issue 121994)."""
+    kubelet.run(lambda k: setattr(k, "flavor", flavor))
+    old = start_agent("--device-count", "3", "--instance", "agent-old", "--handover-seconds", "30")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15, "the first agent serving")
+    new = start_agent("--device-count", "3", "--instance", "agent-new", "--handover-seconds", "0.5")
+    kubelet.wait_until(lambda k: plugin(k) is not None and plugin(k).endpoint == "hyperlight.agent-new.sock"  # type: ignore[union-attr]
+                       and healthy_slots(k) == 3, 15, "the successor registered beside it")
+    since = time.monotonic()
+    assert zero_after_healthy(kubelet.kubelet, since) == []
+    assert old.stop(timeout=10) == 0, old.log
+    assert "handing over to " + os.path.join(tmp, "kubelet", "hyperlight.agent-new.sock") in old.log
+    assert not os.path.exists(os.path.join(tmp, "kubelet", "hyperlight.agent-old.sock"))
+    kubelet.wait_until(lambda k: healthy_slots(k) == 3 and plugin(k).endpoint == "hyperlight.agent-new.sock",  # type: ignore[union-attr]
+                       10, "the successor serving alone")
+    zeros = zero_after_healthy(kubelet.kubelet, since)
+    registers = [r.endpoint for _, r in kubelet.kubelet.register_calls]
+    if flavor == "1.35":
+        assert zeros == [], "the kubelet never counted zero slots"
+        assert registers == ["hyperlight.agent-old.sock", "hyperlight.agent-new.sock"]
+    else:
+        assert registers == ["hyperlight.agent-old.sock", "hyperlight.agent-new.sock", "hyperlight.agent-new.sock"]
+        back = next(at for at, counts in kubelet.kubelet.timeline if at > zeros[0] and counts.get(R) == 3)
+        print(f"1.34 handover: zero slots for {(back - zeros[0]) * 1000:.1f} ms")
+    assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"])).container_responses
+    assert new.stop() == 0
+
+
+def test_handover_without_a_successor_stops_after_the_bound(kubelet: StandinThread, start_agent: StartAgent) -> None:
+    agent = start_agent("--device-count", "2", "--instance", "alone", "--handover-seconds", "0.5")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    p = plugin(kubelet.kubelet)
+    assert p is not None
+    assert agent.stop(timeout=10) == 0
+    assert "no successor within 0.5 s" in agent.log
+    assert p.stream_ended_at is not None
+
+
+def test_a_successor_that_is_not_ready_is_not_handed_over_to(kubelet: StandinThread, start_agent: StartAgent,
+                                                             tmp: str) -> None:
+    """A peer socket that answers but is not ready (no kubelet stream) is no successor."""
+    agent = start_agent("--device-count", "2", "--instance", "one", "--handover-seconds", "0.5")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.run(lambda k: setattr(k, "mode", "reject"))  # the second agent never gets registered
+    second = start_agent("--device-count", "2", "--instance", "two")
+    wait_for(lambda: "registration failed" in second.log, 15, "the second agent's Register refused")
+    assert agent.stop(timeout=10) == 0
+    assert "no successor within 0.5 s" in agent.log
+    second.stop()

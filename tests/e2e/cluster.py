@@ -1,0 +1,506 @@
+"""A real Kubernetes cluster on this machine, started and stopped by the e2e tests themselves.
+
+    etcd ─ kube-apiserver (TLS, Node+RBAC, NodeRestriction) ─ controller-manager, scheduler
+                    │
+        node "a": containerd + kubelet    node "b": containerd + kubelet
+
+Each node lives in a private mount namespace held open by a small process: the kubelet hardcodes
+/var/lib/kubelet/device-plugins, and containerd resolves hostPath volumes, so both must see the
+node's own directories at the standard paths (/var/lib/kubelet, /run/cdi, /etc/cdi, /var/log/pods,
+/var/lib/cni, /run/netns, /run/containerd, /etc/kubernetes), bind-mounted from its directory under
+the run directory. Each kubelet has its own cgroup root (kubelets sharing one garbage-collect each
+other's pods), ports and CNI bridge.
+
+Everything started is recorded in the run directory's state file as it is started; stop() (and the
+next run's start, after a run killed half-way) ends it by PID and by mount namespace, removes the
+cgroups, bridges and mountpoints it created, and nothing is left on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from typing import Any, Callable, Optional
+
+from .kube import Api, ApiError
+from .pki import Identity, Pki
+
+COMPONENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "components")
+# Where containerd, runc and the CNI plugins come from.
+RUNC = "/usr/sbin/runc"
+CNI_BIN = "/usr/lib/cni"
+SANDBOX_IMAGE = "localhost/hyperlight-e2e/pause:1"
+# The standard paths each node sees as its own directory (relative name under the node dir).
+NODE_MOUNTS = {
+    "/var/lib/kubelet": "kubelet",
+    "/run/cdi": "cdi",
+    "/etc/cdi": "etc-cdi",
+    "/var/log/pods": "log-pods",
+    "/var/log/containers": "log-containers",
+    "/var/lib/cni": "cni-state",
+    "/run/netns": "netns",
+    "/run/containerd": "run-containerd",
+    "/etc/kubernetes": "etc-kubernetes",
+}
+CGROUP_ROOT = "/sys/fs/cgroup"
+DEVICE_PLUGINS = "device-plugins"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = condition()
+        except Exception as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise TimeoutError(f"{what}: not within {timeout:g} s (last: {last!r})")
+
+
+def versions() -> dict[str, str]:
+    """The pinned versions, read from the components' go.mod files."""
+    def pinned(module: str, path: str) -> str:
+        with open(os.path.join(COMPONENTS, module, "go.mod")) as f:
+            for line in f:
+                words = line.split()
+                if len(words) >= 3 and words[0] == "require" and words[1] == path:
+                    return words[2]
+                if len(words) >= 2 and words[0] == path and words[1].startswith("v"):
+                    return words[1]
+        raise LookupError(f"{module}/go.mod pins no {path}")
+    return {
+        "newest": pinned("k8s-v1.37", "k8s.io/kubernetes"),
+        "oldest": pinned("k8s-v1.34", "k8s.io/kubernetes"),
+        "etcd": pinned("etcd", "go.etcd.io/etcd/server/v3"),
+        "containerd": pinned("containerd", "github.com/containerd/containerd/v2"),
+    }
+
+
+# --- the state file: what a run started, so that whatever it left can be ended later ---
+
+def _start_time(pid: int) -> Optional[str]:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _mount_ns(pid: int) -> Optional[str]:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
+
+
+class State:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.data: dict[str, list[Any]] = {"pids": [], "namespaces": [], "cgroups": [], "bridges": [],
+                                           "mountpoints": []}
+        if os.path.exists(path):
+            with open(path) as f:
+                self.data.update(json.load(f))
+
+    def add(self, kind: str, value: Any) -> None:
+        self.data[kind].append(value)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.data, f)
+        os.replace(tmp, self.path)
+
+
+def _kill_everything(state: State) -> None:
+    """End every process we started or that lives in a node's mount namespace, then remove what
+    they left on the host: cgroups, bridges, mountpoints."""
+    namespaces = set(state.data["namespaces"])
+    for _ in range(50):
+        victims = []
+        for pid, started in state.data["pids"]:
+            if _start_time(pid) == started:
+                victims.append(pid)
+        if namespaces:
+            for entry in os.listdir("/proc"):
+                if entry.isdigit() and _mount_ns(int(entry)) in namespaces:
+                    victims.append(int(entry))
+        victims = [pid for pid in set(victims) if pid != os.getpid()]
+        if not victims:
+            break
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+    for path in sorted(state.data["cgroups"], key=len, reverse=True):
+        for hierarchy in _hierarchies():
+            _rmdir_tree(os.path.join(CGROUP_ROOT, hierarchy, path.lstrip("/")))
+    for bridge in state.data["bridges"]:
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True, check=False)
+    for path in state.data["mountpoints"]:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+
+def _hierarchies() -> list[str]:
+    """Every mounted cgroup hierarchy (v1 controllers, the named systemd one and unified)."""
+    names = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            mountpoint = fields[4]
+            fstype = fields[fields.index("-") + 1]
+            if fstype in ("cgroup", "cgroup2") and mountpoint.startswith(CGROUP_ROOT + "/"):
+                names.append(mountpoint[len(CGROUP_ROOT) + 1:])
+    return names
+
+
+def _rmdir_tree(path: str) -> None:
+    if not os.path.isdir(path):
+        return
+    for root, dirs, _ in os.walk(path, topdown=False):
+        for d in dirs:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(root, d))
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+class Process:
+    """A component process, its log, and its PID recorded before anything else can happen."""
+
+    def __init__(self, state: State, name: str, argv: list[str], log_dir: str,
+                 env: Optional[dict[str, str]] = None) -> None:
+        self.name = name
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          env=env, start_new_session=True)
+        state.add("pids", [self.popen.pid, _start_time(self.popen.pid)])
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+
+    def log_tail(self, lines: int = 20) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+
+class Node:
+    def __init__(self, cluster: Cluster, name: str, index: int, labels: dict[str, str],
+                 device_unusable: bool) -> None:
+        self.cluster = cluster
+        self.name = name
+        self.labels = labels
+        self.directory = os.path.join(cluster.directory, f"node-{name}")
+        self.cgroup = f"/hl-e2e-{name}"
+        self.bridge = f"hle2e{name}"
+        self.subnet = f"10.250.{index}.0/24"
+        self.kubelet_port = free_port()
+        self.healthz_port = free_port()
+        self.device_unusable = device_unusable
+        self.holder: Optional[Process] = None
+        self.containerd: Optional[Process] = None
+        self.kubelet: Optional[Process] = None
+        self.kubelet_version = ""
+        self.identity: Optional[Identity] = None
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.directory, *parts)
+
+    @property
+    def device_plugin_dir(self) -> str:
+        """The node's /var/lib/kubelet/device-plugins, seen from the host."""
+        return self.path("kubelet", DEVICE_PLUGINS)
+
+    @property
+    def containerd_socket(self) -> str:
+        return self.path("containerd.sock")
+
+    def in_namespace(self, argv: list[str]) -> list[str]:
+        assert self.holder is not None
+        return ["nsenter", "-t", str(self.holder.popen.pid), "-m", "--", *argv]
+
+    def start(self) -> None:
+        state = self.cluster.state
+        for sub in ("logs", *NODE_MOUNTS.values(), "cni-conf", "containerd-root", "volume-plugins"):
+            os.makedirs(self.path(sub), exist_ok=True)
+        for target in NODE_MOUNTS:
+            if not os.path.exists(target):
+                os.makedirs(target)
+                state.add("mountpoints", target)
+        self._cgroups()
+        state.add("bridges", self.bridge)
+        script = ["set -e", "mount --make-rprivate /"]
+        for target, sub in NODE_MOUNTS.items():
+            script.append(f"mount --bind {self.path(sub)} {target}")
+        if self.device_unusable:
+            script.append("mount --bind /dev/null /dev/kvm")
+        script += [f"touch {self.path('namespace-ready')}", "exec sleep infinity"]
+        self.holder = Process(state, f"{self.name}-namespace", ["unshare", "--mount", "--propagation", "private",
+                                                                "sh", "-c", "\n".join(script)],
+                              self.path("logs"))
+        wait_until(lambda: os.path.exists(self.path("namespace-ready")), 10, f"node {self.name}'s mount namespace")
+        state.add("namespaces", _mount_ns(self.holder.popen.pid))
+        self._start_containerd()
+
+    def _cgroups(self) -> None:
+        self.cluster.state.add("cgroups", self.cgroup)
+        for hierarchy in _hierarchies():
+            path = os.path.join(CGROUP_ROOT, hierarchy, self.cgroup.lstrip("/"))
+            os.makedirs(path, exist_ok=True)
+            if hierarchy == "cpuset":  # a v1 cpuset takes no task until its cpus and mems are set
+                for knob in ("cpuset.cpus", "cpuset.mems"):
+                    with open(os.path.join(CGROUP_ROOT, hierarchy, knob)) as src, \
+                            open(os.path.join(path, knob), "w") as dst:
+                        dst.write(src.read())
+
+    def _start_containerd(self) -> None:
+        with open(self.path("cni-conf", "10-bridge.conflist"), "w") as f:
+            json.dump({"cniVersion": "1.0.0", "name": f"hle2e-{self.name}", "plugins": [
+                {"type": "bridge", "bridge": self.bridge, "isGateway": False, "ipMasq": False,
+                 "ipam": {"type": "host-local", "ranges": [[{"subnet": self.subnet}]]}},
+                {"type": "loopback"}]}, f)
+        config = self.path("containerd.toml")
+        with open(config, "w") as f:
+            f.write(f"""version = 3
+root = "{self.path('containerd-root')}"
+state = "/run/containerd"
+[grpc]
+  address = "{self.containerd_socket}"
+[ttrpc]
+  address = "{self.containerd_socket}.ttrpc"
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = "overlayfs"
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = "{SANDBOX_IMAGE}"
+[plugins.'io.containerd.cri.v1.runtime']
+  enable_cdi = true
+  cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
+  # No CAP_SYS_RESOURCE here: never lower a container's oom_score_adj below ours.
+  restrict_oom_score_adj = true
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
+    default_runtime_name = "runc"
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+        BinaryName = "{RUNC}"
+        SystemdCgroup = false
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ["{CNI_BIN}"]
+    conf_dir = "{self.path('cni-conf')}"
+""")
+        binaries = self.cluster.binaries("containerd", self.cluster.versions["containerd"])
+        env = {**os.environ, "PATH": f"{binaries}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+        self.containerd = Process(self.cluster.state, f"{self.name}-containerd",
+                                  self.in_namespace([os.path.join(binaries, "containerd"), "--config", config]),
+                                  self.path("logs"), env=env)
+        wait_until(lambda: self.ctr("version").returncode == 0, 60, f"node {self.name}'s containerd")
+
+    def ctr(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        binaries = self.cluster.binaries("containerd", self.cluster.versions["containerd"])
+        return subprocess.run([os.path.join(binaries, "ctr"), "-a", self.containerd_socket, "-n", "k8s.io", *args],
+                              capture_output=True, text=True, timeout=timeout, check=False)
+
+    def import_image(self, archive: str) -> None:
+        done = self.ctr("images", "import", "--no-unpack", "--local", archive)
+        if done.returncode != 0:
+            done = self.ctr("images", "import", archive)
+        assert done.returncode == 0, done.stderr
+
+    def start_kubelet(self, version: str) -> None:
+        assert self.kubelet is None or not self.kubelet.alive()
+        if self.identity is None:
+            self.identity = self.cluster.pki.issue(f"node-{self.name}", f"/O=system:nodes/CN=system:node:{self.name}")
+        kubeconfig = self.cluster.pki.kubeconfig(f"kubelet-{self.name}", self.cluster.server, self.identity)
+        config = self.path("kubelet.yaml")
+        with open(config, "w") as f:
+            f.write(f"""apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+# These machines boot hybrid cgroup v1; kubelets from 1.35 on refuse it unless told otherwise.
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupRoot: {self.cgroup}
+containerRuntimeEndpoint: unix://{self.containerd_socket}
+address: 127.0.0.1
+port: {self.kubelet_port}
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: {self.healthz_port}
+authentication:
+  anonymous: {{enabled: false}}
+  webhook: {{enabled: true}}
+  x509: {{clientCAFile: {self.cluster.pki.ca.cert}}}
+authorization: {{mode: Webhook}}
+failSwapOn: false
+volumePluginDir: {self.path('volume-plugins')}
+evictionHard: {{memory.available: "0%", nodefs.available: "0%", imagefs.available: "0%"}}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+serializeImagePulls: false
+""")
+        binaries = self.cluster.binaries("kubernetes", version)
+        labels = ",".join(f"{k}={v}" for k, v in self.labels.items())
+        argv = [os.path.join(binaries, "kubelet"), "--config", config, "--kubeconfig", kubeconfig,
+                "--hostname-override", self.name, "--node-ip", "127.0.0.1", "--root-dir", "/var/lib/kubelet",
+                "--cert-dir", "/var/lib/kubelet/pki", "--v=2"]
+        if labels:
+            argv.append(f"--node-labels={labels}")
+        self.kubelet = Process(self.cluster.state, f"{self.name}-kubelet", self.in_namespace(argv), self.path("logs"))
+        self.kubelet_version = version
+
+    def stop_kubelet(self) -> None:
+        if self.kubelet is not None:
+            self.kubelet.stop()
+
+    def ready(self) -> bool:
+        node = self.cluster.api.get(f"/api/v1/nodes/{self.name}")
+        conditions = {c["type"]: c["status"] for c in node["status"].get("conditions", [])}
+        running = node["status"]["nodeInfo"]["kubeletVersion"]
+        return conditions.get("Ready") == "True" and running == self.kubelet_version
+
+    def allocatable(self) -> dict[str, str]:
+        return dict(self.cluster.api.get(f"/api/v1/nodes/{self.name}")["status"].get("allocatable", {}))
+
+    @property
+    def pod_resources_socket(self) -> str:
+        return self.path("kubelet", "pod-resources", "kubelet.sock")
+
+
+class Cluster:
+    def __init__(self, directory: str, bin_dir: str) -> None:
+        self.directory = directory
+        self.bin_dir = bin_dir
+        self.versions = versions()
+        self.state_path = os.path.join(os.path.dirname(directory.rstrip("/")), "cluster-state.json")
+        self.processes: list[Process] = []
+        self.nodes: dict[str, Node] = {}
+        self.server = ""
+        self.api: Api = None  # type: ignore[assignment]  # set by start()
+        self.admin_kubeconfig = ""
+
+    def binaries(self, component: str, version: str) -> str:
+        path = os.path.join(self.bin_dir, component, version)
+        if not os.path.exists(os.path.join(path, ".complete")):
+            raise FileNotFoundError(f"{path}: not built (make e2e-components)")
+        return path
+
+    @staticmethod
+    def clean_leftovers(state_path: str, directory: str) -> None:
+        """Whatever a run killed half-way left: its processes, cgroups, bridges, mountpoints, files."""
+        if os.path.exists(state_path):
+            _kill_everything(State(state_path))
+            os.unlink(state_path)
+        shutil.rmtree(directory, ignore_errors=True)
+
+    def start(self) -> None:
+        self.clean_leftovers(self.state_path, self.directory)
+        os.makedirs(os.path.join(self.directory, "logs"))
+        self.state = State(self.state_path)
+        logs = os.path.join(self.directory, "logs")
+        self.pki = Pki(os.path.join(self.directory, "pki"))
+        etcd_client, etcd_peer, api_port = free_port(), free_port(), free_port()
+        etcd = self.binaries("etcd", self.versions["etcd"])
+        self.processes.append(Process(self.state, "etcd", [
+            os.path.join(etcd, "etcd"), "--data-dir", os.path.join(self.directory, "etcd"),
+            "--listen-client-urls", f"http://127.0.0.1:{etcd_client}",
+            "--advertise-client-urls", f"http://127.0.0.1:{etcd_client}",
+            "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
+            "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}",
+            "--unsafe-no-fsync", "--log-level", "warn"], logs))
+        serving = self.pki.issue("apiserver", "/CN=kube-apiserver",
+                                 ("IP:127.0.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
+                                  "IP:10.96.0.1"))
+        kubelet_client = self.pki.issue("apiserver-kubelet-client",
+                                        "/O=system:masters/CN=kube-apiserver-kubelet-client")
+        k8s = self.binaries("kubernetes", self.versions["newest"])
+        self.server = f"https://127.0.0.1:{api_port}"
+        self.processes.append(Process(self.state, "kube-apiserver", [
+            os.path.join(k8s, "kube-apiserver"), "--etcd-servers", f"http://127.0.0.1:{etcd_client}",
+            "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1", "--secure-port", str(api_port),
+            "--tls-cert-file", serving.cert, "--tls-private-key-file", serving.key,
+            "--client-ca-file", self.pki.ca.cert,
+            "--kubelet-client-certificate", kubelet_client.cert, "--kubelet-client-key", kubelet_client.key,
+            "--service-account-key-file", self.pki.service_account_pub,
+            "--service-account-signing-key-file", self.pki.service_account_key,
+            "--service-account-issuer", "https://kubernetes.default.svc",
+            "--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction",
+            "--service-cluster-ip-range", "10.96.0.0/24", "--endpoint-reconciler-type", "none",
+            "--allow-privileged", "false", "--profiling=false"], logs))
+        admin = self.pki.issue("admin", "/O=system:masters/CN=hyperlight-e2e-admin")
+        self.admin_kubeconfig = self.pki.kubeconfig("admin", self.server, admin)
+        self.api = Api("127.0.0.1", api_port, self.pki.ca.cert, admin)
+        wait_until(lambda: self.api.get("/readyz") == "ok", 120, "kube-apiserver /readyz")
+        controller = self.pki.issue("controller-manager", "/CN=system:kube-controller-manager")
+        self.processes.append(Process(self.state, "kube-controller-manager", [
+            os.path.join(k8s, "kube-controller-manager"),
+            "--kubeconfig", self.pki.kubeconfig("controller-manager", self.server, controller),
+            "--authentication-kubeconfig", self.pki.kubeconfig("controller-manager", self.server, controller),
+            "--authorization-kubeconfig", self.pki.kubeconfig("controller-manager", self.server, controller),
+            "--bind-address", "127.0.0.1", "--secure-port", str(free_port()), "--leader-elect=false",
+            "--use-service-account-credentials", "--service-account-private-key-file", self.pki.service_account_key,
+            "--root-ca-file", self.pki.ca.cert,
+            "--controllers", "*,-node-ipam-controller,-service-lb-controller,-node-route-controller,"
+                             "-cloud-node-lifecycle-controller"], logs))
+        scheduler = self.pki.issue("scheduler", "/CN=system:kube-scheduler")
+        scheduler_kubeconfig = self.pki.kubeconfig("scheduler", self.server, scheduler)
+        self.processes.append(Process(self.state, "kube-scheduler", [
+            os.path.join(k8s, "kube-scheduler"), "--kubeconfig", scheduler_kubeconfig,
+            "--authentication-kubeconfig", scheduler_kubeconfig, "--authorization-kubeconfig", scheduler_kubeconfig,
+            "--bind-address", "127.0.0.1", "--secure-port", str(free_port()), "--leader-elect=false"], logs))
+        wait_until(lambda: self.api.get("/api/v1/namespaces/default/serviceaccounts/default"), 120,
+                   "the default service account (controller-manager running)")
+
+    def add_node(self, name: str, version: str, labels: Optional[dict[str, str]] = None,
+                 device_unusable: bool = False) -> Node:
+        node = Node(self, name, len(self.nodes) + 1, labels or {}, device_unusable)
+        self.nodes[name] = node
+        node.start()
+        return node
+
+    def check_alive(self) -> None:
+        for process in self.processes:
+            assert process.alive(), f"{process.name} exited:\n{process.log_tail()}"
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            node.stop_kubelet()
+        for process in reversed(self.processes):
+            process.stop()
+        _kill_everything(self.state)
+        os.unlink(self.state_path)
+
+    def kubectl(self, *args: str, input: Optional[str] = None, check: bool = True,
+                tools: str = "") -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([os.path.join(tools, "kubectl"), "--kubeconfig", self.admin_kubeconfig, *args],
+                              input=input, capture_output=True, text=True, timeout=120, check=False)
+        if check and done.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: {done.stderr}")
+        return done
+
+
+__all__ = ["ApiError", "Cluster", "Node", "versions", "wait_until"]
