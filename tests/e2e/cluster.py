@@ -58,13 +58,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class ComponentExited(Exception):
+    pass
+
+
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
     deadline = time.monotonic() + timeout
     last: Any = None
     while time.monotonic() < deadline:
         try:
             last = condition()
-        except Exception as exc:
+        except ComponentExited:
+            raise
+        except Exception as exc:  # a component still starting answers with errors
             last = exc
         else:
             if last:
@@ -195,6 +201,10 @@ class Process:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
+    def check(self) -> None:
+        if not self.alive():
+            raise ComponentExited(f"{self.name} exited ({self.popen.returncode}):\n{self.log_tail()}")
+
     def stop(self, timeout: float = 20) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
@@ -318,7 +328,9 @@ state = "/run/containerd"
         self.containerd = Process(self.cluster.state, f"{self.name}-containerd",
                                   self.in_namespace([os.path.join(binaries, "containerd"), "--config", config]),
                                   self.path("logs"), env=env)
-        wait_until(lambda: self.ctr("version").returncode == 0, 60, f"node {self.name}'s containerd")
+        containerd = self.containerd
+        wait_until(lambda: containerd.check() or self.ctr("version").returncode == 0, 60,
+                   f"node {self.name}'s containerd")
 
     def ctr(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         binaries = self.cluster.binaries("containerd", self.cluster.versions["containerd"])
@@ -377,6 +389,8 @@ serializeImagePulls: false
             self.kubelet.stop()
 
     def ready(self) -> bool:
+        assert self.kubelet is not None
+        self.kubelet.check()
         node = self.cluster.api.get(f"/api/v1/nodes/{self.name}")
         conditions = {c["type"]: c["status"] for c in node["status"].get("conditions", [])}
         running = node["status"]["nodeInfo"]["kubeletVersion"]
@@ -450,11 +464,11 @@ class Cluster:
             "--service-account-issuer", "https://kubernetes.default.svc",
             "--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction",
             "--service-cluster-ip-range", "10.96.0.0/24", "--endpoint-reconciler-type", "none",
-            "--allow-privileged", "false", "--profiling=false"], logs))
+            "--allow-privileged=false", "--profiling=false"], logs))
         admin = self.pki.issue("admin", "/O=system:masters/CN=hyperlight-e2e-admin")
         self.admin_kubeconfig = self.pki.kubeconfig("admin", self.server, admin)
         self.api = Api("127.0.0.1", api_port, self.pki.ca.cert, admin)
-        wait_until(lambda: self.api.get("/readyz") == "ok", 120, "kube-apiserver /readyz")
+        wait_until(lambda: self.check_alive() or self.api.get("/readyz") == "ok", 120, "kube-apiserver /readyz")
         controller = self.pki.issue("controller-manager", "/CN=system:kube-controller-manager")
         self.processes.append(Process(self.state, "kube-controller-manager", [
             os.path.join(k8s, "kube-controller-manager"),
@@ -464,15 +478,16 @@ class Cluster:
             "--bind-address", "127.0.0.1", "--secure-port", str(free_port()), "--leader-elect=false",
             "--use-service-account-credentials", "--service-account-private-key-file", self.pki.service_account_key,
             "--root-ca-file", self.pki.ca.cert,
-            "--controllers", "*,-node-ipam-controller,-service-lb-controller,-node-route-controller,"
-                             "-cloud-node-lifecycle-controller"], logs))
+            # No pod CIDRs to hand out (each node's CNI has its own range); the cloud controllers
+            # are not in a providerless build.
+            "--controllers", "*,-node-ipam-controller"], logs))
         scheduler = self.pki.issue("scheduler", "/CN=system:kube-scheduler")
         scheduler_kubeconfig = self.pki.kubeconfig("scheduler", self.server, scheduler)
         self.processes.append(Process(self.state, "kube-scheduler", [
             os.path.join(k8s, "kube-scheduler"), "--kubeconfig", scheduler_kubeconfig,
             "--authentication-kubeconfig", scheduler_kubeconfig, "--authorization-kubeconfig", scheduler_kubeconfig,
             "--bind-address", "127.0.0.1", "--secure-port", str(free_port()), "--leader-elect=false"], logs))
-        wait_until(lambda: self.api.get("/api/v1/namespaces/default/serviceaccounts/default"), 120,
+        wait_until(lambda: self.check_alive() or self.api.get("/api/v1/namespaces/default/serviceaccounts/default"), 120,
                    "the default service account (controller-manager running)")
 
     def add_node(self, name: str, version: str, labels: Optional[dict[str, str]] = None,
@@ -484,9 +499,11 @@ class Cluster:
 
     def check_alive(self) -> None:
         for process in self.processes:
-            assert process.alive(), f"{process.name} exited:\n{process.log_tail()}"
+            process.check()
 
     def stop(self) -> None:
+        if self.api is not None:
+            self.api.close()
         for node in self.nodes.values():
             node.stop_kubelet()
         for process in reversed(self.processes):

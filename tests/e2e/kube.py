@@ -25,12 +25,22 @@ class Api:
         self._context = ssl.create_default_context(cafile=ca)
         self._context.load_cert_chain(identity.cert, identity.key)
         self._local = threading.local()  # one keep-alive connection per thread
+        self._opened: list[http.client.HTTPSConnection] = []
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._opened:
+                conn.close()
+            self._opened.clear()
 
     def _connection(self) -> http.client.HTTPSConnection:
         conn: Optional[http.client.HTTPSConnection] = getattr(self._local, "conn", None)
         if conn is None:
             conn = http.client.HTTPSConnection(self._host, self._port, context=self._context, timeout=30)
             self._local.conn = conn
+            with self._lock:
+                self._opened.append(conn)
         return conn
 
     def request(self, method: str, path: str, body: Optional[Any] = None,

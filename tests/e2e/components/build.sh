@@ -15,12 +15,13 @@ version() { awk -v p="$2" '$1 == p && $2 ~ /^v/ {print $2; exit} $1 == "require"
 # build NAME MODULE_DIR VERSION LDFLAGS TAGS PKG...
 build() {
   local name=$1 dir=$2 ver=$3 ldflags=$4 tags=$5; shift 5
+  local out_name; out_name=$(basename "$1"); [ "$1" != go.etcd.io/etcd/server/v3 ] || out_name=etcd
   local dest=$out/$name/$ver
   if [ -e "$dest/.complete" ]; then echo "e2e components: $name $ver cached"; return; fi
   rm -rf "$dest" && mkdir -p "$dest"
   local start=$SECONDS
-  # One package: the binary is named for the component (etcd's package path ends in /v3).
-  local target=$dest/; [ $# -gt 1 ] || target=$dest/$name
+  # One package is named for its path (go would name go.etcd.io/etcd/server/v3 "server").
+  local target=$dest/; [ $# -gt 1 ] || target=$dest/$out_name
   (cd "$here/$dir" && go build -tags "$tags" -ldflags "$ldflags" -o "$target" "$@")
   touch "$dest/.complete"
   echo "e2e components: $name $ver built in $((SECONDS - start)) s"
