@@ -217,7 +217,8 @@ class Agent:
 
     # --- collaborators' wiring ------------------------------------------------------------------
 
-    def _configure_server(self, server: grpc.aio.Server, on_stream: Callable[[int], None]) -> Callable[[], None]:
+    def _configure_server(self, server: grpc.aio.Server,
+                          on_stream: Callable[[int, object], None]) -> Callable[[], None]:
         endpoint = Endpoint(self.servicer, on_stream)
         server.add_generic_rpc_handlers([api.device_plugin_handler(endpoint)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health_service, server)
