@@ -7,6 +7,7 @@ and fsyncs the directory, so a reader sees the complete old file or the complete
 
 from __future__ import annotations
 
+import errno as errnos
 import json
 import logging
 import os
@@ -23,8 +24,25 @@ SPEC_MODE = 0o644  # runtimes (often not root) must read it
 DEVICE_FILE_MODE = 0o660  # the node in containers: owner and group only (podman's default is 0666)
 
 
+# The agent is out of descriptors or memory: says nothing about the spec or the directory.
+EXHAUSTED = (errnos.EMFILE, errnos.ENFILE, errnos.ENOMEM)
+
+
 class CdiError(Exception):
-    """The spec could not be verified or repaired; the message names the path and the cause."""
+    """The spec could not be verified or repaired; the message names the path and the cause.
+
+    `errno` is set when a system call failed (ENOSPC, EROFS, EIO, ...): such a cause can go away
+    without any event in the directory, so it is worth retrying. A refusal (something that is not
+    our file at our path) has none: its removal raises an event.
+    """
+
+    def __init__(self, message: str, errno: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+    @property
+    def exhausted(self) -> bool:
+        return self.errno in EXHAUSTED
 
 
 def render(hypervisor: str, device_path: str, uid: int, gid: int,
@@ -73,7 +91,11 @@ def listed_devices(cdi_dir: str) -> set[str]:
     try:
         current = atomic.read_regular(spec_path(cdi_dir), MAX_SPEC_BYTES)
         spec = json.loads(current.data) if current else None
-    except (OSError, atomic.Refused, ValueError, RecursionError):
+    except OSError as exc:
+        if exc.errno in EXHAUSTED:  # not "no devices listed": the names must not be dropped
+            raise CdiError(f"{spec_path(cdi_dir)}: cannot read: {exc.strerror or exc}", exc.errno) from exc
+        return set()
+    except (atomic.Refused, ValueError, RecursionError):
         return set()
     if not isinstance(spec, dict) or spec.get("kind") != contracts.CDI_KIND:
         return set()
@@ -125,7 +147,7 @@ def reconcile(cdi_dir: str, wanted: bytes) -> bool:
     try:
         os.makedirs(cdi_dir, mode=0o755, exist_ok=True)
     except OSError as exc:
-        raise CdiError(f"{cdi_dir}: cannot create CDI directory: {exc.strerror or exc}") from exc
+        raise CdiError(f"{cdi_dir}: cannot create CDI directory: {exc.strerror or exc}", exc.errno) from exc
     try:
         atomic.write(cdi_dir, contracts.CDI_SPEC_FILE, wanted, contracts.CDI_TEMP_PREFIX,
                      contracts.CDI_TEMP_SUFFIX, SPEC_MODE,
@@ -133,7 +155,7 @@ def reconcile(cdi_dir: str, wanted: bytes) -> bool:
     except atomic.Refused as exc:
         raise CdiError(str(exc)) from exc
     except OSError as exc:
-        raise CdiError(f"{path}: cannot write: {exc.strerror or exc}") from exc
+        raise CdiError(f"{path}: cannot write: {exc.strerror or exc}", exc.errno) from exc
     return True
 
 
@@ -144,4 +166,4 @@ def _read_owned(path: str, wanted: bytes) -> Optional[atomic.Current]:
     except atomic.Refused as exc:
         raise CdiError(str(exc)) from exc
     except OSError as exc:
-        raise CdiError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+        raise CdiError(f"{path}: cannot read: {exc.strerror or exc}", exc.errno) from exc
