@@ -83,6 +83,7 @@ class Agent:
         self._reload = reload  # re-reads the settings for reload(); raises config.ConfigError
         self.notifier = notifier or Notifier()
         self.metrics = Metrics(enabled=settings.metrics_address is not None)
+        self.metrics_server = self.metrics.server(settings.metrics_address) if settings.metrics_address else None
         self.state = SharedObservation()
         self.helper = ProbeHelper(on_timeout=self.metrics.helper_timeouts.inc)
         self.checker = Checker(target_for(settings, self.mode), self.helper, self.state, on_result=self._on_check)
@@ -111,8 +112,6 @@ class Agent:
 
     async def start(self) -> None:
         """Begin serving: first check, registration, watches and timers run as tasks."""
-        if self.settings.metrics_address:
-            self.metrics.serve(self.settings.metrics_address)
         log.info("starting hyperlight-agent %s (commit %s): resource %s, socket %s, %d slot(s), device dir %s",
                  __version__, os.environ.get(COMMIT_ENV, "unknown"), self.profile.resource,
                  self.registrar.socket_path, self.profile.slots, self.settings.device_dir)
@@ -123,6 +122,8 @@ class Agent:
         jobs = [self.registrar.run(), self.watcher.run(), self._periodic_checks()]
         if self.notifier.watchdog_interval is not None:
             jobs.append(self._watchdog(self.notifier.watchdog_interval))
+        if self.metrics_server is not None:
+            jobs.append(self.metrics_server.run())
         self._tasks = [asyncio.ensure_future(c) for c in jobs]
 
     def stop(self) -> None:
