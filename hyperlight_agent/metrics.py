@@ -16,7 +16,9 @@ still sending its request (a scraper sends its request at once, so it is rarely 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 from typing import Any, Callable, Optional
 
 from . import waits
@@ -34,6 +36,9 @@ MAX_REQUEST_BYTES = 8192
 # Binding the address is retried (see ARCHITECTURE.md: metrics never cost the node its slots).
 BIND_RETRY_INITIAL_S = 1.0
 BIND_RETRY_CAP_S = 30.0
+LISTEN_BACKLOG = 128
+# After accept() failed for want of descriptors (something else holds them): try again this soon.
+ACCEPT_RETRY_S = 0.5
 METRICS_PATH = "/metrics"
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed"}
 
@@ -66,12 +71,10 @@ class MetricsServer:
 
     async def run(self) -> None:
         """Serve until cancelled; binding is retried with a capped backoff, said once per cause."""
-        host, port = split_address(self.address)
         delay = BIND_RETRY_INITIAL_S
         while True:
             try:
-                server = await asyncio.start_server(self._connected, host, port, limit=MAX_REQUEST_BYTES,
-                                                    reuse_address=True)
+                listener = await self._listen()
                 break
             except OSError as exc:
                 error = f"metrics_address {self.address}: cannot listen: {exc.strerror or exc}"
@@ -86,26 +89,72 @@ class MetricsServer:
         self.bind_error = ""
         self.listening = True
         log.info("metrics on http://%s%s", self.address, METRICS_PATH)
+        tasks: set[asyncio.Future[None]] = set()
         try:
-            await asyncio.Event().wait()
+            await self._accept(listener, tasks)
         finally:
             self.listening = False
-            server.close()
+            listener.close()
             for writer in list(self._open):
                 writer.transport.abort()
+            for task in tasks:
+                task.cancel()
 
-    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One connection (asyncio keeps the task that runs this for as long as it runs)."""
+    async def _listen(self) -> socket.socket:
+        host, port = split_address(self.address)
+        loop = asyncio.get_running_loop()
+        family, kind, proto, _, where = (await loop.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(where)
+            # Connections waiting to be accepted cost the kernel some memory, not our descriptors.
+            listener.listen(LISTEN_BACKLOG)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        return listener
+
+    async def _accept(self, listener: socket.socket, tasks: set[asyncio.Future[None]]) -> None:
+        """One connection at a time (asyncio's own servers take up to 100 at once, before anything
+        can be evicted: enough to run a small descriptor limit out)."""
+        loop = asyncio.get_running_loop()
+        short_of_fds = False
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    continue  # ECONNABORTED and the like: that client is gone
+                if not short_of_fds:
+                    log.warning("metrics: cannot accept a connection: %s; trying again every %g s",
+                                exc.strerror or exc, ACCEPT_RETRY_S)
+                short_of_fds = True
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
+            short_of_fds = False
+            self._make_room()
+            try:
+                reader, writer = await asyncio.open_connection(sock=conn, limit=MAX_REQUEST_BYTES)
+            except OSError:
+                conn.close()
+                continue
+            self._open[writer] = True
+            task = asyncio.ensure_future(self._serve(reader, writer))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    def _make_room(self) -> None:
+        """At the cap, close the oldest connection still sending its request."""
         if len(self._open) >= self._max:
             oldest = next((w for w, reading in self._open.items() if reading), None)
-            if oldest is None:  # every one is being answered: this one waits for nobody
-                writer.transport.abort()
-                return
+            if oldest is None:  # every one is being answered, which ends within the timeout
+                oldest = next(iter(self._open))
             self.evicted += 1
             del self._open[oldest]
             oldest.transport.abort()
-        self._open[writer] = True
-        await self._serve(reader, writer)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
