@@ -30,6 +30,7 @@ import contextlib
 import logging
 import os
 import random
+import re
 import secrets
 import socket
 import stat
@@ -58,6 +59,7 @@ STREAM_SETTLE_S = 0.1
 # A safety net behind inotify (which can be unavailable or overflow): re-check sockets this often.
 VERIFY_INTERVAL_S = 5.0
 STOP_GRACE_S = 1.0
+PRIVATE_TOKEN_BYTES = 4  # the random part of a private socket name: 8 hex digits
 LIVE_PROBE_TIMEOUT_S = 1.0
 
 
@@ -347,13 +349,41 @@ class Registrar:
                 log.warning("cannot remove %s: %s", self.socket_path, exc.strerror)
         self._pin("_served", None)
 
+    def _sweep(self) -> None:
+        """Remove private sockets (.hyperlight.sock.<pid>.<hex>) an earlier run of ours abandoned,
+        by the rules for CDI temp files (atomic.remove_temps): our exact name pattern, a socket
+        owned by us, older than ABANDONED_AFTER_S; and, being a socket, accepting no connection.
+        A crash between bind and rename leaves one; a neighbour's similar name is never ours."""
+        # contracts.private_socket_name(socket_name, pid, token_hex(PRIVATE_TOKEN_BYTES))
+        hex_digits = 2 * PRIVATE_TOKEN_BYTES
+        pattern = re.compile(re.escape(f".{self._socket_name}.") + rf"[0-9]+\.[0-9a-f]{{{hex_digits}}}")
+        try:
+            names = os.listdir(self.kubelet_dir)
+        except OSError:
+            return
+        now = time.time()
+        for name in names:
+            if not pattern.fullmatch(name):
+                continue
+            path = os.path.join(self.kubelet_dir, name)
+            try:
+                st = os.lstat(path)
+                if (stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
+                        and now - st.st_mtime >= atomic.ABANDONED_AFTER_S and not _is_live(path)):
+                    os.unlink(path)
+                    log.info("removed abandoned socket %s", path)
+            except OSError:
+                continue
+
     async def _serve(self) -> None:
+        self._sweep()
         self._generation += 1
         generation = self._generation
         server = grpc.aio.server()
         self._end_streams = self._configure(server, lambda delta, stream: self._on_stream(generation, delta, stream))
         private = os.path.join(self.kubelet_dir,
-                               contracts.private_socket_name(self._socket_name, os.getpid(), secrets.token_hex(4)))
+                               contracts.private_socket_name(self._socket_name, os.getpid(),
+                                                             secrets.token_hex(PRIVATE_TOKEN_BYTES)))
         try:
             # Fails while the directory does not exist yet (kubelet not installed or started).
             port = server.add_insecure_port(api.unix_target(private))
@@ -373,30 +403,42 @@ class Registrar:
         self._server = server
 
     def _put_in_place(self, private: str) -> Pin:
-        """Rename our freshly bound socket to our path, never over a live one; returns it pinned."""
+        """Rename our freshly bound socket to our path, never over a live one; returns it pinned.
+
+        Anything at either path may vanish at any moment (the kubelet's startup removes every
+        socket in its directory, our private one included): a vanished path is a changed path,
+        so we look again, or, if our own socket went, bind anew."""
         mine = _inode(private)
-        if mine is None:
-            raise RegistrationError(f"{private}: the socket we bound is gone")
         for _ in range(3):  # each retry follows a concurrent change at our path
+            if mine is None or _inode(private) != mine:
+                raise RegistrationError(f"{private}: our socket was removed before it was put in place "
+                                        "(a kubelet starting?); serving anew")
             existing = _inode(self.socket_path)
             if existing is None:
                 if os.path.lexists(self.socket_path):
                     raise RegistrationError(f"{self.socket_path} exists and is not a socket; not replacing it")
                 try:
                     atomic.rename_noreplace(private, self.socket_path)
-                except atomic.Refused:
-                    continue
+                except (atomic.Refused, FileNotFoundError):
+                    continue  # something appeared at our path, or our private socket vanished
                 return self._placed(mine)
             if _is_live(self.socket_path):
                 raise AlreadyServed(f"{self.socket_path}: another agent is serving it; not taking it over")
             # A stale socket (nothing listening): swap ours in, and drop it only if it is the
             # stale one we probed.
-            if not atomic.exchange(private, self.socket_path) or _inode(private) == existing:
+            try:
+                exchanged = atomic.exchange(private, self.socket_path)
+            except FileNotFoundError:
+                continue  # the stale socket (or ours) vanished meanwhile: look again
+            swapped_out = _inode(private)
+            if not exchanged or swapped_out in (existing, None):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(private)
                 log.info("replaced a stale socket at %s", self.socket_path)
                 return self._placed(mine)
-            atomic.exchange(private, self.socket_path)  # not what we probed: put it back
+            with contextlib.suppress(FileNotFoundError):
+                atomic.exchange(private, self.socket_path)  # not what we probed: put it back
+            mine = _inode(private)
         raise RegistrationError(f"{self.socket_path} keeps changing; not serving there")
 
     def _placed(self, mine: Identity) -> Pin:

@@ -7,12 +7,13 @@ import asyncio
 import os
 import socket
 import stat
+import time
 from typing import Awaitable, Callable
 
 import grpc
 import pytest
 
-from hyperlight_agent import api, contracts, registration
+from hyperlight_agent import api, atomic, contracts, registration
 from hyperlight_agent import deviceplugin_pb2 as pb
 from hyperlight_agent.observation import Observation, SharedObservation
 from hyperlight_agent.registration import AlreadyServed, Backoff, Registrar
@@ -210,3 +211,95 @@ def test_our_socket_replaced_by_a_live_one_is_no_kubelet_restart(tmp: str, caplo
 
     caplog.set_level("INFO")
     run(tmp, body)
+
+
+def test_a_stale_socket_that_vanishes_before_the_exchange_is_a_changed_path(
+        tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between probing a stale socket and swapping ours in, it is unlinked (the kubelet's startup
+    cleanup): we look again and serve, never exit (issue 19, item 6)."""
+
+    async def body(kubelet: KubeletStandin, kdir: str) -> None:
+        path = os.path.join(kdir, contracts.PLUGIN_SOCKET)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
+            stale.bind(path)  # closed without listening: stale
+
+        def probe_then_vanish(probed: str) -> bool:
+            os.unlink(probed)
+            return False
+
+        monkeypatch.setattr(registration, "_is_live", probe_then_vanish)
+        registrar = make(kdir)
+        task = asyncio.ensure_future(registrar.run())
+        await until(lambda: registrar.state == registration.STREAMED or task.done(), what="streamed")
+        assert not task.done(), task.exception()
+        await shut_down(task, registrar)
+
+    run(tmp, body)
+
+
+def test_our_private_socket_removed_before_its_rename_is_served_anew(
+        tmp: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The kubelet's startup removes every socket in its directory, our private one too, maybe
+    just before we rename it into place: we bind anew, and say which file went."""
+    real = atomic.rename_noreplace
+    removed: list[str] = []
+
+    def remove_first(src: str, dst: str) -> None:
+        if not removed:
+            removed.append(src)
+            os.unlink(src)
+        real(src, dst)
+
+    async def body(kubelet: KubeletStandin, kdir: str) -> None:
+        monkeypatch.setattr(atomic, "rename_noreplace", remove_first)
+        registrar = make(kdir, backoff=Backoff(initial=0.01, rand=lambda: 1.0))
+        task = asyncio.ensure_future(registrar.run())
+        await until(lambda: registrar.state == registration.STREAMED or task.done(), what="streamed")
+        assert not task.done(), task.exception()
+        await shut_down(task, registrar)
+
+    caplog.set_level("INFO")
+    run(tmp, body)
+    assert f"{removed[0]}: our socket was removed before it was put in place" in caplog.text
+
+
+def test_only_our_abandoned_private_sockets_are_swept(tmp: str) -> None:
+    """A crash between bind and rename leaves .hyperlight.sock.<pid>.<hex>: removed by the rules
+    for CDI temp files (our exact pattern, a socket we own, older than a minute), and only if
+    nothing answers on it (issue 19, item 6)."""
+    kdir = os.path.join(tmp, "kubelet")
+    os.makedirs(kdir)
+    old = time.time() - 2 * atomic.ABANDONED_AFTER_S
+
+    def bound(name: str, age: float | None = old, live: bool = False) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(os.path.join(kdir, name))
+        if live:
+            sock.listen(1)
+        if age is not None:
+            os.utime(os.path.join(kdir, name), (age, age))
+        return sock
+
+    keep = [bound(".hyperlight.sock.42.0a1b2c3d", age=None),  # young: maybe a start in progress
+            bound(".hyperlight.sock.43.0a1b2c3d", live=True),  # someone serves it
+            bound(".hyperlight.sock.44.0A1B2C3D"), bound(".hyperlight.sock.45.0a1b2c3"),  # not our pattern
+            bound(".hyperlight-access.sock.46.0a1b2c3d"), bound("hyperlight.sock.47.0a1b2c3d")]
+    gone = bound(".hyperlight.sock.48.0a1b2c3d")
+    with open(os.path.join(kdir, ".hyperlight.sock.49.0a1b2c3d"), "w"):
+        pass  # a regular file: not a socket
+    os.utime(os.path.join(kdir, ".hyperlight.sock.49.0a1b2c3d"), (old, old))
+    before = set(os.listdir(kdir))
+
+    async def body(kubelet: KubeletStandin, kdir: str) -> None:
+        registrar = make(kdir)
+        task = asyncio.ensure_future(registrar.run())
+        await until(lambda: registrar.state == registration.STREAMED)
+        await shut_down(task, registrar)
+
+    try:
+        run(tmp, body)
+    finally:
+        for sock in [*keep, gone]:
+            sock.close()
+    left = set(os.listdir(kdir)) - {contracts.KUBELET_SOCKET, contracts.KUBELET_CHECKPOINT}
+    assert left == before - {".hyperlight.sock.48.0a1b2c3d"}
