@@ -29,7 +29,7 @@ from .notify import Notifier
 from .observation import Observation, SharedObservation
 from .registration import Registrar
 from .servicer import DevicePluginServicer, Endpoint, Profile
-from .watcher import CONTENT, DirectoryWatcher
+from .watcher import CONTENT, NAMES, DirectoryWatcher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -151,6 +151,9 @@ class Agent:
         log.info("stopping")
         self.notifier.stopping()
         self.registrar.end_streams()
+        # Before anything else can run: a check finishing during the shutdown would publish and
+        # log after "stopping" (and a first check may still be running this early).
+        self.checker.cancel()
         tasks = [*self._tasks, *([self._reloading] if self._reloading else [])]
         for task in tasks:
             task.cancel()
@@ -241,8 +244,12 @@ class Agent:
         if s.host_device_dir:
             watcher.watch(s.host_device_dir, lambda name: self.checker.request(), device_nodes)
         if not self.mode.inventory_only:
+            # A symlink at cdi_dir is refused (cdi.py), never followed: its removal or a directory
+            # replacing it shows in the parent directory.
             watcher.watch(s.cdi_dir, lambda name: self.checker.request(), {contracts.CDI_SPEC_FILE},
-                          mask=CONTENT)
+                          mask=CONTENT, follow=False)
+            watcher.watch(os.path.dirname(s.cdi_dir), lambda name: self.checker.request(),
+                          {os.path.basename(s.cdi_dir)}, mask=NAMES)
         return watcher
 
     async def _periodic_checks(self) -> None:

@@ -89,13 +89,15 @@ def render(hypervisor: str, device_path: str, uid: int, gid: int,
 def listed_devices(cdi_dir: str) -> set[str]:
     """Device names the spec at our path lists now (empty when it is missing, foreign or junk)."""
     try:
+        if not check_directory(cdi_dir):
+            return set()
         current = atomic.read_regular(spec_path(cdi_dir), MAX_SPEC_BYTES)
         spec = json.loads(current.data) if current else None
     except OSError as exc:
         if exc.errno in EXHAUSTED:  # not "no devices listed": the names must not be dropped
             raise CdiError(f"{spec_path(cdi_dir)}: cannot read: {exc.strerror or exc}", exc.errno) from exc
         return set()
-    except (atomic.Refused, ValueError, RecursionError):
+    except (CdiError, atomic.Refused, ValueError, RecursionError):
         return set()
     if not isinstance(spec, dict) or spec.get("kind") != contracts.CDI_KIND:
         return set()
@@ -114,10 +116,28 @@ def spec_path(cdi_dir: str) -> str:
     return os.path.join(cdi_dir, contracts.CDI_SPEC_FILE)
 
 
+def check_directory(cdi_dir: str) -> bool:
+    """Whether cdi_dir is a directory (False: nothing is there). Raises CdiError when something
+    else is: a symlink at cdi_dir is refused, never followed — writing through it would put the
+    spec wherever it points, and its removal would go unseen (inotify watches the target)."""
+    try:
+        st = os.lstat(cdi_dir)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise CdiError(f"{cdi_dir} (cdi_dir): cannot look at it: {exc.strerror or exc}", exc.errno) from exc
+    if stat.S_ISLNK(st.st_mode):
+        raise CdiError(f"{cdi_dir} (cdi_dir) is a symlink; refusing to follow it (set cdi_dir to the real directory)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CdiError(f"{cdi_dir} (cdi_dir) is not a directory; refusing to replace it")
+    return True
+
+
 def inspect(cdi_dir: str, wanted: bytes) -> Optional[str]:
     """What is wrong with the spec, without changing anything; None when it is exact."""
     path = spec_path(cdi_dir)
     try:
+        check_directory(cdi_dir)
         current = _read_owned(path, wanted)
     except CdiError as exc:
         return str(exc)
@@ -139,6 +159,7 @@ def reconcile(cdi_dir: str, wanted: bytes) -> bool:
     write, is left in place.
     """
     path = spec_path(cdi_dir)
+    check_directory(cdi_dir)
     for stale in atomic.remove_temps(cdi_dir, contracts.CDI_TEMP_PREFIX, contracts.CDI_TEMP_SUFFIX):
         log.info("removed abandoned temp file %s", stale)
     current = _read_owned(path, wanted)

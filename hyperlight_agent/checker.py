@@ -91,8 +91,9 @@ class Checker:
         """Ask for a check that starts after now (for change events); never waits."""
         self._fresh()
 
-    async def close(self) -> None:
-        """Cancel the running check (it publishes and logs nothing more) and refuse new ones."""
+    def cancel(self) -> None:
+        """Refuse new checks and cancel the running one at once: from now on nothing is published
+        or logged (the first step of a shutdown)."""
         self._closed = True
         if self._retry is not None:
             self._retry.cancel()
@@ -100,6 +101,11 @@ class Checker:
             self._next.cancel()
         if self._running is not None:
             self._running.cancel()
+
+    async def close(self) -> None:
+        """cancel(), then wait for the running check to end."""
+        self.cancel()
+        if self._running is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._running
 

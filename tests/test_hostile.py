@@ -20,7 +20,7 @@ import pytest
 from hyperlight_agent import api, cdi, contracts, watcher
 from hyperlight_agent import deviceplugin_pb2 as pb
 from hyperlight_agent.standin import KubeletStandin, StandinThread
-from tests.conftest import AgentProcess, StartAgent, until, wait_for
+from tests.conftest import AgentProcess, StartAgent, read_bytes, until, wait_for
 
 # Real agents on real device nodes (mknod) and the host's /dev/kvm.
 pytestmark = pytest.mark.root
@@ -202,3 +202,28 @@ def test_the_spec_mode_and_owner_are_repaired(kubelet: StandinThread, start_agen
         return (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (cdi.SPEC_MODE, os.geteuid(), os.getegid())
 
     wait_for(exact, 5, "mode and owner repaired (inotify ATTRIB)")
+
+
+def listed_unhealthy(k: KubeletStandin) -> bool:
+    p = k.plugins.get(R)
+    return bool(p and p.stream_open and p.devices and all(h == contracts.UNHEALTHY for _, h in p.devices))
+
+
+def test_a_cdi_dir_that_is_a_symlink_is_refused_and_its_removal_seen_at_once(kubelet: StandinThread,
+                                                                               start_agent: StartAgent,
+                                                                               tmp: str) -> None:
+    """The spec never goes where a symlink at cdi_dir points; when the symlink goes, the real
+    directory and the spec are made at once, not a check interval later (issue 19, item 5)."""
+    elsewhere, cdi_dir = os.path.join(tmp, "elsewhere"), os.path.join(tmp, "cdi")
+    os.mkdir(elsewhere)
+    os.symlink(elsewhere, cdi_dir)
+    agent = start_agent("--device-count", "2", "--check-interval", "3600")
+    kubelet.wait_until(listed_unhealthy, 15, "Unhealthy slots")
+    wait_for(lambda: f"{cdi_dir} (cdi_dir) is a symlink; refusing to follow it" in agent.log, 10)
+    assert os.listdir(elsewhere) == []
+    os.unlink(cdi_dir)
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 10, "Healthy, with the spec in a real directory")
+    assert stat.S_ISDIR(os.lstat(cdi_dir).st_mode)
+    assert read_bytes(cdi.spec_path(cdi_dir)) == cdi.render("kvm", "/dev/kvm", 65534, 65534)
+    assert os.listdir(elsewhere) == []
+    assert agent.stop() == 0
