@@ -227,3 +227,38 @@ def test_a_cdi_dir_that_is_a_symlink_is_refused_and_its_removal_seen_at_once(kub
     assert read_bytes(cdi.spec_path(cdi_dir)) == cdi.render("kvm", "/dev/kvm", 65534, 65534)
     assert os.listdir(elsewhere) == []
     assert agent.stop() == 0
+
+
+def test_the_health_check_never_follows_a_symlink_at_our_socket(tmp: str) -> None:
+    """A symlink at our path to another agent's socket: the exec probe must not report that
+    agent's SERVING as ours (issue 19, item 11)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    other = os.path.join(tmp, "other.sock")
+    kubelet_dir = os.path.join(tmp, "kubelet")
+    os.mkdir(kubelet_dir)
+
+    async def serve_and_probe() -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+        server = grpc.aio.server()
+        servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        server.add_insecure_port(api.unix_target(other))
+        await server.start()
+        await servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        try:
+            loop = asyncio.get_running_loop()
+            os.symlink(other, os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET))
+            through_link = await loop.run_in_executor(None, health_check, tmp, "liveness")
+            os.unlink(os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET))
+            os.link(other, os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET))  # the socket itself
+            direct = await loop.run_in_executor(None, health_check, tmp, "liveness")
+            return through_link, direct
+        finally:
+            await server.stop(0)
+
+    through_link, direct = asyncio.run(serve_and_probe())
+    path = os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET)
+    assert through_link.returncode == 1
+    assert through_link.stdout.strip() == f"liveness: not serving: {path} is a symlink, not our socket"
+    assert direct.returncode == 0, direct.stdout + direct.stderr
+    assert direct.stdout.strip() == f"liveness: SERVING ({path})"
