@@ -36,7 +36,6 @@ T = TypeVar("T")
 
 # In-flight Allocates may finish within this after a stop; streams end at once.
 SHUTDOWN_GRACE_S = 1.0
-_UNSYNCED = object()
 # Baked into the container image at build time (Containerfile), printed at startup.
 COMMIT_ENV = "HYPERLIGHT_AGENT_COMMIT"
 
@@ -100,8 +99,7 @@ class Agent:
         self._tasks: list[asyncio.Future[Any]] = []
         self._stopping = False
         self._counted = (0, 0, 0)
-        # What the feature file says; _UNSYNCED forces the first sync.
-        self._labelled: object = _UNSYNCED
+        self._labels_problem = ""  # why the feature file cannot be kept right ("" when it is)
         self._last_status = ""
         self._serving: Optional[bool] = None
         self._health_update: Optional[asyncio.Future[None]] = None
@@ -243,6 +241,9 @@ class Agent:
         watcher.watch(s.device_dir, lambda name: self.checker.request(), device_nodes)
         if s.host_device_dir:
             watcher.watch(s.host_device_dir, lambda name: self.checker.request(), device_nodes)
+        if s.nfd_features_dir and not self.mode.inventory_only:
+            watcher.watch(s.nfd_features_dir, lambda name: self._labels_changed(), {labels.FEATURE_FILE},
+                          mask=CONTENT)
         if not self.mode.inventory_only:
             # A symlink at cdi_dir is refused (cdi.py), never followed: its removal or a directory
             # replacing it shows in the parent directory.
@@ -265,17 +266,28 @@ class Agent:
         self._status_changed()
 
     def _sync_labels(self, hypervisor: Optional[str]) -> None:
-        """The NFD feature file follows the detected hypervisor (main plugin only: one writer)."""
+        """The NFD feature file follows the detected hypervisor (main plugin only: one writer),
+        kept exactly right as the CDI spec is: checked after every device check and whenever the
+        file changes (a deleted or edited file is repaired; anything but a regular file at our
+        path is refused). A problem is said once, until it changes."""
         directory = self.settings.nfd_features_dir
-        if directory is None or self.mode.inventory_only or hypervisor == self._labelled:
+        if directory is None or self.mode.inventory_only:
             return
+        problem = ""
         try:
             labels.sync(directory, hypervisor)
-            self._labelled = hypervisor
         except atomic.Refused as exc:
-            log.warning("node labels not written: %s", exc)
+            problem = f"node labels not written: {exc}"
         except OSError as exc:
-            log.warning("cannot write node labels in %s: %s", directory, exc.strerror or exc)
+            problem = f"cannot write node labels in {directory} (nfd_features_dir): {exc.strerror or exc}"
+        if problem and problem != self._labels_problem:
+            log.warning("%s", problem)
+        self._labels_problem = problem
+
+    def _labels_changed(self) -> None:
+        """Someone changed the feature file: put it right (once a check has said what it says)."""
+        if self.state.version > 0 and not self._stopping:
+            self._sync_labels(self.state.current.hypervisor)
 
     def _on_streams(self, count: int) -> None:
         self.metrics.streams.set(count)
