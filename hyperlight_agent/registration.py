@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import random
@@ -163,6 +164,33 @@ def _is_live(path: str) -> bool:
             # A full backlog, a slow peer, a permission we lack: maybe live, so never ours to take.
             return True
         return True
+
+
+def _bind_error(path: str) -> str:
+    """Why a unix socket cannot be bound at path (ENOENT, EROFS, EACCES, ...)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
+        try:
+            probe.bind(path)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return "the directory does not exist (no kubelet installed or started yet?)"
+            return exc.strerror or str(exc)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return "grpc could not bind there, though a plain socket could"
+
+
+def _no_kubelet(path: str) -> str:
+    """Why there is no kubelet socket to register with at path."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return f"no kubelet socket at {path}"
+    except OSError as exc:
+        return f"cannot look at {path}: {exc.strerror or exc}"
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a symlink" if stat.S_ISLNK(mode)
+            else "a regular file" if stat.S_ISREG(mode) else "not a socket")
+    return f"{path} is {kind}, not the kubelet's socket"
 
 
 # What the registrar is doing, for status lines and readiness.
@@ -391,7 +419,9 @@ class Registrar:
             port = 0
         if port == 0:
             await server.stop(0)
-            raise RegistrationError(f"cannot listen on {private}")
+            # grpc says why only in its own log: bind a plain socket there to learn the cause. The
+            # message names the directory, not the random name, so it stays the same per retry.
+            raise RegistrationError(f"cannot listen in {self.kubelet_dir} (kubelet_dir): {_bind_error(private)}")
         await server.start()
         try:
             self._pin("_served", self._put_in_place(private))
@@ -452,7 +482,7 @@ class Registrar:
     async def _register(self) -> None:
         kubelet = self._pin("_kubelet_tried", Pin.take(self.kubelet_socket))
         if kubelet is None:
-            raise RegistrationError(f"no kubelet socket at {self.kubelet_socket}")
+            raise RegistrationError(_no_kubelet(self.kubelet_socket))
         request = pb.RegisterRequest(
             version=contracts.KUBELET_API_VERSION,
             endpoint=self._socket_name,

@@ -303,3 +303,38 @@ def test_only_our_abandoned_private_sockets_are_swept(tmp: str) -> None:
             sock.close()
     left = set(os.listdir(kdir)) - {contracts.KUBELET_SOCKET, contracts.KUBELET_CHECKPOINT}
     assert left == before - {".hyperlight.sock.48.0a1b2c3d"}
+
+
+@pytest.mark.parametrize("case", ["missing kubelet dir", "kubelet.sock is a regular file",
+                                  "kubelet.sock is a directory"])
+def test_why_we_cannot_register_is_one_stable_line_naming_the_path_and_cause(tmp: str, case: str) -> None:
+    """Not "cannot listen on …/.hyperlight.sock.<pid>.<hex>" (a new name at every retry) with the
+    cause only in grpc's own log, nor "no kubelet socket" for a file that is there (issue 19,
+    item 12)."""
+    kdir = os.path.join(tmp, "kubelet")
+    kubelet_sock = os.path.join(kdir, contracts.KUBELET_SOCKET)
+    if case != "missing kubelet dir":
+        os.mkdir(kdir)
+        if case.endswith("regular file"):
+            open(kubelet_sock, "w").close()
+        else:
+            os.mkdir(kubelet_sock)
+    expected = {
+        "missing kubelet dir": f"cannot listen in {kdir} (kubelet_dir): the directory does not exist "
+                               "(no kubelet installed or started yet?)",
+        "kubelet.sock is a regular file": f"{kubelet_sock} is a regular file, not the kubelet's socket",
+        "kubelet.sock is a directory": f"{kubelet_sock} is a directory, not the kubelet's socket",
+    }[case]
+    errors: list[str] = []
+
+    async def main() -> None:
+        made: list[Registrar] = []
+        registrar = make(kdir, backoff=Backoff(initial=0.001, cap=0.002, rand=lambda: 1.0),
+                         on_change=lambda: errors.append(made[0].last_error))
+        made.append(registrar)
+        task = asyncio.ensure_future(registrar.run())
+        await until(lambda: len(errors) >= 3, what="three attempts")
+        await shut_down(task, registrar)
+
+    asyncio.run(main())
+    assert set(errors) == {expected}
