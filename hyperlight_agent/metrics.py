@@ -7,7 +7,8 @@ free-text reason, which names paths and would make unbounded label values.
 The HTTP endpoint is our own small server on the agent's event loop, not prometheus-client's
 thread-per-connection one: that one had no timeouts and no cap, so idle connections each held a
 thread and a file descriptor for as long as the client liked, and enough of them starved the
-device check of descriptors (every slot went Unhealthy). Here a connection has
+device check of descriptors (every slot went Unhealthy). Here at most ACCEPTS_PER_SECOND
+connections are taken a second, a connection has
 REQUEST_TIMEOUT_S for its request and again for its response, a request head is at most
 MAX_REQUEST_BYTES, and at most MAX_CONNECTIONS are open: one more evicts the oldest connection
 still sending its request (a scraper sends its request at once, so it is rarely the one evicted).
@@ -37,6 +38,9 @@ MAX_REQUEST_BYTES = 8192
 BIND_RETRY_INITIAL_S = 1.0
 BIND_RETRY_CAP_S = 30.0
 LISTEN_BACKLOG = 128
+# At most this many connections a second are taken: a scraper needs one every few seconds, and a
+# flood of connections then costs the loop (which also answers the kubelet) a bounded share.
+ACCEPTS_PER_SECOND = 100
 # After accept() failed for want of descriptors (something else holds them): try again this soon.
 ACCEPT_RETRY_S = 0.5
 METRICS_PATH = "/metrics"
@@ -122,7 +126,11 @@ class MetricsServer:
         can be evicted: enough to run a small descriptor limit out)."""
         loop = asyncio.get_running_loop()
         short_of_fds = False
+        next_accept = loop.time()
         while True:
+            if loop.time() < next_accept:
+                await asyncio.sleep(next_accept - loop.time())
+            next_accept = max(loop.time(), next_accept) + 1 / ACCEPTS_PER_SECOND
             try:
                 conn, _ = await loop.sock_accept(listener)
             except OSError as exc:
