@@ -1,9 +1,28 @@
-# Before anything else: a SIGTERM while the agent is still importing must stop it cleanly, not
-# kill it with the default action (signals.py says what each signal means).
+"""The agent's entry points: `python -m hyperlight_agent`, the console script and the packages'
+launcher all start here, so the signal handlers come first, before any heavy import (grpc,
+asyncio, the settings); signals.py says what each signal means.
+
+Importing this module installs them: the console script's first line is
+`from hyperlight_agent.__main__ import main`.
+"""
+
+from __future__ import annotations
+
 from .signals import install_early
 
 install_early()
 
-from .cli import exit_now, main  # noqa: E402 - after the handlers, on purpose
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing: this runs first, keep it light
+if TYPE_CHECKING:
+    from typing import NoReturn
 
-exit_now(main())
+
+def main() -> NoReturn:
+    from .cli import exit_now
+    from .cli import main as run
+
+    exit_now(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -29,14 +29,13 @@ from .notify import Notifier
 from .observation import Observation, SharedObservation
 from .registration import Registrar
 from .servicer import DevicePluginServicer, Endpoint, Profile
-from .watcher import CONTENT, DirectoryWatcher
+from .watcher import CONTENT, NAMES, DirectoryWatcher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # In-flight Allocates may finish within this after a stop; streams end at once.
 SHUTDOWN_GRACE_S = 1.0
-_UNSYNCED = object()
 # Baked into the container image at build time (Containerfile), printed at startup.
 COMMIT_ENV = "HYPERLIGHT_AGENT_COMMIT"
 
@@ -83,6 +82,7 @@ class Agent:
         self._reload = reload  # re-reads the settings for reload(); raises config.ConfigError
         self.notifier = notifier or Notifier()
         self.metrics = Metrics(enabled=settings.metrics_address is not None)
+        self.metrics_server = self.metrics.server(settings.metrics_address) if settings.metrics_address else None
         self.state = SharedObservation()
         self.helper = ProbeHelper(on_timeout=self.metrics.helper_timeouts.inc)
         self.checker = Checker(target_for(settings, self.mode), self.helper, self.state, on_result=self._on_check)
@@ -100,8 +100,7 @@ class Agent:
         self._stopping = False
         self._handing_over = False
         self._counted = (0, 0, 0)
-        # What the feature file says; _UNSYNCED forces the first sync.
-        self._labelled: object = _UNSYNCED
+        self._labels_problem = ""  # why the feature file cannot be kept right ("" when it is)
         self._last_status = ""
         self._serving: Optional[bool] = None
         self._health_update: Optional[asyncio.Future[None]] = None
@@ -112,8 +111,6 @@ class Agent:
 
     async def start(self) -> None:
         """Begin serving: first check, registration, watches and timers run as tasks."""
-        if self.settings.metrics_address:
-            self.metrics.serve(self.settings.metrics_address)
         log.info("starting hyperlight-agent %s (commit %s): resource %s, socket %s, %d slot(s), device dir %s",
                  __version__, os.environ.get(COMMIT_ENV, "unknown"), self.profile.resource,
                  self.registrar.socket_path, self.profile.slots, self.settings.device_dir)
@@ -124,6 +121,8 @@ class Agent:
         jobs = [self.registrar.run(), self.watcher.run(), self._periodic_checks()]
         if self.notifier.watchdog_interval is not None:
             jobs.append(self._watchdog(self.notifier.watchdog_interval))
+        if self.metrics_server is not None:
+            jobs.append(self.metrics_server.run())
         self._tasks = [asyncio.ensure_future(c) for c in jobs]
 
     def stop(self) -> None:
@@ -155,6 +154,9 @@ class Agent:
         log.info("stopping")
         self.notifier.stopping()
         self.registrar.end_streams()
+        # Before anything else can run: a check finishing during the shutdown would publish and
+        # log after "stopping" (and a first check may still be running this early).
+        self.checker.cancel()
         tasks = [*self._tasks, *([self._reloading] if self._reloading else [])]
         for task in tasks:
             task.cancel()
@@ -231,7 +233,8 @@ class Agent:
 
     # --- collaborators' wiring ------------------------------------------------------------------
 
-    def _configure_server(self, server: grpc.aio.Server, on_stream: Callable[[int], None]) -> Callable[[], None]:
+    def _configure_server(self, server: grpc.aio.Server,
+                          on_stream: Callable[[int, object], None]) -> Callable[[], None]:
         endpoint = Endpoint(self.servicer, on_stream)
         server.add_generic_rpc_handlers([api.device_plugin_handler(endpoint)])
         health_pb2_grpc.add_HealthServicer_to_server(self.health_service, server)
@@ -252,9 +255,16 @@ class Agent:
         watcher.watch(s.device_dir, lambda name: self.checker.request(), device_nodes)
         if s.host_device_dir:
             watcher.watch(s.host_device_dir, lambda name: self.checker.request(), device_nodes)
-        if not self.mode.inventory_only:
-            watcher.watch(s.cdi_dir, lambda name: self.checker.request(), {contracts.CDI_SPEC_FILE},
+        if s.nfd_features_dir and not self.mode.inventory_only:
+            watcher.watch(s.nfd_features_dir, lambda name: self._labels_changed(), {labels.FEATURE_FILE},
                           mask=CONTENT)
+        if not self.mode.inventory_only:
+            # A symlink at cdi_dir is refused (cdi.py), never followed: its removal or a directory
+            # replacing it shows in the parent directory.
+            watcher.watch(s.cdi_dir, lambda name: self.checker.request(), {contracts.CDI_SPEC_FILE},
+                          mask=CONTENT, follow=False)
+            watcher.watch(os.path.dirname(s.cdi_dir), lambda name: self.checker.request(),
+                          {os.path.basename(s.cdi_dir)}, mask=NAMES)
         return watcher
 
     async def _periodic_checks(self) -> None:
@@ -270,17 +280,28 @@ class Agent:
         self._status_changed()
 
     def _sync_labels(self, hypervisor: Optional[str]) -> None:
-        """The NFD feature file follows the detected hypervisor (main plugin only: one writer)."""
+        """The NFD feature file follows the detected hypervisor (main plugin only: one writer),
+        kept exactly right as the CDI spec is: checked after every device check and whenever the
+        file changes (a deleted or edited file is repaired; anything but a regular file at our
+        path is refused). A problem is said once, until it changes."""
         directory = self.settings.nfd_features_dir
-        if directory is None or self.mode.inventory_only or hypervisor == self._labelled:
+        if directory is None or self.mode.inventory_only:
             return
+        problem = ""
         try:
             labels.sync(directory, hypervisor)
-            self._labelled = hypervisor
         except atomic.Refused as exc:
-            log.warning("node labels not written: %s", exc)
+            problem = f"node labels not written: {exc}"
         except OSError as exc:
-            log.warning("cannot write node labels in %s: %s", directory, exc.strerror or exc)
+            problem = f"cannot write node labels in {directory} (nfd_features_dir): {exc.strerror or exc}"
+        if problem and problem != self._labels_problem:
+            log.warning("%s", problem)
+        self._labels_problem = problem
+
+    def _labels_changed(self) -> None:
+        """Someone changed the feature file: put it right (once a check has said what it says)."""
+        if self.state.version > 0 and not self._stopping:
+            self._sync_labels(self.state.current.hypervisor)
 
     def _on_streams(self, count: int) -> None:
         self.metrics.streams.set(count)

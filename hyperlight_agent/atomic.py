@@ -149,7 +149,7 @@ def _rename2(src: str, dst: str, flags: int) -> None:
         raise OSError(errno.ENOSYS, "renameat2 unavailable")
     if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) != 0:
         code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code), dst)
+        raise OSError(code, os.strerror(code), src, dst)  # ENOENT may be either: name both
 
 
 def rename_noreplace(src: str, dst: str) -> None:

@@ -7,6 +7,7 @@ and fsyncs the directory, so a reader sees the complete old file or the complete
 
 from __future__ import annotations
 
+import errno as errnos
 import json
 import logging
 import os
@@ -23,8 +24,25 @@ SPEC_MODE = 0o644  # runtimes (often not root) must read it
 DEVICE_FILE_MODE = 0o660  # the node in containers: owner and group only (podman's default is 0666)
 
 
+# The agent is out of descriptors or memory: says nothing about the spec or the directory.
+EXHAUSTED = (errnos.EMFILE, errnos.ENFILE, errnos.ENOMEM)
+
+
 class CdiError(Exception):
-    """The spec could not be verified or repaired; the message names the path and the cause."""
+    """The spec could not be verified or repaired; the message names the path and the cause.
+
+    `errno` is set when a system call failed (ENOSPC, EROFS, EIO, ...): such a cause can go away
+    without any event in the directory, so it is worth retrying. A refusal (something that is not
+    our file at our path) has none: its removal raises an event.
+    """
+
+    def __init__(self, message: str, errno: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+    @property
+    def exhausted(self) -> bool:
+        return self.errno in EXHAUSTED
 
 
 def render(hypervisor: str, device_path: str, uid: int, gid: int,
@@ -71,9 +89,15 @@ def render(hypervisor: str, device_path: str, uid: int, gid: int,
 def listed_devices(cdi_dir: str) -> set[str]:
     """Device names the spec at our path lists now (empty when it is missing, foreign or junk)."""
     try:
+        if not check_directory(cdi_dir):
+            return set()
         current = atomic.read_regular(spec_path(cdi_dir), MAX_SPEC_BYTES)
         spec = json.loads(current.data) if current else None
-    except (OSError, atomic.Refused, ValueError, RecursionError):
+    except OSError as exc:
+        if exc.errno in EXHAUSTED:  # not "no devices listed": the names must not be dropped
+            raise CdiError(f"{spec_path(cdi_dir)}: cannot read: {exc.strerror or exc}", exc.errno) from exc
+        return set()
+    except (CdiError, atomic.Refused, ValueError, RecursionError):
         return set()
     if not isinstance(spec, dict) or spec.get("kind") != contracts.CDI_KIND:
         return set()
@@ -92,10 +116,28 @@ def spec_path(cdi_dir: str) -> str:
     return os.path.join(cdi_dir, contracts.CDI_SPEC_FILE)
 
 
+def check_directory(cdi_dir: str) -> bool:
+    """Whether cdi_dir is a directory (False: nothing is there). Raises CdiError when something
+    else is: a symlink at cdi_dir is refused, never followed — writing through it would put the
+    spec wherever it points, and its removal would go unseen (inotify watches the target)."""
+    try:
+        st = os.lstat(cdi_dir)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise CdiError(f"{cdi_dir} (cdi_dir): cannot look at it: {exc.strerror or exc}", exc.errno) from exc
+    if stat.S_ISLNK(st.st_mode):
+        raise CdiError(f"{cdi_dir} (cdi_dir) is a symlink; refusing to follow it (set cdi_dir to the real directory)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CdiError(f"{cdi_dir} (cdi_dir) is not a directory; refusing to replace it")
+    return True
+
+
 def inspect(cdi_dir: str, wanted: bytes) -> Optional[str]:
     """What is wrong with the spec, without changing anything; None when it is exact."""
     path = spec_path(cdi_dir)
     try:
+        check_directory(cdi_dir)
         current = _read_owned(path, wanted)
     except CdiError as exc:
         return str(exc)
@@ -117,6 +159,7 @@ def reconcile(cdi_dir: str, wanted: bytes) -> bool:
     write, is left in place.
     """
     path = spec_path(cdi_dir)
+    check_directory(cdi_dir)
     for stale in atomic.remove_temps(cdi_dir, contracts.CDI_TEMP_PREFIX, contracts.CDI_TEMP_SUFFIX):
         log.info("removed abandoned temp file %s", stale)
     current = _read_owned(path, wanted)
@@ -125,7 +168,7 @@ def reconcile(cdi_dir: str, wanted: bytes) -> bool:
     try:
         os.makedirs(cdi_dir, mode=0o755, exist_ok=True)
     except OSError as exc:
-        raise CdiError(f"{cdi_dir}: cannot create CDI directory: {exc.strerror or exc}") from exc
+        raise CdiError(f"{cdi_dir}: cannot create CDI directory: {exc.strerror or exc}", exc.errno) from exc
     try:
         atomic.write(cdi_dir, contracts.CDI_SPEC_FILE, wanted, contracts.CDI_TEMP_PREFIX,
                      contracts.CDI_TEMP_SUFFIX, SPEC_MODE,
@@ -133,7 +176,7 @@ def reconcile(cdi_dir: str, wanted: bytes) -> bool:
     except atomic.Refused as exc:
         raise CdiError(str(exc)) from exc
     except OSError as exc:
-        raise CdiError(f"{path}: cannot write: {exc.strerror or exc}") from exc
+        raise CdiError(f"{path}: cannot write: {exc.strerror or exc}", exc.errno) from exc
     return True
 
 
@@ -144,4 +187,4 @@ def _read_owned(path: str, wanted: bytes) -> Optional[atomic.Current]:
     except atomic.Refused as exc:
         raise CdiError(str(exc)) from exc
     except OSError as exc:
-        raise CdiError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+        raise CdiError(f"{path}: cannot read: {exc.strerror or exc}", exc.errno) from exc

@@ -26,6 +26,14 @@ log = logging.getLogger(__name__)
 # After a check failed because of the helper (stalled, killed, died), check again this soon
 # rather than a whole check interval later; once per streak, so a stuck kernel cannot loop us.
 HELPER_RECHECK_S = 0.2
+# While the spec cannot be written (ENOSPC, a read-only remount, EIO), check again after this,
+# doubling up to the cap: when such a cause goes away no inotify event says so, and the slots
+# must be Healthy again within about a second, not a check interval later.
+CDI_RETRY_INITIAL_S = 0.1
+CDI_RETRY_CAP_S = 1.0
+# Out of descriptors or memory: the check says nothing about the device, so its result is not
+# published (the last one stands); check again this soon.
+EXHAUSTED_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,11 @@ class Checker:
         self._closed = False
         self._helper_trouble = False  # the last check failed because of the helper
         self._rechecked = False  # a prompt re-check was already scheduled for this streak
+        self._cdi_retry = CDI_RETRY_INITIAL_S  # the next delay after a failed spec write
+        self._exhausted = False  # the last check was inconclusive: out of resources
+        self._exhausted_reason = ""
+        self._cdi_transient = False  # the last check's spec write failed in a system call
+        self._retry: Optional[asyncio.TimerHandle] = None
         self.completed = 0  # checks completed (tests and benchmarks read this)
         self.cdi_note: Optional[str] = None  # read_only: what is wrong with the spec, if anything
 
@@ -78,12 +91,21 @@ class Checker:
         """Ask for a check that starts after now (for change events); never waits."""
         self._fresh()
 
-    async def close(self) -> None:
+    def cancel(self) -> None:
+        """Refuse new checks and cancel the running one at once: from now on nothing is published
+        or logged (the first step of a shutdown)."""
         self._closed = True
+        if self._retry is not None:
+            self._retry.cancel()
         if self._next is not None:
             self._next.cancel()
         if self._running is not None:
             self._running.cancel()
+
+    async def close(self) -> None:
+        """cancel(), then wait for the running check to end."""
+        self.cancel()
+        if self._running is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._running
 
@@ -117,13 +139,31 @@ class Checker:
     async def _run_one(self) -> Observation:
         started = time.monotonic()
         self._helper_trouble = False
-        observation, repaired = await self._check_once()
+        found, repaired = await self._check_once()
         self.completed += 1
+        if found is None:
+            # Inconclusive: the agent is out of descriptors or memory. That is no device failure:
+            # the last result stands, and we look again soon.
+            if not self._exhausted:
+                log.warning("device check inconclusive, keeping the last result (%s): %s",
+                            "healthy" if self._state.current.healthy else "unhealthy", self._exhausted_reason)
+            self._exhausted = True
+            self._schedule(EXHAUSTED_RETRY_S)
+            return self._state.current
+        if self._exhausted:
+            log.info("device check conclusive again")
+            self._exhausted = False
+        observation = found
         if not self._helper_trouble:
             self._rechecked = False
-        elif not self._rechecked and not self._closed:
+        elif not self._rechecked:
             self._rechecked = True
-            asyncio.get_running_loop().call_later(HELPER_RECHECK_S, self.request)
+            self._schedule(HELPER_RECHECK_S)
+        if observation.cause == "cdi" and self._cdi_transient:
+            self._schedule(self._cdi_retry)
+            self._cdi_retry = min(CDI_RETRY_CAP_S, self._cdi_retry * 2)
+        else:
+            self._cdi_retry = CDI_RETRY_INITIAL_S
         if self._state.publish(observation):
             # Structured fields for the journal (journal.py); plain stderr ignores them.
             fields = {"HYPERVISOR": observation.hypervisor or "", "REASON": observation.reason,
@@ -137,7 +177,18 @@ class Checker:
             self._on_result(observation, time.monotonic() - started, repaired)
         return observation
 
-    async def _check_once(self) -> tuple[Observation, bool]:
+    def _schedule(self, delay: float) -> None:
+        """A check `delay` from now (replacing any retry already scheduled)."""
+        if self._closed:
+            return
+        if self._retry is not None:
+            self._retry.cancel()
+        self._retry = asyncio.get_running_loop().call_later(delay, self.request)
+
+    async def _check_once(self) -> tuple[Optional[Observation], bool]:  # noqa: PLR0911 - one per outcome
+        """The observation, or None when the check was inconclusive (see _exhausted_reason)."""
+        self._cdi_transient = False
+        self._exhausted_reason = ""
         t = self.target
         candidates = hypervisors.present(t.device_dir)
         if not candidates:
@@ -152,6 +203,9 @@ class Checker:
         for hypervisor in candidates:
             result = await self._helper.run(ProbeRequest(hypervisor.name, hypervisor.device_path(t.device_dir),
                                                           self._host_path(hypervisor)))
+            if result.exhausted:
+                self._exhausted_reason = result.reason
+                return None, False
             if result.ok:
                 break
             self._helper_trouble = self._helper_trouble or result.helper_fault
@@ -160,12 +214,16 @@ class Checker:
             assert failure is not None
             return failure, False
         # Only a hypervisor that passed its probe may change the spec.
-        if t.read_only:
-            self.cdi_note = cdi.inspect(t.cdi_dir, self._wanted_spec(hypervisor))
-            return Observation(True, "", hypervisor.name), False
         try:
+            if t.read_only:
+                self.cdi_note = cdi.inspect(t.cdi_dir, self._wanted_spec(hypervisor))
+                return Observation(True, "", hypervisor.name), False
             repaired = cdi.reconcile(t.cdi_dir, self._wanted_spec(hypervisor))
         except cdi.CdiError as exc:
+            if exc.exhausted:
+                self._exhausted_reason = str(exc)
+                return None, False
+            self._cdi_transient = exc.errno is not None
             return Observation(False, str(exc), hypervisor.name, "cdi"), False
         if repaired:
             log.info("CDI spec %s written", cdi.spec_path(t.cdi_dir))

@@ -137,8 +137,3 @@ def exit_now(code: int) -> NoReturn:
         with contextlib.suppress(OSError, ValueError):  # a closed or broken pipe: nothing to say there
             stream.flush()
     os._exit(code)
-
-
-def main_exit() -> NoReturn:
-    """Console-script entry point."""
-    exit_now(main())

@@ -4,6 +4,7 @@ socket, with a short deadline. Imports only grpc and the health messages, to sta
 from __future__ import annotations
 
 import os
+import stat
 
 from . import contracts, modes
 from .config import Settings
@@ -12,14 +13,32 @@ PROBE_TIMEOUT_S = 2.0
 
 
 def health_check(settings: Settings, which: str, device_access: bool) -> tuple[bool, str]:
+    path = os.path.join(settings.kubelet_dir,
+                        contracts.instance_socket_name(modes.of(device_access).socket, settings.instance))
+    # The socket itself, never through a symlink (which could lead to another agent's socket):
+    # opened without following, checked, and connected to through that very descriptor.
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False, f"{which}: not serving: no socket at {path}"
+    except OSError as exc:
+        return False, f"{which}: not serving: cannot open {path}: {exc.strerror or exc}"
+    try:
+        mode = os.fstat(fd).st_mode  # with O_PATH, O_NOFOLLOW opens a symlink itself
+        if stat.S_ISLNK(mode):
+            return False, f"{which}: not serving: {path} is a symlink, not our socket"
+        if not stat.S_ISSOCK(mode):
+            return False, f"{which}: not serving: {path} is not a socket"
+        return _check(which, path, f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else path)
+    finally:
+        os.close(fd)
+
+
+def _check(which: str, path: str, target: str) -> tuple[bool, str]:
     import grpc
     from grpc_health.v1 import health_pb2
 
-    path = os.path.join(settings.kubelet_dir,
-                        contracts.instance_socket_name(modes.of(device_access).socket, settings.instance))
-    if not os.path.exists(path):
-        return False, f"{which}: not serving: no socket at {path}"
-    with grpc.insecure_channel("unix://" + path) as channel:
+    with grpc.insecure_channel("unix://" + target) as channel:
         check = channel.unary_unary(
             "/grpc.health.v1.Health/Check",
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -38,6 +39,13 @@ class ProbeResult(NamedTuple):
     reason: str = ""
     # The helper itself failed (stalled, killed, died, garbled): says nothing about the device.
     helper_fault: bool = False
+    # The agent is out of file descriptors, processes or memory (it could not even start or talk
+    # to a helper): says nothing about the device either.
+    exhausted: bool = False
+
+
+# errnos that mean "this process is out of resources", not "the helper or the device failed".
+EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM)
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -84,45 +92,60 @@ class ProbeHelper:
         return self._dying.pid if self._dying else None
 
     async def run(self, request: ProbeRequest) -> ProbeResult:
-        """Send one request; the helper's result, or a helper_fault result on any failure."""
+        """Send one request; the helper's result, or a helper_fault result on any failure.
+
+        A helper that died (killed while idle, crashed, garbled its reply) is replaced and the
+        request sent once more before a failure is returned: its death says nothing about the
+        device. A missed deadline is not retried (the device itself may hang the probe)."""
         async with self._lock:
-            loop = asyncio.get_running_loop()
-            give_up_at = loop.time() + self.deadline
-            if self._dying is not None:
-                # The first check after a kill spends its budget waiting for the exit; once
-                # that has failed, later checks fail at once until the helper is reaped.
-                budget = 0.0 if self._stuck else give_up_at - loop.time()
-                if not await self._reap(budget):
-                    self._stuck = True
-                    return _failure(f"previous probe has not exited (pid {self._dying.pid})")
-                self._stuck = False
-            try:
-                proc = await self._ensure_started()
-                assert proc.stdin is not None and proc.stdout is not None
-                proc.stdin.write(json.dumps(request._asdict()).encode() + b"\n")
-                await proc.stdin.drain()
-                line = await waits.within(proc.stdout.readline(), give_up_at - loop.time())
-            except asyncio.TimeoutError:
-                self._abandon()
-                if self._on_timeout:
-                    self._on_timeout()
-                return _failure(f"probe did not finish within {self.deadline:g} s (helper killed)")
-            except asyncio.CancelledError:
-                # Our caller went away mid-request: the reply would pair with the next request.
-                self._abandon()
-                raise
-            except OSError as exc:
-                self._abandon()
-                return _failure(f"probe helper failed: {exc}")
-            if not line:
-                self._abandon()
-                return _failure("probe helper exited unexpectedly")
-            try:
-                reply = json.loads(line)
-                return ProbeResult(bool(reply["ok"]), str(reply["reason"]))
-            except (ValueError, TypeError, KeyError):
-                self._abandon()
-                return _failure(f"probe helper sent a malformed reply: {line[:80]!r}")
+            result, retry = await self._attempt(request)
+            if retry:
+                log.info("%s; asking a fresh helper", result.reason)
+                result, _ = await self._attempt(request)
+            return result
+
+    async def _attempt(self, request: ProbeRequest) -> tuple[ProbeResult, bool]:  # noqa: PLR0911 - one per outcome
+        """One request to the helper: (result, whether the failure is the helper's death)."""
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self.deadline
+        if self._dying is not None:
+            # The first check after a kill spends its budget waiting for the exit; once
+            # that has failed, later checks fail at once until the helper is reaped.
+            budget = 0.0 if self._stuck else give_up_at - loop.time()
+            if not await self._reap(budget):
+                self._stuck = True
+                return _failure(f"previous probe has not exited (pid {self._dying.pid})"), False
+            self._stuck = False
+        try:
+            proc = await self._ensure_started()
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(json.dumps(request._asdict()).encode() + b"\n")
+            await proc.stdin.drain()
+            line = await waits.within(proc.stdout.readline(), give_up_at - loop.time())
+        except asyncio.TimeoutError:
+            self._abandon()
+            if self._on_timeout:
+                self._on_timeout()
+            return _failure(f"probe did not finish within {self.deadline:g} s (helper killed)"), False
+        except asyncio.CancelledError:
+            # Our caller went away mid-request: the reply would pair with the next request.
+            self._abandon()
+            raise
+        except OSError as exc:
+            self._abandon()
+            if exc.errno in EXHAUSTED:
+                return ProbeResult(False, f"cannot run the probe helper: {exc.strerror or exc}",
+                                   helper_fault=True, exhausted=True), False
+            return _failure(f"probe helper failed: {exc}"), True
+        if not line:
+            self._abandon()
+            return _failure("probe helper exited unexpectedly"), True
+        try:
+            reply = json.loads(line)
+            return ProbeResult(bool(reply["ok"]), str(reply["reason"])), False
+        except (ValueError, TypeError, KeyError):
+            self._abandon()
+            return _failure(f"probe helper sent a malformed reply: {line[:80]!r}"), True
 
     async def close(self) -> None:
         """Stop the helper (EOF on its stdin, then kill) and reap everything."""

@@ -15,17 +15,23 @@ only the socket we put there is ever removed. grpcio unlinks whatever is at the 
 and again at stop; binding a private name keeps both of those off the shared path.
 
 Watcher events only wake us; what happened is always decided by stat()ing both sockets and by
-counting this server's streams, so stale events and streams of a server we already replaced
-cannot cause anything.
+following the kubelet's own stream on this server, so stale events, streams of a server we
+already replaced and other clients' streams cannot cause anything.
+
+A socket is "the same" while its (device, inode) is: a chmod, touch, chown or a hard link added
+and removed changes its ctime but not the file. We hold every socket we remember open (O_PATH,
+see Pin), so its inode cannot be freed and its number handed to a new file meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import random
+import re
 import secrets
 import socket
 import stat
@@ -54,6 +60,7 @@ STREAM_SETTLE_S = 0.1
 # A safety net behind inotify (which can be unavailable or overflow): re-check sockets this often.
 VERIFY_INTERVAL_S = 5.0
 STOP_GRACE_S = 1.0
+PRIVATE_TOKEN_BYTES = 4  # the random part of a private socket name: 8 hex digits
 LIVE_PROBE_TIMEOUT_S = 1.0
 
 
@@ -95,26 +102,61 @@ class Backoff:
         return 0.5 * min(cap, initial * 2.0 ** attempt)
 
 
-Identity = tuple[int, int, int]
+Identity = tuple[int, int]
 
 
 def _identity(path: str) -> Optional[Identity]:
-    """(device, inode, ctime) of a socket at path, or None if there is none.
-
-    The inode alone is not enough: ext4 and xfs hand a deleted file's inode number to the next
-    file created, so a kubelet.sock recreated at once can reuse it; its ctime still differs.
-    """
+    """(device, inode) of a socket at path, or None if there is none. Metadata changes (chmod,
+    touch, chown, links) and renames keep it; only another file has another one, provided the
+    file we compare with is pinned (see Pin)."""
     try:
         st = os.lstat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
+    return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
 
 
-def _inode(path: str) -> Optional[tuple[int, int]]:
-    """(device, inode) of a socket at path: stable across renames, which change the ctime."""
-    identity = _identity(path)
-    return identity[:2] if identity else None
+_inode = _identity
+
+
+class Pin:
+    """A socket file we remember, held open with O_PATH (which a socket allows).
+
+    ext4 and xfs hand a deleted file's inode number to the next file created, so a kubelet.sock
+    recreated at once could reuse the old one's (device, inode). While we hold the old inode open
+    it cannot be freed, so an equal (device, inode) at the path is this very file. (The ctime
+    would tell new files apart too, but it also changes on chmod, touch, chown and hard links,
+    which made relabelling tools look like kubelet restarts.)
+    """
+
+    def __init__(self, fd: int, identity: Identity) -> None:
+        self._fd: Optional[int] = fd
+        self.identity = identity
+
+    @classmethod
+    def take(cls, path: str) -> Optional[Pin]:
+        """Pin the socket at path; None if there is no socket there."""
+        try:
+            fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            return None
+        if not stat.S_ISSOCK(st.st_mode):
+            os.close(fd)
+            return None
+        return cls(fd, (st.st_dev, st.st_ino))
+
+    def is_at(self, path: str) -> bool:
+        return _identity(path) == self.identity
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def _is_live(path: str) -> bool:
@@ -131,6 +173,33 @@ def _is_live(path: str) -> bool:
         return True
 
 
+def _bind_error(path: str) -> str:
+    """Why a unix socket cannot be bound at path (ENOENT, EROFS, EACCES, ...)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
+        try:
+            probe.bind(path)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return "the directory does not exist (no kubelet installed or started yet?)"
+            return exc.strerror or str(exc)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return "grpc could not bind there, though a plain socket could"
+
+
+def _no_kubelet(path: str) -> str:
+    """Why there is no kubelet socket to register with at path."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return f"no kubelet socket at {path}"
+    except OSError as exc:
+        return f"cannot look at {path}: {exc.strerror or exc}"
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a symlink" if stat.S_ISLNK(mode)
+            else "a regular file" if stat.S_ISREG(mode) else "not a socket")
+    return f"{path} is {kind}, not the kubelet's socket"
+
+
 # What the registrar is doing, for status lines and readiness.
 WAITING = "waiting"  # for a kubelet (serving or registering failed; backing off)
 REGISTERED = "registered"  # Register succeeded; no stream yet
@@ -142,7 +211,7 @@ class Registrar:
     """Keeps one plugin server (a grpc.aio server with our handlers) registered and streamed."""
 
     def __init__(self, kubelet_dir: str, socket_name: str, resource: str,
-                 configure: Callable[[grpc.aio.Server, Callable[[int], None]], Callable[[], None]],
+                 configure: Callable[[grpc.aio.Server, Callable[[int, object], None]], Callable[[], None]],
                  on_change: Optional[Callable[[], None]] = None,
                  register_timeout: float = REGISTER_TIMEOUT_S,
                  backoff: Optional[Backoff] = None,
@@ -153,9 +222,10 @@ class Registrar:
         self.kubelet_socket = os.path.join(kubelet_dir, contracts.KUBELET_SOCKET)
         self._socket_name = socket_name
         self._resource = resource
-        # configure(server, on_stream) adds our services to a new server; on_stream(+1/-1) must be
-        # called as that server's ListAndWatch streams open and end. It returns a function that
-        # ends those streams (called when the server stops).
+        # configure(server, on_stream) adds our services to a new server; on_stream(+1/-1, stream)
+        # must be called as that server's ListAndWatch streams open and end, `stream` being any
+        # object that stands for the one stream. It returns a function that ends those streams
+        # (called when the server stops).
         self._configure = configure
         self._on_change = on_change  # readiness and status are derived from our state
         self._register_timeout = register_timeout
@@ -169,14 +239,20 @@ class Registrar:
         self._loss_backoff = loss_backoff or Backoff(immediate_first=True)
         self._server: Optional[grpc.aio.Server] = None
         self._end_streams: Callable[[], None] = lambda: None
-        self._served: Optional[Identity] = None
-        self._kubelet_seen: Optional[Identity] = None
+        self._served: Optional[Pin] = None
+        self._kubelet_seen: Optional[Pin] = None
         # The kubelet.sock a failed attempt used (None: there was none). Any other one ends the
         # backoff at once, even if it appeared before the backoff began.
-        self._kubelet_tried: Optional[Identity] = None
+        self._kubelet_tried: Optional[Pin] = None
         self._wake = asyncio.Event()
         self._generation = 0  # of the current server; streams of older ones are ignored
-        self.streams = 0  # open ListAndWatch streams on the current server
+        self.streams = 0  # open ListAndWatch streams on the current server, anyone's
+        # The kubelet's stream: the first to open on this server after our Register was sent
+        # (the kubelet dials back inside Register and opens ListAndWatch right after). Other
+        # clients' streams (a monitoring sidecar, an operator's grpcurl) never stand in for it.
+        self._register_sent = False
+        self._kubelet_stream: Optional[object] = None
+        self._kubelet_stream_open = False
         self._stream_since = 0.0
         self._streamed_before_stop = False
         self.state = WAITING
@@ -199,7 +275,7 @@ class Registrar:
         Raises AlreadyServed when another live plugin serves our socket path.
         """
         while True:
-            self._kubelet_tried = _identity(self.kubelet_socket)
+            self._pin("_kubelet_tried", Pin.take(self.kubelet_socket))
             try:
                 await self._serve()
                 if self._streamed_before_stop:
@@ -219,8 +295,16 @@ class Registrar:
             self._backoff.reset()  # Register works; stream losses have their own backoff
             self.last_error = ""
             log.info("registered %s with the kubelet (endpoint %s)", self._resource, self._socket_name)
-            self._set(STREAMED if self.streams else REGISTERED)
+            self._set(STREAMED if self._kubelet_stream_open else REGISTERED)
             outcome = await self._watch()
+            if outcome == "replaced":
+                # Not a kubelet restart: serving again either swaps out a stale socket or finds
+                # the live one of another agent (and then we exit, never taking it over).
+                log.warning("%s is no longer our socket: another one was put there; serving again",
+                            self.socket_path)
+                self._set(WAITING)
+                await self.stop(grace=0)
+                continue
             if outcome == "restart":
                 self.kubelet_restarts += 1
                 self._loss_backoff.reset()
@@ -254,46 +338,90 @@ class Registrar:
         then remove our socket (only if it is still the one we put there)."""
         server, self._server = self._server, None
         self._generation += 1  # from here on, the old server's streams change nothing
-        if self.streams:
+        if self._kubelet_stream_open:
             self._streamed_before_stop = True
         self.streams = 0
+        self._register_sent = False
+        self._kubelet_stream = None
+        self._kubelet_stream_open = False
         self.end_streams()
         if server is not None:
             await server.stop(grace)
         self._remove_ours()
+
+    def _pin(self, attr: str, new: Optional[Pin]) -> Optional[Pin]:
+        """Remember `new` as _served, _kubelet_seen or _kubelet_tried; the pin it replaces is
+        closed unless another of them still holds it."""
+        old = getattr(self, attr)
+        setattr(self, attr, new)
+        if old is not None and all(old is not p for p in (self._served, self._kubelet_seen, self._kubelet_tried)):
+            old.close()
+        return new
 
     def _set(self, state: str) -> None:
         self.state = state
         if self._on_change:
             self._on_change()
 
-    def _on_stream(self, generation: int, delta: int) -> None:
+    def _on_stream(self, generation: int, delta: int, stream: object) -> None:
         if generation != self._generation:
             return  # a server we already replaced
         self.streams = max(0, self.streams + delta)
-        if delta > 0 and self.streams == 1:
+        if delta > 0 and self._register_sent and self._kubelet_stream is None:
+            self._kubelet_stream = stream
+            self._kubelet_stream_open = True
             self._stream_since = time.monotonic()
             if self.state == REGISTERED:
                 self._set(STREAMED)
+        elif delta < 0 and stream is self._kubelet_stream:
+            self._kubelet_stream_open = False
         self._wake.set()
         if self._on_change:
             self._on_change()
 
     def _remove_ours(self) -> None:
-        if self._served is not None and _identity(self.socket_path) == self._served:
+        if self._served is not None and self._served.is_at(self.socket_path):
             try:
                 os.unlink(self.socket_path)
             except OSError as exc:
                 log.warning("cannot remove %s: %s", self.socket_path, exc.strerror)
-        self._served = None
+        self._pin("_served", None)
+
+    def _sweep(self) -> None:
+        """Remove private sockets (.hyperlight.sock.<pid>.<hex>) an earlier run of ours abandoned,
+        by the rules for CDI temp files (atomic.remove_temps): our exact name pattern, a socket
+        owned by us, older than ABANDONED_AFTER_S; and, being a socket, accepting no connection.
+        A crash between bind and rename leaves one; a neighbour's similar name is never ours."""
+        # contracts.private_socket_name(socket_name, pid, token_hex(PRIVATE_TOKEN_BYTES))
+        hex_digits = 2 * PRIVATE_TOKEN_BYTES
+        pattern = re.compile(re.escape(f".{self._socket_name}.") + rf"[0-9]+\.[0-9a-f]{{{hex_digits}}}")
+        try:
+            names = os.listdir(self.kubelet_dir)
+        except OSError:
+            return
+        now = time.time()
+        for name in names:
+            if not pattern.fullmatch(name):
+                continue
+            path = os.path.join(self.kubelet_dir, name)
+            try:
+                st = os.lstat(path)
+                if (stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
+                        and now - st.st_mtime >= atomic.ABANDONED_AFTER_S and not _is_live(path)):
+                    os.unlink(path)
+                    log.info("removed abandoned socket %s", path)
+            except OSError:
+                continue
 
     async def _serve(self) -> None:
+        self._sweep()
         self._generation += 1
         generation = self._generation
         server = grpc.aio.server()
-        self._end_streams = self._configure(server, lambda delta: self._on_stream(generation, delta))
+        self._end_streams = self._configure(server, lambda delta, stream: self._on_stream(generation, delta, stream))
         private = os.path.join(self.kubelet_dir,
-                               contracts.private_socket_name(self._socket_name, os.getpid(), secrets.token_hex(4)))
+                               contracts.private_socket_name(self._socket_name, os.getpid(),
+                                                             secrets.token_hex(PRIVATE_TOKEN_BYTES)))
         try:
             # Fails while the directory does not exist yet (kubelet not installed or started).
             port = server.add_insecure_port(api.unix_target(private))
@@ -301,10 +429,12 @@ class Registrar:
             port = 0
         if port == 0:
             await server.stop(0)
-            raise RegistrationError(f"cannot listen on {private}")
+            # grpc says why only in its own log: bind a plain socket there to learn the cause. The
+            # message names the directory, not the random name, so it stays the same per retry.
+            raise RegistrationError(f"cannot listen in {self.kubelet_dir} (kubelet_dir): {_bind_error(private)}")
         await server.start()
         try:
-            self._served = self._put_in_place(private)
+            self._pin("_served", self._put_in_place(private))
         except BaseException:
             await server.stop(0)
             with contextlib.suppress(OSError):
@@ -312,44 +442,57 @@ class Registrar:
             raise
         self._server = server
 
-    def _put_in_place(self, private: str) -> Identity:
-        """Rename our freshly bound socket to our path, never over a live one; returns the
-        identity it has there (a rename changes the ctime, so it is taken afterwards)."""
+    def _put_in_place(self, private: str) -> Pin:
+        """Rename our freshly bound socket to our path, never over a live one; returns it pinned.
+
+        Anything at either path may vanish at any moment (the kubelet's startup removes every
+        socket in its directory, our private one included): a vanished path is a changed path,
+        so we look again, or, if our own socket went, bind anew."""
         mine = _inode(private)
-        if mine is None:
-            raise RegistrationError(f"{private}: the socket we bound is gone")
         for _ in range(3):  # each retry follows a concurrent change at our path
+            if mine is None or _inode(private) != mine:
+                raise RegistrationError(f"{private}: our socket was removed before it was put in place "
+                                        "(a kubelet starting?); serving anew")
             existing = _inode(self.socket_path)
             if existing is None:
                 if os.path.lexists(self.socket_path):
                     raise RegistrationError(f"{self.socket_path} exists and is not a socket; not replacing it")
                 try:
                     atomic.rename_noreplace(private, self.socket_path)
-                except atomic.Refused:
-                    continue
+                except (atomic.Refused, FileNotFoundError):
+                    continue  # something appeared at our path, or our private socket vanished
                 return self._placed(mine)
             if _is_live(self.socket_path):
                 raise AlreadyServed(f"{self.socket_path}: another agent is serving it; not taking it over")
             # A stale socket (nothing listening): swap ours in, and drop it only if it is the
             # stale one we probed.
-            if not atomic.exchange(private, self.socket_path) or _inode(private) == existing:
+            try:
+                exchanged = atomic.exchange(private, self.socket_path)
+            except FileNotFoundError:
+                continue  # the stale socket (or ours) vanished meanwhile: look again
+            swapped_out = _inode(private)
+            if not exchanged or swapped_out in (existing, None):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(private)
                 log.info("replaced a stale socket at %s", self.socket_path)
                 return self._placed(mine)
-            atomic.exchange(private, self.socket_path)  # not what we probed: put it back
+            with contextlib.suppress(FileNotFoundError):
+                atomic.exchange(private, self.socket_path)  # not what we probed: put it back
+            mine = _inode(private)
         raise RegistrationError(f"{self.socket_path} keeps changing; not serving there")
 
-    def _placed(self, mine: tuple[int, int]) -> Identity:
-        placed = _identity(self.socket_path)
-        if placed is None or placed[:2] != mine:
+    def _placed(self, mine: Identity) -> Pin:
+        placed = Pin.take(self.socket_path)
+        if placed is None or placed.identity != mine:
+            if placed is not None:
+                placed.close()
             raise RegistrationError(f"{self.socket_path} changed right after we put our socket there")
         return placed
 
     async def _register(self) -> None:
-        kubelet = self._kubelet_tried = _identity(self.kubelet_socket)
+        kubelet = self._pin("_kubelet_tried", Pin.take(self.kubelet_socket))
         if kubelet is None:
-            raise RegistrationError(f"no kubelet socket at {self.kubelet_socket}")
+            raise RegistrationError(_no_kubelet(self.kubelet_socket))
         request = pb.RegisterRequest(
             version=contracts.KUBELET_API_VERSION,
             endpoint=self._socket_name,
@@ -357,13 +500,14 @@ class Registrar:
             options=pb.DevicePluginOptions(pre_start_required=False,
                                            get_preferred_allocation_available=False),
         )
+        self._register_sent = True
         try:
             async with grpc.aio.insecure_channel(api.unix_target(self.kubelet_socket)) as channel:
                 await api.registration_stub(channel).Register(request, timeout=self._register_timeout)
         except grpc.aio.AioRpcError as exc:
             raise RegistrationError(
                 f"Register with {self.kubelet_socket}: {exc.code().name}: {exc.details()}") from exc
-        self._kubelet_seen = kubelet
+        self._pin("_kubelet_seen", kubelet)
 
     async def _wait_for_kubelet(self, delay: float) -> bool:
         """Sleep `delay`, cut short (True) as soon as a (new) kubelet.sock exists."""
@@ -372,7 +516,8 @@ class Registrar:
         while loop.time() < deadline:
             self._wake.clear()
             now = _identity(self.kubelet_socket)
-            if now is not None and now != self._kubelet_tried:
+            tried = self._kubelet_tried
+            if now is not None and (tried is None or now != tried.identity):
                 return True
             if not await waits.event(self._wake, deadline - loop.time()):
                 return False
@@ -380,16 +525,18 @@ class Registrar:
 
     async def _watch(self) -> str:
         """Until the registration ends: "restart" (kubelet restarted or our socket is gone),
-        "lost" (the stream ended) or "no-stream" (none opened in time)."""
+        "replaced" (another socket is at our path), "lost" (the kubelet's stream ended) or
+        "no-stream" (none opened in time)."""
         loop = asyncio.get_running_loop()
         no_stream_by = loop.time() + self._stream_open_timeout
         while True:
             self._wake.clear()
-            if _identity(self.socket_path) != self._served:
+            if self._served is None or not self._served.is_at(self.socket_path):
+                return "replaced" if os.path.lexists(self.socket_path) else "restart"
+            kubelet = _identity(self.kubelet_socket)
+            if kubelet is not None and (self._kubelet_seen is None or kubelet != self._kubelet_seen.identity):
                 return "restart"
-            if _identity(self.kubelet_socket) not in (None, self._kubelet_seen):
-                return "restart"
-            if self.state == STREAMED and self.streams == 0:
+            if self._kubelet_stream is not None and not self._kubelet_stream_open:
                 return "lost"
             timeout = VERIFY_INTERVAL_S
             if self.state == REGISTERED:

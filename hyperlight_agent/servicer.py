@@ -243,7 +243,7 @@ class Endpoint:
     their own and ended together when the server stops (the kubelet must see the stream end
     before our socket disappears)."""
 
-    def __init__(self, servicer: DevicePluginServicer, on_stream: Callable[[int], None]) -> None:
+    def __init__(self, servicer: DevicePluginServicer, on_stream: Callable[[int, object], None]) -> None:
         self._servicer = servicer
         self._on_stream = on_stream
         self._closed = asyncio.Event()
@@ -256,7 +256,9 @@ class Endpoint:
 
     async def ListAndWatch(self, request: pb.Empty, context: Any) -> AsyncIterator[pb.ListAndWatchResponse]:
         # grpc.aio wants an async generator function here, so the stream is relayed.
-        stream = self._servicer.watch(self._closed, self._on_stream)
+        # on_stream(delta, key): the key tells this stream from the server's others.
+        key = object()
+        stream = self._servicer.watch(self._closed, lambda delta: self._on_stream(delta, key))
         try:
             async for response in stream:
                 yield response

@@ -5,9 +5,9 @@
                      get a short grace
     SIGHUP           re-read the config file and apply it (systemctl reload)
 
-install_early() runs first thing in main(): a signal that arrives while the agent is still
-starting is remembered instead of killing the process with the default action, and replayed
-once the event loop takes over (attach()).
+install_early() runs first, when the entry module (__main__.py) is imported: a signal that
+arrives while the agent is still starting is remembered instead of killing the process with the
+default action, and replayed once the event loop takes over (attach()).
 """
 
 from __future__ import annotations
@@ -51,7 +51,10 @@ def attach(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], reload: Ca
     pending, _early[:] = list(_early), []
     if any(s in STOP for s in pending):
         stop()
-    # An early SIGHUP needs nothing: the configuration was read after it arrived.
+    elif RELOAD in pending:
+        # The settings were read at some point before now, maybe before this HUP arrived: read
+        # the file again, as it is now.
+        reload()
 
 
 def stopping(loop: asyncio.AbstractEventLoop) -> None:

@@ -256,9 +256,10 @@ def start_agent(tmp: str) -> Iterator[StartAgent]:
     """start_agent(*flags, env={...}): runs the agent with temp kubelet and CDI dirs by default."""
     agents: list[AgentProcess] = []
 
-    def start(*args: str, env: Optional[dict[str, str]] = None, defaults: bool = True) -> AgentProcess:
+    def start(*args: str, env: Optional[dict[str, str]] = None, defaults: bool = True,
+              prefix: Sequence[str] = ()) -> AgentProcess:
         base = ["--kubelet-dir", os.path.join(tmp, "kubelet"), "--cdi-dir", os.path.join(tmp, "cdi")]
-        agent = AgentProcess(tmp, *(base if defaults else []), *args, env=env)
+        agent = AgentProcess(tmp, *(base if defaults else []), *args, env=env, prefix=prefix)
         agents.append(agent)
         return agent
 

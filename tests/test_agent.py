@@ -202,7 +202,7 @@ def test_rejected_register_backs_off_without_spinning(kubelet: StandinThread, st
 def test_no_kubelet_yet_then_kubelet_appears(tmp: str, start_agent: StartAgent) -> None:
     kdir = os.path.join(tmp, "kubelet")
     agent = start_agent("--device-count", "2")
-    wait_for(lambda: "cannot listen on" in agent.log, 10)
+    wait_for(lambda: f"cannot listen in {kdir} (kubelet_dir): the directory does not exist" in agent.log, 10)
     with StandinThread(kdir) as kubelet:
         kubelet.wait_until(lambda k: healthy_slots(k) == 2, 5, "registration once kubelet.sock appears")
         assert agent.stop() == 0

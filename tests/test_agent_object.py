@@ -4,6 +4,7 @@ status lines, readiness transitions and sd_notify messages observed directly, no
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Optional
 
@@ -12,9 +13,11 @@ from grpc_health.v1 import health_pb2
 
 from hyperlight_agent import contracts, modes, readiness, registration
 from hyperlight_agent.agent import Agent
+from hyperlight_agent.checker import Checker
 from hyperlight_agent.config import Settings
 from hyperlight_agent.notify import Notifier
 from hyperlight_agent.observation import Observation
+from hyperlight_agent.registration import Registrar
 from hyperlight_agent.standin import KubeletStandin
 from tests.conftest import until
 
@@ -123,3 +126,43 @@ def test_status_lines_are_pure_functions_of_state() -> None:
     for snapshot, text in cases.items():
         assert readiness.status(snapshot) == text
         assert readiness.ready(snapshot) == text.startswith("ready:")
+
+
+def test_nothing_is_said_after_stopping_when_the_first_check_ends_during_the_stop(
+        tmp: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A SIGTERM early in startup: the first check is cancelled before the registrar stops, so no
+    "device healthy" or "CDI spec written" follows "stopping" (issue 19, item 8)."""
+    gate: list[asyncio.Event] = []
+
+    async def first_check(self: Checker) -> tuple[Observation, bool]:
+        await gate[0].wait()
+        log = logging.getLogger("hyperlight_agent.checker")
+        log.info("CDI spec written (the check ran on)")
+        return Observation(True, "", "kvm"), False
+
+    real_stop = Registrar.stop
+
+    async def stop(self: Registrar, grace: float = 1.0) -> None:
+        gate[0].set()  # the first check completes while the registrar stops...
+        for _ in range(3):
+            await asyncio.sleep(0)  # ...given every chance to run on
+        await real_stop(self, grace)
+
+    monkeypatch.setattr(Checker, "_check_once", first_check)
+    monkeypatch.setattr(Registrar, "stop", stop)
+    caplog.set_level("INFO")
+
+    async def run() -> None:
+        gate.append(asyncio.Event())
+        settings = Settings.defaults(kubelet_dir=os.path.join(tmp, "kubelet"), cdi_dir=os.path.join(tmp, "cdi"),
+                                     device_dir=tmp, device_count=1)
+        agent = Agent(settings, notifier=RecordingNotifier())
+        await agent.start()
+        agent.stop()
+        await agent.wait()
+        await agent.close()
+
+    asyncio.run(run())
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("hyperlight_agent")]
+    assert "stopping" in messages
+    assert messages[messages.index("stopping") + 1:] == []

@@ -117,6 +117,21 @@ def test_symlink_at_our_path_is_refused_not_followed(tmp: str) -> None:
     assert "is a symlink" in str(cdi.inspect(tmp, WANTED))
 
 
+def test_a_symlink_at_the_cdi_dir_is_refused_not_followed(tmp: str) -> None:
+    """One rule for the directory as for the spec: a symlink is refused, never followed (issue 19,
+    item 5). Symlinks above it (/var/run → /run) are the system's layout and stay fine."""
+    elsewhere = os.path.join(tmp, "elsewhere")
+    os.mkdir(elsewhere)
+    os.symlink(elsewhere, os.path.join(tmp, "cdi"))
+    cdi_dir = os.path.join(tmp, "cdi")
+    with pytest.raises(cdi.CdiError, match=r"cdi \(cdi_dir\) is a symlink; refusing to follow it"):
+        cdi.reconcile(cdi_dir, WANTED)
+    assert os.listdir(elsewhere) == []
+    assert "is a symlink" in str(cdi.inspect(cdi_dir, WANTED))
+    os.symlink(tmp, os.path.join(tmp, "run"))
+    assert cdi.reconcile(os.path.join(tmp, "run", "real"), WANTED)
+
+
 def test_dangling_symlink_is_refused(tmp: str) -> None:
     os.symlink("/nonexistent/spec.json", cdi.spec_path(tmp))
     with pytest.raises(cdi.CdiError, match="symlink"):

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import sys
 
 import pytest
 
-from hyperlight_agent import cdi
+from hyperlight_agent import atomic, cdi
 from hyperlight_agent.checker import Checker, CheckTarget
 from hyperlight_agent.helper import ProbeHelper
 from hyperlight_agent.observation import Observation, SharedObservation
-from tests.conftest import make_node
+from tests.conftest import make_node, until
 from tests.procs import my_helpers
 
 
@@ -221,3 +222,56 @@ def test_names_handed_out_earlier_keep_resolving_after_the_hypervisor_changes(tm
     with open(cdi.spec_path(cdi_dir), "rb") as f:
         assert f.read() == both
     assert [d["name"] for d in json.loads(both)["devices"]] == ["kvm", "mshv"]
+
+
+def test_a_failed_spec_write_is_retried_promptly_without_any_event(tmp: str, kvm_dir: str) -> None:
+    """ENOSPC or a read-only remount going away raises no inotify event: while the spec cannot be
+    written the checker looks again by itself, within about a second (issue 19, item 4)."""
+    blocker = os.path.join(tmp, "not-a-dir")
+    with open(blocker, "w") as f:
+        f.write("x")  # the CDI dir's parent is a file: ENOTDIR until it goes
+
+    async def run() -> None:
+        helper = ProbeHelper()
+        state = SharedObservation()
+        t = CheckTarget(device_dir=kvm_dir, host_device_dir=None, cdi_dir=os.path.join(blocker, "cdi"),
+                        uid=65534, gid=65534)
+        checker = Checker(t, helper, state)
+        first = await checker.check()
+        assert not first.healthy and first.cause == "cdi" and "Not a directory" in first.reason
+        os.unlink(blocker)
+        await until(lambda: state.current.healthy, 10, "Healthy again with nobody asking for a check")
+        assert cdi.listed_devices(t.cdi_dir) == {"kvm"}
+        await checker.close()
+        await helper.close()
+
+    asyncio.run(run())
+
+
+def test_running_out_of_descriptors_is_no_device_failure(tmp: str, kvm_dir: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """EMFILE while checking (idle connections ate the descriptors) is not the device's fault: the
+    last result stands and the check is repeated (issue 19, item 1)."""
+
+    async def run() -> None:
+        helper = ProbeHelper()
+        state = SharedObservation()
+        checker = Checker(target(tmp, kvm_dir), helper, state)
+        assert (await checker.check()).healthy
+        version = state.version
+        real = atomic.read_regular
+
+        def exhausted(path: str, limit: int) -> object:
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), path)
+
+        monkeypatch.setattr(atomic, "read_regular", exhausted)
+        assert (await checker.check()).healthy, "the last result stands"
+        assert state.version == version, "nothing was published"
+        monkeypatch.setattr(atomic, "read_regular", real)
+        completed = checker.completed
+        await until(lambda: checker.completed > completed, 10, "a check again by itself")
+        assert state.current.healthy
+        await checker.close()
+        await helper.close()
+
+    asyncio.run(run())

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 
 from hyperlight_agent.helper import ProbeHelper, ProbeRequest, ProbeResult, default_argv
+from tests.conftest import wait_for
 from tests.procs import alive, my_helpers
 
 
@@ -140,6 +142,35 @@ def test_helper_that_dies_is_reported_and_replaced(kvm_dir: str) -> None:
         helper = ProbeHelper(argv=[sys.executable, "-I", "-S", "-c", "import sys; sys.stdin.readline()"])
         reply = await helper.run(request(kvm_dir))
         assert reply == ProbeResult(False, "probe helper exited unexpectedly", helper_fault=True)
+        await helper.close()
+
+    asyncio.run(run())
+
+
+def dead(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped counts)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_an_idle_helper_that_died_is_replaced_before_any_failure(kvm_dir: str) -> None:
+    """Killed while idle (OOM killer, an operator), the helper's death says nothing about the
+    device: the next request gets a fresh helper, not a failure (issue 19, item 7)."""
+
+    async def run() -> None:
+        helper = ProbeHelper()
+        assert (await helper.run(request(kvm_dir))).ok
+        pid = helper.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        # Wait without yielding to the loop: the agent's next check can come before the loop
+        # has seen the helper exit.
+        wait_for(lambda: dead(pid), 10, "the killed helper to exit")
+        assert await helper.run(request(kvm_dir)) == ProbeResult(True, "")
+        assert helper.started == 2 and helper.pid not in (None, pid)
         await helper.close()
 
     asyncio.run(run())

@@ -20,7 +20,7 @@ import pytest
 from hyperlight_agent import api, cdi, contracts, watcher
 from hyperlight_agent import deviceplugin_pb2 as pb
 from hyperlight_agent.standin import KubeletStandin, StandinThread
-from tests.conftest import AgentProcess, StartAgent, until, wait_for
+from tests.conftest import AgentProcess, StartAgent, read_bytes, until, wait_for
 
 # Real agents on real device nodes (mknod) and the host's /dev/kvm.
 pytestmark = pytest.mark.root
@@ -202,3 +202,63 @@ def test_the_spec_mode_and_owner_are_repaired(kubelet: StandinThread, start_agen
         return (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (cdi.SPEC_MODE, os.geteuid(), os.getegid())
 
     wait_for(exact, 5, "mode and owner repaired (inotify ATTRIB)")
+
+
+def listed_unhealthy(k: KubeletStandin) -> bool:
+    p = k.plugins.get(R)
+    return bool(p and p.stream_open and p.devices and all(h == contracts.UNHEALTHY for _, h in p.devices))
+
+
+def test_a_cdi_dir_that_is_a_symlink_is_refused_and_its_removal_seen_at_once(kubelet: StandinThread,
+                                                                               start_agent: StartAgent,
+                                                                               tmp: str) -> None:
+    """The spec never goes where a symlink at cdi_dir points; when the symlink goes, the real
+    directory and the spec are made at once, not a check interval later (issue 19, item 5)."""
+    elsewhere, cdi_dir = os.path.join(tmp, "elsewhere"), os.path.join(tmp, "cdi")
+    os.mkdir(elsewhere)
+    os.symlink(elsewhere, cdi_dir)
+    agent = start_agent("--device-count", "2", "--check-interval", "3600")
+    kubelet.wait_until(listed_unhealthy, 15, "Unhealthy slots")
+    wait_for(lambda: f"{cdi_dir} (cdi_dir) is a symlink; refusing to follow it" in agent.log, 10)
+    assert os.listdir(elsewhere) == []
+    os.unlink(cdi_dir)
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 10, "Healthy, with the spec in a real directory")
+    assert stat.S_ISDIR(os.lstat(cdi_dir).st_mode)
+    assert read_bytes(cdi.spec_path(cdi_dir)) == cdi.render("kvm", "/dev/kvm", 65534, 65534)
+    assert os.listdir(elsewhere) == []
+    assert agent.stop() == 0
+
+
+def test_the_health_check_never_follows_a_symlink_at_our_socket(tmp: str) -> None:
+    """A symlink at our path to another agent's socket: the exec probe must not report that
+    agent's SERVING as ours (issue 19, item 11)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    other = os.path.join(tmp, "other.sock")
+    kubelet_dir = os.path.join(tmp, "kubelet")
+    os.mkdir(kubelet_dir)
+
+    async def serve_and_probe() -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+        server = grpc.aio.server()
+        servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        server.add_insecure_port(api.unix_target(other))
+        await server.start()
+        await servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        try:
+            loop = asyncio.get_running_loop()
+            os.symlink(other, os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET))
+            through_link = await loop.run_in_executor(None, health_check, tmp, "liveness")
+            os.unlink(os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET))
+            os.link(other, os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET))  # the socket itself
+            direct = await loop.run_in_executor(None, health_check, tmp, "liveness")
+            return through_link, direct
+        finally:
+            await server.stop(0)
+
+    through_link, direct = asyncio.run(serve_and_probe())
+    path = os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET)
+    assert through_link.returncode == 1
+    assert through_link.stdout.strip() == f"liveness: not serving: {path} is a symlink, not our socket"
+    assert direct.returncode == 0, direct.stdout + direct.stderr
+    assert direct.stdout.strip() == f"liveness: SERVING ({path})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 
@@ -91,3 +92,27 @@ def test_agent_labels_follow_the_device(kubelet: StandinThread, start_agent: Sta
     wait_for(lambda: read(path) == labels.render("kvm"), 5, "labels for kvm")
     os.unlink(os.path.join(device_dir, "kvm"))
     wait_for(lambda: read(path) is None, 5, "labels removed with the device")
+
+
+def test_agent_repairs_the_feature_file_like_the_spec(kubelet: StandinThread, start_agent: StartAgent,
+                                                      tmp: str) -> None:
+    """Deleted, edited or chmod-ed, the feature file is put right at once (no device check is
+    due for an hour); something else at its path is left alone (issue 19, item 10)."""
+    features = os.path.join(tmp, "features.d")
+    path = os.path.join(features, labels.FEATURE_FILE)
+    agent = start_agent("--device-count", "1", "--nfd-features-dir", features, "--check-interval", "3600")
+    kubelet.wait_until(lambda k: slots(k) == 1, 15)
+    wait_for(lambda: read(path) == labels.render("kvm"), 5, "labels for kvm")
+    os.unlink(path)
+    wait_for(lambda: read(path) == labels.render("kvm"), 5, "the deleted file written again")
+    with open(path, "wb") as f:
+        f.write(b"hyperlight.dev/enabled=false\n")
+    wait_for(lambda: read(path) == labels.render("kvm"), 5, "the edited file repaired")
+    os.chmod(path, 0o600)
+    wait_for(lambda: stat.S_IMODE(os.stat(path).st_mode) == labels.FILE_MODE, 5, "the mode repaired")
+    os.unlink(path)
+    os.mkdir(path)  # not ours: refused, never removed
+    wait_for(lambda: "node labels not written" in agent.log, 5)
+    assert os.path.isdir(path)
+    assert agent.stop() == 0
+    assert agent.log.count("node labels not written") == 1, "said once"

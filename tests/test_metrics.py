@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -77,3 +78,109 @@ def test_metrics_count_failures_by_cause_and_helper_timeouts(kubelet: StandinThr
     os.unlink(os.path.join(kvm_dir, "kvm"))
     wait_for(lambda: 'hyperlight_device_unhealthy_cause{cause="no-device"} 1.0' in scrape(address), 10)
     assert "hyperlight_device_healthy 0.0" in scrape(address)
+
+
+def accept_queue(port: int) -> int:
+    """Connections waiting in the kernel for the listener on 127.0.0.1:port to accept them."""
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[1].endswith(f":{port:04X}") and fields[3] == "0A":  # LISTEN
+                return int(fields[4].split(":")[1], 16)
+    return 0
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+FD_LIMIT = 128
+
+
+def test_idle_connections_to_the_metrics_port_never_cost_a_slot(kubelet: StandinThread, start_agent: StartAgent,
+                                                               tmp: str) -> None:
+    """Three times the descriptor limit in half-sent requests: the metrics server caps its
+    connections, so the device check, Allocate and the kubelet's stream never run short, and a
+    scrape still gets through (issue 19, item 1)."""
+    address = f"127.0.0.1:{free_port()}"
+    port = int(address.rsplit(":", 1)[1])
+    agent = start_agent("--device-count", "2", "--metrics-address", address,
+                        prefix=["prlimit", f"--nofile={FD_LIMIT}"])
+    kubelet.wait_until(lambda k: slots(k) == 2, 15)
+    wait_for(lambda: "hyperlight_device_healthy 1.0" in scrape(address), 10, "metrics served")
+    idle: list[socket.socket] = []
+    timeouts = 0
+    try:
+        while len(idle) < 3 * FD_LIMIT and timeouts < 3:
+            client = socket.socket()
+            idle.append(client)
+            client.settimeout(3)
+            try:
+                client.connect(("127.0.0.1", port))
+                client.send(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+            except TimeoutError:
+                timeouts += 1  # the agent takes no more connections (it ran out of descriptors)
+            except OSError:
+                pass  # evicted already
+        # Whatever the agent will take from its backlog, it has taken, or it has run out.
+        wait_for(lambda: accept_queue(port) == 0 or fds(agent.proc.pid) >= FD_LIMIT - 2, 20, "the flood accepted")
+        for _ in range(10):
+            assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"])).container_responses
+        assert slots(kubelet.kubelet) == 2
+        assert fds(agent.proc.pid) < FD_LIMIT // 2
+        assert "hyperlight_device_healthy 1.0" in scrape(address)
+    finally:
+        for client in idle:
+            client.close()
+    assert kubelet.run(lambda k: all(h == "Healthy" for _, devices in k.plugins[R].lists for _, h in devices[:1]))
+    assert agent.stop() == 0
+    assert "Too many open files" not in agent.log
+
+
+def test_garbage_to_the_metrics_port_is_answered_without_a_traceback(kubelet: StandinThread,
+                                                                    start_agent: StartAgent) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    port = int(address.rsplit(":", 1)[1])
+    agent = start_agent("--device-count", "1", "--metrics-address", address)
+    kubelet.wait_until(lambda k: slots(k) == 1, 15)
+    wait_for(lambda: "hyperlight_device_healthy" in scrape(address), 10, "metrics served")
+    answers = {}
+    for name, request in {"garbage": b"\x00\xff\x16\x03\x01 junk\r\n\r\n", "not http": b"HELLO\r\n\r\n",
+                          "post": b"POST /metrics HTTP/1.1\r\n\r\n", "elsewhere": b"GET /x HTTP/1.1\r\n\r\n",
+                          "too long": b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 100_000 + b"\r\n\r\n"}.items():
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+            with contextlib.suppress(OSError):
+                client.sendall(request)
+            try:
+                answers[name] = client.recv(64).split(b"\r\n", 1)[0]
+            except OSError:
+                answers[name] = b""
+    assert answers == {"garbage": b"HTTP/1.1 400 Bad Request", "not http": b"HTTP/1.1 400 Bad Request",
+                       "post": b"HTTP/1.1 405 Method Not Allowed", "elsewhere": b"HTTP/1.1 404 Not Found",
+                       "too long": b""}
+    assert "hyperlight_device_healthy 1.0" in scrape(address)
+    assert agent.stop() == 0
+    assert "Traceback" not in agent.log and len(agent.log.splitlines()) < 30, agent.log
+
+
+def test_a_metrics_address_in_use_is_said_and_retried(kubelet: StandinThread, start_agent: StartAgent) -> None:
+    """Metrics are optional; the slots are not: the agent serves the kubelet, says which setting
+    cannot be served and why, and binds once the port is free (issue 19, item 12)."""
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(1)
+        address = f"127.0.0.1:{squatter.getsockname()[1]}"
+        agent = start_agent("--device-count", "1", "--metrics-address", address)
+        kubelet.wait_until(lambda k: slots(k) == 1, 15)
+        wait_for(lambda: f"metrics_address {address}: cannot listen: Address already in use" in agent.log, 10)
+    wait_for(lambda: "hyperlight_device_healthy 1.0" in scrape_or_empty(address), 40, "metrics once the port is free")
+    assert agent.proc.poll() is None
+    assert agent.stop() == 0
+
+
+def scrape_or_empty(address: str) -> str:
+    try:
+        return scrape(address)
+    except OSError:
+        return ""

@@ -53,3 +53,24 @@ def test_a_directory_that_goes_and_comes_back_is_watched_again(tmp: str) -> None
         await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(run())
+
+
+def test_a_cancel_with_an_event_pending_leaves_no_callback_behind(tmp: str) -> None:
+    """A SIGTERM early in startup cancelled the watcher while inotify had an event ready: the
+    read callback then ran on the closed inotify and asyncio logged a traceback (issue 19,
+    item 8)."""
+    errors: list[dict[str, object]] = []
+    w = watcher.DirectoryWatcher()
+    seen: list[str] = []
+    w.watch(tmp, seen.append)
+
+    async def run() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context))
+        task = asyncio.ensure_future(w.run())
+        await until(lambda: seen == [""])
+        open(os.path.join(tmp, "new"), "w").close()  # an event is queued now...
+        task.cancel()  # ...and the watcher is told to stop before it reads it
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(run())
+    assert errors == []

@@ -201,9 +201,11 @@ class Process:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def check(self) -> None:
+    def check(self) -> bool:
+        """True while running; raises ComponentExited (which ends any wait_until) once it is not."""
         if not self.alive():
             raise ComponentExited(f"{self.name} exited ({self.popen.returncode}):\n{self.log_tail()}")
+        return True
 
     def stop(self, timeout: float = 20) -> None:
         if self.popen.poll() is None:
@@ -329,7 +331,7 @@ state = "/run/containerd"
                                   self.in_namespace([os.path.join(binaries, "containerd"), "--config", config]),
                                   self.path("logs"), env=env)
         containerd = self.containerd
-        wait_until(lambda: containerd.check() or self.ctr("version").returncode == 0, 60,
+        wait_until(lambda: containerd.check() and self.ctr("version").returncode == 0, 60,
                    f"node {self.name}'s containerd")
 
     def ctr(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -468,7 +470,7 @@ class Cluster:
         admin = self.pki.issue("admin", "/O=system:masters/CN=hyperlight-e2e-admin")
         self.admin_kubeconfig = self.pki.kubeconfig("admin", self.server, admin)
         self.api = Api("127.0.0.1", api_port, self.pki.ca.cert, admin)
-        wait_until(lambda: self.check_alive() or self.api.get("/readyz") == "ok", 120, "kube-apiserver /readyz")
+        wait_until(lambda: self.check_alive() and self.api.get("/readyz") == "ok", 120, "kube-apiserver /readyz")
         controller = self.pki.issue("controller-manager", "/CN=system:kube-controller-manager")
         self.processes.append(Process(self.state, "kube-controller-manager", [
             os.path.join(k8s, "kube-controller-manager"),
@@ -487,8 +489,8 @@ class Cluster:
             os.path.join(k8s, "kube-scheduler"), "--kubeconfig", scheduler_kubeconfig,
             "--authentication-kubeconfig", scheduler_kubeconfig, "--authorization-kubeconfig", scheduler_kubeconfig,
             "--bind-address", "127.0.0.1", "--secure-port", str(free_port()), "--leader-elect=false"], logs))
-        wait_until(lambda: self.check_alive() or self.api.get("/api/v1/namespaces/default/serviceaccounts/default"), 120,
-                   "the default service account (controller-manager running)")
+        wait_until(lambda: self.check_alive() and self.api.get("/api/v1/namespaces/default/serviceaccounts/default"),
+                   120, "the default service account (controller-manager running)")
 
     def add_node(self, name: str, version: str, labels: Optional[dict[str, str]] = None,
                  device_unusable: bool = False) -> Node:
@@ -497,9 +499,8 @@ class Cluster:
         node.start()
         return node
 
-    def check_alive(self) -> None:
-        for process in self.processes:
-            process.check()
+    def check_alive(self) -> bool:
+        return all(process.check() for process in self.processes)
 
     def stop(self) -> None:
         if self.api is not None:
