@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hyperlight_agent import agent
 from tests.test_docs import ROOT
 
 # Rendered by kubectl/helm and judged by checkov and kubernetes-validate (build/tools, build/judges).
@@ -137,7 +138,14 @@ def test_security_context_is_fixed_in_the_base(overlay: str) -> None:
         assert container["terminationMessagePath"] == "/run/termination-log"
         assert "@sha256:" in container["image"] or overlay == "kind"  # kind loads by tag
         assert pod["nodeSelector"]["hyperlight.dev/enabled"] == "true", "never on nodes without a hypervisor"
-        assert pod["terminationGracePeriodSeconds"] == 10
+        # A surge update: each agent named for its pod, serving on until its successor is ready,
+        # and the kubelet's grace outlasting that wait plus the agent's own bounded stop.
+        assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+        env = {e["name"]: e for e in container["env"]}
+        assert env["HYPERLIGHT_INSTANCE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        handover = float(env["HYPERLIGHT_HANDOVER_SECONDS"]["value"])
+        assert handover > 0
+        assert pod["terminationGracePeriodSeconds"] >= handover + agent.SHUTDOWN_GRACE_S + 3
         assert ds["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "hyperlight"
         for probe, which in (("livenessProbe", "liveness"), ("readinessProbe", "readiness")):
             assert f"--health-check={which}" in container[probe]["exec"]["command"]
@@ -205,7 +213,7 @@ def test_workload_example_matches_the_defaults() -> None:
         (deployment,) = [d for d in documents(f.read()) if d["kind"] == "Deployment"]
     pod = deployment["spec"]["template"]["spec"]
     base = _daemonsets(render(os.path.join(DEPLOY, "base")))["hyperlight-device-plugin"]["spec"]["template"]["spec"]
-    env = {e["name"]: e["value"] for e in base["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in base["containers"][0]["env"]}
     assert pod["nodeSelector"] == {"hyperlight.dev/enabled": "true"}
     assert {"key": "hyperlight.dev/hypervisor", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     # The device node is DEVICE_UID:DEVICE_GID 0660 (CDI): the workload runs as exactly that.
