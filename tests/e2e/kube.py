@@ -75,9 +75,11 @@ class Api:
     def create(self, path: str, body: Any) -> Any:
         return self.request("POST", path, body)
 
-    def delete(self, path: str, missing_ok: bool = True) -> None:
+    def delete(self, path: str, missing_ok: bool = True, grace: Optional[int] = 0) -> None:
+        """DELETE; grace None keeps the object's own grace period (as `kubectl delete` does)."""
+        body = None if grace is None else {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": grace}
         try:
-            self.request("DELETE", path, {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0})
+            self.request("DELETE", path, body)
         except ApiError as exc:
             if not (missing_ok and exc.status == 404):
                 raise
