@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import os
 import shutil
 import signal
@@ -52,6 +53,13 @@ def stage(dest: str) -> str:
     subprocess.run([os.path.join(ROOT, "packaging", "stage.sh"), dest], check=True, timeout=600,
                    env={**os.environ, "PYTHON": os.environ.get("PYTHON", "python3")})
     return dest
+
+
+def build_deb() -> str:
+    """Build the package exactly as `make deb` does (lintian included); its path."""
+    subprocess.run(["make", "-s", "deb"], cwd=ROOT, check=True, timeout=900, capture_output=True)
+    (path,) = glob.glob(os.path.join(ROOT, "build", "deb", "hyperlight-agent_*.deb"))
+    return path
 
 
 class Guest:

@@ -3,7 +3,6 @@ kubelet answers, active after, reload, remove and purge."""
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import subprocess
@@ -25,10 +24,7 @@ R = contracts.RESOURCE_HYPERVISOR
 
 @pytest.fixture(scope="module")
 def deb() -> str:
-    """Build the package exactly as `make deb` does (lintian included)."""
-    subprocess.run(["make", "-s", "deb"], cwd=nspawn.ROOT, check=True, timeout=900, capture_output=True)
-    (path,) = glob.glob(os.path.join(nspawn.ROOT, "build", "deb", "hyperlight-agent_*.deb"))
-    return path
+    return nspawn.build_deb()
 
 
 def apt(root: str, *args: str, binds: tuple[str, ...] = ()) -> None:

@@ -24,12 +24,15 @@ import pytest
 import yaml
 
 from hyperlight_agent import contracts
+from tests import nspawn
+from tests.conftest import make_node
 from tests.e2e import cluster as cluster_module
 from tests.e2e.cluster import Cluster, Node, State, wait_until
 from tests.e2e.kube import ApiError
 from tests.e2e.oci import pause_image, workload_image
 from tests.e2e.podresources import PodResources
 from tests.podman import Podman
+from tests.test_deb import UNIT, apt
 from tests.test_docs import ROOT
 from tests.test_image import BASE
 
@@ -256,8 +259,10 @@ class Load:
     """While an event happens: a pod requesting the resource every LOAD_INTERVAL_S (placed by the
     scheduler), and the kubelet's own count of healthy devices every VIEW_INTERVAL_S."""
 
-    def __init__(self, cluster: Cluster, node: Node, namespace: str) -> None:
+    def __init__(self, cluster: Cluster, node: Node, namespace: str, command: list[str],
+                 pin: bool = False) -> None:
         self.cluster, self.node, self.namespace = cluster, node, namespace
+        self.command, self.pin = command, pin
         self.created: list[str] = []
         self.view: list[tuple[float, int]] = []
         self._stop = threading.Event()
@@ -278,7 +283,7 @@ class Load:
         while not self._stop.is_set():
             name = f"load-{n}"
             self.cluster.api.create(f"/api/v1/namespaces/{self.namespace}/pods",
-                                    workload_pod(name, ["/kvmcheck"]))
+                                    workload_pod(name, self.command, self.node.name if self.pin else None))
             self.created.append(name)
             n += 1
             self._stop.wait(LOAD_INTERVAL_S)
@@ -332,10 +337,11 @@ class Load:
         return result
 
 
-def run_event(cluster: Cluster, node: Node, label: str, event: Any, back: Any) -> dict[str, Any]:
-    namespace = f"load-{label}".replace("_", "-")
+def run_event(cluster: Cluster, node: Node, label: str, event: Any, back: Any,
+              command: Optional[list[str]] = None, pin: bool = False) -> dict[str, Any]:
+    namespace = f"load-{label}".replace("_", "-").replace(".", "-")
     ensure_namespace(cluster, namespace)
-    with Load(cluster, node, namespace) as load:
+    with Load(cluster, node, namespace, command or ["/kvmcheck"], pin) as load:
         wait_until(lambda: len(load.created) >= 5, 30, "load started")
         started = time.monotonic()
         event()
@@ -394,6 +400,45 @@ def test_lifecycle_under_load(installed: Cluster, kubelet: str, event: str) -> N
         # successor registers again at once, but the pods admitted in those milliseconds fail.
         # Without the handover it is a pod start long (the 1.28 measurement: 8 to 27 of 60).
         assert figure["rejected"] <= 2, figure
+
+
+@pytest.fixture(scope="session")
+def deb() -> str:
+    return nspawn.build_deb()
+
+
+def test_host_mode_on_a_real_kubelet(installed: Cluster, deb: str, tmp: str) -> None:
+    """The .deb under real systemd (nspawn) serving node B's kubelet, as on a host: B shows the
+    capacity; `systemctl restart` under load. systemd stops the old process before starting the
+    new one, so no handover can happen: the figure is the gap of one agent restart."""
+    b = installed.nodes["b"]
+    root = os.path.join(tmp, "root")
+    subprocess.run(["cp", "-a", "--reflink=auto", nspawn.rootfs(), root], check=True, timeout=300)
+    apt(root, "update")
+    apt(root, "install", "/root/agent.deb", binds=(f"{deb}:/root/agent.deb",))
+    kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)  # the guest's own /dev/kvm: B's is /dev/null
+    binds = [f"{kvm}:/dev/kvm", f"{b.device_plugin_dir}:/var/lib/kubelet/device-plugins",
+             f"{b.path('cdi')}:/var/run/cdi"]
+    started = time.monotonic()
+    with nspawn.Guest(root, binds, ephemeral=False) as guest:
+        wait_until(lambda: kubelet_view(b).get(HYPERVISOR) == SLOTS, 120, "node b's kubelet counting the host agent")
+        record("host.boot_to_kubelet_view_s", round(time.monotonic() - started, 1))
+        wait_until(lambda: allocatable(b, HYPERVISOR) == SLOTS, 60, "node b's allocatable")
+        wait_until(lambda: guest.is_active(UNIT) == "active", 30, "the unit active")
+
+        def restart() -> None:
+            guest.run("systemctl", "restart", UNIT, timeout=60)
+
+        def back() -> bool:
+            return guest.is_active(UNIT) == "active" and kubelet_view(b).get(HYPERVISOR) == SLOTS
+
+        # B's /dev/kvm is /dev/null for containerd, so these pods only prove admission.
+        figure = run_event(installed, b, f"host-{installed.versions['newest']}-systemctl-restart", restart, back,
+                           command=["/bin/sh", "-c", "exit 0"], pin=True)
+        record(f"host.{installed.versions['newest']}.systemctl_restart", figure)
+        assert figure["failed"] == 0, figure
+        assert len(figure["kubelet_zero_windows_s"]) == 1, figure  # one restart, one gap, healthy after
+    wait_until(lambda: kubelet_view(b).get(HYPERVISOR, 0) == 0, 30, "the stopped host agent's slots gone")
 
 
 def test_labelled_node_without_a_usable_device_admits_nothing(installed: Cluster) -> None:
