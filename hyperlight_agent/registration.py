@@ -274,13 +274,22 @@ class Registrar:
 
         Raises AlreadyServed when another live plugin serves our socket path.
         """
+        same_server = False
         while True:
             self._pin("_kubelet_tried", Pin.take(self.kubelet_socket))
             try:
-                await self._serve()
-                if self._streamed_before_stop:
-                    await asyncio.sleep(STREAM_SETTLE_S)
-                    self._streamed_before_stop = False
+                if same_server:
+                    # The kubelet ended its stream and our socket is still ours: register the
+                    # server we have again, and take the next stream that opens as the kubelet's.
+                    same_server = False
+                    self._register_sent = False
+                    self._kubelet_stream = None
+                    self._kubelet_stream_open = False
+                else:
+                    await self._serve()
+                    if self._streamed_before_stop:
+                        await asyncio.sleep(STREAM_SETTLE_S)
+                        self._streamed_before_stop = False
                 await self._register()
             except RegistrationError as exc:
                 self.last_error = str(exc)
@@ -317,8 +326,16 @@ class Registrar:
                 self._loss_backoff.reset()  # a long-lived stream: this is no loop
             delay = self._loss_backoff.next()
             self.last_error = outcome_text(outcome, self._stream_open_timeout)
-            log.warning("%s; serving and registering again in %.1f s", self.last_error, delay)
             self._set(LOST)
+            if outcome == "lost" and delay == 0:
+                # At once, on the server we have: a 1.34 kubelet ends our stream when the agent we
+                # took over from ends its own (handover.py), and every moment until our next
+                # Register is one in which it counts no device. Serving anew costs ~0.1 s more.
+                log.warning("%s; registering again at once", self.last_error)
+                self.streams_lost += 1
+                same_server = True
+                continue
+            log.warning("%s; serving and registering again in %.1f s", self.last_error, delay)
             await self.stop(grace=0)
             if await self._wait_for_kubelet(delay):
                 # A new kubelet.sock: the stream ended because the kubelet restarted.
