@@ -19,6 +19,7 @@ cgroups, bridges and mountpoints it created, and nothing is left on the host.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -230,8 +231,10 @@ class Node:
         self.name = name
         self.labels = labels
         self.directory = os.path.join(cluster.directory, f"node-{name}")
-        self.cgroup = f"/hl-e2e-{name}"
-        self.bridge = f"hle2e{name}"
+        # Named for the run directory too: two checkouts' clusters on one machine never share one.
+        run = hashlib.sha256(cluster.directory.encode()).hexdigest()[:6]
+        self.cgroup = f"/hl-e2e-{run}-{name}"
+        self.bridge = f"hle2e{run}{name}"[:15]
         self.subnet = f"10.250.{index}.0/24"
         self.kubelet_port = free_port()
         self.healthz_port = free_port()
