@@ -46,7 +46,15 @@ def count_inputs(surface: str, n: int = 1) -> None:
     FUZZ_INPUTS[surface] = FUZZ_INPUTS.get(surface, 0) + n
 
 
+# Figures the real-cluster tests measured in this session (tests/test_e2e.py records them).
+E2E_FIGURES: dict[str, Any] = {}
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if E2E_FIGURES:
+        terminalreporter.section("real-cluster figures")
+        for key, value in sorted(E2E_FIGURES.items()):
+            terminalreporter.write_line(f"{key}: {value}")
     if not FUZZ_INPUTS:
         return
     terminalreporter.section("fuzzed inputs")

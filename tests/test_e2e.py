@@ -25,7 +25,7 @@ import yaml
 
 from hyperlight_agent import contracts
 from tests import nspawn
-from tests.conftest import make_node
+from tests.conftest import E2E_FIGURES, make_node
 from tests.e2e import cluster as cluster_module
 from tests.e2e.cluster import Cluster, Node, State, wait_until
 from tests.e2e.kube import ApiError
@@ -65,6 +65,7 @@ def record(key: str, value: Any) -> None:
     figures[key] = value
     with open(FIGURES, "w") as f:
         json.dump(figures, f, indent=1, sort_keys=True)
+    E2E_FIGURES[key] = value  # printed in the session summary, so CI's log has them
     print(f"\nfigure {key}: {value}")
 
 
@@ -94,7 +95,7 @@ def images() -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="session")
 def cluster(images: dict[str, str]) -> Iterator[Cluster]:
-    started = time.monotonic()
+    session_started = started = time.monotonic()
     c = Cluster(os.path.join(RUN_DIR, "cluster"), BIN_DIR)
     try:
         c.start()
@@ -111,6 +112,7 @@ def cluster(images: dict[str, str]) -> Iterator[Cluster]:
         yield c
     finally:
         c.stop()
+        record("e2e_session_s", round(time.monotonic() - session_started, 1))
 
 
 def helm(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
