@@ -276,74 +276,85 @@ class Registrar:
         """
         same_server = False
         while True:
-            self._pin("_kubelet_tried", Pin.take(self.kubelet_socket))
-            try:
-                if same_server:
-                    # The kubelet ended its stream and our socket is still ours: register the
-                    # server we have again, and take the next stream that opens as the kubelet's.
-                    same_server = False
-                    self._register_sent = False
-                    self._kubelet_stream = None
-                    self._kubelet_stream_open = False
-                else:
-                    await self._serve()
-                    if self._streamed_before_stop:
-                        await asyncio.sleep(STREAM_SETTLE_S)
-                        self._streamed_before_stop = False
-                await self._register()
-            except RegistrationError as exc:
-                self.last_error = str(exc)
-                await self.stop(grace=0)
-                self._set(WAITING)
-                delay = self._backoff.next()
-                log.warning("registration failed: %s; retrying in %.1f s or when %s appears",
-                            exc, delay, self.kubelet_socket)
-                await self._wait_for_kubelet(delay)
-                continue
-            self.registrations += 1
-            self._backoff.reset()  # Register works; stream losses have their own backoff
-            self.last_error = ""
-            log.info("registered %s with the kubelet (endpoint %s)", self._resource, self._socket_name)
-            self._set(STREAMED if self._kubelet_stream_open else REGISTERED)
-            outcome = await self._watch()
-            if outcome == "replaced":
-                # Not a kubelet restart: serving again either swaps out a stale socket or finds
-                # the live one of another agent (and then we exit, never taking it over).
-                log.warning("%s is no longer our socket: another one was put there; serving again",
-                            self.socket_path)
-                self._set(WAITING)
-                await self.stop(grace=0)
-                continue
-            if outcome == "restart":
-                self.kubelet_restarts += 1
-                self._loss_backoff.reset()
-                log.info("kubelet restart detected; serving and registering again")
-                self._set(WAITING)
-                await self.stop(grace=0)
-                continue
-            # The stream ended or never opened: the kubelet will not dial us again.
-            if time.monotonic() - self._stream_since >= STABLE_STREAM_S and outcome == "lost":
-                self._loss_backoff.reset()  # a long-lived stream: this is no loop
-            delay = self._loss_backoff.next()
-            self.last_error = outcome_text(outcome, self._stream_open_timeout)
-            self._set(LOST)
-            if outcome == "lost" and delay == 0:
-                # At once, on the server we have: a 1.34 kubelet ends our stream when the agent we
-                # took over from ends its own (handover.py), and every moment until our next
-                # Register is one in which it counts no device. Serving anew costs ~0.1 s more.
-                log.warning("%s; registering again at once", self.last_error)
-                self.streams_lost += 1
-                same_server = True
-                continue
-            log.warning("%s; serving and registering again in %.1f s", self.last_error, delay)
-            await self.stop(grace=0)
-            if await self._wait_for_kubelet(delay):
-                # A new kubelet.sock: the stream ended because the kubelet restarted.
-                self.kubelet_restarts += 1
-                self._loss_backoff.reset()
-                log.info("kubelet restart detected; serving and registering again")
+            if await self._serve_and_register(same_server):
+                same_server = await self._registration_ended(await self._watch())
+
+    async def _serve_and_register(self, same_server: bool) -> bool:
+        """Serve (or keep the server we have) and Register; False after a failure (backed off)."""
+        self._pin("_kubelet_tried", Pin.take(self.kubelet_socket))
+        try:
+            if same_server:
+                # The kubelet ended its stream and our socket is still ours: register the server
+                # we have again, and take the next stream that opens as the kubelet's.
+                self._forget_kubelet_stream()
             else:
-                self.streams_lost += 1
+                await self._serve()
+                if self._streamed_before_stop:
+                    await asyncio.sleep(STREAM_SETTLE_S)
+                    self._streamed_before_stop = False
+            await self._register()
+        except RegistrationError as exc:
+            self.last_error = str(exc)
+            await self.stop(grace=0)
+            self._set(WAITING)
+            delay = self._backoff.next()
+            log.warning("registration failed: %s; retrying in %.1f s or when %s appears",
+                        exc, delay, self.kubelet_socket)
+            await self._wait_for_kubelet(delay)
+            return False
+        self.registrations += 1
+        self._backoff.reset()  # Register works; stream losses have their own backoff
+        self.last_error = ""
+        log.info("registered %s with the kubelet (endpoint %s)", self._resource, self._socket_name)
+        self._set(STREAMED if self._kubelet_stream_open else REGISTERED)
+        return True
+
+    async def _registration_ended(self, outcome: str) -> bool:
+        """Act on how a registration ended (_watch's outcome); True: register the same server again."""
+        if outcome == "replaced":
+            # Not a kubelet restart: serving again either swaps out a stale socket or finds the
+            # live one of another agent (and then we exit, never taking it over).
+            log.warning("%s is no longer our socket: another one was put there; serving again",
+                        self.socket_path)
+            self._set(WAITING)
+            await self.stop(grace=0)
+            return False
+        if outcome == "restart":
+            self.kubelet_restarts += 1
+            self._loss_backoff.reset()
+            log.info("kubelet restart detected; serving and registering again")
+            self._set(WAITING)
+            await self.stop(grace=0)
+            return False
+        # The stream ended or never opened: the kubelet will not dial us again.
+        if time.monotonic() - self._stream_since >= STABLE_STREAM_S and outcome == "lost":
+            self._loss_backoff.reset()  # a long-lived stream: this is no loop
+        delay = self._loss_backoff.next()
+        self.last_error = outcome_text(outcome, self._stream_open_timeout)
+        self._set(LOST)
+        if outcome == "lost" and delay == 0:
+            # At once, on the server we have: a 1.34 kubelet ends our stream when the agent we took
+            # over from ends its own (handover.py), and every moment until our next Register is
+            # one in which it counts no device. Serving anew would cost ~0.1 s more.
+            log.warning("%s; registering again at once", self.last_error)
+            self.streams_lost += 1
+            return True
+        log.warning("%s; serving and registering again in %.1f s", self.last_error, delay)
+        await self.stop(grace=0)
+        if await self._wait_for_kubelet(delay):
+            # A new kubelet.sock: the stream ended because the kubelet restarted.
+            self.kubelet_restarts += 1
+            self._loss_backoff.reset()
+            log.info("kubelet restart detected; serving and registering again")
+        else:
+            self.streams_lost += 1
+        return False
+
+    def _forget_kubelet_stream(self) -> None:
+        """The next stream to open after our next Register is the kubelet's."""
+        self._register_sent = False
+        self._kubelet_stream = None
+        self._kubelet_stream_open = False
 
     def end_streams(self) -> None:
         """End the current server's ListAndWatch streams now (the first step of a shutdown)."""
@@ -358,9 +369,7 @@ class Registrar:
         if self._kubelet_stream_open:
             self._streamed_before_stop = True
         self.streams = 0
-        self._register_sent = False
-        self._kubelet_stream = None
-        self._kubelet_stream_open = False
+        self._forget_kubelet_stream()
         self.end_streams()
         if server is not None:
             await server.stop(grace)
