@@ -67,8 +67,7 @@ ROOT_CALLS = re.compile(r"\bos\.(mknod|chown|lchown|fchown)\(|[\"']unshare[\"']|
 
 
 def _source_with_callees(function: Callable[..., Any]) -> str:
-    """function's source, followed by that of every module-level function of its module it calls."""
-    module = inspect.getmodule(function)
+    """function's source, followed by that of every function of the test suite it calls."""
     seen: set[str] = set()
     pending = [function]
     sources = []
@@ -82,8 +81,8 @@ def _source_with_callees(function: Callable[..., Any]) -> str:
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in seen:
                 seen.add(node.func.id)
-                callee = getattr(module, node.func.id, None)
-                if inspect.isfunction(callee) and inspect.getmodule(callee) is module:
+                callee = getattr(inspect.getmodule(current), node.func.id, None)
+                if inspect.isfunction(callee) and callee.__module__.startswith("tests"):
                     pending.append(callee)
     return "\n".join(sources)
 
@@ -102,7 +101,11 @@ def needs_root(item: pytest.Item, marked_by_hand: set[object]) -> bool:
     function = getattr(item, "function", None)
     if function is None or function in marked_by_hand or function.__name__ in NOT_ROOT:
         return False
-    return bool(ROOT_CALLS.search(_source_with_callees(function)))
+    # The test and the fixtures it uses (a fixture that mknods is as good as the test doing it).
+    fixtures = getattr(item, "_fixtureinfo", None)
+    funcs = [function] + [d[-1].func for d in (fixtures.name2fixturedefs.values() if fixtures else ()) if d
+                          and getattr(d[-1].func, "__module__", "").startswith("tests")]
+    return any(ROOT_CALLS.search(_source_with_callees(f)) for f in funcs)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
