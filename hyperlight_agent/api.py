@@ -30,6 +30,12 @@ REGISTRATION_METHODS: dict[str, tuple[Any, Any, bool]] = {
 }
 
 
+def plugin_options() -> pb.DevicePluginOptions:
+    """What we tell the kubelet, in Register and GetDevicePluginOptions alike: no PreStartContainer
+    and no preferred allocation (slots are interchangeable)."""
+    return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=False)
+
+
 def generic_handler(service: str, methods: dict[str, tuple[Any, Any, bool]],
                     implementation: object) -> grpc.GenericRpcHandler[Any, Any]:
     """A handler serving `service` with implementation's methods of the same names."""

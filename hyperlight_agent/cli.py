@@ -92,7 +92,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
         return 0 if ok else 1
     journal.setup(settings.log_level, environ, {
         "resource": modes.of(args.device_access).resource,
-        "cdi_path": os.path.join(settings.cdi_dir, "hyperlight.json"),
+        "cdi_path": os.path.join(settings.cdi_dir, contracts.CDI_SPEC_FILE),
         "device_dir": settings.device_dir})
     from .registration import AlreadyServed  # grpc is imported only for the long-running modes
 

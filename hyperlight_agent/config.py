@@ -27,7 +27,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG_FILE = "/etc/hyperlight-agent/agent.toml"
 CONFIG_ENV = "HYPERLIGHT_CONFIG"
-ALLOCATION_MODES = ("cdi", "device-spec", "both")
+# What Allocate returns: a CDI device name, a DeviceSpec, or both.
+ALLOCATION_CDI = "cdi"
+ALLOCATION_DEVICE_SPEC = "device-spec"
+ALLOCATION_BOTH = "both"
+ALLOCATION_MODES = (ALLOCATION_CDI, ALLOCATION_DEVICE_SPEC, ALLOCATION_BOTH)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 UINT32_MAX = 2**32 - 1
 # A ListAndWatch list of more devices than this exceeds the kubelet's 4 MiB gRPC message limit.
@@ -186,7 +190,7 @@ SETTINGS: tuple[Setting, ...] = (
             "CDI spec directory; the agent owns only hyperlight.json in it", restart_only=True),
     Setting("check_interval_seconds", "HYPERLIGHT_CHECK_INTERVAL", "--check-interval", 30,
             _seconds, "seconds between periodic device checks", toml_types=(int, float)),
-    Setting("allocation", "HYPERLIGHT_ALLOCATION", "--allocation", "both",
+    Setting("allocation", "HYPERLIGHT_ALLOCATION", "--allocation", ALLOCATION_BOTH,
             _choice(ALLOCATION_MODES),
             "what Allocate returns: both (CDI name and DeviceSpec: works on every runtime), "
             "cdi, or device-spec"),

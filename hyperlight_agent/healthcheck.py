@@ -38,6 +38,7 @@ def _check(which: str, path: str, target: str) -> tuple[bool, str]:
     import grpc
     from grpc_health.v1 import health_pb2
 
+    # api.unix_target's form, written out: importing api would load the device plugin's messages too.
     with grpc.insecure_channel("unix://" + target) as channel:
         check = channel.unary_unary(
             "/grpc.health.v1.Health/Check",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from . import contracts
+from . import config, contracts
 
 
 class Mode(NamedTuple):
@@ -30,7 +30,7 @@ PLUGIN = Mode("plugin", contracts.RESOURCE_HYPERVISOR, contracts.PLUGIN_SOCKET, 
 # Two slots: the device plugin's running pod and, during a surge update or a replacement after a
 # delete, its successor (both hold the device until the handover; see handover.py).
 DEVICE_ACCESS = Mode("device-access", contracts.RESOURCE_DEVICE_ACCESS, contracts.DEVICE_ACCESS_SOCKET, 2,
-                     "device-spec", workload_env=False, inventory_only=True)
+                     config.ALLOCATION_DEVICE_SPEC, workload_env=False, inventory_only=True)
 
 
 def of(device_access: bool) -> Mode:

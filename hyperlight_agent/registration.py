@@ -523,8 +523,7 @@ class Registrar:
             version=contracts.KUBELET_API_VERSION,
             endpoint=self._socket_name,
             resource_name=self._resource,
-            options=pb.DevicePluginOptions(pre_start_required=False,
-                                           get_preferred_allocation_available=False),
+            options=api.plugin_options(),
         )
         self._register_sent = True
         try:

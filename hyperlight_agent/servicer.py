@@ -14,10 +14,10 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Opti
 
 import grpc
 
-from . import cdi, contracts, hypervisors
+from . import api, cdi, contracts, hypervisors
 from . import deviceplugin_pb2 as pb
 from .checker import Checker
-from .config import MAX_DEVICE_COUNT
+from .config import ALLOCATION_BOTH, ALLOCATION_CDI, ALLOCATION_DEVICE_SPEC, MAX_DEVICE_COUNT
 from .observation import Observation, SharedObservation
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class Profile:
     resource: str
     socket: str
     slots: int
-    # "cdi", "device-spec" or "both" (see config.ALLOCATION_MODES).
+    # One of config.ALLOCATION_MODES.
     allocation: str
     # Whether a DeviceSpec comes with the workload environment the CDI spec sets (not for the
     # bootstrap grant, which only the plugin's own pod receives).
@@ -87,7 +87,7 @@ class DevicePluginServicer:
     # --- RPCs -------------------------------------------------------------------------------
 
     async def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
-        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=False)
+        return api.plugin_options()
 
     async def ListAndWatch(self, request: pb.Empty, context: Any) -> AsyncIterator[pb.ListAndWatchResponse]:
         stream = self.watch(asyncio.Event())
@@ -196,9 +196,9 @@ class DevicePluginServicer:
 
     def _container_response(self, hypervisor: hypervisors.Hypervisor) -> pb.ContainerAllocateResponse:
         response = pb.ContainerAllocateResponse()
-        if self.profile.allocation in ("cdi", "both"):
+        if self.profile.allocation in (ALLOCATION_CDI, ALLOCATION_BOTH):
             response.cdi_devices.append(pb.CDIDevice(name=cdi.device_name(hypervisor.name)))
-        if self.profile.allocation in ("device-spec", "both"):
+        if self.profile.allocation in (ALLOCATION_DEVICE_SPEC, ALLOCATION_BOTH):
             response.devices.append(pb.DeviceSpec(
                 container_path=hypervisor.container_path,
                 host_path=hypervisor.container_path,

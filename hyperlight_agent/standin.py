@@ -1,6 +1,6 @@
 """A kubelet stand-in: the device manager's side of the v1beta1 contract, for tests and demos.
 
-As strict as the real device manager (../shared/docs/kubelet-contract.md), never more forgiving:
+As strict as the real device manager (the kubelet's pkg/kubelet/cm/devicemanager), never more forgiving:
 - Register validates the version and resource name, then *inside the call* dials the plugin's
   endpoint (10 s) and calls GetDevicePluginOptions with no deadline, then starts ListAndWatch in
   the background;
@@ -37,7 +37,7 @@ from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 import grpc
 
-from . import api, contracts
+from . import api, contracts, waits
 from . import deviceplugin_pb2 as pb
 
 T = TypeVar("T")
@@ -176,7 +176,7 @@ class KubeletStandin:
         channel = grpc.aio.insecure_channel(api.unix_target(os.path.join(self.directory, request.endpoint)))
         try:
             # Dial back inside Register, as the kubelet's device manager does.
-            await asyncio.wait_for(channel.channel_ready(), contracts.KUBELET_DIAL_TIMEOUT_S)
+            await waits.within(channel.channel_ready(), contracts.KUBELET_DIAL_TIMEOUT_S)
             # No deadline, as the kubelet: a plugin that never answers hangs this Register.
             options = await api.device_plugin_stub(channel).GetDevicePluginOptions(pb.Empty())
         except (asyncio.TimeoutError, grpc.aio.AioRpcError) as exc:
@@ -333,8 +333,7 @@ class StandinThread:
                 remaining = deadline - self.loop.time()
                 if remaining <= 0:
                     raise TimeoutError(f"kubelet stand-in: timed out after {timeout} s waiting for {what}")
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(event.wait(), remaining)
+                await waits.event(event, remaining)
 
         return self.call(wait(), timeout=timeout + 5)
 

@@ -1,5 +1,5 @@
 """Real systemd as PID 1: a debootstrapped Debian 12 booted with systemd-nspawn, controlled
-from the host with nsenter. Recipe and flags: ../shared/docs/test-environment.md."""
+from the host with nsenter."""
 
 from __future__ import annotations
 

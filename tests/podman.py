@@ -1,6 +1,6 @@
 """Rootful podman for the system tests, with private storage under a test's own temp dir and the
-settings these machines need (runc, cgroupfs, ulimits: ../shared/docs/test-environment.md), and
-the lock every test holds while it writes the system CDI directories podman 4.3 reads."""
+settings these machines need (runc, cgroupfs, ulimits), and the lock every test holds while it
+writes the system CDI directories podman 4.3 reads."""
 
 from __future__ import annotations
 

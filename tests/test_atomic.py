@@ -99,7 +99,7 @@ def test_a_drifted_spec_replaced_by_another_regular_file_meanwhile_is_left_alone
         assert repaired.read() == WANTED
 
 
-@pytest.mark.parametrize("drift", ["chmod 600", "chmod 666", "chown 1234:1234"])
+@pytest.mark.parametrize("drift", ["chmod 600", "chmod 666", pytest.param("chown 1234:1234", marks=pytest.mark.root)])
 def test_mode_and_owner_are_part_of_exact(tmp: str, drift: str) -> None:
     path = cdi.spec_path(tmp)
     assert cdi.reconcile(tmp, WANTED)

@@ -6,10 +6,13 @@ import os
 import shutil
 import subprocess
 
+import pytest
+
 from hyperlight_agent import deviceplugin_pb2 as pb
 from tests.test_docs import ROOT
 
 
+@pytest.mark.system  # protoc: a system tool `make test` installs, not `make check`
 def test_generated_code_matches_the_proto(tmp: str) -> None:
     protoc = shutil.which("protoc")
     assert protoc, "protoc is missing: `make test` installs protobuf-compiler"

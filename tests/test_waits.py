@@ -3,7 +3,9 @@ hung on SIGTERM because asyncio.wait_for (Python < 3.12) swallowed exactly that.
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import os
 import sys
 from typing import Awaitable, Callable
 
@@ -51,3 +53,35 @@ def test_within_times_out_and_returns_results() -> None:
         assert not await waits.event(asyncio.Event(), 0.01)
 
     asyncio.run(run())
+
+
+def wait_for_uses(source: str) -> list[int]:
+    """Lines of `source` that call or import asyncio.wait_for (under any alias of asyncio)."""
+    tree = ast.parse(source)
+    aliases = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+               if a.name == "asyncio"}
+    lines = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "wait_for"
+             and isinstance(n.value, ast.Name) and n.value.id in aliases]
+    lines += [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "asyncio"
+              and any(a.name == "wait_for" for a in n.names)]
+    return sorted(lines)
+
+
+def test_wait_for_uses_finds_each_spelling() -> None:
+    assert wait_for_uses("import asyncio as aio\nx = aio.wait_for\n") == [2]
+    assert wait_for_uses("from asyncio import sleep, wait_for\n") == [1]
+    assert wait_for_uses("import asyncio\nasync def f(): await asyncio.wait({t}, timeout=1)\n") == []
+
+
+def test_no_wait_in_the_package_uses_asyncio_wait_for() -> None:
+    # ARCHITECTURE.md: waits with a deadline use waits.py, never asyncio.wait_for.
+    from tests.test_layers import PACKAGE
+
+    found = {}
+    for name in sorted(os.listdir(PACKAGE)):
+        if name.endswith(".py"):
+            with open(os.path.join(PACKAGE, name)) as f:
+                lines = wait_for_uses(f.read())
+            if lines:
+                found[name] = lines
+    assert not found, f"asyncio.wait_for in {found}: use waits.within or waits.event"

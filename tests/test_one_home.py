@@ -1,0 +1,80 @@
+"""One home per fact: a value the code builds or names in one module is not built again beside
+it, and the copies that must stay literal (the version in packaging files) are held equal."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+import pytest
+
+from hyperlight_agent import __version__, api, config
+from hyperlight_agent import deviceplugin_pb2 as pb
+from tests.test_docs import read
+from tests.test_layers import MODULES, PACKAGE
+
+
+def trees() -> dict[str, ast.Module]:
+    found = {}
+    for module in MODULES:
+        if module != "deviceplugin_pb2":
+            with open(os.path.join(PACKAGE, module + ".py")) as f:
+                found[module] = ast.parse(f.read())
+    return found
+
+
+def homes_of_string(value: str) -> set[str]:
+    """The modules holding `value` as a whole string literal."""
+    return {m for m, tree in trees().items()
+            if any(isinstance(n, ast.Constant) and n.value == value for n in ast.walk(tree))}
+
+
+# Each copy of the version a packaging file or doc must spell out: file → pattern capturing it.
+VERSION_COPIES = {
+    "Containerfile": r"^ARG VERSION=(\S+)$",
+    "packaging/debian/changelog": r"\Ahyperlight-agent \(([^)]+)\)",
+    "packaging/rpm/hyperlight-agent.spec": r"^Version:\s+(\S+)$",
+    "deploy/image/build.sh": r"VERSION:-([^}]+)\}",
+    "deploy/helm/hyperlight-agent/Chart.yaml": r"^version: (\S+)$",
+    "README.md": r"hyperlight-agent_([0-9][^_]*)_amd64\.deb",
+}
+
+
+@pytest.mark.parametrize("path", sorted(VERSION_COPIES))
+def test_every_copy_of_the_version_is_the_package_version(path: str) -> None:
+    found = re.findall(VERSION_COPIES[path], read(path), re.MULTILINE)
+    assert found, f"{path}: no version found"
+    assert set(found) == {__version__}, f"{path} says {found}, hyperlight_agent.__version__ is {__version__}"
+
+
+def test_chart_app_version_is_the_package_version() -> None:
+    assert re.findall(r'^appVersion: "([^"]+)"$', read("deploy/helm/hyperlight-agent/Chart.yaml"),
+                      re.MULTILINE) == [__version__]
+
+
+def test_device_plugin_options_are_built_only_by_api() -> None:
+    builders = {m for m, tree in trees().items() for n in ast.walk(tree)
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "DevicePluginOptions"}
+    assert builders == {"api"}  # Register and GetDevicePluginOptions both send api.plugin_options()
+    assert api.plugin_options() == pb.DevicePluginOptions(pre_start_required=False,
+                                                          get_preferred_allocation_available=False)
+
+
+def test_the_spec_file_name_lives_in_contracts() -> None:
+    assert homes_of_string("hyperlight.json") == {"contracts"}
+
+
+def test_unix_targets_are_built_by_api() -> None:
+    # healthcheck writes the same form out: the exec probe must not load the device plugin's messages.
+    assert {m for m, tree in trees().items() for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("unix:")} \
+        <= {"api", "healthcheck"}
+    assert api.unix_target("/k/p.sock") == "unix:///k/p.sock"
+
+
+def test_allocation_modes_are_named_in_config_only() -> None:
+    for mode in config.ALLOCATION_MODES:
+        if mode != "cdi":  # also a failure cause ("cdi") in checker and observation
+            assert homes_of_string(mode) == {"config"}, mode

@@ -1,0 +1,72 @@
+"""The development tools and judges are pinned exactly, in pins/, and the pins follow pyproject.toml:
+an unchanged tree keeps its ruff, mypy and pytest verdicts until `make pin-tools` moves them."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import sys
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from tests.test_docs import ROOT
+
+PINS = os.path.join(ROOT, "pins")
+
+
+def pins(name: str) -> dict[str, str]:
+    """Canonical name → pinned version, from pins/<name>; every line that is not a comment is `name==version`."""
+    found: dict[str, str] = {}
+    with open(os.path.join(PINS, name)) as f:
+        for line in f:
+            if line.startswith("#") or not line.strip():
+                continue
+            match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][0-9A-Za-z.+!-]*)", line.strip())
+            assert match, f"pins/{name}: not an exact pin: {line.strip()!r}"
+            key = canonicalize_name(match.group(1))
+            assert key not in found, f"pins/{name}: {key} pinned twice"
+            found[key] = match.group(2)
+    return found
+
+
+def extra_requirements() -> list[Requirement]:
+    # The extra as pip sees it (the installed project's metadata), not re-parsed from the toml.
+    return [Requirement(r.split(";")[0]) for r in importlib.metadata.requires("hyperlight-agent") or []
+            if re.search(r"""extra\s*==\s*["']test["']""", r)]
+
+
+def test_every_tool_of_the_test_extra_is_pinned_within_its_range() -> None:
+    pinned = pins("dev.txt")
+    extra = extra_requirements()
+    assert {canonicalize_name(r.name) for r in extra} == set(pinned)
+    for requirement in extra:
+        version = pinned[canonicalize_name(requirement.name)]
+        assert requirement.specifier.contains(version, prereleases=True), f"{requirement}: pinned {version}"
+
+
+def test_the_venv_runs_the_pinned_tools() -> None:
+    # Otherwise the verdicts are some other version's (a venv made before the pins moved).
+    for name, version in pins("dev.txt").items():
+        assert importlib.metadata.version(name) == version, f"{name}: `make` reinstalls from pins/dev.txt"
+
+
+def test_the_judges_are_pinned_and_installed_from_the_pins() -> None:
+    assert set(pins("judges.txt")) == {"checkov", "kubernetes-validate"}
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        makefile = f.read()
+    assert "pip install -q -r pins/judges.txt" in makefile
+    assert "-e '.[test]' -c pins/dev.txt" in makefile
+
+
+def test_pin_tools_writes_what_a_venv_has_installed() -> None:
+    # `make pin-tools` renders pins/dev.txt from a fresh venv; from this venv it renders the file as it is.
+    spec = importlib.util.spec_from_file_location("pins_update", os.path.join(PINS, "update.py"))
+    assert spec and spec.loader
+    update = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(update)
+    path = os.path.join(PINS, "dev.txt")
+    with open(path) as f:
+        assert update.render(path, sys.executable, update.test_extra()) == f.read()
