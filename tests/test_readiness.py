@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hyperlight_agent import contracts, journal
+from hyperlight_agent import contracts, journal, modes
 from hyperlight_agent.standin import KubeletStandin, StandinThread
 from tests.conftest import StartAgent, make_node, wait_for
 
@@ -73,18 +73,34 @@ def test_probes_in_every_state(kubelet: StandinThread, start_agent: StartAgent, 
     make_node(node, 10, 232)
     wait_for(lambda: probe(tmp, "readiness")[0] == 0, 10, "ready again")
 
-    # The kubelet's stream ends: not ready until a new one opens.
+    # The kubelet's stream ends: not ready until a new one opens (the agent registers again at
+    # once; this kubelet then opens no stream for a while).
+    kubelet.run(lambda k: setattr(k, "open_streams", False))
     kubelet.call(kubelet.kubelet.drop_stream(R))
     wait_for(lambda: probe(tmp, "readiness")[0] == 1, 10, "not ready without a stream")
+    kubelet.run(lambda k: setattr(k, "open_streams", True))
+    wait_for(lambda: probe(tmp, "readiness")[0] == 0, 15, "ready with a stream again")
 
 
 def test_device_access_probe_uses_its_own_socket(kubelet: StandinThread, start_agent: StartAgent,
                                                  tmp: str, kvm_dir: str) -> None:
     start_agent("--device-access", "--device-dir", kvm_dir)
     kubelet.wait_until(lambda k: k.plugins.get(contracts.RESOURCE_DEVICE_ACCESS) and
-                       k.plugins[contracts.RESOURCE_DEVICE_ACCESS].healthy == 1, 15)
+                       k.plugins[contracts.RESOURCE_DEVICE_ACCESS].healthy == modes.DEVICE_ACCESS.slots, 15)
     wait_for(lambda: probe(tmp, "readiness", "--device-access")[0] == 0, 10)
     assert "hyperlight-access.sock" in probe(tmp, "liveness", "--device-access")[1]
+    assert probe(tmp, "liveness")[1].startswith("liveness: not serving: no socket")
+
+
+def test_a_named_instance_is_probed_at_its_own_socket(kubelet: StandinThread, start_agent: StartAgent,
+                                                      tmp: str, kvm_dir: str) -> None:
+    """In a pod the agent serves hyperlight.<pod>.sock: the exec probe, with the same settings,
+    checks that socket, not another agent's."""
+    start_agent("--device-dir", kvm_dir, "--device-count", "2", "--instance", "pod-a")
+    kubelet.wait_until(lambda k: slots(k) == 2, 15)
+    wait_for(lambda: probe(tmp, "readiness", "--instance", "pod-a")[0] == 0, 10)
+    assert "hyperlight.pod-a.sock" in probe(tmp, "liveness", "--instance", "pod-a")[1]
+    assert probe(tmp, "liveness", "--instance", "pod-b")[1].startswith("liveness: not serving: no socket")
     assert probe(tmp, "liveness")[1].startswith("liveness: not serving: no socket")
 
 
