@@ -276,12 +276,15 @@ class Registrar:
         """
         same_server = False
         while True:
-            if await self._serve_and_register(same_server):
-                same_server = await self._registration_ended(await self._watch())
+            registered = await self._serve_and_register(same_server)
+            same_server = registered and await self._registration_ended(await self._watch())
 
     async def _serve_and_register(self, same_server: bool) -> bool:
         """Serve (or keep the server we have) and Register; False after a failure (backed off)."""
         self._pin("_kubelet_tried", Pin.take(self.kubelet_socket))
+        if same_server and not self._unchanged():
+            same_server = False  # the kubelet restarted meanwhile: it removed our socket
+            await self.stop(grace=0)
         try:
             if same_server:
                 # The kubelet ended its stream and our socket is still ours: register the server
@@ -349,6 +352,12 @@ class Registrar:
         else:
             self.streams_lost += 1
         return False
+
+    def _unchanged(self) -> bool:
+        """Our socket is still ours and kubelet.sock still the one we registered with."""
+        seen, tried = self._kubelet_seen, self._kubelet_tried
+        return (self._server is not None and self._served is not None and self._served.is_at(self.socket_path)
+                and seen is not None and tried is not None and tried.identity == seen.identity)
 
     def _forget_kubelet_stream(self) -> None:
         """The next stream to open after our next Register is the kubelet's."""

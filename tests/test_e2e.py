@@ -484,6 +484,7 @@ def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
     holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "1000"],
                               start_new_session=True)
     shim: Optional[subprocess.Popen[bytes]] = None
+    container: Optional[subprocess.Popen[bytes]] = None
     try:
         state.add("pids", [holder.pid, cluster_module._start_time(holder.pid)])
         namespace = wait_until(lambda: (ns := cluster_module._mount_ns(holder.pid)) != os.readlink("/proc/self/ns/mnt")
@@ -497,6 +498,14 @@ def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
         state.add("cgroups", group)
         for hierarchy in cluster_module._hierarchies():
             os.makedirs(os.path.join(cluster_module.CGROUP_ROOT, hierarchy, group.lstrip("/"), "kubepods"))
+        # A container: a mount namespace of its own, found only through its cgroup.
+        container = subprocess.Popen(["unshare", "--mount", "sleep", "1000"], start_new_session=True)
+        wait_until(lambda: cluster_module._mount_ns(container.pid) not in (None, namespace,  # type: ignore[union-attr]
+                                                                          os.readlink("/proc/self/ns/mnt")),
+                   10, "the container's own mount namespace")
+        with open(os.path.join(cluster_module.CGROUP_ROOT, "pids", group.lstrip("/"), "kubepods",
+                               "cgroup.procs"), "w") as f:
+            f.write(str(container.pid))
         bridge = f"hlleft{os.getpid() % 10000}"
         subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True)
         state.add("bridges", bridge)
@@ -506,13 +515,13 @@ def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
 
         Cluster.clean_leftovers(state_path, directory)
 
-        assert holder.wait(10) == -9 and shim.wait(10) == -9
+        assert holder.wait(10) == -9 and shim.wait(10) == -9 and container.wait(10) == -9
         assert not any(os.path.exists(os.path.join(cluster_module.CGROUP_ROOT, h, group.lstrip("/")))
                        for h in cluster_module._hierarchies())
         assert subprocess.run(["ip", "link", "show", bridge], capture_output=True, check=False).returncode != 0
         assert not os.path.exists(mountpoint) and not os.path.exists(directory) and not os.path.exists(state_path)
     finally:
-        for proc in (holder, shim):
+        for proc in (holder, shim, container):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(10)

@@ -282,3 +282,18 @@ def test_a_successor_that_is_not_ready_is_not_handed_over_to(kubelet: StandinThr
     assert agent.stop(timeout=10) == 0
     assert "no successor within 0.5 s" in agent.log
     second.stop()
+
+
+def test_a_kubelet_that_is_down_a_while_is_served_anew_when_it_returns(kubelet: StandinThread,
+                                                                        start_agent: StartAgent) -> None:
+    """The stream ends because the kubelet stops; registering again on the same server fails
+    while it is down, and when it comes back (having removed every socket) the agent must serve
+    anew, not register the server whose socket is gone (the kubelet would fail to dial it)."""
+    agent = start_agent("--device-count", "2")
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.call(kubelet.kubelet.stop())
+    wait_for(lambda: "registration failed" in agent.log, 10, "a Register while the kubelet is down")
+    calls = len(kubelet.kubelet.register_calls)
+    kubelet.call(kubelet.kubelet.restart())
+    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 5, "served and registered anew")
+    assert len(kubelet.kubelet.register_calls) == calls + 1, "one Register, to a socket that exists"

@@ -134,18 +134,30 @@ class State:
         os.replace(tmp, self.path)
 
 
+def _in_cgroups(pid: int, roots: tuple[str, ...]) -> bool:
+    """Whether the process is in one of the cgroup trees `roots` (in any hierarchy)."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            paths = [line.rstrip("\n").split(":", 2)[2] for line in f]
+    except (OSError, IndexError):
+        return False
+    return any(p == root or p.startswith(root + "/") for p in paths for root in roots)
+
+
 def _kill_everything(state: State) -> None:
-    """End every process we started or that lives in a node's mount namespace, then remove what
+    """End every process we started, that lives in a node's mount namespace (containerd's shims)
+    or in a node's cgroup tree (the containers: their own mount namespaces), then remove what
     they left on the host: cgroups, bridges, mountpoints."""
     namespaces = set(state.data["namespaces"])
+    roots = tuple(state.data["cgroups"])
     for _ in range(50):
         victims = []
         for pid, started in state.data["pids"]:
             if _start_time(pid) == started:
                 victims.append(pid)
-        if namespaces:
+        if namespaces or roots:
             for entry in os.listdir("/proc"):
-                if entry.isdigit() and _mount_ns(int(entry)) in namespaces:
+                if entry.isdigit() and (_mount_ns(int(entry)) in namespaces or _in_cgroups(int(entry), roots)):
                     victims.append(int(entry))
         victims = [pid for pid in set(victims) if pid != os.getpid()]
         if not victims:
