@@ -1,4 +1,5 @@
-"""Bootstrap mode (--device-access): one slot that grants the raw device, found without opening it."""
+"""Bootstrap mode (--device-access): two slots (the device plugin and its successor during a
+handover) that grant the raw device, found without opening it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def plugin_slots(k: KubeletStandin) -> list[tuple[str, str]]:
     return p.devices if p and p.lists else []
 
 
-def test_one_slot_devicespec_only_no_cdi_never_opened(kubelet: StandinThread, start_agent: StartAgent,
+def test_two_slots_devicespec_only_no_cdi_never_opened(kubelet: StandinThread, start_agent: StartAgent,
                                                       tmp: str) -> None:
     host_dev = os.path.join(tmp, "host-dev")
     os.mkdir(host_dev)
@@ -28,7 +29,7 @@ def test_one_slot_devicespec_only_no_cdi_never_opened(kubelet: StandinThread, st
     with pytest.raises(OSError):
         os.close(os.open(node, os.O_RDWR))
     agent = start_agent("--device-access", "--device-dir", host_dev)
-    kubelet.wait_until(lambda k: plugin_slots(k) == [("kvm-0", "Healthy")], 15)
+    kubelet.wait_until(lambda k: plugin_slots(k) == [("kvm-0", "Healthy"), ("kvm-1", "Healthy")], 15)
     ((_, request),) = kubelet.kubelet.register_calls
     assert (request.endpoint, request.resource_name) == ("hyperlight-access.sock", R)
     assert agent.helpers() == [], "bootstrap mode never starts the probe helper"
@@ -38,7 +39,7 @@ def test_one_slot_devicespec_only_no_cdi_never_opened(kubelet: StandinThread, st
         [("/dev/kvm", "/dev/kvm", "rw")]
     assert list(container.cdi_devices) == [] and not container.envs and not container.mounts
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        kubelet.call(kubelet.kubelet.raw_allocate(R, ["kvm-1"]))
+        kubelet.call(kubelet.kubelet.raw_allocate(R, ["kvm-2"]))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert not os.path.exists(os.path.join(tmp, "cdi")), "bootstrap mode writes no CDI"
     assert agent.stop() == 0
