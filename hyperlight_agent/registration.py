@@ -274,27 +274,18 @@ class Registrar:
 
         Raises AlreadyServed when another live plugin serves our socket path.
         """
-        same_server = False
         while True:
-            registered = await self._serve_and_register(same_server)
-            same_server = registered and await self._registration_ended(await self._watch())
+            if await self._serve_and_register():
+                await self._registration_ended(await self._watch())
 
-    async def _serve_and_register(self, same_server: bool) -> bool:
-        """Serve (or keep the server we have) and Register; False after a failure (backed off)."""
+    async def _serve_and_register(self) -> bool:
+        """Serve and Register; False after a failure (backed off)."""
         self._pin("_kubelet_tried", Pin.take(self.kubelet_socket))
-        if same_server and not self._unchanged():
-            same_server = False  # the kubelet restarted meanwhile: it removed our socket
-            await self.stop(grace=0)
         try:
-            if same_server:
-                # The kubelet ended its stream and our socket is still ours: register the server
-                # we have again, and take the next stream that opens as the kubelet's.
-                self._forget_kubelet_stream()
-            else:
-                await self._serve()
-                if self._streamed_before_stop:
-                    await asyncio.sleep(STREAM_SETTLE_S)
-                    self._streamed_before_stop = False
+            await self._serve()
+            if self._streamed_before_stop:
+                await asyncio.sleep(STREAM_SETTLE_S)
+                self._streamed_before_stop = False
             await self._register()
         except RegistrationError as exc:
             self.last_error = str(exc)
@@ -312,8 +303,8 @@ class Registrar:
         self._set(STREAMED if self._kubelet_stream_open else REGISTERED)
         return True
 
-    async def _registration_ended(self, outcome: str) -> bool:
-        """Act on how a registration ended (_watch's outcome); True: register the same server again."""
+    async def _registration_ended(self, outcome: str) -> None:
+        """Act on how a registration ended (_watch's outcome) before serving again."""
         if outcome == "replaced":
             # Not a kubelet restart: serving again either swaps out a stale socket or finds the
             # live one of another agent (and then we exit, never taking it over).
@@ -321,27 +312,20 @@ class Registrar:
                         self.socket_path)
             self._set(WAITING)
             await self.stop(grace=0)
-            return False
+            return
         if outcome == "restart":
             self.kubelet_restarts += 1
             self._loss_backoff.reset()
             log.info("kubelet restart detected; serving and registering again")
             self._set(WAITING)
             await self.stop(grace=0)
-            return False
+            return
         # The stream ended or never opened: the kubelet will not dial us again.
         if time.monotonic() - self._stream_since >= STABLE_STREAM_S and outcome == "lost":
             self._loss_backoff.reset()  # a long-lived stream: this is no loop
         delay = self._loss_backoff.next()
         self.last_error = outcome_text(outcome, self._stream_open_timeout)
         self._set(LOST)
-        if outcome == "lost" and delay == 0:
-            # At once, on the server we have: a 1.34 kubelet ends our stream when the agent we took
-            # over from ends its own (handover.py), and every moment until our next Register is
-            # one in which it counts no device. Serving anew would cost ~0.1 s more.
-            log.warning("%s; registering again at once", self.last_error)
-            self.streams_lost += 1
-            return True
         log.warning("%s; serving and registering again in %.1f s", self.last_error, delay)
         await self.stop(grace=0)
         if await self._wait_for_kubelet(delay):
@@ -351,13 +335,6 @@ class Registrar:
             log.info("kubelet restart detected; serving and registering again")
         else:
             self.streams_lost += 1
-        return False
-
-    def _unchanged(self) -> bool:
-        """Our socket is still ours and kubelet.sock still the one we registered with."""
-        seen, tried = self._kubelet_seen, self._kubelet_tried
-        return (self._server is not None and self._served is not None and self._served.is_at(self.socket_path)
-                and seen is not None and tried is not None and tried.identity == seen.identity)
 
     def _forget_kubelet_stream(self) -> None:
         """The next stream to open after our next Register is the kubelet's."""
