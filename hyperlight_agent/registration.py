@@ -314,7 +314,6 @@ class Registrar:
             await self.stop(grace=0)
             return
         if outcome == "restart":
-            self.kubelet_restarts += 1
             self._loss_backoff.reset()
             log.info("kubelet restart detected; serving and registering again")
             self._set(WAITING)
@@ -330,7 +329,6 @@ class Registrar:
         await self.stop(grace=0)
         if await self._wait_for_kubelet(delay):
             # A new kubelet.sock: the stream ended because the kubelet restarted.
-            self.kubelet_restarts += 1
             self._loss_backoff.reset()
             log.info("kubelet restart detected; serving and registering again")
         else:
@@ -518,6 +516,11 @@ class Registrar:
         except grpc.aio.AioRpcError as exc:
             raise RegistrationError(
                 f"Register with {self.kubelet_socket}: {exc.code().name}: {exc.details()}") from exc
+        previous = self._kubelet_seen
+        if previous is not None and previous.identity != kubelet.identity:
+            # Counted here, where it is certain: a restart first seen as a lost stream (the
+            # kubelet stopping ends it before its new socket exists) is registered anew at once.
+            self.kubelet_restarts += 1
         self._pin("_kubelet_seen", kubelet)
 
     async def _wait_for_kubelet(self, delay: float) -> bool:

@@ -397,11 +397,15 @@ def test_lifecycle_under_load(installed: Cluster, kubelet: str, event: str) -> N
     assert figure["failed"] == 0, figure
     if kubelet == "newest" or event == "kubelet_restart":
         assert figure["rejected"] == 0, figure
+        if event != "kubelet_restart":  # a restarted kubelet counts nothing until we register
+            assert figure["kubelet_zero_windows_s"] == [], figure
     else:
         # 1.34 disconnects the newest client when an older one's stream ends (fixed in 1.35): the
-        # successor registers again at once, but the pods admitted in those milliseconds fail.
-        # Without the handover it is a pod start long (the 1.28 measurement: 8 to 27 of 60).
-        assert figure["rejected"] <= 2, figure
+        # successor registers again at once, and pods admitted in that one gap fail (0-4 of ~40
+        # measured, with the gap 0.04-0.18 s under this load; without the handover the gap was a
+        # pod start long, and a 1.28 cluster rejected 8 to 27 of 60). What the agent controls:
+        # one gap, not more, and nothing failing after admission.
+        assert len(figure["kubelet_zero_windows_s"]) <= 1, figure
 
 
 @pytest.fixture(scope="session")
