@@ -176,6 +176,9 @@ class Agent:
         successor = await handover.wait_for_successor(self.settings.kubelet_dir, self.mode.socket,
                                                       self.profile.socket, timeout)
         if successor:
+            # Its registration made the kubelet send new Allocates there; ours in flight must
+            # finish before our stream ends (the kubelet then cancels them).
+            await handover.drained(lambda: self.servicer.allocating, SHUTDOWN_GRACE_S)
             log.info("handing over to %s", successor)
         else:
             log.info("no successor within %g s", timeout)

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import os
 import stat
-from typing import Optional
+from typing import Callable, Optional
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -80,3 +80,14 @@ async def wait_for_successor(kubelet_dir: str, base_socket: str, own: str, timeo
         if loop.time() >= deadline:
             return None
         await asyncio.sleep(min(POLL_S, max(0.0, deadline - loop.time())))
+
+
+async def drained(in_flight: Callable[[], int], timeout: float) -> bool:
+    """Whether in_flight() reached 0 within `timeout` seconds (polled: a stop is the only caller)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while in_flight() > 0:
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True

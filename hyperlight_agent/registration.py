@@ -60,6 +60,9 @@ STREAM_SETTLE_S = 0.1
 # A safety net behind inotify (which can be unavailable or overflow): re-check sockets this often.
 VERIFY_INTERVAL_S = 5.0
 STOP_GRACE_S = 1.0
+# A new kubelet.sock that does not answer yet: retry this often, for this long, before backing off.
+KUBELET_STARTING_RETRY_S = 0.05
+KUBELET_STARTING_S = 10.0
 PRIVATE_TOKEN_BYTES = 4  # the random part of a private socket name: 8 hex digits
 LIVE_PROBE_TIMEOUT_S = 1.0
 
@@ -241,6 +244,7 @@ class Registrar:
         self._end_streams: Callable[[], None] = lambda: None
         self._served: Optional[Pin] = None
         self._kubelet_seen: Optional[Pin] = None
+        self._starting: Optional[tuple[Identity, float]] = None  # a new kubelet.sock, first failed at
         # The kubelet.sock a failed attempt used (None: there was none). Any other one ends the
         # backoff at once, even if it appeared before the backoff began.
         self._kubelet_tried: Optional[Pin] = None
@@ -292,6 +296,8 @@ class Registrar:
             await self.stop(grace=0)
             self._set(WAITING)
             delay = self._backoff.next()
+            if self._kubelet_starting():
+                delay = min(delay, KUBELET_STARTING_RETRY_S)
             log.warning("registration failed: %s; retrying in %.1f s or when %s appears",
                         exc, delay, self.kubelet_socket)
             await self._wait_for_kubelet(delay)
@@ -333,6 +339,18 @@ class Registrar:
             log.info("kubelet restart detected; serving and registering again")
         else:
             self.streams_lost += 1
+
+    def _kubelet_starting(self) -> bool:
+        """A kubelet.sock we have not registered with, for less than KUBELET_STARTING_S: a
+        kubelet still starting (its socket exists before it serves), and every moment until we
+        register is one in which its admission counts no device."""
+        now = _identity(self.kubelet_socket)
+        seen = self._kubelet_seen
+        if now is None or (seen is not None and now == seen.identity):
+            return False
+        if self._starting is None or self._starting[0] != now:
+            self._starting = (now, time.monotonic())
+        return time.monotonic() - self._starting[1] < KUBELET_STARTING_S
 
     def _forget_kubelet_stream(self) -> None:
         """The next stream to open after our next Register is the kubelet's."""

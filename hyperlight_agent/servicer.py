@@ -71,6 +71,7 @@ class DevicePluginServicer:
         self._on_streams_changed = on_streams_changed
         self._on_allocate = on_allocate  # outcome ("ok", "invalid", "unavailable") for metrics
         self.streams = 0
+        self.allocating = 0  # Allocate calls in flight
         # The last response built, reused by every stream until health or slots change.
         self._cached: Optional[tuple[Observation, int, pb.ListAndWatchResponse]] = None
 
@@ -151,6 +152,15 @@ class DevicePluginServicer:
         return pb.PreStartContainerResponse()
 
     async def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
+        # Counted, so a handover can let the kubelet's calls in flight finish first: the kubelet
+        # cancels them itself when our stream ends (it closes the connection).
+        self.allocating += 1
+        try:
+            return await self._allocate(request, context)
+        finally:
+            self.allocating -= 1
+
+    async def _allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
         if not request.container_requests:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", "no container requests")
         # Answer from a check that completes after this request arrived, never from a cached

@@ -73,7 +73,8 @@ def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) -> Non
             await kubelet.start()
             await until(lambda: agent.ready, what="ready")
             assert agent.status() == "ready: kvm, 3 slots, 1 stream"
-            assert serving(agent, "") == health_pb2.HealthCheckResponse.SERVING
+            # The health service is set by a task the change schedules: it follows within the loop.
+            await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.SERVING, what="SERVING")
             assert ("READY=1", "STATUS=ready: kvm, 3 slots, 1 stream") in notifier.messages
 
             # The kubelet ends the stream: not ready, the status says why, then ready again (the
@@ -94,7 +95,8 @@ def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) -> Non
             os.mknod(node, 0o600 | 0o020000, os.makedev(1, 3))
             await until(lambda: agent.status().startswith("unhealthy: "), what="unhealthy")
             assert "KVM_GET_API_VERSION failed" in agent.status()
-            assert serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+            await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING,
+                        what="NOT_SERVING")
         finally:
             agent.stop()
             await agent.wait()
