@@ -296,7 +296,9 @@ class Registrar:
             await self.stop(grace=0)
             self._set(WAITING)
             delay = self._backoff.next()
-            if self._kubelet_starting():
+            unanswered = isinstance(exc.__cause__, grpc.aio.AioRpcError) and \
+                exc.__cause__.code() == grpc.StatusCode.UNAVAILABLE
+            if unanswered and self._kubelet_starting():  # a kubelet that refuses us is backed off
                 delay = min(delay, KUBELET_STARTING_RETRY_S)
             log.warning("registration failed: %s; retrying in %.1f s or when %s appears",
                         exc, delay, self.kubelet_socket)

@@ -115,4 +115,7 @@ def test_agent_repairs_the_feature_file_like_the_spec(kubelet: StandinThread, st
     wait_for(lambda: "node labels not written" in agent.log, 5)
     assert os.path.isdir(path)
     assert agent.stop() == 0
-    assert agent.log.count("node labels not written") == 1, "said once"
+    # Said once per problem: under load the agent may meet the path between unlink and mkdir
+    # too, which is another problem (said once as well); the same one is never repeated.
+    said = [line.split(": ", 1)[1] for line in agent.log.splitlines() if "node labels not written" in line]
+    assert said and len(said) == len(set(said)), said
