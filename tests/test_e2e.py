@@ -469,7 +469,6 @@ def test_labelled_node_without_a_usable_device_admits_nothing(installed: Cluster
                 # saw an earlier count (the host-mode test served this node just before).
                 refused = pod["status"].get("reason") == "UnexpectedAdmissionError"
                 assert pod["status"].get("phase") == "Pending" or refused, pod["status"]
-                assert not pod["status"].get("containerStatuses"), pod["status"]
                 for agent in daemonset_pods(installed, "hyperlight-device-access"):
                     if agent["spec"].get("nodeName") == "b":
                         assert all(s["restartCount"] == 0 for s in agent["status"].get("containerStatuses", []))
