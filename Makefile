@@ -29,14 +29,14 @@ apt_install = missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $
 PKG_SOURCES := pyproject.toml README.md hyperlight_agent proto packaging systemd
 
 run: $(VENV)/.installed
-	$(PY) -m hyperlight_agent.demo
+	$(PY) -m standin.demo
 
 # Manifest judges (checkov, kubernetes-validate) pin their own dependencies: a venv of their own.
 JUDGES := build/judges
 
 # The judges of the code, written once: every target that lints or type-checks runs these.
 RUFF := $(VENV)/bin/ruff check .
-MYPY := $(VENV)/bin/mypy hyperlight_agent tests bench packaging/manpage.py pins/update.py
+MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.py pins/update.py
 
 # Everything, system tests included, beside a neighbour agent (tests observe only what they create).
 test: $(VENV)/.installed $(JUDGES)/.installed system-deps tools e2e-components
@@ -71,7 +71,7 @@ bench: $(VENV)/.installed
 # Regenerate the committed message code with Debian 12's protoc (3.21): code from a newer protoc
 # would not import under Debian's python3-protobuf 3.21.
 proto: system-deps
-	protoc -I proto --python_out=hyperlight_agent --pyi_out=hyperlight_agent proto/deviceplugin.proto
+	protoc -I proto --python_out=hyperlight_agent/deviceplugin --pyi_out=hyperlight_agent/deviceplugin proto/deviceplugin.proto
 
 # Development tools and judges are pinned exactly in pins/ (dev.txt: the `test` extra; judges.txt),
 # so an unchanged tree keeps its verdicts; `make pin-tools` moves the pins to the newest releases.
@@ -181,7 +181,7 @@ image: image-wheels
 	  ENGINE='$(ENGINE)' deploy/image/build.sh
 # Rebuilt when the sources, the target Python or the CPUs change.
 image-wheels: $(IMAGE_WHEELS)/.stamp-$(IMAGE_PYTHON)-$(subst $(comma),_,$(IMAGE_ARCHES))
-$(IMAGE_WHEELS)/.stamp-%: pyproject.toml $(wildcard hyperlight_agent/*.py) deploy/image/wheels.sh
+$(IMAGE_WHEELS)/.stamp-%: pyproject.toml $(wildcard hyperlight_agent/*.py hyperlight_agent/*/*.py) deploy/image/wheels.sh packaging/wheel.sh
 	@mkdir -p build && PYTHON=$(PYTHON) deploy/image/wheels.sh $(IMAGE_WHEELS) $(IMAGE_PYTHON) '$(IMAGE_ARCHES)' \
 	  >build/image-wheels.log 2>&1 || { echo "make image: preparing wheels failed: $$(tail -n 1 build/image-wheels.log)" >&2; exit 1; }
 	@touch $@

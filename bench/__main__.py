@@ -19,10 +19,13 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc loads: no GOAWAY
 
 import grpc
 
-from hyperlight_agent import api, cdi, contracts, kernel
-from hyperlight_agent import deviceplugin_pb2 as pb
-from hyperlight_agent.helper import ProbeHelper, ProbeRequest
-from hyperlight_agent.standin import KubeletStandin, Plugin, StandinThread
+from hyperlight_agent import contracts
+from hyperlight_agent.device import kernel
+from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
+from hyperlight_agent.deviceplugin import api
+from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
+from hyperlight_agent.node import cdi
+from standin.kubelet import KubeletStandin, Plugin, StandinThread
 from tests import procs
 
 R = contracts.RESOURCE_HYPERVISOR

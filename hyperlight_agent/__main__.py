@@ -8,7 +8,7 @@ Importing this module installs them: the console script's first line is
 
 from __future__ import annotations
 
-from .signals import install_early
+from hyperlight_agent.host.signals import install_early
 
 install_early()
 
@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 
 def main() -> NoReturn:
-    from .cli import exit_now
-    from .cli import main as run
+    from hyperlight_agent.cli import exit_now
+    from hyperlight_agent.cli import main as run
 
     exit_now(run())
 

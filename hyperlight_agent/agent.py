@@ -20,16 +20,19 @@ from typing import Any, Callable, Optional, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from . import __version__, api, atomic, config, contracts, handover, hypervisors, labels, modes, readiness, waits
-from .checker import Checker, target_for
-from .config import Settings
-from .helper import ProbeHelper
-from .metrics import Metrics
-from .notify import Notifier
-from .observation import Observation, SharedObservation
-from .registration import Registrar
-from .servicer import DevicePluginServicer, Endpoint, Profile
-from .watcher import CONTENT, NAMES, DirectoryWatcher
+from hyperlight_agent import __version__, config, contracts, modes, readiness, waits
+from hyperlight_agent.config import Settings
+from hyperlight_agent.device import hypervisors
+from hyperlight_agent.device.checker import Checker, target_for
+from hyperlight_agent.device.helper import ProbeHelper
+from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.deviceplugin import api, handover
+from hyperlight_agent.deviceplugin.registration import Registrar
+from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
+from hyperlight_agent.host.metrics import Metrics
+from hyperlight_agent.host.notify import Notifier
+from hyperlight_agent.node import atomic, labels
+from hyperlight_agent.node.watcher import CONTENT, NAMES, DirectoryWatcher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -14,7 +14,8 @@ import os
 import sys
 from typing import Mapping, NoReturn, Optional, Sequence
 
-from . import __version__, config, contracts, journal, modes, notify, signals
+from hyperlight_agent import __version__, config, contracts, modes
+from hyperlight_agent.host import journal, notify, signals
 
 PROG = "hyperlight-agent"
 DESCRIPTION = (
@@ -77,13 +78,13 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
     if args.health_check or args.check:
         signals.restore_defaults()
     if args.health_check:
-        from .healthcheck import health_check
+        from hyperlight_agent.host.healthcheck import health_check
 
         ok, line = health_check(settings, args.health_check, args.device_access)
         print(line)
         return 0 if ok else 1
     if args.check:
-        from .diagnose import diagnose
+        from hyperlight_agent.diagnose import diagnose
 
         logging.getLogger("hyperlight_agent").setLevel(logging.ERROR)  # the report says it all
         ok, lines = diagnose(settings)
@@ -94,7 +95,9 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
         "resource": modes.of(args.device_access).resource,
         "cdi_path": os.path.join(settings.cdi_dir, contracts.CDI_SPEC_FILE),
         "device_dir": settings.device_dir})
-    from .registration import AlreadyServed  # grpc is imported only for the long-running modes
+    from hyperlight_agent.deviceplugin.registration import (
+        AlreadyServed,  # grpc is imported only for the long-running modes
+    )
 
     try:
         asyncio.run(_serve(settings, args, environ))
@@ -108,7 +111,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
 
 
 async def _serve(settings: config.Settings, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
-    from .agent import Agent
+    from hyperlight_agent.agent import Agent
 
     agent = Agent(settings, device_access=args.device_access, reload=lambda: config.load(args, environ))
     loop = asyncio.get_running_loop()

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from . import contracts
+from hyperlight_agent import contracts
 
 if sys.version_info >= (3, 11):
     import tomllib

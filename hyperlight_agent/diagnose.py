@@ -10,11 +10,13 @@ import os
 import tempfile
 from typing import Optional
 
-from . import cdi, hypervisors, modes
-from .checker import Checker, target_for
-from .config import Settings
-from .helper import ProbeHelper
-from .observation import Observation, SharedObservation
+from hyperlight_agent import modes
+from hyperlight_agent.config import Settings
+from hyperlight_agent.device import hypervisors
+from hyperlight_agent.device.checker import Checker, target_for
+from hyperlight_agent.device.helper import ProbeHelper
+from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.node import cdi
 
 # What the probe proved, per hypervisor.
 PROVED = {"kvm": "empty VM created and closed", "mshv": "partition created and closed"}
@@ -35,10 +37,10 @@ def runtime() -> tuple[bool, str]:
         await server.stop(None)
 
     try:
-        from . import agent  # noqa: F401 - the daemon's whole import graph, grpc's extension first
+        from hyperlight_agent import agent  # noqa: F401 - the daemon's whole import graph, grpc's extension first
     except Exception as exc:
         return False, f"FAIL runtime: cannot import the agent: {type(exc).__name__}: {exc}"
-    from . import api  # imported by the agent already
+    from hyperlight_agent.deviceplugin import api  # imported by the agent already
 
     try:
         with tempfile.TemporaryDirectory(prefix="hyperlight-check-") as tmp:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from . import config, contracts
+from hyperlight_agent import config, contracts
 
 
 class Mode(NamedTuple):

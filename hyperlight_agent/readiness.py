@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import registration
-from .observation import Observation
+from hyperlight_agent.device.observation import Observation
+from hyperlight_agent.deviceplugin import registration
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ def ready(s: Snapshot) -> bool:
 def status(s: Snapshot) -> str:  # noqa: PLR0911 - one return per state reads best
     """What the agent is doing or waiting for.
 
-    >>> from hyperlight_agent.observation import Observation
+    >>> from hyperlight_agent.device.observation import Observation
     >>> status(Snapshot(Observation(True, "", "kvm"), True, "streamed", "", "/k/kubelet.sock", 1, 2))
     'ready: kvm, 2 slots, 1 stream'
     """

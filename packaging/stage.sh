@@ -14,8 +14,7 @@ wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
 
 rm -rf "$lib"
-# sdnotify is published as source only; it is pure Python, so a wheel built here fits any target.
-"$python" -m pip wheel --no-deps --quiet --wheel-dir "$wheels" "$here" sdnotify
+PYTHON=$python "$here/packaging/wheel.sh" "$wheels"
 # pip evaluates environment markers against the Python running pip, not --python-version, so
 # marker-selected dependencies for an older target are named here (tests/test_rpm.py checks).
 extra=""

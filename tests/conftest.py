@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # stand-in restarts make grpc log GOAWAYs at INFO
 
-from hyperlight_agent.standin import StandinThread
+from standin.kubelet import StandinThread
 from tests import procs
 
 HOST_KVM = "/dev/kvm"
@@ -325,3 +325,13 @@ def start_agent(tmp: str) -> Iterator[StartAgent]:
     for agent in agents:
         agent.kill()
     wait_for(lambda: not any(a.helpers_left() for a in agents), 5, "probe helpers to exit after the agent")
+
+
+def assert_ships_the_agent_only(paths: list[str]) -> None:
+    """A package's file list holds the agent's subpackages and none of the development tools
+    (standin/: the kubelet stand-in and the demo)."""
+    modules = [p for p in paths if p.endswith(".py")]
+    for sub in ("device", "deviceplugin", "host", "node"):
+        assert any(p.endswith(f"hyperlight_agent/{sub}/__init__.py") for p in modules), f"{sub} not shipped"
+    tools = [p for p in modules if "/standin/" in p or p.endswith(("/standin.py", "/demo.py"))]
+    assert not tools, f"development tools shipped: {tools}"

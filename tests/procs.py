@@ -9,7 +9,7 @@ import signal
 import subprocess
 from typing import Iterable
 
-from hyperlight_agent.helper import HELPER_MARK
+from hyperlight_agent.device.helper import HELPER_MARK
 
 
 def _parent(pid: str) -> int:

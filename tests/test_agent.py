@@ -10,10 +10,12 @@ import time
 import grpc
 import pytest
 
-from hyperlight_agent import api, cdi, contracts
-from hyperlight_agent import deviceplugin_pb2 as pb
-from hyperlight_agent.registration import Backoff
-from hyperlight_agent.standin import KubeletStandin, Plugin, StandinThread
+from hyperlight_agent import contracts
+from hyperlight_agent.deviceplugin import api
+from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
+from hyperlight_agent.deviceplugin.registration import Backoff
+from hyperlight_agent.node import cdi
+from standin.kubelet import KubeletStandin, Plugin, StandinThread
 from tests.conftest import StartAgent, make_node, wait_for
 from tests.conftest import read_bytes as read
 

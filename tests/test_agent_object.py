@@ -11,14 +11,15 @@ from typing import Optional
 import pytest
 from grpc_health.v1 import health_pb2
 
-from hyperlight_agent import contracts, modes, readiness, registration
+from hyperlight_agent import contracts, modes, readiness
 from hyperlight_agent.agent import Agent
-from hyperlight_agent.checker import Checker
 from hyperlight_agent.config import Settings
-from hyperlight_agent.notify import Notifier
-from hyperlight_agent.observation import Observation
-from hyperlight_agent.registration import Registrar
-from hyperlight_agent.standin import KubeletStandin
+from hyperlight_agent.device.checker import Checker
+from hyperlight_agent.device.observation import Observation
+from hyperlight_agent.deviceplugin import registration
+from hyperlight_agent.deviceplugin.registration import Registrar
+from hyperlight_agent.host.notify import Notifier
+from standin.kubelet import KubeletStandin
 from tests.conftest import until
 
 # Real agents on real device nodes (mknod) and the host's /dev/kvm.
@@ -138,7 +139,7 @@ def test_nothing_is_said_after_stopping_when_the_first_check_ends_during_the_sto
 
     async def first_check(self: Checker) -> tuple[Observation, bool]:
         await gate[0].wait()
-        log = logging.getLogger("hyperlight_agent.checker")
+        log = logging.getLogger("hyperlight_agent.device.checker")
         log.info("CDI spec written (the check ran on)")
         return Observation(True, "", "kvm"), False
 

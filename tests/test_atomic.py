@@ -9,7 +9,8 @@ from typing import Callable
 
 import pytest
 
-from hyperlight_agent import atomic, cdi, contracts
+from hyperlight_agent import contracts
+from hyperlight_agent.node import atomic, cdi
 
 WANTED = cdi.render("kvm", "/dev/kvm", 65534, 65534)
 

@@ -12,7 +12,8 @@ from typing import Any, Callable
 
 import pytest
 
-from hyperlight_agent import atomic, cdi, contracts
+from hyperlight_agent import contracts
+from hyperlight_agent.node import atomic, cdi
 from tests.conftest import JSON_READER
 
 WANTED = cdi.render("kvm", "/dev/kvm", 65534, 65534)
@@ -200,7 +201,7 @@ def test_temp_files_are_invisible_to_cdi_runtimes(tmp: str, monkeypatch: pytest.
 
 RO_SCRIPT = """
 import sys
-from hyperlight_agent import cdi
+from hyperlight_agent.node import cdi
 try:
     cdi.reconcile(sys.argv[1], cdi.render("kvm", "/dev/kvm", 65534, 65534))
 except cdi.CdiError as exc:

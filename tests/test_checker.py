@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from hyperlight_agent import atomic, cdi
-from hyperlight_agent.checker import Checker, CheckTarget
-from hyperlight_agent.helper import ProbeHelper
-from hyperlight_agent.observation import Observation, SharedObservation
+from hyperlight_agent.device.checker import Checker, CheckTarget
+from hyperlight_agent.device.helper import ProbeHelper
+from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.node import atomic, cdi
 from tests.conftest import make_node, until
 from tests.procs import my_helpers
 

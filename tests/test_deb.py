@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from hyperlight_agent import contracts
-from hyperlight_agent.standin import KubeletStandin, StandinThread
+from standin.kubelet import KubeletStandin, StandinThread
 from tests import nspawn
-from tests.conftest import make_node, wait_for
+from tests.conftest import assert_ships_the_agent_only, make_node, wait_for
 
 pytestmark = pytest.mark.system
 UNIT = "hyperlight-agent.service"
@@ -30,6 +30,11 @@ def deb() -> str:
 def apt(root: str, *args: str, binds: tuple[str, ...] = ()) -> None:
     result = nspawn.pipe(root, "env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-y", "-q", *args, binds=binds)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_deb_ships_the_agent_only(deb: str) -> None:
+    listing = subprocess.run(["dpkg-deb", "-c", deb], capture_output=True, text=True, check=True, timeout=60)
+    assert_ships_the_agent_only([line.split()[-1] for line in listing.stdout.splitlines()])
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.root
 
 def test_make_run_shows_registration_slots_allocation_and_spec() -> None:
     with open(os.path.join(ROOT, "Makefile")) as f:
-        assert re.search(r"^run: .*\n\t\$\(PY\) -m hyperlight_agent\.demo$", f.read(), re.M)
-    result = subprocess.run([sys.executable, "-m", "hyperlight_agent.demo"], capture_output=True, text=True,
+        assert re.search(r"^run: .*\n\t\$\(PY\) -m standin\.demo$", f.read(), re.M)
+    result = subprocess.run([sys.executable, "-m", "standin.demo"], capture_output=True, text=True,
                             timeout=120, check=False, cwd=ROOT)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr

@@ -14,7 +14,7 @@ from tests.test_layers import MODULES, PACKAGE
 
 def has_examples(module: str) -> bool:
     """Whether the module's source holds an example that is not skipped."""
-    with open(os.path.join(PACKAGE, module + ".py")) as f:
+    with open(os.path.join(PACKAGE, *module.split(".")) + ".py") as f:
         return any(">>>" in line and "doctest: +SKIP" not in line for line in f)
 
 
@@ -22,7 +22,8 @@ WITH_EXAMPLES = [m for m in MODULES if has_examples(m)]
 
 
 def test_the_examples_are_found() -> None:
-    assert {"cdi", "config", "hypervisors", "labels", "metrics", "readiness", "servicer"} <= set(WITH_EXAMPLES)
+    assert {"node.cdi", "config", "device.hypervisors", "node.labels", "host.metrics", "readiness",
+            "deviceplugin.servicer"} <= set(WITH_EXAMPLES)
 
 
 @pytest.mark.parametrize("module", WITH_EXAMPLES)

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from hyperlight_agent import atomic, cdi, contracts
-from hyperlight_agent.standin import KubeletStandin, StandinThread
+from hyperlight_agent import contracts
+from hyperlight_agent.node import atomic, cdi
+from standin.kubelet import KubeletStandin, StandinThread
 from tests.conftest import JSON_READER, AgentProcess, StartAgent, kvm_metadata, make_node, wait_for
 from tests.conftest import read_bytes as read
 

@@ -27,10 +27,12 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from hyperlight_agent import cdi, cli, config, contracts, helper_main
-from hyperlight_agent import deviceplugin_pb2 as pb
-from hyperlight_agent.observation import Observation, SharedObservation
-from hyperlight_agent.servicer import DevicePluginServicer, Profile, device_ids
+from hyperlight_agent import cli, config, contracts
+from hyperlight_agent.device import helper_process
+from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
+from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Profile, device_ids
+from hyperlight_agent.node import cdi
 from tests.conftest import count_inputs, fuzz_budget
 
 # A settings error is one line, names the setting, and quotes the value briefly.
@@ -528,7 +530,7 @@ def test_fuzz_wire_bytes_parse_or_fail_cleanly_for_every_request_type(raw: list[
     """What grpc's deserializers see: FromString either parses or raises DecodeError."""
     from google.protobuf.message import DecodeError
 
-    from hyperlight_agent import api
+    from hyperlight_agent.deviceplugin import api
 
     count_inputs("request bytes (FromString)", len(raw) * len(api.DEVICE_PLUGIN_METHODS))
     for request_type, _, _ in api.DEVICE_PLUGIN_METHODS.values():
@@ -774,7 +776,7 @@ def test_fuzz_helper_requests_always_one_json_reply(nodes: str, requests: list[d
         request = {k: resolve(nodes, v) if k in ("device", "host") else v for k, v in shape.items()}
         if not safe(nodes, request):
             continue  # a generated absolute path outside our node dir: never handed to the helper
-        reply = check_reply(helper_main.handle_line(json.dumps(request)))
+        reply = check_reply(helper_process.handle_line(json.dumps(request)))
         good = (set(request) == {"hypervisor", "device", "host"} and request["hypervisor"] == "kvm"
                 and request["device"] in (os.path.join(nodes, "kvm"),) and request["host"] in (
                     None, os.path.join(nodes, "kvm")))
@@ -804,7 +806,7 @@ def test_fuzz_helper_lines_always_one_json_reply(nodes: str, seed: int, lines: l
             parsed = None
         if not safe(nodes, parsed):
             continue  # a path outside our node dir: never opened by a test
-        check_reply(helper_main.handle_line(line))
+        check_reply(helper_process.handle_line(line))
 
 
 def test_fuzz_helper_serve_answers_every_line_once(nodes: str) -> None:
@@ -812,7 +814,7 @@ def test_fuzz_helper_serve_answers_every_line_once(nodes: str) -> None:
     lines = [json.dumps({"hypervisor": "kvm", "device": os.path.join(nodes, "kvm"), "host": None}),
              "garbage", "", "[" * 5000, '{"hypervisor": "kvm"}', json.dumps({"device": 1})] * 200
     out = io.StringIO()
-    helper_main.serve(io.StringIO("".join(line + "\n" for line in lines)), out)
+    helper_process.serve(io.StringIO("".join(line + "\n" for line in lines)), out)
     replies = out.getvalue().splitlines()
     assert len(replies) == len(lines)
     assert [check_reply(r)["ok"] for r in replies] == [i % 6 == 0 for i in range(len(lines))]
@@ -821,7 +823,7 @@ def test_fuzz_helper_serve_answers_every_line_once(nodes: str) -> None:
 
 def test_fuzz_the_real_helper_process_answers_garbage_line_by_line(nodes: str) -> None:
     """The helper as the agent starts it (python -I -S -B), fed raw bytes: a reply per line."""
-    from hyperlight_agent.helper import default_argv
+    from hyperlight_agent.device.helper import default_argv
 
     rng = random.Random(11)
     lines = []

@@ -16,9 +16,10 @@ from typing import Any
 
 import grpc
 
-from hyperlight_agent import api, contracts
-from hyperlight_agent import deviceplugin_pb2 as pb
-from hyperlight_agent.standin import StandinThread
+from hyperlight_agent import contracts
+from hyperlight_agent.deviceplugin import api
+from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
+from standin.kubelet import StandinThread
 from tests.conftest import StartAgent, count_inputs, fuzz_budget
 
 SLOTS = 4

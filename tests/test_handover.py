@@ -6,7 +6,8 @@ import asyncio
 import os
 import socket
 
-from hyperlight_agent import contracts, handover
+from hyperlight_agent import contracts
+from hyperlight_agent.deviceplugin import handover
 
 
 def _socket(path: str) -> socket.socket:

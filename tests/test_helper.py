@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 
-from hyperlight_agent.helper import ProbeHelper, ProbeRequest, ProbeResult, default_argv
+from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest, ProbeResult, default_argv
 from tests.conftest import wait_for
 from tests.procs import alive, my_helpers
 

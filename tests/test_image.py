@@ -5,6 +5,7 @@ setting read from the rendered manifests, none restated — against the kubelet 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -17,9 +18,10 @@ from typing import Any
 
 import pytest
 
-from hyperlight_agent import cdi, contracts, modes
-from hyperlight_agent.standin import StandinThread
-from tests.conftest import wait_for
+from hyperlight_agent import contracts, modes
+from hyperlight_agent.node import cdi
+from standin.kubelet import StandinThread
+from tests.conftest import assert_ships_the_agent_only, wait_for
 from tests.podman import Podman
 from tests.test_deploy import DEPLOY, documents, render
 from tests.test_docs import ROOT
@@ -103,9 +105,12 @@ def test_image_labels_and_contents(engine: Podman, image: dict[str, Any]) -> Non
         "import importlib.util as u, os, sys\n"
         "print([m for m in ('pip', 'setuptools', 'wheel', 'ensurepip') if u.find_spec(m)])\n"
         "import hyperlight_agent.cli as c\n"
-        "print(os.path.exists(u.cache_from_source(c.__file__)), os.path.exists('/wheels'))\n")
+        "print(os.path.exists(u.cache_from_source(c.__file__)), os.path.exists('/wheels'))\n"
+        "print(sorted(os.path.join(d, n) for d, _, ns in os.walk(os.path.dirname(os.path.dirname(c.__file__)))\n"
+        "             for n in ns))\n")
     ran = engine("run", "--rm", "--network", "none", "--read-only", "--entrypoint", "python3", IMAGE, "-c", script)
     assert ran.stdout.split("\n")[:2] == ["[]", "True False"], ran.stdout + ran.stderr
+    assert_ships_the_agent_only(ast.literal_eval(ran.stdout.split("\n")[2]))
 
 
 # ---- both DaemonSets, run as deploy/ runs them -------------------------------------------------

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from hyperlight_agent import contracts, helper_main, hypervisors, kernel
+from hyperlight_agent import contracts
+from hyperlight_agent.device import helper_process, hypervisors, kernel
 from tests.conftest import make_node
 
 
@@ -187,13 +188,13 @@ def test_device_path_symlink_or_file_is_refused(tmp: str, kvm_dir: str) -> None:
 
 
 def test_helper_protocol_reports_reasons(kvm_dir: str, tmp: str) -> None:
-    assert helper_main.run_request({"hypervisor": "kvm", "device": os.path.join(kvm_dir, "kvm"), "host": None}) \
+    assert helper_process.run_request({"hypervisor": "kvm", "device": os.path.join(kvm_dir, "kvm"), "host": None}) \
         == {"ok": True, "reason": ""}
-    bad = helper_main.run_request({"hypervisor": "kvm", "device": os.path.join(tmp, "none"), "host": None})
+    bad = helper_process.run_request({"hypervisor": "kvm", "device": os.path.join(tmp, "none"), "host": None})
     assert not bad["ok"] and "missing" in bad["reason"]
-    assert helper_main.run_request({"hypervisor": "xen", "device": "/dev/xen", "host": None})["reason"] == \
+    assert helper_process.run_request({"hypervisor": "xen", "device": "/dev/xen", "host": None})["reason"] == \
         "unknown hypervisor 'xen'"
-    assert helper_main.run_request({"hypervisor": "kvm"})["reason"].startswith("bad probe request")
+    assert helper_process.run_request({"hypervisor": "kvm"})["reason"].startswith("bad probe request")
 
 
 @pytest.mark.skipif(os.environ.get("TEST_MSHV_LIVE") != "1", reason="opt-in: TEST_MSHV_LIVE=1 on an MSHV host")
@@ -205,16 +206,18 @@ def test_mshv_live_partition_creation() -> None:
 
 def test_probe_modules_import_without_site_packages() -> None:
     # The helper runs under `python -I -S`: the probe and its imports must need nothing else.
-    code = ("import io, sys; sys.path.insert(0, sys.argv[1]); from hyperlight_agent.helper_main import serve; "
+    code = ("import io, sys; sys.path.insert(0, sys.argv[1]); "
+            "from hyperlight_agent.device.helper_process import serve; "
             "serve(io.StringIO(sys.argv[2] + '\\n'), io.StringIO()); "
             "print(sorted(m for m in sys.modules if 'grpc' in m or m.startswith(('google', 'hyperlight')) "
             "or m in ('typing', 'dataclasses', 'asyncio')))")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(kernel.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(kernel.__file__))))
     request = '{"hypervisor": "kvm", "device": "/dev/null", "host": null}'
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code, root, request], capture_output=True,
                          text=True, check=True, timeout=30)
     # After serving a request the helper holds exactly these agent modules (standard library
     # only), and none of grpc, typing, dataclasses or asyncio: it stays small.
     assert out.stdout.strip() == str(["hyperlight_agent", "hyperlight_agent.contracts",
-                                      "hyperlight_agent.helper_main", "hyperlight_agent.hypervisors",
-                                      "hyperlight_agent.kernel"])
+                                      "hyperlight_agent.device", "hyperlight_agent.device.helper_process",
+                                      "hyperlight_agent.device.hypervisors",
+                                      "hyperlight_agent.device.kernel"])

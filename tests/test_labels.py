@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from hyperlight_agent import atomic, labels
-from hyperlight_agent.standin import KubeletStandin, StandinThread
+from hyperlight_agent.node import atomic, labels
+from standin.kubelet import KubeletStandin, StandinThread
 from tests.conftest import StartAgent, make_node, wait_for
 from tests.conftest import read_bytes as read
 

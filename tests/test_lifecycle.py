@@ -16,8 +16,10 @@ import time
 import grpc
 import pytest
 
-from hyperlight_agent import contracts, registration, standin
-from hyperlight_agent.standin import KubeletStandin, NotAllocatable, Plugin, StandinThread
+from hyperlight_agent import contracts
+from hyperlight_agent.deviceplugin import registration
+from standin import kubelet as standin
+from standin.kubelet import KubeletStandin, NotAllocatable, Plugin, StandinThread
 from tests.conftest import StartAgent, wait_for
 
 # Real agents on real device nodes (mknod) and the host's /dev/kvm.

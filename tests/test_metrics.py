@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from hyperlight_agent import contracts
-from hyperlight_agent.standin import KubeletStandin, StandinThread
+from standin.kubelet import KubeletStandin, StandinThread
 from tests.conftest import StartAgent, wait_for
 
 R = contracts.RESOURCE_HYPERVISOR

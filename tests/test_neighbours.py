@@ -14,8 +14,9 @@ import stat
 import threading
 from typing import Any
 
-from hyperlight_agent import cdi, contracts
-from hyperlight_agent.standin import KubeletStandin, StandinThread
+from hyperlight_agent import contracts
+from hyperlight_agent.node import cdi
+from standin.kubelet import KubeletStandin, StandinThread
 from tests.conftest import AgentProcess, count_inputs, read_bytes, wait_for
 from tests.test_fuzz import snapshot
 

@@ -9,8 +9,9 @@ import re
 
 import pytest
 
-from hyperlight_agent import __version__, api, config
-from hyperlight_agent import deviceplugin_pb2 as pb
+from hyperlight_agent import __version__, config
+from hyperlight_agent.deviceplugin import api
+from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from tests.test_docs import read
 from tests.test_layers import MODULES, PACKAGE
 
@@ -18,8 +19,8 @@ from tests.test_layers import MODULES, PACKAGE
 def trees() -> dict[str, ast.Module]:
     found = {}
     for module in MODULES:
-        if module != "deviceplugin_pb2":
-            with open(os.path.join(PACKAGE, module + ".py")) as f:
+        if not module.endswith("_pb2"):
+            with open(os.path.join(PACKAGE, *module.split(".")) + ".py") as f:
                 found[module] = ast.parse(f.read())
     return found
 
@@ -57,7 +58,7 @@ def test_device_plugin_options_are_built_only_by_api() -> None:
     builders = {m for m, tree in trees().items() for n in ast.walk(tree)
                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
                 and n.func.attr == "DevicePluginOptions"}
-    assert builders == {"api"}  # Register and GetDevicePluginOptions both send api.plugin_options()
+    assert builders == {"deviceplugin.api"}  # Register and GetDevicePluginOptions both send api.plugin_options()
     assert api.plugin_options() == pb.DevicePluginOptions(pre_start_required=False,
                                                           get_preferred_allocation_available=False)
 
@@ -70,7 +71,7 @@ def test_unix_targets_are_built_by_api() -> None:
     # healthcheck writes the same form out: the exec probe must not load the device plugin's messages.
     assert {m for m, tree in trees().items() for n in ast.walk(tree)
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("unix:")} \
-        <= {"api", "healthcheck"}
+        <= {"deviceplugin.api", "host.healthcheck"}
     assert api.unix_target("/k/p.sock") == "unix:///k/p.sock"
 
 

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from hyperlight_agent import cdi, contracts
-from hyperlight_agent.standin import StandinThread
+from hyperlight_agent import contracts
+from hyperlight_agent.node import cdi
+from standin.kubelet import StandinThread
 from tests.conftest import StartAgent
 from tests.podman import Podman, system_cdi_lock
 from tests.test_docs import ROOT

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from hyperlight_agent import deviceplugin_pb2 as pb
+from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from tests.test_docs import ROOT
 
 

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from hyperlight_agent import contracts, journal, modes
-from hyperlight_agent.standin import KubeletStandin, StandinThread
+from hyperlight_agent import contracts, modes
+from hyperlight_agent.host import journal
+from standin.kubelet import KubeletStandin, StandinThread
 from tests.conftest import StartAgent, make_node, wait_for
 
 R = contracts.RESOURCE_HYPERVISOR
@@ -246,8 +247,8 @@ def test_health_check_starts_fast_without_agent_modules(tmp: str) -> None:
     code = ("import sys, runpy; sys.argv=['x','--config','/dev/null','--kubelet-dir',sys.argv[1],"
             "'--health-check=liveness']\n"
             "from hyperlight_agent import cli\ncli.main()\n"
-            "heavy=[m for m in ('hyperlight_agent.agent','hyperlight_agent.servicer',"
-            "'hyperlight_agent.registration') if m in sys.modules]\nprint('HEAVY', heavy)")
+            "heavy=[m for m in ('hyperlight_agent.agent','hyperlight_agent.deviceplugin.servicer',"
+            "'hyperlight_agent.deviceplugin.registration') if m in sys.modules]\nprint('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code, tmp], capture_output=True, text=True, timeout=30,
                          check=False).stdout
     assert "HEAVY []" in out

@@ -13,12 +13,14 @@ from typing import Awaitable, Callable
 import grpc
 import pytest
 
-from hyperlight_agent import api, atomic, contracts, registration
-from hyperlight_agent import deviceplugin_pb2 as pb
-from hyperlight_agent.observation import Observation, SharedObservation
-from hyperlight_agent.registration import AlreadyServed, Backoff, Registrar
-from hyperlight_agent.servicer import DevicePluginServicer, Endpoint, Profile
-from hyperlight_agent.standin import KubeletStandin
+from hyperlight_agent import contracts
+from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.deviceplugin import api, registration
+from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
+from hyperlight_agent.deviceplugin.registration import AlreadyServed, Backoff, Registrar
+from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
+from hyperlight_agent.node import atomic
+from standin.kubelet import KubeletStandin
 from tests.conftest import until
 
 R = contracts.RESOURCE_HYPERVISOR

@@ -20,10 +20,10 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from hyperlight_agent import contracts
-from hyperlight_agent.helper import HELPER_MARK
-from hyperlight_agent.standin import KubeletStandin, StandinThread
+from hyperlight_agent.device.helper import HELPER_MARK
+from standin.kubelet import KubeletStandin, StandinThread
 from tests import nspawn, procs
-from tests.conftest import wait_for
+from tests.conftest import assert_ships_the_agent_only, wait_for
 
 pytestmark = pytest.mark.system
 TARGETS = {"el9": "3.9", "azl3": "3.12"}
@@ -105,6 +105,7 @@ def test_rpm_layout_config_and_scriptlets(rpms: dict[str, str], dist: str, tmp: 
                  "/usr/lib/tmpfiles.d/hyperlight-agent.conf", "/usr/share/man/man8/hyperlight-agent.8.gz", CONFIG):
         assert path in files, path
     assert not [f for f in files if "__pycache__" in f or f.endswith(".pyc")], "bytecode is never shipped"
+    assert_ships_the_agent_only(files)
     flags = query(rpm, "--qf", "[%{FILEFLAGS:fflags} %{FILENAMES}\n]")
     assert f"cn {CONFIG}" in flags, "agent.toml must be %config(noreplace)"
     assert f"python(abi) = {TARGETS[dist]}" in query(rpm, "--requires")

@@ -9,12 +9,12 @@ from typing import Any, NoReturn
 
 import pytest
 
-from hyperlight_agent import cdi
-from hyperlight_agent import deviceplugin_pb2 as pb
-from hyperlight_agent.checker import Checker, CheckTarget
-from hyperlight_agent.helper import ProbeHelper
-from hyperlight_agent.observation import Observation, SharedObservation
-from hyperlight_agent.servicer import DevicePluginServicer, Profile
+from hyperlight_agent.device.checker import Checker, CheckTarget
+from hyperlight_agent.device.helper import ProbeHelper
+from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
+from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Profile
+from hyperlight_agent.node import cdi
 from tests.conftest import read_bytes
 
 

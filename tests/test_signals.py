@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hyperlight_agent import signals
+from hyperlight_agent.host import signals
 from tests.test_docs import ROOT
 
 if sys.version_info >= (3, 11):

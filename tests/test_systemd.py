@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from hyperlight_agent import contracts
-from hyperlight_agent.standin import KubeletStandin, StandinThread
+from standin.kubelet import KubeletStandin, StandinThread
 from tests import nspawn
 from tests.conftest import make_node, wait_for
 

@@ -7,7 +7,7 @@ import asyncio
 import os
 import shutil
 
-from hyperlight_agent import watcher
+from hyperlight_agent.node import watcher
 from tests.conftest import until
 
 

@@ -16,8 +16,7 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 
 rm -rf "$out"
 mkdir -p "$out"
-# sdnotify is published as source only; it is pure Python, so a wheel built here fits any target.
-"$python" -m pip wheel --no-deps --quiet --wheel-dir "$out" "$here" sdnotify
+PYTHON=$python "$here/packaging/wheel.sh" "$out"
 # pip evaluates environment markers against the Python running pip, not --python-version.
 extra=""
 if [ "$(printf '%s\n%s\n' "$pyver" 3.11 | sort -V | head -n1)" != 3.11 ]; then

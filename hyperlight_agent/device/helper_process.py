@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
-from . import kernel
-from .hypervisors import BY_NAME
+from hyperlight_agent.device import kernel
+from hyperlight_agent.device.hypervisors import BY_NAME
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """The hypervisors we support: one row each. Supporting another is one more row.
 
-Standard library only: the probe helper (helper_main.py) imports this module.
+Standard library only: the probe helper (helper_process.py) imports this module.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import stat
 
-from . import kernel
+from hyperlight_agent.device import kernel
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time
 

@@ -40,8 +40,10 @@ from typing import Callable, Optional
 
 import grpc
 
-from . import api, atomic, contracts, waits
-from . import deviceplugin_pb2 as pb
+from hyperlight_agent import contracts, waits
+from hyperlight_agent.deviceplugin import api
+from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
+from hyperlight_agent.node import atomic
 
 log = logging.getLogger(__name__)
 

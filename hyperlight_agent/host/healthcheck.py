@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import stat
 
-from . import contracts, modes
-from .config import Settings
+from hyperlight_agent import contracts, modes
+from hyperlight_agent.config import Settings
 
 PROBE_TIMEOUT_S = 2.0
 

@@ -14,8 +14,9 @@ import sys
 import tempfile
 import time
 
-from . import contracts, hypervisors
-from .standin import StandinThread
+from hyperlight_agent import contracts
+from hyperlight_agent.device import hypervisors
+from standin.kubelet import StandinThread
 
 SLOTS = 8
 

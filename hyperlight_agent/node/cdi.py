@@ -14,7 +14,8 @@ import os
 import stat
 from typing import Optional, Sequence
 
-from . import atomic, contracts
+from hyperlight_agent import contracts
+from hyperlight_agent.node import atomic
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from . import cdi, hypervisors, kernel, modes, waits
-from .config import Settings
-from .helper import ProbeHelper, ProbeRequest
-from .observation import Observation, SharedObservation
+from hyperlight_agent import modes, waits
+from hyperlight_agent.config import Settings
+from hyperlight_agent.device import hypervisors, kernel
+from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
+from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.node import cdi
 
 log = logging.getLogger(__name__)
 

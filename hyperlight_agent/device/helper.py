@@ -19,7 +19,7 @@ import signal
 import sys
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from . import waits
+from hyperlight_agent import waits
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +46,13 @@ class ProbeResult(NamedTuple):
 
 # errnos that mean "this process is out of resources", not "the helper or the device failed".
 EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM)
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The directory holding the hyperlight_agent package: this file is hyperlight_agent/device/helper.py.
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # Every helper's command line contains this, so `ps` shows what the child is (tests find
 # their own helpers by it and by parent PID).
-HELPER_MARK = "from hyperlight_agent.helper_main import serve"
+HELPER_MARK = "from hyperlight_agent.device.helper_process import serve"
 
 
 def default_argv() -> list[str]:

@@ -23,7 +23,8 @@ from typing import Callable, Optional
 import grpc
 from grpc_health.v1 import health_pb2
 
-from . import api, modes
+from hyperlight_agent import modes
+from hyperlight_agent.deviceplugin import api
 
 log = logging.getLogger(__name__)
 

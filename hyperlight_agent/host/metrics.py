@@ -22,8 +22,8 @@ import logging
 import socket
 from typing import Any, Callable, Optional
 
-from . import waits
-from .observation import Observation
+from hyperlight_agent import waits
+from hyperlight_agent.device.observation import Observation
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Optional
 
-from . import contracts
+from hyperlight_agent import contracts
 
 
 def watchdog_usec(environ: Mapping[str, str]) -> Optional[int]:

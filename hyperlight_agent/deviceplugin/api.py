@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from . import deviceplugin_pb2 as pb
+from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 
 REGISTRATION_SERVICE = "v1beta1.Registration"
 DEVICE_PLUGIN_SERVICE = "v1beta1.DevicePlugin"

@@ -37,8 +37,9 @@ from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 import grpc
 
-from . import api, contracts, waits
-from . import deviceplugin_pb2 as pb
+from hyperlight_agent import contracts, waits
+from hyperlight_agent.deviceplugin import api
+from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 
 T = TypeVar("T")
 _EXTENDED_RESOURCE = re.compile(

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Mapping, Optional
 
-from . import contracts
+from hyperlight_agent import contracts
 
 
 def stderr_is_journal(environ: Mapping[str, str]) -> bool:

@@ -14,11 +14,14 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Opti
 
 import grpc
 
-from . import api, cdi, contracts, hypervisors
-from . import deviceplugin_pb2 as pb
-from .checker import Checker
-from .config import ALLOCATION_BOTH, ALLOCATION_CDI, ALLOCATION_DEVICE_SPEC, MAX_DEVICE_COUNT
-from .observation import Observation, SharedObservation
+from hyperlight_agent import contracts
+from hyperlight_agent.config import ALLOCATION_BOTH, ALLOCATION_CDI, ALLOCATION_DEVICE_SPEC, MAX_DEVICE_COUNT
+from hyperlight_agent.device import hypervisors
+from hyperlight_agent.device.checker import Checker
+from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.deviceplugin import api
+from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
+from hyperlight_agent.node import cdi
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Kernel-level usability checks: a leaf (it imports only contracts and the standard library).
 
 A hypervisor ioctl can block in the kernel, so the agent never calls these itself: the probe
-helper process (helper_main.py) runs them, and the agent kills it when it misses its deadline
+helper process (helper_process.py) runs them, and the agent kills it when it misses its deadline
 (helper.py). The helper is started with `python -I -S`: standard library only.
 """
 
@@ -12,7 +12,7 @@ import os
 import stat
 import struct
 
-from . import contracts
+from hyperlight_agent import contracts
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time
 
