@@ -39,6 +39,8 @@ MAX_DEVICE_COUNT = 100_000
 # The settings file is a few kilobytes; anything this large is a mistake.
 MAX_CONFIG_BYTES = 1024 * 1024
 PATH_MAX = 4096
+# One ResourceSlice holds at most 128 devices (resource.k8s.io/v1 ResourceSliceMaxDevices).
+MAX_DRA_DEVICES = 128
 
 
 class ConfigError(Exception):
@@ -128,6 +130,24 @@ def _instance(value: Any) -> str:
     return value
 
 
+def _abs_file(value: Any) -> str:
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value or value.endswith("/"):
+        raise ValueError("must be an absolute file path")
+    if len(value.encode("utf-8", "surrogateescape")) > PATH_MAX:
+        raise ValueError(f"must be at most {PATH_MAX} bytes")
+    return os.path.normpath(value)
+
+
+# A node's name is a DNS subdomain (RFC 1123): what the kubelet registers and ResourceSlices name.
+_NODE_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*")
+
+
+def _node_name(value: Any) -> str:
+    if not (isinstance(value, str) and value.isascii() and len(value) <= 253 and _NODE_NAME.fullmatch(value)):
+        raise ValueError("must be a node name: lowercase DNS labels joined by '.', at most 253 characters")
+    return value
+
+
 MAX_HANDOVER_S = 3600.0
 
 
@@ -210,6 +230,16 @@ SETTINGS: tuple[Setting, ...] = (
             "on SIGTERM, keep serving up to this long until another agent for the same resource is ready "
             "in the kubelet dir (a surge update), so the kubelet never counts zero devices; 0: stop at once",
             toml_types=(int, float)),
+    # The Dynamic Resource Allocation mode (--dra) only.
+    Setting("dra_devices", "HYPERLIGHT_DRA_DEVICES", "--dra-devices", MAX_DRA_DEVICES,
+            _int_in(1, MAX_DRA_DEVICES, f"an integer from 1 to {MAX_DRA_DEVICES}"),
+            "--dra: devices published in this node's ResourceSlice, each one pod's share of the hypervisor",
+            toml_types=(int,), restart_only=True),
+    Setting("node_name", "NODE_NAME", "--node-name", None, _node_name,
+            "--dra: this node's name in Kubernetes (in a pod: spec.nodeName); unset: the host name",
+            restart_only=True),
+    Setting("kubeconfig", "HYPERLIGHT_KUBECONFIG", "--kubeconfig", None, _abs_file,
+            "--dra: kubeconfig file for the API server; unset: the pod's service account", restart_only=True),
 )
 BY_KEY = {s.key: s for s in SETTINGS}
 RESTART_ONLY = tuple(s.key for s in SETTINGS if s.restart_only)
@@ -240,6 +270,9 @@ class Settings:
     metrics_address: Optional[str]
     instance: Optional[str]
     handover_seconds: float
+    dra_devices: int
+    node_name: Optional[str]
+    kubeconfig: Optional[str]
     config_file: Optional[str] = None  # the file actually read, if any
 
     @classmethod
@@ -392,6 +425,7 @@ def settings_table() -> str:
 
 
 UNSET_EXAMPLES = {"host_device_dir": "/host-dev", "metrics_address": "127.0.0.1:9464", "instance": "node-agent-1",
+                  "node_name": "node-1", "kubeconfig": "/etc/hyperlight-agent/kubeconfig",
                   "nfd_features_dir": "/etc/kubernetes/node-feature-discovery/features.d"}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import stat
 
+from hyperlight_agent import contracts
 from hyperlight_agent.device import kernel
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time
@@ -24,14 +25,17 @@ class Hypervisor:
     ('/dev/kvm', '/dev/kvm')
     """
 
-    __slots__ = ("check", "name", "node")
+    __slots__ = ("api_version", "check", "name", "node")
 
-    def __init__(self, name: str, node: str, check: Callable[[int], None]) -> None:
+    def __init__(self, name: str, node: str, check: Callable[[int], None], api_version: Optional[int]) -> None:
         self.name = name
         # The node's name under the device directory and under /dev in containers.
         self.node = node
         # The kernel-level usability check, run inside the probe helper on an open fd.
         self.check = check
+        # The API version a device that passes the check reports (KVM's check requires exactly
+        # this one); None where the check reads none. Published as a DRA device attribute.
+        self.api_version = api_version
 
     def __repr__(self) -> str:
         return f"Hypervisor({self.name!r})"
@@ -45,8 +49,8 @@ class Hypervisor:
         return "/dev/" + self.node
 
 
-MSHV = Hypervisor(name="mshv", node="mshv", check=kernel.check_mshv)
-KVM = Hypervisor(name="kvm", node="kvm", check=kernel.check_kvm)
+MSHV = Hypervisor(name="mshv", node="mshv", check=kernel.check_mshv, api_version=None)
+KVM = Hypervisor(name="kvm", node="kvm", check=kernel.check_kvm, api_version=contracts.KVM_API_VERSION)
 
 # Detection order: the first row present wins (on hosts with both, mshv, as the original did).
 HYPERVISORS: tuple[Hypervisor, ...] = (MSHV, KVM)
