@@ -25,6 +25,7 @@ JUDGES = os.path.join(ROOT, "build", "judges", "bin")
 TOOLS = os.path.join(ROOT, "build", "tools")
 OVERLAYS = sorted(os.listdir(os.path.join(DEPLOY, "overlays")))
 WORKLOAD = os.path.join(DEPLOY, "examples", "workload.yaml")
+DRA_WORKLOAD = os.path.join(DEPLOY, "examples", "dra-workload.yaml")
 
 
 def tool(name: str) -> str:
@@ -86,13 +87,13 @@ def _checkov(directory: str) -> dict[str, Any]:
 
 
 def test_overlays_exist() -> None:
-    assert OVERLAYS == ["aks-kvm", "aks-mshv", "kind"]
+    assert OVERLAYS == ["aks-kvm", "aks-mshv", "dra", "kind"]
 
 
 def test_checkov_passes_the_sources() -> None:
     # The chart's templates are not manifests until rendered (tests/test_helm.py judges those), and
-    # overlays and components hold only patches: each overlay's rendering is judged below.
-    sources = [os.path.join(DEPLOY, d) for d in ("base", "examples")]
+    # The other overlays and components hold only patches: each overlay's rendering is judged below.
+    sources = [os.path.join(DEPLOY, d) for d in ("base", "examples", os.path.join("components", "dra"))]
     summary = checkov_many(sources)
     assert summary["failed"] == 0, summary
     assert summary["passed"] > 100
@@ -109,7 +110,8 @@ def test_kubernetes_validate_strict(rendered: dict[str, str], overlay: str) -> N
     result = subprocess.run([judge("kubernetes-validate"), "--strict", os.path.join(rendered[overlay], "all.yaml")],
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("passed for resource") == 4
+    with open(os.path.join(rendered[overlay], "all.yaml")) as f:
+        assert result.stdout.count("passed for resource") == len(documents(f.read()))
 
 
 def _daemonsets(text: str) -> dict[str, dict[str, Any]]:
@@ -126,10 +128,12 @@ SECURE_CONTAINER = {
 def test_security_context_is_fixed_in_the_base(overlay: str) -> None:
     path = os.path.join(DEPLOY, overlay) if overlay == "base" else os.path.join(DEPLOY, "overlays", overlay)
     sets = _daemonsets(render(path))
-    assert set(sets) == {"hyperlight-device-access", "hyperlight-device-plugin"}
-    for ds in sets.values():
+    kubelet_side = "hyperlight-dra-driver" if overlay == "dra" else "hyperlight-device-plugin"
+    assert set(sets) == {"hyperlight-device-access", kubelet_side}
+    for name, ds in sets.items():
         pod = ds["spec"]["template"]["spec"]
-        assert pod["automountServiceAccountToken"] is False
+        # Only the DRA driver talks to the API server (its ResourceSlice, the claims it prepares).
+        assert pod["automountServiceAccountToken"] is (name == "hyperlight-dra-driver")
         assert pod["priorityClassName"] == "system-node-critical"
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
@@ -155,10 +159,14 @@ def test_security_context_is_fixed_in_the_base(overlay: str) -> None:
     bootstrap = sets["hyperlight-device-access"]["spec"]["template"]["spec"]["containers"][0]
     assert bootstrap["args"] == ["--device-access"]
     assert "--device-access" in bootstrap["livenessProbe"]["exec"]["command"]
-    main = sets["hyperlight-device-plugin"]["spec"]["template"]["spec"]["containers"][0]
+    main = sets[kubelet_side]["spec"]["template"]["spec"]["containers"][0]
     assert main["resources"]["limits"]["hyperlight.dev/device-access"] == "1"
     env = {e["name"]: e.get("value") for e in main["env"]}
     assert env["HOST_DEVICE_DIR"] == "/host-dev"
+    if overlay == "dra":
+        assert main["args"] == ["--dra"] and "--dra" in main["readinessProbe"]["exec"]["command"]
+        assert env["NODE_NAME"] is None  # from the downward API: spec.nodeName
+        return
     assert env["HYPERLIGHT_NFD_FEATURES_DIR"] == "/etc/kubernetes/node-feature-discovery/features.d"
     assert int(env["DEVICE_COUNT"]) > 0
     assert env["HYPERLIGHT_ALLOCATION"] == "both", "the default that works on every runtime"
@@ -169,6 +177,8 @@ def test_overlays_change_only_what_varies() -> None:
     for overlay in OVERLAYS:
         sets = _daemonsets(render(os.path.join(DEPLOY, "overlays", overlay)))
         for name, ds in sets.items():
+            if name not in base:
+                continue  # a component's own DaemonSet (components/dra): nothing to compare it with
             b, o = base[name]["spec"]["template"]["spec"], ds["spec"]["template"]["spec"]
             assert o["securityContext"] == b["securityContext"]
             assert o["volumes"] == b["volumes"]
@@ -226,16 +236,36 @@ def test_workload_example_matches_the_defaults() -> None:
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
+def test_dra_workload_example_asks_for_the_device_class_and_matches_the_defaults() -> None:
+    with open(DRA_WORKLOAD) as f:
+        docs = documents(f.read())
+    (template,) = [d for d in docs if d["kind"] == "ResourceClaimTemplate"]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    with open(os.path.join(DEPLOY, "components", "dra", "deviceclass.yaml")) as f:
+        (device_class,) = documents(f.read())
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    assert request["exactly"]["deviceClassName"] == device_class["metadata"]["name"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["resourceClaims"] == [{"name": "hypervisor", "resourceClaimTemplateName": template["metadata"]["name"]}]
+    (container,) = pod["containers"]
+    assert container["resources"]["claims"] == [{"name": "hypervisor"}]
+    driver = _daemonsets(render(os.path.join(DEPLOY, "overlays", "dra")))["hyperlight-dra-driver"]
+    env = {e["name"]: e.get("value") for e in driver["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert (str(pod["securityContext"]["runAsUser"]), str(pod["securityContext"]["runAsGroup"])) \
+        == (env["DEVICE_UID"], env["DEVICE_GID"])
+
+
+@pytest.mark.parametrize("example", [WORKLOAD, DRA_WORKLOAD], ids=os.path.basename)
 @pytest.mark.parametrize("judge_name", ["checkov", "kubernetes-validate"])
-def test_workload_example_passes_the_judges(tmp_path: Any, judge_name: str) -> None:
+def test_workload_examples_pass_the_judges(tmp_path: Any, judge_name: str, example: str) -> None:
     if judge_name == "checkov":
         directory = tmp_path / "workload"
         directory.mkdir()
-        shutil.copy(WORKLOAD, directory)
+        shutil.copy(example, directory)
         summary = checkov(str(directory))
         assert summary["failed"] == 0 and summary["passed"] > 50, summary
     else:
-        result = subprocess.run([judge("kubernetes-validate"), "--strict", WORKLOAD], capture_output=True, text=True,
+        result = subprocess.run([judge("kubernetes-validate"), "--strict", example], capture_output=True, text=True,
                                 timeout=120, check=False)
         assert result.returncode == 0 and "passed for resource" in result.stdout, result.stdout + result.stderr
 

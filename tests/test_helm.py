@@ -66,6 +66,8 @@ def test_values_files_match_the_overlays() -> None:
     ("image.digest=sha256:abc", "at '/image/digest'"),
     ("metrics.port=70000", "at '/metrics/port': maximum"),
     ("devicecount=5", "additional properties 'devicecount' not allowed"),
+    ("mode=deviceplugin", "at '/mode': value must be one of 'devicePlugin', 'dra', 'both'"),
+    ("draDevices=129", "at '/draDevices': maximum: got 129, want 128"),
 ])
 def test_schema_refuses_bad_values_with_a_clear_message(setting: str, message: str) -> None:
     result = template("--set", setting, check=False)

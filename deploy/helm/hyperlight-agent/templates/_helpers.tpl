@@ -29,7 +29,6 @@ checkov.io/skip4: CKV_K8S_43=image.digest is empty, so the image is referenced b
 {{/* Pod-level settings both DaemonSets share. */}}
 {{- define "hyperlight.podSpec" -}}
 priorityClassName: {{ .Values.priorityClassName }}
-automountServiceAccountToken: false
 enableServiceLinks: false
 hostNetwork: false
 hostPID: false
