@@ -69,7 +69,7 @@ def test_packages_and_services_are_the_kubelets() -> None:
         assert [m.name for m in described.methods] == ["NodePrepareResources", "NodeUnprepareResources"]
     assert [m.name for m in reg.DESCRIPTOR.services_by_name["Registration"].methods] == [
         "GetInfo", "NotifyRegistrationStatus"]
-    assert api.REGISTRATION_SERVICE == reg.DESCRIPTOR.services_by_name["Registration"].full_name
+    assert reg.DESCRIPTOR.services_by_name["Registration"].full_name == api.REGISTRATION_SERVICE
     assert list(api.VERSIONS) == list(contracts.DRA_SUPPORTED_VERSIONS)
 
 
@@ -88,7 +88,7 @@ def test_unparsable_request_is_invalid_argument(tmp: str) -> None:
         await registrar.start()
         try:
             async with grpc.aio.insecure_channel(api.unix_target(registrar.service_socket)) as channel:
-                call = channel.unary_unary(f"/{api.DRA_V1_SERVICE}/NodePrepareResources")
+                call = channel.unary_unary(f"/{api.DRA_V1_SERVICE}/NodePrepareResources", None, None)
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await call(b"\n\xff")  # a length past the end
                 assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

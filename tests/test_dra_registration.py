@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from typing import Any, Awaitable, Callable, Optional, Union
+from typing import Any, Awaitable, Callable, ClassVar, Optional, Union
 
 import pytest
 
@@ -391,7 +391,7 @@ def test_standin_rejects_an_answer_missing_a_claim() -> None:
     from standin.dra_kubelet import _entries
 
     class Response:
-        claims = {"a": object()}
+        claims: ClassVar[dict[str, object]] = {"a": object()}
 
     with pytest.raises(CallFailed, match="skipped 1"):
         _entries("NodePrepareResources", [Claim("n", "a", "a"), Claim("n", "b", "b")], Response())

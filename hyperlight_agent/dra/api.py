@@ -34,8 +34,9 @@ VERSIONS: dict[str, tuple[str, ModuleType]] = {
     contracts.DRA_VERSION_V1BETA1: (DRA_V1BETA1_SERVICE, v1beta1),
 }
 
-# method name → (request type, response type), given a version's message module.
+
 def dra_methods(messages: ModuleType) -> dict[str, tuple[Any, Any]]:
+    """method name → (request type, response type) in one version's message module."""
     return {
         "NodePrepareResources": (messages.NodePrepareResourcesRequest, messages.NodePrepareResourcesResponse),
         "NodeUnprepareResources": (messages.NodeUnprepareResourcesRequest, messages.NodeUnprepareResourcesResponse),
