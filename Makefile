@@ -72,6 +72,8 @@ bench: $(VENV)/.installed
 # would not import under Debian's python3-protobuf 3.21.
 proto: system-deps
 	protoc -I proto --python_out=hyperlight_agent/deviceplugin --pyi_out=hyperlight_agent/deviceplugin proto/deviceplugin.proto
+	protoc -I proto --python_out=hyperlight_agent/dra --pyi_out=hyperlight_agent/dra \
+	  proto/dra_v1.proto proto/dra_v1beta1.proto proto/pluginregistration.proto
 
 # Development tools and judges are pinned exactly in pins/ (dev.txt: the `test` extra; judges.txt),
 # so an unchanged tree keeps its verdicts; `make pin-tools` moves the pins to the newest releases.

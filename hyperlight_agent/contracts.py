@@ -78,3 +78,24 @@ MSHV_CREATE_PARTITION_SIZE = 16
 NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"
 WATCHDOG_USEC_ENV = "WATCHDOG_USEC"
 JOURNAL_STREAM_ENV = "JOURNAL_STREAM"
+
+
+# ---- Dynamic Resource Allocation: the kubelet's side
+# (owner: Kubernetes, pkg/kubelet/pluginmanager and pkg/kubelet/cm/dra; same in 1.34 and 1.37)
+# The kubelet's plugin watcher registers every socket that appears here (dot-files excepted).
+DRA_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
+# Each driver's own directory below it holds the socket its DRAPlugin service answers on.
+DRA_PLUGINS_DIR = "/var/lib/kubelet/plugins"
+# PluginInfo.type the kubelet routes to its DRA handler.
+DRA_PLUGIN_TYPE = "DRAPlugin"
+# PluginInfo.supported_versions entries: not gRPC service names but "<package tail>.<service>".
+# The kubelet takes the first of ours it knows, so the newest comes first.
+DRA_VERSION_V1 = "v1.DRAPlugin"
+DRA_VERSION_V1BETA1 = "v1beta1.DRAPlugin"
+DRA_SUPPORTED_VERSIONS = (DRA_VERSION_V1, DRA_VERSION_V1BETA1)
+# The kubelet's deadlines: GetInfo, NotifyRegistrationStatus, each Prepare/Unprepare call.
+DRA_GET_INFO_TIMEOUT_S = 1.0
+DRA_NOTIFY_TIMEOUT_S = 5.0
+DRA_CALL_TIMEOUT_S = 45.0
+# Our driver name (owner: hyperlight-agent): ResourceSlice.spec.driver and DeviceClass selectors.
+DRA_DRIVER = "hyperlight.dev"

@@ -71,7 +71,7 @@ def test_unix_targets_are_built_by_api() -> None:
     # healthcheck writes the same form out: the exec probe must not load the device plugin's messages.
     assert {m for m, tree in trees().items() for n in ast.walk(tree)
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("unix:")} \
-        <= {"deviceplugin.api", "host.healthcheck"}
+        <= {"deviceplugin.api", "dra.api", "host.healthcheck"}
     assert api.unix_target("/k/p.sock") == "unix:///k/p.sock"
 
 

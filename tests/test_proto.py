@@ -11,15 +11,29 @@ import pytest
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from tests.test_docs import ROOT
 
+# proto file → the package directory its generated modules are committed in.
+GENERATED = {
+    "deviceplugin.proto": "hyperlight_agent/deviceplugin",
+    "dra_v1.proto": "hyperlight_agent/dra",
+    "dra_v1beta1.proto": "hyperlight_agent/dra",
+    "pluginregistration.proto": "hyperlight_agent/dra",
+}
+
+
+def test_every_proto_has_its_generated_code() -> None:
+    assert sorted(GENERATED) == sorted(n for n in os.listdir(os.path.join(ROOT, "proto")) if n.endswith(".proto"))
+
 
 @pytest.mark.system  # protoc: a system tool `make test` installs, not `make check`
-def test_generated_code_matches_the_proto(tmp: str) -> None:
+@pytest.mark.parametrize("proto", sorted(GENERATED))
+def test_generated_code_matches_the_proto(tmp: str, proto: str) -> None:
     protoc = shutil.which("protoc")
     assert protoc, "protoc is missing: `make test` installs protobuf-compiler"
     subprocess.run([protoc, "-I", os.path.join(ROOT, "proto"), f"--python_out={tmp}", f"--pyi_out={tmp}",
-                    os.path.join(ROOT, "proto", "deviceplugin.proto")], check=True, timeout=60)
-    for name in ("deviceplugin_pb2.py", "deviceplugin_pb2.pyi"):
-        with open(os.path.join(tmp, name), "rb") as a, open(os.path.join(ROOT, "hyperlight_agent", name), "rb") as b:
+                    os.path.join(ROOT, "proto", proto)], check=True, timeout=60)
+    stem = proto[:-len(".proto")]
+    for name in (f"{stem}_pb2.py", f"{stem}_pb2.pyi"):
+        with open(os.path.join(tmp, name), "rb") as a, open(os.path.join(ROOT, GENERATED[proto], name), "rb") as b:
             assert a.read() == b.read(), f"{name} is stale: run `make proto`"
 
 

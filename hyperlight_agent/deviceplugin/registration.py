@@ -43,7 +43,8 @@ import grpc
 from hyperlight_agent import contracts, waits
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
-from hyperlight_agent.node import atomic
+from hyperlight_agent.node import atomic, sockets
+from hyperlight_agent.node.sockets import Identity, Pin
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,6 @@ STOP_GRACE_S = 1.0
 KUBELET_STARTING_RETRY_S = 0.05
 KUBELET_STARTING_S = 10.0
 PRIVATE_TOKEN_BYTES = 4  # the random part of a private socket name: 8 hex digits
-LIVE_PROBE_TIMEOUT_S = 1.0
 
 
 class RegistrationError(Exception):
@@ -107,75 +107,11 @@ class Backoff:
         return 0.5 * min(cap, initial * 2.0 ** attempt)
 
 
-Identity = tuple[int, int]
-
-
-def _identity(path: str) -> Optional[Identity]:
-    """(device, inode) of a socket at path, or None if there is none. Metadata changes (chmod,
-    touch, chown, links) and renames keep it; only another file has another one, provided the
-    file we compare with is pinned (see Pin)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino) if stat.S_ISSOCK(st.st_mode) else None
-
-
-_inode = _identity
-
-
-class Pin:
-    """A socket file we remember, held open with O_PATH (which a socket allows).
-
-    ext4 and xfs hand a deleted file's inode number to the next file created, so a kubelet.sock
-    recreated at once could reuse the old one's (device, inode). While we hold the old inode open
-    it cannot be freed, so an equal (device, inode) at the path is this very file. (The ctime
-    would tell new files apart too, but it also changes on chmod, touch, chown and hard links,
-    which made relabelling tools look like kubelet restarts.)
-    """
-
-    def __init__(self, fd: int, identity: Identity) -> None:
-        self._fd: Optional[int] = fd
-        self.identity = identity
-
-    @classmethod
-    def take(cls, path: str) -> Optional[Pin]:
-        """Pin the socket at path; None if there is no socket there."""
-        try:
-            fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            os.close(fd)
-            return None
-        if not stat.S_ISSOCK(st.st_mode):
-            os.close(fd)
-            return None
-        return cls(fd, (st.st_dev, st.st_ino))
-
-    def is_at(self, path: str) -> bool:
-        return _identity(path) == self.identity
-
-    def close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
-
-
-def _is_live(path: str) -> bool:
-    """Whether something accepts connections on the unix socket at path (a stale file refuses)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
-        probe.settimeout(LIVE_PROBE_TIMEOUT_S)
-        try:
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            return False
-        except OSError:
-            # A full backlog, a slow peer, a permission we lack: maybe live, so never ours to take.
-            return True
-        return True
+# The socket helpers live in node.sockets (DRA registration uses them too); the old private
+# names stay, and tests patch `_is_live` here.
+_identity = sockets.identity
+_inode = sockets.identity
+_is_live = sockets.is_live
 
 
 def _bind_error(path: str) -> str:

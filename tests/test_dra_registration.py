@@ -1,0 +1,399 @@
+"""The DRA node side driven as the kubelet drives it: the strict stand-in (standin/dra_kubelet.py)
+watches a registry directory, registers our instances over real unix sockets, and calls
+NodePrepareResources / NodeUnprepareResources with the version it chose."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from typing import Any, Awaitable, Callable, ClassVar, Optional, Union
+
+import pytest
+
+from hyperlight_agent import contracts
+from hyperlight_agent.device.observation import Observation
+from hyperlight_agent.dra import registration
+from hyperlight_agent.dra.prepared import Prepared
+from hyperlight_agent.dra.registration import Registrar, RegistrationError
+from hyperlight_agent.dra.service import Service
+from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
+from standin.dra_kubelet import CallFailed, Claim, DraKubeletStandin, RegistrationRefused
+from tests.conftest import until
+
+DRIVER = contracts.DRA_DRIVER
+HEALTHY = Observation(healthy=True, reason="", hypervisor="kvm")
+CDI_KVM = "hyperlight.dev/hypervisor=kvm"
+CLAIM = Claim(namespace="ns", name="c1", uid="uid-1")
+
+
+class FakeClaims:
+    """The API's view of claims: uid → allocation results, or the ClaimError reading it raises."""
+
+    def __init__(self) -> None:
+        self.claims: dict[str, Union[list[AllocatedDevice], ClaimError]] = {}
+        self.reads = 0
+
+    async def allocation(self, namespace: str, name: str, uid: str) -> list[AllocatedDevice]:
+        self.reads += 1
+        found = self.claims.get(uid)
+        if found is None:
+            raise ClaimError(f"claim {namespace}/{name} not found")
+        if isinstance(found, ClaimError):
+            raise found
+        return found
+
+
+def ours(device: str = "kvm-0", request: str = "hv", share_id: Optional[str] = None) -> AllocatedDevice:
+    return AllocatedDevice(request=request, driver=DRIVER, pool="node1", device=device, share_id=share_id)
+
+
+class Node:
+    """Temp directories standing for the kubelet's, and the agent instances started on them."""
+
+    def __init__(self, tmp: str, claims: FakeClaims) -> None:
+        self.registry = os.path.join(tmp, "plugins_registry")
+        self.plugins = os.path.join(tmp, "plugins")
+        self.data = os.path.join(tmp, "data")
+        os.mkdir(self.registry)
+        self.claims = claims
+        self.observation = HEALTHY
+        self.started: list[Registrar] = []
+
+    def registrar(self, instance: str, observe: Optional[Callable[[], Any]] = None) -> Registrar:
+        service = Service(DRIVER, self.claims, observe or (lambda: self.observation), Prepared(self.data))
+        registrar = Registrar(service, DRIVER, instance, self.registry, self.plugins)
+        self.started.append(registrar)
+        return registrar
+
+    async def start(self, instance: str) -> Registrar:
+        registrar = self.registrar(instance)
+        await registrar.start()
+        return registrar
+
+
+def run(tmp: str, body: Callable[[Node, DraKubeletStandin], Awaitable[None]],
+        known_versions: tuple[str, ...] = (contracts.DRA_VERSION_V1, contracts.DRA_VERSION_V1BETA1)) -> None:
+    async def main() -> None:
+        node = Node(tmp, FakeClaims())
+        try:
+            async with DraKubeletStandin(node.registry, known_versions=known_versions) as kubelet:
+                await body(node, kubelet)
+        finally:
+            for registrar in node.started:
+                await registrar.close()
+
+    asyncio.run(main())
+
+
+async def registered(kubelet: DraKubeletStandin, registrar: Registrar, count: int = 1) -> None:
+    await until(lambda: registrar.registered and len(kubelet.instances.get(DRIVER, [])) >= count,
+                what="the kubelet registering the instance")
+
+
+# --- registration --------------------------------------------------------------------------------
+
+def test_registers_and_the_kubelet_chooses_v1(tmp: str) -> None:
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        registrar = await node.start("pod-a")
+        await registered(kubelet, registrar)
+        [instance] = kubelet.instances[DRIVER]
+        assert instance.version == contracts.DRA_VERSION_V1
+        assert instance.endpoint == registrar.service_socket == os.path.join(node.plugins, DRIVER, "dra-pod-a.sock")
+        assert registrar.registration_socket == os.path.join(node.registry, f"{DRIVER}-pod-a-reg.sock")
+        assert registrar.error == "" and registrar.notifications == 1
+
+    run(tmp, body)
+
+
+def test_a_kubelet_knowing_only_v1beta1_chooses_it(tmp: str) -> None:
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        node.claims.claims[CLAIM.uid] = [ours(share_id="share-1")]
+        registrar = await node.start("pod-a")
+        await registered(kubelet, registrar)
+        assert kubelet.instances[DRIVER][0].version == contracts.DRA_VERSION_V1BETA1
+        entries = await kubelet.prepare(DRIVER, [CLAIM])
+        [device] = entries[CLAIM.uid].devices
+        assert (device.device_name, list(device.cdi_device_ids)) == ("kvm-0", [CDI_KVM])
+        assert "share_id" not in device.DESCRIPTOR.fields_by_name
+
+    run(tmp, body, known_versions=(contracts.DRA_VERSION_V1BETA1,))
+
+
+def test_a_kubelet_knowing_none_of_our_versions_refuses_and_says_why(tmp: str) -> None:
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        registrar = await node.start("pod-a")
+        await until(lambda: registrar.notifications >= 1, what="the kubelet's verdict")
+        assert not registrar.registered
+        assert registrar.error.startswith("none of services supported by the plugin")
+        assert DRIVER not in kubelet.instances
+
+    run(tmp, body, known_versions=("v1alpha4.DRAPlugin",))
+
+
+def test_the_same_endpoint_twice_is_refused(tmp: str) -> None:
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        registrar = await node.start("pod-a")
+        await registered(kubelet, registrar)
+        with pytest.raises(RegistrationRefused, match="already registered"):
+            await kubelet.register(registrar.registration_socket)
+        assert not registrar.registered  # the kubelet told us; our state follows its last word
+
+    run(tmp, body)
+
+
+def test_the_service_is_served_before_the_registration_socket_appears(tmp: str) -> None:
+    async def main() -> None:
+        node = Node(tmp, FakeClaims())
+        registrar = node.registrar("pod-a")
+        seen: list[bool] = []
+        serve = registration.Registrar._serve
+
+        async def spy(self: Registrar, path: str, handlers: Any) -> Any:
+            if path == self.registration_socket:
+                seen.append(os.path.exists(self.service_socket) and _accepts(self.service_socket))
+            return await serve(self, path, handlers)
+
+        registration.Registrar._serve = spy  # type: ignore[method-assign]
+        try:
+            await registrar.start()
+        finally:
+            registration.Registrar._serve = serve  # type: ignore[method-assign]
+            await registrar.close()
+        assert seen == [True]
+
+    asyncio.run(main())
+
+
+def _accepts(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+        return True
+
+
+# --- prepare and unprepare -------------------------------------------------------------------------
+
+def test_prepare_answers_our_devices_with_our_cdi_id_and_records_them(tmp: str) -> None:
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        node.claims.claims[CLAIM.uid] = [
+            ours("kvm-3", share_id="s-1"),
+            AllocatedDevice(request="gpu", driver="gpu.example.com", pool="p", device="gpu-0", share_id=None)]
+        registrar = await node.start("pod-a")
+        await registered(kubelet, registrar)
+        entries = await kubelet.prepare(DRIVER, [CLAIM])
+        assert entries[CLAIM.uid].error == ""
+        [device] = entries[CLAIM.uid].devices  # the other driver's result is not ours to answer
+        assert (list(device.request_names), device.pool_name, device.device_name, list(device.cdi_device_ids),
+                device.share_id) == (["hv"], "node1", "kvm-3", [CDI_KVM], "s-1")
+        assert Prepared(node.data).get(CLAIM.uid) is not None
+        entries = await kubelet.unprepare(DRIVER, [CLAIM])
+        assert entries[CLAIM.uid].error == ""
+        assert Prepared(node.data).claims() == {}
+
+    run(tmp, body)
+
+
+def test_prepare_is_idempotent_across_a_restart(tmp: str) -> None:
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        node.claims.claims[CLAIM.uid] = [ours()]
+        first = await node.start("pod-a")
+        await registered(kubelet, first)
+        answer = await kubelet.prepare(DRIVER, [CLAIM])
+        await first.close()
+        await until(lambda: DRIVER not in kubelet.instances, what="deregistration")
+        # The claim is gone from the API and the device went bad meanwhile: a prepared claim
+        # still gets the same answer, from the record the new service reads at start.
+        del node.claims.claims[CLAIM.uid]
+        node.observation = Observation(healthy=False, reason="gone", hypervisor=None)
+        reads = node.claims.reads
+        second = await node.start("pod-a")
+        await registered(kubelet, second)
+        assert await kubelet.prepare(DRIVER, [CLAIM]) == answer
+        assert node.claims.reads == reads
+
+    run(tmp, body)
+
+
+def test_an_unhealthy_device_fails_the_claim_naming_the_device(tmp: str) -> None:
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        node.claims.claims[CLAIM.uid] = [ours("kvm-3")]
+        node.observation = Observation(healthy=False, reason="KVM_CREATE_VM failed: EPERM", hypervisor="kvm")
+        registrar = await node.start("pod-a")
+        await registered(kubelet, registrar)
+        entries = await kubelet.prepare(DRIVER, [CLAIM])
+        assert entries[CLAIM.uid].error == "device kvm-3 (/dev/kvm) failed its check: KVM_CREATE_VM failed: EPERM"
+        assert not entries[CLAIM.uid].devices
+        assert Prepared(node.data).claims() == {}  # refused claims are not recorded: asked again, checked again
+        node.observation = HEALTHY
+        entries = await kubelet.prepare(DRIVER, [CLAIM])
+        assert entries[CLAIM.uid].error == "" and len(entries[CLAIM.uid].devices) == 1
+
+    run(tmp, body)
+
+
+def test_claim_errors_are_per_claim_and_every_claim_gets_an_entry(tmp: str) -> None:
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        good, missing = CLAIM, Claim("ns", "c2", "uid-2")
+        replaced, foreign = Claim("ns", "c3", "uid-3"), Claim("ns", "c4", "uid-4")
+        node.claims.claims[good.uid] = [ours()]
+        node.claims.claims[replaced.uid] = ClaimError("claim ns/c3 got replaced")
+        node.claims.claims[foreign.uid] = [AllocatedDevice("r", "other.example.com", "p", "d", None)]
+        registrar = await node.start("pod-a")
+        await registered(kubelet, registrar)
+        entries = await kubelet.prepare(DRIVER, [good, missing, replaced, foreign])
+        assert {uid: entry.error for uid, entry in entries.items()} == {
+            good.uid: "",
+            missing.uid: "claim ns/c2 not found",
+            replaced.uid: "claim ns/c3 got replaced",
+            foreign.uid: f"claim ns/c4 has no device of driver {DRIVER}",
+        }
+
+    run(tmp, body)
+
+
+def test_unprepare_of_an_unknown_claim_succeeds(tmp: str) -> None:
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        registrar = await node.start("pod-a")
+        await registered(kubelet, registrar)
+        entries = await kubelet.unprepare(DRIVER, [CLAIM, CLAIM])
+        assert {uid: e.error for uid, e in entries.items()} == {CLAIM.uid: ""}
+
+    run(tmp, body)
+
+
+def test_a_slow_claim_read_waits_for_no_other_claim(tmp: str) -> None:
+    async def main() -> None:
+        gate = asyncio.Event()
+        claims = FakeClaims()
+        claims.claims[CLAIM.uid] = [ours()]
+
+        class Slow(FakeClaims):
+            async def allocation(self, namespace: str, name: str, uid: str) -> list[AllocatedDevice]:
+                if uid == "slow":
+                    await gate.wait()
+                return await claims.allocation(namespace, name, uid)
+
+        service = Service(DRIVER, Slow(), lambda: HEALTHY, Prepared(tmp), claim_read_timeout=0.05)
+        from hyperlight_agent.dra import dra_v1_pb2 as v1
+        request = v1.NodePrepareResourcesRequest(claims=[v1.Claim(namespace="ns", name="s", uid="slow"),
+                                                         v1.Claim(namespace="ns", name="c1", uid=CLAIM.uid)])
+        response = await service.NodePrepareResources(request, None, v1)  # type: ignore[arg-type]
+        assert response.claims[CLAIM.uid].error == ""
+        assert response.claims["slow"].error == "claim ns/s: reading its allocation took longer than 0.05 s"
+
+    asyncio.run(main())
+
+
+# --- two instances (rolling update) ------------------------------------------------------------------
+
+def test_two_instances_register_beside_each_other_and_share_the_record(tmp: str) -> None:
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        node.claims.claims[CLAIM.uid] = [ours()]
+        old = await node.start("pod-old")
+        await registered(kubelet, old)
+        answer = await kubelet.prepare(DRIVER, [CLAIM])
+        new = await node.start("pod-new")
+        await registered(kubelet, new, count=2)
+        assert {i.endpoint for i in kubelet.instances[DRIVER]} == {old.service_socket, new.service_socket}
+        # The newest connected instance takes the calls (once the kubelet's connection to it is up).
+        await until(lambda: kubelet.instance(DRIVER).endpoint == new.service_socket, what="the new one connected")
+        reads = node.claims.reads
+        assert await kubelet.prepare(DRIVER, [CLAIM]) == answer  # from the record the old one wrote
+        assert node.claims.reads == reads
+        await new.close()
+        await until(lambda: len(kubelet.instances[DRIVER]) == 1, what="the new instance deregistered")
+        assert kubelet.instance(DRIVER).endpoint == old.service_socket
+        assert (await kubelet.unprepare(DRIVER, [CLAIM]))[CLAIM.uid].error == ""
+        assert Prepared(node.data).claims() == {}
+
+    run(tmp, body)
+
+
+# --- our sockets and nobody else's ---------------------------------------------------------------------
+
+def test_close_removes_our_sockets_and_deregisters(tmp: str) -> None:
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        registrar = await node.start("pod-a")
+        await registered(kubelet, registrar)
+        await registrar.close()
+        assert not os.path.lexists(registrar.registration_socket)
+        assert not os.path.lexists(registrar.service_socket)
+        assert not registrar.registered and not registrar.serving
+        await until(lambda: DRIVER not in kubelet.instances, what="deregistration")
+        assert [n for n in os.listdir(node.registry) if n.startswith(".")] == []  # no private socket left
+
+    run(tmp, body)
+
+
+def test_a_foreign_file_at_our_path_is_left_alone(tmp: str) -> None:
+    async def main() -> None:
+        node = Node(tmp, FakeClaims())
+        registrar = node.registrar("pod-a")
+        with open(registrar.registration_socket, "w") as f:
+            f.write("someone else's")
+        with pytest.raises(RegistrationError, match="exists and is not a socket"):
+            await registrar.start()
+        with open(registrar.registration_socket) as f:
+            assert f.read() == "someone else's"
+        assert not os.path.lexists(registrar.service_socket)  # nothing of ours left behind
+        assert registrar.error
+
+        # Started, then our socket replaced by someone else's file: close leaves that file.
+        os.unlink(registrar.registration_socket)
+        await registrar.start()
+        os.unlink(registrar.service_socket)
+        with open(registrar.service_socket, "w") as f:
+            f.write("theirs")
+        await registrar.close()
+        with open(registrar.service_socket) as f:
+            assert f.read() == "theirs"
+        assert not os.path.lexists(registrar.registration_socket)
+
+    asyncio.run(main())
+
+
+def test_a_live_socket_at_our_path_is_not_taken_over_but_a_stale_one_is(tmp: str) -> None:
+    async def main() -> None:
+        node = Node(tmp, FakeClaims())
+        first = await node.start("pod-a")
+        second = node.registrar("pod-a")
+        with pytest.raises(RegistrationError, match="another server is listening"):
+            await second.start()
+        assert os.path.exists(first.service_socket) and _accepts(first.service_socket)
+        await first.close()
+        # A stale socket (an earlier run of this instance, killed): replaced.
+        with socket.socket(socket.AF_UNIX) as stale:
+            stale.bind(first.registration_socket)
+        await second.start()
+        assert _accepts(second.registration_socket)
+        await second.close()
+
+    asyncio.run(main())
+
+
+def test_long_paths_get_short_deterministic_names(tmp: str) -> None:
+    long_instance = "x" * 90
+    path = registration.registration_socket(tmp, DRIVER, long_instance)
+    assert len(os.fsencode(path)) <= contracts.UNIX_PATH_MAX
+    assert path == registration.registration_socket(tmp, DRIVER, long_instance)
+    assert path != registration.registration_socket(tmp, DRIVER, "y" * 90)
+    service = registration.service_socket(tmp, DRIVER, long_instance)
+    assert len(os.fsencode(service)) <= contracts.UNIX_PATH_MAX and service.endswith(".sock")
+    assert os.path.basename(registration.service_socket(tmp, DRIVER, "a/b")) != "dra-a/b.sock"
+    with pytest.raises(RegistrationError, match="too long"):
+        registration.registration_socket("/" + "d" * 120, DRIVER, "a")
+
+
+def test_standin_rejects_an_answer_missing_a_claim() -> None:
+    from standin.dra_kubelet import _entries
+
+    class Response:
+        claims: ClassVar[dict[str, object]] = {"a": object()}
+
+    with pytest.raises(CallFailed, match="skipped 1"):
+        _entries("NodePrepareResources", [Claim("n", "a", "a"), Claim("n", "b", "b")], Response())
+    with pytest.raises(CallFailed, match="unknown claim"):
+        _entries("NodePrepareResources", [], Response())
