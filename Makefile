@@ -75,14 +75,15 @@ proto: system-deps
 	protoc -I proto --python_out=hyperlight_agent/dra --pyi_out=hyperlight_agent/dra \
 	  proto/dra_v1.proto proto/dra_v1beta1.proto proto/pluginregistration.proto
 
-# Development tools and judges are pinned exactly in pins/ (dev.txt: the `test` extra; judges.txt),
+# Development tools and judges are pinned exactly in pins/ (dev.txt: the `test` extra; dra.txt: the
+# DRA mode's API client and its dependencies, in the development venv; judges.txt),
 # so an unchanged tree keeps its verdicts; `make pin-tools` moves the pins to the newest releases.
-$(VENV)/.installed: pyproject.toml pins/dev.txt
+$(VENV)/.installed: pyproject.toml pins/dev.txt pins/dra.txt
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 && $(PYTHON) -c 'import ensurepip' 2>/dev/null \
 	  || $(MAKE) --no-print-directory system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]' -c pins/dev.txt
+	$(PY) -m pip install -q -e '.[test]' -c pins/dev.txt -c pins/dra.txt
 	touch $@
 
 $(JUDGES)/.installed: pins/judges.txt

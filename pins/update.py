@@ -2,7 +2,9 @@
 
 Usage: python pins/update.py DEV_PYTHON JUDGES_PYTHON, where DEV_PYTHON's venv has `.[test]` and
 JUDGES_PYTHON's venv has the judges, both installed without pins (so at the newest releases).
-Which tools: the `test` extra of pyproject.toml, and the judges already listed in pins/judges.txt.
+Which tools: the `test` extra of pyproject.toml, the DRA client's packages already listed in
+pins/dra.txt (from the same venv: `.[test]` brings the runtime dependencies), and the judges already
+listed in pins/judges.txt.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def rewrite(path: str, python: str, tools: list[str]) -> None:
 
 def main(dev_python: str, judges_python: str) -> None:
     rewrite(os.path.join(PINS, "dev.txt"), dev_python, test_extra())
+    dra = os.path.join(PINS, "dra.txt")
+    rewrite(dra, dev_python, names(dra))
     judges = os.path.join(PINS, "judges.txt")
     rewrite(judges, judges_python, names(judges))
 

@@ -70,3 +70,15 @@ def test_pin_tools_writes_what_a_venv_has_installed() -> None:
     path = os.path.join(PINS, "dev.txt")
     with open(path) as f:
         assert update.render(path, sys.executable, update.test_extra()) == f.read()
+
+
+def test_the_dra_client_is_pinned_within_its_range_and_installed() -> None:
+    pinned = pins("dra.txt")
+    assert not set(pinned) & set(pins("dev.txt")), "one pin per package"
+    lightkube = next(Requirement(r) for r in importlib.metadata.requires("hyperlight-agent") or []
+                     if r.startswith("lightkube"))
+    assert lightkube.specifier.contains(pinned["lightkube"])
+    for name, version in pinned.items():
+        assert importlib.metadata.version(name) == version, f"{name}: `make` reinstalls from pins/dra.txt"
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        assert "-c pins/dev.txt -c pins/dra.txt" in f.read()
