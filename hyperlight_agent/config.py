@@ -39,8 +39,7 @@ MAX_DEVICE_COUNT = 100_000
 # The settings file is a few kilobytes; anything this large is a mistake.
 MAX_CONFIG_BYTES = 1024 * 1024
 PATH_MAX = 4096
-# One ResourceSlice holds at most 128 devices (resource.k8s.io/v1 ResourceSliceMaxDevices).
-MAX_DRA_DEVICES = 128
+MAX_DRA_DEVICES = contracts.RESOURCE_SLICE_MAX_DEVICES
 
 
 class ConfigError(Exception):

@@ -99,3 +99,15 @@ DRA_NOTIFY_TIMEOUT_S = 5.0
 DRA_CALL_TIMEOUT_S = 45.0
 # Our driver name (owner: hyperlight-agent): ResourceSlice.spec.driver and DeviceClass selectors.
 DRA_DRIVER = "hyperlight.dev"
+
+# ---- Dynamic Resource Allocation: the API's side (owner: Kubernetes, resource.k8s.io/v1: GA in
+# 1.34, the oldest kubelet we serve in this mode)
+RESOURCE_API_GROUP = "resource.k8s.io"
+RESOURCE_API_VERSION = "v1"
+# One ResourceSlice holds at most this many devices (ResourceSliceMaxDevices).
+RESOURCE_SLICE_MAX_DEVICES = 128
+# The field selectors the API server offers on ResourceSlices.
+SLICE_FIELD_NODE = "spec.nodeName"
+SLICE_FIELD_DRIVER = "spec.driver"
+# Where a pod's service-account token, CA and namespace are mounted.
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"

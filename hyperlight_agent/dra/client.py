@@ -13,20 +13,19 @@ from __future__ import annotations
 import os
 from typing import Any, AsyncIterator, Mapping, Optional
 
-# The in-cluster service account (owner: Kubernetes; mounted into every pod with a token).
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+from hyperlight_agent import contracts
+
+SERVICE_ACCOUNT_DIR = contracts.SERVICE_ACCOUNT_DIR
 IN_CLUSTER_ENV = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
 # Every request but a watch gives up after this long; a watch waits for events without limit.
 REQUEST_TIMEOUT_S = 10.0
 
-# resource.k8s.io/v1 (owner: Kubernetes; GA in 1.34, the oldest kubelet we serve in this mode).
-GROUP = "resource.k8s.io"
-VERSION = "v1"
+GROUP = contracts.RESOURCE_API_GROUP
+VERSION = contracts.RESOURCE_API_VERSION
 SLICES = "resourceslices"
 CLAIMS = "resourceclaims"
-# The API server's field selector names for slices (k8s.io/api resource/v1 types.go).
-SELECT_NODE = "spec.nodeName"
-SELECT_DRIVER = "spec.driver"
+SELECT_NODE = contracts.SLICE_FIELD_NODE
+SELECT_DRIVER = contracts.SLICE_FIELD_DRIVER
 
 Json = dict[str, Any]
 

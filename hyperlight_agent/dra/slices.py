@@ -27,16 +27,14 @@ import logging
 import time
 from typing import Any, Callable, NamedTuple, NoReturn, Optional
 
+from hyperlight_agent import contracts
 from hyperlight_agent.dra.client import GROUP, SLICES, VERSION, ApiError, Json, KubeApi
 
 log = logging.getLogger(__name__)
 
-# Our DRA driver name: ResourceSlice.spec.driver, the kubelet plugin's name, the domain of our
-# device attributes and the DeviceClass selectors (owner: hyperlight-agent; manifests depend on it).
-DRIVER = "hyperlight.dev"
-# The API server refuses a slice with more devices (k8s.io/api resource/v1 ResourceSliceMaxDevices).
-MAX_DEVICES_PER_SLICE = 128
-DEFAULT_DEVICE_COUNT = 128
+DRIVER = contracts.DRA_DRIVER
+MAX_DEVICES_PER_SLICE = contracts.RESOURCE_SLICE_MAX_DEVICES
+DEFAULT_DEVICE_COUNT = MAX_DEVICES_PER_SLICE
 # Failures back off 0.5, 1, 2 … 30 s; a conflict (someone wrote first) is re-read at once, this often
 # in a row before it counts as a failure too.
 BACKOFF_INITIAL_S = 0.5
