@@ -14,8 +14,9 @@ import asyncio
 import dataclasses
 import logging
 import os
+import socket
 import threading
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -33,6 +34,9 @@ from hyperlight_agent.host.metrics import Metrics
 from hyperlight_agent.host.notify import Notifier
 from hyperlight_agent.node import atomic, labels
 from hyperlight_agent.node.watcher import CONTENT, NAMES, DirectoryWatcher
+
+if TYPE_CHECKING:
+    from hyperlight_agent.dra.driver import Driver
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,9 +83,10 @@ def profile_for(settings: Settings, mode: modes.Mode) -> Profile:
 class Agent:
     def __init__(self, settings: Settings, device_access: bool = False,
                  reload: Optional[Callable[[], Settings]] = None,
-                 notifier: Optional[Notifier] = None) -> None:
+                 notifier: Optional[Notifier] = None, dra: bool = False,
+                 dra_dirs: Optional[tuple[str, str]] = None) -> None:
         self.settings = settings
-        self.mode = modes.of(device_access)
+        self.mode = modes.of(device_access, dra)
         self._reload = reload  # re-reads the settings for reload(); raises config.ConfigError
         self.notifier = notifier or Notifier()
         self.metrics = Metrics(enabled=settings.metrics_address is not None)
@@ -94,8 +99,14 @@ class Agent:
             self.profile, self.state, self.checker, on_streams_changed=self._on_streams,
             on_allocate=lambda outcome: self.metrics.allocations.labels(outcome).inc())
         self.health_service = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        self.registrar = Registrar(settings.kubelet_dir, self.profile.socket, self.profile.resource,
-                                   self._configure_server, on_change=self._on_registrar)
+        # The kubelet side: the device plugin's registrar, or the DRA driver (dra/driver.py).
+        self.registrar: Optional[Registrar] = None
+        self.driver: Optional[Driver] = None
+        if self.mode.protocol == "dra":
+            self.driver = self._make_driver(dra_dirs or (contracts.DRA_REGISTRY_DIR, contracts.DRA_PLUGINS_DIR))
+        else:
+            self.registrar = Registrar(settings.kubelet_dir, self.profile.socket, self.profile.resource,
+                                       self._configure_server, on_change=self._on_registrar)
         self.watcher = self._make_watcher()
         self._stop = asyncio.Event()
         self._interval_changed = asyncio.Event()
@@ -114,14 +125,22 @@ class Agent:
 
     async def start(self) -> None:
         """Begin serving: first check, registration, watches and timers run as tasks."""
-        log.info("starting hyperlight-agent %s (commit %s): resource %s, socket %s, %d slot(s), device dir %s",
-                 __version__, os.environ.get(COMMIT_ENV, "unknown"), self.profile.resource,
-                 self.registrar.socket_path, self.profile.slots, self.settings.device_dir)
+        if self.driver is not None:
+            log.info("starting hyperlight-agent %s (commit %s): DRA driver %s, node %s, %d device(s), socket %s, "
+                     "device dir %s", __version__, os.environ.get(COMMIT_ENV, "unknown"), self.profile.resource,
+                     self.driver.node_name, self.driver.devices, self.driver.registrar.service_socket,
+                     self.settings.device_dir)
+        else:
+            assert self.registrar is not None
+            log.info("starting hyperlight-agent %s (commit %s): resource %s, socket %s, %d slot(s), device dir %s",
+                     __version__, os.environ.get(COMMIT_ENV, "unknown"), self.profile.resource,
+                     self.registrar.socket_path, self.profile.slots, self.settings.device_dir)
         self._status_changed()
         self.checker.request()
         await self.health_service.set(modes.HEALTH_SERVICES["liveness"], health_pb2.HealthCheckResponse.SERVING)
         await self.health_service.set(modes.HEALTH_SERVICES["readiness"], health_pb2.HealthCheckResponse.NOT_SERVING)
-        jobs = [self.registrar.run(), self.watcher.run(), self._periodic_checks()]
+        kubelet_side = self.driver.run() if self.driver is not None else self.registrar.run()  # type: ignore[union-attr]
+        jobs = [kubelet_side, self.watcher.run(), self._periodic_checks()]
         if self.notifier.watchdog_interval is not None:
             jobs.append(self._watchdog(self.notifier.watchdog_interval))
         if self.metrics_server is not None:
@@ -150,13 +169,16 @@ class Agent:
         created during an agent restart still resolve it."""
         if self._stopping or self._handing_over:
             return
-        if self.settings.handover_seconds > 0:
+        # A DRA driver needs no handover: the kubelet already calls the newest instance, and a
+        # successor has registered before a surge update stops us.
+        if self.settings.handover_seconds > 0 and self.registrar is not None:
             self._handing_over = True
             await self._hand_over(self.settings.handover_seconds)
         self._stopping = True
         log.info("stopping")
         self.notifier.stopping()
-        self.registrar.end_streams()
+        if self.registrar is not None:
+            self.registrar.end_streams()
         # Before anything else can run: a check finishing during the shutdown would publish and
         # log after "stopping" (and a first check may still be running this early).
         self.checker.cancel()
@@ -176,6 +198,7 @@ class Agent:
 
     async def _hand_over(self, timeout: float) -> None:
         log.info("stop requested: serving until a successor is ready (up to %g s)", timeout)
+        assert self.registrar is not None
         successor = await handover.wait_for_successor(self.settings.kubelet_dir, self.mode.socket,
                                                       self.profile.socket, timeout)
         if successor:
@@ -187,7 +210,10 @@ class Agent:
             log.info("no successor within %g s", timeout)
 
     async def _shutdown(self) -> None:
-        await self.registrar.stop(grace=SHUTDOWN_GRACE_S)
+        if self.registrar is not None:
+            await self.registrar.stop(grace=SHUTDOWN_GRACE_S)
+        if self.driver is not None:
+            await self.driver.close()
         await self.checker.close()
         await self.helper.close()
 
@@ -255,8 +281,9 @@ class Agent:
     def _make_watcher(self) -> DirectoryWatcher:
         watcher = DirectoryWatcher()
         s = self.settings
-        watcher.watch(s.kubelet_dir, lambda name: self.registrar.wake(),
-                      {contracts.KUBELET_SOCKET, self.profile.socket})
+        registrar = self.registrar
+        if registrar is not None:
+            watcher.watch(s.kubelet_dir, lambda name: registrar.wake(), {contracts.KUBELET_SOCKET, self.profile.socket})
         device_nodes = {h.node for h in hypervisors.HYPERVISORS}
         watcher.watch(s.device_dir, lambda name: self.checker.request(), device_nodes)
         if s.host_device_dir:
@@ -312,8 +339,22 @@ class Agent:
     def _on_streams(self, count: int) -> None:
         self.metrics.streams.set(count)
 
+    def _make_driver(self, dirs: tuple[str, str]) -> Driver:
+        from hyperlight_agent.dra.driver import Driver  # the DRA mode's modules only in that mode
+
+        s = self.settings
+        return Driver(node_name=s.node_name or socket.gethostname().lower(),
+                      instance=s.instance or modes.DRA_DEFAULT_INSTANCE,
+                      devices=s.dra_devices, kubeconfig=s.kubeconfig, state=self.state,
+                      check=lambda timeout: self.checker.check(timeout=timeout), registry_dir=dirs[0],
+                      plugins_dir=dirs[1],
+                      configure=lambda server: health_pb2_grpc.add_HealthServicer_to_server(self.health_service,
+                                                                                           server),
+                      on_change=self._status_changed)
+
     def _on_registrar(self) -> None:
         r = self.registrar
+        assert r is not None
         self.metrics.registrations.inc(r.registrations - self._counted[0])
         self.metrics.kubelet_restarts.inc(r.kubelet_restarts - self._counted[1])
         self.metrics.streams_lost.inc(r.streams_lost - self._counted[2])
@@ -322,8 +363,14 @@ class Agent:
 
     # --- readiness ----------------------------------------------------------------------------
 
-    def snapshot(self) -> readiness.Snapshot:
+    def snapshot(self) -> Union[readiness.Snapshot, readiness.DraSnapshot]:
+        d = self.driver
+        if d is not None:
+            return readiness.DraSnapshot(self.state.current, self.state.version > 0, d.registered,
+                                         d.registration_error, d.registrar.registration_socket, d.published,
+                                         d.slice_error, d.devices)
         r = self.registrar
+        assert r is not None
         return readiness.Snapshot(self.state.current, self.state.version > 0, r.state, r.last_error,
                                   r.kubelet_socket, r.streams, self.profile.slots)
 

@@ -39,10 +39,16 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    parser.add_argument(
+    which = parser.add_mutually_exclusive_group()  # the mode: the main plugin without either
+    which.add_argument(
         "--device-access", action="store_true",
         help="bootstrap mode: advertise one hyperlight.dev/device-access slot on "
         "hyperlight-access.sock that grants the raw device (DeviceSpec only; never opens it)",
+    )
+    which.add_argument(
+        "--dra", action="store_true",
+        help="Dynamic Resource Allocation mode: publish this node's ResourceSlice of driver hyperlight.dev "
+        "and prepare claims through the kubelet's plugin watcher (Kubernetes 1.34+; needs API access)",
     )
     actions = parser.add_mutually_exclusive_group()
     actions.add_argument(
@@ -78,9 +84,16 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
     if args.health_check or args.check:
         signals.restore_defaults()
     if args.health_check:
-        from hyperlight_agent.host.healthcheck import health_check
+        from hyperlight_agent.host.healthcheck import health_check, plugin_socket
 
-        ok, line = health_check(settings, args.health_check, args.device_access)
+        if args.dra:
+            from hyperlight_agent.dra.registration import service_socket
+
+            path = service_socket(contracts.DRA_PLUGINS_DIR, contracts.DRA_DRIVER,
+                                  settings.instance or modes.DRA_DEFAULT_INSTANCE)
+        else:
+            path = plugin_socket(settings, args.device_access)
+        ok, line = health_check(path, args.health_check)
         print(line)
         return 0 if ok else 1
     if args.check:
@@ -92,7 +105,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
         print("this node can serve Hyperlight" if ok else "this node cannot serve Hyperlight")
         return 0 if ok else 1
     journal.setup(settings.log_level, environ, {
-        "resource": modes.of(args.device_access).resource,
+        "resource": modes.of(args.device_access, args.dra).resource,
         "cdi_path": os.path.join(settings.cdi_dir, contracts.CDI_SPEC_FILE),
         "device_dir": settings.device_dir})
     from hyperlight_agent.deviceplugin.registration import (
@@ -113,7 +126,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
 async def _serve(settings: config.Settings, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     from hyperlight_agent.agent import Agent
 
-    agent = Agent(settings, device_access=args.device_access, reload=lambda: config.load(args, environ))
+    agent = Agent(settings, device_access=args.device_access, reload=lambda: config.load(args, environ), dra=args.dra)
     loop = asyncio.get_running_loop()
     signals.attach(loop, agent.stop, agent.reload)
     try:

@@ -149,10 +149,10 @@ def test_the_service_is_served_before_the_registration_socket_appears(tmp: str) 
         seen: list[bool] = []
         serve = registration.Registrar._serve
 
-        async def spy(self: Registrar, path: str, handlers: Any) -> Any:
+        async def spy(self: Registrar, path: str, handlers: Any, configure: Any = None) -> Any:
             if path == self.registration_socket:
                 seen.append(os.path.exists(self.service_socket) and _accepts(self.service_socket))
-            return await serve(self, path, handlers)
+            return await serve(self, path, handlers, configure)
 
         registration.Registrar._serve = spy  # type: ignore[method-assign]
         try:

@@ -123,7 +123,8 @@ class Registrar:
 
     def __init__(self, service: object, driver: str = contracts.DRA_DRIVER, instance: str = "",
                  registry_dir: str = contracts.DRA_REGISTRY_DIR, plugins_dir: str = contracts.DRA_PLUGINS_DIR,
-                 on_change: Optional[Callable[[], None]] = None, stop_grace: float = STOP_GRACE_S) -> None:
+                 on_change: Optional[Callable[[], None]] = None, stop_grace: float = STOP_GRACE_S,
+                 configure: Optional[Callable[[grpc.aio.Server], None]] = None) -> None:
         if not instance:
             raise ValueError("a DRA plugin instance needs a name unique on the node (the pod name or uid)")
         self.driver = driver
@@ -133,6 +134,9 @@ class Registrar:
         self._service = service  # answers NodePrepareResources / NodeUnprepareResources (service.Service)
         self._on_change = on_change
         self._stop_grace = stop_grace
+        # Adds more services to the DRA socket's server (the agent's gRPC health service, which the
+        # exec probes ask there).
+        self._configure = configure
         self._dra: Optional[_Served] = None
         self._registration: Optional[_Served] = None
         self.registered = False
@@ -148,7 +152,7 @@ class Registrar:
         of ours is left behind then."""
         try:
             os.makedirs(os.path.dirname(self.service_socket), mode=0o750, exist_ok=True)
-            self._dra = await self._serve(self.service_socket, api.dra_handlers(self._service))
+            self._dra = await self._serve(self.service_socket, api.dra_handlers(self._service), self._configure)
             self._registration = await self._serve(self.registration_socket, [api.registration_handler(self)])
         except RegistrationError as exc:
             self._set(False, str(exc))
@@ -201,7 +205,8 @@ class Registrar:
         if changed and self._on_change:
             self._on_change()
 
-    async def _serve(self, path: str, handlers: list[grpc.GenericRpcHandler[Any, Any]]) -> _Served:
+    async def _serve(self, path: str, handlers: list[grpc.GenericRpcHandler[Any, Any]],
+                     configure: Optional[Callable[[grpc.aio.Server], None]] = None) -> _Served:
         directory = os.path.dirname(path)
         _sweep(directory)
         private = os.path.join(directory, f"{PRIVATE_PREFIX}{os.getpid()}.{secrets.token_hex(4)}")
@@ -209,6 +214,8 @@ class Registrar:
             raise RegistrationError(f"{directory}: too long for a unix socket path")
         server = grpc.aio.server()
         server.add_generic_rpc_handlers(handlers)
+        if configure is not None:
+            configure(server)
         try:
             port = server.add_insecure_port(api.unix_target(private))
         except RuntimeError:

@@ -58,7 +58,7 @@ class Service:
                  max_concurrent: int = MAX_CONCURRENT_CLAIMS,
                  claim_read_timeout: float = CLAIM_READ_TIMEOUT_S) -> None:
         self.driver = driver
-        self._claims = claims
+        self.claims = claims
         self._observe = observe
         self.prepared = prepared
         self._cdi_id = cdi_id
@@ -134,7 +134,7 @@ class Service:
     async def _devices(self, namespace: str, name: str, uid: str) -> tuple[PreparedDevice, ...]:
         """Our devices of the claim's allocation, with the CDI id of the healthy device; ClaimError."""
         try:
-            allocated = await waits.within(self._claims.allocation(namespace, name, uid), self._claim_read_timeout)
+            allocated = await waits.within(self.claims.allocation(namespace, name, uid), self._claim_read_timeout)
         except asyncio.TimeoutError:
             raise ClaimError(f"claim {namespace}/{name}: reading its allocation took longer than "
                              f"{self._claim_read_timeout:g} s") from None

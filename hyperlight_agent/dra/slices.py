@@ -99,7 +99,7 @@ class SlicePublisher:
 
     def __init__(self, api: KubeApi, node_name: str, driver: str = DRIVER, count: int = DEFAULT_DEVICE_COUNT, *,
                  clock: Callable[[], float] = time.monotonic, backoff_initial_s: float = BACKOFF_INITIAL_S,
-                 backoff_cap_s: float = BACKOFF_CAP_S) -> None:
+                 backoff_cap_s: float = BACKOFF_CAP_S, on_change: Optional[Callable[[], None]] = None) -> None:
         if not 1 <= count <= MAX_DEVICES_PER_SLICE:
             raise ValueError(f"DRA device count {count}: must be 1 to {MAX_DEVICES_PER_SLICE} "
                              f"(the devices of one ResourceSlice)")
@@ -117,6 +117,7 @@ class SlicePublisher:
         self.published = False
         self.last_error = ""
         self.first_published_at: Optional[float] = None
+        self._on_change = on_change  # told when published or last_error may have changed
 
     def set_device(self, device: Optional[DeviceInfo]) -> None:
         """The device the last check found usable, or None: absent or unusable (its devices leave)."""
@@ -124,7 +125,12 @@ class SlicePublisher:
             return
         self._device = device
         self.published = False
+        self._changed()
         self._wake.set()
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change()
 
     def desired(self) -> Json:
         return desired_spec(self.node_name, self.driver, self.count, self._device)
@@ -155,6 +161,7 @@ class SlicePublisher:
     def _problem(self, problem: str, line: str) -> None:
         """Say each distinct problem once until the next success, not once per retry."""
         self.last_error = line
+        self._changed()
         if problem not in self._logged:
             self._logged.add(problem)
             log.warning("%s; retrying with backoff", line)
@@ -164,6 +171,7 @@ class SlicePublisher:
             log.info("ResourceSlice %s published again", self.slice_name)
         self._logged.clear()
         self.last_error = ""
+        self._changed()
         self._conflicts = 0
         self._succeeded_since_failure = True
 
@@ -232,6 +240,7 @@ class SlicePublisher:
         self.slice_name = _name(result)
         self._written = desired
         self.published = essence(result.get("spec") or {}) == self.desired()
+        self._changed()
         if self.published and self.first_published_at is None:
             self.first_published_at = self._clock()
             log.info("ResourceSlice %s published: %d devices", self.slice_name, len(desired["devices"]))

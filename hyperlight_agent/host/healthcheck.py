@@ -12,9 +12,15 @@ from hyperlight_agent.config import Settings
 PROBE_TIMEOUT_S = 2.0
 
 
-def health_check(settings: Settings, which: str, device_access: bool) -> tuple[bool, str]:
-    path = os.path.join(settings.kubelet_dir,
+def plugin_socket(settings: Settings, device_access: bool) -> str:
+    """The device plugin modes' socket, where they serve the health service too."""
+    return os.path.join(settings.kubelet_dir,
                         contracts.instance_socket_name(modes.of(device_access).socket, settings.instance))
+
+
+def health_check(path: str, which: str) -> tuple[bool, str]:
+    """Ask the health service on the socket at `path` (the mode's socket: plugin_socket, or the
+    DRA driver's service socket)."""
     # The socket itself, never through a symlink (which could lead to another agent's socket):
     # opened without following, checked, and connected to through that very descriptor.
     try:

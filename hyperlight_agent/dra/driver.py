@@ -1,0 +1,174 @@
+"""The DRA mode's kubelet and API sides for one agent, on the agent's loop.
+
+    run(): connect to the API server (retried with backoff until it can), serve and register with
+           the kubelet's plugin watcher (retried likewise), publish this node's ResourceSlice and
+           keep it following every device check until cancelled
+    close(): deregister and stop serving; the slice stays (a successor instance during a rolling
+             update publishes the same one, and the kubelet removes a driver's slices 30 s after
+             its last instance is gone)
+
+The device check, the CDI spec, readiness, sd_notify and metrics are the agent's, as in the device
+plugin modes: this module only turns observations into a ResourceSlice and claims into CDI devices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Awaitable, Callable, Optional
+
+import grpc
+
+from hyperlight_agent import contracts
+from hyperlight_agent.device import hypervisors
+from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.dra import registration
+from hyperlight_agent.dra.prepared import Prepared
+from hyperlight_agent.dra.service import Service
+from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher
+from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
+
+log = logging.getLogger(__name__)
+
+# Starting (the API client, our sockets) is retried 0.5, 1, 2 … 30 s apart: a missing plugin
+# directory or an API server that is not there yet must not turn into a crash loop.
+RETRY_INITIAL_S = 0.5
+RETRY_CAP_S = 30.0
+# Each Prepare runs a fresh device check (as Allocate does), bounded well below the kubelet's 45 s.
+PREPARE_CHECK_TIMEOUT_S = 10.0
+
+
+def device_info(observation: Observation) -> Optional[DeviceInfo]:
+    """What the slice says about a usable device (its path in containers), or None when it is not
+    usable.
+
+    >>> device_info(Observation(True, "", "kvm"))
+    DeviceInfo(hypervisor='kvm', api_version=12, path='/dev/kvm')
+    """
+    if not observation.healthy or observation.hypervisor is None:
+        return None
+    row = hypervisors.BY_NAME[observation.hypervisor]
+    return DeviceInfo(row.name, row.api_version or 0, row.container_path)
+
+
+class _NotConnected:
+    """The claim reader before the API client exists: every claim says why."""
+
+    def __init__(self, why: Callable[[], str]) -> None:
+        self._why = why
+
+    async def allocation(self, namespace: str, name: str, uid: str) -> list[AllocatedDevice]:
+        raise ClaimError(f"claim {namespace}/{name}: no API connection yet: {self._why()}")
+
+
+class Driver:
+    def __init__(self, *, node_name: str, instance: str, devices: int, kubeconfig: Optional[str],
+                 state: SharedObservation, check: Callable[[float], Awaitable[Observation]],
+                 registry_dir: str = contracts.DRA_REGISTRY_DIR, plugins_dir: str = contracts.DRA_PLUGINS_DIR,
+                 driver: str = contracts.DRA_DRIVER, configure: Optional[Callable[[grpc.aio.Server], None]] = None,
+                 on_change: Optional[Callable[[], None]] = None,
+                 connect: Optional[Callable[[Optional[str]], Any]] = None) -> None:
+        self.node_name = node_name
+        self.devices = devices
+        self._kubeconfig = kubeconfig
+        self._state = state
+        self._on_change = on_change or (lambda: None)
+        self._connect = connect
+        self._api: Any = None
+        self.api_error = ""  # why there is no API client yet ("" once there is)
+        self.publisher: Optional[SlicePublisher] = None
+        self.service = Service(driver, _NotConnected(lambda: self.api_error), lambda: check(PREPARE_CHECK_TIMEOUT_S),
+                               Prepared(os.path.join(plugins_dir, driver)))
+        self.registrar = registration.Registrar(self.service, driver, instance, registry_dir, plugins_dir,
+                                                on_change=self._on_change, configure=configure)
+
+    # --- state for readiness --------------------------------------------------------------------
+
+    @property
+    def registered(self) -> bool:
+        return self.registrar.registered
+
+    @property
+    def registration_error(self) -> str:
+        return self.registrar.error
+
+    @property
+    def published(self) -> bool:
+        return self.publisher is not None and self.publisher.published
+
+    @property
+    def slice_error(self) -> str:
+        if self.publisher is None:
+            return self.api_error
+        return self.publisher.last_error
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Until cancelled; never raises anything else (each part retries on its own)."""
+        api = await self._retrying("API client", self._make_client)
+        self.publisher = SlicePublisher(api, self.node_name, self.registrar.driver, self.devices,
+                                        on_change=self._on_change)
+        follow = asyncio.ensure_future(self._follow_checks(self.publisher))
+        publish = asyncio.ensure_future(self.publisher.run())
+        try:
+            await self._retrying("DRA registration", self._serve)
+            await asyncio.gather(follow, publish)
+        finally:
+            follow.cancel()
+            publish.cancel()
+            await asyncio.gather(follow, publish, return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.registrar.close()
+        if self._api is not None:
+            api, self._api = self._api, None
+            await api.close()
+
+    # --- parts ----------------------------------------------------------------------------------
+
+    async def _make_client(self) -> Any:
+        from hyperlight_agent.dra import claims, client  # lightkube only in this mode
+
+        connect = self._connect or client.connect
+        try:
+            self._api = connect(self._kubeconfig)
+        except client.ClientConfigError as exc:
+            self.api_error = str(exc)
+            raise _Retry(self.api_error) from exc
+        self.service.claims = claims.ClaimReader(self._api)
+        self.api_error = ""
+        self._on_change()
+        return self._api
+
+    async def _serve(self) -> None:
+        try:
+            await self.registrar.start()
+        except registration.RegistrationError as exc:
+            raise _Retry(str(exc)) from exc
+
+    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[Any]]) -> Any:
+        delay, said = RETRY_INITIAL_S, ""
+        while True:
+            try:
+                return await attempt()
+            except _Retry as exc:
+                if str(exc) != said:  # each distinct problem once, not once per retry
+                    said = str(exc)
+                    log.error("%s: %s; retrying with backoff", what, said)
+                self._on_change()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_CAP_S)
+
+    async def _follow_checks(self, publisher: SlicePublisher) -> None:
+        """The slice follows every completed check: an unusable device leaves it."""
+        version = 0
+        while True:
+            observation = await self._state.wait_newer(version)
+            version = self._state.version
+            publisher.set_device(device_info(observation))
+
+
+class _Retry(Exception):
+    """A start-up step failed in a way that may pass (said once, then retried with backoff)."""
