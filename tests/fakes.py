@@ -70,10 +70,13 @@ def device_dir(top: str, *nodes: str) -> str:
     return path
 
 
+HEALTHY_KVM = Observation(True, "", "kvm")
+
+
 class FakeChecker:
     """What the servicer needs of a checker: check(timeout) → the observation it is given."""
 
-    def __init__(self, observation: Observation = Observation(True, "", "kvm")) -> None:
+    def __init__(self, observation: Observation = HEALTHY_KVM) -> None:
         self.observation = observation
         self.timeouts: list[Optional[float]] = []
         self.error: Optional[BaseException] = None
