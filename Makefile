@@ -53,11 +53,15 @@ E2E_BIN := build/e2e/bin
 e2e-components:
 	@tests/e2e/components/build.sh $(E2E_BIN)
 
-# The fast inner loop: no system tests, nothing that needs root, no manifest judges.
+# The fast inner loop: no system tests, nothing that needs root, no manifest judges; .ci/run
+# runs it with every capability dropped. Ends with the line coverage of the core modules
+# (pyproject.toml's [tool.coverage]), measured in-process, and fails below its floor.
 check: $(VENV)/.installed
 	$(RUFF)
 	$(MYPY)
-	HYPERLIGHT_FUZZ_SCALE=0.1 $(PY) -m pytest -q -m "not system and not root and not judge"
+	@mkdir -p build
+	HYPERLIGHT_FUZZ_SCALE=0.1 $(PY) -m coverage run -m pytest -q -m "not system and not root and not judge"
+	$(PY) -m coverage report
 
 lint: $(VENV)/.installed
 	$(RUFF)

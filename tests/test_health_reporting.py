@@ -1,4 +1,5 @@
-"""Readiness told truthfully: the gRPC health service, the exec probes, sd_notify and --check."""
+"""Health as the outside sees it, told truthfully: the gRPC health service, the exec probes,
+sd_notify and --check."""
 
 from __future__ import annotations
 

@@ -1,0 +1,125 @@
+"""Small fakes for the fast loop (`make check`): the core's logic in-process, with no root, no
+device node and no probe helper process where the kernel is not the point.
+
+- FakeHelper stands for device.helper.ProbeHelper: it answers each ProbeRequest with a
+  ProbeResult the test chose (or raises what the test chose), and records the requests.
+- files_as_devices(monkeypatch) makes a regular file at a row's path count as that hypervisor's
+  node (hypervisors.present reads only the file type; making a character device needs mknod,
+  i.e. root). What the kernel says is the FakeHelper's answer.
+- FakeChecker is anything with `check(timeout)`: all the servicer needs of a checker.
+- RecordingNotifier keeps sd_notify messages instead of sending them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Callable, NoReturn, Optional, Union
+
+import pytest
+
+from hyperlight_agent.device import hypervisors
+from hyperlight_agent.device.helper import ProbeRequest, ProbeResult
+from hyperlight_agent.device.observation import Observation
+from hyperlight_agent.host.notify import Notifier
+
+Answer = Union[ProbeResult, BaseException, Callable[[ProbeRequest], ProbeResult]]
+
+
+class FakeHelper:
+    """A probe helper that answers from `answers`: hypervisor name → ProbeResult, an exception to
+    raise, or a function of the request. A row without an answer passes."""
+
+    def __init__(self, answers: Optional[dict[str, Answer]] = None, **_: Any) -> None:
+        self.answers: dict[str, Answer] = dict(answers or {})
+        self.requests: list[ProbeRequest] = []
+        self.gate: Optional[asyncio.Event] = None  # set: each run() waits for it first
+        self.closed = False
+        self.started = 0
+
+    async def run(self, request: ProbeRequest) -> ProbeResult:
+        self.requests.append(request)
+        if self.gate is not None:
+            await self.gate.wait()
+        answer = self.answers.get(request.hypervisor, ProbeResult(True))
+        if isinstance(answer, BaseException):
+            raise answer
+        if callable(answer):
+            return answer(request)
+        return answer
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def files_as_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A regular file at a row's path is that row's node, for hypervisors.present."""
+    def present(device_dir: str) -> list[hypervisors.Hypervisor]:
+        return [h for h in hypervisors.HYPERVISORS if os.path.isfile(h.device_path(device_dir))]
+
+    monkeypatch.setattr(hypervisors, "present", present)
+
+
+def device_dir(top: str, *nodes: str) -> str:
+    """`top`/dev holding a regular file for each node name (see files_as_devices)."""
+    path = os.path.join(top, "dev")
+    os.makedirs(path, exist_ok=True)
+    for node in nodes:
+        with open(os.path.join(path, node), "w"):
+            pass
+    return path
+
+
+HEALTHY_KVM = Observation(True, "", "kvm")
+
+
+class FakeChecker:
+    """What the servicer needs of a checker: check(timeout) → the observation it is given."""
+
+    def __init__(self, observation: Observation = HEALTHY_KVM) -> None:
+        self.observation = observation
+        self.timeouts: list[Optional[float]] = []
+        self.error: Optional[BaseException] = None
+
+    async def check(self, timeout: Optional[float] = None) -> Observation:
+        self.timeouts.append(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.observation
+
+
+class Aborted(Exception):
+    def __init__(self, code: Any, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class Context:
+    """What the servicer uses of grpc.aio's ServicerContext."""
+
+    def __init__(self, remaining: Optional[float] = None) -> None:
+        self.remaining = remaining
+
+    def time_remaining(self) -> Optional[float]:
+        return self.remaining
+
+    async def abort(self, code: Any, message: str) -> NoReturn:
+        raise Aborted(code, message)
+
+
+class RecordingNotifier(Notifier):
+    """sd_notify messages, kept instead of sent."""
+
+    def __init__(self, watchdog_interval: Optional[float] = None) -> None:
+        super().__init__(environ={})
+        self.messages: list[tuple[str, ...]] = []
+        if watchdog_interval is not None:
+            self.watchdog_interval = watchdog_interval
+
+    def send(self, *lines: str) -> None:
+        self.messages.append(lines)
+
+    @property
+    def statuses(self) -> list[str]:
+        return [line[len("STATUS="):] for m in self.messages for line in m if line.startswith("STATUS=")]

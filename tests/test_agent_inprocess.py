@@ -1,0 +1,420 @@
+"""The agent built in-process, on the test's own event loop, against the kubelet stand-in:
+status lines, readiness transitions and sd_notify messages observed directly, not from logs.
+
+Most tests here run in the fast loop: a fake probe helper answers and regular files stand for
+device nodes (tests/fakes.py). test_status_and_readiness_through_a_lifecycle uses a real node
+(mknod, the `root` marker by its fixture) and the real helper."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from typing import Any, Awaitable, Callable, Optional
+
+import pytest
+from grpc_health.v1 import health_pb2
+
+from hyperlight_agent import agent as agent_module
+from hyperlight_agent import config, contracts, modes, readiness
+from hyperlight_agent.agent import Agent
+from hyperlight_agent.config import Settings
+from hyperlight_agent.device.checker import Checker
+from hyperlight_agent.device.helper import ProbeResult
+from hyperlight_agent.device.observation import Observation
+from hyperlight_agent.deviceplugin import registration
+from hyperlight_agent.deviceplugin.registration import AlreadyServed, Registrar
+from hyperlight_agent.node import cdi, labels
+from standin.kubelet import KubeletStandin
+from tests.conftest import read_bytes, until
+from tests.fakes import FakeHelper, RecordingNotifier, device_dir, files_as_devices
+
+R = contracts.RESOURCE_HYPERVISOR
+
+
+def healthy(kubelet: KubeletStandin) -> int:
+    p = kubelet.plugins.get(R)
+    return p.healthy if p else 0
+
+
+def serving(agent: Agent, service: str) -> Optional[int]:
+    status = agent.health_service._server_status.get(service)  # the value the exec probes read
+    return int(status) if status is not None else None
+
+
+def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) -> None:
+    kubelet_dir = os.path.join(tmp, "kubelet")
+
+    async def run() -> None:
+        notifier = RecordingNotifier()
+        settings = Settings.defaults(kubelet_dir=kubelet_dir, cdi_dir=os.path.join(tmp, "cdi"),
+                                     device_dir=kvm_dir, device_count=3)
+        agent = Agent(settings, notifier=notifier)
+        await agent.start()
+        try:
+            # No kubelet yet: live, not ready, and the status says what it waits for.
+            await until(lambda: agent.status().startswith("waiting for kubelet at "), what="waiting")
+            assert not agent.ready
+            assert serving(agent, modes.HEALTH_SERVICES["liveness"]) == health_pb2.HealthCheckResponse.SERVING
+            assert serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+
+            kubelet = KubeletStandin(kubelet_dir)
+            await kubelet.start()
+            await until(lambda: agent.ready, what="ready")
+            assert agent.status() == "ready: kvm, 3 slots, 1 stream"
+            # The health service is set by a task the change schedules: it follows within the loop.
+            await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.SERVING, what="SERVING")
+            assert ("READY=1", "STATUS=ready: kvm, 3 slots, 1 stream") in notifier.messages
+
+            # The kubelet ends the stream: not ready, the status says why, then ready again (the
+            # first loss registers again at once, so "lost" is seen in what was said).
+            said = len(notifier.messages)
+            await kubelet.drop_stream(R)
+            await until(lambda: len(kubelet.register_calls) == 2 and agent.ready and healthy(kubelet) == 3,
+                        what="registered again")
+            lost = [m for m in notifier.messages[said:] if m[0].startswith("STATUS=")]
+            assert ("STATUS=the kubelet's ListAndWatch stream ended; registering again",) in lost, lost
+            assert len(kubelet.register_calls) == 2
+            assert sum(m == ("READY=1", "STATUS=ready: kvm, 3 slots, 1 stream") for m in notifier.messages) == 1, \
+                "READY=1 is sent once"
+
+            # An unusable device: not ready, live; the reason is the status.
+            node = os.path.join(kvm_dir, "kvm")
+            os.unlink(node)
+            os.mknod(node, 0o600 | 0o020000, os.makedev(1, 3))
+            await until(lambda: agent.status().startswith("unhealthy: "), what="unhealthy")
+            assert "KVM_GET_API_VERSION failed" in agent.status()
+            await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING,
+                        what="NOT_SERVING")
+        finally:
+            agent.stop()
+            await agent.wait()
+            await agent.close()
+            await kubelet.stop()
+        # STOPPING=1 is the last thing said.
+        assert notifier.messages[-1] == ("STOPPING=1", "STATUS=stopping")
+        assert not os.path.exists(os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET))
+
+    asyncio.run(run())
+
+
+def test_status_lines_are_pure_functions_of_state() -> None:
+    ok = Observation(True, "", "kvm")
+    base = readiness.Snapshot(ok, True, registration.STREAMED, "", "/k/kubelet.sock", 2, 1)
+    cases = {
+        base: "ready: kvm, 1 slot, 2 streams",
+        readiness.Snapshot(ok, True, registration.REGISTERED, "", "/k/kubelet.sock", 0, 4):
+            "registered; waiting for the kubelet's ListAndWatch stream",
+        readiness.Snapshot(ok, False, registration.WAITING, "Register with /k/kubelet.sock: UNAVAILABLE: x",
+                           "/k/kubelet.sock", 0, 4):
+            "waiting for kubelet at /k/kubelet.sock: Register with /k/kubelet.sock: UNAVAILABLE: x",
+        readiness.Snapshot(ok, False, registration.STREAMED, "", "/k/kubelet.sock", 1, 4): "checking the device",
+        readiness.Snapshot(Observation(False, "gone", None), True, registration.STREAMED, "", "/k", 1, 4):
+            "unhealthy: gone",
+        readiness.Snapshot(ok, True, registration.LOST, "no ListAndWatch stream within 3 s of registering",
+                           "/k", 0, 4): "no ListAndWatch stream within 3 s of registering; registering again",
+    }
+    for snapshot, text in cases.items():
+        assert readiness.status(snapshot) == text
+        assert readiness.ready(snapshot) == text.startswith("ready:")
+
+
+def test_nothing_is_said_after_stopping_when_the_first_check_ends_during_the_stop(
+        tmp: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A SIGTERM early in startup: the first check is cancelled before the registrar stops, so no
+    "device healthy" or "CDI spec written" follows "stopping" (issue 19, item 8)."""
+    gate: list[asyncio.Event] = []
+
+    async def first_check(self: Checker) -> tuple[Observation, bool]:
+        await gate[0].wait()
+        log = logging.getLogger("hyperlight_agent.device.checker")
+        log.info("CDI spec written (the check ran on)")
+        return Observation(True, "", "kvm"), False
+
+    real_stop = Registrar.stop
+
+    async def stop(self: Registrar, grace: float = 1.0) -> None:
+        gate[0].set()  # the first check completes while the registrar stops...
+        for _ in range(3):
+            await asyncio.sleep(0)  # ...given every chance to run on
+        await real_stop(self, grace)
+
+    monkeypatch.setattr(Checker, "_check_once", first_check)
+    monkeypatch.setattr(Registrar, "stop", stop)
+    caplog.set_level("INFO")
+
+    async def run() -> None:
+        gate.append(asyncio.Event())
+        settings = Settings.defaults(kubelet_dir=os.path.join(tmp, "kubelet"), cdi_dir=os.path.join(tmp, "cdi"),
+                                     device_dir=tmp, device_count=1)
+        agent = Agent(settings, notifier=RecordingNotifier())
+        await agent.start()
+        agent.stop()
+        await agent.wait()
+        await agent.close()
+
+    asyncio.run(run())
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("hyperlight_agent")]
+    assert "stopping" in messages
+    assert messages[messages.index("stopping") + 1:] == []
+
+
+# --- the fast loop: a fake helper, a regular file for the node --------------------------------
+
+
+@pytest.fixture
+def helpers(monkeypatch: pytest.MonkeyPatch) -> list[FakeHelper]:
+    """Every agent built in the test gets a FakeHelper (listed here) instead of a helper process,
+    and a regular file at a row's path counts as its node."""
+    made: list[FakeHelper] = []
+
+    def fake(**kw: Any) -> FakeHelper:
+        made.append(FakeHelper(**kw))
+        return made[-1]
+
+    monkeypatch.setattr(agent_module, "ProbeHelper", fake)
+    files_as_devices(monkeypatch)
+    return made
+
+
+def settings_in(tmp: str, **kw: Any) -> Settings:
+    return Settings.defaults(kubelet_dir=os.path.join(tmp, "kubelet"), cdi_dir=os.path.join(tmp, "cdi"),
+                             device_dir=device_dir(tmp, "kvm"), device_count=3, **kw)
+
+
+def with_kubelet(tmp: str, body: Callable[[KubeletStandin], Awaitable[None]]) -> None:
+    async def main() -> None:
+        kubelet = KubeletStandin(os.path.join(tmp, "kubelet"))
+        await kubelet.start()
+        try:
+            await body(kubelet)
+        finally:
+            await kubelet.stop()
+
+    asyncio.run(main())
+
+
+async def shut(agent: Agent) -> None:
+    agent.stop()
+    await agent.wait()
+    await agent.close()
+
+
+def test_start_register_allocate_unhealthy_and_stop_in_process(tmp: str, helpers: list[FakeHelper]) -> None:
+    async def body(kubelet: KubeletStandin) -> None:
+        notifier = RecordingNotifier()
+        agent = Agent(settings_in(tmp), notifier=notifier)
+        await agent.start()
+        try:
+            await until(lambda: agent.ready and healthy(kubelet) == 3, what="ready with 3 healthy slots")
+            assert agent.status() == "ready: kvm, 3 slots, 1 stream"
+            assert read_bytes(cdi.spec_path(os.path.join(tmp, "cdi"))) == cdi.render("kvm", "/dev/kvm", 65534, 65534)
+            response = await kubelet.allocate(R, ["kvm-2"])
+            assert [d.name for d in response.container_responses[0].cdi_devices] == ["hyperlight.dev/hypervisor=kvm"]
+            await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.SERVING, what="SERVING")
+
+            # The device fails its check: the slots follow, readiness and the health service too.
+            helpers[0].answers["kvm"] = ProbeResult(False, "KVM_CREATE_VM failed")
+            agent.checker.request()
+            await until(lambda: healthy(kubelet) == 0 and kubelet.plugins[R].devices, what="unhealthy slots")
+            assert agent.status() == "unhealthy: KVM_CREATE_VM failed" and not agent.ready
+            await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING,
+                        what="NOT_SERVING")
+            helpers[0].answers.clear()
+            agent.checker.request()
+            await until(lambda: agent.ready and healthy(kubelet) == 3, what="recovered")
+        finally:
+            await shut(agent)
+        assert helpers[0].closed
+        assert notifier.messages[-1] == ("STOPPING=1", "STATUS=stopping")
+        assert sum(m[0] == "READY=1" for m in notifier.messages) == 1
+        assert not os.path.exists(os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET))
+        assert os.path.exists(cdi.spec_path(os.path.join(tmp, "cdi"))), "the spec stays"
+        await until(lambda: not kubelet.plugins[R].stream_open, what="the kubelet's stream to end")
+
+    with_kubelet(tmp, body)
+
+
+def test_run_returns_after_stop_and_close_twice_is_harmless(tmp: str, helpers: list[FakeHelper]) -> None:
+    async def body(kubelet: KubeletStandin) -> None:
+        agent = Agent(settings_in(tmp), notifier=RecordingNotifier())
+        running = asyncio.ensure_future(agent.run())
+        await until(lambda: agent.ready, what="ready")
+        agent.stop()
+        await running
+        await agent.close()
+        assert not os.path.exists(os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET))
+
+    with_kubelet(tmp, body)
+
+
+def test_a_second_agent_on_the_same_socket_fails_from_wait(tmp: str, helpers: list[FakeHelper]) -> None:
+    async def body(kubelet: KubeletStandin) -> None:
+        first = Agent(settings_in(tmp), notifier=RecordingNotifier())
+        await first.start()
+        second = Agent(settings_in(tmp), notifier=RecordingNotifier())
+        try:
+            await until(lambda: first.ready, what="the first agent ready")
+            await second.start()
+            with pytest.raises(AlreadyServed, match="another agent is serving it"):
+                await second.wait()
+            await second.close()
+            assert first.ready and os.path.exists(first.registrar.socket_path), "the first agent's socket stays"
+        finally:
+            await shut(first)
+
+    with_kubelet(tmp, body)
+
+
+def test_reload_applies_settings_keeps_restart_only_ones_and_refuses_invalid_files(
+        tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+    base = settings_in(tmp)
+    new: list[Any] = []
+    reading = threading.Event()  # set by a read in progress (the file is read in a thread)
+    gate = threading.Event()  # a read given as (gate, settings) waits for it
+
+    def reload() -> Settings:
+        item = new.pop(0)
+        reading.set()
+        if isinstance(item, tuple):
+            assert item[0].wait(10)
+            item = item[1]
+        if isinstance(item, Exception):
+            raise item
+        return item  # type: ignore[no-any-return]
+
+    async def body(kubelet: KubeletStandin) -> None:
+        notifier = RecordingNotifier()
+        agent = Agent(base, notifier=notifier, reload=reload)
+        await agent.start()
+        try:
+            await until(lambda: agent.ready and healthy(kubelet) == 3, what="ready")
+            # More slots and another owner apply at once; a new kubelet_dir only on restart.
+            new.append(Settings.defaults(**{**base.__dict__, "device_count": 5, "device_uid": 1000,
+                                            "kubelet_dir": os.path.join(tmp, "elsewhere"),
+                                            "check_interval_seconds": 60.0}))
+            agent.reload()
+            await until(lambda: healthy(kubelet) == 5, what="5 slots after the reload")
+            await until(lambda: b'"uid": 1000' in (read_bytes(cdi.spec_path(base.cdi_dir)) or b""),
+                        what="the spec following the new uid")
+            assert agent.settings.kubelet_dir == base.kubelet_dir
+            assert agent.settings.check_interval_seconds == 60.0
+            assert "reload: kubelet_dir change only on restart; kept" in caplog.text
+            assert ("RELOADING=1", "STATUS=reloading configuration") in notifier.messages
+            await until(lambda: notifier.messages[-1][0] == "READY=1", what="READY=1 after the reload")
+
+            # An invalid file: refused, the running settings stay, systemd hears why.
+            new.append(config.ConfigError("device_count: 'x' is not a number"))
+            agent.reload()
+            await until(lambda: any("reload failed" in s for s in notifier.statuses), what="the refusal")
+            assert {s for s in notifier.statuses if "reload failed" in s} == \
+                {"reload failed, kept running configuration: device_count: 'x' is not a number"}
+            assert agent.settings.device_count == 5
+            await until(lambda: agent._reloading is not None and agent._reloading.done(), what="the reload to end")
+            # A reload asked for while a read is in progress reads the file once more after it.
+            new.extend([(gate, Settings.defaults(**{**base.__dict__, "device_count": 4})),
+                        Settings.defaults(**{**base.__dict__, "device_count": 2})])
+            reading.clear()
+            agent.reload()
+            await until(reading.is_set, what="the first read to begin")
+            agent.reload()
+            gate.set()
+            await until(lambda: healthy(kubelet) == 2 and not new, what="both reads applied")
+        finally:
+            await shut(agent)
+        agent.reload()  # after the stop: nothing starts
+        assert agent._reloading is None or agent._reloading.done()
+
+    with_kubelet(tmp, body)
+
+
+def test_periodic_checks_follow_the_interval(tmp: str, helpers: list[FakeHelper]) -> None:
+    async def run() -> None:
+        agent = Agent(settings_in(tmp, check_interval_seconds=0.01), notifier=RecordingNotifier())
+        await agent.start()
+        try:
+            await until(lambda: agent.checker.completed >= 3, what="periodic checks")
+        finally:
+            await shut(agent)
+
+    asyncio.run(run())
+
+
+def test_the_watchdog_pings_and_extends_the_start_timeout_until_ready(tmp: str, helpers: list[FakeHelper]) -> None:
+    async def run() -> None:
+        notifier = RecordingNotifier(watchdog_interval=0.01)
+        agent = Agent(settings_in(tmp), notifier=notifier)
+        await agent.start()
+        try:
+            await until(lambda: sum(m[0] == "WATCHDOG=1" for m in notifier.messages) >= 2, what="pings")
+            assert ("WATCHDOG=1", "EXTEND_TIMEOUT_USEC=40000") in notifier.messages, "not ready: no kubelet"
+            assert not agent.ready
+        finally:
+            await shut(agent)
+
+    asyncio.run(run())
+
+
+def test_node_labels_follow_the_device_and_are_repaired(tmp: str, helpers: list[FakeHelper],
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    features = os.path.join(tmp, "features.d")
+    os.mkdir(features)
+    path = os.path.join(features, labels.FEATURE_FILE)
+
+    async def run() -> None:
+        agent = Agent(settings_in(tmp, nfd_features_dir=features), notifier=RecordingNotifier())
+        await agent.start()
+        try:
+            await until(lambda: read_bytes(path) == labels.render("kvm"), what="the feature file")
+            os.unlink(path)
+            await until(lambda: read_bytes(path) == labels.render("kvm"), what="the feature file repaired")
+            # Not a regular file at our path: left alone, said once.
+            os.unlink(path)
+            os.mkdir(path)
+            agent.checker.request()
+            await until(lambda: "node labels not written" in caplog.text, what="the refusal")
+            agent.checker.request()
+            done = agent.checker.completed
+            await until(lambda: agent.checker.completed > done, what="another check")
+            assert caplog.text.count("node labels not written") == 1
+            assert os.path.isdir(path)
+        finally:
+            await shut(agent)
+
+    asyncio.run(run())
+
+
+def test_a_stop_with_handover_time_and_no_successor_stops_after_it(tmp: str, helpers: list[FakeHelper],
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+
+    async def body(kubelet: KubeletStandin) -> None:
+        agent = Agent(settings_in(tmp, handover_seconds=0.2), notifier=RecordingNotifier())
+        await agent.start()
+        await until(lambda: agent.ready, what="ready")
+        await shut(agent)
+        assert "serving until a successor is ready (up to 0.2 s)" in caplog.text
+        assert "no successor within 0.2 s" in caplog.text
+        assert not os.path.exists(agent.registrar.socket_path)
+
+    with_kubelet(tmp, body)
+
+
+def test_device_access_mode_lists_its_one_slot_without_cdi(tmp: str, helpers: list[FakeHelper]) -> None:
+    async def body(kubelet: KubeletStandin) -> None:
+        agent = Agent(settings_in(tmp), device_access=True, notifier=RecordingNotifier())
+        await agent.start()
+        try:
+            resource = modes.of(True).resource
+            await until(lambda: (p := kubelet.plugins.get(resource)) and p.devices, what="the access slot")
+            assert agent.profile.slots == modes.of(True).slots == len(kubelet.plugins[resource].devices)
+            assert helpers[0].requests == [], "inventory only: never probed"
+            # A regular file is no device node: inventory lstats it and says so.
+            assert agent.status().endswith("host device node is a regular file, not a character device")
+            assert not os.path.exists(os.path.join(tmp, "cdi"))
+        finally:
+            await shut(agent)
+
+    with_kubelet(tmp, body)
