@@ -260,6 +260,7 @@ def test_a_second_agent_on_the_same_socket_fails_from_wait(tmp: str, helpers: li
             with pytest.raises(AlreadyServed, match="another agent is serving it"):
                 await second.wait()
             await second.close()
+            assert first.registrar is not None
             assert first.ready and os.path.exists(first.registrar.socket_path), "the first agent's socket stays"
         finally:
             await shut(first)
@@ -397,6 +398,7 @@ def test_a_stop_with_handover_time_and_no_successor_stops_after_it(tmp: str, hel
         await shut(agent)
         assert "serving until a successor is ready (up to 0.2 s)" in caplog.text
         assert "no successor within 0.2 s" in caplog.text
+        assert agent.registrar is not None
         assert not os.path.exists(agent.registrar.socket_path)
 
     with_kubelet(tmp, body)
