@@ -95,7 +95,8 @@ class Agent:
             on_allocate=lambda outcome: self.metrics.allocations.labels(outcome).inc())
         self.health_service = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.registrar = Registrar(settings.kubelet_dir, self.profile.socket, self.profile.resource,
-                                   self._configure_server, on_change=self._on_registrar)
+                                   self._configure_server, on_change=self._on_registrar,
+                                   watched=lambda: self.watcher.watching(settings.kubelet_dir))
         self.watcher = self._make_watcher()
         self._stop = asyncio.Event()
         self._interval_changed = asyncio.Event()
