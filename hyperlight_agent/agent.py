@@ -106,7 +106,8 @@ class Agent:
             self.driver = self._make_driver(dra_dirs or (contracts.DRA_REGISTRY_DIR, contracts.DRA_PLUGINS_DIR))
         else:
             self.registrar = Registrar(settings.kubelet_dir, self.profile.socket, self.profile.resource,
-                                       self._configure_server, on_change=self._on_registrar)
+                                       self._configure_server, on_change=self._on_registrar,
+                                       watched=lambda: self.watcher.watching(settings.kubelet_dir))
         self.watcher = self._make_watcher()
         self._stop = asyncio.Event()
         self._interval_changed = asyncio.Event()

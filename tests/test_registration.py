@@ -13,13 +13,14 @@ from typing import Awaitable, Callable
 import grpc
 import pytest
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, waits
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.deviceplugin import api, registration
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.deviceplugin.registration import AlreadyServed, Backoff, Registrar
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
 from hyperlight_agent.node import atomic
+from hyperlight_agent.node.watcher import DirectoryWatcher
 from standin.kubelet import KubeletStandin
 from tests.conftest import until
 
@@ -340,3 +341,35 @@ def test_why_we_cannot_register_is_one_stable_line_naming_the_path_and_cause(tmp
 
     asyncio.run(main())
     assert set(errors) == {expected}
+
+
+def test_a_watched_kubelet_dir_wakes_us_with_no_timer(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the watcher holds a watch on kubelet_dir, the registrar waits for its wake-ups with
+    no timeout (the re-check timer here is an hour: only the event can act); once the directory
+    is not watched, it re-checks on the timer again."""
+    monkeypatch.setattr(registration, "VERIFY_INTERVAL_S", 3600.0)
+    timeouts: list[float | None] = []
+    event = waits.event
+
+    async def recorded(flag: asyncio.Event, timeout: float | None) -> bool:
+        timeouts.append(timeout)
+        return await event(flag, timeout)
+
+    monkeypatch.setattr(waits, "event", recorded)
+
+    async def body(kubelet: KubeletStandin, kdir: str) -> None:
+        w = DirectoryWatcher()
+        registrar = make(kdir, watched=lambda: w.watching(kdir))
+        w.watch(kdir, lambda name: registrar.wake(), {contracts.KUBELET_SOCKET, contracts.PLUGIN_SOCKET})
+        watching = asyncio.ensure_future(w.run())
+        task = asyncio.ensure_future(registrar.run())
+        await until(lambda: registrar.state == registration.STREAMED and timeouts[-1] is None)
+        os.unlink(os.path.join(kdir, contracts.PLUGIN_SOCKET))  # as a starting kubelet does
+        await until(lambda: len(kubelet.register_calls) == 2 and registrar.state == registration.STREAMED)
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+        registrar.wake()
+        await until(lambda: timeouts[-1] == 3600.0)
+        await shut_down(task, registrar)
+
+    run(tmp, body)

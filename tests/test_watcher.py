@@ -1,11 +1,19 @@
 """inotify turned into wake-ups, in-process: the names asked for, the directory itself coming
-and going, and nothing else."""
+and going, a filesystem mounted over it (seen through the mount table), and no timer while
+everything is watched."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from asyncinotify import Mask
 
 from hyperlight_agent.node import watcher
 from tests.conftest import until
@@ -74,3 +82,145 @@ def test_a_cancel_with_an_event_pending_leaves_no_callback_behind(tmp: str) -> N
 
     asyncio.run(run())
     assert errors == []
+
+
+def test_no_timer_runs_while_every_directory_is_watched(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Idle means asleep: with the mount table polled and every directory watched, nothing looks
+    at the directories on a timer (it once did every second)."""
+    monkeypatch.setattr(watcher, "RETRY_S", 0.001)
+    looks: list[int] = []
+    moved = watcher.DirectoryWatcher._moved
+
+    def counted(self: watcher.DirectoryWatcher, watching: dict[str, Any]) -> list[str]:
+        looks.append(len(watching))
+        return moved(self, watching)
+
+    monkeypatch.setattr(watcher.DirectoryWatcher, "_moved", counted)
+    seen: list[str] = []
+    w = watcher.DirectoryWatcher()
+    w.watch(tmp, seen.append)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(w.run())
+        await until(lambda: seen == [""])
+        assert w.watching(tmp)
+        # Twenty events, each awaited: far longer than many timer periods of 1 ms.
+        for i in range(20):
+            open(os.path.join(tmp, f"f{i}"), "w").close()
+            await until(lambda i=i: f"f{i}" in seen)  # type: ignore[misc]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert not w.watching(tmp), "a stopped watcher watches nothing"
+
+    asyncio.run(run())
+    assert looks == [0], "one look at the start (nothing watched yet), none after"
+
+
+def test_without_the_mount_table_the_directories_are_looked_at_every_second(
+        tmp: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Where /proc/self/mountinfo cannot be polled (here: a regular file, which epoll refuses),
+    the watcher says so once and falls back to comparing each directory on a timer. A symlink
+    retargeted raises no event in the directory we watch through it: only that look sees it."""
+    plain = os.path.join(tmp, "mountinfo")
+    open(plain, "w").close()
+    monkeypatch.setattr(watcher, "MOUNTINFO", plain)
+    monkeypatch.setattr(watcher, "RETRY_S", 0.01)
+    for name in ("a", "b"):
+        os.mkdir(os.path.join(tmp, name))
+    link = os.path.join(tmp, "link")
+    os.symlink("a", link)
+    seen: list[str] = []
+    w = watcher.DirectoryWatcher()
+    w.watch(link, seen.append)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(w.run())
+        await until(lambda: seen == [""])
+        os.symlink("b", link + ".new")
+        os.rename(link + ".new", link)
+        await until(lambda: seen.count("") == 2)  # watched anew, and said so
+        open(os.path.join(tmp, "b", "spec"), "w").close()
+        await until(lambda: "spec" in seen)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    with caplog.at_level(logging.INFO, logger=watcher.__name__):
+        asyncio.run(run())
+    said = [r.getMessage() for r in caplog.records if "mount changes" in r.getMessage()]
+    assert len(said) == 1 and "every 0.01 s" in said[0], said
+    assert any("another directory now" in r.getMessage() for r in caplog.records)
+
+
+# Run in a private mount namespace (unshare): a watcher on `directory` with a timer that never
+# fires, a tmpfs mounted over it, then a file created in the tmpfs. Prints what the callback saw.
+MOUNT_OVER = """
+import asyncio, os, subprocess, sys
+from hyperlight_agent.node import watcher
+watcher.RETRY_S = 3600.0  # only the mount table can tell us
+directory = sys.argv[1]
+seen = []
+async def until(condition):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while not condition():
+        assert loop.time() < deadline, seen
+        await asyncio.sleep(0.005)
+async def main():
+    w = watcher.DirectoryWatcher()
+    w.watch(directory, seen.append)
+    task = asyncio.ensure_future(w.run())
+    await until(lambda: seen == [""])
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", directory], check=True)
+    await until(lambda: seen == ["", ""])
+    open(os.path.join(directory, "on-tmpfs"), "w").close()
+    await until(lambda: "on-tmpfs" in seen)
+    subprocess.run(["umount", directory], check=True)
+    await until(lambda: seen.count("") >= 3)  # the original directory is watched again
+    open(os.path.join(directory, "underneath"), "w").close()
+    await until(lambda: "underneath" in seen)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+asyncio.run(main())
+print(seen)
+"""
+
+
+def test_a_filesystem_mounted_over_a_directory_is_seen_through_the_mount_table(tmp: str) -> None:
+    """A mount over a watched directory raises no inotify event, and the timer here never fires:
+    the mount table's change is what makes the watcher watch the new filesystem (and the old
+    directory again after the unmount)."""
+    directory = os.path.join(tmp, "cdi")
+    os.mkdir(directory)
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private",
+                           sys.executable, "-c", MOUNT_OVER, directory],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "on-tmpfs" in done.stdout and "underneath" in done.stdout
+    assert os.listdir(directory) == ["underneath"], "the tmpfs and its file stayed in the private namespace"
+
+
+def test_a_lost_watch_or_lost_events_call_every_callback_at_once(tmp: str) -> None:
+    """What lets the registrar wait with no timer while a directory is watched: when a watch
+    ends, its callbacks are called with "" and watching() already says False; when the kernel
+    dropped events (queue overflow), every watched directory's callbacks are called with ""."""
+    directory = os.path.join(tmp, "kubelet")
+    os.mkdir(directory)
+    seen: list[tuple[str, bool]] = []
+    others: list[str] = []
+    w = watcher.DirectoryWatcher()
+    w.watch(directory, lambda name: seen.append((name, w.watching(directory))))
+    w.watch(tmp, others.append, {"nothing-by-this-name"})
+
+    async def run() -> None:
+        task = asyncio.ensure_future(w.run())
+        await until(lambda: seen == [("", True)] and others == [""])
+        overflow = type("Event", (), {"mask": Mask.Q_OVERFLOW, "watch": None, "name": None})()
+        w._handle(overflow, set())
+        assert seen[-1] == ("", True) and others == ["", ""]
+        os.rename(directory, directory + ".old")
+        await until(lambda: ("", False) in seen)
+        assert not w.watching(directory)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(run())

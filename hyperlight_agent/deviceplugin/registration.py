@@ -60,7 +60,9 @@ STABLE_STREAM_S = 30.0
 # the end asynchronously, and in 1.28 an old stream ending after a new Register disconnects the
 # new one (kubernetes issue 121994); later releases mark the resource unhealthy instead.
 STREAM_SETTLE_S = 0.1
-# A safety net behind inotify (which can be unavailable or overflow): re-check sockets this often.
+# A safety net for when the kubelet directory is not watched (inotify unavailable, the directory
+# missing or its watch refused): re-check the sockets this often. While it is watched, events wake
+# us instead (an overflow or the watch's loss too), and no timer runs.
 VERIFY_INTERVAL_S = 5.0
 STOP_GRACE_S = 1.0
 # A new kubelet.sock that does not answer yet: retry this often, for this long, before backing off.
@@ -157,7 +159,8 @@ class Registrar:
                  register_timeout: float = REGISTER_TIMEOUT_S,
                  backoff: Optional[Backoff] = None,
                  stream_open_timeout: float = STREAM_OPEN_TIMEOUT_S,
-                 loss_backoff: Optional[Backoff] = None) -> None:
+                 loss_backoff: Optional[Backoff] = None,
+                 watched: Callable[[], bool] = lambda: False) -> None:
         self.kubelet_dir = kubelet_dir
         self.socket_path = os.path.join(kubelet_dir, socket_name)
         self.kubelet_socket = os.path.join(kubelet_dir, contracts.KUBELET_SOCKET)
@@ -169,6 +172,9 @@ class Registrar:
         # (called when the server stops).
         self._configure = configure
         self._on_change = on_change  # readiness and status are derived from our state
+        # Whether kubelet_dir is watched now: then every change of the two sockets calls wake(),
+        # and so do an inotify overflow and the watch's loss; otherwise we re-check on a timer.
+        self._watched = watched
         self._register_timeout = register_timeout
         self._stream_open_timeout = stream_open_timeout
         self._backoff = backoff or Backoff()  # Register failures; reset by a successful one
@@ -510,7 +516,7 @@ class Registrar:
                 return "restart"
             if self._kubelet_stream is not None and not self._kubelet_stream_open:
                 return "lost"
-            timeout = VERIFY_INTERVAL_S
+            timeout: Optional[float] = None if self._watched() else VERIFY_INTERVAL_S
             if self.state == REGISTERED:
                 timeout = no_stream_by - loop.time()
                 if timeout <= 0:

@@ -3,6 +3,11 @@
 Events are hints, not facts: each callback re-checks the real state (a socket's inode, the
 spec's bytes, the device node). So a lost or coalesced event costs only latency, covered by the
 periodic check, and our own writes causing events are harmless.
+
+A filesystem mounted over a watched directory raises no inotify event: the mount table's own
+change notification (/proc/self/mountinfo) makes the watcher compare each directory with the one
+it watches. Nothing runs on a timer unless a directory cannot be watched (yet), or the mount
+table cannot be polled.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import contextlib
 import errno
 import logging
 import os
+import select
 from typing import Any, Callable, Optional
 
 from asyncinotify import Inotify, Mask
@@ -26,17 +32,90 @@ ENTRIES = (Mask.CREATE | Mask.DELETE | Mask.MOVED_FROM | Mask.MOVED_TO | Mask.AT
 CONTENT = ENTRIES | Mask.CLOSE_WRITE | Mask.MODIFY
 # For a directory's parent, to see the directory itself replaced (by a symlink, say) or removed.
 NAMES = Mask.CREATE | Mask.DELETE | Mask.MOVED_FROM | Mask.MOVED_TO | Mask.ONLYDIR
-# How often to retry watching a directory that does not exist (yet), and to check that each
-# watched path is still the directory we watch: a filesystem mounted over it (a tmpfs over the
-# CDI dir, a kubelet dir mounted late) raises no event at all.
+# How often to retry watching a directory that does not exist (yet) or could not be watched; and,
+# only where the mount table cannot be polled, to check that each watched path is still the
+# directory we watch: a filesystem mounted over it (a tmpfs over the CDI dir, a kubelet dir
+# mounted late) raises no inotify event at all.
 RETRY_S = 1.0
+# Reports EPOLLPRI|EPOLLERR after every mount or unmount in our mount namespace (proc(5)).
+MOUNTINFO = "/proc/self/mountinfo"
 
 # callback(name) — name is the entry that changed, or "" when the directory itself did.
 Callback = Callable[[str], None]
 
 
+class MountTable:
+    """Calls callback() after mounts or unmounts in our mount namespace (a few may be one call).
+
+    /proc/self/mountinfo is always readable (EPOLLIN), and signals a change with EPOLLPRI, which
+    asyncio's add_reader cannot ask for: so the file sits in an epoll of its own that waits for
+    EPOLLPRI only, and the loop watches that epoll's descriptor. The kernel marks a change as
+    seen when the file is polled, which the loop's own readiness check of the inner epoll does:
+    nothing needs to be read."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+        self._loop = loop
+        self._callback = callback
+        self._fd = os.open(MOUNTINFO, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._epoll = select.epoll()
+            try:
+                self._epoll.register(self._fd, select.EPOLLPRI)  # a regular file: EPERM
+                loop.add_reader(self._epoll.fileno(), self._changed)
+            except BaseException:
+                self._epoll.close()
+                raise
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _changed(self) -> None:
+        self._epoll.poll(0)  # drains the inner epoll's ready list
+        self._callback()
+
+    def close(self) -> None:
+        self._loop.remove_reader(self._epoll.fileno())
+        self._epoll.close()
+        os.close(self._fd)
+
+
+class _MountWakes:
+    """The watcher's side of MountTable: whether the table changed since last asked, and a
+    future to wait on for the next change. table is None where it cannot be polled (said once)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._event = asyncio.Event()
+        self._wait: Optional[asyncio.Future[Any]] = None
+        self.table: Optional[MountTable] = None
+        try:
+            self.table = MountTable(loop, self._event.set)
+        except OSError as exc:
+            log.warning("cannot poll %s for mount changes (%s); looking for filesystems mounted over "
+                        "watched directories every %g s instead", MOUNTINFO, exc.strerror or exc, RETRY_S)
+
+    def changed(self) -> bool:
+        changed = self._event.is_set()
+        self._event.clear()
+        return changed
+
+    def waiting(self) -> list[asyncio.Future[Any]]:
+        if self.table is None:
+            return []
+        if self._wait is None or self._wait.done():
+            self._wait = asyncio.ensure_future(self._event.wait())
+        return [self._wait]
+
+    async def close(self) -> None:
+        if self._wait is not None:
+            self._wait.cancel()
+            await asyncio.wait([self._wait])
+        if self.table is not None:
+            self.table.close()
+
+
 class DirectoryWatcher:
     def __init__(self) -> None:
+        self._watching: dict[str, tuple[Any, tuple[int, int]]] = {}  # directory → (watch, identity)
         self._wanted: dict[str, list[tuple[Optional[frozenset[str]], Callback]]] = {}
         self._masks: dict[str, Mask] = {}
         self._failed: dict[str, Optional[int]] = {}  # directory → errno of its last failed watch
@@ -76,40 +155,69 @@ class DirectoryWatcher:
             inotify.close()
 
     async def _run(self, inotify: Inotify, reading: list[asyncio.Future[Any]]) -> None:
-        watching: dict[str, tuple[Any, tuple[int, int]]] = {}  # directory → (watch, identity)
         pending = set(self._wanted)
         loop = asyncio.get_running_loop()
+        mounts = _MountWakes(loop)
         next_look = loop.time()
-        while True:
-            if loop.time() >= next_look:  # on a timer, however busy the directories are
-                next_look = loop.time() + RETRY_S
-                for directory in self._moved(watching):
-                    log.info("%s is another directory now (a mount?); watching it anew", directory)
-                    with contextlib.suppress(OSError):
-                        inotify.rm_watch(watching.pop(directory)[0])
-                    pending.add(directory)
-            for directory in sorted(pending):
-                if self._add(inotify, directory, watching):
-                    pending.discard(directory)
-                    # Anything may have happened while we were not watching.
-                    self._fire(directory, "")
-            if not reading:
-                reading.append(asyncio.ensure_future(inotify.get()))
-            done, _ = await asyncio.wait(reading, timeout=max(0.0, next_look - loop.time()))
-            if not done:
-                continue
-            event = reading.pop().result()
-            if event.mask & Mask.Q_OVERFLOW:
-                for directory in watching:
-                    self._fire(directory, "")
-                continue
-            if event.watch is None or event.watch.path is None:
-                continue
-            directory = os.path.normpath(str(event.watch.path))
-            if event.mask & (Mask.IGNORED | Mask.DELETE_SELF | Mask.MOVE_SELF):
-                watching.pop(directory, None)
-                pending.add(directory)
-            self._fire(directory, str(event.name) if event.name else "")
+        try:
+            while True:
+                # On a mount change; on a timer only while something cannot be watched, or the
+                # mount table cannot be polled (then however busy the directories are).
+                moved: list[str] = []
+                if mounts.changed() or ((mounts.table is None or pending) and loop.time() >= next_look):
+                    next_look = loop.time() + RETRY_S
+                    moved = self._unwatch_moved(inotify, pending)
+                self._add_pending(inotify, pending, moved)
+                if not reading:
+                    reading.append(asyncio.ensure_future(inotify.get()))
+                timeout = None if mounts.table is not None and not pending else max(0.0, next_look - loop.time())
+                await asyncio.wait([*reading, *mounts.waiting()], timeout=timeout,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if reading[0].done():
+                    self._handle(reading.pop().result(), pending)
+        finally:
+            self._watching.clear()
+            await mounts.close()
+
+    def _unwatch_moved(self, inotify: Inotify, pending: set[str]) -> list[str]:
+        """Directories whose path leads elsewhere now (a mount): unwatched, to be watched anew."""
+        moved = self._moved(self._watching)
+        for directory in moved:
+            log.info("%s is another directory now (a mount?); watching it anew", directory)
+            with contextlib.suppress(OSError):
+                inotify.rm_watch(self._watching.pop(directory)[0])
+            pending.add(directory)
+        return moved
+
+    def _add_pending(self, inotify: Inotify, pending: set[str], moved: list[str]) -> None:
+        for directory in sorted(pending):
+            if self._add(inotify, directory, self._watching):
+                pending.discard(directory)
+                # Anything may have happened while we were not watching.
+                self._fire(directory, "")
+            elif directory in moved:
+                self._fire(directory, "")  # no longer watched: whoever relied on it looks now
+
+    def _handle(self, event: Any, pending: set[str]) -> None:
+        if event.mask & Mask.Q_OVERFLOW:  # events were lost: everyone looks
+            for directory in self._watching:
+                self._fire(directory, "")
+            return
+        if event.watch is None or event.watch.path is None:
+            return
+        directory = os.path.normpath(str(event.watch.path))
+        if event.mask & (Mask.IGNORED | Mask.DELETE_SELF | Mask.MOVE_SELF):
+            current = self._watching.get(directory)
+            if current is not None and current[0] is not event.watch:
+                return  # the end of a watch we removed (the directory moved): its new one stays
+            self._watching.pop(directory, None)
+            pending.add(directory)
+        self._fire(directory, str(event.name) if event.name else "")
+
+    def watching(self, directory: str) -> bool:
+        """Whether `directory` has a live watch now: its events will come (or, lost, an overflow
+        or the watch's loss calls every callback of it with "")."""
+        return os.path.normpath(directory) in self._watching
 
     def _add(self, inotify: Inotify, directory: str, watching: dict[str, tuple[Any, tuple[int, int]]]) -> bool:
         try:
