@@ -221,3 +221,11 @@ def test_probe_modules_import_without_site_packages() -> None:
                                       "hyperlight_agent.device", "hyperlight_agent.device.helper_process",
                                       "hyperlight_agent.device.hypervisors",
                                       "hyperlight_agent.device.kernel"])
+
+
+def test_a_long_path_in_a_request_gives_a_short_reason(tmp: str) -> None:
+    """Found by the helper fuzzer: a 1149-character host path came back whole in the reason."""
+    host = os.path.join(tmp, *["segment" * 9] * 20)
+    reply = helper_process.run_request({"hypervisor": "kvm", "device": os.path.join(tmp, "kvm"), "host": host})
+    assert reply["ok"] is False and len(reply["reason"]) < 300, reply
+    assert reply["reason"].endswith(f"({len(host)} characters): host device node is missing")

@@ -47,7 +47,8 @@ def run_request(request: Any) -> dict[str, Any]:
     except kernel.ProbeError as exc:
         return {"ok": False, "reason": str(exc)}
     except (OSError, ValueError) as exc:  # e.g. a path too long for the kernel
-        return {"ok": False, "reason": f"{request['device']}: {exc}"}
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)[:200]
+        return {"ok": False, "reason": f"{kernel.shown(request['device'])}: {detail}"}
     return {"ok": True, "reason": ""}
 
 
