@@ -199,6 +199,51 @@ def test_a_filesystem_mounted_over_a_directory_is_seen_through_the_mount_table(t
     assert os.listdir(directory) == ["underneath"], "the tmpfs and its file stayed in the private namespace"
 
 
+# Run in a private mount namespace: /dev/null bound over an entry of a watched directory, then
+# unbound. Neither raises an inotify event; the mount table's change names the entry.
+MOUNT_ON_ENTRY = """
+import asyncio, os, subprocess, sys
+from hyperlight_agent.node import watcher
+watcher.RETRY_S = 3600.0
+directory = sys.argv[1]
+seen = []
+async def until(condition):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while not condition():
+        assert loop.time() < deadline, seen
+        await asyncio.sleep(0.005)
+async def main():
+    w = watcher.DirectoryWatcher()
+    w.watch(directory, seen.append, {"kvm"})
+    task = asyncio.ensure_future(w.run())
+    await until(lambda: seen == [""])
+    subprocess.run(["mount", "--bind", "/dev/null", os.path.join(directory, "kvm")], check=True)
+    await until(lambda: seen == ["", "kvm"])
+    subprocess.run(["mount", "--bind", "/dev/null", os.path.join(directory, "other")], check=True)
+    subprocess.run(["umount", os.path.join(directory, "kvm")], check=True)
+    await until(lambda: seen == ["", "kvm", "kvm"])
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+asyncio.run(main())
+print(seen)
+"""
+
+
+def test_a_mount_over_an_entry_is_a_change_of_that_entry(tmp: str) -> None:
+    """/dev/null bound over /dev/kvm changes what the device node is without any inotify event:
+    the mount table's change is reported for that entry (and only the names asked for)."""
+    directory = os.path.join(tmp, "dev")
+    os.mkdir(directory)
+    for name in ("kvm", "other"):
+        open(os.path.join(directory, name), "w").close()
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private",
+                           sys.executable, "-c", MOUNT_ON_ENTRY, directory],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "['', 'kvm', 'kvm']"
+
+
 def test_a_lost_watch_or_lost_events_call_every_callback_at_once(tmp: str) -> None:
     """What lets the registrar wait with no timer while a directory is watched: when a watch
     ends, its callbacks are called with "" and watching() already says False; when the kernel

@@ -17,6 +17,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import select
 from typing import Any, Callable, Optional
 
@@ -113,12 +114,38 @@ class _MountWakes:
             self.table.close()
 
 
+_OCTAL = re.compile(r"\\([0-7]{3})")  # mountinfo escapes space, tab, newline and backslash
+
+
+def mount_points(mountinfo: str) -> set[str]:
+    r"""The mount points listed in /proc/self/mountinfo's text (field 5, octal escapes decoded).
+
+    >>> sorted(mount_points("36 35 0:3 / /dev/kvm rw - devtmpfs udev rw\n37 35 0:4 / /a\\040b rw - tmpfs t rw"))
+    ['/a b', '/dev/kvm']
+    """
+    points = set()
+    for line in mountinfo.splitlines():
+        fields = line.split(" ")
+        if len(fields) > 4:
+            points.add(_OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4]))
+    return points
+
+
+def _read_mount_points() -> Optional[set[str]]:
+    try:
+        with open(MOUNTINFO) as f:
+            return mount_points(f.read())
+    except OSError:
+        return None
+
+
 class DirectoryWatcher:
     def __init__(self) -> None:
         self._watching: dict[str, tuple[Any, tuple[int, int]]] = {}  # directory → (watch, identity)
         self._wanted: dict[str, list[tuple[Optional[frozenset[str]], Callback]]] = {}
         self._masks: dict[str, Mask] = {}
         self._failed: dict[str, Optional[int]] = {}  # directory → errno of its last failed watch
+        self._mount_points: Optional[set[str]] = None  # as last read (from the start of run())
 
     def watch(self, directory: str, callback: Callback,
               names: Optional[set[str]] = None, mask: Mask = ENTRIES, follow: bool = True) -> None:
@@ -158,13 +185,17 @@ class DirectoryWatcher:
         pending = set(self._wanted)
         loop = asyncio.get_running_loop()
         mounts = _MountWakes(loop)
+        self._mount_points = _read_mount_points() if mounts.table is not None else None
         next_look = loop.time()
         try:
             while True:
                 # On a mount change; on a timer only while something cannot be watched, or the
                 # mount table cannot be polled (then however busy the directories are).
                 moved: list[str] = []
-                if mounts.changed() or ((mounts.table is None or pending) and loop.time() >= next_look):
+                changed = mounts.changed()
+                if changed:
+                    self._fire_mounted_entries()
+                if changed or ((mounts.table is None or pending) and loop.time() >= next_look):
                     next_look = loop.time() + RETRY_S
                     moved = self._unwatch_moved(inotify, pending)
                 self._add_pending(inotify, pending, moved)
@@ -178,6 +209,21 @@ class DirectoryWatcher:
         finally:
             self._watching.clear()
             await mounts.close()
+
+    def _fire_mounted_entries(self) -> None:
+        """Something mounted over (or unmounted from) an entry of a watched directory changes that
+        entry without an inotify event (/dev/null bound over /dev/kvm): it counts as a change of
+        that entry."""
+        points = _read_mount_points()
+        if points is None:
+            return
+        before, self._mount_points = self._mount_points, points
+        if before is None:
+            return  # not readable at the start: nothing to compare with
+        for point in sorted(before ^ points):
+            directory, name = os.path.split(point)
+            if directory in self._wanted:
+                self._fire(directory, name)
 
     def _unwatch_moved(self, inotify: Inotify, pending: set[str]) -> list[str]:
         """Directories whose path leads elsewhere now (a mount): unwatched, to be watched anew."""
