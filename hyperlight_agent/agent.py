@@ -170,9 +170,15 @@ class Agent:
         created during an agent restart still resolve it."""
         if self._stopping or self._handing_over:
             return
-        # A DRA driver needs no handover: the kubelet already calls the newest instance, and a
-        # successor has registered before a surge update stops us.
-        if self.settings.handover_seconds > 0 and self.registrar is not None:
+        if self.settings.handover_seconds > 0 and self.driver is not None:
+            self._handing_over = True
+            log.info("stop requested: serving until a successor is ready (up to %g s)", self.settings.handover_seconds)
+            successor = await self.driver.hand_over(self.settings.handover_seconds)
+            if successor:
+                log.info("handing over to %s", successor)
+            else:
+                log.info("no successor within %g s", self.settings.handover_seconds)
+        elif self.settings.handover_seconds > 0:
             self._handing_over = True
             await self._hand_over(self.settings.handover_seconds)
         self._stopping = True

@@ -140,6 +140,7 @@ def test_a_kubelet_restart_registers_again_at_once(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
         await until(lambda: streamed(kubelet, reg), what="streamed")
         await kubelet.restart()
+        reg.wake()  # as the agent's watcher does when the new kubelet.sock appears
         await until(lambda: streamed(kubelet, reg) and reg.kubelet_restarts == 1,
                     what="registered with the new kubelet")
         assert reg.registrations == 2 and os.path.exists(reg.socket_path)

@@ -20,11 +20,7 @@ import os
 import stat
 from typing import Callable, Optional
 
-import grpc
-from grpc_health.v1 import health_pb2
-
-from hyperlight_agent import modes
-from hyperlight_agent.deviceplugin import api
+from hyperlight_agent.host import healthcheck
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +54,7 @@ def peers(kubelet_dir: str, base_socket: str, own: str) -> list[str]:
 
 async def peer_ready(path: str) -> bool:
     """Whether the agent serving `path` says it is ready (registered, streamed, healthy)."""
-    async with grpc.aio.insecure_channel(api.unix_target(path)) as channel:
-        check = channel.unary_unary("/grpc.health.v1.Health/Check",
-                                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
-        try:
-            response = await check(health_pb2.HealthCheckRequest(service=modes.HEALTH_SERVICES["readiness"]),
-                                   timeout=PEER_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return False
-    return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+    return await healthcheck.peer_ready(path, PEER_TIMEOUT_S)
 
 
 async def wait_for_successor(kubelet_dir: str, base_socket: str, own: str, timeout: float) -> Optional[str]:

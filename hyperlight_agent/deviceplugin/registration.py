@@ -488,7 +488,8 @@ class Registrar:
         self._pin("_kubelet_seen", kubelet)
 
     async def _wait_for_kubelet(self, delay: float) -> bool:
-        """Sleep `delay`, cut short (True) as soon as a (new) kubelet.sock exists."""
+        """Sleep `delay`, cut short (True) as soon as a (new) kubelet.sock exists: woken by the
+        watcher, or looked at every VERIFY_INTERVAL_S while the kubelet directory is not watched."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + delay
         while loop.time() < deadline:
@@ -497,8 +498,8 @@ class Registrar:
             tried = self._kubelet_tried
             if now is not None and (tried is None or now != tried.identity):
                 return True
-            if not await waits.event(self._wake, deadline - loop.time()):
-                return False
+            left = deadline - loop.time()
+            await waits.event(self._wake, left if self._watched() else min(left, VERIFY_INTERVAL_S))
         return False
 
     async def _watch(self) -> str:

@@ -14,8 +14,10 @@ plugin modes: this module only turns observations into a ResourceSlice and claim
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import stat
 from typing import Any, Awaitable, Callable, Optional
 
 import grpc
@@ -23,11 +25,13 @@ import grpc
 from hyperlight_agent import contracts
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.observation import Observation, SharedObservation
-from hyperlight_agent.dra import registration
+from hyperlight_agent.dra import api, registration
+from hyperlight_agent.dra import pluginregistration_pb2 as reg
 from hyperlight_agent.dra.prepared import Prepared
 from hyperlight_agent.dra.service import Service
 from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
+from hyperlight_agent.host import healthcheck
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,9 @@ log = logging.getLogger(__name__)
 # directory or an API server that is not there yet must not turn into a crash loop.
 RETRY_INITIAL_S = 0.5
 RETRY_CAP_S = 30.0
+# Handing over: how often the registry is looked at, and how long another instance may take to answer.
+HANDOVER_POLL_S = 0.1
+PEER_TIMEOUT_S = 0.5
 # Each Prepare runs a fresh device check (as Allocate does), bounded well below the kubelet's 45 s.
 PREPARE_CHECK_TIMEOUT_S = 10.0
 
@@ -80,6 +87,7 @@ class Driver:
         self.publisher: Optional[SlicePublisher] = None
         self.service = Service(driver, _NotConnected(lambda: self.api_error), lambda: check(PREPARE_CHECK_TIMEOUT_S),
                                Prepared(os.path.join(plugins_dir, driver)))
+        self._registry_dir = registry_dir
         self.registrar = registration.Registrar(self.service, driver, instance, registry_dir, plugins_dir,
                                                 on_change=self._on_change, configure=configure)
 
@@ -119,6 +127,24 @@ class Driver:
             follow.cancel()
             publish.cancel()
             await asyncio.gather(follow, publish, return_exceptions=True)
+
+    async def hand_over(self, timeout: float) -> Optional[str]:
+        """On a stop: serve on until another instance of our driver on this node is registered
+        and ready (a surge update, or a deleted pod's replacement), at most `timeout` seconds. The
+        kubelet calls the newest connected instance, so from then on new claims go there; calls
+        already with us finish within the registrar's stop grace. Returns the successor's socket."""
+        if not self.registrar.serving:
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            for path in successors(self._registry_dir, self.registrar.driver, self.registrar.registration_socket):
+                endpoint = await _endpoint(path)
+                if endpoint and await healthcheck.peer_ready(endpoint, PEER_TIMEOUT_S):
+                    return endpoint
+            if loop.time() >= deadline:
+                return None
+            await asyncio.sleep(min(HANDOVER_POLL_S, max(0.0, deadline - loop.time())))
 
     async def close(self) -> None:
         await self.registrar.close()
@@ -168,6 +194,34 @@ class Driver:
             observation = await self._state.wait_newer(version)
             version = self._state.version
             publisher.set_device(device_info(observation))
+
+
+def successors(registry_dir: str, driver: str, own: str) -> list[str]:
+    """Registration sockets in the registry that may be another instance of our driver: the
+    names registration.registration_socket gives (<driver>-*-reg.sock, or the hashed dra-*), never ours."""
+    try:
+        names = sorted(os.listdir(registry_dir))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(registry_dir, name)
+        if path == own or not name.endswith("-reg.sock") or not name.startswith((f"{driver}-", "dra-")):
+            continue
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                found.append(path)
+    return found
+
+
+async def _endpoint(registration_socket: str) -> str:
+    """The DRA service socket another instance names in GetInfo ("" if it does not answer as ours)."""
+    async with grpc.aio.insecure_channel(api.unix_target(registration_socket)) as channel:
+        try:
+            info = await api.registration_stub(channel).GetInfo(reg.InfoRequest(), timeout=PEER_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return ""
+    return str(info.endpoint) if info.type == contracts.DRA_PLUGIN_TYPE else ""
 
 
 class _Retry(Exception):

@@ -60,3 +60,20 @@ def _check(which: str, path: str, target: str) -> tuple[bool, str]:
     if response.status == health_pb2.HealthCheckResponse.SERVING:
         return True, f"{which}: SERVING ({path})"
     return False, f"{which}: {status} ({path})"
+
+
+async def peer_ready(path: str, timeout: float) -> bool:
+    """Whether the agent serving `path` (another instance, during a handover) says it is ready."""
+    import grpc
+    from grpc_health.v1 import health_pb2
+
+    async with grpc.aio.insecure_channel("unix://" + path) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        try:
+            response = await check(health_pb2.HealthCheckRequest(service=modes.HEALTH_SERVICES["readiness"]),
+                                   timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+    return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
