@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -28,7 +29,7 @@ from tests import nspawn
 from tests.conftest import E2E_FIGURES, make_node
 from tests.e2e import cluster as cluster_module
 from tests.e2e.cluster import Cluster, Node, State, wait_until
-from tests.e2e.kube import ApiError
+from tests.e2e.kube import Api, ApiError
 from tests.e2e.oci import pause_image, workload_image
 from tests.e2e.podresources import PodResources
 from tests.podman import Podman
@@ -406,6 +407,371 @@ def test_lifecycle_under_load(installed: Cluster, kubelet: str, event: str) -> N
         # pod start long, and a 1.28 cluster rejected 8 to 27 of 60). What the agent controls:
         # one gap, not more, and nothing failing after admission.
         assert len(figure["kubelet_zero_windows_s"]) <= 1, figure
+
+
+# ---- Dynamic Resource Allocation: the chart's mode "both" on the same cluster ----------------
+
+DRA_WORKLOAD = os.path.join(ROOT, "deploy", "examples", "dra-workload.yaml")
+DRA_DRIVER = contracts.DRA_DRIVER
+DRA_DAEMONSET = "hyperlight-dra-driver"
+DRA_DEVICES = 128
+DRA_NS = "hyperlight-dra"
+# Pods that hold the device at once in the sharing scenario.
+SHARERS = 24
+
+
+def dra_values(tag: str) -> list[str]:
+    return [*chart_values(tag), "--set", "mode=both"]
+
+
+def node_slices(cluster: Cluster, node: str) -> list[dict[str, Any]]:
+    selector = f"spec.nodeName={node},spec.driver={DRA_DRIVER}"
+    items: list[dict[str, Any]] = cluster.api.get("/apis/resource.k8s.io/v1/resourceslices",
+                                                  fieldSelector=selector)["items"]
+    return items
+
+
+def slice_devices(cluster: Cluster, node: str) -> Optional[int]:
+    """Devices in the node's slices of our driver; None without any slice."""
+    items = node_slices(cluster, node)
+    return sum(len(s["spec"].get("devices") or []) for s in items) if items else None
+
+
+def give_the_driver_api_access(cluster: Cluster) -> None:
+    """This cluster has no service network (no kube-proxy: the API server listens on the host's
+    loopback only), so the driver's pods reach it as a pod on a real cluster reaches the
+    kubernetes Service: here through the host's network and loopback address. Nothing else of
+    the chart's DaemonSet changes."""
+    patch = {"spec": {"template": {"spec": {
+        "hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet",
+        "containers": [{"name": "agent", "env": [
+            {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+            {"name": "KUBERNETES_SERVICE_PORT", "value": str(cluster.api_port)}]}]}}}}
+    cluster.api.strategic_patch(f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{DRA_DAEMONSET}", patch)
+
+
+def rolled_out(cluster: Cluster, name: str) -> bool:
+    ds = cluster.api.get(f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{name}")
+    status = ds["status"]
+    pods = daemonset_pods(cluster, name)
+    return (status.get("observedGeneration") == ds["metadata"]["generation"]
+            and status.get("updatedNumberScheduled") == status.get("desiredNumberScheduled") == len(pods)
+            and status.get("numberReady") == len(pods) and all(pod_ready(p) for p in pods))
+
+
+def dra_ready(cluster: Cluster) -> bool:
+    return rolled_out(cluster, DRA_DAEMONSET) and slice_devices(cluster, "a") == DRA_DEVICES
+
+
+@pytest.fixture(scope="session")
+def dra_installed(installed: Cluster) -> Cluster:
+    started = time.monotonic()
+    helm(installed, "upgrade", "hyperlight", CHART, "--namespace", NAMESPACE, *dra_values("e2e-1"))
+    give_the_driver_api_access(installed)
+    patched = time.monotonic()
+    wait_until(lambda: dra_ready(installed), 180, "the DRA driver rolled out and node a's ResourceSlice published")
+    record("dra.upgrade_to_slice_s", round(time.monotonic() - started, 1))
+    (pod,) = daemonset_pods(installed, DRA_DAEMONSET)
+    record("dra.patched_pod_to_slice_s", round(time.monotonic() - patched, 1))
+    assert pod["spec"]["nodeName"] == "a"
+    ensure_namespace(installed, DRA_NS)
+    with open(DRA_WORKLOAD) as f:
+        template = next(d for d in yaml.safe_load_all(f) if d["kind"] == "ResourceClaimTemplate")
+    template["metadata"]["namespace"] = DRA_NS
+    installed.api.create(f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaimtemplates", template)
+    mshv = json.loads(json.dumps(template))
+    mshv["metadata"]["name"] = "mshv-only"
+    mshv["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = [
+        {"cel": {"expression": f'device.attributes["{DRA_DRIVER}"].hypervisor == "mshv"'}}]
+    installed.api.create(f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaimtemplates", mshv)
+    return installed
+
+
+def dra_pod(name: str, command: list[str], template: str = "hypervisor") -> dict[str, Any]:
+    """The DRA example's pod template (deploy/examples/dra-workload.yaml), with our image."""
+    with open(DRA_WORKLOAD) as f:
+        deployment = next(d for d in yaml.safe_load_all(f) if d["kind"] == "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    container.update(image=WORKLOAD_IMAGE, imagePullPolicy="Never", command=command)
+    container.pop("livenessProbe", None)
+    container.pop("readinessProbe", None)
+    spec["restartPolicy"] = "Never"
+    spec["terminationGracePeriodSeconds"] = 0
+    spec["resourceClaims"][0]["resourceClaimTemplateName"] = template
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"e2e": "dra"}}, "spec": spec}
+
+
+def finished(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    pod: dict[str, Any] = wait_until(
+        lambda: (p := cluster.api.get(f"/api/v1/namespaces/{ns}/pods/{name}"))["status"].get("phase")
+        in ("Succeeded", "Failed") and p, 180, f"{name} finished")
+    return pod
+
+
+def termination_message(pod: dict[str, Any]) -> str:
+    (status,) = pod["status"]["containerStatuses"]
+    return str(status["state"]["terminated"].get("message", ""))
+
+
+def scheduling_refusal(cluster: Cluster, ns: str, name: str) -> str:
+    """The scheduler's FailedScheduling message for the pod ("" while there is none)."""
+    events = cluster.api.get(f"/api/v1/namespaces/{ns}/events", fieldSelector=f"involvedObject.name={name}")["items"]
+    return next((str(e.get("message", "")) for e in events if e.get("reason") == "FailedScheduling"), "")
+
+
+def failed_prepares(cluster: Cluster, ns: str) -> list[str]:
+    events = cluster.api.get(f"/api/v1/namespaces/{ns}/events")["items"]
+    return [f"{e['involvedObject']['name']}: {e.get('message', '')}" for e in events
+            if e.get("reason") == "FailedPrepareDynamicResources"]
+
+
+def agent_pid(pod_name: str) -> int:
+    """The DRA agent's process (in its container) on this machine, found by its instance name."""
+    wanted = f"HYPERLIGHT_INSTANCE={pod_name}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"--dra" in cmdline and wanted in environ:
+            return int(entry)
+    raise AssertionError(f"no agent process of pod {pod_name}")
+
+
+# Runs in a fresh single-threaded process: enter the agent container's mount namespace, then bind
+# /dev/null over its /dev/kvm (or undo that): the device node the agent checks stops being KVM.
+IN_MOUNT_NS = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+fd = os.open(f"/proc/{sys.argv[1]}/ns/mnt", os.O_RDONLY)
+if libc.setns(fd, 0x00020000) != 0:  # CLONE_NEWNS
+    raise OSError(ctypes.get_errno(), "setns")
+if sys.argv[2] == "bind":
+    ok = libc.mount(b"/dev/null", b"/dev/kvm", None, 4096, None) == 0  # MS_BIND
+else:
+    ok = libc.umount2(b"/dev/kvm", 0) == 0
+if not ok:
+    raise OSError(ctypes.get_errno(), sys.argv[2])
+"""
+
+
+def break_the_device(pid: int, how: str) -> None:
+    subprocess.run([sys.executable, "-c", IN_MOUNT_NS, str(pid), how], check=True, timeout=30)
+
+
+class DraLoad:
+    """A DRA pod every interval while an event happens (placed by the scheduler)."""
+
+    def __init__(self, cluster: Cluster, namespace: str, interval: float = 0.3) -> None:
+        self.cluster, self.namespace, self.interval = cluster, namespace, interval
+        self.created: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pods)
+
+    def __enter__(self) -> DraLoad:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _pods(self) -> None:
+        while not self._stop.is_set():
+            name = f"load-{len(self.created)}"
+            self.cluster.api.create(f"/api/v1/namespaces/{self.namespace}/pods", dra_pod(name, ["/kvmcheck"]))
+            self.created.append(name)
+            self._stop.wait(self.interval)
+
+    def outcomes(self) -> dict[str, int]:
+        def settled() -> Optional[dict[str, int]]:
+            pods = {p["metadata"]["name"]: p for p in
+                    self.cluster.api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector="e2e=dra")["items"]}
+            phases = [pods[n]["status"].get("phase") for n in self.created if n in pods]
+            if len(phases) < len(self.created) or any(p not in ("Succeeded", "Failed") for p in phases):
+                return None
+            return {"succeeded": phases.count("Succeeded"), "failed": phases.count("Failed")}
+        result: dict[str, int] = wait_until(settled, 300, "every DRA load pod finished", interval=1)
+        return result
+
+
+def dra_event(cluster: Cluster, label: str, act: Callable[[], None], back: Callable[[], bool]) -> dict[str, Any]:
+    """Under a DRA pod every 0.3 s, with one long-running pod holding the device: act(), wait
+    for back(), a tail of pods; how every pod ended and whether the running one was touched."""
+    ns = f"dra-{label}".replace("_", "-").replace(".", "-")
+    ensure_namespace(cluster, ns)
+    with open(DRA_WORKLOAD) as f:
+        template = next(d for d in yaml.safe_load_all(f) if d["kind"] == "ResourceClaimTemplate")
+    template["metadata"]["namespace"] = ns
+    cluster.api.create(f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates", template)
+    runner = dra_pod("running", ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"])
+    runner["metadata"]["labels"] = {"e2e": "dra-running"}
+    cluster.api.create(f"/api/v1/namespaces/{ns}/pods", runner)
+    before = wait_until(lambda: (p := cluster.api.get(f"/api/v1/namespaces/{ns}/pods/running"))["status"]
+                        .get("phase") == "Running" and p, 120, "the long-running pod running")
+    with DraLoad(cluster, ns) as load:
+        wait_until(lambda: len(load.created) >= 5, 30, "load started")
+        started = time.monotonic()
+        act()
+        wait_until(back, 180, f"{label}: ready again")
+        recovered = time.monotonic() - started
+        tail = len(load.created) + 10
+        wait_until(lambda: len(load.created) >= tail, 60, "load after the event")
+    outcomes = load.outcomes()
+    after = cluster.api.get(f"/api/v1/namespaces/{ns}/pods/running")
+    (status,) = after["status"]["containerStatuses"]
+    figure = {"pods": len(load.created), **outcomes, "recovered_s": round(recovered, 2),
+              "failed_prepares": failed_prepares(cluster, ns),
+              "running_pod_untouched": after["metadata"]["uid"] == before["metadata"]["uid"]
+              and after["status"]["phase"] == "Running" and status["restartCount"] == 0}
+    cluster.api.delete(f"/api/v1/namespaces/{ns}")
+    return figure
+
+
+@pytest.mark.parametrize("kubelet", KUBELETS)
+def test_dra_on_a_real_kubelet(dra_installed: Cluster, kubelet: str) -> None:
+    """The DRA mode on the kubelet of each supported minor, one scenario after another: a
+    workload, many sharing the device, a selector no device matches, the device made unusable
+    and usable again, an agent pod deleted and a helm upgrade under load."""
+    cluster, version = dra_installed, dra_installed.versions[kubelet]
+    a = cluster.nodes["a"]
+    if a.kubelet_version != version:
+        a.stop_kubelet()
+        started = time.monotonic()
+        a.start_kubelet(version)
+        wait_until(a.ready, 180, f"node a Ready on kubelet {version}")
+        # A starting kubelet deletes every ResourceSlice of its node: the driver publishes it again.
+        wait_until(lambda: dra_ready(cluster), 120, "node a's ResourceSlice published again")
+        record(f"dra.{kubelet}.{version}.kubelet_start_to_slice_s", round(time.monotonic() - started, 1))
+    wait_until(lambda: dra_ready(cluster), 120, "the DRA driver ready")
+    (slice_,) = node_slices(cluster, "a")
+    device = slice_["spec"]["devices"][0]
+    assert device["attributes"]["hypervisor"] == {"string": "kvm"}, device
+    assert device["attributes"]["apiVersion"] == {"int": 12} and device["attributes"]["devicePath"] == \
+        {"string": "/dev/kvm"}, device
+    assert slice_devices(cluster, "b") is None, "an unlabelled node runs no driver and publishes no slice"
+
+    # A workload: the device through the claim's CDI device, as a non-root user.
+    name = f"dra-workload-{kubelet}"
+    cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods", dra_pod(
+        name, ["/bin/sh", "-c", "{ /kvmcheck && env | grep ^HYPERLIGHT_ | sort; } >/dev/termination-log"]))
+    pod = finished(cluster, DRA_NS, name)
+    log = termination_message(pod)
+    assert pod["status"]["phase"] == "Succeeded", (pod["status"], log)
+    assert pod["spec"]["nodeName"] == "a"
+    assert "uid=65534 node=660 owner=65534:65534 env=kvm api=12 vm=created" in log, log
+    assert "HYPERLIGHT_DEVICE_PATH=/dev/kvm" in log and "HYPERLIGHT_HYPERVISOR=kvm" in log, log
+    (claim_status,) = pod["status"]["resourceClaimStatuses"]
+    claim = cluster.api.get(f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaims/"
+                            f"{claim_status['resourceClaimName']}")
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    assert (result["driver"], result["pool"]) == (DRA_DRIVER, "a"), result
+    cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")
+
+    # Many pods hold node a's device at once, each through its own claim and device.
+    sharers = [f"share-{kubelet}-{i}" for i in range(SHARERS)]
+    started = time.monotonic()
+    for sharer in sharers:
+        cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods",
+                           dra_pod(sharer, ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"]))
+
+    def all_running() -> bool:
+        pods = cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods", labelSelector="e2e=dra")["items"]
+        running = [p for p in pods if p["metadata"]["name"] in sharers and p["status"].get("phase") == "Running"
+                   and all("running" in s["state"] for s in p["status"].get("containerStatuses", [{"state": {}}]))]
+        return len(running) == SHARERS
+    wait_until(all_running, 240, f"{SHARERS} pods running at once", interval=0.5)
+    record(f"dra.{kubelet}.{version}.{SHARERS}_pods_running_s", round(time.monotonic() - started, 1))
+    for sharer in sharers:
+        cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{sharer}")
+
+    # A claim for mshv on a KVM node: never scheduled, with the scheduler's reason.
+    name = f"dra-mshv-{kubelet}"
+    cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods", dra_pod(name, ["/kvmcheck"], template="mshv-only"))
+    reason = wait_until(lambda: scheduling_refusal(cluster, DRA_NS, name), 60, "the scheduler's refusal")
+    assert cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")["status"]["phase"] == "Pending"
+    assert "claim" in reason, reason
+    record(f"dra.{kubelet}.mshv_refusal", reason)
+    cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")
+
+    # The device made unusable: its devices leave the slice within seconds, new pods wait; made
+    # usable again, they come back and the waiting pod runs.
+    (driver_pod,) = daemonset_pods(cluster, DRA_DAEMONSET)
+    pid = agent_pid(driver_pod["metadata"]["name"])
+    started = time.monotonic()
+    break_the_device(pid, "bind")
+    try:
+        wait_until(lambda: slice_devices(cluster, "a") == 0, 30, "the devices out of the slice")
+        record(f"dra.{kubelet}.unusable_to_slice_empty_s", round(time.monotonic() - started, 2))
+        name = f"dra-waits-{kubelet}"
+        cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods", dra_pod(name, ["/kvmcheck"]))
+        wait_until(lambda: scheduling_refusal(cluster, DRA_NS, name), 60, "the scheduler's refusal while unusable")
+        assert cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")["status"]["phase"] == "Pending"
+    finally:
+        break_the_device(pid, "unbind")
+    started = time.monotonic()
+    wait_until(lambda: slice_devices(cluster, "a") == DRA_DEVICES, 30, "the devices back in the slice")
+    record(f"dra.{kubelet}.usable_to_slice_full_s", round(time.monotonic() - started, 2))
+    assert finished(cluster, DRA_NS, name)["status"]["phase"] == "Succeeded"
+    cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")
+
+    # An agent pod deleted, then a helm upgrade (surge), under load: running pods untouched, and
+    # no pod fails to prepare.
+    for event in ("agent_pod_deleted", "helm_upgrade"):
+        old = {p["metadata"]["uid"] for p in daemonset_pods(cluster, DRA_DAEMONSET)}
+
+        def back(old: set[str] = old) -> bool:
+            pods = daemonset_pods(cluster, DRA_DAEMONSET)
+            return bool(pods) and all(p["metadata"]["uid"] not in old for p in pods) and dra_ready(cluster)
+        image = daemonset_pods(cluster, DRA_DAEMONSET)[0]["spec"]["containers"][0]["image"]
+        tag = "e2e-2" if image.endswith(":e2e-1") else "e2e-1"
+
+        def act(event: str = event, tag: str = tag) -> None:
+            if event == "agent_pod_deleted":
+                for pod in daemonset_pods(cluster, DRA_DAEMONSET):
+                    cluster.api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}", grace=None)
+            else:
+                helm(cluster, "upgrade", "hyperlight", CHART, "--namespace", NAMESPACE, *dra_values(tag))
+        figure = dra_event(cluster, f"{kubelet}-{event}", act, back)
+        record(f"dra.{kubelet}.{version}.{event}", figure)
+        assert figure["failed"] == 0 and figure["failed_prepares"] == [], figure
+        assert figure["running_pod_untouched"], figure
+
+
+def test_dra_driver_may_change_only_its_own_nodes_slices(dra_installed: Cluster) -> None:
+    """The driver's service account, with a token bound to its pod as the kubelet mounts it: its
+    own node's slices yes, another node's no (admission policy), anything else no (RBAC)."""
+    cluster = dra_installed
+    (pod,) = daemonset_pods(cluster, DRA_DAEMONSET)
+    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {
+        "expirationSeconds": 600, "boundObjectRef": {"apiVersion": "v1", "kind": "Pod",
+                                                     "name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}}}
+    token = cluster.api.create(f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{DRA_DAEMONSET}/token",
+                               request)["status"]["token"]
+    driver = Api("127.0.0.1", cluster.api_port, cluster.pki.ca.cert, None, token=token)
+    try:
+        assert driver.get("/apis/resource.k8s.io/v1/resourceslices",
+                          fieldSelector=f"spec.nodeName=a,spec.driver={DRA_DRIVER}")["items"]
+        foreign = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                   "metadata": {"generateName": "b-forged-"},
+                   "spec": {"driver": DRA_DRIVER, "nodeName": "b", "pool": {"name": "b", "generation": 1,
+                                                                               "resourceSliceCount": 1},
+                            "devices": [{"name": "kvm-0"}]}}
+        with pytest.raises(ApiError) as refused:
+            driver.create("/apis/resource.k8s.io/v1/resourceslices", foreign)
+        assert refused.value.status in (403, 422) and "may not change a ResourceSlice of node b" in str(refused.value)
+        for path in ("/api/v1/pods", "/api/v1/namespaces/kube-system/secrets", "/api/v1/nodes"):
+            with pytest.raises(ApiError) as denied:
+                driver.get(path)
+            assert denied.value.status == 403, path
+    finally:
+        driver.close()
 
 
 @pytest.fixture(scope="session")

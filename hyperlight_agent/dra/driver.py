@@ -114,19 +114,21 @@ class Driver:
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Until cancelled; never raises anything else (each part retries on its own)."""
-        api = await self._retrying("API client", self._make_client)
-        self.publisher = SlicePublisher(api, self.node_name, self.registrar.driver, self.devices,
-                                        on_change=self._on_change)
-        follow = asyncio.ensure_future(self._follow_checks(self.publisher))
-        publish = asyncio.ensure_future(self.publisher.run())
+        """Until cancelled; never raises anything else (each part retries on its own). Serving
+        does not wait for the API: without it a Prepare gets a claim error saying why, and the
+        status says why no slice is published."""
+        tasks = [asyncio.ensure_future(self._retrying("DRA registration", self._serve))]
         try:
-            await self._retrying("DRA registration", self._serve)
-            await asyncio.gather(follow, publish)
+            api = await self._retrying("API client", self._make_client)
+            self.publisher = SlicePublisher(api, self.node_name, self.registrar.driver, self.devices,
+                                            on_change=self._on_change)
+            tasks += [asyncio.ensure_future(self._follow_checks(self.publisher)),
+                      asyncio.ensure_future(self.publisher.run())]
+            await asyncio.gather(*tasks)
         finally:
-            follow.cancel()
-            publish.cancel()
-            await asyncio.gather(follow, publish, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def hand_over(self, timeout: float) -> Optional[str]:
         """On a stop: serve on until another instance of our driver on this node is registered

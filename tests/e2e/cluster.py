@@ -471,6 +471,7 @@ class Cluster:
         kubelet_client = self.pki.issue("apiserver-kubelet-client",
                                         "/O=system:masters/CN=kube-apiserver-kubelet-client")
         k8s = self.binaries("kubernetes", self.versions["newest"])
+        self.api_port = api_port
         self.server = f"https://127.0.0.1:{api_port}"
         self.processes.append(Process(self.state, "kube-apiserver", [
             os.path.join(k8s, "kube-apiserver"), "--etcd-servers", f"http://127.0.0.1:{etcd_client}",

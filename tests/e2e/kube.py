@@ -20,10 +20,13 @@ class ApiError(Exception):
 
 
 class Api:
-    def __init__(self, host: str, port: int, ca: str, identity: Identity) -> None:
+    def __init__(self, host: str, port: int, ca: str, identity: Optional[Identity], token: str = "") -> None:
+        """Authenticated by a client certificate (identity) or a bearer token."""
         self._host, self._port = host, port
         self._context = ssl.create_default_context(cafile=ca)
-        self._context.load_cert_chain(identity.cert, identity.key)
+        if identity is not None:
+            self._context.load_cert_chain(identity.cert, identity.key)
+        self._token = token
         self._local = threading.local()  # one keep-alive connection per thread
         self._opened: list[http.client.HTTPSConnection] = []
         self._lock = threading.Lock()
@@ -47,6 +50,8 @@ class Api:
                 content_type: str = "application/json") -> Any:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Accept": "application/json"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
         if data is not None:
             headers["Content-Type"] = content_type
         for attempt in (1, 2):  # a keep-alive connection the server closed: once more, fresh
@@ -86,3 +91,7 @@ class Api:
 
     def merge_patch(self, path: str, body: Any) -> Any:
         return self.request("PATCH", path, body, content_type="application/merge-patch+json")
+
+    def strategic_patch(self, path: str, body: Any) -> Any:
+        """A strategic merge patch: lists with merge keys (containers, env) merge by name."""
+        return self.request("PATCH", path, body, content_type="application/strategic-merge-patch+json")

@@ -1,0 +1,161 @@
+"""The agent in its DRA mode, in-process: the same device check (a fake helper), CDI spec,
+readiness and health service as the device plugin modes, with the DRA stand-in as the kubelet's
+plugin watcher and the fake API server of test_dra_slices as the API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Awaitable, Callable
+
+import pytest
+
+from hyperlight_agent import modes, readiness
+from hyperlight_agent.agent import Agent
+from hyperlight_agent.config import Settings
+from hyperlight_agent.device.helper import ProbeResult
+from hyperlight_agent.dra import client as dra_client
+from hyperlight_agent.dra import driver as dra_driver
+from hyperlight_agent.dra.slices import DeviceInfo
+from hyperlight_agent.host import healthcheck
+from hyperlight_agent.node import cdi
+from standin.dra_kubelet import Claim, DraKubeletStandin
+from tests.conftest import until
+from tests.fakes import FakeHelper, RecordingNotifier, device_dir
+from tests.test_agent_inprocess import helpers, shut  # noqa: F401 - the fixture, shared
+from tests.test_dra_slices import FakeApiServer, kubeconfig, recorded
+
+DRIVER = "hyperlight.dev"
+UID = "8d5c0f2a-1b3e-4d6f-a7c9-0e1f2a3b4c5d"  # the recorded claim's uid (default/pod-hv-9x2lq)
+
+
+def settings_in(tmp: str, config: str, **kw: Any) -> Settings:
+    return Settings.defaults(kubelet_dir=os.path.join(tmp, "kubelet"), cdi_dir=os.path.join(tmp, "cdi"),
+                             device_dir=device_dir(tmp, "kvm"), kubeconfig=config, node_name="node1",
+                             dra_devices=4, instance="pod-a", **kw)
+
+
+def dirs(tmp: str) -> tuple[str, str]:
+    registry, plugins = os.path.join(tmp, "plugins_registry"), os.path.join(tmp, "plugins")
+    os.makedirs(registry, exist_ok=True)
+    os.makedirs(plugins, exist_ok=True)
+    return registry, plugins
+
+
+Body = Callable[[FakeApiServer, DraKubeletStandin, str], Awaitable[None]]
+
+
+def with_cluster(tmp: str, body: Body) -> None:
+    """A fake API server, the DRA stand-in on our registry dir, and a kubeconfig for the first."""
+    async def main() -> None:
+        fake = FakeApiServer()
+        url = await fake.start()
+        config = kubeconfig(tmp, url)
+        registry, _ = dirs(tmp)
+        try:
+            async with DraKubeletStandin(registry) as kubelet:
+                await asyncio.wait_for(body(fake, kubelet, config), 30)
+        finally:
+            await fake.stop()
+
+    asyncio.run(main())
+
+
+def devices_published(fake: FakeApiServer) -> int:
+    ours = fake.ours()
+    return len(ours[0]["spec"].get("devices") or []) if len(ours) == 1 else -1
+
+
+def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: str, helpers: list[FakeHelper]) -> None:  # noqa: F811
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        notifier = RecordingNotifier()
+        agent = Agent(settings_in(tmp, config), notifier=notifier, dra=True, dra_dirs=dirs(tmp))
+        assert agent.mode is modes.DRA and agent.registrar is None
+        await agent.start()
+        try:
+            await until(lambda: agent.ready, what="registered, published and healthy")
+            assert agent.status() == "ready: kvm, 4 devices in the ResourceSlice"
+            (published,) = fake.ours()
+            assert published["spec"]["nodeName"] == "node1" and published["spec"]["driver"] == DRIVER
+            assert published["spec"]["devices"][0]["attributes"] == {
+                "hypervisor": {"string": "kvm"}, "apiVersion": {"int": 12}, "devicePath": {"string": "/dev/kvm"}}
+            # The CDI spec is the device plugin's, and a claim gets its device.
+            assert os.path.exists(cdi.spec_path(os.path.join(tmp, "cdi")))
+            fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
+            answer = await kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)])
+            (device,) = answer[UID].devices
+            assert list(device.cdi_device_ids) == ["hyperlight.dev/hypervisor=kvm"] and device.device_name == "kvm-3"
+            # The exec probes ask the health service on the DRA socket.
+            socket = agent.driver.registrar.service_socket  # type: ignore[union-attr]
+            assert await healthcheck.peer_ready(socket, 2)
+
+            # The device fails its check: its devices leave the slice, readiness follows.
+            helpers[0].answers["kvm"] = ProbeResult(False, "KVM_CREATE_VM failed")
+            agent.checker.request()
+            await until(lambda: devices_published(fake) == 0 and not agent.ready, what="devices out of the slice")
+            assert agent.status() == "unhealthy: KVM_CREATE_VM failed"
+            assert not await healthcheck.peer_ready(socket, 2)
+            helpers[0].answers.clear()
+            agent.checker.request()
+            await until(lambda: devices_published(fake) == 4 and agent.ready, what="back in the slice")
+        finally:
+            await shut(agent)
+        assert not os.listdir(os.path.join(tmp, "plugins_registry")), "our registration socket is gone"
+        assert fake.ours(), "the slice stays for a successor"
+        assert notifier.messages[-1] == ("STOPPING=1", "STATUS=stopping")
+
+    with_cluster(tmp, body)
+
+
+def test_no_api_access_is_said_once_and_retried_without_stopping(tmp: str, helpers: list[FakeHelper],  # noqa: F811
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(dra_driver, "RETRY_INITIAL_S", 0.01)
+    monkeypatch.setattr(dra_driver, "RETRY_CAP_S", 0.02)
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+
+    attempts: list[str] = []
+    connect = dra_client.connect
+
+    def counted(path: Any, **kw: Any) -> Any:
+        attempts.append(path)
+        return connect(path, **kw)
+    monkeypatch.setattr(dra_client, "connect", counted)
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        agent = Agent(settings_in(tmp, os.path.join(tmp, "missing-kubeconfig")), dra=True, dra_dirs=dirs(tmp))
+        await agent.start()
+        try:
+            await until(lambda: len(attempts) >= 5 and agent.driver is not None and agent.driver.registered,
+                        what="retries, and registered meanwhile")
+            lines = [r.getMessage() for r in caplog.records if "API client" in r.getMessage()]
+            assert len(lines) == 1 and "missing-kubeconfig" in lines[0], lines
+            assert not agent.ready and agent.status().startswith("ResourceSlice not published: kubeconfig ")
+            # A claim meanwhile gets an error saying why.
+            answer = await kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)])
+            assert "no API connection yet" in answer[UID].error
+        finally:
+            await shut(agent)
+
+    with_cluster(tmp, body)
+
+
+def test_dra_status_names_what_it_waits_for() -> None:
+    from hyperlight_agent.device.observation import Observation
+
+    ok = Observation(True, "", "kvm")
+    s = readiness.DraSnapshot(ok, True, False, "", "/r/x-reg.sock", False, "", 4)
+    assert readiness.status(s) == "waiting for the kubelet's plugin watcher to register /r/x-reg.sock"
+    s = readiness.DraSnapshot(ok, True, True, "", "/r/x-reg.sock", False, "API server at x: connection refused", 4)
+    assert readiness.status(s) == "ResourceSlice not published: API server at x: connection refused"
+    assert not readiness.ready(s)
+    s = readiness.DraSnapshot(ok, True, True, "", "/r/x-reg.sock", True, "", 1)
+    assert readiness.status(s) == "ready: kvm, 1 device in the ResourceSlice" and readiness.ready(s)
+
+
+def test_device_info_comes_from_the_table() -> None:
+    from hyperlight_agent.device.observation import Observation
+
+    assert dra_driver.device_info(Observation(True, "", "mshv")) == DeviceInfo("mshv", 0, "/dev/mshv")
+    assert dra_driver.device_info(Observation(False, "gone", "kvm")) is None
