@@ -552,6 +552,90 @@ def bench_metrics_flood(top: str) -> None:
         agent.stop()
 
 
+def bench_dra(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
+    """The DRA mode (--dra) as a process: its start until the ResourceSlice is published, Prepare
+    latency through the DRA stand-in, and its memory beside the device plugin's. The API server
+    is the tests' fake (tests/test_dra_slices.py): v1.37's JSON on plain HTTP, on this machine."""
+    import threading
+
+    from standin.dra_kubelet import Claim, DraKubeletStandin
+    from tests.test_dra_slices import FakeApiServer, kubeconfig, recorded
+
+    print("dynamic resource allocation", flush=True)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: object) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)  # type: ignore[arg-type]
+
+    registry, plugins = os.path.join(top, "registry"), os.path.join(top, "plugins")
+    os.makedirs(registry)
+    os.makedirs(plugins)
+    fake = FakeApiServer()
+    url = call(fake.start())
+    kubelet = DraKubeletStandin(registry)
+    call(kubelet.__aenter__())
+    started = time.monotonic()
+    agent = Agent(top, "--dra", "--kubeconfig", kubeconfig(top, str(url)), "--node-name", "node1",
+                  "--instance", "bench", "--dra-registry-dir", registry, "--dra-plugins-dir", plugins)
+    try:
+        deadline = started + 30
+        while not (fake.ours() and len(fake.ours()[0]["spec"].get("devices") or []) == 128):
+            if time.monotonic() > deadline:
+                raise TimeoutError("no ResourceSlice published")
+            time.sleep(0.005)
+        published = time.monotonic() - started
+        while not kubelet.instances.get(contracts.DRA_DRIVER):
+            time.sleep(0.005)
+        claim = recorded("resourceclaim-allocated.json")
+        fresh: list[float] = []
+        again: list[float] = []
+        for i in range(200):
+            uid = f"00000000-0000-4000-8000-{i:012d}"
+            body = json.loads(json.dumps(claim).replace(claim["metadata"]["uid"], uid)
+                              .replace("pod-hv-9x2lq", f"claim-{i}"))
+            fake.claims[("default", f"claim-{i}")] = body
+            for into in (fresh, again):  # a new claim, then the kubelet asking again (idempotent)
+                t = time.perf_counter()
+                answer = call(kubelet.prepare(contracts.DRA_DRIVER, [Claim("default", f"claim-{i}", uid)]))
+                into.append(time.perf_counter() - t)
+                assert not answer[uid].error, answer[uid].error  # type: ignore[index]
+        dra_rss = agent.rss_mib()
+    finally:
+        agent.stop()
+        call(kubelet.__aexit__(None, None, None))
+        call(fake.stop())
+
+        async def cancel_the_rest() -> None:  # the fake's open connections (the agent's watch)
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+        call(cancel_the_rest())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    with StandinThread(os.path.join(top, "kubelet")):
+        plugin = Agent(top, "--device-count", "2000")
+        try:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(os.path.join(top, "kubelet", contracts.PLUGIN_SOCKET)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the device plugin did not start")
+                time.sleep(0.01)
+            time.sleep(0.5)  # benchmark settling, not synchronisation
+            plugin_rss = plugin.rss_mib()
+        finally:
+            plugin.stop()
+    row("DRA: process start → ResourceSlice of 128 devices published", ms(published), "≤ 1.5 s")
+    row("DRA: NodePrepareResources, new claim (API read + fresh check + record), p50 / p99",
+        f"{ms(pct(fresh, 0.5))} / {ms(pct(fresh, 0.99))}", "p99 ≤ 50 ms")
+    row("DRA: NodePrepareResources, claim already prepared, p50 / p99",
+        f"{ms(pct(again, 0.5))} / {ms(pct(again, 0.99))}")
+    row("RSS, agent + helper's private (MiB): DRA mode / device plugin mode (baseline)",
+        f"{dra_rss[0] + dra_rss[2]:.1f} / {plugin_rss[0] + plugin_rss[2]:.1f}", "DRA ≤ 64 MiB")
+
+
 def bench_image() -> None:
     """The last `make image`'s size (deploy/image/build.sh records it), if an image was built."""
     try:
@@ -582,7 +666,8 @@ def main() -> int:
         raw = bench_probe(dev)
         for name, fn in (("a", lambda d: bench_allocate(d, raw)), ("b", bench_streams),
                          ("c", bench_rss_and_start), ("d", bench_restart_and_cdi),
-                         ("e", bench_plugin_restart), ("f", bench_metrics_flood), ("g", bench_idle)):
+                         ("e", bench_plugin_restart), ("f", bench_metrics_flood), ("g", bench_idle),
+                         ("h", bench_dra)):
             if only and name not in only:
                 continue
             sub = os.path.join(top, name)

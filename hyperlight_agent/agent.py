@@ -83,8 +83,7 @@ def profile_for(settings: Settings, mode: modes.Mode) -> Profile:
 class Agent:
     def __init__(self, settings: Settings, device_access: bool = False,
                  reload: Optional[Callable[[], Settings]] = None,
-                 notifier: Optional[Notifier] = None, dra: bool = False,
-                 dra_dirs: Optional[tuple[str, str]] = None) -> None:
+                 notifier: Optional[Notifier] = None, dra: bool = False) -> None:
         self.settings = settings
         self.mode = modes.of(device_access, dra)
         self._reload = reload  # re-reads the settings for reload(); raises config.ConfigError
@@ -103,7 +102,7 @@ class Agent:
         self.registrar: Optional[Registrar] = None
         self.driver: Optional[Driver] = None
         if self.mode.protocol == "dra":
-            self.driver = self._make_driver(dra_dirs or (contracts.DRA_REGISTRY_DIR, contracts.DRA_PLUGINS_DIR))
+            self.driver = self._make_driver()
         else:
             self.registrar = Registrar(settings.kubelet_dir, self.profile.socket, self.profile.resource,
                                        self._configure_server, on_change=self._on_registrar,
@@ -346,15 +345,15 @@ class Agent:
     def _on_streams(self, count: int) -> None:
         self.metrics.streams.set(count)
 
-    def _make_driver(self, dirs: tuple[str, str]) -> Driver:
+    def _make_driver(self) -> Driver:
         from hyperlight_agent.dra.driver import Driver  # the DRA mode's modules only in that mode
 
         s = self.settings
         return Driver(node_name=s.node_name or socket.gethostname().lower(),
                       instance=s.instance or modes.DRA_DEFAULT_INSTANCE,
                       devices=s.dra_devices, kubeconfig=s.kubeconfig, state=self.state,
-                      check=lambda timeout: self.checker.check(timeout=timeout), registry_dir=dirs[0],
-                      plugins_dir=dirs[1],
+                      check=lambda timeout: self.checker.check(timeout=timeout), registry_dir=s.dra_registry_dir,
+                      plugins_dir=s.dra_plugins_dir,
                       configure=lambda server: health_pb2_grpc.add_HealthServicer_to_server(self.health_service,
                                                                                            server),
                       on_change=self._status_changed)

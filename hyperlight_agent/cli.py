@@ -89,7 +89,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
         if args.dra:
             from hyperlight_agent.dra.registration import service_socket
 
-            path = service_socket(contracts.DRA_PLUGINS_DIR, contracts.DRA_DRIVER,
+            path = service_socket(settings.dra_plugins_dir, contracts.DRA_DRIVER,
                                   settings.instance or modes.DRA_DEFAULT_INSTANCE)
         else:
             path = plugin_socket(settings, args.device_access)

@@ -239,6 +239,11 @@ SETTINGS: tuple[Setting, ...] = (
             restart_only=True),
     Setting("kubeconfig", "HYPERLIGHT_KUBECONFIG", "--kubeconfig", None, _abs_file,
             "--dra: kubeconfig file for the API server; unset: the pod's service account", restart_only=True),
+    Setting("dra_registry_dir", "HYPERLIGHT_DRA_REGISTRY_DIR", "--dra-registry-dir", contracts.DRA_REGISTRY_DIR,
+            _abs_dir, "--dra: the kubelet's plugin registry (our registration socket)", restart_only=True),
+    Setting("dra_plugins_dir", "HYPERLIGHT_DRA_PLUGINS_DIR", "--dra-plugins-dir", contracts.DRA_PLUGINS_DIR,
+            _abs_dir, "--dra: the kubelet's plugins directory (our service socket and record of prepared "
+            "claims, in hyperlight.dev/ below it)", restart_only=True),
 )
 BY_KEY = {s.key: s for s in SETTINGS}
 RESTART_ONLY = tuple(s.key for s in SETTINGS if s.restart_only)
@@ -272,6 +277,8 @@ class Settings:
     dra_devices: int
     node_name: Optional[str]
     kubeconfig: Optional[str]
+    dra_registry_dir: str
+    dra_plugins_dir: str
     config_file: Optional[str] = None  # the file actually read, if any
 
     @classmethod

@@ -31,9 +31,11 @@ UID = "8d5c0f2a-1b3e-4d6f-a7c9-0e1f2a3b4c5d"  # the recorded claim's uid (defaul
 
 
 def settings_in(tmp: str, config: str, **kw: Any) -> Settings:
+    registry, plugins = dirs(tmp)
     return Settings.defaults(kubelet_dir=os.path.join(tmp, "kubelet"), cdi_dir=os.path.join(tmp, "cdi"),
                              device_dir=device_dir(tmp, "kvm"), kubeconfig=config, node_name="node1",
-                             dra_devices=4, instance="pod-a", **kw)
+                             dra_devices=4, instance="pod-a", dra_registry_dir=registry, dra_plugins_dir=plugins,
+                             **kw)
 
 
 def dirs(tmp: str) -> tuple[str, str]:
@@ -70,7 +72,7 @@ def devices_published(fake: FakeApiServer) -> int:
 def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: str, helpers: list[FakeHelper]) -> None:  # noqa: F811
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         notifier = RecordingNotifier()
-        agent = Agent(settings_in(tmp, config), notifier=notifier, dra=True, dra_dirs=dirs(tmp))
+        agent = Agent(settings_in(tmp, config), notifier=notifier, dra=True)
         assert agent.mode is modes.DRA and agent.registrar is None
         await agent.start()
         try:
@@ -124,7 +126,7 @@ def test_no_api_access_is_said_once_and_retried_without_stopping(tmp: str, helpe
     monkeypatch.setattr(dra_client, "connect", counted)
 
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
-        agent = Agent(settings_in(tmp, os.path.join(tmp, "missing-kubeconfig")), dra=True, dra_dirs=dirs(tmp))
+        agent = Agent(settings_in(tmp, os.path.join(tmp, "missing-kubeconfig")), dra=True)
         await agent.start()
         try:
             await until(lambda: len(attempts) >= 5 and agent.driver is not None and agent.driver.registered,

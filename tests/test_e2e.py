@@ -667,11 +667,6 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, kubelet: str) -> None:
     assert pod["spec"]["nodeName"] == "a"
     assert "uid=65534 node=660 owner=65534:65534 env=kvm api=12 vm=created" in log, log
     assert "HYPERLIGHT_DEVICE_PATH=/dev/kvm" in log and "HYPERLIGHT_HYPERVISOR=kvm" in log, log
-    (claim_status,) = pod["status"]["resourceClaimStatuses"]
-    claim = cluster.api.get(f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaims/"
-                            f"{claim_status['resourceClaimName']}")
-    (result,) = claim["status"]["allocation"]["devices"]["results"]
-    assert (result["driver"], result["pool"]) == (DRA_DRIVER, "a"), result
     cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")
 
     # Many pods hold node a's device at once, each through its own claim and device.
@@ -688,6 +683,17 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, kubelet: str) -> None:
         return len(running) == SHARERS
     wait_until(all_running, 240, f"{SHARERS} pods running at once", interval=0.5)
     record(f"dra.{kubelet}.{version}.{SHARERS}_pods_running_s", round(time.monotonic() - started, 1))
+    # Each claim names node a's pool and a device of its own.
+    devices = set()
+    for sharer in sharers:
+        pod = cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods/{sharer}")
+        (claim_status,) = pod["status"]["resourceClaimStatuses"]
+        claim = cluster.api.get(f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaims/"
+                                f"{claim_status['resourceClaimName']}")
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        assert (result["driver"], result["pool"]) == (DRA_DRIVER, "a"), result
+        devices.add(result["device"])
+    assert len(devices) == SHARERS
     for sharer in sharers:
         cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{sharer}")
 
