@@ -19,7 +19,7 @@ class Snapshot:
 
     observation: Observation
     checked: bool  # a device check has completed
-    registration: str  # registration.WAITING, REGISTERED, STREAMED or LOST
+    registration: registration.State
     registration_error: str
     kubelet_socket: str
     streams: int

@@ -496,6 +496,8 @@ def dra_pod(name: str, command: list[str], template: str = "hypervisor") -> dict
     container.update(image=WORKLOAD_IMAGE, imagePullPolicy="Never", command=command)
     container.pop("livenessProbe", None)
     container.pop("readinessProbe", None)
+    # Many at once on a two-core node: the example's 100m each would not fit 24 of them.
+    container["resources"]["requests"] = {"cpu": "10m", "memory": "16Mi"}
     spec["restartPolicy"] = "Never"
     spec["terminationGracePeriodSeconds"] = 0
     spec["resourceClaims"][0]["resourceClaimTemplateName"] = template

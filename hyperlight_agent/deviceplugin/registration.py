@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import errno
 import logging
 import os
@@ -144,10 +145,16 @@ def _no_kubelet(path: str) -> str:
 
 
 # What the registrar is doing, for status lines and readiness.
-WAITING = "waiting"  # for a kubelet (serving or registering failed; backing off)
-REGISTERED = "registered"  # Register succeeded; no stream yet
-STREAMED = "streamed"  # the kubelet's ListAndWatch stream is open
-LOST = "lost"  # the stream ended, or never opened: serving and registering again
+class State(str, enum.Enum):
+    """Where the registration stands (a str: status lines and metrics show its value)."""
+
+    WAITING = "waiting"  # for a kubelet (serving or registering failed; backing off)
+    REGISTERED = "registered"  # Register succeeded; no stream yet
+    STREAMED = "streamed"  # the kubelet's ListAndWatch stream is open
+    LOST = "lost"  # the stream ended, or never opened: serving and registering again
+
+
+WAITING, REGISTERED, STREAMED, LOST = State.WAITING, State.REGISTERED, State.STREAMED, State.LOST
 
 
 class Registrar:
@@ -203,7 +210,7 @@ class Registrar:
         self._kubelet_stream_open = False
         self._stream_since = 0.0
         self._streamed_before_stop = False
-        self.state = WAITING
+        self.state: State = WAITING
         self.registrations = 0
         self.kubelet_restarts = 0
         self.streams_lost = 0
@@ -332,7 +339,7 @@ class Registrar:
             old.close()
         return new
 
-    def _set(self, state: str) -> None:
+    def _set(self, state: State) -> None:
         self.state = state
         if self._on_change:
             self._on_change()
