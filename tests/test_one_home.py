@@ -67,11 +67,9 @@ def test_the_spec_file_name_lives_in_contracts() -> None:
     assert homes_of_string("hyperlight.json") == {"contracts"}
 
 
-def test_unix_targets_are_built_by_api() -> None:
-    # healthcheck writes the same form out: the exec probe must not load the device plugin's messages.
+def test_unix_targets_are_built_by_wire() -> None:
     assert {m for m, tree in trees().items() for n in ast.walk(tree)
-            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("unix:")} \
-        <= {"deviceplugin.api", "dra.api", "host.healthcheck"}
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("unix:")} == {"wire"}
     assert api.unix_target("/k/p.sock") == "unix:///k/p.sock"
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Callable
 
 import grpc
-from google.protobuf.message import DecodeError
 
+from hyperlight_agent import wire
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 
 REGISTRATION_SERVICE = "v1beta1.Registration"
@@ -46,29 +46,10 @@ def generic_handler(service: str, methods: dict[str, tuple[Any, Any, bool]],
         )
         handlers[name] = make(
             _refusing_unparsable(getattr(implementation, name), streaming),
-            request_deserializer=_parser(request),
+            request_deserializer=wire.parser(request),
             response_serializer=response.SerializeToString,
         )
     return grpc.method_handlers_generic_handler(service, handlers)
-
-
-class Unparsable:
-    """A request whose bytes are not its message type. grpc turns a deserializer's exception into
-    UNKNOWN "Unexpected …" and logs a traceback, so the deserializer returns this instead and
-    the method refuses it with INVALID_ARGUMENT."""
-
-    def __init__(self, request_type: Any, exc: DecodeError) -> None:
-        self.message = f"cannot parse {request_type.DESCRIPTOR.full_name}: {str(exc)[:200]}"
-
-
-def _parser(request_type: Any) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        try:
-            return request_type.FromString(data)
-        except DecodeError as exc:
-            return Unparsable(request_type, exc)
-
-    return parse
 
 
 def _refusing_unparsable(method: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
@@ -76,7 +57,7 @@ def _refusing_unparsable(method: Callable[..., Any], streaming: bool) -> Callabl
     # generator function, a unary method a coroutine function.
     if streaming:
         async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-            if isinstance(request, Unparsable):
+            if isinstance(request, wire.Unparsable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             responses = method(request, context)
             try:
@@ -88,7 +69,7 @@ def _refusing_unparsable(method: Callable[..., Any], streaming: bool) -> Callabl
         return stream
 
     async def unary(request: Any, context: Any) -> Any:
-        if isinstance(request, Unparsable):
+        if isinstance(request, wire.Unparsable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return await method(request, context)
 
@@ -127,6 +108,4 @@ def registration_stub(channel: Any) -> Stub:
     return Stub(channel, REGISTRATION_SERVICE, REGISTRATION_METHODS)
 
 
-def unix_target(path: str) -> str:
-    """gRPC's address for a unix socket path: unix:///var/lib/kubelet/device-plugins/kubelet.sock."""
-    return "unix://" + path
+unix_target = wire.unix_target

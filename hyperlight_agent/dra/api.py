@@ -16,9 +16,8 @@ from types import ModuleType
 from typing import Any, Awaitable, Callable
 
 import grpc
-from google.protobuf.message import DecodeError
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, wire
 from hyperlight_agent.dra import dra_v1_pb2 as v1
 from hyperlight_agent.dra import dra_v1beta1_pb2 as v1beta1
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
@@ -49,28 +48,10 @@ REGISTRATION_METHODS: dict[str, tuple[Any, Any]] = {
 }
 
 
-class Unparsable:
-    """A request whose bytes are not its message type. grpc would turn a deserializer's exception
-    into UNKNOWN with a logged traceback; the method refuses this with INVALID_ARGUMENT instead."""
-
-    def __init__(self, request_type: Any, exc: DecodeError) -> None:
-        self.message = f"cannot parse {request_type.DESCRIPTOR.full_name}: {str(exc)[:200]}"
-
-
-def _parser(request_type: Any) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        try:
-            return request_type.FromString(data)
-        except DecodeError as exc:
-            return Unparsable(request_type, exc)
-
-    return parse
-
-
 def _unary(method: Callable[..., Awaitable[Any]], *bound: Any) -> Callable[..., Awaitable[Any]]:
     # A coroutine function, so grpc.aio treats it as a unary handler.
     async def call(request: Any, context: Any) -> Any:
-        if isinstance(request, Unparsable):
+        if isinstance(request, wire.Unparsable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return await method(request, context, *bound)
 
@@ -82,7 +63,7 @@ def _handler(service: str, methods: dict[str, tuple[Any, Any]], implementation: 
     handlers = {
         name: grpc.unary_unary_rpc_method_handler(
             _unary(getattr(implementation, name), *bound),
-            request_deserializer=_parser(request),
+            request_deserializer=wire.parser(request),
             response_serializer=response.SerializeToString,
         )
         for name, (request, response) in methods.items()
@@ -126,6 +107,4 @@ def dra_stub(channel: Any, version: str) -> Stub:
     return Stub(channel, service, dra_methods(messages))
 
 
-def unix_target(path: str) -> str:
-    """gRPC's address for a unix socket path: unix:///var/lib/kubelet/plugins/hyperlight.dev/dra-x.sock."""
-    return "unix://" + path
+unix_target = wire.unix_target

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import stat
 
-from hyperlight_agent import contracts, modes
+from hyperlight_agent import contracts, modes, wire
 from hyperlight_agent.config import Settings
 
 PROBE_TIMEOUT_S = 2.0
@@ -44,8 +44,7 @@ def _check(which: str, path: str, target: str) -> tuple[bool, str]:
     import grpc
     from grpc_health.v1 import health_pb2
 
-    # api.unix_target's form, written out: importing api would load the device plugin's messages too.
-    with grpc.insecure_channel("unix://" + target) as channel:
+    with grpc.insecure_channel(wire.unix_target(target)) as channel:
         check = channel.unary_unary(
             "/grpc.health.v1.Health/Check",
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
@@ -67,7 +66,7 @@ async def peer_ready(path: str, timeout: float) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2
 
-    async with grpc.aio.insecure_channel("unix://" + path) as channel:
+    async with grpc.aio.insecure_channel(wire.unix_target(path)) as channel:
         check = channel.unary_unary("/grpc.health.v1.Health/Check",
                                     request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                                     response_deserializer=health_pb2.HealthCheckResponse.FromString)
