@@ -169,7 +169,11 @@ class Agent:
         created during an agent restart still resolve it."""
         if self._stopping or self._handing_over:
             return
-        if self.settings.handover_seconds > 0 and self.driver is not None:
+        # Only a ready agent has something to hand over. An unready one is also one the DaemonSet
+        # controller replaces only after it is gone (it surges for available pods only): waiting
+        # for a successor would only delay the replacement by handover_seconds.
+        hand_over = self.settings.handover_seconds > 0 and self.ready
+        if hand_over and self.driver is not None:
             self._handing_over = True
             log.info("stop requested: serving until a successor is ready (up to %g s)", self.settings.handover_seconds)
             successor = await self.driver.hand_over(self.settings.handover_seconds)
@@ -177,7 +181,7 @@ class Agent:
                 log.info("handing over to %s", successor)
             else:
                 log.info("no successor within %g s", self.settings.handover_seconds)
-        elif self.settings.handover_seconds > 0:
+        elif hand_over:
             self._handing_over = True
             await self._hand_over(self.settings.handover_seconds)
         self._stopping = True

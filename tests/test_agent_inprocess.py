@@ -404,6 +404,25 @@ def test_a_stop_with_handover_time_and_no_successor_stops_after_it(tmp: str, hel
     with_kubelet(tmp, body)
 
 
+def test_an_unready_agent_hands_nothing_over(tmp: str, helpers: list[FakeHelper],
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A DaemonSet replaces an unavailable pod only once it is gone: waiting for a successor then
+    would only hold the replacement back for handover_seconds."""
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+
+    async def body(kubelet: KubeletStandin) -> None:
+        agent = Agent(settings_in(tmp, handover_seconds=3600), notifier=RecordingNotifier())
+        await agent.start()
+        await until(lambda: bool(helpers), what="the helper")
+        helpers[0].answers["kvm"] = ProbeResult(False, "KVM_CREATE_VM failed")
+        agent.checker.request()
+        await until(lambda: agent.status().startswith("unhealthy"), what="unhealthy")
+        await shut(agent)  # within the test's own deadline, not an hour
+        assert "serving until a successor" not in caplog.text
+
+    with_kubelet(tmp, body)
+
+
 def test_device_access_mode_lists_its_one_slot_without_cdi(tmp: str, helpers: list[FakeHelper]) -> None:
     async def body(kubelet: KubeletStandin) -> None:
         agent = Agent(settings_in(tmp), device_access=True, notifier=RecordingNotifier())
