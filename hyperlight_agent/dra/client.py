@@ -10,6 +10,7 @@ resource.k8s.io/v1.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, AsyncIterator, Mapping, Optional
 
@@ -82,11 +83,18 @@ class KubeApi:
 
     async def watch_slices(self, node: str, driver: str, resource_version: str) -> AsyncIterator[tuple[str, Json]]:
         """Events (ADDED, MODIFIED, DELETED, BOOKMARK) after `resource_version`, until an error."""
+        import httpx
+
         events = self._client.watch(self._slice, fields={SELECT_NODE: node, SELECT_DRIVER: driver},
                                     resource_version=resource_version or None)
         try:
             async for kind, obj in events:
                 yield str(kind), dict(obj)
+        except httpx.TransportError:
+            # The connection ended under the watch (the API server closes long watches, and its
+            # restarts end them too): an end like any other. The caller lists again, and if the
+            # server is really gone that list says so.
+            return
         except Exception as exc:
             raise _api_error("watch", SLICES, exc) from exc
 
@@ -147,6 +155,8 @@ def connect(kubeconfig: Optional[str], *, service_account_dir: str = SERVICE_ACC
     from lightkube import AsyncClient, ConfigError, KubeConfig
 
     timeout = httpx.Timeout(timeout_s)
+    # httpx logs every request at INFO: our own lines say what matters (a change, a problem).
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     missing = [name for name in IN_CLUSTER_ENV if not environ.get(name)]
     if not kubeconfig and missing:
         raise ClientConfigError(f"no kubeconfig setting and not in a cluster ({' and '.join(missing)} unset)")
