@@ -11,6 +11,7 @@ scenario, last).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -522,10 +523,16 @@ def scheduling_refusal(cluster: Cluster, ns: str, name: str) -> str:
     return next((str(e.get("message", "")) for e in events if e.get("reason") == "FailedScheduling"), "")
 
 
-def failed_prepares(cluster: Cluster, ns: str) -> list[str]:
+def failed_prepares(cluster: Cluster, ns: str) -> tuple[list[str], list[str]]:
+    """The kubelet's FailedPrepareDynamicResources events: those that reached a driver (or found
+    none registered), and those of its own claim read before any driver is asked ("fetch
+    ResourceClaim … no relationship found between node": the Node authorizer's graph not yet
+    showing the pod's claim, a race inside Kubernetes; the kubelet retries and the pod runs)."""
     events = cluster.api.get(f"/api/v1/namespaces/{ns}/events")["items"]
-    return [f"{e['involvedObject']['name']}: {e.get('message', '')}" for e in events
-            if e.get("reason") == "FailedPrepareDynamicResources"]
+    failed = [f"{e['involvedObject']['name']}: {e.get('message', '')}" for e in events
+              if e.get("reason") == "FailedPrepareDynamicResources"]
+    kubelets_own = [f for f in failed if "fetch ResourceClaim" in f]
+    return [f for f in failed if f not in kubelets_own], kubelets_own
 
 
 def agent_pid(pod_name: str) -> int:
@@ -629,8 +636,9 @@ def dra_event(cluster: Cluster, label: str, act: Callable[[], None], back: Calla
     outcomes = load.outcomes()
     after = cluster.api.get(f"/api/v1/namespaces/{ns}/pods/running")
     (status,) = after["status"]["containerStatuses"]
+    failed, kubelets_own = failed_prepares(cluster, ns)
     figure = {"pods": len(load.created), **outcomes, "recovered_s": round(recovered, 2),
-              "failed_prepares": failed_prepares(cluster, ns),
+              "failed_prepares": failed, "kubelet_claim_reads_refused": len(kubelets_own),
               "running_pod_untouched": after["metadata"]["uid"] == before["metadata"]["uid"]
               and after["status"]["phase"] == "Running" and status["restartCount"] == 0}
     cluster.api.delete(f"/api/v1/namespaces/{ns}")
@@ -820,6 +828,74 @@ def test_host_mode_on_a_real_kubelet(installed: Cluster, deb: str, tmp: str) -> 
         assert figure["failed"] == 0, figure
         assert len(figure["kubelet_zero_windows_s"]) == 1, figure  # one restart, one gap, healthy after
     wait_until(lambda: kubelet_view(b).get(HYPERVISOR, 0) == 0, 30, "the stopped host agent's slots gone")
+
+
+def readme_dra_drop_in() -> str:
+    """The systemd drop-in README.md gives for the DRA mode on hosts, exactly as written there."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    return text.split("<!-- dra-drop-in -->", 1)[1].split("```ini\n", 1)[1].split("```", 1)[0]
+
+
+def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, deb: str, tmp: str) -> None:
+    """The .deb under systemd (nspawn) in the DRA mode, set up as README.md says (the drop-in, a
+    kubeconfig, node_name), for node B's real kubelet: it registers, publishes node B's slice, and
+    a claim's pod on B is prepared by it."""
+    cluster, b = dra_installed, dra_installed.nodes["b"]
+    root = os.path.join(tmp, "root")
+    subprocess.run(["cp", "-a", "--reflink=auto", nspawn.rootfs(), root], check=True, timeout=300)
+    apt(root, "update")
+    apt(root, "install", "/root/agent.deb", binds=(f"{deb}:/root/agent.deb",))
+    # A user of its own with the chart's DRA role (RBAC only: the admission policy is for the pods'
+    # service account), in a kubeconfig with everything inline.
+    user = cluster.pki.issue("host-b-dra", "/CN=hyperlight-host-b")
+    cluster.api.create("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": "hyperlight-host-b"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": DRA_DAEMONSET},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "hyperlight-host-b"}]})
+
+    def inline(path: str) -> str:
+        with open(path, "rb") as f:
+            return base64.b64encode(f.read()).decode()
+    kubeconfig = {"apiVersion": "v1", "kind": "Config", "current-context": "e2e",
+                  "clusters": [{"name": "e2e", "cluster": {"server": cluster.server,
+                                                           "certificate-authority-data": inline(cluster.pki.ca.cert)}}],
+                  "users": [{"name": "host", "user": {"client-certificate-data": inline(user.cert),
+                                                      "client-key-data": inline(user.key)}}],
+                  "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": "host"}}]}
+    etc = os.path.join(root, "etc", "hyperlight-agent")
+    with open(os.path.join(etc, "kubeconfig"), "w") as f:
+        json.dump(kubeconfig, f)
+    with open(os.path.join(etc, "agent.toml"), "a") as f:
+        f.write('\nkubeconfig = "/etc/hyperlight-agent/kubeconfig"\nnode_name = "b"\n')
+    drop_in = os.path.join(root, "etc", "systemd", "system", f"{UNIT}.d")
+    os.makedirs(drop_in, exist_ok=True)
+    with open(os.path.join(drop_in, "dra.conf"), "w") as f:
+        f.write(readme_dra_drop_in())
+    kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)  # the guest's own /dev/kvm: B's is /dev/null
+    binds = [f"{kvm}:/dev/kvm", f"{b.path('kubelet', 'plugins_registry')}:/var/lib/kubelet/plugins_registry",
+             f"{b.path('kubelet', 'plugins')}:/var/lib/kubelet/plugins", f"{b.path('cdi')}:/var/run/cdi"]
+    started = time.monotonic()
+    try:
+        with nspawn.Guest(root, binds, ephemeral=False) as guest:
+            wait_until(lambda: slice_devices(cluster, "b") == DRA_DEVICES, 120, "node b's slice from the host agent")
+            record("host.dra.boot_to_slice_s", round(time.monotonic() - started, 1))
+            wait_until(lambda: guest.is_active(UNIT) == "active", 30, "the unit active (ready)")
+            # B's /dev/kvm is /dev/null for containerd, so the pod only proves the claim was prepared.
+            pod = dra_pod("dra-on-host-b", ["/bin/sh", "-c", "exit 0"])
+            pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "b"}
+            cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods", pod)
+            done = finished(cluster, DRA_NS, "dra-on-host-b")
+            assert done["status"]["phase"] == "Succeeded", done["status"]
+            assert done["spec"]["nodeName"] == "b"
+            cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/dra-on-host-b")
+            status = guest.run("systemctl", "show", "-p", "StatusText", UNIT).stdout
+            assert "ready: kvm, 128 devices in the ResourceSlice" in status, status
+    finally:
+        cluster.api.delete("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/hyperlight-host-b")
+        for item in node_slices(cluster, "b"):  # the kubelet would, 30 s after the driver is gone
+            cluster.api.delete(f"/apis/resource.k8s.io/v1/resourceslices/{item['metadata']['name']}")
 
 
 def test_labelled_node_without_a_usable_device_admits_nothing(installed: Cluster) -> None:
