@@ -439,15 +439,15 @@ def slice_devices(cluster: Cluster, node: str) -> Optional[int]:
 
 
 def give_the_driver_api_access(cluster: Cluster) -> None:
-    """This cluster has no service network (no kube-proxy: the API server listens on the host's
-    loopback only), so the driver's pods reach it as a pod on a real cluster reaches the
-    kubernetes Service: here through the host's network and loopback address. Nothing else of
-    the chart's DaemonSet changes."""
+    """This cluster has no service network (no kube-proxy), so the kubernetes Service's address
+    leads nowhere: the driver's pods get the address at which pods reach the API server here (a
+    forwarder on node A's gateway) in the two variables in-cluster clients read. Nothing of the
+    chart's own changes, so helm upgrades leave these alone."""
+    a = cluster.nodes["a"]
     patch = {"spec": {"template": {"spec": {
-        "hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet",
         "containers": [{"name": "agent", "env": [
-            {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
-            {"name": "KUBERNETES_SERVICE_PORT", "value": str(cluster.api_port)}]}]}}}}
+            {"name": "KUBERNETES_SERVICE_HOST", "value": a.gateway},
+            {"name": "KUBERNETES_SERVICE_PORT", "value": str(cluster.api_for_pods(a))}]}]}}}}
     cluster.api.strategic_patch(f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{DRA_DAEMONSET}", patch)
 
 

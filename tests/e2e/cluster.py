@@ -26,6 +26,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -248,6 +249,7 @@ class Node:
         self.cgroup = f"/hl-e2e-{run}-{name}"
         self.bridge = f"hle2e{run}{name}"[:15]
         self.subnet = f"10.250.{index}.0/24"
+        self.gateway = f"10.250.{index}.1"
         self.kubelet_port = free_port()
         self.healthz_port = free_port()
         self.device_unusable = device_unusable
@@ -310,7 +312,9 @@ class Node:
     def _start_containerd(self) -> None:
         with open(self.path("cni-conf", "10-bridge.conflist"), "w") as f:
             json.dump({"cniVersion": "1.0.0", "name": f"hle2e-{self.name}", "plugins": [
-                {"type": "bridge", "bridge": self.bridge, "isGateway": False, "ipMasq": False,
+                # The gateway (the bridge's own .1 address) is how pods reach the host: the API
+                # server through Cluster.api_for_pods (there is no service network here).
+                {"type": "bridge", "bridge": self.bridge, "isGateway": True, "ipMasq": False,
                  "ipam": {"type": "host-local", "ranges": [[{"subnet": self.subnet}]]}},
                 {"type": "loopback"}]}, f)
         config = self.path("containerd.toml")
@@ -423,6 +427,60 @@ serializeImagePulls: false
         return self.path("kubelet", "pod-resources", "kubelet.sock")
 
 
+MAX_NODES = 4
+
+
+def _has_address(address: str) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError:
+            return False
+    return True
+
+
+class Forwarder:
+    """TCP from (host, an ephemeral port) to `target`, one thread pair per connection."""
+
+    def __init__(self, host: str, target: tuple[str, int]) -> None:
+        self._target = target
+        self._listener = socket.create_server((host, 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._closed = threading.Event()
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+                upstream = socket.create_connection(self._target, timeout=10)
+                upstream.settimeout(None)
+            except OSError:
+                continue
+            self._open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        for conn in self._open:
+            with contextlib.suppress(OSError):
+                conn.close()
+
+
 class Cluster:
     def __init__(self, directory: str, bin_dir: str) -> None:
         self.directory = directory
@@ -430,6 +488,7 @@ class Cluster:
         self.versions = versions()
         self.state_path = os.path.join(os.path.dirname(directory.rstrip("/")), "cluster-state.json")
         self.processes: list[Process] = []
+        self._forwarders: dict[str, Forwarder] = {}
         self.nodes: dict[str, Node] = {}
         self.server = ""
         self.api: Api = None  # type: ignore[assignment]  # set by start()
@@ -467,7 +526,7 @@ class Cluster:
             "--unsafe-no-fsync", "--log-level", "warn"], logs))
         serving = self.pki.issue("apiserver", "/CN=kube-apiserver",
                                  ("IP:127.0.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
-                                  "IP:10.96.0.1"))
+                                  "IP:10.96.0.1", *(f"IP:10.250.{i}.1" for i in range(1, MAX_NODES + 1))))
         kubelet_client = self.pki.issue("apiserver-kubelet-client",
                                         "/O=system:masters/CN=kube-apiserver-kubelet-client")
         k8s = self.binaries("kubernetes", self.versions["newest"])
@@ -512,6 +571,7 @@ class Cluster:
 
     def add_node(self, name: str, version: str, labels: Optional[dict[str, str]] = None,
                  device_unusable: bool = False) -> Node:
+        assert len(self.nodes) < MAX_NODES, "the API server's certificate names the gateways of MAX_NODES nodes"
         node = Node(self, name, len(self.nodes) + 1, labels or {}, device_unusable)
         self.nodes[name] = node
         node.start()
@@ -520,7 +580,18 @@ class Cluster:
     def check_alive(self) -> bool:
         return all(process.check() for process in self.processes)
 
+    def api_for_pods(self, node: Node) -> int:
+        """The port on node's gateway address at which its pods reach the API server (which
+        listens on the host's loopback only): a forwarder, as a kube-proxy would be for the
+        kubernetes Service; it ends with the cluster."""
+        if node.name not in self._forwarders:
+            wait_until(lambda: _has_address(node.gateway), 60, f"{node.gateway} on {node.bridge}")
+            self._forwarders[node.name] = Forwarder(node.gateway, ("127.0.0.1", self.api_port))
+        return self._forwarders[node.name].port
+
     def stop(self) -> None:
+        for forwarder in self._forwarders.values():
+            forwarder.close()
         if self.api is not None:
             self.api.close()
         for node in self.nodes.values():
