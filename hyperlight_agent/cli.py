@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Mapping, NoReturn, Optional, Sequence
 
-from hyperlight_agent import __version__, config, contracts, modes
+from hyperlight_agent import __version__, config, contracts, modes, text
 from hyperlight_agent.host import journal, notify, signals
 
 PROG = "hyperlight-agent"
@@ -33,7 +33,7 @@ EPILOG = (
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + message
         # The message quotes arguments as given: escaped and cut like every other error line.
-        raise config.ConfigError(config.shown(message, 200))
+        raise config.ConfigError(text.shown(message, 200))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +77,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
             notify.watchdog_usec(environ)
         except ValueError as exc:
             value = environ.get(contracts.WATCHDOG_USEC_ENV, "")
-            raise config.ConfigError(f"{contracts.WATCHDOG_USEC_ENV}={config.quote(value)}: {exc}") from None
+            raise config.ConfigError(f"{contracts.WATCHDOG_USEC_ENV}={text.quote(value)}: {exc}") from None
     except config.ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

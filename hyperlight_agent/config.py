@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from hyperlight_agent import contracts
+from hyperlight_agent.text import quote, shown
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -396,24 +397,6 @@ def _parse(s: Setting, value: Any, where: str) -> Any:
         return s.parse(value)
     except ValueError as exc:
         raise ConfigError(f"{where} = {quote(value)}: {exc}") from None
-
-
-def quote(value: Any, limit: int = 60) -> str:
-    """repr(value), shortened: an error line names the value without echoing megabytes."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
-
-
-def shown(text: str, limit: int = 120) -> str:
-    """text for an error line: non-printable characters escaped (a newline must not split the
-    line), and at most `limit` characters of it.
-
-    >>> shown("/etc/a\\nb.toml")
-    '/etc/a\\\\nb.toml'
-    """
-    if not text.isprintable():
-        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 
 def _one_line(exc: BaseException) -> str:

@@ -220,7 +220,7 @@ def test_probe_modules_import_without_site_packages() -> None:
     assert out.stdout.strip() == str(["hyperlight_agent", "hyperlight_agent.contracts",
                                       "hyperlight_agent.device", "hyperlight_agent.device.helper_process",
                                       "hyperlight_agent.device.hypervisors",
-                                      "hyperlight_agent.device.kernel"])
+                                      "hyperlight_agent.device.kernel", "hyperlight_agent.text"])
 
 
 def test_a_long_path_in_a_request_gives_a_short_reason(tmp: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
+from hyperlight_agent import text
 from hyperlight_agent.device import kernel
 from hyperlight_agent.device.hypervisors import BY_NAME
 
@@ -48,7 +49,7 @@ def run_request(request: Any) -> dict[str, Any]:
         return {"ok": False, "reason": str(exc)}
     except (OSError, ValueError) as exc:  # e.g. a path too long for the kernel
         detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)[:200]
-        return {"ok": False, "reason": f"{kernel.shown(request['device'])}: {detail}"}
+        return {"ok": False, "reason": f"{text.shown(request['device'])}: {detail}"}
     return {"ok": True, "reason": ""}
 
 

@@ -12,7 +12,7 @@ import os
 import stat
 import struct
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, text
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time
 
@@ -66,28 +66,16 @@ def check_mshv(fd: int, ioctl: Ioctl = fcntl.ioctl, close: Callable[[int], None]
     close(partition_fd)
 
 
-def shown(path: str, limit: int = 160) -> str:
-    """A path for a reason line: a long one keeps its start and end, so a reason stays short
-    whatever path a request names.
-
-    >>> shown("/d/" + "x" * 300).endswith("xxx (303 characters)"), len(shown("/d/" + "x" * 300))
-    (True, 152)
-    """
-    if len(path) <= limit:
-        return path
-    return f"{path[:limit // 2]}…{path[-limit // 3:]} ({len(path)} characters)"
-
-
 def host_identity(host_path: str) -> int:
     """The device number of the host's node, which must be a character device (not a symlink)."""
     try:
         st = os.lstat(host_path)
     except FileNotFoundError as exc:
-        raise ProbeError(f"{shown(host_path)}: host device node is missing") from exc
+        raise ProbeError(f"{text.shown(host_path)}: host device node is missing") from exc
     except OSError as exc:
-        raise ProbeError(f"{shown(host_path)}: cannot stat host device node: {exc.strerror}") from exc
+        raise ProbeError(f"{text.shown(host_path)}: cannot stat host device node: {exc.strerror}") from exc
     if not stat.S_ISCHR(st.st_mode):
-        raise ProbeError(f"{shown(host_path)}: host device node is {_kind(st.st_mode)}, not a character device")
+        raise ProbeError(f"{text.shown(host_path)}: host device node is {_kind(st.st_mode)}, not a character device")
     return st.st_rdev
 
 
@@ -107,20 +95,20 @@ def check_device(
     try:
         fd = open_(device_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NOCTTY)
     except OSError as exc:
-        raise ProbeError(f"{shown(device_path)}: cannot open read/write: {exc.strerror or exc}") from exc
+        raise ProbeError(f"{text.shown(device_path)}: cannot open read/write: {exc.strerror or exc}") from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISCHR(st.st_mode):
-            raise ProbeError(f"{shown(device_path)}: is {_kind(st.st_mode)}, not a character device")
+            raise ProbeError(f"{text.shown(device_path)}: is {_kind(st.st_mode)}, not a character device")
         if st.st_rdev != expected_rdev:
             raise ProbeError(
-                f"{shown(device_path)}: device {_numbers(st.st_rdev)} differs from the host's "
-                f"{_numbers(expected_rdev)} at {shown(host_path or device_path)}"
+                f"{text.shown(device_path)}: device {_numbers(st.st_rdev)} differs from the host's "
+                f"{_numbers(expected_rdev)} at {text.shown(host_path or device_path)}"
             )
         try:
             check(fd)
         except ProbeError as exc:
-            raise ProbeError(f"{shown(device_path)}: {exc}") from exc
+            raise ProbeError(f"{text.shown(device_path)}: {exc}") from exc
     finally:
         close(fd)
 

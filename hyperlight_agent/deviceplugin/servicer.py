@@ -14,7 +14,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Opti
 
 import grpc
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, text
 from hyperlight_agent.config import ALLOCATION_BOTH, ALLOCATION_CDI, ALLOCATION_DEVICE_SPEC, MAX_DEVICE_COUNT
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.checker import Checker
@@ -33,17 +33,6 @@ MAX_IDS_PER_REQUEST = MAX_DEVICE_COUNT
 _DEVICE_ID = re.compile(r"([a-z]+)-(0|[1-9][0-9]*)")
 # How much of an offending value a log line or an error message quotes.
 QUOTE_LIMIT = 40
-
-
-def quote(value: str, limit: int = QUOTE_LIMIT) -> str:
-    """repr(value), shortened: a hostile 1 MiB ID must not be echoed into logs and statuses.
-
-    >>> quote("kvm-" + "1" * 100)
-    "'kvm-111111111111111111111111111111111111'… (104 characters)"
-    """
-    if len(value) <= limit:
-        return repr(value)
-    return f"{value[:limit]!r}… ({len(value)} characters)"
 
 
 @dataclass(frozen=True)
@@ -198,13 +187,14 @@ class DevicePluginServicer:
     # --- helpers ----------------------------------------------------------------------------
 
     def _id_problem(self, device_id: str, hypervisor: str) -> Optional[str]:
+        quoted = text.quote(device_id, QUOTE_LIMIT)
         if len(device_id) > contracts.MAX_DEVICE_ID_LENGTH:
-            return f"malformed device ID {quote(device_id)}: longer than {contracts.MAX_DEVICE_ID_LENGTH} characters"
+            return f"malformed device ID {quoted}: longer than {contracts.MAX_DEVICE_ID_LENGTH} characters"
         match = _DEVICE_ID.fullmatch(device_id)
         if not match:
-            return f"malformed device ID {quote(device_id)}"
+            return f"malformed device ID {quoted}"
         if match.group(1) != hypervisor or int(match.group(2)) >= self.profile.slots:
-            return f"unknown device ID {quote(device_id)}"
+            return f"unknown device ID {quoted}"
         return None
 
     def _container_response(self, hypervisor: hypervisors.Hypervisor) -> pb.ContainerAllocateResponse:
