@@ -8,9 +8,16 @@ request, so the deserializer returns an Unparsable instead and the method refuse
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import errno
+import os
+import socket
+from typing import TYPE_CHECKING, Any, Callable
 
 from google.protobuf.message import DecodeError
+
+if TYPE_CHECKING:
+    import grpc
 
 
 class Unparsable:
@@ -34,3 +41,31 @@ def parser(request_type: Any) -> Callable[[bytes], Any]:
 def unix_target(path: str) -> str:
     """grpc's address for a unix socket path: unix:///var/lib/kubelet/device-plugins/kubelet.sock."""
     return "unix://" + path
+
+
+async def listen(server: grpc.aio.Server, path: str) -> str:
+    """Have server listen on the unix socket at path: "" when it does, else why not. grpc says why
+    only in its own log, so the reason comes from binding a plain socket there; on failure the
+    server is stopped."""
+    try:
+        port = server.add_insecure_port(unix_target(path))
+    except RuntimeError:  # some grpcio versions raise instead of returning 0
+        port = 0
+    if port:
+        return ""
+    await server.stop(0)
+    return bind_error(path)
+
+
+def bind_error(path: str) -> str:
+    """Why a unix socket cannot be bound at path (ENOENT, EROFS, EACCES, ...)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
+        try:
+            probe.bind(path)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return "the directory does not exist (no kubelet installed or started yet?)"
+            return exc.strerror or str(exc)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return "grpc could not bind there, though a plain socket could"

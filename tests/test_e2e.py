@@ -782,7 +782,8 @@ def test_dra_driver_may_change_only_its_own_nodes_slices(dra_installed: Cluster)
                             "devices": [{"name": "kvm-0"}]}}
         with pytest.raises(ApiError) as refused:
             driver.create("/apis/resource.k8s.io/v1/resourceslices", foreign)
-        assert refused.value.status in (403, 422) and "may not change a ResourceSlice of node b" in str(refused.value)
+        assert refused.value.status in (403, 422), refused.value
+        assert "the hyperlight DRA driver on node a may not change a ResourceSlice of node b" in refused.value.body
         for path in ("/api/v1/pods", "/api/v1/namespaces/kube-system/secrets", "/api/v1/nodes"):
             with pytest.raises(ApiError) as denied:
                 driver.get(path)

@@ -99,7 +99,6 @@ def test_a_kubelet_that_rejects_us_is_retried_with_backoff(tmp: str) -> None:
         await until(lambda: len(kubelet.register_calls) >= 3, what="retries")
         assert reg.state == registration.WAITING
         assert reg.last_error == f"Register with {kubelet.socket_path}: INTERNAL: stand-in rejects registrations"
-        assert not os.path.exists(reg.socket_path), "not served while backing off"
         kubelet.mode = "normal"
         await until(lambda: streamed(kubelet, reg), what="registered once accepted")
 
@@ -109,6 +108,17 @@ def test_a_kubelet_that_rejects_us_is_retried_with_backoff(tmp: str) -> None:
         await body(kubelet, reg)
 
     run(tmp, rejecting, start_kubelet=False)
+
+
+def test_nothing_is_served_while_backing_off(tmp: str) -> None:
+    async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
+        kubelet.mode = "reject"
+        await kubelet.start()
+        await until(lambda: kubelet.register_calls and reg.state == registration.WAITING and reg.last_error
+                    and not os.path.exists(reg.socket_path), what="our socket gone after the refusal")
+        assert len(kubelet.register_calls) == 1, "a 30 s backoff: no second attempt yet"
+
+    run(tmp, body, start_kubelet=False, backoff=Backoff(initial=30, cap=30))
 
 
 def test_a_hung_register_is_bounded_by_its_deadline(tmp: str) -> None:

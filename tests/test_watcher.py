@@ -153,10 +153,12 @@ def test_without_the_mount_table_the_directories_are_looked_at_every_second(
 
 # Run in a private mount namespace (unshare): a watcher on `directory` with a timer that never
 # fires, a tmpfs mounted over it, then a file created in the tmpfs. Prints what the callback saw.
-MOUNT_OVER = """
+# The start of both scripts: a watcher whose timer never fires (only the mount table can tell
+# it anything), what its callback saw, and a wait on a condition with a deadline.
+IN_PRIVATE_MOUNTS = """
 import asyncio, os, subprocess, sys
 from hyperlight_agent.node import watcher
-watcher.RETRY_S = 3600.0  # only the mount table can tell us
+watcher.RETRY_S = 3600.0
 directory = sys.argv[1]
 seen = []
 async def until(condition):
@@ -165,6 +167,8 @@ async def until(condition):
     while not condition():
         assert loop.time() < deadline, seen
         await asyncio.sleep(0.005)
+"""
+MOUNT_OVER = IN_PRIVATE_MOUNTS + """
 async def main():
     w = watcher.DirectoryWatcher()
     w.watch(directory, seen.append)
@@ -201,18 +205,7 @@ def test_a_filesystem_mounted_over_a_directory_is_seen_through_the_mount_table(t
 
 # Run in a private mount namespace: /dev/null bound over an entry of a watched directory, then
 # unbound. Neither raises an inotify event; the mount table's change names the entry.
-MOUNT_ON_ENTRY = """
-import asyncio, os, subprocess, sys
-from hyperlight_agent.node import watcher
-watcher.RETRY_S = 3600.0
-directory = sys.argv[1]
-seen = []
-async def until(condition):
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10
-    while not condition():
-        assert loop.time() < deadline, seen
-        await asyncio.sleep(0.005)
+MOUNT_ON_ENTRY = IN_PRIVATE_MOUNTS + """
 async def main():
     w = watcher.DirectoryWatcher()
     w.watch(directory, seen.append, {"kvm"})

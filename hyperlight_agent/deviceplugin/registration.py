@@ -28,20 +28,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import errno
 import logging
 import os
 import random
 import re
 import secrets
-import socket
 import stat
 import time
 from typing import Callable, Optional
 
 import grpc
 
-from hyperlight_agent import contracts, waits
+from hyperlight_agent import contracts, waits, wire
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.node import atomic, sockets
@@ -115,20 +113,6 @@ class Backoff:
 _identity = sockets.identity
 _inode = sockets.identity
 _is_live = sockets.is_live
-
-
-def _bind_error(path: str) -> str:
-    """Why a unix socket cannot be bound at path (ENOENT, EROFS, EACCES, ...)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
-        try:
-            probe.bind(path)
-        except OSError as exc:
-            if exc.errno == errno.ENOENT:
-                return "the directory does not exist (no kubelet installed or started yet?)"
-            return exc.strerror or str(exc)
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-    return "grpc could not bind there, though a plain socket could"
 
 
 def _no_kubelet(path: str) -> str:
@@ -403,16 +387,11 @@ class Registrar:
         private = os.path.join(self.kubelet_dir,
                                contracts.private_socket_name(self._socket_name, os.getpid(),
                                                              secrets.token_hex(PRIVATE_TOKEN_BYTES)))
-        try:
-            # Fails while the directory does not exist yet (kubelet not installed or started).
-            port = server.add_insecure_port(api.unix_target(private))
-        except RuntimeError:
-            port = 0
-        if port == 0:
-            await server.stop(0)
-            # grpc says why only in its own log: bind a plain socket there to learn the cause. The
-            # message names the directory, not the random name, so it stays the same per retry.
-            raise RegistrationError(f"cannot listen in {self.kubelet_dir} (kubelet_dir): {_bind_error(private)}")
+        # Fails while the directory does not exist yet (kubelet not installed or started). The
+        # message names the directory, not the random name, so it stays the same per retry.
+        problem = await wire.listen(server, private)
+        if problem:
+            raise RegistrationError(f"cannot listen in {self.kubelet_dir} (kubelet_dir): {problem}")
         await server.start()
         try:
             self._pin("_served", self._put_in_place(private))

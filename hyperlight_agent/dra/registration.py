@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional
 
 import grpc
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, wire
 from hyperlight_agent.dra import api
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
 from hyperlight_agent.node import atomic, sockets
@@ -216,14 +216,9 @@ class Registrar:
         server.add_generic_rpc_handlers(handlers)
         if configure is not None:
             configure(server)
-        try:
-            port = server.add_insecure_port(api.unix_target(private))
-        except RuntimeError:
-            port = 0
-        if port == 0:
-            await server.stop(0)
-            why = "it does not exist" if not os.path.isdir(directory) else "grpc could not bind there"
-            raise RegistrationError(f"cannot listen in {directory}: {why}")
+        problem = await wire.listen(server, private)
+        if problem:
+            raise RegistrationError(f"cannot listen in {directory}: {problem}")
         await server.start()
         try:
             pin = _put_in_place(private, path)
