@@ -25,6 +25,9 @@ fi
     --python-version "$pyver" --implementation cp --only-binary=:all: \
     --platform "manylinux2014_$arch" --platform "manylinux_2_17_$arch" --platform "manylinux_2_28_$arch" \
     "$wheels"/hyperlight_agent-*.whl $extra
+# PyYAML's optional C accelerator carries its own copy of libyaml (lintian: embedded-library);
+# the DRA mode parses one kubeconfig with it, for which the pure-Python loader is enough.
+rm -f "$lib"/yaml/_yaml.cpython-*.so
 # pip's own bookkeeping and console-script stubs are not part of the installed tree.
 rm -rf "$lib"/bin "$lib"/*.dist-info/RECORD "$lib"/*.dist-info/INSTALLER "$lib"/*.dist-info/REQUESTED \
        "$lib"/*.dist-info/direct_url.json

@@ -65,10 +65,13 @@ def build_deb() -> str:
 class Guest:
     """One booted container. Use as a context manager; it powers off and is reaped on exit."""
 
-    def __init__(self, directory: str, binds: Sequence[str] = (), ephemeral: bool = True) -> None:
+    def __init__(self, directory: str, binds: Sequence[str] = (), ephemeral: bool = True,
+                 private_network: bool = True) -> None:
+        """private_network=False: the host's network (a guest that must reach a server on the
+        host's loopback, as the DRA mode's API server on the e2e cluster)."""
         args = ["systemd-nspawn", "-D", directory, "--boot", "--register=no", "--keep-unit",
-                "--console=read-only", "--private-network", "--system-call-filter=bpf",
-                "--capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN"]
+                "--console=read-only", *(["--private-network"] if private_network else []),
+                "--system-call-filter=bpf", "--capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN"]
         if ephemeral:
             args.append("--ephemeral")
         args += [f"--bind={b}" for b in binds]

@@ -879,7 +879,7 @@ def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, deb: str, tmp: 
              f"{b.path('kubelet', 'plugins')}:/var/lib/kubelet/plugins", f"{b.path('cdi')}:/var/run/cdi"]
     started = time.monotonic()
     try:
-        with nspawn.Guest(root, binds, ephemeral=False) as guest:
+        with nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest:
             wait_until(lambda: slice_devices(cluster, "b") == DRA_DEVICES, 120, "node b's slice from the host agent")
             record("host.dra.boot_to_slice_s", round(time.monotonic() - started, 1))
             wait_until(lambda: guest.is_active(UNIT) == "active", 30, "the unit active (ready)")
