@@ -19,7 +19,7 @@ PYTHON=$python "$here/packaging/wheel.sh" "$wheels"
 # marker-selected dependencies for an older target are named here (tests/test_rpm.py checks).
 extra=""
 if [ "$(printf '%s\n%s\n' "$pyver" 3.11 | sort -V | head -n1)" != 3.11 ]; then
-    extra="tomli>=1.1"
+    extra="tomli>=1.1 exceptiongroup>=1.0.2"  # ours (tomllib), and anyio's (lightkube, DRA)
 fi
 "$python" -m pip install --quiet --no-compile --target "$lib" --find-links "$wheels" \
     --python-version "$pyver" --implementation cp --only-binary=:all: \

@@ -218,6 +218,18 @@ def test_rpm_tree_runs_under_the_target_python(rpms: dict[str, str], dist: str, 
                              capture_output=True, text=True, timeout=60, check=False, env=clean_env())
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "ok   runtime:" in checked.stdout and "ok   probe:" in checked.stdout
+    # The DRA mode's API client (lightkube and what it pulls in, markers evaluated for the target).
+    config = os.path.join(tmp, "kubeconfig")
+    with open(config, "w") as f:
+        f.write('{"apiVersion": "v1", "kind": "Config", "current-context": "c", "clusters": [{"name": "c", '
+                '"cluster": {"server": "https://127.0.0.1:1"}}], "users": [{"name": "u", "user": {"token": "t"}}], '
+                '"contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}')
+    lib = os.path.join(tree, "usr", "lib", "hyperlight-agent")
+    code = ("import asyncio, sys; sys.path.insert(0, sys.argv[1]); from hyperlight_agent.dra import client; "
+            "api = client.connect(sys.argv[2]); asyncio.run(api.close()); print('client ok')")
+    made = subprocess.run([python, "-I", "-B", "-c", code, lib, config], capture_output=True, text=True, timeout=60,
+                          check=False, env=clean_env())
+    assert made.stdout.strip() == "client ok", made.stdout + made.stderr
 
     log_path = os.path.join(tmp, "agent.log")
     with open(log_path, "wb") as log:

@@ -20,7 +20,7 @@ PYTHON=$python "$here/packaging/wheel.sh" "$out"
 # pip evaluates environment markers against the Python running pip, not --python-version.
 extra=""
 if [ "$(printf '%s\n%s\n' "$pyver" 3.11 | sort -V | head -n1)" != 3.11 ]; then
-    extra="tomli>=1.1"
+    extra="tomli>=1.1 exceptiongroup>=1.0.2"  # ours (tomllib), and anyio's (lightkube, DRA)
 fi
 for arch in $(echo "$arches" | tr , ' '); do
     "$python" -m pip download --quiet --disable-pip-version-check --dest "$out" --find-links "$out" \
