@@ -42,8 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     which = parser.add_mutually_exclusive_group()  # the mode: the main plugin without either
     which.add_argument(
         "--device-access", action="store_true",
-        help="bootstrap mode: advertise one hyperlight.dev/device-access slot on "
-        "hyperlight-access.sock that grants the raw device (DeviceSpec only; never opens it)",
+        help="bootstrap mode: advertise hyperlight.dev/device-access slots (4: our pods and their surge "
+        "successors) on hyperlight-access.sock that grant the raw device (DeviceSpec only; never opens it)",
     )
     which.add_argument(
         "--dra", action="store_true",

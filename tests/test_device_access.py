@@ -1,5 +1,5 @@
-"""Bootstrap mode (--device-access): two slots (the device plugin and its successor during a
-handover) that grant the raw device, found without opening it."""
+"""Bootstrap mode (--device-access): four slots (the device plugin and the DRA driver, each with
+its successor during a handover) that grant the raw device, found without opening it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import grpc
 import pytest
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, modes
 from standin.kubelet import KubeletStandin, StandinThread
 from tests.conftest import StartAgent, make_node, wait_for
 
@@ -20,7 +20,7 @@ def plugin_slots(k: KubeletStandin) -> list[tuple[str, str]]:
     return p.devices if p and p.lists else []
 
 
-def test_two_slots_devicespec_only_no_cdi_never_opened(kubelet: StandinThread, start_agent: StartAgent,
+def test_its_slots_are_devicespec_only_no_cdi_never_opened(kubelet: StandinThread, start_agent: StartAgent,
                                                       tmp: str) -> None:
     host_dev = os.path.join(tmp, "host-dev")
     os.mkdir(host_dev)
@@ -29,7 +29,10 @@ def test_two_slots_devicespec_only_no_cdi_never_opened(kubelet: StandinThread, s
     with pytest.raises(OSError):
         os.close(os.open(node, os.O_RDWR))
     agent = start_agent("--device-access", "--device-dir", host_dev)
-    kubelet.wait_until(lambda k: plugin_slots(k) == [("kvm-0", "Healthy"), ("kvm-1", "Healthy")], 15)
+    # One slot for each of our pods that holds the device, and one for each one's surge successor.
+    slots = modes.DEVICE_ACCESS.slots
+    assert slots == 4
+    kubelet.wait_until(lambda k: plugin_slots(k) == [(f"kvm-{i}", "Healthy") for i in range(slots)], 15)
     ((_, request),) = kubelet.kubelet.register_calls
     assert (request.endpoint, request.resource_name) == ("hyperlight-access.sock", R)
     assert agent.helpers() == [], "bootstrap mode never starts the probe helper"
@@ -39,7 +42,7 @@ def test_two_slots_devicespec_only_no_cdi_never_opened(kubelet: StandinThread, s
         [("/dev/kvm", "/dev/kvm", "rw")]
     assert list(container.cdi_devices) == [] and not container.envs and not container.mounts
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        kubelet.call(kubelet.kubelet.raw_allocate(R, ["kvm-2"]))
+        kubelet.call(kubelet.kubelet.raw_allocate(R, [f"kvm-{slots}"]))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert not os.path.exists(os.path.join(tmp, "cdi")), "bootstrap mode writes no CDI"
     assert agent.stop() == 0
