@@ -172,16 +172,7 @@ class Agent:
         # Only a ready agent has something to hand over. An unready one is also one the DaemonSet
         # controller replaces only after it is gone (it surges for available pods only): waiting
         # for a successor would only delay the replacement by handover_seconds.
-        hand_over = self.settings.handover_seconds > 0 and self.ready
-        if hand_over and self.driver is not None:
-            self._handing_over = True
-            log.info("stop requested: serving until a successor is ready (up to %g s)", self.settings.handover_seconds)
-            successor = await self.driver.hand_over(self.settings.handover_seconds)
-            if successor:
-                log.info("handing over to %s", successor)
-            else:
-                log.info("no successor within %g s", self.settings.handover_seconds)
-        elif hand_over:
+        if self.settings.handover_seconds > 0 and self.ready:
             self._handing_over = True
             await self._hand_over(self.settings.handover_seconds)
         self._stopping = True
@@ -208,13 +199,17 @@ class Agent:
 
     async def _hand_over(self, timeout: float) -> None:
         log.info("stop requested: serving until a successor is ready (up to %g s)", timeout)
-        assert self.registrar is not None
-        successor = await handover.wait_for_successor(self.settings.kubelet_dir, self.mode.socket,
-                                                      self.profile.socket, timeout)
+        if self.driver is not None:
+            # The kubelet calls the newest connected instance; calls with us finish in the stop grace.
+            successor = await self.driver.hand_over(timeout)
+        else:
+            successor = await handover.wait_for_successor(self.settings.kubelet_dir, self.mode.socket,
+                                                          self.profile.socket, timeout)
+            if successor:
+                # Its registration made the kubelet send new Allocates there; ours in flight must
+                # finish before our stream ends (the kubelet then cancels them).
+                await handover.drained(lambda: self.servicer.allocating, SHUTDOWN_GRACE_S)
         if successor:
-            # Its registration made the kubelet send new Allocates there; ours in flight must
-            # finish before our stream ends (the kubelet then cancels them).
-            await handover.drained(lambda: self.servicer.allocating, SHUTDOWN_GRACE_S)
             log.info("handing over to %s", successor)
         else:
             log.info("no successor within %g s", timeout)

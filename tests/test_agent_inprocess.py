@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from hyperlight_agent import agent as agent_module
-from hyperlight_agent import config, contracts, modes, readiness
+from hyperlight_agent import config, contracts, modes, readiness, waits
 from hyperlight_agent.agent import Agent
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device.checker import Checker
@@ -417,7 +417,7 @@ def test_an_unready_agent_hands_nothing_over(tmp: str, helpers: list[FakeHelper]
         helpers[0].answers["kvm"] = ProbeResult(False, "KVM_CREATE_VM failed")
         agent.checker.request()
         await until(lambda: agent.status().startswith("unhealthy"), what="unhealthy")
-        await shut(agent)  # within the test's own deadline, not an hour
+        await waits.within(shut(agent), 30)  # not the hour of handover_seconds
         assert "serving until a successor" not in caplog.text
 
     with_kubelet(tmp, body)

@@ -11,7 +11,7 @@ from typing import Any, Awaitable, Callable
 
 import pytest
 
-from hyperlight_agent import modes, readiness
+from hyperlight_agent import modes, readiness, waits
 from hyperlight_agent.agent import Agent
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device.helper import ProbeResult
@@ -34,8 +34,8 @@ def settings_in(tmp: str, config: str, **kw: Any) -> Settings:
     registry, plugins = dirs(tmp)
     return Settings.defaults(kubelet_dir=os.path.join(tmp, "kubelet"), cdi_dir=os.path.join(tmp, "cdi"),
                              device_dir=device_dir(tmp, "kvm"), kubeconfig=config, node_name="node1",
-                             dra_devices=4, instance="pod-a", dra_registry_dir=registry, dra_plugins_dir=plugins,
-                             **kw)
+                             dra_devices=4, dra_registry_dir=registry, dra_plugins_dir=plugins,
+                             **{"instance": "pod-a", **kw})
 
 
 def dirs(tmp: str) -> tuple[str, str]:
@@ -109,6 +109,28 @@ def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: st
         assert not os.listdir(os.path.join(tmp, "plugins_registry")), "our registration socket is gone"
         assert fake.ours(), "the slice stays for a successor"
         assert notifier.messages[-1] == ("STOPPING=1", "STATUS=stopping")
+
+    with_cluster(tmp, body)
+
+
+def test_a_stopped_dra_agent_hands_over_to_a_ready_successor(tmp: str, helpers: list[FakeHelper],  # noqa: F811
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        old = Agent(settings_in(tmp, config, handover_seconds=30), dra=True)
+        new = Agent(settings_in(tmp, config, instance="pod-b"), dra=True)
+        await old.start()
+        await until(lambda: old.ready, what="the old agent ready")
+        await new.start()
+        try:
+            await until(lambda: new.ready, what="its successor ready")
+            await waits.within(shut(old), 20)
+            successor = new.driver.registrar.service_socket  # type: ignore[union-attr]
+            assert f"handing over to {successor}" in caplog.text
+            assert new.ready, "the successor serves on"
+        finally:
+            await shut(new)
 
     with_cluster(tmp, body)
 

@@ -74,14 +74,12 @@ class Driver:
                  state: SharedObservation, check: Callable[[float], Awaitable[Observation]],
                  registry_dir: str = contracts.DRA_REGISTRY_DIR, plugins_dir: str = contracts.DRA_PLUGINS_DIR,
                  driver: str = contracts.DRA_DRIVER, configure: Optional[Callable[[grpc.aio.Server], None]] = None,
-                 on_change: Optional[Callable[[], None]] = None,
-                 connect: Optional[Callable[[Optional[str]], Any]] = None) -> None:
+                 on_change: Optional[Callable[[], None]] = None) -> None:
         self.node_name = node_name
         self.devices = devices
         self._kubeconfig = kubeconfig
         self._state = state
         self._on_change = on_change or (lambda: None)
-        self._connect = connect
         self._api: Any = None
         self.api_error = ""  # why there is no API client yet ("" once there is)
         self.publisher: Optional[SlicePublisher] = None
@@ -159,9 +157,8 @@ class Driver:
     async def _make_client(self) -> Any:
         from hyperlight_agent.dra import claims, client  # lightkube only in this mode
 
-        connect = self._connect or client.connect
         try:
-            self._api = connect(self._kubeconfig)
+            self._api = client.connect(self._kubeconfig)
         except client.ClientConfigError as exc:
             self.api_error = str(exc)
             raise _Retry(self.api_error) from exc
