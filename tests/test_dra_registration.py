@@ -62,7 +62,7 @@ class Node:
 
     def registrar(self, instance: str, observe: Optional[Callable[[], Any]] = None) -> Registrar:
         service = Service(DRIVER, self.claims, observe or (lambda: self.observation), Prepared(self.data))
-        registrar = Registrar(service, DRIVER, instance, self.registry, self.plugins)
+        registrar = Registrar(service, DRIVER, instance, self.registry, self.plugins, deregister_grace=0)
         self.started.append(registrar)
         return registrar
 

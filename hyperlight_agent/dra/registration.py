@@ -30,6 +30,7 @@ so) and `error` (why it did not, or why serving failed); on_change() is called w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
@@ -50,6 +51,10 @@ from hyperlight_agent.node import atomic, sockets
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0
+# After our registration socket goes, the kubelet deregisters us only when its plugin manager's
+# reconciler (a 1 s loop) sees it; until then it may still route a claim to us, which must be
+# answered rather than refused with "Server shutdown" (seen on the e2e cluster's 1.34 kubelet).
+DEREGISTER_GRACE_S = 1.5
 PRIVATE_PREFIX = ".hl-dra."  # .hl-dra.<pid>.<8 hex>: the plugin watcher ignores dot-files
 _PRIVATE_NAME = re.compile(re.escape(PRIVATE_PREFIX) + r"[0-9]+\.[0-9a-f]{8}")
 # An instance used verbatim in a file name; anything else is hashed.
@@ -124,6 +129,7 @@ class Registrar:
     def __init__(self, service: object, driver: str = contracts.DRA_DRIVER, instance: str = "",
                  registry_dir: str = contracts.DRA_REGISTRY_DIR, plugins_dir: str = contracts.DRA_PLUGINS_DIR,
                  on_change: Optional[Callable[[], None]] = None, stop_grace: float = STOP_GRACE_S,
+                 deregister_grace: float = DEREGISTER_GRACE_S,
                  configure: Optional[Callable[[grpc.aio.Server], None]] = None) -> None:
         if not instance:
             raise ValueError("a DRA plugin instance needs a name unique on the node (the pod name or uid)")
@@ -134,6 +140,7 @@ class Registrar:
         self._service = service  # answers NodePrepareResources / NodeUnprepareResources (service.Service)
         self._on_change = on_change
         self._stop_grace = stop_grace
+        self._deregister_grace = deregister_grace
         # Adds more services to the DRA socket's server (the agent's gRPC health service, which the
         # exec probes ask there).
         self._configure = configure
@@ -172,6 +179,8 @@ class Registrar:
         if registration is not None:
             registration.remove_socket()
             await registration.server.stop(0)
+            if dra is not None and self._deregister_grace > 0:
+                await asyncio.sleep(self._deregister_grace)  # still serving claims meanwhile
         if dra is not None:
             await dra.server.stop(self._stop_grace)
             dra.remove_socket()
