@@ -9,11 +9,12 @@ import os
 import socket
 from typing import Any, Awaitable, Callable, ClassVar, Optional, Union
 
+import grpc
 import pytest
 
 from hyperlight_agent import contracts
 from hyperlight_agent.device.observation import Observation
-from hyperlight_agent.dra import registration
+from hyperlight_agent.dra import api, registration
 from hyperlight_agent.dra.prepared import Prepared
 from hyperlight_agent.dra.registration import Registrar, RegistrationError
 from hyperlight_agent.dra.service import Service
@@ -324,6 +325,29 @@ def test_close_removes_our_sockets_and_deregisters(tmp: str) -> None:
         assert not registrar.registered and not registrar.serving
         await until(lambda: DRIVER not in kubelet.instances, what="deregistration")
         assert [n for n in os.listdir(node.registry) if n.startswith(".")] == []  # no private socket left
+
+    run(tmp, body)
+
+
+def test_claims_are_answered_until_the_kubelet_has_deregistered_us(tmp: str) -> None:
+    """Between our registration socket going and the kubelet's reconciler noticing, the kubelet
+    may still send us a claim: it is answered, not refused with "Server shutdown"."""
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        service = Service(DRIVER, node.claims, lambda: node.observation, Prepared(node.data))
+        registrar = Registrar(service, DRIVER, "pod-a", node.registry, node.plugins, deregister_grace=1.0)
+        await registrar.start()
+        await registered(kubelet, registrar)
+        closing = asyncio.ensure_future(registrar.close())
+        await until(lambda: not os.path.lexists(registrar.registration_socket), what="the registration socket gone")
+        _, messages = api.VERSIONS[contracts.DRA_VERSION_V1]
+        async with grpc.aio.insecure_channel(api.unix_target(registrar.service_socket)) as channel:
+            stub = api.dra_stub(channel, contracts.DRA_VERSION_V1)
+            answer = await stub.NodePrepareResources(messages.NodePrepareResourcesRequest(
+                claims=[messages.Claim(namespace="ns", uid="u-1", name="c")]), timeout=5)
+        assert answer.claims["u-1"].error == "claim ns/c not found"
+        assert not closing.done(), "answered while still closing"
+        await closing
+        assert not os.path.lexists(registrar.service_socket)
 
     run(tmp, body)
 
