@@ -12,7 +12,8 @@ import pytest
 from hyperlight_agent import contracts
 from hyperlight_agent.node import atomic, cdi
 
-WANTED = cdi.render("kvm", "/dev/kvm", 65534, 65534)
+SPEC = cdi.Spec("kvm", "/dev/kvm", 65534, 65534)
+WANTED = SPEC.wanted(None)
 
 
 def plant_during_write(monkeypatch: pytest.MonkeyPatch, plant: Callable[[], None]) -> None:
@@ -45,7 +46,7 @@ def test_creating_a_missing_spec_never_replaces_what_appeared_meanwhile(
 
     plant_during_write(monkeypatch, plant)
     with pytest.raises(cdi.CdiError, match="appeared while we were writing it"):
-        cdi.reconcile(tmp, WANTED)
+        cdi.reconcile(tmp, SPEC)
     st = os.lstat(path)
     assert {"symlink": stat.S_ISLNK, "directory": stat.S_ISDIR, "regular file": stat.S_ISREG}[obstruction](st.st_mode)
     if obstruction == "regular file":
@@ -70,7 +71,7 @@ def test_replacing_a_drifted_spec_never_replaces_an_obstruction_planted_meanwhil
 
     plant_during_write(monkeypatch, plant)
     with pytest.raises(cdi.CdiError, match="changed while we were writing it"):
-        cdi.reconcile(tmp, WANTED)
+        cdi.reconcile(tmp, SPEC)
     if obstruction == "symlink":
         assert os.readlink(path) == "/etc/passwd", "the symlink is back in place, untouched"
     else:
@@ -91,11 +92,11 @@ def test_a_drifted_spec_replaced_by_another_regular_file_meanwhile_is_left_alone
 
     plant_during_write(monkeypatch, plant)
     with pytest.raises(cdi.CdiError, match="changed while we were writing it"):
-        cdi.reconcile(tmp, WANTED)
+        cdi.reconcile(tmp, SPEC)
     with open(path, "rb") as theirs:
         assert theirs.read() == b"their edit"
     monkeypatch.undo()
-    assert cdi.reconcile(tmp, WANTED), "the next check repairs it"
+    assert cdi.reconcile(tmp, SPEC), "the next check repairs it"
     with open(path, "rb") as repaired:
         assert repaired.read() == WANTED
 
@@ -103,23 +104,23 @@ def test_a_drifted_spec_replaced_by_another_regular_file_meanwhile_is_left_alone
 @pytest.mark.parametrize("drift", ["chmod 600", "chmod 666", pytest.param("chown 1234:1234", marks=pytest.mark.root)])
 def test_mode_and_owner_are_part_of_exact(tmp: str, drift: str) -> None:
     path = cdi.spec_path(tmp)
-    assert cdi.reconcile(tmp, WANTED)
+    assert cdi.reconcile(tmp, SPEC)
     if drift.startswith("chmod"):
         os.chmod(path, int(drift.split()[1], 8))
     else:
         os.chown(path, 1234, 1234)
-    problem = cdi.inspect(tmp, WANTED)
+    problem = cdi.inspect(tmp, SPEC)
     assert problem is not None and "mode" in problem and "owner" in problem, problem
-    assert cdi.reconcile(tmp, WANTED)
+    assert cdi.reconcile(tmp, SPEC)
     st = os.stat(path)
     assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (cdi.SPEC_MODE, os.geteuid(), os.getegid())
-    assert cdi.inspect(tmp, WANTED) is None
+    assert cdi.inspect(tmp, SPEC) is None
 
 
 def test_umask_does_not_decide_the_mode(tmp: str) -> None:
     old = os.umask(0o077)
     try:
-        cdi.reconcile(tmp, WANTED)
+        cdi.reconcile(tmp, SPEC)
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(cdi.spec_path(tmp)).st_mode) == cdi.SPEC_MODE
@@ -137,9 +138,9 @@ def test_without_renameat2_flags_link_still_never_replaces(tmp: str, monkeypatch
     path = cdi.spec_path(tmp)
     plant_during_write(monkeypatch, lambda: os.symlink("/etc/passwd", path))
     with pytest.raises(cdi.CdiError, match="appeared"):
-        cdi.reconcile(tmp, WANTED)
+        cdi.reconcile(tmp, SPEC)
     assert os.readlink(path) == "/etc/passwd"
     os.unlink(path)
     monkeypatch.setattr(atomic, "_fill", real_fill)
-    assert cdi.reconcile(tmp, WANTED)
+    assert cdi.reconcile(tmp, SPEC)
     assert os.listdir(tmp) == [contracts.CDI_SPEC_FILE]

@@ -14,9 +14,10 @@ import pytest
 
 from hyperlight_agent import contracts
 from hyperlight_agent.node import atomic, cdi
-from tests.conftest import JSON_READER
+from tests.conftest import JSON_READER, read_bytes
 
-WANTED = cdi.render("kvm", "/dev/kvm", 65534, 65534)
+SPEC = cdi.Spec("kvm", "/dev/kvm", 65534, 65534)
+WANTED = SPEC.wanted(None)
 
 
 def spec() -> dict[str, Any]:
@@ -42,6 +43,37 @@ def test_spec_bytes_are_canonical() -> None:
     assert WANTED.endswith(b"}\n")
     assert cdi.render("mshv", "/dev/mshv", 1, 2) != WANTED
     assert cdi.device_name("mshv") == "hyperlight.dev/hypervisor=mshv"
+
+
+def test_devices_the_spec_lists_are_kept_and_nothing_else() -> None:
+    both = cdi.Spec("kvm", "/dev/kvm", 65534, 65534, others=(("kvm", "/dev/kvm"), ("mshv", "/dev/mshv")))
+    assert both.wanted(None) == WANTED
+    assert both.wanted(cdi.render("mshv", "/dev/mshv", 1, 1)) == cdi.render(
+        "kvm", "/dev/kvm", 65534, 65534, kept=[("mshv", "/dev/mshv")])
+    # A name no row of ours has is never carried over, nor is a name from a file too big to be ours.
+    assert both.wanted(cdi.render("gpu", "/dev/gpu", 1, 1)) == WANTED
+    huge = cdi.render("mshv", "/dev/mshv", 1, 1)[:-2] + b" " * cdi.MAX_SPEC_BYTES + b"}\n"
+    assert cdi.listed_devices(huge) == set() and both.wanted(huge) == WANTED
+    assert cdi.listed_devices(b'{"kind": "other/kind", "devices": [{"name": "mshv"}]}') == set()
+
+
+def test_a_check_reads_the_spec_once(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The names to keep and the comparison come from the same read: a spec changing between two
+    reads could otherwise be compared against bytes derived from its predecessor."""
+    with open(cdi.spec_path(tmp), "wb") as f:
+        f.write(cdi.render("mshv", "/dev/mshv", 1, 1))
+    reads: list[str] = []
+    real = atomic.read_regular
+
+    def counted(path: str, limit: int) -> Any:
+        reads.append(path)
+        return real(path, limit)
+
+    monkeypatch.setattr(atomic, "read_regular", counted)
+    both = cdi.Spec("kvm", "/dev/kvm", 65534, 65534, others=(("mshv", "/dev/mshv"),))
+    assert cdi.reconcile(tmp, both) and reads == [cdi.spec_path(tmp)]
+    assert cdi.inspect(tmp, both) is None and len(reads) == 2
+    assert cdi.listed_devices(read_bytes(cdi.spec_path(tmp)) or b"") == {"kvm", "mshv"}
 
 
 def _edit(change: Callable[[dict[str, Any]], None]) -> bytes:
@@ -81,27 +113,27 @@ def test_drift_is_repaired_exactly(tmp: str, case: str) -> None:
     if content is not None:
         with open(path, "wb") as f:
             f.write(content)
-    assert cdi.inspect(tmp, WANTED) is not None
-    assert cdi.reconcile(tmp, WANTED) is True
+    assert cdi.inspect(tmp, SPEC) is not None
+    assert cdi.reconcile(tmp, SPEC) is True
     with open(path, "rb") as f:
         assert f.read() == WANTED
     assert oct(os.stat(path).st_mode & 0o777) == oct(cdi.SPEC_MODE)
-    assert cdi.inspect(tmp, WANTED) is None
-    assert cdi.reconcile(tmp, WANTED) is False  # exact: nothing written
+    assert cdi.inspect(tmp, SPEC) is None
+    assert cdi.reconcile(tmp, SPEC) is False  # exact: nothing written
     assert os.listdir(tmp) == [contracts.CDI_SPEC_FILE], "no temp file may be left"
 
 
 def test_exact_spec_is_not_rewritten(tmp: str) -> None:
-    cdi.reconcile(tmp, WANTED)
+    cdi.reconcile(tmp, SPEC)
     before = os.stat(cdi.spec_path(tmp))
-    assert cdi.reconcile(tmp, WANTED) is False
+    assert cdi.reconcile(tmp, SPEC) is False
     after = os.stat(cdi.spec_path(tmp))
     assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns)
 
 
 def test_missing_directory_is_created(tmp: str) -> None:
     cdi_dir = os.path.join(tmp, "var", "run", "cdi")
-    assert cdi.reconcile(cdi_dir, WANTED)
+    assert cdi.reconcile(cdi_dir, SPEC)
     assert os.path.isfile(cdi.spec_path(cdi_dir))
 
 
@@ -111,11 +143,11 @@ def test_symlink_at_our_path_is_refused_not_followed(tmp: str) -> None:
         f.write(b"theirs")
     os.symlink(target, cdi.spec_path(tmp))
     with pytest.raises(cdi.CdiError, match=r"hyperlight.json is a symlink; refusing"):
-        cdi.reconcile(tmp, WANTED)
+        cdi.reconcile(tmp, SPEC)
     assert os.path.islink(cdi.spec_path(tmp))
     with open(target, "rb") as f:
         assert f.read() == b"theirs"
-    assert "is a symlink" in str(cdi.inspect(tmp, WANTED))
+    assert "is a symlink" in str(cdi.inspect(tmp, SPEC))
 
 
 def test_a_symlink_at_the_cdi_dir_is_refused_not_followed(tmp: str) -> None:
@@ -126,17 +158,17 @@ def test_a_symlink_at_the_cdi_dir_is_refused_not_followed(tmp: str) -> None:
     os.symlink(elsewhere, os.path.join(tmp, "cdi"))
     cdi_dir = os.path.join(tmp, "cdi")
     with pytest.raises(cdi.CdiError, match=r"cdi \(cdi_dir\) is a symlink; refusing to follow it"):
-        cdi.reconcile(cdi_dir, WANTED)
+        cdi.reconcile(cdi_dir, SPEC)
     assert os.listdir(elsewhere) == []
-    assert "is a symlink" in str(cdi.inspect(cdi_dir, WANTED))
+    assert "is a symlink" in str(cdi.inspect(cdi_dir, SPEC))
     os.symlink(tmp, os.path.join(tmp, "run"))
-    assert cdi.reconcile(os.path.join(tmp, "run", "real"), WANTED)
+    assert cdi.reconcile(os.path.join(tmp, "run", "real"), SPEC)
 
 
 def test_dangling_symlink_is_refused(tmp: str) -> None:
     os.symlink("/nonexistent/spec.json", cdi.spec_path(tmp))
     with pytest.raises(cdi.CdiError, match="symlink"):
-        cdi.reconcile(tmp, WANTED)
+        cdi.reconcile(tmp, SPEC)
     assert os.path.islink(cdi.spec_path(tmp))
 
 
@@ -145,14 +177,14 @@ def test_directory_at_our_path_is_refused_not_deleted(tmp: str) -> None:
     with open(os.path.join(cdi.spec_path(tmp), "inside"), "w") as f:
         f.write("x")
     with pytest.raises(cdi.CdiError, match="is a directory; refusing"):
-        cdi.reconcile(tmp, WANTED)
+        cdi.reconcile(tmp, SPEC)
     assert os.path.isfile(os.path.join(cdi.spec_path(tmp), "inside"))
 
 
 def test_fifo_at_our_path_is_refused_without_hanging(tmp: str) -> None:
     os.mkfifo(cdi.spec_path(tmp))
     with pytest.raises(cdi.CdiError, match="not a regular file"):
-        cdi.reconcile(tmp, WANTED)
+        cdi.reconcile(tmp, SPEC)
 
 
 def test_unrelated_files_are_untouched_and_only_our_abandoned_temps_removed(tmp: str) -> None:
@@ -174,7 +206,7 @@ def test_unrelated_files_are_untouched_and_only_our_abandoned_temps_removed(tmp:
     for name in [*others, ours]:
         os.utime(os.path.join(tmp, name), (old, old))
     before = {n: os.stat(os.path.join(tmp, n)) for n in others}
-    cdi.reconcile(tmp, WANTED)
+    cdi.reconcile(tmp, SPEC)
     assert not os.path.exists(os.path.join(tmp, ours)), "an abandoned temp file of ours is removed"
     assert os.path.exists(os.path.join(tmp, young)), "a write in progress (young) is left alone"
     for name, data in others.items():
@@ -193,7 +225,7 @@ def test_temp_files_are_invisible_to_cdi_runtimes(tmp: str, monkeypatch: pytest.
         real_fill(fd, data)
 
     monkeypatch.setattr(atomic, "_fill", spy)
-    assert cdi.reconcile(tmp, WANTED)
+    assert cdi.reconcile(tmp, SPEC)
     (temp,) = seen
     assert temp.startswith(".") and not temp.endswith((".json", ".yaml")), temp
     assert os.listdir(tmp) == [contracts.CDI_SPEC_FILE]
@@ -203,7 +235,7 @@ RO_SCRIPT = """
 import sys
 from hyperlight_agent.node import cdi
 try:
-    cdi.reconcile(sys.argv[1], cdi.render("kvm", "/dev/kvm", 65534, 65534))
+    cdi.reconcile(sys.argv[1], cdi.Spec("kvm", "/dev/kvm", 65534, 65534))
 except cdi.CdiError as exc:
     print(exc)
     sys.exit(3)
@@ -227,26 +259,26 @@ def test_read_only_directory_fails_clearly_then_recovers(tmp: str) -> None:
     assert "Read-only file system" in result.stdout
     assert os.listdir(tmp) == []
     # Outside that namespace the directory is writable again: the next repair succeeds.
-    assert cdi.reconcile(tmp, WANTED)
+    assert cdi.reconcile(tmp, SPEC)
 
 
 def test_read_only_directory_with_exact_spec_is_fine(tmp: str) -> None:
-    cdi.reconcile(tmp, WANTED)
+    cdi.reconcile(tmp, SPEC)
     result = run_read_only(tmp)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_concurrent_readers_never_see_a_partial_file(tmp: str) -> None:
     cdi_dir = os.path.join(tmp, "cdi")
-    cdi.reconcile(cdi_dir, WANTED)
+    cdi.reconcile(cdi_dir, SPEC)
     stop = os.path.join(tmp, "stop")
     readers = [subprocess.Popen([sys.executable, "-c", JSON_READER, cdi.spec_path(cdi_dir), stop],
                                 stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    other = cdi.render("kvm", "/dev/kvm", 1000, 1000)
+    other = cdi.Spec("kvm", "/dev/kvm", 1000, 1000)
     try:
         for i in range(1000):
             # Alternate two complete specs; every reconcile replaces the file atomically.
-            assert cdi.reconcile(cdi_dir, other if i % 2 == 0 else WANTED)
+            assert cdi.reconcile(cdi_dir, other if i % 2 == 0 else SPEC)
     finally:
         open(stop, "w").close()
     total_reads = total_bad = 0

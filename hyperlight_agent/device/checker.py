@@ -218,9 +218,9 @@ class Checker:
         # Only a hypervisor that passed its probe may change the spec.
         try:
             if t.read_only:
-                self.cdi_note = cdi.inspect(t.cdi_dir, self._wanted_spec(hypervisor))
+                self.cdi_note = cdi.inspect(t.cdi_dir, self._spec(hypervisor))
                 return Observation(True, "", hypervisor.name), False
-            repaired = cdi.reconcile(t.cdi_dir, self._wanted_spec(hypervisor))
+            repaired = cdi.reconcile(t.cdi_dir, self._spec(hypervisor))
         except cdi.CdiError as exc:
             if exc.exhausted:
                 self._exhausted_reason = str(exc)
@@ -235,14 +235,11 @@ class Checker:
         host_dir = self.target.host_device_dir
         return hypervisor.device_path(host_dir) if host_dir else None
 
-    def _wanted_spec(self, hypervisor: hypervisors.Hypervisor) -> bytes:
-        """Our device, plus every other row the spec already lists (their names may still be in
-        use by containers whose Allocate the kubelet replays)."""
+    def _spec(self, hypervisor: hypervisors.Hypervisor) -> cdi.Spec:
+        """Our device; every other row stays while the spec lists it (cdi.Spec says why)."""
         t = self.target
-        listed = cdi.listed_devices(t.cdi_dir)
-        kept = [(h.name, h.container_path) for h in hypervisors.HYPERVISORS
-                if h.name in listed and h is not hypervisor]
-        return cdi.render(hypervisor.name, hypervisor.container_path, t.uid, t.gid, kept)
+        return cdi.Spec(hypervisor.name, hypervisor.container_path, t.uid, t.gid,
+                        tuple((h.name, h.container_path) for h in hypervisors.HYPERVISORS))
 
 
 def _forward(source: asyncio.Task[Observation], target: asyncio.Future[Observation]) -> None:

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import stat
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hyperlight_agent import contracts
@@ -87,22 +88,41 @@ def render(hypervisor: str, device_path: str, uid: int, gid: int,
     return (json.dumps(spec, indent=2) + "\n").encode()
 
 
-def listed_devices(cdi_dir: str) -> set[str]:
-    """Device names the spec at our path lists now (empty when it is missing, foreign or junk)."""
+@dataclass(frozen=True)
+class Spec:
+    """What the spec must say, given what it says now: the device that passed its check, plus
+    each of `others` the spec lists already (a name handed out in an Allocate is replayed by the
+    kubelet when a container restarts, so it keeps resolving after the node's hypervisor changed).
+    """
+
+    name: str
+    device_path: str
+    uid: int
+    gid: int
+    others: tuple[tuple[str, str], ...] = ()  # (name, device path) of every device we may list
+
+    def wanted(self, current: Optional[bytes]) -> bytes:
+        """The exact bytes, given the spec's current content (None: there is none)."""
+        listed = listed_devices(current) if current is not None else set()
+        kept = [(n, p) for n, p in self.others if n in listed and n != self.name]
+        return render(self.name, self.device_path, self.uid, self.gid, kept)
+
+
+def listed_devices(spec: bytes) -> set[str]:
+    """Device names a spec lists (empty when it is junk, not ours, or too large to be ours).
+
+    >>> sorted(listed_devices(render("kvm", "/dev/kvm", 0, 0, kept=[("mshv", "/dev/mshv")])))
+    ['kvm', 'mshv']
+    """
+    if len(spec) > MAX_SPEC_BYTES:
+        return set()
     try:
-        if not check_directory(cdi_dir):
-            return set()
-        current = atomic.read_regular(spec_path(cdi_dir), MAX_SPEC_BYTES)
-        spec = json.loads(current.data) if current else None
-    except OSError as exc:
-        if exc.errno in EXHAUSTED:  # not "no devices listed": the names must not be dropped
-            raise CdiError(f"{spec_path(cdi_dir)}: cannot read: {exc.strerror or exc}", exc.errno) from exc
+        parsed = json.loads(spec)
+    except (ValueError, RecursionError):
         return set()
-    except (CdiError, atomic.Refused, ValueError, RecursionError):
+    if not isinstance(parsed, dict) or parsed.get("kind") != contracts.CDI_KIND:
         return set()
-    if not isinstance(spec, dict) or spec.get("kind") != contracts.CDI_KIND:
-        return set()
-    devices = spec.get("devices")
+    devices = parsed.get("devices")
     if not isinstance(devices, list):
         return set()
     return {d["name"] for d in devices if isinstance(d, dict) and isinstance(d.get("name"), str)}
@@ -134,16 +154,17 @@ def check_directory(cdi_dir: str) -> bool:
     return True
 
 
-def inspect(cdi_dir: str, wanted: bytes) -> Optional[str]:
+def inspect(cdi_dir: str, spec: Spec) -> Optional[str]:
     """What is wrong with the spec, without changing anything; None when it is exact."""
     path = spec_path(cdi_dir)
     try:
         check_directory(cdi_dir)
-        current = _read_owned(path, wanted)
+        current = _read_ours(path)
     except CdiError as exc:
         return str(exc)
     if current is None:
         return f"{path} is missing"
+    wanted = spec.wanted(current.data)
     if current.data != wanted:
         return f"{path} differs from the expected spec"
     if not atomic.is_exact(current, wanted, SPEC_MODE):
@@ -153,9 +174,10 @@ def inspect(cdi_dir: str, wanted: bytes) -> Optional[str]:
     return None
 
 
-def reconcile(cdi_dir: str, wanted: bytes) -> bool:
-    """Make the spec exactly `wanted` (bytes, mode, owner). True if it had to be written.
+def reconcile(cdi_dir: str, spec: Spec) -> bool:
+    """Make the spec exactly what `spec` wants (bytes, mode, owner). True if it had to be written.
 
+    The file is read once: the devices it lists and the comparison come from the same read.
     Raises CdiError; anything but a regular file at our path, even one that appears while we
     write, is left in place.
     """
@@ -163,7 +185,8 @@ def reconcile(cdi_dir: str, wanted: bytes) -> bool:
     check_directory(cdi_dir)
     for stale in atomic.remove_temps(cdi_dir, contracts.CDI_TEMP_PREFIX, contracts.CDI_TEMP_SUFFIX):
         log.info("removed abandoned temp file %s", stale)
-    current = _read_owned(path, wanted)
+    current = _read_ours(path)
+    wanted = spec.wanted(current.data if current is not None else None)
     if atomic.is_exact(current, wanted, SPEC_MODE):
         return False
     try:
@@ -181,10 +204,11 @@ def reconcile(cdi_dir: str, wanted: bytes) -> bool:
     return True
 
 
-def _read_owned(path: str, wanted: bytes) -> Optional[atomic.Current]:
-    """The spec (at most one byte more than `wanted`: a longer file differs anyway), or None."""
+def _read_ours(path: str) -> Optional[atomic.Current]:
+    """The spec (at most one byte more than any spec we write: a longer file differs anyway and
+    is not ours to learn names from), or None."""
     try:
-        return atomic.read_regular(path, len(wanted) + 1)
+        return atomic.read_regular(path, MAX_SPEC_BYTES + 1)
     except atomic.Refused as exc:
         raise CdiError(str(exc)) from exc
     except OSError as exc:
