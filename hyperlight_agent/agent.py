@@ -11,73 +11,37 @@ Construct it inside the running event loop (asyncio objects bind to it on Python
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
-import socket
-import threading
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hyperlight_agent import __version__, config, contracts, modes, readiness, waits
+from hyperlight_agent import __version__, contracts, modes, parts, readiness, waits
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device import hypervisors
-from hyperlight_agent.device.checker import Checker, target_for
+from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.helper import ProbeHelper
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.deviceplugin import api, handover
 from hyperlight_agent.deviceplugin.registration import Registrar
-from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
+from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint
 from hyperlight_agent.host.metrics import Metrics
 from hyperlight_agent.host.notify import Notifier
-from hyperlight_agent.node import atomic, labels
+from hyperlight_agent.node import labels
 from hyperlight_agent.node.watcher import CONTENT, NAMES, DirectoryWatcher
+from hyperlight_agent.reload import Reloader
 
 if TYPE_CHECKING:
     from hyperlight_agent.dra.driver import Driver
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # In-flight Allocates may finish within this after a stop; streams end at once.
 SHUTDOWN_GRACE_S = 1.0
 # Baked into the container image at build time (Containerfile), printed at startup.
 COMMIT_ENV = "HYPERLIGHT_AGENT_COMMIT"
-
-
-async def _in_thread(fn: Callable[[], T]) -> T:
-    """fn() in a daemon thread: unlike the loop's default executor, a thread stuck in a read
-    (a hung network filesystem) never holds up the process's exit."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def run() -> None:
-        try:
-            result = fn()
-        except BaseException as exc:  # handed to the awaiting coroutine, which decides
-            loop.call_soon_threadsafe(_settle, future, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, future, result, None)
-
-    threading.Thread(target=run, name="config-reload", daemon=True).start()
-    return await future
-
-
-def _settle(future: asyncio.Future[T], result: Optional[T], error: Optional[BaseException]) -> None:
-    if future.done():
-        return  # the waiter was cancelled (shutdown)
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)  # type: ignore[arg-type]
-
-
-def profile_for(settings: Settings, mode: modes.Mode) -> Profile:
-    return Profile(mode.resource, contracts.instance_socket_name(mode.socket, settings.instance),
-                   mode.slots if mode.slots is not None else settings.device_count,
-                   mode.allocation or settings.allocation, workload_env=mode.workload_env)
 
 
 class Agent:
@@ -86,14 +50,14 @@ class Agent:
                  notifier: Optional[Notifier] = None, dra: bool = False) -> None:
         self.settings = settings
         self.mode = modes.of(device_access, dra)
-        self._reload = reload  # re-reads the settings for reload(); raises config.ConfigError
         self.notifier = notifier or Notifier()
         self.metrics = Metrics(enabled=settings.metrics_address is not None)
         self.metrics_server = self.metrics.server(settings.metrics_address) if settings.metrics_address else None
         self.state = SharedObservation()
         self.helper = ProbeHelper(on_timeout=self.metrics.helper_timeouts.inc)
-        self.checker = Checker(target_for(settings, self.mode), self.helper, self.state, on_result=self._on_check)
-        self.profile = profile_for(settings, self.mode)
+        self.checker = Checker(parts.check_target(settings, self.mode), self.helper, self.state,
+                               on_result=self._on_check)
+        self.profile = parts.profile(settings, self.mode)
         self.servicer = DevicePluginServicer(
             self.profile, self.state, self.checker, on_streams_changed=self._on_streams,
             on_allocate=lambda outcome: self.metrics.allocations.labels(outcome).inc())
@@ -107,19 +71,20 @@ class Agent:
             self.registrar = Registrar(settings.kubelet_dir, self.profile.socket, self.profile.resource,
                                        self._configure_server, on_change=self._on_registrar,
                                        watched=lambda: self.watcher.watching(settings.kubelet_dir))
+        # The NFD feature file: the main plugin's only (one writer).
+        self.labels = (labels.Keeper(settings.nfd_features_dir)
+                       if settings.nfd_features_dir and not self.mode.inventory_only else None)
         self.watcher = self._make_watcher()
         self._stop = asyncio.Event()
         self._interval_changed = asyncio.Event()
         self._tasks: list[asyncio.Future[Any]] = []
         self._stopping = False
         self._handing_over = False
-        self._counted = (0, 0, 0)
-        self._labels_problem = ""  # why the feature file cannot be kept right ("" when it is)
+        self.reloader = Reloader(reload, lambda: self.settings, self._apply_reload, self.notifier,
+                                 on_refused=self._forget_status)
         self._last_status = ""
         self._serving: Optional[bool] = None
         self._health_update: Optional[asyncio.Future[None]] = None
-        self._reloading: Optional[asyncio.Future[None]] = None
-        self._reload_again = False
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -183,7 +148,8 @@ class Agent:
         # Before anything else can run: a check finishing during the shutdown would publish and
         # log after "stopping" (and a first check may still be running this early).
         self.checker.cancel()
-        tasks = [*self._tasks, *([self._reloading] if self._reloading else [])]
+        reloading = self.reloader.stop()
+        tasks = [*self._tasks, *([reloading] if reloading else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -223,47 +189,17 @@ class Agent:
         await self.helper.close()
 
     def reload(self) -> None:
-        """Re-read the settings and apply them (SIGHUP); an invalid file is refused. The file is
-        read in a thread: a slow or hostile path never stalls Allocate, probes or a stop."""
-        if self._stopping:
-            return  # no reload may start work while we take things down
-        if self._reloading is not None and not self._reloading.done():
-            self._reload_again = True  # one more read once this one is done
-            return
-        self.notifier.reloading()
-        log.info("reloading configuration")
-        self._reloading = asyncio.ensure_future(self._reload_once())
-
-    async def _reload_once(self) -> None:
-        try:
-            while True:
-                self._reload_again = False
-                try:
-                    new = await _in_thread(self._reload) if self._reload else self.settings
-                except config.ConfigError as exc:
-                    log.error("reload failed, keeping the running configuration: %s", exc)
-                    self._last_status = ""
-                    self.notifier.status(f"reload failed, kept running configuration: {exc}")
-                else:
-                    if not self._stopping:
-                        self._apply_reload(new)
-                if not self._reload_again or self._stopping:
-                    return
-        finally:
-            self.notifier.reloaded()  # systemd must never be left waiting in "reloading"
+        """Re-read the settings and apply them (SIGHUP): reload.py."""
+        self.reloader.request()
 
     def _apply_reload(self, new: Settings) -> None:
-        fixed = [k for k in config.RESTART_ONLY if getattr(new, k) != getattr(self.settings, k)]
-        if fixed:
-            log.warning("reload: %s change only on restart; kept", ", ".join(fixed))
-            new = dataclasses.replace(new, **{k: getattr(self.settings, k) for k in fixed})
         if new.check_interval_seconds != self.settings.check_interval_seconds:
             self._interval_changed.set()
         self.settings = new
         logging.getLogger().setLevel(new.log_level.upper())
-        self.profile = profile_for(new, self.mode)
+        self.profile = parts.profile(new, self.mode)
         self.servicer.profile = self.profile
-        self.checker.target = target_for(new, self.mode)
+        self.checker.target = parts.check_target(new, self.mode)
         self.state.republish()  # streams resend the list (slot count may have changed)
         self.checker.request()  # the CDI spec follows new uid/gid at once
         self._status_changed()
@@ -293,8 +229,8 @@ class Agent:
         watcher.watch(s.device_dir, lambda name: self.checker.request(), device_nodes)
         if s.host_device_dir:
             watcher.watch(s.host_device_dir, lambda name: self.checker.request(), device_nodes)
-        if s.nfd_features_dir and not self.mode.inventory_only:
-            watcher.watch(s.nfd_features_dir, lambda name: self._labels_changed(), {labels.FEATURE_FILE},
+        if self.labels is not None:
+            watcher.watch(self.labels.features_dir, lambda name: self._labels_changed(), {labels.FEATURE_FILE},
                           mask=CONTENT)
         if not self.mode.inventory_only:
             # A symlink at cdi_dir is refused (cdi.py), never followed: its removal or a directory
@@ -314,32 +250,14 @@ class Agent:
 
     def _on_check(self, observation: Observation, seconds: float, repaired: bool) -> None:
         self.metrics.check_done(observation, seconds, repaired)
-        self._sync_labels(observation.hypervisor)
+        if self.labels is not None:
+            self.labels.sync(observation.hypervisor)
         self._status_changed()
-
-    def _sync_labels(self, hypervisor: Optional[str]) -> None:
-        """The NFD feature file follows the detected hypervisor (main plugin only: one writer),
-        kept exactly right as the CDI spec is: checked after every device check and whenever the
-        file changes (a deleted or edited file is repaired; anything but a regular file at our
-        path is refused). A problem is said once, until it changes."""
-        directory = self.settings.nfd_features_dir
-        if directory is None or self.mode.inventory_only:
-            return
-        problem = ""
-        try:
-            labels.sync(directory, hypervisor)
-        except atomic.Refused as exc:
-            problem = f"node labels not written: {exc}"
-        except OSError as exc:
-            problem = f"cannot write node labels in {directory} (nfd_features_dir): {exc.strerror or exc}"
-        if problem and problem != self._labels_problem:
-            log.warning("%s", problem)
-        self._labels_problem = problem
 
     def _labels_changed(self) -> None:
         """Someone changed the feature file: put it right (once a check has said what it says)."""
-        if self.state.version > 0 and not self._stopping:
-            self._sync_labels(self.state.current.hypervisor)
+        if self.labels is not None and self.state.version > 0 and not self._stopping:
+            self.labels.sync(self.state.current.hypervisor)
 
     def _on_streams(self, count: int) -> None:
         self.metrics.streams.set(count)
@@ -347,12 +265,10 @@ class Agent:
     def _make_driver(self) -> Driver:
         from hyperlight_agent.dra.driver import Driver  # the DRA mode's modules only in that mode
 
-        s = self.settings
-        return Driver(node_name=s.node_name or socket.gethostname().lower(),
-                      instance=s.instance or modes.DRA_DEFAULT_INSTANCE,
-                      devices=s.dra_devices, kubeconfig=s.kubeconfig, state=self.state,
-                      check=lambda timeout: self.checker.check(timeout=timeout), registry_dir=s.dra_registry_dir,
-                      plugins_dir=s.dra_plugins_dir,
+        t = parts.dra_target(self.settings)
+        return Driver(node_name=t.node_name, instance=t.instance, devices=t.devices, kubeconfig=t.kubeconfig,
+                      state=self.state, check=lambda timeout: self.checker.check(timeout=timeout),
+                      registry_dir=t.registry_dir, plugins_dir=t.plugins_dir,
                       configure=lambda server: health_pb2_grpc.add_HealthServicer_to_server(self.health_service,
                                                                                            server),
                       on_change=self._status_changed)
@@ -360,10 +276,7 @@ class Agent:
     def _on_registrar(self) -> None:
         r = self.registrar
         assert r is not None
-        self.metrics.registrations.inc(r.registrations - self._counted[0])
-        self.metrics.kubelet_restarts.inc(r.kubelet_restarts - self._counted[1])
-        self.metrics.streams_lost.inc(r.streams_lost - self._counted[2])
-        self._counted = (r.registrations, r.kubelet_restarts, r.streams_lost)
+        self.metrics.registrar_totals(r.registrations, r.kubelet_restarts, r.streams_lost)
         self._status_changed()
 
     # --- readiness ----------------------------------------------------------------------------
@@ -385,6 +298,9 @@ class Agent:
 
     def status(self) -> str:
         return readiness.status(self.snapshot())
+
+    def _forget_status(self) -> None:
+        self._last_status = ""  # something else took systemd's status line: say ours again
 
     def _status_changed(self) -> None:
         if self._stopping:

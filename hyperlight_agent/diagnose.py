@@ -10,10 +10,10 @@ import os
 import tempfile
 from typing import Optional
 
-from hyperlight_agent import modes
+from hyperlight_agent import modes, parts
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device import hypervisors
-from hyperlight_agent.device.checker import Checker, target_for
+from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.helper import ProbeHelper
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.node import cdi
@@ -73,7 +73,7 @@ def diagnose(settings: Settings) -> tuple[bool, list[str]]:
 
 async def _check(settings: Settings) -> tuple[Observation, Optional[str]]:
     helper = ProbeHelper()
-    checker = Checker(target_for(settings, modes.PLUGIN, read_only=True), helper, SharedObservation())
+    checker = Checker(parts.check_target(settings, modes.PLUGIN, read_only=True), helper, SharedObservation())
     try:
         return await checker.check(), checker.cdi_note
     finally:

@@ -313,7 +313,7 @@ def test_reload_applies_settings_keeps_restart_only_ones_and_refuses_invalid_fil
             assert {s for s in notifier.statuses if "reload failed" in s} == \
                 {"reload failed, kept running configuration: device_count: 'x' is not a number"}
             assert agent.settings.device_count == 5
-            await until(lambda: agent._reloading is not None and agent._reloading.done(), what="the reload to end")
+            await until(lambda: not agent.reloader.busy, what="the reload to end")
             # A reload asked for while a read is in progress reads the file once more after it.
             new.extend([(gate, Settings.defaults(**{**base.__dict__, "device_count": 4})),
                         Settings.defaults(**{**base.__dict__, "device_count": 2})])
@@ -326,7 +326,7 @@ def test_reload_applies_settings_keeps_restart_only_ones_and_refuses_invalid_fil
         finally:
             await shut(agent)
         agent.reload()  # after the stop: nothing starts
-        assert agent._reloading is None or agent._reloading.done()
+        assert not agent.reloader.busy
 
     with_kubelet(tmp, body)
 

@@ -16,8 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from hyperlight_agent import modes, waits
-from hyperlight_agent.config import Settings
+from hyperlight_agent import waits
 from hyperlight_agent.device import hypervisors, kernel
 from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
 from hyperlight_agent.device.observation import Observation, SharedObservation
@@ -51,12 +50,6 @@ class CheckTarget:
     inventory_only: bool = False
     # --check: inspect the spec instead of repairing it (the problem is kept in Checker.cdi_note).
     read_only: bool = False
-
-
-def target_for(settings: Settings, mode: modes.Mode, read_only: bool = False) -> CheckTarget:
-    return CheckTarget(settings.device_dir, settings.host_device_dir, settings.cdi_dir,
-                       settings.device_uid, settings.device_gid, inventory_only=mode.inventory_only,
-                       read_only=read_only)
 
 
 class Checker:

@@ -229,6 +229,7 @@ class _Off:
 class Metrics:
     def __init__(self, enabled: bool) -> None:
         self._cause = ""
+        self._counted = (0, 0, 0)  # the registrar's totals already added to our counters
         self.enabled = enabled
         if not enabled:
             off: Any = _Off()
@@ -284,3 +285,11 @@ class Metrics:
             if observation.cause:
                 self.unhealthy_cause.labels(observation.cause).set(1)
             self._cause = observation.cause
+
+    def registrar_totals(self, registrations: int, kubelet_restarts: int, streams_lost: int) -> None:
+        """The registrar keeps running totals; our counters get what was added since the last call."""
+        done = self._counted
+        self.registrations.inc(registrations - done[0])
+        self.kubelet_restarts.inc(kubelet_restarts - done[1])
+        self.streams_lost.inc(streams_lost - done[2])
+        self._counted = (registrations, kubelet_restarts, streams_lost)

@@ -56,3 +56,25 @@ def sync(features_dir: str, hypervisor: Optional[str]) -> bool:
                  replace=current.identity if current is not None else None)
     log.info("node labels %s=true, %s=%s written to %s", ENABLED_LABEL, HYPERVISOR_LABEL, hypervisor, path)
     return True
+
+
+class Keeper:
+    """The feature file kept right from one place: synced after every device check and whenever
+    the file changes (a deleted or edited file is repaired; anything but a regular file at our
+    path is refused). A problem is logged once, until it changes."""
+
+    def __init__(self, features_dir: str) -> None:
+        self.features_dir = features_dir
+        self.problem = ""  # why the file cannot be kept right ("" when it is)
+
+    def sync(self, hypervisor: Optional[str]) -> None:
+        problem = ""
+        try:
+            sync(self.features_dir, hypervisor)
+        except atomic.Refused as exc:
+            problem = f"node labels not written: {exc}"
+        except OSError as exc:
+            problem = f"cannot write node labels in {self.features_dir} (nfd_features_dir): {exc.strerror or exc}"
+        if problem and problem != self.problem:
+            log.warning("%s", problem)
+        self.problem = problem

@@ -1,0 +1,110 @@
+"""Re-reading the settings (SIGHUP, `systemctl reload`), one read at a time, on the agent's loop.
+
+The file is read in a daemon thread: a slow or hostile path never stalls Allocate, checks or a
+stop, and a read stuck in a hung filesystem never holds up the process's exit (the loop's
+default executor would). A reload asked for during a read gets one more read after it. An
+invalid file is refused with the running settings kept; settings that apply only on a restart
+are kept too, with a warning. systemd hears RELOADING=1 first and READY=1 whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from typing import Callable, Optional, TypeVar
+
+from hyperlight_agent import config
+from hyperlight_agent.config import Settings
+from hyperlight_agent.host.notify import Notifier
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def kept_restart_only(running: Settings, new: Settings) -> tuple[Settings, list[str]]:
+    """`new`, with every setting that changes only on a restart kept as `running` has it, and the
+    names of those that differed."""
+    fixed = [k for k in config.RESTART_ONLY if getattr(new, k) != getattr(running, k)]
+    return dataclasses.replace(new, **{k: getattr(running, k) for k in fixed}), fixed
+
+
+class Reloader:
+    def __init__(self, read: Optional[Callable[[], Settings]], running: Callable[[], Settings],
+                 apply: Callable[[Settings], None], notifier: Notifier,
+                 on_refused: Callable[[], None] = lambda: None) -> None:
+        self._read = read  # raises config.ConfigError; None: reloads re-apply the running settings
+        self._running = running
+        self._apply = apply
+        self._notifier = notifier
+        self._on_refused = on_refused  # the refusal replaced systemd's status line
+        self._task: Optional[asyncio.Future[None]] = None
+        self._again = False
+        self._stopped = False
+
+    @property
+    def busy(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def request(self) -> None:
+        if self._stopped:
+            return  # no reload may start work while the agent is taken down
+        if self.busy:
+            self._again = True
+            return
+        self._notifier.reloading()
+        log.info("reloading configuration")
+        self._task = asyncio.ensure_future(self._run())
+
+    def stop(self) -> Optional[asyncio.Future[None]]:
+        """Refuse further reloads; the one running, if any, for the caller to cancel and await."""
+        self._stopped = True
+        return self._task
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                self._again = False
+                try:
+                    new = await _in_thread(self._read) if self._read else self._running()
+                except config.ConfigError as exc:
+                    log.error("reload failed, keeping the running configuration: %s", exc)
+                    self._notifier.status(f"reload failed, kept running configuration: {exc}")
+                    self._on_refused()
+                else:
+                    if not self._stopped:
+                        new, fixed = kept_restart_only(self._running(), new)
+                        if fixed:
+                            log.warning("reload: %s change only on restart; kept", ", ".join(fixed))
+                        self._apply(new)
+                if not self._again or self._stopped:
+                    return
+        finally:
+            self._notifier.reloaded()  # systemd must never be left waiting in "reloading"
+
+
+async def _in_thread(fn: Callable[[], T]) -> T:
+    """fn() in a daemon thread, awaited on the loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting coroutine, which decides
+            loop.call_soon_threadsafe(_settle, future, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, future, result, None)
+
+    threading.Thread(target=run, name="config-reload", daemon=True).start()
+    return await future
+
+
+def _settle(future: asyncio.Future[T], result: Optional[T], error: Optional[BaseException]) -> None:
+    if future.done():
+        return  # the waiter was cancelled (shutdown)
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)  # type: ignore[arg-type]
