@@ -42,7 +42,7 @@ def setup(tmp: str, kvm_dir: str) -> tuple[SharedObservation, ProbeHelper, Devic
 def test_first_list_only_after_the_first_check(tmp: str, kvm_dir: str) -> None:
     async def run() -> None:
         state, helper, servicer = setup(tmp, kvm_dir)
-        stream = servicer.ListAndWatch(pb.Empty(), Context()).__aiter__()
+        stream = servicer.watch(asyncio.Event()).__aiter__()
         first = asyncio.ensure_future(stream.__anext__())
         for _ in range(20):  # let every ready callback run: nothing may be sent yet
             await asyncio.sleep(0)

@@ -82,17 +82,10 @@ class DevicePluginServicer:
     async def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
         return api.plugin_options()
 
-    async def ListAndWatch(self, request: pb.Empty, context: Any) -> AsyncIterator[pb.ListAndWatchResponse]:
-        stream = self.watch(asyncio.Event())
-        try:
-            async for response in stream:
-                yield response
-        finally:
-            await stream.aclose()  # `async for` alone leaves the inner generator to the GC
-
     async def watch(self, closed: asyncio.Event, on_stream: Optional[Callable[[int], None]] = None,
                     ) -> AsyncGenerator[pb.ListAndWatchResponse, None]:
-        """A ListAndWatch stream's lists, until `closed` is set (then the stream ends at once).
+        """A ListAndWatch stream's lists, until `closed` is set (then the stream ends at once); the
+        RPC itself is Endpoint's, which knows the server the stream belongs to.
         on_stream(+1) and on_stream(-1) are called as it opens and ends."""
         self._streams_changed(+1)
         if on_stream:
