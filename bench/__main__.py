@@ -25,8 +25,8 @@ from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.node import cdi
+from standin import procs
 from standin.kubelet import KubeletStandin, Plugin, StandinThread
-from tests import procs
 
 R = contracts.RESOURCE_HYPERVISOR
 ROWS: list[tuple[str, str, str]] = []
@@ -558,8 +558,8 @@ def bench_dra(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
     is the tests' fake (tests/test_dra_slices.py): v1.37's JSON on plain HTTP, on this machine."""
     import threading
 
+    from standin.apiserver import FakeApiServer, kubeconfig, recorded
     from standin.dra_kubelet import Claim, DraKubeletStandin
-    from tests.test_dra_slices import FakeApiServer, kubeconfig, recorded
 
     print("dynamic resource allocation", flush=True)
     loop = asyncio.new_event_loop()

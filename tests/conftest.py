@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # stand-in restarts make grpc log GOAWAYs at INFO
 
+from standin import procs
 from standin.kubelet import StandinThread
-from tests import procs
 
 HOST_KVM = "/dev/kvm"
 

@@ -20,11 +20,11 @@ from hyperlight_agent.dra import driver as dra_driver
 from hyperlight_agent.dra.slices import DeviceInfo
 from hyperlight_agent.host import healthcheck
 from hyperlight_agent.node import cdi
+from standin.apiserver import FakeApiServer, kubeconfig, recorded
 from standin.dra_kubelet import Claim, DraKubeletStandin
 from tests.conftest import until
 from tests.fakes import FakeHelper, RecordingNotifier, device_dir
 from tests.test_agent_inprocess import helpers, shut  # noqa: F401 - the fixture, shared
-from tests.test_dra_slices import FakeApiServer, kubeconfig, recorded
 
 DRIVER = "hyperlight.dev"
 UID = "8d5c0f2a-1b3e-4d6f-a7c9-0e1f2a3b4c5d"  # the recorded claim's uid (default/pod-hv-9x2lq)

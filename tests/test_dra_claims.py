@@ -1,5 +1,5 @@
 """Reading a claim's allocation, against the fake API server of test_dra_slices serving recorded
-v1.37 ResourceClaims and Status objects (tests/data/dra/)."""
+v1.37 ResourceClaims and Status objects (standin/data/dra/)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from hyperlight_agent.dra.claims import ClaimReader
 from hyperlight_agent.dra.client import KubeApi
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
-from tests.test_dra_slices import FakeApiServer, recorded, run, status
+from standin.apiserver import FakeApiServer, recorded, status
+from tests.test_dra_slices import run
 
 UID = "8d5c0f2a-1b3e-4d6f-a7c9-0e1f2a3b4c5d"
 CLAIM = ("default", "pod-hv-9x2lq")

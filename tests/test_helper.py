@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest, ProbeResult, default_argv
+from standin.procs import alive, my_helpers
 from tests.conftest import wait_for
-from tests.procs import alive, my_helpers
 
 
 def hanging_helper(marker: str) -> list[str]:

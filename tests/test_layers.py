@@ -145,3 +145,28 @@ def test_leaves_import_nothing_of_ours_but_contracts() -> None:
 def test_each_module_imports_alone(module: str) -> None:
     subprocess.run([sys.executable, "-c", f"import hyperlight_agent.{module}"], cwd=ROOT, check=True,
                    timeout=60, capture_output=True)
+
+
+def _top_packages_imported(path: str) -> set[str]:
+    found: set[str] = set()
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+    return found
+
+
+@pytest.mark.parametrize("tree, forbidden", [("hyperlight_agent", {"tests", "standin", "bench"}),
+                                             ("standin", {"tests", "bench"}), ("bench", {"tests"})])
+def test_development_trees_stand_on_their_own(tree: str, forbidden: set[str]) -> None:
+    """The shipped package needs none of the development trees; the stand-ins and the benchmarks
+    need no test module (a test's rename or fixture must never break `make run` or `make bench`)."""
+    for directory, _, files in os.walk(os.path.join(ROOT, tree)):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                assert not _top_packages_imported(path) & forbidden, f"{os.path.relpath(path, ROOT)} imports " \
+                    f"{sorted(_top_packages_imported(path) & forbidden)}"

@@ -21,8 +21,9 @@ from packaging.version import Version
 
 from hyperlight_agent import contracts
 from hyperlight_agent.device.helper import HELPER_MARK
+from standin import procs
 from standin.kubelet import KubeletStandin, StandinThread
-from tests import nspawn, procs
+from tests import nspawn
 from tests.conftest import assert_ships_the_agent_only, wait_for
 
 pytestmark = pytest.mark.system

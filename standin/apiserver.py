@@ -1,0 +1,284 @@
+"""A fake Kubernetes API server for the DRA mode's tests and benchmarks, not shipped: plain
+HTTP/1.1 on 127.0.0.1 with JSON bodies shaped as a v1.37 kube-apiserver's (standin/data/dra/, from
+the k8s.io/api types and the apiserver's Status objects). It serves resourceslices (cluster-scoped)
+and resourceclaims (namespaced, read-only) of resource.k8s.io/v1, checks every request it gets
+(method, path, field selector, body) and keeps its slices as the real one would (resourceVersion,
+409 on a stale update, generateName, watch events)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+from typing import Any, Optional
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "dra")
+NODE = "node1"
+DRIVER = "hyperlight.dev"
+SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+SELECTOR = {"spec.nodeName": NODE, "spec.driver": DRIVER}
+Json = dict[str, Any]
+
+
+def recorded(name: str, **names: str) -> Any:
+    """A recorded body; `names` replace the recorded object names (the slice name is random)."""
+    with open(os.path.join(DATA, name)) as f:
+        text = f.read()
+    for old, new in names.items():
+        text = text.replace(old.replace("_", "-"), new)
+    return json.loads(text)
+
+
+def status(name: str, object_name: str = "") -> tuple[int, Json]:
+    body = recorded(name)
+    if object_name:
+        recorded_name = body["details"].get("name", "")
+        body = json.loads(json.dumps(body).replace(recorded_name, object_name))
+    return int(body["code"]), body
+
+
+class Request:
+    def __init__(self, method: str, path: str, query: dict[str, str], body: Optional[Json]) -> None:
+        self.method, self.path, self.query, self.body = method, path, query, body
+
+    @property
+    def verb(self) -> str:
+        if self.method == "GET":
+            if self.path.startswith(SLICES_PATH):
+                return "watch" if self.query.get("watch") == "true" else "list"
+            return "get"
+        return {"POST": "create", "PUT": "update", "DELETE": "delete"}[self.method]
+
+    def __repr__(self) -> str:
+        return f"{self.method} {self.path} {self.query}"
+
+
+class FakeApiServer:
+    """resourceslices (cluster-scoped) and resourceclaims (namespaced, read-only) of resource.k8s.io/v1."""
+
+    def __init__(self) -> None:
+        self.slices: dict[str, Json] = {}
+        self.claims: dict[tuple[str, str], Json] = {}
+        self.requests: list[Request] = []
+        self.events: list[tuple[int, str, Json]] = []  # (resourceVersion, type, object)
+        self.changed = asyncio.Condition()
+        self.version = 1042
+        self.names = 0
+        self.faults: dict[str, list[tuple[int, Json]]] = {}  # verb → answers, first used first
+        self.stuck: dict[str, tuple[int, Json]] = {}  # verb → answer, until cleared
+        self.down = False  # close every connection at once, as a server going away
+        self.refused = 0  # connections closed unanswered while down
+        self.server: Optional[asyncio.base_events.Server] = None
+        self.connections: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        assert self.server
+        self.server.close()
+        for writer in list(self.connections):
+            writer.close()
+        await self.server.wait_closed()
+
+    async def go_down(self) -> None:
+        self.down = True
+        for writer in list(self.connections):
+            writer.close()
+        await self._notify()  # ends the watches
+
+    # --- what someone else does to the slices (a kubelet start, an editor) ---
+
+    async def put(self, obj: Json, event: str = "MODIFIED") -> Json:
+        obj = copy.deepcopy(obj)
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        self.slices[obj["metadata"]["name"]] = obj
+        await self._event(event, obj)
+        return obj
+
+    async def remove(self, name: str) -> Json:
+        obj = self.slices.pop(name)
+        self.version += 1
+        await self._event("DELETED", dict(obj, metadata=dict(obj["metadata"], resourceVersion=str(self.version))))
+        return obj
+
+    async def _event(self, kind: str, obj: Json) -> None:
+        async with self.changed:
+            self.events.append((self.version, kind, copy.deepcopy(obj)))
+            self.changed.notify_all()
+
+    def ours(self) -> list[Json]:
+        return [s for s in self.slices.values() if s["spec"].get("nodeName") == NODE and s["spec"]["driver"] == DRIVER]
+
+    def of(self, verb: str) -> list[Request]:
+        return [r for r in self.requests if r.verb == verb]
+
+    # --- HTTP ---
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections.add(writer)
+        self.refused += self.down
+        try:
+            while not self.down:
+                line = await reader.readline()
+                if not line:
+                    return
+                method, target, _ = line.decode().split(" ", 2)
+                headers = {}
+                while (header := await reader.readline()) not in (b"\r\n", b""):
+                    key, _, value = header.decode().partition(":")
+                    headers[key.strip().lower()] = value.strip()
+                raw = await reader.readexactly(int(headers.get("content-length", "0")))
+                if self.down:
+                    return
+                url = urlsplit(target)
+                body = json.loads(raw) if raw else None
+                request = Request(method, unquote(url.path), dict(parse_qsl(url.query)), body)
+                self.requests.append(request)
+                if request.verb == "watch" and not self._fault(request.verb, remove=False):
+                    await self._watch(request, writer)
+                    return
+                code, body = self._answer(request)
+                await self._notify()  # the watches send what this changed
+                data = json.dumps(body).encode()
+                writer.write(f"HTTP/1.1 {code} {'OK' if code < 300 else 'Error'}\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            # Cancelled: the loop closing at the test's end; asyncio would log it as an error.
+            return
+        finally:
+            self.connections.discard(writer)
+            writer.close()
+
+    def _fault(self, verb: str, remove: bool = True) -> Optional[tuple[int, Json]]:
+        if verb in self.stuck:
+            return self.stuck[verb]
+        queued = self.faults.get(verb)
+        if queued:
+            return queued.pop(0) if remove else queued[0]
+        return None
+
+    def _answer(self, request: Request) -> tuple[int, Json]:  # noqa: PLR0911 - one return per verb reads best
+        fault = self._fault(request.verb)
+        if fault:
+            return fault
+        if request.verb == "get":
+            return self._get_claim(request)
+        assert request.path.startswith(SLICES_PATH), request
+        name = request.path[len(SLICES_PATH) + 1:]
+        if request.verb == "list":
+            assert request.query.get("fieldSelector") == "spec.nodeName=node1,spec.driver=hyperlight.dev", request
+            answer = recorded("resourceslice-list.json")
+            answer["metadata"]["resourceVersion"] = str(self.version)
+            answer["items"] = [{k: v for k, v in s.items() if k not in ("kind", "apiVersion")} for s in self.ours()]
+            return 200, answer
+        if request.verb == "create":
+            return self._create(request)
+        if request.verb == "update":
+            return self._update(name, request)
+        if name not in self.slices:
+            return status("status-404-notfound.json", name)
+        obj = self.slices.pop(name)  # ReturnDeletedObject: the API server answers with the object
+        self.version += 1
+        self.events.append((self.version, "DELETED", obj))
+        return 200, obj
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    def _check_slice_body(self, body: Json) -> None:
+        assert body["apiVersion"] == "resource.k8s.io/v1" and body["kind"] == "ResourceSlice"
+        spec = body["spec"]
+        assert set(spec) <= {"driver", "nodeName", "pool", "devices"}, spec
+        assert spec["driver"] == DRIVER and spec["nodeName"] == NODE
+        assert set(spec["pool"]) == {"name", "generation", "resourceSliceCount"} and spec["pool"]["name"] == NODE
+        assert spec["pool"]["resourceSliceCount"] == 1 and isinstance(spec["pool"]["generation"], int)
+        assert len(spec.get("devices", [])) <= 128 and spec.get("devices", None) != []  # omitempty, as the server
+        for device in spec.get("devices", []):
+            assert set(device) == {"name", "attributes"}
+            for key, value in device["attributes"].items():
+                assert len(key) <= 32 and key.isidentifier() and len(value) == 1
+
+    def _create(self, request: Request) -> tuple[int, Json]:
+        body = request.body
+        assert body is not None
+        self._check_slice_body(body)
+        assert "name" not in body["metadata"] and body["metadata"]["generateName"] == "node1-hyperlight.dev-"
+        template = recorded("resourceslice.json")
+        self.names += 1
+        self.version += 1
+        name = f"node1-hyperlight.dev-{self.names:05d}"
+        metadata = dict(template["metadata"], name=name, resourceVersion=str(self.version),
+                        uid=f"00000000-0000-4000-8000-{self.names:012d}",
+                        creationTimestamp=f"2026-11-30T10:15:{self.names:02d}Z")
+        obj = {"kind": "ResourceSlice", "apiVersion": "resource.k8s.io/v1", "metadata": metadata, "spec": body["spec"]}
+        self.slices[name] = obj
+        self.events.append((self.version, "ADDED", copy.deepcopy(obj)))
+        return 201, obj
+
+    def _update(self, name: str, request: Request) -> tuple[int, Json]:
+        body = request.body
+        assert body is not None
+        self._check_slice_body(body)
+        assert body["metadata"]["name"] == name
+        if name not in self.slices:
+            return status("status-404-notfound.json", name)
+        current = self.slices[name]
+        if body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
+            return status("status-409-conflict.json", name)
+        self.version += 1
+        obj = dict(current, spec=body["spec"], metadata=dict(current["metadata"], resourceVersion=str(self.version)))
+        self.slices[name] = obj
+        self.events.append((self.version, "MODIFIED", copy.deepcopy(obj)))
+        return 200, obj
+
+    def _get_claim(self, request: Request) -> tuple[int, Json]:
+        parts = request.path.split("/")
+        assert parts[:4] == ["", "apis", "resource.k8s.io", "v1"] and parts[4] == "namespaces", request
+        assert parts[6] == "resourceclaims" and len(parts) == 8, request
+        claim = self.claims.get((parts[5], parts[7]))
+        if claim is None:
+            return status("status-404-claim.json", parts[7])
+        return 200, claim
+
+    async def _watch(self, request: Request, writer: asyncio.StreamWriter) -> None:
+        assert request.query.get("fieldSelector") == "spec.nodeName=node1,spec.driver=hyperlight.dev", request
+        since = int(request.query["resourceVersion"])
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        fault = self._fault("watch")
+        if fault:  # an ERROR event, as the server sends for an expired resourceVersion
+            line = json.dumps({"type": "ERROR", "object": fault[1]}).encode() + b"\n"
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(line), line))
+            await writer.drain()
+            return
+        sent = since
+        while not self.down:
+            for version, kind, obj in list(self.events):
+                if version > sent:
+                    sent = version
+                    if obj["spec"].get("nodeName") == NODE and obj["spec"]["driver"] == DRIVER:
+                        line = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
+                        writer.write(b"%x\r\n%s\r\n" % (len(line), line))
+            await writer.drain()
+            def news(last: int = sent) -> bool:
+                return self.down or any(v > last for v, _, _ in self.events)
+
+            async with self.changed:
+                await self.changed.wait_for(news)
+
+
+def kubeconfig(tmp_path: Any, server: str) -> str:
+    path = os.path.join(str(tmp_path), "kubeconfig")
+    with open(path, "w") as f:
+        json.dump({"apiVersion": "v1", "kind": "Config", "current-context": "test",
+                   "clusters": [{"name": "test", "cluster": {"server": server}}],
+                   "users": [{"name": "test", "user": {"token": "test-token"}}],
+                   "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}]}, f)
+    return path
