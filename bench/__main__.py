@@ -26,7 +26,7 @@ from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.node import cdi
 from standin import procs
-from standin.kubelet import KubeletStandin, Plugin, StandinThread
+from standin.kubelet import Plugin, StandinThread
 
 R = contracts.RESOURCE_HYPERVISOR
 ROWS: list[tuple[str, str, str]] = []
@@ -80,11 +80,6 @@ def _smaps(pid: int, fields: tuple[str, ...]) -> float:
             if name in fields:
                 total += int(rest.split()[0])
     return total / 1024
-
-
-def healthy(k: KubeletStandin, n: int) -> bool:
-    p = k.plugins.get(R)
-    return (p.healthy if p else 0) == n
 
 
 def wait_file(path: str, wanted: bytes, timeout: float = 5) -> float:
@@ -142,7 +137,7 @@ def bench_allocate(top: str, raw_probe: float) -> None:
     print("allocate", flush=True)
     agent = Agent(top, "--device-count", "2000")
     with StandinThread(os.path.join(top, "kubelet")) as k:
-        k.wait_until(lambda kk: healthy(kk, 2000), 15)
+        k.wait_until(lambda kk: kk.allocatable() == 2000, 15)
         sock = os.path.join(top, "kubelet", contracts.PLUGIN_SOCKET)
 
         async def timed(concurrency: int, n: int, call: Callable[[object], object]) -> list[float]:
@@ -199,7 +194,7 @@ def bench_streams(top: str) -> None:
     mknod(os.path.join(dev, "kvm"), 10, 232)
     agent = Agent(top, "--device-count", "2000", "--device-dir", dev)
     with StandinThread(os.path.join(top, "kubelet")) as k:
-        k.wait_until(lambda kk: healthy(kk, 2000), 15)
+        k.wait_until(lambda kk: kk.allocatable() == 2000, 15)
         sock = os.path.join(top, "kubelet", contracts.PLUGIN_SOCKET)
         received: list[list[float]] = [[] for _ in range(50)]
 
@@ -283,11 +278,11 @@ def bench_restart_and_cdi(top: str) -> None:
     print("restart and CDI repair", flush=True)
     agent = Agent(top, "--device-count", "2000")
     with StandinThread(os.path.join(top, "kubelet")) as k:
-        k.wait_until(lambda kk: healthy(kk, 2000), 15)
+        k.wait_until(lambda kk: kk.allocatable() == 2000, 15)
         regs, healthies = [], []
         for _ in range(20):
             k.call(k.kubelet.restart())
-            k.wait_until(lambda kk: healthy(kk, 2000), 10)
+            k.wait_until(lambda kk: kk.allocatable() == 2000, 10)
             kk = k.kubelet
             regs.append(kk.register_calls[-1][0] - kk.started_at)
             healthies.append(kk.plugins[R].lists[-1][0] - kk.started_at)
@@ -322,14 +317,14 @@ def bench_plugin_restart(top: str) -> None:
         windows, exits, lost = [], [], []
         agent = Agent(top, "--device-count", "2000")
         try:
-            k.wait_until(lambda kk: healthy(kk, 2000), 15)
+            k.wait_until(lambda kk: kk.allocatable() == 2000, 15)
             for _ in range(20):
                 old = k.kubelet.plugins[R]
                 t = time.monotonic()
                 agent.stop()
                 exits.append(time.monotonic() - t)
                 agent = Agent(top, "--device-count", "2000")  # as systemd or the kubelet would: after exit
-                k.wait_until(lambda kk, old=old: kk.plugins[R] is not old and healthy(kk, 2000), 15)  # type: ignore[misc]
+                k.wait_until(lambda kk, old=old: kk.plugins[R] is not old and kk.allocatable() == 2000, 15)  # type: ignore[misc]
                 assert old.stream_ended_at is not None
                 windows.append(first_healthy_list(k.kubelet.plugins[R]) - old.stream_ended_at)
             # One loss per agent: losses in a row back off on purpose (a kubelet that keeps
@@ -338,11 +333,11 @@ def bench_plugin_restart(top: str) -> None:
                 old = k.kubelet.plugins[R]
                 k.call(k.kubelet.drop_stream(R))
                 assert old.stream_ended_at is not None
-                k.wait_until(lambda kk, old=old: kk.plugins[R] is not old and healthy(kk, 2000), 15)  # type: ignore[misc]
+                k.wait_until(lambda kk, old=old: kk.plugins[R] is not old and kk.allocatable() == 2000, 15)  # type: ignore[misc]
                 lost.append(first_healthy_list(k.kubelet.plugins[R]) - old.stream_ended_at)
                 agent.stop()
                 agent = Agent(top, "--device-count", "2000")
-                k.wait_until(lambda kk: healthy(kk, 2000), 15)
+                k.wait_until(lambda kk: kk.allocatable() == 2000, 15)
         finally:
             agent.stop()
     row("agent restart (SIGTERM, start again): zero-healthy window p50 / p99 over 20",
@@ -438,7 +433,7 @@ def bench_idle(top: str) -> None:
         assert bare.stdout is not None and bare.stdin is not None
         bare.stdout.readline()  # "serving"
         with StandinThread(os.path.join(top, "kubelet")) as k:
-            k.wait_until(lambda kk: healthy(kk, 2000), 15)
+            k.wait_until(lambda kk: kk.allocatable() == 2000, 15)
             time.sleep(IDLE_SETTLE_S)  # benchmark settling, not synchronisation: startup's work done
             threads = sorted({comm for _, comm, *_ in _sample(agent.proc.pid, helpers=False).values()})
             t0 = time.monotonic()
@@ -446,7 +441,7 @@ def bench_idle(top: str) -> None:
             time.sleep(IDLE_WINDOW_S)  # the window measured
             after, bare_after = _sample(agent.proc.pid, helpers=True), _sample(bare.pid, helpers=False)
             seconds = time.monotonic() - t0
-            assert healthy(k.kubelet, 2000), "the agent stayed registered and healthy"
+            assert k.kubelet.allocatable() == 2000, "the agent stayed registered and healthy"
             agent.stop()  # before the stand-in goes: its end would be a lost stream to the agent
     finally:
         agent.stop()
@@ -514,7 +509,7 @@ def bench_metrics_flood(top: str) -> None:
         port = s.getsockname()[1]
     agent = Agent(top, "--device-count", "2000", "--metrics-address", f"127.0.0.1:{port}")
     with StandinThread(os.path.join(top, "kubelet")) as k:
-        k.wait_until(lambda kk: healthy(kk, 2000), 15)
+        k.wait_until(lambda kk: kk.allocatable() == 2000, 15)
         plugin = k.kubelet.plugins[R]
 
         def allocates(n: int) -> list[float]:

@@ -104,6 +104,11 @@ class KubeletStandin:
         self.timeline: list[tuple[float, dict[str, int]]] = []
         self.started_at = 0.0
 
+    def allocatable(self, resource: str = contracts.RESOURCE_HYPERVISOR) -> int:
+        """The resource's allocatable count as the kubelet reports it (0 before any registration)."""
+        p = self.plugins.get(resource)
+        return p.healthy if p else 0
+
     async def start(self) -> None:
         os.makedirs(self.directory, exist_ok=True)
         if not os.path.exists(self.checkpoint):

@@ -33,10 +33,6 @@ from tests.fakes import FakeHelper, RecordingNotifier, device_dir, files_as_devi
 R = contracts.RESOURCE_HYPERVISOR
 
 
-def healthy(kubelet: KubeletStandin) -> int:
-    p = kubelet.plugins.get(R)
-    return p.healthy if p else 0
-
 
 def serving(agent: Agent, service: str) -> Optional[int]:
     status = agent.health_service._server_status.get(service)  # the value the exec probes read
@@ -71,7 +67,7 @@ def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) -> Non
             # first loss registers again at once, so "lost" is seen in what was said).
             said = len(notifier.messages)
             await kubelet.drop_stream(R)
-            await until(lambda: len(kubelet.register_calls) == 2 and agent.ready and healthy(kubelet) == 3,
+            await until(lambda: len(kubelet.register_calls) == 2 and agent.ready and kubelet.allocatable() == 3,
                         what="registered again")
             lost = [m for m in notifier.messages[said:] if m[0].startswith("STATUS=")]
             assert ("STATUS=the kubelet's ListAndWatch stream ended; registering again",) in lost, lost
@@ -207,7 +203,7 @@ def test_start_register_allocate_unhealthy_and_stop_in_process(tmp: str, helpers
         agent = Agent(settings_in(tmp), notifier=notifier)
         await agent.start()
         try:
-            await until(lambda: agent.ready and healthy(kubelet) == 3, what="ready with 3 healthy slots")
+            await until(lambda: agent.ready and kubelet.allocatable() == 3, what="ready with 3 healthy slots")
             assert agent.status() == "ready: kvm, 3 slots, 1 stream"
             assert read_bytes(cdi.spec_path(os.path.join(tmp, "cdi"))) == cdi.render("kvm", "/dev/kvm", 65534, 65534)
             response = await kubelet.allocate(R, ["kvm-2"])
@@ -217,13 +213,13 @@ def test_start_register_allocate_unhealthy_and_stop_in_process(tmp: str, helpers
             # The device fails its check: the slots follow, readiness and the health service too.
             helpers[0].answers["kvm"] = ProbeResult(False, "KVM_CREATE_VM failed")
             agent.checker.request()
-            await until(lambda: healthy(kubelet) == 0 and kubelet.plugins[R].devices, what="unhealthy slots")
+            await until(lambda: kubelet.allocatable() == 0 and kubelet.plugins[R].devices, what="unhealthy slots")
             assert agent.status() == "unhealthy: KVM_CREATE_VM failed" and not agent.ready
             await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING,
                         what="NOT_SERVING")
             helpers[0].answers.clear()
             agent.checker.request()
-            await until(lambda: agent.ready and healthy(kubelet) == 3, what="recovered")
+            await until(lambda: agent.ready and kubelet.allocatable() == 3, what="recovered")
         finally:
             await shut(agent)
         assert helpers[0].closed
@@ -291,13 +287,13 @@ def test_reload_applies_settings_keeps_restart_only_ones_and_refuses_invalid_fil
         agent = Agent(base, notifier=notifier, reload=reload)
         await agent.start()
         try:
-            await until(lambda: agent.ready and healthy(kubelet) == 3, what="ready")
+            await until(lambda: agent.ready and kubelet.allocatable() == 3, what="ready")
             # More slots and another owner apply at once; a new kubelet_dir only on restart.
             new.append(Settings.defaults(**{**base.__dict__, "device_count": 5, "device_uid": 1000,
                                             "kubelet_dir": os.path.join(tmp, "elsewhere"),
                                             "check_interval_seconds": 60.0}))
             agent.reload()
-            await until(lambda: healthy(kubelet) == 5, what="5 slots after the reload")
+            await until(lambda: kubelet.allocatable() == 5, what="5 slots after the reload")
             await until(lambda: b'"uid": 1000' in (read_bytes(cdi.spec_path(base.cdi_dir)) or b""),
                         what="the spec following the new uid")
             assert agent.settings.kubelet_dir == base.kubelet_dir
@@ -322,7 +318,7 @@ def test_reload_applies_settings_keeps_restart_only_ones_and_refuses_invalid_fil
             await until(reading.is_set, what="the first read to begin")
             agent.reload()
             gate.set()
-            await until(lambda: healthy(kubelet) == 2 and not new, what="both reads applied")
+            await until(lambda: kubelet.allocatable() == 2 and not new, what="both reads applied")
         finally:
             await shut(agent)
         agent.reload()  # after the stop: nothing starts

@@ -31,14 +31,10 @@ def listed(k: KubeletStandin) -> list[tuple[str, str]]:
     return p.devices if p and p.stream_open else []
 
 
-def healthy_slots(k: KubeletStandin) -> int:
-    p = plugin(k)
-    return p.healthy if p else 0
-
 
 def test_serves_before_registering_and_advertises_device_count(kubelet: StandinThread, start_agent: StartAgent) -> None:
     agent = start_agent("--device-count", "7")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 7, 15, "7 healthy slots")
+    kubelet.wait_until(lambda k: k.allocatable() == 7, 15, "7 healthy slots")
     # The stand-in dials back inside Register; success proves the agent served first.
     (_t, request), = kubelet.kubelet.register_calls
     assert (request.version, request.endpoint, request.resource_name) == ("v1beta1", "hyperlight.sock", R)
@@ -50,13 +46,13 @@ def test_serves_before_registering_and_advertises_device_count(kubelet: StandinT
 
 def test_default_device_count_is_2000(kubelet: StandinThread, start_agent: StartAgent) -> None:
     start_agent()
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2000, 15, "2000 healthy slots")
+    kubelet.wait_until(lambda k: k.allocatable() == 2000, 15, "2000 healthy slots")
 
 
 def test_default_allocation_returns_cdi_name_device_spec_and_env(kubelet: StandinThread,
                                                                  start_agent: StartAgent, tmp: str) -> None:
     start_agent("--device-count", "4")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 4, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 4, 15)
     (c,) = kubelet.call(kubelet.kubelet.allocate(R, ["kvm-1", "kvm-2"])).container_responses
     print(f"Allocate response (default, both): {' '.join(str(c).split())}")
     assert [d.name for d in c.cdi_devices] == ["hyperlight.dev/hypervisor=kvm"]
@@ -70,7 +66,7 @@ def test_default_allocation_returns_cdi_name_device_spec_and_env(kubelet: Standi
 def test_allocation_setting_chooses_cdi_device_spec_or_both(kubelet: StandinThread, start_agent: StartAgent,
                                                             mode: str, cdi_devices: int, specs: int) -> None:
     start_agent("--device-count", "2", env={"HYPERLIGHT_ALLOCATION": mode})
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     (c,) = kubelet.call(kubelet.kubelet.allocate(R, ["kvm-1"])).container_responses
     print(f"Allocate response ({mode}): {' '.join(str(c).split())}")
     assert len(c.cdi_devices) == cdi_devices
@@ -90,7 +86,7 @@ def test_allocation_setting_chooses_cdi_device_spec_or_both(kubelet: StandinThre
 def test_allocate_rejects_unknown_ids(kubelet: StandinThread, start_agent: StartAgent, ids: list[str],
                                       message: str) -> None:
     start_agent("--device-count", "2")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         kubelet.call(kubelet.kubelet.raw_allocate(R, ids))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -100,7 +96,7 @@ def test_allocate_rejects_unknown_ids(kubelet: StandinThread, start_agent: Start
 def test_plugin_options_preferred_allocation_and_prestart(kubelet: StandinThread, start_agent: StartAgent,
                                                          tmp: str) -> None:
     start_agent("--device-count", "3")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
 
     async def calls() -> tuple[pb.DevicePluginOptions, pb.PreferredAllocationResponse, pb.PreStartContainerResponse]:
         async with grpc.aio.insecure_channel(api.unix_target(os.path.join(tmp, "kubelet", "hyperlight.sock"))) as ch:
@@ -121,11 +117,11 @@ def test_plugin_options_preferred_allocation_and_prestart(kubelet: StandinThread
 
 def test_reregisters_after_kubelet_restart(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
     start_agent("--device-count", "3")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
     delays = []
     for _ in range(10):
         kubelet.call(kubelet.kubelet.restart())
-        kubelet.wait_until(lambda k: healthy_slots(k) == 3, 5, "healthy slots after restart")
+        kubelet.wait_until(lambda k: k.allocatable() == 3, 5, "healthy slots after restart")
         k = kubelet.kubelet
         delays.append(k.register_calls[-1][0] - k.started_at)
     print(f"new kubelet.sock → Register: {', '.join(f'{d * 1000:.0f} ms' for d in delays)}")  # bench: p99
@@ -135,20 +131,20 @@ def test_reregisters_after_kubelet_restart(kubelet: StandinThread, start_agent: 
 def test_reregisters_when_only_kubelet_sock_is_created_anew(kubelet: StandinThread, start_agent: StartAgent,
                                                             tmp: str) -> None:
     start_agent("--device-count", "3")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
     sock = os.path.join(tmp, "kubelet", "hyperlight.sock")
     ours = os.stat(sock)
     kubelet.call(kubelet.kubelet.replace_socket())  # our socket is left in place
-    kubelet.wait_until(lambda k: len(k.register_calls) == 2 and healthy_slots(k) == 3, 5)
+    kubelet.wait_until(lambda k: len(k.register_calls) == 2 and k.allocatable() == 3, 5)
     again = os.stat(sock)  # (a reused inode number is possible; the ctime tells files apart)
     assert (again.st_ino, again.st_ctime_ns) != (ours.st_ino, ours.st_ctime_ns), "served again"
 
 
 def test_reregisters_when_only_our_socket_is_deleted(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
     start_agent("--device-count", "3")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
     os.unlink(os.path.join(tmp, "kubelet", "hyperlight.sock"))
-    kubelet.wait_until(lambda k: len(k.register_calls) == 2 and healthy_slots(k) == 3, 5)
+    kubelet.wait_until(lambda k: len(k.register_calls) == 2 and k.allocatable() == 3, 5)
 
 
 def test_never_touches_other_files_in_kubelet_dir(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
@@ -157,7 +153,7 @@ def test_never_touches_other_files_in_kubelet_dir(kubelet: StandinThread, start_
     with open(other, "w") as f:
         f.write("x")
     agent = start_agent("--device-count", "1")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     assert agent.stop() == 0
     assert sorted(os.listdir(kdir)) == sorted([contracts.KUBELET_SOCKET, contracts.KUBELET_CHECKPOINT,
                                                "someone-else.sock"])
@@ -173,7 +169,7 @@ def test_hung_register_is_bounded_and_retried(kubelet: StandinThread, start_agen
              "the socket to be removed after a failed registration")
     kubelet.run(lambda k: setattr(k, "mode", "normal"))
     kubelet.run(lambda k: k.release())
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 20, "registration after the kubelet recovers")
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 20, "registration after the kubelet recovers")
     assert len(kubelet.kubelet.register_calls) >= 2
 
 
@@ -198,7 +194,7 @@ def test_rejected_register_backs_off_without_spinning(kubelet: StandinThread, st
     floors = [Backoff.initial_floor(n) for n in range(3)]
     assert all(g >= f for g, f in zip(gaps, floors)), f"retries faster than the backoff allows: {gaps} vs {floors}"
     kubelet.run(lambda k: setattr(k, "mode", "normal"))
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
 
 
 def test_no_kubelet_yet_then_kubelet_appears(tmp: str, start_agent: StartAgent) -> None:
@@ -206,14 +202,14 @@ def test_no_kubelet_yet_then_kubelet_appears(tmp: str, start_agent: StartAgent) 
     agent = start_agent("--device-count", "2")
     wait_for(lambda: f"cannot listen in {kdir} (kubelet_dir): the directory does not exist" in agent.log, 10)
     with StandinThread(kdir) as kubelet:
-        kubelet.wait_until(lambda k: healthy_slots(k) == 2, 5, "registration once kubelet.sock appears")
+        kubelet.wait_until(lambda k: k.allocatable() == 2, 5, "registration once kubelet.sock appears")
         assert agent.stop() == 0
 
 
 def test_every_open_stream_gets_each_health_change(kubelet: StandinThread, start_agent: StartAgent, tmp: str,
                                                   kvm_dir: str) -> None:
     start_agent("--device-count", "3", "--device-dir", kvm_dir)
-    kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
     sock = os.path.join(tmp, "kubelet", "hyperlight.sock")
     seen: list[list[list[tuple[str, str]]]] = [[] for _ in range(5)]
 
@@ -230,12 +226,12 @@ def test_every_open_stream_gets_each_health_change(kubelet: StandinThread, start
         os.unlink(node)
         make_node(node, 1, 3)  # an unusable device: inotify triggers a check at once
         wait_for(lambda: all(s[-1] and s[-1][0][1] == "Unhealthy" for s in seen), 10, "Unhealthy everywhere")
-        kubelet.wait_until(lambda k: healthy_slots(k) == 0, 5)
+        kubelet.wait_until(lambda k: k.allocatable() == 0, 5)
         assert all(len(s[-1]) == 3 and {h for _, h in s[-1]} == {"Unhealthy"} for s in seen)
         os.unlink(node)
         make_node(node, 10, 232)
         wait_for(lambda: all(s[-1] and s[-1][0][1] == "Healthy" for s in seen), 10, "recovery everywhere")
-        kubelet.wait_until(lambda k: healthy_slots(k) == 3, 5)
+        kubelet.wait_until(lambda k: k.allocatable() == 3, 5)
     finally:
         for t in tasks:
             t.cancel()
@@ -244,7 +240,7 @@ def test_every_open_stream_gets_each_health_change(kubelet: StandinThread, start
 def test_allocate_on_unhealthy_device_is_unavailable_with_reason(kubelet: StandinThread, start_agent: StartAgent,
                                                                  kvm_dir: str) -> None:
     start_agent("--device-count", "2", "--device-dir", kvm_dir)
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     node = os.path.join(kvm_dir, "kvm")
     os.unlink(node)
     make_node(node, 1, 3)
@@ -255,7 +251,7 @@ def test_allocate_on_unhealthy_device_is_unavailable_with_reason(kubelet: Standi
     assert "KVM_GET_API_VERSION failed" in str(info.value.details())
     os.unlink(node)
     make_node(node, 10, 232)
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 10, "recovery")
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 10, "recovery")
     assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"])).container_responses
 
 
@@ -268,7 +264,7 @@ def test_no_device_advertises_nothing_then_notices_one(kubelet: StandinThread, s
     assert listed(kubelet.kubelet) == []
     wait_for(lambda: "no hypervisor device in" in agent.log, 5)
     make_node(os.path.join(device_dir, "kvm"), 10, 232)
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 5, "slots once the device appears")
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 5, "slots once the device appears")
     os.unlink(os.path.join(device_dir, "kvm"))
     kubelet.wait_until(lambda k: plugin(k) and plugin(k).lists[-1][1] == [], 5, "capacity withdrawn")  # type: ignore[union-attr]
 
@@ -279,20 +275,20 @@ def test_host_identity_loss_makes_slots_unhealthy(kubelet: StandinThread, start_
     os.mkdir(host)
     make_node(os.path.join(host, "kvm"), 10, 232)
     start_agent("--device-count", "2", "--device-dir", kvm_dir, env={"HOST_DEVICE_DIR": host})
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     os.unlink(os.path.join(host, "kvm"))
-    kubelet.wait_until(lambda k: healthy_slots(k) == 0 and listed(k), 5, "unhealthy after host node removal")
+    kubelet.wait_until(lambda k: k.allocatable() == 0 and listed(k), 5, "unhealthy after host node removal")
     make_node(os.path.join(host, "kvm"), 10, 200)
     with pytest.raises(grpc.aio.AioRpcError, match="differs from the host's 10:200"):
         kubelet.call(kubelet.kubelet.raw_allocate(R, ["kvm-0"]))
     os.unlink(os.path.join(host, "kvm"))
     make_node(os.path.join(host, "kvm"), 10, 232)
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 5, "recovery")
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 5, "recovery")
 
 
 def test_cdi_drift_is_repaired_on_change(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
     start_agent("--device-count", "1")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     path = cdi.spec_path(os.path.join(tmp, "cdi"))
     wanted = cdi.render("kvm", "/dev/kvm", 65534, 65534)
     for damage in ("delete", "corrupt"):
@@ -309,7 +305,7 @@ def test_cdi_drift_is_repaired_on_change(kubelet: StandinThread, start_agent: St
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_cleanly(kubelet: StandinThread, start_agent: StartAgent, tmp: str, sig: int) -> None:
     agent = start_agent("--device-count", "1")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     assert agent.helpers()
     started = time.monotonic()
     assert agent.stop(sig) == 0
@@ -322,7 +318,7 @@ def test_signal_stops_cleanly(kubelet: StandinThread, start_agent: StartAgent, t
 
 def test_repeated_sigterm_during_shutdown_still_exits_cleanly(kubelet: StandinThread, start_agent: StartAgent) -> None:
     agent = start_agent("--device-count", "1")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     agent.proc.send_signal(signal.SIGTERM)
     agent.proc.send_signal(signal.SIGTERM)  # e.g. an impatient operator, or systemd and kubelet both
     assert agent.stop() == 0
@@ -330,7 +326,7 @@ def test_repeated_sigterm_during_shutdown_still_exits_cleanly(kubelet: StandinTh
 
 def test_startup_log_names_version_and_baked_commit(kubelet: StandinThread, start_agent: StartAgent) -> None:
     agent = start_agent("--device-count", "1", env={"HYPERLIGHT_AGENT_COMMIT": "0123abcd"})
-    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     assert agent.stop() == 0
     assert "starting hyperlight-agent 0.1.0 (commit 0123abcd)" in agent.log
 
@@ -338,11 +334,11 @@ def test_startup_log_names_version_and_baked_commit(kubelet: StandinThread, star
 def test_log_level_setting_is_honoured(kubelet: StandinThread, start_agent: StartAgent) -> None:
     # A lenient variable's bad value makes a warning, which must pass a "warning" level.
     agent = start_agent("--device-count", "1", env={"HYPERLIGHT_LOG_LEVEL": "warning", "DEVICE_UID": "x"})
-    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     assert agent.stop() == 0
     assert "WARNING: ignoring DEVICE_UID='x'" in agent.log
     assert "INFO" not in agent.log
     loud = start_agent("--device-count", "1", "--log-level", "debug")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     assert loud.stop() == 0
     assert "INFO: status: ready" in loud.log

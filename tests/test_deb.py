@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from hyperlight_agent import contracts
-from standin.kubelet import KubeletStandin, StandinThread
+from standin.kubelet import StandinThread
 from tests import nspawn
 from tests.conftest import assert_ships_the_agent_only, make_node, wait_for
 
@@ -53,10 +53,6 @@ def guest(tmp: str, deb: str) -> Iterator[nspawn.Guest]:
         yield g
 
 
-def slots(k: KubeletStandin) -> int:
-    p = k.plugins.get(R)
-    return p.healthy if p else 0
-
 
 def install(guest: nspawn.Guest) -> None:
     # --private-network: nothing can be downloaded; everything must come from the package.
@@ -76,7 +72,7 @@ def test_install_run_reload_remove_purge(guest: nspawn.Guest, tmp: str) -> None:
     assert guest.is_active("multi-user.target") == "active"
 
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
-        kubelet.wait_until(lambda k: slots(k) == 2000, 30)
+        kubelet.wait_until(lambda k: k.allocatable() == 2000, 30)
         wait_for(lambda: guest.is_active(UNIT) == "active", 15)
         assert 'Status: "ready: kvm, 2000 slots, 1 stream"' in guest.status(UNIT)
         spec = guest.run("cat", "/run/cdi/hyperlight.json").stdout
@@ -85,7 +81,7 @@ def test_install_run_reload_remove_purge(guest: nspawn.Guest, tmp: str) -> None:
         # systemctl reload applies a changed device_count.
         guest.run("sh", "-c", "echo 'device_count = 7' >> /etc/hyperlight-agent/agent.toml")
         guest.run("systemctl", "reload", UNIT)
-        kubelet.wait_until(lambda k: slots(k) == 7, 15, "7 slots after reload")
+        kubelet.wait_until(lambda k: k.allocatable() == 7, 15, "7 slots after reload")
 
         # Remove: stopped, no socket, no process, none of its files; config and the CDI directory stay.
         owned = guest.run("dpkg-query", "-L", "hyperlight-agent").stdout.split()
@@ -112,7 +108,7 @@ def test_install_run_reload_remove_purge(guest: nspawn.Guest, tmp: str) -> None:
         install(guest)
         wait_for(lambda: guest.is_active(UNIT) == "active", 30)
         print(f"apt-get install → active: {time.monotonic() - started:.2f} s")
-        kubelet.wait_until(lambda k: slots(k) == 2000, 15)
+        kubelet.wait_until(lambda k: k.allocatable() == 2000, 15)
 
 
 NEXT_VERSION = "0.1.1"
@@ -207,7 +203,7 @@ def test_upgrade_keeps_the_edited_config_restarts_once_and_purge_leaves_nothing(
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
         result = apt_get(guest, "install", "/root/agent-n.deb")
         assert result.returncode == 0, result.stdout + result.stderr
-        kubelet.wait_until(lambda k: slots(k) == 2000, 30, "version N registered")
+        kubelet.wait_until(lambda k: k.allocatable() == 2000, 30, "version N registered")
         old = guest.run("hyperlight-agent", "--version").stdout.strip()
         assert old != f"hyperlight-agent {NEXT_VERSION}"
         # The tree is compiled once, at install (faster starts); then the commands of the original
@@ -222,14 +218,15 @@ def test_upgrade_keeps_the_edited_config_restarts_once_and_purge_leaves_nothing(
 
         guest.run("sh", "-c", "echo 'device_count = 7' >> /etc/hyperlight-agent/agent.toml")
         guest.run("systemctl", "reload", UNIT)
-        kubelet.wait_until(lambda k: slots(k) == 7, 15, "7 slots after reload")
+        kubelet.wait_until(lambda k: k.allocatable() == 7, 15, "7 slots after reload")
         assert agent_starts(guest) == [old.split()[-1]]
 
         # Upgrade while the kubelet watches: the slots drop to zero once, for the restart.
         with ThreadPoolExecutor(1) as pool:
             upgrade = pool.submit(apt_get, guest, "install", "/root/agent-n1.deb")
-            gone = kubelet.wait_until(lambda k: slots(k) == 0 and time.monotonic(), 120, "the old agent to stop")
-            back = kubelet.wait_until(lambda k: slots(k) == 7 and time.monotonic(), 60, "the new agent to register")
+            gone = kubelet.wait_until(lambda k: k.allocatable() == 0 and time.monotonic(), 120, "the old agent to stop")
+            back = kubelet.wait_until(lambda k: k.allocatable() == 7 and time.monotonic(), 60,
+                                      "the new agent to register")
             result = upgrade.result(300)
         assert result.returncode == 0, result.stdout + result.stderr
         print(f"upgrade N → N+1: kubelet saw 0 healthy slots for {back - gone:.2f} s")

@@ -34,10 +34,6 @@ WANTED = cdi.render("kvm", "/dev/kvm", 65534, 65534)
 SENTINEL = b'{"cdiVersion": "0.5.0", "kind": "example.com/sentinel", "devices": []}\n'
 
 
-def slots(k: KubeletStandin) -> int:
-    p = k.plugins.get(R)
-    return p.healthy if p else 0
-
 
 def listed_unhealthy(k: KubeletStandin) -> bool:
     p = k.plugins.get(R)
@@ -79,7 +75,7 @@ class Node:
         subprocess.run(["nsenter", "-t", str(self.agent.proc.pid), "-m", *cmd], check=True, timeout=30)
 
     def healthy(self, timeout: float = 10) -> None:
-        self.kubelet.wait_until(lambda k: slots(k) == SLOTS, timeout, "Healthy slots")
+        self.kubelet.wait_until(lambda k: k.allocatable() == SLOTS, timeout, "Healthy slots")
         wait_for(lambda: self.probe("readiness") == 0, timeout, "readiness")
 
     def assert_unready(self, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
@@ -215,23 +211,23 @@ def test_row6_empty_socket_directory(tmp: str, start_agent: StartAgent) -> None:
     assert delays[2] > delays[0], f"no backoff: {delays}"
     assert os.listdir(kubelet_dir) == [], "a failed attempt leaves no socket behind"
     with StandinThread(kubelet_dir) as kubelet:
-        kubelet.wait_until(lambda k: slots(k) == SLOTS, 5, "registration once kubelet.sock appears")
+        kubelet.wait_until(lambda k: k.allocatable() == SLOTS, 5, "registration once kubelet.sock appears")
         assert agent.stop() == 0
 
 
 def test_row7_plugin_restart_capacity_gap(tmp: str, kubelet: StandinThread, start_agent: StartAgent) -> None:
     cdi_dir = os.path.join(tmp, "cdi")
     first = start_agent("--device-count", str(SLOTS))
-    kubelet.wait_until(lambda k: slots(k) == SLOTS, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == SLOTS, 15)
     spec = os.stat(cdi.spec_path(cdi_dir))
     gaps = []
     for _ in range(3):
         first.proc.send_signal(signal.SIGTERM)
-        kubelet.wait_until(lambda k: slots(k) == 0, 10, "the old stream to end")
+        kubelet.wait_until(lambda k: k.allocatable() == 0, 10, "the old stream to end")
         gone = time.monotonic()
         assert first.stop() == 0
         first = start_agent("--device-count", str(SLOTS))
-        kubelet.wait_until(lambda k: slots(k) == SLOTS, 10, "the new agent's slots")
+        kubelet.wait_until(lambda k: k.allocatable() == SLOTS, 10, "the new agent's slots")
         gaps.append(time.monotonic() - gone)
     print(f"plugin restart capacity gap: {', '.join(f'{g:.2f} s' for g in gaps)}")
     assert max(gaps) < 5
@@ -243,7 +239,7 @@ def test_row8_kubelet_restart(node: Node) -> None:
     seconds = []
     for _ in range(5):
         node.kubelet.call(node.kubelet.kubelet.restart())
-        node.kubelet.wait_until(lambda k: slots(k) == SLOTS, 5)
+        node.kubelet.wait_until(lambda k: k.allocatable() == SLOTS, 5)
         k = node.kubelet.kubelet
         seconds.append(k.plugins[R].lists[-1][0] - k.started_at)
     print(f"kubelet restart → Healthy listed: max {max(seconds) * 1000:.1f} ms")
@@ -291,7 +287,7 @@ def test_sigkill_mid_repair_leaves_a_complete_file(tmp: str, kubelet: StandinThr
     rng = random.Random(7)
     for _ in range(15):
         agent = start_agent("--device-count", "1")
-        kubelet.wait_until(lambda k: slots(k) == 1, 15)
+        kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
         with open(spec, "wb") as f:
             f.write(broken)
         time.sleep(rng.uniform(0, 0.004))  # jitter, not synchronisation: the kill lands anywhere in the repair
@@ -300,7 +296,7 @@ def test_sigkill_mid_repair_leaves_a_complete_file(tmp: str, kubelet: StandinThr
         content = read(spec)
         assert content in (broken, WANTED), content
         outcomes["old" if content == broken else "new"] += 1
-        kubelet.wait_until(lambda k: slots(k) == 0, 10)
+        kubelet.wait_until(lambda k: k.allocatable() == 0, 10)
     print(f"SIGKILL mid-repair: {outcomes}")
     cdi_dir = os.path.dirname(spec)
     # Temps a killed agent left are removed once old enough to be surely abandoned (a young one
@@ -310,7 +306,7 @@ def test_sigkill_mid_repair_leaves_a_complete_file(tmp: str, kubelet: StandinThr
         if name != "hyperlight.json":
             os.utime(os.path.join(cdi_dir, name), (aged, aged))
     agent = start_agent("--device-count", "1")
-    kubelet.wait_until(lambda k: slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     assert read(spec) == WANTED
     wait_for(lambda: os.listdir(cdi_dir) == ["hyperlight.json"], 5, "abandoned temp files removed")
     assert agent.stop() == 0

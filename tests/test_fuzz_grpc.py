@@ -133,18 +133,10 @@ def check_refusal(name: str, data: bytes, exc: grpc.aio.AioRpcError) -> None:
     assert len(exc.details() or "") <= 500
 
 
-def healthy_slots(kubelet: StandinThread) -> int:
-    def count(k: Any) -> int:
-        p = k.plugins.get(contracts.RESOURCE_HYPERVISOR)
-        return p.healthy if p else 0
-
-    return kubelet.run(count)
-
-
 def test_fuzz_grpc_methods_and_raw_socket_garbage_never_hurt_the_agent(
         kubelet: StandinThread, start_agent: StartAgent, tmp: str, kvm_dir: str) -> None:
     agent = start_agent("--device-count", str(SLOTS), "--device-dir", kvm_dir)
-    kubelet.wait_until(lambda k: (p := k.plugins.get(contracts.RESOURCE_HYPERVISOR)) and p.healthy == SLOTS, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == SLOTS, 15)
     pid = agent.proc.pid
     sock = os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET)
     rng = random.Random(11)
@@ -154,7 +146,7 @@ def test_fuzz_grpc_methods_and_raw_socket_garbage_never_hurt_the_agent(
 
     def alive() -> None:
         assert agent.proc.poll() is None and agent.proc.pid == pid, "the agent died"
-        assert healthy_slots(kubelet) == SLOTS, "the registration is no longer healthy"
+        assert kubelet.run(lambda k: k.allocatable()) == SLOTS, "the registration is no longer healthy"
 
     async def fuzz() -> None:
         nonlocal sent, raw_sent
@@ -209,7 +201,7 @@ def test_unparsable_request_bytes_are_invalid_arguments_without_a_traceback(
     """Found by the fuzzer: grpc made a deserializer's DecodeError an UNKNOWN "Unexpected …" and
     logged its traceback, once per garbage request."""
     agent = start_agent("--device-count", str(SLOTS), "--device-dir", kvm_dir)
-    kubelet.wait_until(lambda k: (p := k.plugins.get(contracts.RESOURCE_HYPERVISOR)) and p.healthy == SLOTS, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == SLOTS, 15)
     sock = os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET)
 
     async def refused(name: str) -> tuple[grpc.StatusCode, str]:
@@ -229,6 +221,6 @@ def test_unparsable_request_bytes_are_invalid_arguments_without_a_traceback(
         code, details = asyncio.run(refused(name))
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code, details)
         assert details.startswith(f"cannot parse {request_type.DESCRIPTOR.full_name}: "), details
-    assert healthy_slots(kubelet) == SLOTS
+    assert kubelet.run(lambda k: k.allocatable()) == SLOTS
     assert agent.stop() == 0
     assert "Traceback" not in agent.log and "Unexpected" not in agent.log, agent.log

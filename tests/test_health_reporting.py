@@ -15,7 +15,7 @@ import pytest
 
 from hyperlight_agent import contracts, modes
 from hyperlight_agent.host import journal
-from standin.kubelet import KubeletStandin, StandinThread
+from standin.kubelet import StandinThread
 from tests.conftest import StartAgent, make_node, wait_for
 
 R = contracts.RESOURCE_HYPERVISOR
@@ -30,10 +30,6 @@ def probe(tmp: str, which: str, *extra: str) -> tuple[int, str]:
     assert len(lines) == 1, result.stdout + result.stderr
     return result.returncode, lines[0]
 
-
-def slots(k: KubeletStandin) -> int:
-    p = k.plugins.get(R)
-    return p.healthy if p else 0
 
 
 def test_probes_with_no_agent_fail_with_a_reason(tmp: str) -> None:
@@ -61,14 +57,14 @@ def test_probes_in_every_state(kubelet: StandinThread, start_agent: StartAgent, 
     # Ready once the kubelet watches.
     kubelet.run(lambda k: setattr(k, "open_streams", True))
     kubelet.call(kubelet.kubelet.restart())
-    kubelet.wait_until(lambda k: slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     wait_for(lambda: probe(tmp, "readiness")[0] == 0, 10, "readiness")
 
     # Unhealthy device: live, not ready.
     node = os.path.join(kvm_dir, "kvm")
     os.unlink(node)
     make_node(node, 1, 3)
-    kubelet.wait_until(lambda k: slots(k) == 0, 10)
+    kubelet.wait_until(lambda k: k.allocatable() == 0, 10)
     wait_for(lambda: probe(tmp, "readiness")[0] == 1, 10, "not ready when unhealthy")
     assert probe(tmp, "liveness")[0] == 0
     os.unlink(node)
@@ -99,7 +95,7 @@ def test_a_named_instance_is_probed_at_its_own_socket(kubelet: StandinThread, st
     """In a pod the agent serves hyperlight.<pod>.sock: the exec probe, with the same settings,
     checks that socket, not another agent's."""
     start_agent("--device-dir", kvm_dir, "--device-count", "2", "--instance", "pod-a")
-    kubelet.wait_until(lambda k: slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     wait_for(lambda: probe(tmp, "readiness", "--instance", "pod-a")[0] == 0, 10)
     assert "hyperlight.pod-a.sock" in probe(tmp, "liveness", "--instance", "pod-a")[1]
     assert probe(tmp, "liveness", "--instance", "pod-b")[1].startswith("liveness: not serving: no socket")
@@ -157,7 +153,7 @@ def test_sd_notify_sequence(tmp: str, start_agent: StartAgent, notify_socket: No
     assert "READY=1" not in notify_socket.lines()
 
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
-        kubelet.wait_until(lambda k: slots(k) == 3, 15)
+        kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
         wait_for(lambda: "READY=1" in notify_socket.lines(), 10, "READY=1")
         ready_message = next(m for m in notify_socket.drain() if "READY=1" in m)
         assert "STATUS=ready: kvm, 3 slots, 1 stream" in ready_message
@@ -167,7 +163,7 @@ def test_sd_notify_sequence(tmp: str, start_agent: StartAgent, notify_socket: No
         with open(config, "w") as f:
             f.write("device_count = 5\n")
         agent.proc.send_signal(signal.SIGHUP)
-        kubelet.wait_until(lambda k: slots(k) == 5, 10, "5 slots after reload")
+        kubelet.wait_until(lambda k: k.allocatable() == 5, 10, "5 slots after reload")
         lines = notify_socket.lines()
         last_reload = len(lines) - 1 - lines[::-1].index("RELOADING=1")
         assert "READY=1" in lines[last_reload:], "a reload of a ready agent ends with READY=1"
@@ -185,7 +181,7 @@ def test_sd_notify_sequence(tmp: str, start_agent: StartAgent, notify_socket: No
         agent.proc.send_signal(signal.SIGHUP)
         wait_for(lambda: any(line.startswith("STATUS=reload failed") for line in notify_socket.lines()[before:]), 10)
         assert "device_count in" in agent.log and "reload failed" in agent.log
-        assert slots(kubelet.kubelet) == 5
+        assert kubelet.kubelet.allocatable() == 5
         assert agent.stop() == 0
     assert "STOPPING=1" in notify_socket.lines()
 
@@ -193,7 +189,7 @@ def test_sd_notify_sequence(tmp: str, start_agent: StartAgent, notify_socket: No
 def test_without_notify_socket_nothing_is_sent_and_nothing_fails(kubelet: StandinThread,
                                                                  start_agent: StartAgent) -> None:
     agent = start_agent("--device-count", "1")
-    kubelet.wait_until(lambda k: slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     assert agent.stop() == 0
     assert "ERROR" not in agent.log and "Traceback" not in agent.log
 
@@ -262,7 +258,7 @@ def test_a_notify_reader_that_never_reads_cannot_wedge_the_agent(kubelet: Standi
     deaf.bind(path)  # the queue fills after a few datagrams; sends would then block
     try:
         agent = start_agent("--device-count", "1", env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "20000"})
-        kubelet.wait_until(lambda k: slots(k) == 1, 15)
+        kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
         started = time.monotonic()
         assert agent.stop(timeout=10) == 0
         assert time.monotonic() - started < 5
@@ -283,6 +279,6 @@ def test_no_ready_while_unhealthy_and_status_says_why(tmp: str, start_agent: Sta
         wait_for(lambda: wanted in notify_socket.lines(), 10, "the unhealthy STATUS")
         assert "READY=1" not in notify_socket.lines()
         os.unlink(os.path.join(cdi_dir, "hyperlight.json"))
-        kubelet.wait_until(lambda k: slots(k) == 2, 10)
+        kubelet.wait_until(lambda k: k.allocatable() == 2, 10)
         wait_for(lambda: "READY=1" in notify_socket.lines(), 10, "READY=1 once healthy")
         assert agent.stop() == 0

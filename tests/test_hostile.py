@@ -30,10 +30,6 @@ pytestmark = pytest.mark.root
 R = contracts.RESOURCE_HYPERVISOR
 
 
-def healthy_slots(k: KubeletStandin) -> int:
-    p = k.plugins.get(R)
-    return p.healthy if p else 0
-
 
 def health_check(tmp: str, which: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--kubelet-dir",
@@ -60,7 +56,7 @@ def test_a_bad_file_on_reload_never_stalls_and_is_refused(kubelet: StandinThread
     agent = AgentProcess(tmp, "--kubelet-dir", os.path.join(tmp, "kubelet"), "--cdi-dir", os.path.join(tmp, "cdi"),
                          "--config", config)
     try:
-        kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
+        kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
         os.unlink(config)
         if bad == "fifo":
             os.mkfifo(config)  # nobody ever writes: a blocking read would wedge the agent
@@ -76,7 +72,7 @@ def test_a_bad_file_on_reload_never_stalls_and_is_refused(kubelet: StandinThread
         assert health_check(tmp, "liveness").returncode == 0
         assert health_check(tmp, "readiness").returncode == 0
         assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-2"])).container_responses
-        assert healthy_slots(kubelet.kubelet) == 3, "the running settings are kept"
+        assert kubelet.kubelet.allocatable() == 3, "the running settings are kept"
         started = time.monotonic()
         assert agent.stop() == 0
         print(f"stop after a refused reload ({bad}): {(time.monotonic() - started) * 1000:.0f} ms")
@@ -103,7 +99,7 @@ def raw_call(tmp: str, method: str, request: Any, timeout: float = 10) -> Any:
 def test_hostile_device_ids_are_invalid_arguments_quoted_short(kubelet: StandinThread, start_agent: StartAgent,
                                                                tmp: str, device_id: str, message: str) -> None:
     agent = start_agent("--device-count", "2")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[device_id])])
     with pytest.raises(grpc.aio.AioRpcError) as info:
         raw_call(tmp, "Allocate", request)
@@ -117,7 +113,7 @@ def test_hostile_device_ids_are_invalid_arguments_quoted_short(kubelet: StandinT
 def test_preferred_allocation_is_linear_and_bounded(kubelet: StandinThread, start_agent: StartAgent,
                                                     tmp: str) -> None:
     start_agent("--device-count", "2")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     ids = [f"kvm-{i}" for i in range(20_000)]
     request = pb.PreferredAllocationRequest(container_requests=[pb.ContainerPreferredAllocationRequest(
         available_deviceIDs=ids, must_include_deviceIDs=list(reversed(ids)), allocation_size=20_000)])
@@ -142,7 +138,7 @@ def test_a_filesystem_mounted_over_the_cdi_dir_is_watched_anew(kubelet: StandinT
     agent = AgentProcess(tmp, "--kubelet-dir", os.path.join(tmp, "kubelet"), "--cdi-dir", cdi_dir,
                          "--check-interval", "3600", prefix=wrapper)
     try:
-        kubelet.wait_until(lambda k: healthy_slots(k) == 2000, 15)
+        kubelet.wait_until(lambda k: k.allocatable() == 2000, 15)
         in_agent = ["nsenter", "-t", str(agent.proc.pid), "-m"]
         subprocess.run([*in_agent, "mount", "-t", "tmpfs", "tmpfs", cdi_dir], check=True, timeout=30)
         spec = cdi.spec_path(cdi_dir)
@@ -192,7 +188,7 @@ def test_a_watch_that_cannot_be_added_is_said_once(tmp: str, caplog: pytest.LogC
 def test_the_spec_mode_and_owner_are_repaired(kubelet: StandinThread, start_agent: StartAgent, tmp: str,
                                               drift: str) -> None:
     start_agent("--device-count", "1")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     spec = cdi.spec_path(os.path.join(tmp, "cdi"))
     if drift.startswith("chmod"):
         os.chmod(spec, 0o600)
@@ -224,7 +220,7 @@ def test_a_cdi_dir_that_is_a_symlink_is_refused_and_its_removal_seen_at_once(kub
     wait_for(lambda: f"{cdi_dir} (cdi_dir) is a symlink; refusing to follow it" in agent.log, 10)
     assert os.listdir(elsewhere) == []
     os.unlink(cdi_dir)
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 10, "Healthy, with the spec in a real directory")
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 10, "Healthy, with the spec in a real directory")
     assert stat.S_ISDIR(os.lstat(cdi_dir).st_mode)
     assert read_bytes(cdi.spec_path(cdi_dir)) == cdi.render("kvm", "/dev/kvm", 65534, 65534)
     assert os.listdir(elsewhere) == []

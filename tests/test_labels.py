@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from hyperlight_agent.node import atomic, labels
-from standin.kubelet import KubeletStandin, StandinThread
+from standin.kubelet import StandinThread
 from tests.conftest import StartAgent, make_node, wait_for
 from tests.conftest import read_bytes as read
 
@@ -75,10 +75,6 @@ def test_readers_never_see_a_partial_file(tmp: str) -> None:
     assert reads > 0 and bad == 0
 
 
-def slots(k: KubeletStandin) -> int:
-    p = k.plugins.get("hyperlight.dev/hypervisor")
-    return p.healthy if p else 0
-
 
 def test_agent_labels_follow_the_device(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
     device_dir = os.path.join(tmp, "dev")
@@ -88,7 +84,7 @@ def test_agent_labels_follow_the_device(kubelet: StandinThread, start_agent: Sta
     start_agent("--device-count", "1", "--device-dir", device_dir, "--nfd-features-dir", features)
     kubelet.wait_until(lambda k: k.plugins.get("hyperlight.dev/hypervisor"), 15)
     make_node(os.path.join(device_dir, "kvm"), 10, 232)
-    kubelet.wait_until(lambda k: slots(k) == 1, 10)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 10)
     wait_for(lambda: read(path) == labels.render("kvm"), 5, "labels for kvm")
     os.unlink(os.path.join(device_dir, "kvm"))
     wait_for(lambda: read(path) is None, 5, "labels removed with the device")
@@ -101,7 +97,7 @@ def test_agent_repairs_the_feature_file_like_the_spec(kubelet: StandinThread, st
     features = os.path.join(tmp, "features.d")
     path = os.path.join(features, labels.FEATURE_FILE)
     agent = start_agent("--device-count", "1", "--nfd-features-dir", features, "--check-interval", "3600")
-    kubelet.wait_until(lambda k: slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     wait_for(lambda: read(path) == labels.render("kvm"), 5, "labels for kvm")
     os.unlink(path)
     wait_for(lambda: read(path) == labels.render("kvm"), 5, "the deleted file written again")

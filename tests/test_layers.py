@@ -159,7 +159,7 @@ def _top_packages_imported(path: str) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("tree, forbidden", [("hyperlight_agent", {"tests", "standin", "bench"}),
+@pytest.mark.parametrize(("tree", "forbidden"), [("hyperlight_agent", {"tests", "standin", "bench"}),
                                              ("standin", {"tests", "bench"}), ("bench", {"tests"})])
 def test_development_trees_stand_on_their_own(tree: str, forbidden: set[str]) -> None:
     """The shipped package needs none of the development trees; the stand-ins and the benchmarks

@@ -32,10 +32,6 @@ def plugin(k: KubeletStandin) -> Plugin | None:
     return k.plugins.get(R)
 
 
-def healthy_slots(k: KubeletStandin) -> int:
-    p = plugin(k)
-    return p.healthy if p else 0
-
 
 def socket_identity(path: str) -> tuple[int, int]:
     st = os.lstat(path)
@@ -48,15 +44,15 @@ def test_stream_dropped_by_the_kubelet_is_registered_again(kubelet: StandinThrea
                                                             flavor: str) -> None:
     kubelet.run(lambda k: setattr(k, "flavor", flavor))
     start_agent("--device-count", "3")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
     seconds = []
     for _ in range(3):
         first = plugin(kubelet.kubelet)
         calls = len(kubelet.kubelet.register_calls)
         kubelet.call(kubelet.kubelet.drop_stream(R))
         started = time.monotonic()
-        assert healthy_slots(kubelet.kubelet) == 0, "a dropped stream leaves nothing allocatable"
-        kubelet.wait_until(lambda k, first=first: plugin(k) is not first and healthy_slots(k) == 3, 5,  # type: ignore[misc]
+        assert kubelet.kubelet.allocatable() == 0, "a dropped stream leaves nothing allocatable"
+        kubelet.wait_until(lambda k, first=first: plugin(k) is not first and k.allocatable() == 3, 5,  # type: ignore[misc]
                            "Healthy again")
         seconds.append(time.monotonic() - started)
         assert len(kubelet.kubelet.register_calls) == calls + 1
@@ -69,7 +65,7 @@ def test_no_stream_after_register_is_registered_again(kubelet: StandinThread, st
     agent = start_agent("--device-count", "2")
     kubelet.wait_until(lambda k: k.plugins.get(R), 15, "the first registration")
     kubelet.run(lambda k: setattr(k, "open_streams", True))
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, registration.STREAM_OPEN_TIMEOUT_S + 5,
+    kubelet.wait_until(lambda k: k.allocatable() == 2, registration.STREAM_OPEN_TIMEOUT_S + 5,
                        "a second Register, this time streamed")
     assert len(kubelet.kubelet.register_calls) == 2
     wait_for(lambda: "no ListAndWatch stream within" in agent.log, 5)
@@ -83,11 +79,11 @@ def test_old_stream_ends_before_the_next_register(kubelet: StandinThread, start_
     (1.34) or refuses a Register at a socket path still connected (1.35+)."""
     kubelet.run(lambda k: setattr(k, "flavor", flavor))
     start_agent("--device-count", "2")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     old = plugin(kubelet.kubelet)
     assert old is not None
     os.unlink(os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET))
-    kubelet.wait_until(lambda k: plugin(k) is not old and healthy_slots(k) == 2, 10, "registered again")
+    kubelet.wait_until(lambda k: plugin(k) is not old and k.allocatable() == 2, 10, "registered again")
     new = plugin(kubelet.kubelet)
     assert new is not None and old.stream_ended_at is not None
     register_at = kubelet.kubelet.register_calls[-1][0]
@@ -100,7 +96,7 @@ def test_shutdown_ends_the_stream_and_removes_the_socket(kubelet: StandinThread,
                                                          tmp: str) -> None:
     """(The order — stream first, then socket — is checked in-process in test_registration.py.)"""
     agent = start_agent("--device-count", "2")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     p = plugin(kubelet.kubelet)
     assert p is not None
     assert agent.stop() == 0
@@ -112,7 +108,7 @@ def test_shutdown_ends_the_stream_and_removes_the_socket(kubelet: StandinThread,
 
 def test_two_agents_on_one_directory_one_serves(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
     first = start_agent("--device-count", "2")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     path = os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET)
     before = socket_identity(path)
     second = start_agent("--device-count", "2")
@@ -120,7 +116,7 @@ def test_two_agents_on_one_directory_one_serves(kubelet: StandinThread, start_ag
     assert f"{path}: another agent is serving it" in second.log
     assert socket_identity(path) == before, "the survivor's socket is untouched"
     assert len(kubelet.kubelet.register_calls) == 1, "the resource never flapped"
-    assert healthy_slots(kubelet.kubelet) == 2
+    assert kubelet.kubelet.allocatable() == 2
     assert first.proc.poll() is None
     assert first.stop() == 0
 
@@ -147,7 +143,7 @@ def test_a_stale_socket_is_replaced(kubelet: StandinThread, start_agent: StartAg
     stale.close()  # the file stays; nothing listens
     before = socket_identity(path)
     agent = start_agent("--device-count", "2")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     assert socket_identity(path) != before
     assert agent.stop() == 0
     assert nothing_left(tmp) == []
@@ -179,7 +175,7 @@ def test_signal_in_the_first_moments(kubelet: StandinThread, start_agent: StartA
         time.sleep(delay)  # not synchronisation: lands somewhere in startup, wherever it is
         agent.proc.send_signal(sig)
         if sig == signal.SIGHUP:
-            kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+            kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
             assert agent.stop() == 0
         else:
             assert agent.proc.wait(10) == 0, agent.log
@@ -199,7 +195,7 @@ def test_sigterm_during_a_hung_register(kubelet: StandinThread, start_agent: Sta
 
 def test_sigterm_during_a_stalled_check(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
     agent = start_agent("--device-count", "1")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     (helper,) = agent.helpers()
     os.kill(helper, signal.SIGSTOP)  # the next check hangs in the helper for its 2 s deadline
     allocate = asyncio.run_coroutine_threadsafe(kubelet.kubelet.raw_allocate(R, ["kvm-0"]), kubelet.loop)
@@ -216,13 +212,13 @@ def test_sigterm_during_a_stalled_check(kubelet: StandinThread, start_agent: Sta
 def test_stalled_helper_is_rechecked_promptly(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
     """A stalled helper makes one check fail; the next one follows at once, not an interval later."""
     agent = start_agent("--device-count", "1", "--check-interval", "3600")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     (helper,) = agent.helpers()
     os.kill(helper, signal.SIGSTOP)
     with open(os.path.join(tmp, "cdi", contracts.CDI_SPEC_FILE), "wb") as f:
         f.write(b"{")  # inotify asks for a check, which stalls in the helper and times out
-    kubelet.wait_until(lambda k: healthy_slots(k) == 0, 10, "Unhealthy after the helper missed its deadline")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 1, 10, "Healthy again without waiting an hour")
+    kubelet.wait_until(lambda k: k.allocatable() == 0, 10, "Unhealthy after the helper missed its deadline")
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 10, "Healthy again without waiting an hour")
     assert helper not in agent.helpers()
 
 
@@ -239,16 +235,16 @@ def test_handover_to_a_successor(kubelet: StandinThread, start_agent: StartAgent
     at once (kubernetes issue 121994)."""
     kubelet.run(lambda k: setattr(k, "flavor", flavor))
     old = start_agent("--device-count", "3", "--instance", "agent-old", "--handover-seconds", "30")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15, "the first agent serving")
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15, "the first agent serving")
     new = start_agent("--device-count", "3", "--instance", "agent-new", "--handover-seconds", "0.5")
     kubelet.wait_until(lambda k: plugin(k) is not None and plugin(k).endpoint == "hyperlight.agent-new.sock"  # type: ignore[union-attr]
-                       and healthy_slots(k) == 3, 15, "the successor registered beside it")
+                       and k.allocatable() == 3, 15, "the successor registered beside it")
     since = time.monotonic()
     assert zero_after_healthy(kubelet.kubelet, since) == []
     assert old.stop(timeout=10) == 0, old.log
     assert "handing over to " + os.path.join(tmp, "kubelet", "hyperlight.agent-new.sock") in old.log
     assert not os.path.exists(os.path.join(tmp, "kubelet", "hyperlight.agent-old.sock"))
-    kubelet.wait_until(lambda k: healthy_slots(k) == 3 and plugin(k).endpoint == "hyperlight.agent-new.sock",  # type: ignore[union-attr]
+    kubelet.wait_until(lambda k: k.allocatable() == 3 and plugin(k).endpoint == "hyperlight.agent-new.sock",  # type: ignore[union-attr]
                        10, "the successor serving alone")
     zeros = zero_after_healthy(kubelet.kubelet, since)
     registers = [r.endpoint for _, r in kubelet.kubelet.register_calls]
@@ -265,7 +261,7 @@ def test_handover_to_a_successor(kubelet: StandinThread, start_agent: StartAgent
 
 def test_handover_without_a_successor_stops_after_the_bound(kubelet: StandinThread, start_agent: StartAgent) -> None:
     agent = start_agent("--device-count", "2", "--instance", "alone", "--handover-seconds", "0.5")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     p = plugin(kubelet.kubelet)
     assert p is not None
     assert agent.stop(timeout=10) == 0
@@ -277,7 +273,7 @@ def test_a_successor_that_is_not_ready_is_not_handed_over_to(kubelet: StandinThr
                                                              tmp: str) -> None:
     """A peer socket that answers but is not ready (no kubelet stream) is no successor."""
     agent = start_agent("--device-count", "2", "--instance", "one", "--handover-seconds", "0.5")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     kubelet.run(lambda k: setattr(k, "mode", "reject"))  # the second agent never gets registered
     second = start_agent("--device-count", "2", "--instance", "two")
     wait_for(lambda: "registration failed" in second.log, 15, "the second agent's Register refused")
@@ -292,10 +288,10 @@ def test_a_kubelet_that_is_down_a_while_is_served_anew_when_it_returns(kubelet: 
     while it is down, and when it comes back (having removed every socket) the agent must serve
     anew, not register the server whose socket is gone (the kubelet would fail to dial it)."""
     agent = start_agent("--device-count", "2")
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     kubelet.call(kubelet.kubelet.stop())
     wait_for(lambda: "registration failed" in agent.log, 10, "a Register while the kubelet is down")
     calls = len(kubelet.kubelet.register_calls)
     kubelet.call(kubelet.kubelet.restart())
-    kubelet.wait_until(lambda k: healthy_slots(k) == 2, 5, "served and registered anew")
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 5, "served and registered anew")
     assert len(kubelet.kubelet.register_calls) == calls + 1, "one Register, to a socket that exists"

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from hyperlight_agent import contracts
-from standin.kubelet import KubeletStandin, StandinThread
+from standin.kubelet import StandinThread
 from tests.conftest import StartAgent, wait_for
 
 R = contracts.RESOURCE_HYPERVISOR
@@ -31,20 +31,16 @@ def scrape(address: str) -> str:
         return body.decode()
 
 
-def slots(k: KubeletStandin) -> int:
-    p = k.plugins.get(R)
-    return p.healthy if p else 0
-
 
 def test_metrics_count_what_happened(kubelet: StandinThread, start_agent: StartAgent) -> None:
     address = f"127.0.0.1:{free_port()}"
     start_agent("--device-count", "2", "--metrics-address", address)
-    kubelet.wait_until(lambda k: slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"]))
     with pytest.raises(grpc.aio.AioRpcError):
         kubelet.call(kubelet.kubelet.raw_allocate(R, ["kvm-9"]))
     kubelet.call(kubelet.kubelet.restart())
-    kubelet.wait_until(lambda k: slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     text = wait_for(lambda: (t := scrape(address)) and "hyperlight_kubelet_restarts_total 1.0" in t and t,
                     10, "the restart to be counted")
     for line in ("hyperlight_device_healthy 1.0", 'hyperlight_allocations_total{outcome="ok"} 1.0',
@@ -58,7 +54,7 @@ def test_metrics_count_what_happened(kubelet: StandinThread, start_agent: StartA
 
 def test_metrics_are_off_by_default(kubelet: StandinThread, start_agent: StartAgent) -> None:
     agent = start_agent("--device-count", "1")
-    kubelet.wait_until(lambda k: slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     assert agent.stop() == 0
     assert "metrics on" not in agent.log
 
@@ -68,13 +64,13 @@ def test_metrics_count_failures_by_cause_and_helper_timeouts(kubelet: StandinThr
     address = f"127.0.0.1:{free_port()}"
     agent = start_agent("--device-count", "1", "--device-dir", kvm_dir, "--metrics-address", address,
                         "--check-interval", "1")
-    kubelet.wait_until(lambda k: slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     (helper,) = agent.helpers()
     os.kill(helper, signal.SIGSTOP)  # the next check times out and kills it
     wait_for(lambda: "hyperlight_probe_helper_timeouts_total 1.0" in scrape(address), 10, "a helper timeout")
     text = scrape(address)
     assert 'hyperlight_check_failures_total{cause="probe"} 1.0' in text
-    kubelet.wait_until(lambda k: slots(k) == 1, 10, "recovery with a new helper")
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 10, "recovery with a new helper")
     os.unlink(os.path.join(kvm_dir, "kvm"))
     wait_for(lambda: 'hyperlight_device_unhealthy_cause{cause="no-device"} 1.0' in scrape(address), 10)
     assert "hyperlight_device_healthy 0.0" in scrape(address)
@@ -106,7 +102,7 @@ def test_idle_connections_to_the_metrics_port_never_cost_a_slot(kubelet: Standin
     port = int(address.rsplit(":", 1)[1])
     agent = start_agent("--device-count", "2", "--metrics-address", address,
                         prefix=["prlimit", f"--nofile={FD_LIMIT}"])
-    kubelet.wait_until(lambda k: slots(k) == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     wait_for(lambda: "hyperlight_device_healthy 1.0" in scrape(address), 10, "metrics served")
     idle: list[socket.socket] = []
     timeouts = 0
@@ -126,7 +122,7 @@ def test_idle_connections_to_the_metrics_port_never_cost_a_slot(kubelet: Standin
         wait_for(lambda: accept_queue(port) == 0 or fds(agent.proc.pid) >= FD_LIMIT - 2, 20, "the flood accepted")
         for _ in range(10):
             assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"])).container_responses
-        assert slots(kubelet.kubelet) == 2
+        assert kubelet.kubelet.allocatable() == 2
         assert fds(agent.proc.pid) < FD_LIMIT // 2
         assert "hyperlight_device_healthy 1.0" in scrape(address)
     finally:
@@ -142,7 +138,7 @@ def test_garbage_to_the_metrics_port_is_answered_without_a_traceback(kubelet: St
     address = f"127.0.0.1:{free_port()}"
     port = int(address.rsplit(":", 1)[1])
     agent = start_agent("--device-count", "1", "--metrics-address", address)
-    kubelet.wait_until(lambda k: slots(k) == 1, 15)
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     wait_for(lambda: "hyperlight_device_healthy" in scrape(address), 10, "metrics served")
     answers = {}
     for name, request in {"garbage": b"\x00\xff\x16\x03\x01 junk\r\n\r\n", "not http": b"HELLO\r\n\r\n",
@@ -172,7 +168,7 @@ def test_a_metrics_address_in_use_is_said_and_retried(kubelet: StandinThread, st
         squatter.listen(1)
         address = f"127.0.0.1:{squatter.getsockname()[1]}"
         agent = start_agent("--device-count", "1", "--metrics-address", address)
-        kubelet.wait_until(lambda k: slots(k) == 1, 15)
+        kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
         wait_for(lambda: f"metrics_address {address}: cannot listen: Address already in use" in agent.log, 10)
     wait_for(lambda: "hyperlight_device_healthy 1.0" in scrape_or_empty(address), 40, "metrics once the port is free")
     assert agent.proc.poll() is None

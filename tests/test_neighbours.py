@@ -16,7 +16,7 @@ from typing import Any
 
 from hyperlight_agent import contracts
 from hyperlight_agent.node import cdi
-from standin.kubelet import KubeletStandin, StandinThread
+from standin.kubelet import StandinThread
 from tests.conftest import AgentProcess, count_inputs, read_bytes, wait_for
 from tests.test_fuzz import snapshot
 
@@ -99,13 +99,9 @@ def populate_cdi(cdi_dir: str) -> None:
     os.mkdir(os.path.join(cdi_dir, "hyperlight.json.d"))
 
 
-def healthy_slots(k: KubeletStandin) -> int:
-    p = k.plugins.get(R)
-    return p.healthy if p else 0
-
 
 def wait_slots(kubelet: StandinThread, n: int, what: str) -> None:
-    kubelet.wait_until(lambda k: healthy_slots(k) == n, 15, what)
+    kubelet.wait_until(lambda k: k.allocatable() == n, 15, what)
 
 
 def test_a_fault_heavy_run_leaves_every_neighbour_exactly_as_it_was(
@@ -128,7 +124,7 @@ def test_a_fault_heavy_run_leaves_every_neighbour_exactly_as_it_was(
     args = ("--kubelet-dir", kubelet_dir, "--cdi-dir", cdi_dir, "--device-dir", kvm_dir, "--config", config)
     agents = [AgentProcess(tmp, *args)]
     try:
-        kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15, "registered")
+        kubelet.wait_until(lambda k: k.allocatable() == 3, 15, "registered")
         wait_for(lambda: read_bytes(spec) == WANTED, 5, "our spec")
         for round_ in range(5):
             os.unlink(spec)
@@ -143,7 +139,7 @@ def test_a_fault_heavy_run_leaves_every_neighbour_exactly_as_it_was(
                 kubelet.call(kubelet.kubelet.restart())
                 for neighbour in neighbours:
                     neighbour.serve_again()
-                kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15, "registered again")
+                kubelet.wait_until(lambda k: k.allocatable() == 3, 15, "registered again")
             else:
                 slots = 4 + round_  # 5, then 7
                 with open(config, "w") as f:
@@ -153,11 +149,11 @@ def test_a_fault_heavy_run_leaves_every_neighbour_exactly_as_it_was(
                 with open(config, "w") as f:
                     f.write("device_count = 3\n")
                 agents[-1].proc.send_signal(signal.SIGHUP)
-                kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15, "reloaded back")
+                kubelet.wait_until(lambda k: k.allocatable() == 3, 15, "reloaded back")
         # An agent restart.
         assert agents[-1].stop() == 0
         agents.append(AgentProcess(tmp, *args))
-        kubelet.wait_until(lambda k: healthy_slots(k) == 3, 15, "registered by the new agent")
+        kubelet.wait_until(lambda k: k.allocatable() == 3, 15, "registered by the new agent")
         wait_for(lambda: read_bytes(spec) == WANTED, 5, "our spec")
         assert agents[-1].stop() == 0
         registrations = kubelet.run(lambda k: len(k.register_calls))

@@ -128,10 +128,6 @@ def test_a_live_socket_at_our_path_is_another_agents(tmp: str) -> None:
     run(tmp, body)
 
 
-def healthy(kubelet: KubeletStandin) -> int:
-    p = kubelet.plugins.get(R)
-    return p.healthy if p else 0
-
 
 def test_another_clients_stream_never_hides_the_loss_of_the_kubelets(tmp: str) -> None:
     """A monitoring sidecar or an operator's grpcurl holds a ListAndWatch stream of its own: when
@@ -147,7 +143,7 @@ def test_another_clients_stream_never_hides_the_loss_of_the_kubelets(tmp: str) -
             assert len((await observer.read()).devices) == 2  # its stream is open
             assert registrar.streams == 2
             await kubelet.drop_stream(R)
-            await until(lambda: len(kubelet.register_calls) == 2 and healthy(kubelet) == 2,
+            await until(lambda: len(kubelet.register_calls) == 2 and kubelet.allocatable() == 2,
                         what="registered again although another client's stream is open")
         assert registrar.streams_lost == 1 and registrar.kubelet_restarts == 0
         assert registrar.state == registration.STREAMED

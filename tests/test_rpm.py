@@ -22,7 +22,7 @@ from packaging.version import Version
 from hyperlight_agent import contracts
 from hyperlight_agent.device.helper import HELPER_MARK
 from standin import procs
-from standin.kubelet import KubeletStandin, StandinThread
+from standin.kubelet import StandinThread
 from tests import nspawn
 from tests.conftest import assert_ships_the_agent_only, wait_for
 
@@ -197,10 +197,6 @@ def kubelet(tmp: str) -> Iterator[StandinThread]:
         yield standin
 
 
-def slots(k: KubeletStandin) -> int:
-    p = k.plugins.get(R)
-    return p.healthy if p else 0
-
 
 def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items()
@@ -239,7 +235,7 @@ def test_rpm_tree_runs_under_the_target_python(rpms: dict[str, str], dist: str, 
                                  stdout=log, stderr=subprocess.STDOUT, env=clean_env())
     helpers: list[int] = []
     try:
-        kubelet.wait_until(lambda k: slots(k) == 3, 30, f"3 healthy slots from the {dist} tree")
+        kubelet.wait_until(lambda k: k.allocatable() == 3, 30, f"3 healthy slots from the {dist} tree")
         helpers = procs.children(agent.pid, HELPER_MARK)
         assert helpers
         with open(f"/proc/{helpers[0]}/cmdline", "rb") as f:
