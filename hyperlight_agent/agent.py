@@ -53,13 +53,13 @@ class Agent:
         self.notifier = notifier or Notifier()
         self.metrics = Metrics(enabled=settings.metrics_address is not None)
         self.metrics_server = self.metrics.server(settings.metrics_address) if settings.metrics_address else None
-        self.state = SharedObservation()
+        self.observation = SharedObservation()
         self.helper = ProbeHelper(on_timeout=self.metrics.helper_timeouts.inc)
-        self.checker = Checker(parts.check_target(settings, self.mode), self.helper, self.state,
+        self.checker = Checker(parts.check_target(settings, self.mode), self.helper, self.observation,
                                on_result=self._on_check)
         self.profile = parts.profile(settings, self.mode)
         self.servicer = DevicePluginServicer(
-            self.profile, self.state, self.checker, on_streams_changed=self._on_streams,
+            self.profile, self.observation, self.checker, on_streams_changed=self._on_streams,
             on_allocate=lambda outcome: self.metrics.allocations.labels(outcome).inc())
         self.health_service = health.aio.HealthServicer()  # type: ignore[attr-defined]
         # The kubelet side: the device plugin's registrar, or the DRA driver (dra/driver.py).
@@ -200,7 +200,7 @@ class Agent:
         self.profile = parts.profile(new, self.mode)
         self.servicer.profile = self.profile
         self.checker.target = parts.check_target(new, self.mode)
-        self.state.republish()  # streams resend the list (slot count may have changed)
+        self.observation.republish()  # streams resend the list (slot count may have changed)
         self.checker.request()  # the CDI spec follows new uid/gid at once
         self._status_changed()
 
@@ -256,18 +256,18 @@ class Agent:
 
     def _labels_changed(self) -> None:
         """Someone changed the feature file: put it right (once a check has said what it says)."""
-        if self.labels is not None and self.state.version > 0 and not self._stopping:
-            self.labels.sync(self.state.current.hypervisor)
+        if self.labels is not None and self.observation.version > 0 and not self._stopping:
+            self.labels.sync(self.observation.current.hypervisor)
 
     def _on_streams(self, count: int) -> None:
-        self.metrics.streams.set(count)
+        self.metrics.open_streams.set(count)
 
     def _make_driver(self) -> Driver:
         from hyperlight_agent.dra.driver import Driver  # the DRA mode's modules only in that mode
 
         t = parts.dra_target(self.settings)
         return Driver(node_name=t.node_name, instance=t.instance, devices=t.devices, kubeconfig=t.kubeconfig,
-                      state=self.state, check=lambda timeout: self.checker.check(timeout=timeout),
+                      observation=self.observation, check=lambda timeout: self.checker.check(timeout=timeout),
                       registry_dir=t.registry_dir, plugins_dir=t.plugins_dir,
                       configure=lambda server: health_pb2_grpc.add_HealthServicer_to_server(self.health_service,
                                                                                            server),
@@ -284,13 +284,13 @@ class Agent:
     def snapshot(self) -> Union[readiness.Snapshot, readiness.DraSnapshot]:
         d = self.driver
         if d is not None:
-            return readiness.DraSnapshot(self.state.current, self.state.version > 0, d.registered,
+            return readiness.DraSnapshot(self.observation.current, self.observation.version > 0, d.registered,
                                          d.registration_error, d.registrar.registration_socket, d.published,
                                          d.slice_error, d.devices)
         r = self.registrar
         assert r is not None
-        return readiness.Snapshot(self.state.current, self.state.version > 0, r.state, r.last_error,
-                                  r.kubelet_socket, r.streams, self.profile.slots)
+        return readiness.Snapshot(self.observation.current, self.observation.version > 0, r.state, r.last_error,
+                                  r.kubelet_socket, r.current_streams, self.profile.slots)
 
     @property
     def ready(self) -> bool:

@@ -22,7 +22,7 @@ class Snapshot:
     registration: registration.State
     registration_error: str
     kubelet_socket: str
-    streams: int
+    current_streams: int  # open ListAndWatch streams on the server the kubelet registered
     slots: int
 
 
@@ -45,7 +45,7 @@ def ready(s: Union[Snapshot, DraSnapshot]) -> bool:
     the last device check passed."""
     if isinstance(s, DraSnapshot):
         return s.registered and s.published and s.checked and s.observation.healthy
-    return s.registration == registration.STREAMED and s.streams > 0 and s.checked and s.observation.healthy
+    return s.registration == registration.STREAMED and s.current_streams > 0 and s.checked and s.observation.healthy
 
 
 def dra_status(s: DraSnapshot) -> str:  # noqa: PLR0911 - one return per state reads best
@@ -91,7 +91,7 @@ def status(s: Union[Snapshot, DraSnapshot]) -> str:  # noqa: PLR0911 - one retur
         return f"waiting for kubelet at {s.kubelet_socket}"
     if not s.checked:
         return "checking the device"
-    if s.registration == registration.REGISTERED or s.streams == 0:
+    if s.registration == registration.REGISTERED or s.current_streams == 0:
         return "registered; waiting for the kubelet's ListAndWatch stream"
     return (f"ready: {obs.hypervisor}, {s.slots} slot{'s' if s.slots != 1 else ''}, "
-            f"{s.streams} stream{'s' if s.streams != 1 else ''}")
+            f"{s.current_streams} stream{'s' if s.current_streams != 1 else ''}")

@@ -77,3 +77,47 @@ def test_allocation_modes_are_named_in_config_only() -> None:
     for mode in config.ALLOCATION_MODES:
         if mode != "cdi":  # also a failure cause ("cdi") in checker and observation
             assert homes_of_string(mode) == {"config"}, mode
+
+
+def _settings_readers() -> set[str]:
+    """Modules that read a field of a Settings object by name (`settings.x`, `s.x`, `new.x`...)."""
+    fields = {f.key for f in config.SETTINGS}
+    return {m for m, tree in trees().items() for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr in fields and isinstance(n.value, ast.Name)
+            and n.value.id in ("settings", "s", "new", "running")}
+
+
+def test_settings_become_parts_in_parts_only() -> None:
+    """The device and protocol parts never see Settings: parts.py translates, the composition reads
+    what it wires itself (directories to watch, intervals), config owns the table, and the entry
+    points (cli, diagnose, the exec health probe) read what they act on."""
+    assert _settings_readers() <= {"parts", "agent", "config", "cli", "diagnose", "host.healthcheck"}, \
+        _settings_readers()
+    takers = {m for m, tree in trees().items() for n in ast.walk(tree)
+              if isinstance(n, ast.ImportFrom) and n.module == "hyperlight_agent.config"
+              and any(a.name == "Settings" for a in n.names)}
+    assert takers <= {"parts", "agent", "reload", "cli", "diagnose", "host.healthcheck"}, takers
+
+
+def _constant_names(module: str) -> set[str]:
+    return {t.id for n in ast.walk(trees()[module]) if isinstance(n, ast.Assign)
+            for t in n.targets if isinstance(t, ast.Name) and t.id.isupper()}
+
+
+def test_probe_names_only_the_device_probe() -> None:
+    """"Probe" is the kernel-level part of the device check, run in the helper; the exec health
+    probe's RPC and the socket liveness test have names of their own."""
+    named = {m for m in trees() if any("PROBE" in c for c in _constant_names(m))}
+    assert named <= {"device.helper", "device.helper_process", "device.kernel"}, named
+
+
+def test_one_name_per_stream_count() -> None:
+    """Open streams on every server (the servicer, the metric) and on the registered server (the
+    registrar, readiness) are two counts with two names."""
+    from hyperlight_agent.readiness import Snapshot
+
+    assert "current_streams" in Snapshot.__dataclass_fields__
+    for path, name in (("deviceplugin/servicer.py", "open_streams"), ("deviceplugin/registration.py",
+                                                                       "current_streams")):
+        source = read(f"hyperlight_agent/{path}")
+        assert f"self.{name} = 0" in source and not re.search(r"self\.streams\b", source), path

@@ -89,7 +89,7 @@ def test_streams_of_a_replaced_server_change_nothing(tmp: str) -> None:
         await until(lambda: registrar.state == registration.STREAMED)
         old_generation = registrar._generation - 1  # a server we no longer run
         registrar._on_stream(old_generation, -1, object())
-        assert (registrar.state, registrar.streams) == (registration.STREAMED, 1)
+        assert (registrar.state, registrar.current_streams) == (registration.STREAMED, 1)
         await shut_down(task, registrar)
 
     run(tmp, body)
@@ -141,7 +141,7 @@ def test_another_clients_stream_never_hides_the_loss_of_the_kubelets(tmp: str) -
         async with grpc.aio.insecure_channel(target) as channel:
             observer = api.device_plugin_stub(channel).ListAndWatch(pb.Empty())
             assert len((await observer.read()).devices) == 2  # its stream is open
-            assert registrar.streams == 2
+            assert registrar.current_streams == 2
             await kubelet.drop_stream(R)
             await until(lambda: len(kubelet.register_calls) == 2 and kubelet.allocatable() == 2,
                         what="registered again although another client's stream is open")

@@ -47,12 +47,12 @@ def test_first_list_only_after_the_first_check(tmp: str, kvm_dir: str) -> None:
         for _ in range(20):  # let every ready callback run: nothing may be sent yet
             await asyncio.sleep(0)
         assert not first.done(), "a list was sent before any check completed"
-        assert servicer.streams == 1
+        assert servicer.open_streams == 1
         state.publish(Observation(True, "", "kvm"))
         response = await asyncio.wait_for(first, 5)
         assert [(d.ID, d.health) for d in response.devices] == [(f"kvm-{i}", "Healthy") for i in range(3)]
         await stream.aclose()  # type: ignore[attr-defined]
-        assert servicer.streams == 0
+        assert servicer.open_streams == 0
         await helper.close()
 
     asyncio.run(run())

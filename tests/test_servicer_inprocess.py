@@ -111,7 +111,7 @@ def test_allocate_refuses_what_this_node_never_advertised(containers: tuple[list
 def test_list_and_watch_sends_the_first_list_after_the_first_check_then_each_change() -> None:
     async def run() -> None:
         servicer, _, _, streams = make(slots=2)
-        state: SharedObservation = servicer._state
+        state: SharedObservation = servicer._observation
         stream = servicer.watch(asyncio.Event())
         first = asyncio.ensure_future(stream.__anext__())
         await until(lambda: streams == [1], what="the stream to open")
@@ -143,7 +143,7 @@ def test_an_endpoint_ends_its_streams_at_once_when_closed() -> None:
             keys.add(key)
 
         endpoint = Endpoint(servicer, on_stream)
-        servicer._state.publish(HEALTHY)
+        servicer._observation.publish(HEALTHY)
         streams = [endpoint.ListAndWatch(pb.Empty(), Context()) for _ in range(2)]
         for stream in streams:
             assert len((await stream.__anext__()).devices) == 3

@@ -53,11 +53,11 @@ class CheckTarget:
 
 
 class Checker:
-    def __init__(self, target: CheckTarget, helper: ProbeHelper, state: SharedObservation,
+    def __init__(self, target: CheckTarget, helper: ProbeHelper, observation: SharedObservation,
                  on_result: Optional[Callable[[Observation, float, bool], None]] = None) -> None:
         self.target = target
         self._helper = helper
-        self._state = state
+        self._observation = observation
         self._on_result = on_result  # (observation, seconds, cdi_repaired) for logs and metrics
         self._running: Optional[asyncio.Task[Observation]] = None
         # Callers waiting for the check after the running one, which starts when it ends.
@@ -141,10 +141,10 @@ class Checker:
             # the last result stands, and we look again soon.
             if not self._exhausted:
                 log.warning("device check inconclusive, keeping the last result (%s): %s",
-                            "healthy" if self._state.current.healthy else "unhealthy", self._exhausted_reason)
+                            "healthy" if self._observation.current.healthy else "unhealthy", self._exhausted_reason)
             self._exhausted = True
             self._schedule(EXHAUSTED_RETRY_S)
-            return self._state.current
+            return self._observation.current
         if self._exhausted:
             log.info("device check conclusive again")
             self._exhausted = False
@@ -159,7 +159,7 @@ class Checker:
             self._cdi_retry = min(CDI_RETRY_CAP_S, self._cdi_retry * 2)
         else:
             self._cdi_retry = CDI_RETRY_INITIAL_S
-        if self._state.publish(observation):
+        if self._observation.publish(observation):
             # Structured fields for the journal (journal.py); plain stderr ignores them.
             fields = {"HYPERVISOR": observation.hypervisor or "", "REASON": observation.reason,
                       "DEVICE_PATH": hypervisors.BY_NAME[observation.hypervisor].device_path(self.target.device_dir)

@@ -185,7 +185,7 @@ class Registrar:
         self._kubelet_tried: Optional[Pin] = None
         self._wake = asyncio.Event()
         self._generation = 0  # of the current server; streams of older ones are ignored
-        self.streams = 0  # open ListAndWatch streams on the current server, anyone's
+        self.current_streams = 0  # open ListAndWatch streams on the current server, anyone's
         # The kubelet's stream: the first to open on this server after our Register was sent
         # (the kubelet dials back inside Register and opens ListAndWatch right after). Other
         # clients' streams (a monitoring sidecar, an operator's grpcurl) never stand in for it.
@@ -307,7 +307,7 @@ class Registrar:
         self._generation += 1  # from here on, the old server's streams change nothing
         if self._kubelet_stream_open:
             self._streamed_before_stop = True
-        self.streams = 0
+        self.current_streams = 0
         self._forget_kubelet_stream()
         self.end_streams()
         if server is not None:
@@ -331,7 +331,7 @@ class Registrar:
     def _on_stream(self, generation: int, delta: int, stream: object) -> None:
         if generation != self._generation:
             return  # a server we already replaced
-        self.streams = max(0, self.streams + delta)
+        self.current_streams = max(0, self.current_streams + delta)
         if delta > 0 and self._register_sent and self._kubelet_stream is None:
             self._kubelet_stream = stream
             self._kubelet_stream_open = True

@@ -54,15 +54,15 @@ def device_ids(hypervisor: str, slots: int) -> list[str]:
 
 
 class DevicePluginServicer:
-    def __init__(self, profile: Profile, state: SharedObservation, checker: Checker,
+    def __init__(self, profile: Profile, observation: SharedObservation, checker: Checker,
                  on_streams_changed: Optional[Callable[[int], None]] = None,
                  on_allocate: Optional[Callable[[str], None]] = None) -> None:
         self.profile = profile
-        self._state = state
+        self._observation = observation
         self._checker = checker
         self._on_streams_changed = on_streams_changed
         self._on_allocate = on_allocate  # outcome ("ok", "invalid", "unavailable") for metrics
-        self.streams = 0
+        self.open_streams = 0
         self.allocating = 0  # Allocate calls in flight
         # The last response built, reused by every stream until health or slots change.
         self._cached: Optional[tuple[Observation, int, pb.ListAndWatchResponse]] = None
@@ -92,16 +92,16 @@ class DevicePluginServicer:
             on_stream(+1)
         try:
             # The first list goes out only after the first check has completed.
-            if not await _unless_closed(self._state.wait_newer(0), closed):
+            if not await _unless_closed(self._observation.wait_newer(0), closed):
                 return
             last_sent: Optional[pb.ListAndWatchResponse] = None
             while True:
-                version = self._state.version
-                response = self.list_response(self._state.current)
+                version = self._observation.version
+                response = self.list_response(self._observation.current)
                 if response is not last_sent:
                     yield response
                     last_sent = response
-                if not await _unless_closed(self._state.wait_newer(version), closed):
+                if not await _unless_closed(self._observation.wait_newer(version), closed):
                     return
         finally:
             self._streams_changed(-1)
@@ -214,9 +214,9 @@ class DevicePluginServicer:
         await context.abort(code, message)
 
     def _streams_changed(self, delta: int) -> None:
-        self.streams += delta
+        self.open_streams += delta
         if self._on_streams_changed:
-            self._on_streams_changed(self.streams)
+            self._on_streams_changed(self.open_streams)
 
 
 async def _unless_closed(waiter: Awaitable[object], closed: asyncio.Event) -> bool:

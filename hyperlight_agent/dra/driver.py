@@ -71,14 +71,14 @@ class _NotConnected:
 
 class Driver:
     def __init__(self, *, node_name: str, instance: str, devices: int, kubeconfig: Optional[str],
-                 state: SharedObservation, check: Callable[[float], Awaitable[Observation]],
+                 observation: SharedObservation, check: Callable[[float], Awaitable[Observation]],
                  registry_dir: str = contracts.DRA_REGISTRY_DIR, plugins_dir: str = contracts.DRA_PLUGINS_DIR,
                  driver: str = contracts.DRA_DRIVER, configure: Optional[Callable[[grpc.aio.Server], None]] = None,
                  on_change: Optional[Callable[[], None]] = None) -> None:
         self.node_name = node_name
         self.devices = devices
         self._kubeconfig = kubeconfig
-        self._state = state
+        self._observation = observation
         self._on_change = on_change or (lambda: None)
         self._api: Any = None
         self.api_error = ""  # why there is no API client yet ("" once there is)
@@ -190,8 +190,8 @@ class Driver:
         """The slice follows every completed check: an unusable device leaves it."""
         version = 0
         while True:
-            observation = await self._state.wait_newer(version)
-            version = self._state.version
+            observation = await self._observation.wait_newer(version)
+            version = self._observation.version
             publisher.set_device(device_info(observation))
 
 

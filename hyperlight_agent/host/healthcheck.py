@@ -9,7 +9,8 @@ import stat
 from hyperlight_agent import contracts, modes, wire
 from hyperlight_agent.config import Settings
 
-PROBE_TIMEOUT_S = 2.0
+# The exec probe's one Check RPC (the device probe's deadline is device.helper.PROBE_DEADLINE_S).
+CHECK_RPC_TIMEOUT_S = 2.0
 
 
 def plugin_socket(settings: Settings, device_access: bool) -> str:
@@ -52,7 +53,7 @@ def _check(which: str, path: str, target: str) -> tuple[bool, str]:
         )
         try:
             request = health_pb2.HealthCheckRequest(service=modes.HEALTH_SERVICES[which])
-            response = check(request, timeout=PROBE_TIMEOUT_S)
+            response = check(request, timeout=CHECK_RPC_TIMEOUT_S)
         except grpc.RpcError as exc:
             return False, f"{which}: no answer from {path}: {exc.code().name}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

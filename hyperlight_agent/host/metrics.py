@@ -235,7 +235,7 @@ class Metrics:
             off: Any = _Off()
             self.healthy = self.unhealthy_cause = self.check_seconds = self.checks = self.failures = off
             self.cdi_repairs = self.registrations = self.kubelet_restarts = self.allocations = off
-            self.streams = self.helper_timeouts = self.streams_lost = off
+            self.open_streams = self.helper_timeouts = self.streams_lost = off
             return
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -258,7 +258,7 @@ class Metrics:
                                         registry=r)
         self.allocations = Counter("hyperlight_allocations_total", "Allocate calls by outcome", ["outcome"],
                                    registry=r)
-        self.streams = Gauge("hyperlight_listandwatch_streams", "open ListAndWatch streams", registry=r)
+        self.open_streams = Gauge("hyperlight_listandwatch_streams", "open ListAndWatch streams", registry=r)
         self.streams_lost = Counter("hyperlight_streams_lost_total",
                                     "kubelet streams that ended or never opened (each followed by a new Register)",
                                     registry=r)

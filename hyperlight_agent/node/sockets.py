@@ -13,7 +13,7 @@ import stat
 from typing import Optional
 
 # A live server answers connect() at once; a full backlog or a slow peer counts as live.
-LIVE_PROBE_TIMEOUT_S = 1.0
+CONNECT_TIMEOUT_S = 1.0
 
 Identity = tuple[int, int]
 
@@ -71,10 +71,10 @@ class Pin:
 
 def is_live(path: str) -> bool:
     """Whether something accepts connections on the unix socket at path (a stale file refuses)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
-        probe.settimeout(LIVE_PROBE_TIMEOUT_S)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as client:
+        client.settimeout(CONNECT_TIMEOUT_S)
         try:
-            probe.connect(path)
+            client.connect(path)
         except (ConnectionRefusedError, FileNotFoundError):
             return False
         except OSError:
