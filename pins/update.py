@@ -37,6 +37,12 @@ def test_extra() -> list[str]:
     return [m.group(0) for m in (NAME.match(req) for req in re.findall(r'"([^"]+)"', line)) if m]
 
 
+def dev_tools(dra: list[str]) -> list[str]:
+    """The test extra's packages that pins/dev.txt holds: those the DRA client also needs (anyio,
+    whose pytest plugin runs the coroutine tests) keep their one pin in pins/dra.txt."""
+    return [n for n in test_extra() if n not in dra]
+
+
 def installed(python: str, tools: list[str]) -> list[str]:
     code = "import importlib.metadata as m, sys\nfor n in sys.argv[1:]: print(n + '==' + m.version(n))"
     out = subprocess.run([python, "-c", code, *tools], check=True, capture_output=True, text=True).stdout
@@ -56,8 +62,8 @@ def rewrite(path: str, python: str, tools: list[str]) -> None:
 
 
 def main(dev_python: str, judges_python: str) -> None:
-    rewrite(os.path.join(PINS, "dev.txt"), dev_python, test_extra())
     dra = os.path.join(PINS, "dra.txt")
+    rewrite(os.path.join(PINS, "dev.txt"), dev_python, dev_tools(names(dra)))
     rewrite(dra, dev_python, names(dra))
     judges = os.path.join(PINS, "judges.txt")
     rewrite(judges, judges_python, names(judges))

@@ -213,8 +213,7 @@ def neighbour_agent() -> Iterator[None]:
                              cwd=os.path.join(top, "copy"), env={**env, "PYTHONPATH": os.path.join(top, "copy")},
                              stdout=log, stderr=subprocess.STDOUT)
     try:
-        standin.wait_until(lambda k: (p := k.plugins.get("hyperlight.dev/hypervisor")) and p.healthy == 3, 30,
-                           "the neighbour agent to be Healthy")
+        standin.wait_until(lambda k: k.allocatable() == 3, 30, "the neighbour agent to be Healthy")
         assert procs.children(agent.pid), "the neighbour runs its own probe helper"
         yield
         assert agent.poll() is None, "the neighbour agent did not survive the suite"
@@ -224,6 +223,14 @@ def neighbour_agent() -> Iterator[None]:
         log.close()
         standin.close()
         shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Coroutine tests run on asyncio, the agent's loop (anyio's plugin, pyproject.toml). With no
+    async fixture of a wider scope holding it, anyio's runner, and so its loop, lives for one
+    test only, as asyncio.run() gave each test before: grpc.aio objects bind to a loop."""
+    return "asyncio"
 
 
 @pytest.fixture

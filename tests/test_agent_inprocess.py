@@ -39,60 +39,57 @@ def serving(agent: Agent, service: str) -> Optional[int]:
     return int(status) if status is not None else None
 
 
-def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) -> None:
+async def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) -> None:
     kubelet_dir = os.path.join(tmp, "kubelet")
 
-    async def run() -> None:
-        notifier = RecordingNotifier()
-        settings = Settings.defaults(kubelet_dir=kubelet_dir, cdi_dir=os.path.join(tmp, "cdi"),
-                                     device_dir=kvm_dir, device_count=3)
-        agent = Agent(settings, notifier=notifier)
-        await agent.start()
-        try:
-            # No kubelet yet: live, not ready, and the status says what it waits for.
-            await until(lambda: agent.status().startswith("waiting for kubelet at "), what="waiting")
-            assert not agent.ready
-            assert serving(agent, modes.HEALTH_SERVICES["liveness"]) == health_pb2.HealthCheckResponse.SERVING
-            assert serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+    notifier = RecordingNotifier()
+    settings = Settings.defaults(kubelet_dir=kubelet_dir, cdi_dir=os.path.join(tmp, "cdi"),
+                                 device_dir=kvm_dir, device_count=3)
+    agent = Agent(settings, notifier=notifier)
+    await agent.start()
+    try:
+        # No kubelet yet: live, not ready, and the status says what it waits for.
+        await until(lambda: agent.status().startswith("waiting for kubelet at "), what="waiting")
+        assert not agent.ready
+        assert serving(agent, modes.HEALTH_SERVICES["liveness"]) == health_pb2.HealthCheckResponse.SERVING
+        assert serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING
 
-            kubelet = KubeletStandin(kubelet_dir)
-            await kubelet.start()
-            await until(lambda: agent.ready, what="ready")
-            assert agent.status() == "ready: kvm, 3 slots, 1 stream"
-            # The health service is set by a task the change schedules: it follows within the loop.
-            await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.SERVING, what="SERVING")
-            assert ("READY=1", "STATUS=ready: kvm, 3 slots, 1 stream") in notifier.messages
+        kubelet = KubeletStandin(kubelet_dir)
+        await kubelet.start()
+        await until(lambda: agent.ready, what="ready")
+        assert agent.status() == "ready: kvm, 3 slots, 1 stream"
+        # The health service is set by a task the change schedules: it follows within the loop.
+        await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.SERVING, what="SERVING")
+        assert ("READY=1", "STATUS=ready: kvm, 3 slots, 1 stream") in notifier.messages
 
-            # The kubelet ends the stream: not ready, the status says why, then ready again (the
-            # first loss registers again at once, so "lost" is seen in what was said).
-            said = len(notifier.messages)
-            await kubelet.drop_stream(R)
-            await until(lambda: len(kubelet.register_calls) == 2 and agent.ready and kubelet.allocatable() == 3,
-                        what="registered again")
-            lost = [m for m in notifier.messages[said:] if m[0].startswith("STATUS=")]
-            assert ("STATUS=the kubelet's ListAndWatch stream ended; registering again",) in lost, lost
-            assert len(kubelet.register_calls) == 2
-            assert sum(m == ("READY=1", "STATUS=ready: kvm, 3 slots, 1 stream") for m in notifier.messages) == 1, \
-                "READY=1 is sent once"
+        # The kubelet ends the stream: not ready, the status says why, then ready again (the
+        # first loss registers again at once, so "lost" is seen in what was said).
+        said = len(notifier.messages)
+        await kubelet.drop_stream(R)
+        await until(lambda: len(kubelet.register_calls) == 2 and agent.ready and kubelet.allocatable() == 3,
+                    what="registered again")
+        lost = [m for m in notifier.messages[said:] if m[0].startswith("STATUS=")]
+        assert ("STATUS=the kubelet's ListAndWatch stream ended; registering again",) in lost, lost
+        assert len(kubelet.register_calls) == 2
+        assert sum(m == ("READY=1", "STATUS=ready: kvm, 3 slots, 1 stream") for m in notifier.messages) == 1, \
+            "READY=1 is sent once"
 
-            # An unusable device: not ready, live; the reason is the status.
-            node = os.path.join(kvm_dir, "kvm")
-            os.unlink(node)
-            os.mknod(node, 0o600 | 0o020000, os.makedev(1, 3))
-            await until(lambda: agent.status().startswith("unhealthy: "), what="unhealthy")
-            assert "KVM_GET_API_VERSION failed" in agent.status()
-            await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING,
-                        what="NOT_SERVING")
-        finally:
-            agent.stop()
-            await agent.wait()
-            await agent.close()
-            await kubelet.stop()
-        # STOPPING=1 is the last thing said.
-        assert notifier.messages[-1] == ("STOPPING=1", "STATUS=stopping")
-        assert not os.path.exists(os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET))
-
-    asyncio.run(run())
+        # An unusable device: not ready, live; the reason is the status.
+        node = os.path.join(kvm_dir, "kvm")
+        os.unlink(node)
+        os.mknod(node, 0o600 | 0o020000, os.makedev(1, 3))
+        await until(lambda: agent.status().startswith("unhealthy: "), what="unhealthy")
+        assert "KVM_GET_API_VERSION failed" in agent.status()
+        await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING,
+                    what="NOT_SERVING")
+    finally:
+        agent.stop()
+        await agent.wait()
+        await agent.close()
+        await kubelet.stop()
+    # STOPPING=1 is the last thing said.
+    assert notifier.messages[-1] == ("STOPPING=1", "STATUS=stopping")
+    assert not os.path.exists(os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET))
 
 
 def test_status_lines_are_pure_functions_of_state() -> None:
@@ -327,60 +324,52 @@ def test_reload_applies_settings_keeps_restart_only_ones_and_refuses_invalid_fil
     with_kubelet(tmp, body)
 
 
-def test_periodic_checks_follow_the_interval(tmp: str, helpers: list[FakeHelper]) -> None:
-    async def run() -> None:
-        agent = Agent(settings_in(tmp, check_interval_seconds=0.01), notifier=RecordingNotifier())
-        await agent.start()
-        try:
-            await until(lambda: agent.checker.completed >= 3, what="periodic checks")
-        finally:
-            await shut(agent)
-
-    asyncio.run(run())
+async def test_periodic_checks_follow_the_interval(tmp: str, helpers: list[FakeHelper]) -> None:
+    agent = Agent(settings_in(tmp, check_interval_seconds=0.01), notifier=RecordingNotifier())
+    await agent.start()
+    try:
+        await until(lambda: agent.checker.completed >= 3, what="periodic checks")
+    finally:
+        await shut(agent)
 
 
-def test_the_watchdog_pings_and_extends_the_start_timeout_until_ready(tmp: str, helpers: list[FakeHelper]) -> None:
-    async def run() -> None:
-        notifier = RecordingNotifier(watchdog_interval=0.01)
-        agent = Agent(settings_in(tmp), notifier=notifier)
-        await agent.start()
-        try:
-            await until(lambda: sum(m[0] == "WATCHDOG=1" for m in notifier.messages) >= 2, what="pings")
-            assert ("WATCHDOG=1", "EXTEND_TIMEOUT_USEC=40000") in notifier.messages, "not ready: no kubelet"
-            assert not agent.ready
-        finally:
-            await shut(agent)
-
-    asyncio.run(run())
+async def test_the_watchdog_pings_and_extends_the_start_timeout_until_ready(
+        tmp: str, helpers: list[FakeHelper]) -> None:
+    notifier = RecordingNotifier(watchdog_interval=0.01)
+    agent = Agent(settings_in(tmp), notifier=notifier)
+    await agent.start()
+    try:
+        await until(lambda: sum(m[0] == "WATCHDOG=1" for m in notifier.messages) >= 2, what="pings")
+        assert ("WATCHDOG=1", "EXTEND_TIMEOUT_USEC=40000") in notifier.messages, "not ready: no kubelet"
+        assert not agent.ready
+    finally:
+        await shut(agent)
 
 
-def test_node_labels_follow_the_device_and_are_repaired(tmp: str, helpers: list[FakeHelper],
+async def test_node_labels_follow_the_device_and_are_repaired(tmp: str, helpers: list[FakeHelper],
                                                          caplog: pytest.LogCaptureFixture) -> None:
     features = os.path.join(tmp, "features.d")
     os.mkdir(features)
     path = os.path.join(features, labels.FEATURE_FILE)
 
-    async def run() -> None:
-        agent = Agent(settings_in(tmp, nfd_features_dir=features), notifier=RecordingNotifier())
-        await agent.start()
-        try:
-            await until(lambda: read_bytes(path) == labels.render("kvm"), what="the feature file")
-            os.unlink(path)
-            await until(lambda: read_bytes(path) == labels.render("kvm"), what="the feature file repaired")
-            # Not a regular file at our path: left alone, said once.
-            os.unlink(path)
-            os.mkdir(path)
-            agent.checker.request()
-            await until(lambda: "node labels not written" in caplog.text, what="the refusal")
-            agent.checker.request()
-            done = agent.checker.completed
-            await until(lambda: agent.checker.completed > done, what="another check")
-            assert caplog.text.count("node labels not written") == 1
-            assert os.path.isdir(path)
-        finally:
-            await shut(agent)
-
-    asyncio.run(run())
+    agent = Agent(settings_in(tmp, nfd_features_dir=features), notifier=RecordingNotifier())
+    await agent.start()
+    try:
+        await until(lambda: read_bytes(path) == labels.render("kvm"), what="the feature file")
+        os.unlink(path)
+        await until(lambda: read_bytes(path) == labels.render("kvm"), what="the feature file repaired")
+        # Not a regular file at our path: left alone, said once.
+        os.unlink(path)
+        os.mkdir(path)
+        agent.checker.request()
+        await until(lambda: "node labels not written" in caplog.text, what="the refusal")
+        agent.checker.request()
+        done = agent.checker.completed
+        await until(lambda: agent.checker.completed > done, what="another check")
+        assert caplog.text.count("node labels not written") == 1
+        assert os.path.isdir(path)
+    finally:
+        await shut(agent)
 
 
 def test_a_stop_with_handover_time_and_no_successor_stops_after_it(tmp: str, helpers: list[FakeHelper],

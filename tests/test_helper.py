@@ -137,14 +137,11 @@ def test_cancelled_request_abandons_the_helper(tmp: str, kvm_dir: str) -> None:
     assert hanging_pids(marker) == []
 
 
-def test_helper_that_dies_is_reported_and_replaced(kvm_dir: str) -> None:
-    async def run() -> None:
-        helper = ProbeHelper(argv=[sys.executable, "-I", "-S", "-c", "import sys; sys.stdin.readline()"])
-        reply = await helper.run(request(kvm_dir))
-        assert reply == ProbeResult(False, "probe helper exited unexpectedly", helper_fault=True)
-        await helper.close()
-
-    asyncio.run(run())
+async def test_helper_that_dies_is_reported_and_replaced(kvm_dir: str) -> None:
+    helper = ProbeHelper(argv=[sys.executable, "-I", "-S", "-c", "import sys; sys.stdin.readline()"])
+    reply = await helper.run(request(kvm_dir))
+    assert reply == ProbeResult(False, "probe helper exited unexpectedly", helper_fault=True)
+    await helper.close()
 
 
 def dead(pid: int) -> bool:
@@ -156,21 +153,18 @@ def dead(pid: int) -> bool:
         return True
 
 
-def test_an_idle_helper_that_died_is_replaced_before_any_failure(kvm_dir: str) -> None:
+async def test_an_idle_helper_that_died_is_replaced_before_any_failure(kvm_dir: str) -> None:
     """Killed while idle (OOM killer, an operator), the helper's death says nothing about the
     device: the next request gets a fresh helper, not a failure (issue 19, item 7)."""
 
-    async def run() -> None:
-        helper = ProbeHelper()
-        assert (await helper.run(request(kvm_dir))).ok
-        pid = helper.pid
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
-        # Wait without yielding to the loop: the agent's next check can come before the loop
-        # has seen the helper exit.
-        wait_for(lambda: dead(pid), 10, "the killed helper to exit")
-        assert await helper.run(request(kvm_dir)) == ProbeResult(True, "")
-        assert helper.started == 2 and helper.pid not in (None, pid)
-        await helper.close()
-
-    asyncio.run(run())
+    helper = ProbeHelper()
+    assert (await helper.run(request(kvm_dir))).ok
+    pid = helper.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    # Wait without yielding to the loop: the agent's next check can come before the loop
+    # has seen the helper exit.
+    wait_for(lambda: dead(pid), 10, "the killed helper to exit")
+    assert await helper.run(request(kvm_dir)) == ProbeResult(True, "")
+    assert helper.started == 2 and helper.pid not in (None, pid)
+    await helper.close()

@@ -108,58 +108,52 @@ def test_allocate_refuses_what_this_node_never_advertised(containers: tuple[list
     assert servicer.allocating == 0
 
 
-def test_list_and_watch_sends_the_first_list_after_the_first_check_then_each_change() -> None:
-    async def run() -> None:
-        servicer, _, _, streams = make(slots=2)
-        state: SharedObservation = servicer._observation
-        stream = servicer.watch(asyncio.Event())
-        first = asyncio.ensure_future(stream.__anext__())
-        await until(lambda: streams == [1], what="the stream to open")
-        assert not first.done(), "no list before the first check"
-        state.publish(HEALTHY)
-        devices = (await first).devices
-        assert [(d.ID, d.health) for d in devices] == [("kvm-0", "Healthy"), ("kvm-1", "Healthy")]
-        state.publish(Observation(False, "gone", "kvm", "probe"))
-        assert {d.health for d in (await stream.__anext__()).devices} == {"Unhealthy"}
-        servicer.profile = Profile(R, "hyperlight.sock", 1, "both")
-        state.republish()  # a reload changed the slot count
-        assert [d.ID for d in (await stream.__anext__()).devices] == ["kvm-0"]
-        state.publish(Observation(False, "no device", None, "no-device"))
-        assert list((await stream.__anext__()).devices) == []
-        await stream.aclose()
-        assert streams == [1, 0]
-
-    asyncio.run(run())
+async def test_list_and_watch_sends_the_first_list_after_the_first_check_then_each_change() -> None:
+    servicer, _, _, streams = make(slots=2)
+    state: SharedObservation = servicer._observation
+    stream = servicer.watch(asyncio.Event())
+    first = asyncio.ensure_future(stream.__anext__())
+    await until(lambda: streams == [1], what="the stream to open")
+    assert not first.done(), "no list before the first check"
+    state.publish(HEALTHY)
+    devices = (await first).devices
+    assert [(d.ID, d.health) for d in devices] == [("kvm-0", "Healthy"), ("kvm-1", "Healthy")]
+    state.publish(Observation(False, "gone", "kvm", "probe"))
+    assert {d.health for d in (await stream.__anext__()).devices} == {"Unhealthy"}
+    servicer.profile = Profile(R, "hyperlight.sock", 1, "both")
+    state.republish()  # a reload changed the slot count
+    assert [d.ID for d in (await stream.__anext__()).devices] == ["kvm-0"]
+    state.publish(Observation(False, "no device", None, "no-device"))
+    assert list((await stream.__anext__()).devices) == []
+    await stream.aclose()
+    assert streams == [1, 0]
 
 
-def test_an_endpoint_ends_its_streams_at_once_when_closed() -> None:
-    async def run() -> None:
-        servicer, _, _, _ = make()
-        seen: list[int] = []
-        keys: set[object] = set()
+async def test_an_endpoint_ends_its_streams_at_once_when_closed() -> None:
+    servicer, _, _, _ = make()
+    seen: list[int] = []
+    keys: set[object] = set()
 
-        def on_stream(delta: int, key: object) -> None:
-            seen.append(delta)
-            keys.add(key)
+    def on_stream(delta: int, key: object) -> None:
+        seen.append(delta)
+        keys.add(key)
 
-        endpoint = Endpoint(servicer, on_stream)
-        servicer._observation.publish(HEALTHY)
-        streams = [endpoint.ListAndWatch(pb.Empty(), Context()) for _ in range(2)]
-        for stream in streams:
-            assert len((await stream.__anext__()).devices) == 3
-        waiting = [asyncio.ensure_future(s.__anext__()) for s in streams]
-        endpoint.close()
-        for waiter in waiting:
-            with pytest.raises(StopAsyncIteration):
-                await waiter
-        assert sorted(seen) == [-1, -1, 1, 1] and len(keys) == 2, "each stream counted on its own"
-        # A stream opened on a closed endpoint ends before its first list.
-        late = endpoint.ListAndWatch(pb.Empty(), Context())
+    endpoint = Endpoint(servicer, on_stream)
+    servicer._observation.publish(HEALTHY)
+    streams = [endpoint.ListAndWatch(pb.Empty(), Context()) for _ in range(2)]
+    for stream in streams:
+        assert len((await stream.__anext__()).devices) == 3
+    waiting = [asyncio.ensure_future(s.__anext__()) for s in streams]
+    endpoint.close()
+    for waiter in waiting:
         with pytest.raises(StopAsyncIteration):
-            await late.__anext__()
-        assert endpoint.allocating == 0  # the servicer's attributes show through
-
-    asyncio.run(run())
+            await waiter
+    assert sorted(seen) == [-1, -1, 1, 1] and len(keys) == 2, "each stream counted on its own"
+    # A stream opened on a closed endpoint ends before its first list.
+    late = endpoint.ListAndWatch(pb.Empty(), Context())
+    with pytest.raises(StopAsyncIteration):
+        await late.__anext__()
+    assert endpoint.allocating == 0  # the servicer's attributes show through
 
 
 def test_preferred_allocation_honours_must_include_then_takes_the_first_available() -> None:

@@ -45,14 +45,11 @@ def test_why_wait_for_is_not_used() -> None:
     assert not asyncio.run(loop_until_cancelled(lambda e: asyncio.wait_for(e.wait(), 10)))
 
 
-def test_within_times_out_and_returns_results() -> None:
-    async def run() -> None:
-        assert await waits.within(asyncio.sleep(0, "done"), 1) == "done"
-        with pytest.raises(asyncio.TimeoutError):
-            await waits.within(asyncio.sleep(10), 0.01)
-        assert not await waits.event(asyncio.Event(), 0.01)
-
-    asyncio.run(run())
+async def test_within_times_out_and_returns_results() -> None:
+    assert await waits.within(asyncio.sleep(0, "done"), 1) == "done"
+    with pytest.raises(asyncio.TimeoutError):
+        await waits.within(asyncio.sleep(10), 0.01)
+    assert not await waits.event(asyncio.Event(), 0.01)
 
 
 def wait_for_uses(source: str) -> list[int]:

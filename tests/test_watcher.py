@@ -38,29 +38,26 @@ def test_only_the_names_asked_for_wake_us(tmp: str) -> None:
     assert "other.sock" not in seen, "events arrive in order: the other name came first and was not passed on"
 
 
-def test_a_directory_that_goes_and_comes_back_is_watched_again(tmp: str) -> None:
+async def test_a_directory_that_goes_and_comes_back_is_watched_again(tmp: str) -> None:
     directory = os.path.join(tmp, "cdi")
     seen: list[str] = []
     w = watcher.DirectoryWatcher()
     w.watch(directory, seen.append)
 
-    async def run() -> None:
-        task = asyncio.ensure_future(w.run())
-        await asyncio.sleep(0)
-        assert seen == [], "no directory yet: nothing to say"
-        os.mkdir(directory)
-        await until(lambda: "" in seen)  # found within the retry interval
-        shutil.rmtree(directory)
-        await until(lambda: seen.count("") >= 2)  # gone: the kernel says so
-        os.mkdir(directory)
-        count = len(seen)
-        await until(lambda: len(seen) > count)  # back: watched anew
-        open(os.path.join(directory, "hyperlight.json"), "w").close()
-        await until(lambda: "hyperlight.json" in seen)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-    asyncio.run(run())
+    task = asyncio.ensure_future(w.run())
+    await asyncio.sleep(0)
+    assert seen == [], "no directory yet: nothing to say"
+    os.mkdir(directory)
+    await until(lambda: "" in seen)  # found within the retry interval
+    shutil.rmtree(directory)
+    await until(lambda: seen.count("") >= 2)  # gone: the kernel says so
+    os.mkdir(directory)
+    count = len(seen)
+    await until(lambda: len(seen) > count)  # back: watched anew
+    open(os.path.join(directory, "hyperlight.json"), "w").close()
+    await until(lambda: "hyperlight.json" in seen)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 def test_a_cancel_with_an_event_pending_leaves_no_callback_behind(tmp: str) -> None:
@@ -237,7 +234,7 @@ def test_a_mount_over_an_entry_is_a_change_of_that_entry(tmp: str) -> None:
     assert done.stdout.strip() == "['', 'kvm', 'kvm']"
 
 
-def test_a_lost_watch_or_lost_events_call_every_callback_at_once(tmp: str) -> None:
+async def test_a_lost_watch_or_lost_events_call_every_callback_at_once(tmp: str) -> None:
     """What lets the registrar wait with no timer while a directory is watched: when a watch
     ends, its callbacks are called with "" and watching() already says False; when the kernel
     dropped events (queue overflow), every watched directory's callbacks are called with ""."""
@@ -249,16 +246,13 @@ def test_a_lost_watch_or_lost_events_call_every_callback_at_once(tmp: str) -> No
     w.watch(directory, lambda name: seen.append((name, w.watching(directory))))
     w.watch(tmp, others.append, {"nothing-by-this-name"})
 
-    async def run() -> None:
-        task = asyncio.ensure_future(w.run())
-        await until(lambda: seen == [("", True)] and others == [""])
-        overflow = type("Event", (), {"mask": Mask.Q_OVERFLOW, "watch": None, "name": None})()
-        w._handle(overflow, set())
-        assert seen[-1] == ("", True) and others == ["", ""]
-        os.rename(directory, directory + ".old")
-        await until(lambda: ("", False) in seen)
-        assert not w.watching(directory)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-    asyncio.run(run())
+    task = asyncio.ensure_future(w.run())
+    await until(lambda: seen == [("", True)] and others == [""])
+    overflow = type("Event", (), {"mask": Mask.Q_OVERFLOW, "watch": None, "name": None})()
+    w._handle(overflow, set())
+    assert seen[-1] == ("", True) and others == ["", ""]
+    os.rename(directory, directory + ".old")
+    await until(lambda: ("", False) in seen)
+    assert not w.watching(directory)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
