@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 # In-flight Allocates may finish within this after a stop; streams end at once.
 SHUTDOWN_GRACE_S = 1.0
+# A cap on the whole of _shutdown, for a part that is stuck: after the grace come the DRA driver's
+# deregistration wait (dra/registration.py, 1.5 s) and stopping the probe helper (an EOF wait and
+# its reap: up to 2.5 s, device/helper.py); each bounds itself, so this is only the last resort.
+SHUTDOWN_BOUND_S = SHUTDOWN_GRACE_S + 3.0
 # Baked into the container image at build time (Containerfile), printed at startup.
 COMMIT_ENV = "HYPERLIGHT_AGENT_COMMIT"
 
@@ -47,10 +51,13 @@ COMMIT_ENV = "HYPERLIGHT_AGENT_COMMIT"
 class Agent:
     def __init__(self, settings: Settings, device_access: bool = False,
                  reload: Optional[Callable[[], Settings]] = None,
-                 notifier: Optional[Notifier] = None, dra: bool = False) -> None:
+                 notifier: Optional[Notifier] = None, dra: bool = False,
+                 environ: Optional[Mapping[str, str]] = None) -> None:
+        # The process environment is the entry point's to hand over (cli.main); none by default.
+        self._environ: Mapping[str, str] = environ if environ is not None else {}
         self.settings = settings
         self.mode = modes.of(device_access, dra)
-        self.notifier = notifier or Notifier()
+        self.notifier = notifier or Notifier(self._environ)
         self.metrics = Metrics(enabled=settings.metrics_address is not None)
         self.metrics_server = self.metrics.server(settings.metrics_address) if settings.metrics_address else None
         self.observation = SharedObservation()
@@ -92,13 +99,13 @@ class Agent:
         """Begin serving: first check, registration, watches and timers run as tasks."""
         if self.driver is not None:
             log.info("starting hyperlight-agent %s (commit %s): DRA driver %s, node %s, %d device(s), socket %s, "
-                     "device dir %s", __version__, os.environ.get(COMMIT_ENV, "unknown"), self.profile.resource,
+                     "device dir %s", __version__, self._environ.get(COMMIT_ENV, "unknown"), self.profile.resource,
                      self.driver.node_name, self.driver.devices, self.driver.registrar.service_socket,
                      self.settings.device_dir)
         else:
             assert self.registrar is not None
             log.info("starting hyperlight-agent %s (commit %s): resource %s, socket %s, %d slot(s), device dir %s",
-                     __version__, os.environ.get(COMMIT_ENV, "unknown"), self.profile.resource,
+                     __version__, self._environ.get(COMMIT_ENV, "unknown"), self.profile.resource,
                      self.registrar.socket_path, self.profile.slots, self.settings.device_dir)
         self._status_changed()
         self.checker.request()
@@ -153,7 +160,7 @@ class Agent:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await waits.within(self._shutdown(), SHUTDOWN_GRACE_S + 3)
+        await waits.within(self._shutdown(), SHUTDOWN_BOUND_S)
 
     async def run(self) -> None:
         """start → wait → close."""
@@ -268,7 +275,7 @@ class Agent:
         t = parts.dra_target(self.settings)
         return Driver(node_name=t.node_name, instance=t.instance, devices=t.devices, kubeconfig=t.kubeconfig,
                       observation=self.observation, check=lambda timeout: self.checker.check(timeout=timeout),
-                      registry_dir=t.registry_dir, plugins_dir=t.plugins_dir,
+                      registry_dir=t.registry_dir, plugins_dir=t.plugins_dir, environ=self._environ,
                       configure=lambda server: health_pb2_grpc.add_HealthServicer_to_server(self.health_service,
                                                                                            server),
                       on_change=self._status_changed)

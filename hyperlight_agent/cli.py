@@ -126,7 +126,8 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
 async def _serve(settings: config.Settings, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     from hyperlight_agent.agent import Agent
 
-    agent = Agent(settings, device_access=args.device_access, reload=lambda: config.load(args, environ), dra=args.dra)
+    agent = Agent(settings, device_access=args.device_access, reload=lambda: config.load(args, environ), dra=args.dra,
+                  environ=environ)
     loop = asyncio.get_running_loop()
     signals.attach(loop, agent.stop, agent.reload)
     try:

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2
 
 from hyperlight_agent import agent as agent_module
 from hyperlight_agent import config, contracts, modes, readiness, waits
-from hyperlight_agent.agent import Agent
+from hyperlight_agent.agent import COMMIT_ENV, Agent
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.helper import ProbeResult
@@ -424,3 +424,17 @@ def test_device_access_mode_lists_its_one_slot_without_cdi(tmp: str, helpers: li
             await shut(agent)
 
     with_kubelet(tmp, body)
+
+
+async def test_the_environment_comes_from_the_caller(tmp: str, helpers: list[FakeHelper],
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """What the image baked in (the commit) is read from the environ the entry point handed over."""
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+    agent = Agent(settings_in(tmp), notifier=RecordingNotifier(), environ={COMMIT_ENV: "0123abc"})
+    await agent.start()
+    await shut(agent)
+    assert "(commit 0123abc)" in caplog.text
+    bare = Agent(settings_in(tmp), notifier=RecordingNotifier())
+    await bare.start()
+    await shut(bare)
+    assert "(commit unknown)" in caplog.text

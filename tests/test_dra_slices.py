@@ -31,7 +31,7 @@ def run(tmp_path: Any, body: Body, setup: Optional[Callable[[FakeApiServer], Awa
     async def main() -> None:
         fake = FakeApiServer()
         url = await fake.start()
-        api = dra_client.connect(kubeconfig(tmp_path, url))
+        api = dra_client.connect(kubeconfig(tmp_path, url), environ={})
         try:
             if setup:
                 await setup(fake)
@@ -265,12 +265,12 @@ def test_client_errors_name_the_path_or_setting(tmp_path: Any) -> None:
         dra_client.connect(None, environ={})
     missing = os.path.join(str(tmp_path), "nope")
     with pytest.raises(ClientConfigError, match=f"^kubeconfig {missing}: .*not found"):
-        dra_client.connect(missing)
+        dra_client.connect(missing, environ={})
     garbled = os.path.join(str(tmp_path), "garbled")
     with open(garbled, "w") as f:
         f.write("clusters: [")
     with pytest.raises(ClientConfigError, match=f"^kubeconfig {garbled}: "):
-        dra_client.connect(garbled)
+        dra_client.connect(garbled, environ={})
     env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
     with pytest.raises(ClientConfigError, match=f"^service account {tmp_path}: .*token"):
         dra_client.connect(None, service_account_dir=str(tmp_path), environ=env)

@@ -121,3 +121,12 @@ def test_one_name_per_stream_count() -> None:
                                                                        "current_streams")):
         source = read(f"hyperlight_agent/{path}")
         assert f"self.{name} = 0" in source and not re.search(r"self\.streams\b", source), path
+
+
+def test_only_the_entry_point_reads_the_process_environment() -> None:
+    """cli.main(argv, environ) hands its environ to everything (settings, journal, sd_notify, the
+    commit line, the DRA client's in-cluster address), so a caller's environ is the whole truth."""
+    readers = {m for m, tree in trees().items() for n in ast.walk(tree)
+               if isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv")
+               and isinstance(n.value, ast.Name) and n.value.id == "os"}
+    assert readers == {"cli"}, readers

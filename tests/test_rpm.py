@@ -223,7 +223,7 @@ def test_rpm_tree_runs_under_the_target_python(rpms: dict[str, str], dist: str, 
                 '"contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}')
     lib = os.path.join(tree, "usr", "lib", "hyperlight-agent")
     code = ("import asyncio, sys; sys.path.insert(0, sys.argv[1]); from hyperlight_agent.dra import client; "
-            "api = client.connect(sys.argv[2]); asyncio.run(api.close()); print('client ok')")
+            "api = client.connect(sys.argv[2], environ={}); asyncio.run(api.close()); print('client ok')")
     made = subprocess.run([python, "-I", "-B", "-c", code, lib, config], capture_output=True, text=True, timeout=60,
                           check=False, env=clean_env())
     assert made.stdout.strip() == "client ok", made.stdout + made.stderr

@@ -147,9 +147,10 @@ def _api_error(verb: str, resource: str, exc: Exception) -> Exception:
 
 
 def connect(kubeconfig: Optional[str], *, service_account_dir: str = SERVICE_ACCOUNT_DIR,
-            environ: Mapping[str, str] = os.environ, timeout_s: float = REQUEST_TIMEOUT_S) -> KubeApi:
+            environ: Mapping[str, str], timeout_s: float = REQUEST_TIMEOUT_S) -> KubeApi:
     """A client from the kubeconfig at `kubeconfig` (the `kubeconfig` setting), else from the pod's
-    service account. Raises ClientConfigError naming the path or what is missing."""
+    service account and the in-cluster address in `environ` (the process environment, handed over
+    by the entry point). Raises ClientConfigError naming the path or what is missing."""
     import httpx
     import yaml
     from lightkube import AsyncClient, ConfigError, KubeConfig

@@ -18,7 +18,8 @@ import contextlib
 import logging
 import os
 import stat
-from typing import Any, Awaitable, Callable, Optional
+from types import MappingProxyType
+from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import grpc
 
@@ -74,8 +75,10 @@ class Driver:
                  observation: SharedObservation, check: Callable[[float], Awaitable[Observation]],
                  registry_dir: str = contracts.DRA_REGISTRY_DIR, plugins_dir: str = contracts.DRA_PLUGINS_DIR,
                  driver: str = contracts.DRA_DRIVER, configure: Optional[Callable[[grpc.aio.Server], None]] = None,
-                 on_change: Optional[Callable[[], None]] = None) -> None:
+                 on_change: Optional[Callable[[], None]] = None, environ: Mapping[str, str] = MappingProxyType({}),
+                 ) -> None:
         self.node_name = node_name
+        self._environ = environ  # the in-cluster API address, when there is no kubeconfig
         self.devices = devices
         self._kubeconfig = kubeconfig
         self._observation = observation
@@ -158,7 +161,7 @@ class Driver:
         from hyperlight_agent.dra import claims, client  # lightkube only in this mode
 
         try:
-            self._api = client.connect(self._kubeconfig)
+            self._api = client.connect(self._kubeconfig, environ=self._environ)
         except client.ClientConfigError as exc:
             self.api_error = str(exc)
             raise _Retry(self.api_error) from exc

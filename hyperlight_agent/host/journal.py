@@ -24,7 +24,7 @@ def stderr_is_journal(environ: Mapping[str, str]) -> bool:
     return (st.st_dev, st.st_ino) == (dev, ino)
 
 
-def setup(level: str, environ: Mapping[str, str] = os.environ, fields: Optional[Mapping[str, str]] = None) -> str:
+def setup(level: str, environ: Mapping[str, str], fields: Optional[Mapping[str, str]] = None) -> str:
     """Configure the root logger; returns "journal" or "stderr". `fields` go on every entry."""
     handler: logging.Handler
     kind = "stderr"

@@ -5,7 +5,6 @@ Without NOTIFY_SOCKET (not under systemd) every call does nothing and nothing fa
 
 from __future__ import annotations
 
-import os
 from typing import Mapping, Optional
 
 from hyperlight_agent import contracts
@@ -22,8 +21,10 @@ def watchdog_usec(environ: Mapping[str, str]) -> Optional[int]:
 
 
 class Notifier:
-    def __init__(self, environ: Mapping[str, str] = os.environ) -> None:
+    def __init__(self, environ: Mapping[str, str]) -> None:
         self._notifier = None
+        # sdnotify reads the socket's address from the process environment itself: `environ` only
+        # decides whether we are under systemd at all.
         if environ.get(contracts.NOTIFY_SOCKET_ENV):
             import sdnotify  # only under systemd
 
