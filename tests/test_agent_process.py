@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from hyperlight_agent import contracts
+from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
-from hyperlight_agent.deviceplugin.registration import Backoff
 from hyperlight_agent.node import cdi
 from standin.kubelet import KubeletStandin, Plugin, StandinThread
 from tests.conftest import StartAgent, make_node, wait_for
@@ -173,17 +173,6 @@ def test_hung_register_is_bounded_and_retried(kubelet: StandinThread, start_agen
     assert len(kubelet.kubelet.register_calls) >= 2
 
 
-def test_backoff_is_capped_jittered_and_never_overflows() -> None:
-    backoff = Backoff(rand=lambda: 1.0)
-    delays = [backoff.next() for _ in range(5000)]
-    assert delays[:7] == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0]
-    assert max(delays) == 30.0 and delays[-1] == 30.0
-    low = Backoff(rand=lambda: 0.0)
-    assert [low.next() for _ in range(3)] == [0.25, 0.5, 1.0]  # jitter: half to full
-    backoff.reset()
-    assert backoff.next() == 0.5
-
-
 def test_rejected_register_backs_off_without_spinning(kubelet: StandinThread, start_agent: StartAgent) -> None:
     kubelet.run(lambda k: setattr(k, "mode", "reject"))
     start_agent("--device-count", "2")
@@ -191,7 +180,7 @@ def test_rejected_register_backs_off_without_spinning(kubelet: StandinThread, st
     calls = [t for t, _ in kubelet.kubelet.register_calls]
     gaps = [b - a for a, b in zip(calls, calls[1:])]
     # Each wait is at least half its base (0.5, 1, 2 s …): a backoff that never grows fails the third.
-    floors = [Backoff.initial_floor(n) for n in range(3)]
+    floors = [Backoff.floor(n) for n in range(3)]
     assert all(g >= f for g, f in zip(gaps, floors)), f"retries faster than the backoff allows: {gaps} vs {floors}"
     kubelet.run(lambda k: setattr(k, "mode", "normal"))
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)

@@ -136,6 +136,7 @@ def test_subpackage_init_is_import_free(subpackage: str) -> None:
 def test_leaves_import_nothing_of_ours_but_contracts() -> None:
     assert imports_of("contracts") == set()
     assert imports_of("text") == set()
+    assert imports_of("backoff") == set()
     assert imports_of("device.kernel") == {"contracts", "text"}
     assert imports_of("device.hypervisors") == {"contracts", "device.kernel"}
     assert imports_of("device.helper_process") == {"text", "device.kernel", "device.hypervisors"}

@@ -12,9 +12,10 @@ from typing import Any, Awaitable, Callable
 import grpc
 
 from hyperlight_agent import contracts
+from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.deviceplugin import api, registration
-from hyperlight_agent.deviceplugin.registration import Backoff, Registrar
+from hyperlight_agent.deviceplugin.registration import Registrar
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
 from standin.kubelet import KubeletStandin
 from tests.conftest import until

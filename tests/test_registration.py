@@ -14,10 +14,11 @@ import grpc
 import pytest
 
 from hyperlight_agent import contracts, waits
+from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.deviceplugin import api, registration
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
-from hyperlight_agent.deviceplugin.registration import AlreadyServed, Backoff, Registrar
+from hyperlight_agent.deviceplugin.registration import AlreadyServed, Registrar
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
 from hyperlight_agent.node import atomic
 from hyperlight_agent.node.watcher import DirectoryWatcher

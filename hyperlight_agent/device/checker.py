@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from hyperlight_agent import waits
+from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device import hypervisors, kernel
 from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
 from hyperlight_agent.device.observation import Observation, SharedObservation
@@ -65,7 +66,7 @@ class Checker:
         self._closed = False
         self._helper_trouble = False  # the last check failed because of the helper
         self._rechecked = False  # a prompt re-check was already scheduled for this streak
-        self._cdi_retry = CDI_RETRY_INITIAL_S  # the next delay after a failed spec write
+        self._cdi_retry = Backoff(CDI_RETRY_INITIAL_S, CDI_RETRY_CAP_S)  # after failed spec writes
         self._exhausted = False  # the last check was inconclusive: out of resources
         self._exhausted_reason = ""
         self._cdi_transient = False  # the last check's spec write failed in a system call
@@ -155,10 +156,9 @@ class Checker:
             self._rechecked = True
             self._schedule(HELPER_RECHECK_S)
         if observation.cause == "cdi" and self._cdi_transient:
-            self._schedule(self._cdi_retry)
-            self._cdi_retry = min(CDI_RETRY_CAP_S, self._cdi_retry * 2)
+            self._schedule(self._cdi_retry.next())
         else:
-            self._cdi_retry = CDI_RETRY_INITIAL_S
+            self._cdi_retry.reset()
         if self._observation.publish(observation):
             # Structured fields for the journal (journal.py); plain stderr ignores them.
             fields = {"HYPERVISOR": observation.hypervisor or "", "REASON": observation.reason,

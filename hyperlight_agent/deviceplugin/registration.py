@@ -30,7 +30,6 @@ import contextlib
 import enum
 import logging
 import os
-import random
 import re
 import secrets
 import stat
@@ -40,6 +39,7 @@ from typing import Callable, Optional
 import grpc
 
 from hyperlight_agent import contracts, waits, wire
+from hyperlight_agent.backoff import JITTER, Backoff
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.node import atomic, sockets
@@ -48,8 +48,6 @@ from hyperlight_agent.node.sockets import Identity, Pin
 log = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 5.0
-BACKOFF_INITIAL_S = 0.5
-BACKOFF_CAP_S = 30.0
 # The kubelet opens ListAndWatch right after Register returns; without one this long after, the
 # registration did not take.
 STREAM_OPEN_TIMEOUT_S = 3.0
@@ -76,36 +74,6 @@ class RegistrationError(Exception):
 
 class AlreadyServed(Exception):
     """A live plugin (another agent) serves our socket path: we never take it over."""
-
-
-class Backoff:
-    """Capped exponential backoff with jitter: 0.5, 1, 2 … 30 s, each scaled by 0.5–1.0; with
-    immediate_first, a 0 s retry comes before those."""
-
-    def __init__(self, initial: float = BACKOFF_INITIAL_S, cap: float = BACKOFF_CAP_S,
-                 rand: Callable[[], float] = random.random, immediate_first: bool = False) -> None:
-        self._initial, self._cap, self._rand = initial, cap, rand
-        self._immediate_first = immediate_first
-        self._immediate_due = immediate_first
-        self.attempt = 0
-
-    def next(self) -> float:
-        if self._immediate_due:
-            self._immediate_due = False
-            return 0.0
-        base: float = min(self._cap, self._initial * (2.0 ** self.attempt))
-        if base < self._cap:  # past the cap the exponent stops growing (and cannot overflow)
-            self.attempt += 1
-        return base * (0.5 + 0.5 * float(self._rand()))
-
-    def reset(self) -> None:
-        self.attempt = 0
-        self._immediate_due = self._immediate_first
-
-    @staticmethod
-    def initial_floor(attempt: int, initial: float = BACKOFF_INITIAL_S, cap: float = BACKOFF_CAP_S) -> float:
-        """The shortest wait the attempt-th retry can have (jitter at its lowest)."""
-        return 0.5 * min(cap, initial * 2.0 ** attempt)
 
 
 # The socket helpers live in node.sockets (DRA registration uses them too); the old private
@@ -168,13 +136,13 @@ class Registrar:
         self._watched = watched
         self._register_timeout = register_timeout
         self._stream_open_timeout = stream_open_timeout
-        self._backoff = backoff or Backoff()  # Register failures; reset by a successful one
+        self._backoff = backoff or Backoff(rand=JITTER)  # Register failures; reset by a successful one
         # Streams lost (or never opened) after a successful Register: reset only after a stream
         # that lived STABLE_STREAM_S, so a kubelet that keeps dropping streams backs us off too.
         # The first retry is immediate: a 1.34 kubelet ends our stream when the agent we took over
         # from ends its own (handover.py), and every moment until we register again is a moment
         # with no healthy device.
-        self._loss_backoff = loss_backoff or Backoff(immediate_first=True)
+        self._loss_backoff = loss_backoff or Backoff(rand=JITTER, immediate_first=True)
         self._server: Optional[grpc.aio.Server] = None
         self._end_streams: Callable[[], None] = lambda: None
         self._served: Optional[Pin] = None

@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable, Mapping, Optional
 import grpc
 
 from hyperlight_agent import contracts
+from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.dra import api, registration
@@ -177,7 +178,7 @@ class Driver:
             raise _Retry(str(exc)) from exc
 
     async def _retrying(self, what: str, attempt: Callable[[], Awaitable[Any]]) -> Any:
-        delay, said = RETRY_INITIAL_S, ""
+        backoff, said = Backoff(RETRY_INITIAL_S, RETRY_CAP_S), ""
         while True:
             try:
                 return await attempt()
@@ -186,8 +187,7 @@ class Driver:
                     said = str(exc)
                     log.error("%s: %s; retrying with backoff", what, said)
                 self._on_change()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RETRY_CAP_S)
+            await asyncio.sleep(backoff.next())
 
     async def _follow_checks(self, publisher: SlicePublisher) -> None:
         """The slice follows every completed check: an unusable device leaves it."""

@@ -28,6 +28,7 @@ import time
 from typing import Any, Callable, NamedTuple, NoReturn, Optional
 
 from hyperlight_agent import contracts
+from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.dra.client import GROUP, SLICES, VERSION, ApiError, Json, KubeApi
 
 log = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class SlicePublisher:
 
     async def run(self) -> None:
         """Publish, then keep the slice right until cancelled. Never raises but CancelledError."""
-        delay = self._backoff_initial_s
+        backoff = Backoff(self._backoff_initial_s, self._backoff_cap_s)
         while True:
             try:
                 await self._session()
@@ -151,11 +152,10 @@ class SlicePublisher:
             except ApiError as exc:
                 line, problem = str(exc), exc.problem
             if self._succeeded_since_failure:
-                delay = self._backoff_initial_s  # the session got as far as a success: start over
+                backoff.reset()  # the session got as far as a success: start over
             self._succeeded_since_failure = False
             self._problem(problem, line)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self._backoff_cap_s)
+            await asyncio.sleep(backoff.next())
             self._conflicts = 0
 
     def _problem(self, problem: str, line: str) -> None:

@@ -23,6 +23,7 @@ import socket
 from typing import Any, Callable, Optional
 
 from hyperlight_agent import waits
+from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device.observation import Observation
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class MetricsServer:
 
     async def run(self) -> None:
         """Serve until cancelled; binding is retried with a capped backoff, said once per cause."""
-        delay = BIND_RETRY_INITIAL_S
+        backoff = Backoff(BIND_RETRY_INITIAL_S, BIND_RETRY_CAP_S)
         while True:
             try:
                 listener = await self._listen()
@@ -86,8 +87,7 @@ class MetricsServer:
                     log.warning("%s; retrying (up to every %g s), the device plugin carries on without metrics",
                                 error, BIND_RETRY_CAP_S)
                     self.bind_error = error
-                await asyncio.sleep(delay)
-                delay = min(BIND_RETRY_CAP_S, delay * 2)
+                await asyncio.sleep(backoff.next())
         if self.bind_error:
             log.info("metrics_address %s: listening now", self.address)
         self.bind_error = ""
