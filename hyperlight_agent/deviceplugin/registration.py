@@ -76,13 +76,6 @@ class AlreadyServed(Exception):
     """A live plugin (another agent) serves our socket path: we never take it over."""
 
 
-# The socket helpers live in node.sockets (DRA registration uses them too); the old private
-# names stay, and tests patch `_is_live` here.
-_identity = sockets.identity
-_inode = sockets.identity
-_is_live = sockets.is_live
-
-
 def _no_kubelet(path: str) -> str:
     """Why there is no kubelet socket to register with at path."""
     try:
@@ -225,8 +218,7 @@ class Registrar:
             await self.stop(grace=0)
             return
         if outcome == "restart":
-            self._loss_backoff.reset()
-            log.info("kubelet restart detected; serving and registering again")
+            self._after_kubelet_restart()
             self._set(WAITING)
             await self.stop(grace=0)
             return
@@ -239,17 +231,20 @@ class Registrar:
         log.warning("%s; serving and registering again in %.1f s", self.last_error, delay)
         await self.stop(grace=0)
         if await self._wait_for_kubelet(delay):
-            # A new kubelet.sock: the stream ended because the kubelet restarted.
-            self._loss_backoff.reset()
-            log.info("kubelet restart detected; serving and registering again")
+            self._after_kubelet_restart()  # a new kubelet.sock: that is why the stream ended
         else:
             self.streams_lost += 1
+
+    def _after_kubelet_restart(self) -> None:
+        """A new kubelet owes us nothing from the old one's losses: no backoff before we register."""
+        self._loss_backoff.reset()
+        log.info("kubelet restart detected; serving and registering again")
 
     def _kubelet_starting(self) -> bool:
         """A kubelet.sock we have not registered with, for less than KUBELET_STARTING_S: a
         kubelet still starting (its socket exists before it serves), and every moment until we
         register is one in which its admission counts no device."""
-        now = _identity(self.kubelet_socket)
+        now = sockets.identity(self.kubelet_socket)
         seen = self._kubelet_seen
         if now is None or (seen is not None and now == seen.identity):
             return False
@@ -340,7 +335,7 @@ class Registrar:
             try:
                 st = os.lstat(path)
                 if (stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
-                        and now - st.st_mtime >= atomic.ABANDONED_AFTER_S and not _is_live(path)):
+                        and now - st.st_mtime >= atomic.ABANDONED_AFTER_S and not sockets.is_live(path)):
                     os.unlink(path)
                     log.info("removed abandoned socket %s", path)
             except OSError:
@@ -376,12 +371,12 @@ class Registrar:
         Anything at either path may vanish at any moment (the kubelet's startup removes every
         socket in its directory, our private one included): a vanished path is a changed path,
         so we look again, or, if our own socket went, bind anew."""
-        mine = _inode(private)
+        mine = sockets.identity(private)
         for _ in range(3):  # each retry follows a concurrent change at our path
-            if mine is None or _inode(private) != mine:
+            if mine is None or sockets.identity(private) != mine:
                 raise RegistrationError(f"{private}: our socket was removed before it was put in place "
                                         "(a kubelet starting?); serving anew")
-            existing = _inode(self.socket_path)
+            existing = sockets.identity(self.socket_path)
             if existing is None:
                 if os.path.lexists(self.socket_path):
                     raise RegistrationError(f"{self.socket_path} exists and is not a socket; not replacing it")
@@ -390,7 +385,7 @@ class Registrar:
                 except (atomic.Refused, FileNotFoundError):
                     continue  # something appeared at our path, or our private socket vanished
                 return self._placed(mine)
-            if _is_live(self.socket_path):
+            if sockets.is_live(self.socket_path):
                 raise AlreadyServed(f"{self.socket_path}: another agent is serving it; not taking it over")
             # A stale socket (nothing listening): swap ours in, and drop it only if it is the
             # stale one we probed.
@@ -398,7 +393,7 @@ class Registrar:
                 exchanged = atomic.exchange(private, self.socket_path)
             except FileNotFoundError:
                 continue  # the stale socket (or ours) vanished meanwhile: look again
-            swapped_out = _inode(private)
+            swapped_out = sockets.identity(private)
             if not exchanged or swapped_out in (existing, None):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(private)
@@ -406,7 +401,7 @@ class Registrar:
                 return self._placed(mine)
             with contextlib.suppress(FileNotFoundError):
                 atomic.exchange(private, self.socket_path)  # not what we probed: put it back
-            mine = _inode(private)
+            mine = sockets.identity(private)
         raise RegistrationError(f"{self.socket_path} keeps changing; not serving there")
 
     def _placed(self, mine: Identity) -> Pin:
@@ -448,7 +443,7 @@ class Registrar:
         deadline = loop.time() + delay
         while loop.time() < deadline:
             self._wake.clear()
-            now = _identity(self.kubelet_socket)
+            now = sockets.identity(self.kubelet_socket)
             tried = self._kubelet_tried
             if now is not None and (tried is None or now != tried.identity):
                 return True
@@ -466,7 +461,7 @@ class Registrar:
             self._wake.clear()
             if self._served is None or not self._served.is_at(self.socket_path):
                 return "replaced" if os.path.lexists(self.socket_path) else "restart"
-            kubelet = _identity(self.kubelet_socket)
+            kubelet = sockets.identity(self.kubelet_socket)
             if kubelet is not None and (self._kubelet_seen is None or kubelet != self._kubelet_seen.identity):
                 return "restart"
             if self._kubelet_stream is not None and not self._kubelet_stream_open:
