@@ -20,7 +20,7 @@ from hyperlight_agent.deviceplugin import api, registration
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.deviceplugin.registration import AlreadyServed, Registrar
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
-from hyperlight_agent.node import atomic
+from hyperlight_agent.node import atomic, sockets
 from hyperlight_agent.node.watcher import DirectoryWatcher
 from standin.kubelet import KubeletStandin
 from tests.conftest import until
@@ -227,7 +227,7 @@ def test_a_stale_socket_that_vanishes_before_the_exchange_is_a_changed_path(
             os.unlink(probed)
             return False
 
-        monkeypatch.setattr(registration, "_is_live", probe_then_vanish)
+        monkeypatch.setattr(sockets, "is_live", probe_then_vanish)
         registrar = make(kdir)
         task = asyncio.ensure_future(registrar.run())
         await until(lambda: registrar.state == registration.STREAMED or task.done(), what="streamed")
