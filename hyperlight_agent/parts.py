@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from hyperlight_agent import modes
 from hyperlight_agent.config import Settings
 from hyperlight_agent.contracts import instance_socket_name
 from hyperlight_agent.device.checker import CheckTarget
-from hyperlight_agent.deviceplugin.servicer import Profile
+
+if TYPE_CHECKING:
+    # grpc comes with the device plugin's modules: `--check` (diagnose.py) uses this module to
+    # report whether grpc imports at all, so it must load without it.
+    from hyperlight_agent.deviceplugin.servicer import Profile
 
 
 def check_target(settings: Settings, mode: modes.Mode, read_only: bool = False) -> CheckTarget:
@@ -26,6 +30,8 @@ def check_target(settings: Settings, mode: modes.Mode, read_only: bool = False) 
 
 def profile(settings: Settings, mode: modes.Mode) -> Profile:
     """What the device plugin advertises: the mode's fixed columns win over the settings."""
+    from hyperlight_agent.deviceplugin.servicer import Profile
+
     return Profile(mode.resource, instance_socket_name(mode.socket, settings.instance),
                    mode.slots if mode.slots is not None else settings.device_count,
                    mode.allocation or settings.allocation, workload_env=mode.workload_env)

@@ -282,3 +282,12 @@ def test_no_ready_while_unhealthy_and_status_says_why(tmp: str, start_agent: Sta
         kubelet.wait_until(lambda k: k.allocatable() == 2, 10)
         wait_for(lambda: "READY=1" in notify_socket.lines(), 10, "READY=1 once healthy")
         assert agent.stop() == 0
+
+
+def test_the_diagnosis_loads_without_grpc() -> None:
+    """`--check` reports a grpc that cannot be imported (a tree built for another Python) as a
+    FAIL line, so nothing it imports before that point may import grpc itself."""
+    code = ("import sys\nfrom hyperlight_agent import diagnose, parts\n"
+            "print('GRPC', sorted(m for m in sys.modules if m.split('.')[0] == 'grpc'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True).stdout
+    assert "GRPC []" in out, out
