@@ -384,7 +384,7 @@ def test_a_live_socket_at_our_path_is_not_taken_over_but_a_stale_one_is(tmp: str
         node = Node(tmp, FakeClaims())
         first = await node.start("pod-a")
         second = node.registrar("pod-a")
-        with pytest.raises(RegistrationError, match="another server is listening"):
+        with pytest.raises(RegistrationError, match="another agent is serving it; not taking it over"):
             await second.start()
         assert os.path.exists(first.service_socket) and _accepts(first.service_socket)
         await first.close()

@@ -42,7 +42,7 @@ from hyperlight_agent import contracts, waits, wire
 from hyperlight_agent.backoff import JITTER, Backoff
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
-from hyperlight_agent.node import atomic, sockets
+from hyperlight_agent.node import sockets
 from hyperlight_agent.node.sockets import Identity, Pin
 
 log = logging.getLogger(__name__)
@@ -308,38 +308,16 @@ class Registrar:
             self._on_change()
 
     def _remove_ours(self) -> None:
-        if self._served is not None and self._served.is_at(self.socket_path):
-            try:
-                os.unlink(self.socket_path)
-            except OSError as exc:
-                log.warning("cannot remove %s: %s", self.socket_path, exc.strerror)
-        self._pin("_served", None)
+        sockets.remove_ours(self._served, self.socket_path)
+        self._served = None
 
     def _sweep(self) -> None:
-        """Remove private sockets (.hyperlight.sock.<pid>.<hex>) an earlier run of ours abandoned,
-        by the rules for CDI temp files (atomic.remove_temps): our exact name pattern, a socket
-        owned by us, older than ABANDONED_AFTER_S; and, being a socket, accepting no connection.
-        A crash between bind and rename leaves one; a neighbour's similar name is never ours."""
+        """Remove private sockets (.hyperlight.sock.<pid>.<hex>) an earlier run of ours abandoned
+        (a crash between bind and rename leaves one): node.sockets.sweep's rules."""
         # contracts.private_socket_name(socket_name, pid, token_hex(PRIVATE_TOKEN_BYTES))
         hex_digits = 2 * PRIVATE_TOKEN_BYTES
-        pattern = re.compile(re.escape(f".{self._socket_name}.") + rf"[0-9]+\.[0-9a-f]{{{hex_digits}}}")
-        try:
-            names = os.listdir(self.kubelet_dir)
-        except OSError:
-            return
-        now = time.time()
-        for name in names:
-            if not pattern.fullmatch(name):
-                continue
-            path = os.path.join(self.kubelet_dir, name)
-            try:
-                st = os.lstat(path)
-                if (stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
-                        and now - st.st_mtime >= atomic.ABANDONED_AFTER_S and not sockets.is_live(path)):
-                    os.unlink(path)
-                    log.info("removed abandoned socket %s", path)
-            except OSError:
-                continue
+        sockets.sweep(self.kubelet_dir,
+                      re.compile(re.escape(f".{self._socket_name}.") + rf"[0-9]+\.[0-9a-f]{{{hex_digits}}}"))
 
     async def _serve(self) -> None:
         self._sweep()
@@ -357,60 +335,17 @@ class Registrar:
             raise RegistrationError(f"cannot listen in {self.kubelet_dir} (kubelet_dir): {problem}")
         await server.start()
         try:
-            self._pin("_served", self._put_in_place(private))
-        except BaseException:
+            self._pin("_served", sockets.put_in_place(private, self.socket_path))
+        except BaseException as exc:
             await server.stop(0)
             with contextlib.suppress(OSError):
                 os.unlink(private)
+            if isinstance(exc, sockets.Served):
+                raise AlreadyServed(str(exc)) from None
+            if isinstance(exc, sockets.NotPlaced):
+                raise RegistrationError(str(exc)) from None
             raise
         self._server = server
-
-    def _put_in_place(self, private: str) -> Pin:
-        """Rename our freshly bound socket to our path, never over a live one; returns it pinned.
-
-        Anything at either path may vanish at any moment (the kubelet's startup removes every
-        socket in its directory, our private one included): a vanished path is a changed path,
-        so we look again, or, if our own socket went, bind anew."""
-        mine = sockets.identity(private)
-        for _ in range(3):  # each retry follows a concurrent change at our path
-            if mine is None or sockets.identity(private) != mine:
-                raise RegistrationError(f"{private}: our socket was removed before it was put in place "
-                                        "(a kubelet starting?); serving anew")
-            existing = sockets.identity(self.socket_path)
-            if existing is None:
-                if os.path.lexists(self.socket_path):
-                    raise RegistrationError(f"{self.socket_path} exists and is not a socket; not replacing it")
-                try:
-                    atomic.rename_noreplace(private, self.socket_path)
-                except (atomic.Refused, FileNotFoundError):
-                    continue  # something appeared at our path, or our private socket vanished
-                return self._placed(mine)
-            if sockets.is_live(self.socket_path):
-                raise AlreadyServed(f"{self.socket_path}: another agent is serving it; not taking it over")
-            # A stale socket (nothing listening): swap ours in, and drop it only if it is the
-            # stale one we probed.
-            try:
-                exchanged = atomic.exchange(private, self.socket_path)
-            except FileNotFoundError:
-                continue  # the stale socket (or ours) vanished meanwhile: look again
-            swapped_out = sockets.identity(private)
-            if not exchanged or swapped_out in (existing, None):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(private)
-                log.info("replaced a stale socket at %s", self.socket_path)
-                return self._placed(mine)
-            with contextlib.suppress(FileNotFoundError):
-                atomic.exchange(private, self.socket_path)  # not what we probed: put it back
-            mine = sockets.identity(private)
-        raise RegistrationError(f"{self.socket_path} keeps changing; not serving there")
-
-    def _placed(self, mine: Identity) -> Pin:
-        placed = Pin.take(self.socket_path)
-        if placed is None or placed.identity != mine:
-            if placed is not None:
-                placed.close()
-            raise RegistrationError(f"{self.socket_path} changed right after we put our socket there")
-        return placed
 
     async def _register(self) -> None:
         kubelet = self._pin("_kubelet_tried", Pin.take(self.kubelet_socket))

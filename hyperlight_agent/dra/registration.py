@@ -37,8 +37,6 @@ import logging
 import os
 import re
 import secrets
-import stat
-import time
 from typing import Any, Callable, Optional
 
 import grpc
@@ -46,7 +44,7 @@ import grpc
 from hyperlight_agent import contracts, wire
 from hyperlight_agent.dra import api
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
-from hyperlight_agent.node import atomic, sockets
+from hyperlight_agent.node import sockets
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +111,7 @@ class _Served:
 
     def remove_socket(self) -> None:
         """Unlink our socket if it is still ours; a file someone put there instead stays."""
-        if self.pin.is_at(self.path):
-            try:
-                os.unlink(self.path)
-            except OSError as exc:
-                log.warning("cannot remove %s: %s", self.path, exc.strerror)
-        elif os.path.lexists(self.path):
-            log.info("%s is no longer our socket; leaving it", self.path)
-        self.pin.close()
+        sockets.remove_ours(self.pin, self.path)
 
 
 class Registrar:
@@ -217,7 +208,7 @@ class Registrar:
     async def _serve(self, path: str, handlers: list[grpc.GenericRpcHandler[Any, Any]],
                      configure: Optional[Callable[[grpc.aio.Server], None]] = None) -> _Served:
         directory = os.path.dirname(path)
-        _sweep(directory)
+        sockets.sweep(directory, _PRIVATE_NAME)
         private = os.path.join(directory, f"{PRIVATE_PREFIX}{os.getpid()}.{secrets.token_hex(4)}")
         if not _fits(private):
             raise RegistrationError(f"{directory}: too long for a unix socket path")
@@ -230,60 +221,12 @@ class Registrar:
             raise RegistrationError(f"cannot listen in {directory}: {problem}")
         await server.start()
         try:
-            pin = _put_in_place(private, path)
-        except BaseException:
+            pin = sockets.put_in_place(private, path)
+        except BaseException as exc:
             await server.stop(0)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(private)
+            if isinstance(exc, sockets.NotPlaced):
+                raise RegistrationError(str(exc)) from None
             raise
         return _Served(server, path, pin)
-
-
-def _put_in_place(private: str, path: str) -> sockets.Pin:
-    """Rename our bound socket to path; a stale socket there is swapped out, nothing else is touched."""
-    mine = sockets.identity(private)
-    if mine is None:
-        raise RegistrationError(f"{private}: our socket vanished before it was put in place")
-    try:
-        atomic.rename_noreplace(private, path)
-    except atomic.Refused:
-        existing = sockets.identity(path)
-        if existing is None:
-            raise RegistrationError(f"{path} exists and is not a socket; not replacing it") from None
-        if sockets.is_live(path):
-            raise RegistrationError(f"{path}: another server is listening there; not taking it over") from None
-        # A stale socket: our instance's earlier run, killed before it could remove it.
-        atomic.exchange(private, path)
-        swapped_out = sockets.identity(private)
-        if swapped_out not in (existing, None):
-            atomic.exchange(private, path)  # not the stale socket we probed: put it back
-            raise RegistrationError(f"{path} changed while we replaced a stale socket; left as it is") from None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(private)
-        log.info("replaced a stale socket at %s", path)
-    pin = sockets.Pin.take(path)
-    if pin is None or pin.identity != mine:
-        if pin is not None:
-            pin.close()
-        raise RegistrationError(f"{path} changed right after we put our socket there")
-    return pin
-
-
-def _sweep(directory: str) -> None:
-    """Remove private sockets an earlier run of ours abandoned between bind and rename: our exact
-    name pattern, a socket we own, older than atomic.ABANDONED_AFTER_S, and no one listening."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    now = time.time()
-    for name in names:
-        if not _PRIVATE_NAME.fullmatch(name):
-            continue
-        path = os.path.join(directory, name)
-        with contextlib.suppress(OSError):
-            st = os.lstat(path)
-            if (stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
-                    and now - st.st_mtime >= atomic.ABANDONED_AFTER_S and not sockets.is_live(path)):
-                os.unlink(path)
-                log.info("removed abandoned socket %s", path)

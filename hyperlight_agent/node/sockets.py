@@ -1,16 +1,26 @@
 """Unix socket files we serve on, told apart by (device, inode) and held open so that number
-stays theirs: whether one is ours, whether anyone is listening on one.
+stays theirs: whether one is ours, whether anyone is listening on one, putting a freshly bound
+socket in place without taking over a live one, removing only our own, and sweeping the private
+names a killed run abandoned.
 
-Used by both kubelet protocols (device plugin and DRA registration), which bind a private name
-and rename it into place, and remove only the socket they put there.
+Used by both kubelet protocols (device plugin and DRA registration): each binds a private name
+(which the kubelet's watchers ignore) and renames it into place.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
 import socket
 import stat
+import time
 from typing import Optional
+
+from hyperlight_agent.node import atomic
+
+log = logging.getLogger(__name__)
 
 # A live server answers connect() at once; a full backlog or a slow peer counts as live.
 CONNECT_TIMEOUT_S = 1.0
@@ -81,3 +91,97 @@ def is_live(path: str) -> bool:
             # A full backlog, a slow peer, a permission we lack: maybe live, so never ours to take.
             return True
         return True
+
+
+class NotPlaced(Exception):
+    """Our socket could not be put at its path; the message names the path and why."""
+
+
+class Served(NotPlaced):
+    """A live server (another agent) listens at the path: it is never taken over."""
+
+
+def put_in_place(private: str, path: str) -> Pin:
+    """Rename our freshly bound socket at `private` to `path`, never over a live one or anything
+    that is not a socket; a stale socket (no one listening) is swapped out. Returns ours, pinned.
+
+    Anything at either path may vanish at any moment (a starting kubelet removes every socket in
+    its directory, our private one included): a vanished path is a changed path, so we look again.
+    Raises Served, or NotPlaced (then `private` may be gone: bind anew).
+    """
+    mine = identity(private)
+    for _ in range(3):  # each retry follows a concurrent change at our path
+        if mine is None or identity(private) != mine:
+            raise NotPlaced(f"{private}: our socket was removed before it was put in place "
+                            "(a kubelet starting?); serving anew")
+        existing = identity(path)
+        if existing is None:
+            if os.path.lexists(path):
+                raise NotPlaced(f"{path} exists and is not a socket; not replacing it")
+            try:
+                atomic.rename_noreplace(private, path)
+            except (atomic.Refused, FileNotFoundError):
+                continue  # something appeared at our path, or our private socket vanished
+            return _pinned(path, mine)
+        if is_live(path):
+            raise Served(f"{path}: another agent is serving it; not taking it over")
+        # A stale socket: swap ours in, and drop it only if it is the stale one we probed.
+        try:
+            exchanged = atomic.exchange(private, path)
+        except FileNotFoundError:
+            continue  # the stale socket (or ours) vanished meanwhile: look again
+        swapped_out = identity(private)
+        if not exchanged or swapped_out in (existing, None):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(private)
+            log.info("replaced a stale socket at %s", path)
+            return _pinned(path, mine)
+        with contextlib.suppress(FileNotFoundError):
+            atomic.exchange(private, path)  # not what we probed: put it back
+        mine = identity(private)
+    raise NotPlaced(f"{path} keeps changing; not serving there")
+
+
+def _pinned(path: str, mine: Identity) -> Pin:
+    placed = Pin.take(path)
+    if placed is None or placed.identity != mine:
+        if placed is not None:
+            placed.close()
+        raise NotPlaced(f"{path} changed right after we put our socket there")
+    return placed
+
+
+def remove_ours(pin: Optional[Pin], path: str) -> None:
+    """Unlink the socket at path if it is still the one `pin` holds; anything someone put there
+    instead stays. The pin is closed."""
+    if pin is None:
+        return
+    if pin.is_at(path):
+        try:
+            os.unlink(path)
+        except OSError as exc:
+            log.warning("cannot remove %s: %s", path, exc.strerror)
+    elif os.path.lexists(path):
+        log.info("%s is no longer our socket; leaving it", path)
+    pin.close()
+
+
+def sweep(directory: str, private_name: re.Pattern[str]) -> None:
+    """Remove private sockets an earlier run of ours abandoned between bind and rename, by the
+    rules for temp files (atomic.remove_temps): our exact name pattern, a socket we own, older
+    than atomic.ABANDONED_AFTER_S, and no one listening. A neighbour's similar name is never ours."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        if not private_name.fullmatch(name):
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if (stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
+                    and now - st.st_mtime >= atomic.ABANDONED_AFTER_S and not is_live(path)):
+                os.unlink(path)
+                log.info("removed abandoned socket %s", path)
