@@ -226,9 +226,21 @@ _TEMP_NAME = re.compile(_TEMP_TAG + r"-[0-9]+-[0-9a-f]{12}")
 def remove_temps(directory: str, temp_prefix: str, temp_suffix: str = ".tmp",
                  now: Optional[float] = None) -> list[str]:
     """Delete temp files an earlier run of ours abandoned (a crash mid-write); returns their paths.
+    Only our exact name pattern and regular files, by remove_abandoned's rules."""
+    def ours(name: str) -> bool:
+        middle = name[len(temp_prefix):len(name) - len(temp_suffix)]
+        return name.startswith(temp_prefix) and name.endswith(temp_suffix) and bool(_TEMP_NAME.fullmatch(middle))
 
-    Only our exact name pattern, only regular files we own, only once they are older than
-    ABANDONED_AFTER_S: a neighbour's file with a similar name, or a write in progress, is left alone.
+    return remove_abandoned(directory, ours, lambda st, path: stat.S_ISREG(st.st_mode), now)
+
+
+def remove_abandoned(directory: str, ours: Callable[[str], bool], kind: Callable[[os.stat_result, str], bool],
+                     now: Optional[float] = None) -> list[str]:
+    """Delete what an earlier run of ours left behind in `directory`; returns the paths removed.
+
+    Only names `ours` accepts, only files we own that `kind` accepts (given their lstat and
+    path), only once they are older than ABANDONED_AFTER_S: a neighbour's file with a similar
+    name, or a write in progress, is left alone.
     """
     try:
         names = os.listdir(directory)
@@ -237,16 +249,12 @@ def remove_temps(directory: str, temp_prefix: str, temp_suffix: str = ".tmp",
     now = time.time() if now is None else now
     removed = []
     for name in names:
-        if not (name.startswith(temp_prefix) and name.endswith(temp_suffix)):
-            continue
-        middle = name[len(temp_prefix):len(name) - len(temp_suffix)]
-        if not _TEMP_NAME.fullmatch(middle):
+        if not ours(name):
             continue
         path = os.path.join(directory, name)
         with contextlib.suppress(OSError):
             st = os.lstat(path)
-            if (stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
-                    and now - st.st_mtime >= ABANDONED_AFTER_S):
+            if st.st_uid == os.geteuid() and now - st.st_mtime >= ABANDONED_AFTER_S and kind(st, path):
                 os.unlink(path)
                 removed.append(path)
     return removed

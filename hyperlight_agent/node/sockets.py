@@ -15,7 +15,6 @@ import os
 import re
 import socket
 import stat
-import time
 from typing import Optional
 
 from hyperlight_agent.node import atomic
@@ -168,20 +167,8 @@ def remove_ours(pin: Optional[Pin], path: str) -> None:
 
 def sweep(directory: str, private_name: re.Pattern[str]) -> None:
     """Remove private sockets an earlier run of ours abandoned between bind and rename, by the
-    rules for temp files (atomic.remove_temps): our exact name pattern, a socket we own, older
+    rules for temp files (atomic.remove_abandoned): our exact name pattern, a socket we own, older
     than atomic.ABANDONED_AFTER_S, and no one listening. A neighbour's similar name is never ours."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    now = time.time()
-    for name in names:
-        if not private_name.fullmatch(name):
-            continue
-        path = os.path.join(directory, name)
-        with contextlib.suppress(OSError):
-            st = os.lstat(path)
-            if (stat.S_ISSOCK(st.st_mode) and st.st_uid == os.geteuid()
-                    and now - st.st_mtime >= atomic.ABANDONED_AFTER_S and not is_live(path)):
-                os.unlink(path)
-                log.info("removed abandoned socket %s", path)
+    for path in atomic.remove_abandoned(directory, lambda name: bool(private_name.fullmatch(name)),
+                                        lambda st, path: stat.S_ISSOCK(st.st_mode) and not is_live(path)):
+        log.info("removed abandoned socket %s", path)
