@@ -178,7 +178,17 @@ class Checker:
             return
         if self._retry is not None:
             self._retry.cancel()
-        self._retry = asyncio.get_running_loop().call_later(delay, self.request)
+        self._retry = asyncio.get_running_loop().call_later(delay, self._retry_due)
+
+    def _retry_due(self) -> None:
+        self._retry = None
+        self.request()
+
+    @property
+    def retry_pending(self) -> bool:
+        """Whether a check is due on a timer (a prompt re-check, or a retry of the spec write or of
+        an inconclusive check) rather than waiting for the next event or interval."""
+        return self._retry is not None
 
     async def _check_once(self) -> tuple[Optional[Observation], bool]:  # noqa: PLR0911 - one per outcome
         """The observation, or None when the check was inconclusive (see _exhausted_reason)."""
