@@ -169,5 +169,5 @@ def test_development_trees_stand_on_their_own(tree: str, forbidden: set[str]) ->
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(directory, name)
-                assert not _top_packages_imported(path) & forbidden, f"{os.path.relpath(path, ROOT)} imports " \
-                    f"{sorted(_top_packages_imported(path) & forbidden)}"
+                wrong = _top_packages_imported(path) & forbidden
+                assert not wrong, f"{os.path.relpath(path, ROOT)} imports {sorted(wrong)}"

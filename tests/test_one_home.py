@@ -4,6 +4,7 @@ it, and the copies that must stay literal (the version in packaging files) are h
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 
@@ -16,7 +17,9 @@ from tests.test_docs import read
 from tests.test_layers import MODULES, PACKAGE
 
 
+@functools.lru_cache(maxsize=1)
 def trees() -> dict[str, ast.Module]:
+    """Every module's syntax tree, parsed once per session (callers only read them)."""
     found = {}
     for module in MODULES:
         if not module.endswith("_pb2"):

@@ -117,6 +117,10 @@ class Registrar:
         self.socket_path = os.path.join(kubelet_dir, socket_name)
         self.kubelet_socket = os.path.join(kubelet_dir, contracts.KUBELET_SOCKET)
         self._socket_name = socket_name
+        # Our private names, contracts.private_socket_name(socket_name, pid, PRIVATE_TOKEN_BYTES of
+        # hex): those an earlier run abandoned between bind and rename are swept before serving.
+        self._private_name = re.compile(
+            re.escape(f".{socket_name}.") + rf"[0-9]+\.[0-9a-f]{{{2 * PRIVATE_TOKEN_BYTES}}}")
         self._resource = resource
         # configure(server, on_stream) adds our services to a new server; on_stream(+1/-1, stream)
         # must be called as that server's ListAndWatch streams open and end, `stream` being any
@@ -311,16 +315,8 @@ class Registrar:
         sockets.remove_ours(self._served, self.socket_path)
         self._served = None
 
-    def _sweep(self) -> None:
-        """Remove private sockets (.hyperlight.sock.<pid>.<hex>) an earlier run of ours abandoned
-        (a crash between bind and rename leaves one): node.sockets.sweep's rules."""
-        # contracts.private_socket_name(socket_name, pid, token_hex(PRIVATE_TOKEN_BYTES))
-        hex_digits = 2 * PRIVATE_TOKEN_BYTES
-        sockets.sweep(self.kubelet_dir,
-                      re.compile(re.escape(f".{self._socket_name}.") + rf"[0-9]+\.[0-9a-f]{{{hex_digits}}}"))
-
     async def _serve(self) -> None:
-        self._sweep()
+        sockets.sweep(self.kubelet_dir, self._private_name)
         self._generation += 1
         generation = self._generation
         server = grpc.aio.server()
