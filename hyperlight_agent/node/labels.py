@@ -65,7 +65,7 @@ class Keeper:
 
     def __init__(self, features_dir: str) -> None:
         self.features_dir = features_dir
-        self.problem = ""  # why the file cannot be kept right ("" when it is)
+        self._problem = ""  # why the file cannot be kept right ("" when it is)
 
     def sync(self, hypervisor: Optional[str]) -> None:
         problem = ""
@@ -75,6 +75,6 @@ class Keeper:
             problem = f"node labels not written: {exc}"
         except OSError as exc:
             problem = f"cannot write node labels in {self.features_dir} (nfd_features_dir): {exc.strerror or exc}"
-        if problem and problem != self.problem:
+        if problem and problem != self._problem:
             log.warning("%s", problem)
-        self.problem = problem
+        self._problem = problem
