@@ -11,7 +11,7 @@ import asyncio
 import copy
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "dra")
@@ -69,6 +69,9 @@ class FakeApiServer:
         self.faults: dict[str, list[tuple[int, Json]]] = {}  # verb → answers, first used first
         self.stuck: dict[str, tuple[int, Json]] = {}  # verb → answer, until cleared
         self.down = False  # close every connection at once, as a server going away
+        self.end_watches = False  # answer every watch with an empty stream that ends at once
+        # Applied to every written slice's spec, as a mutating admission webhook would.
+        self.mutate: Optional[Callable[[Json], None]] = None
         self.refused = 0  # connections closed unanswered while down
         self.server: Optional[asyncio.base_events.Server] = None
         self.connections: set[asyncio.StreamWriter] = set()
@@ -100,6 +103,11 @@ class FakeApiServer:
         self.slices[obj["metadata"]["name"]] = obj
         await self._event(event, obj)
         return obj
+
+    async def inject(self, kind: str, obj: Json) -> None:
+        """An event sent to the watches as it is (say, one without a resourceVersion)."""
+        self.version += 1
+        await self._event(kind, obj)
 
     async def remove(self, name: str) -> Json:
         obj = self.slices.pop(name)
@@ -218,6 +226,8 @@ class FakeApiServer:
         metadata = dict(template["metadata"], name=name, resourceVersion=str(self.version),
                         uid=f"00000000-0000-4000-8000-{self.names:012d}",
                         creationTimestamp=f"2026-11-30T10:15:{self.names:02d}Z")
+        if self.mutate is not None:
+            self.mutate(body["spec"])
         obj = {"kind": "ResourceSlice", "apiVersion": "resource.k8s.io/v1", "metadata": metadata, "spec": body["spec"]}
         self.slices[name] = obj
         self.events.append((self.version, "ADDED", copy.deepcopy(obj)))
@@ -234,6 +244,8 @@ class FakeApiServer:
         if body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
             return status("status-409-conflict.json", name)
         self.version += 1
+        if self.mutate is not None:
+            self.mutate(body["spec"])
         obj = dict(current, spec=body["spec"], metadata=dict(current["metadata"], resourceVersion=str(self.version)))
         self.slices[name] = obj
         self.events.append((self.version, "MODIFIED", copy.deepcopy(obj)))
@@ -249,13 +261,23 @@ class FakeApiServer:
         return 200, claim
 
     async def _watch(self, request: Request, writer: asyncio.StreamWriter) -> None:
+        """As the real server: events after resourceVersion; with timeoutSeconds the watch ends
+        then (a bookmark just before it, with allowWatchBookmarks); an ERROR event for a fault."""
         assert request.query.get("fieldSelector") == "spec.nodeName=node1,spec.driver=hyperlight.dev", request
         since = int(request.query["resourceVersion"])
+        timeout = float(request.query["timeoutSeconds"]) if "timeoutSeconds" in request.query else None
+        bookmarks = request.query.get("allowWatchBookmarks") == "true"
+        loop = asyncio.get_running_loop()
+        ends = None if timeout is None else loop.time() + timeout
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        if self.end_watches:
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            return
         fault = self._fault("watch")
         if fault:  # an ERROR event, as the server sends for an expired resourceVersion
-            line = json.dumps({"type": "ERROR", "object": fault[1]}).encode() + b"\n"
-            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(line), line))
+            self._chunk(writer, {"type": "ERROR", "object": fault[1]})
+            writer.write(b"0\r\n\r\n")
             await writer.drain()
             return
         sent = since
@@ -264,14 +286,28 @@ class FakeApiServer:
                 if version > sent:
                     sent = version
                     if obj["spec"].get("nodeName") == NODE and obj["spec"]["driver"] == DRIVER:
-                        line = json.dumps({"type": kind, "object": obj}).encode() + b"\n"
-                        writer.write(b"%x\r\n%s\r\n" % (len(line), line))
+                        self._chunk(writer, {"type": kind, "object": obj})
             await writer.drain()
+
             def news(last: int = sent) -> bool:
                 return self.down or any(v > last for v, _, _ in self.events)
 
-            async with self.changed:
-                await self.changed.wait_for(news)
+            try:
+                async with self.changed:
+                    await asyncio.wait_for(self.changed.wait_for(news), None if ends is None else ends - loop.time())
+            except asyncio.TimeoutError:
+                if bookmarks:
+                    self._chunk(writer, {"type": "BOOKMARK", "object": {
+                        "kind": "ResourceSlice", "apiVersion": "resource.k8s.io/v1",
+                        "metadata": {"resourceVersion": str(self.version)}}})
+                writer.write(b"0\r\n\r\n")  # the end of a watch whose time is up
+                await writer.drain()
+                return
+
+    @staticmethod
+    def _chunk(writer: asyncio.StreamWriter, event: Json) -> None:
+        line = json.dumps(event).encode() + b"\n"
+        writer.write(b"%x\r\n%s\r\n" % (len(line), line))
 
 
 def kubeconfig(tmp_path: Any, server: str) -> str:

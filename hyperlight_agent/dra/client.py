@@ -1,25 +1,48 @@
 """The Kubernetes API as the DRA mode uses it: this node's ResourceSlices and single ResourceClaims,
 as plain JSON dicts, with every failure as one `ApiError`.
 
+lightkube reads the kubeconfig (or the pod's service account) and builds the authenticated HTTP
+client: TLS, client certificates, bearer tokens, token files and exec credential plugins. The six
+requests are our own, on that client, because its request layer did not hold against a broken
+environment: a credential plugin's failure escaped as an untranslated exception (the agent
+exited), its watch re-opened a watch the server had ended at once, with no backoff (a hot loop),
+waited on a silent connection forever (no read deadline) and ended on an event without a
+resourceVersion with a KeyError. Here every request has a deadline, a watch ends (and says why)
+rather than resuming by itself, and anything the server or a credential plugin does wrong is an
+ApiError naming what we asked.
+
 The only module that imports lightkube (and with it httpx), and only inside `connect()`: the
-device-plugin modes never talk to the API and never pay for the client (about 13 MB of RSS, see
-ARCHITECTURE.md). The objects are lightkube generic resources, not its typed models: the slice is
-compared and written as the JSON the API server holds, and no lightkube-models release has to know
-resource.k8s.io/v1.
+device-plugin modes never talk to the API and never pay for the client (ARCHITECTURE.md).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import os
-from typing import Any, AsyncIterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Optional
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, text
+
+if TYPE_CHECKING:
+    import httpx
 
 SERVICE_ACCOUNT_DIR = contracts.SERVICE_ACCOUNT_DIR
 IN_CLUSTER_ENV = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
-# Every request but a watch gives up after this long; a watch waits for events without limit.
+# Every request but a watch gives up after this long.
 REQUEST_TIMEOUT_S = 10.0
+# A watch asks the server to end it after its timeoutSeconds; one that has not ended this much
+# later, or has sent nothing for that long, is dead (a connection that stopped forwarding: no FIN,
+# no RST) and is given up.
+WATCH_GRACE_S = 5.0
+# Far above any real kubeconfig (embedded certificates included) or watch event line (an object
+# is at most 3 MiB in etcd): anything bigger is not ours to parse.
+MAX_KUBECONFIG_BYTES = 4 << 20
+MAX_EVENT_BYTES = 4 << 20
+# What the server's answer is made of when a credential plugin or token file fails inside a
+# request: the `reason` of such an ApiError.
+CREDENTIALS = "credentials"
 
 GROUP = contracts.RESOURCE_API_GROUP
 VERSION = contracts.RESOURCE_API_VERSION
@@ -27,6 +50,8 @@ SLICES = "resourceslices"
 CLAIMS = "resourceclaims"
 SELECT_NODE = contracts.SLICE_FIELD_NODE
 SELECT_DRIVER = contracts.SLICE_FIELD_DRIVER
+SLICES_PATH = f"/apis/{GROUP}/{VERSION}/{SLICES}"
+WATCH_EVENTS = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK")
 
 Json = dict[str, Any]
 
@@ -37,7 +62,7 @@ class ClientConfigError(Exception):
 
 class ApiError(Exception):
     """A request the API server refused (code ≥ 400) or never answered (code 0: refused connection,
-    timeout, TLS). One line: what we asked, and what came back."""
+    timeout, TLS, credentials, an unreadable answer). One line: what we asked, and what came back."""
 
     def __init__(self, verb: str, resource: str, code: int, reason: str, message: str) -> None:
         self.verb, self.resource, self.code, self.reason, self.message = verb, resource, code, reason, message
@@ -47,11 +72,17 @@ class ApiError(Exception):
     def problem(self) -> str:
         """What stays the same across retries of one problem: said once, not once per retry (an
         unreachable server fails lists, watches and writes alike, each with its own detail)."""
-        return "unreachable" if self.code == 0 else f"{self.verb} {self.resource} {self.code} {self.reason}"
+        if self.code == 0:
+            return self.reason or "unreachable"
+        return f"{self.verb} {self.resource} {self.code} {self.reason}"
 
     def __str__(self) -> str:
         what = f"{self.verb} {self.resource}.{GROUP}"
         if self.code == 0:
+            if self.reason == CREDENTIALS:
+                return f"{what}: cannot authenticate: {self.message}"
+            if self.reason:
+                return f"{what}: {self.message}"
             return f"{what}: API server unreachable: {self.message}"
         if self.code == 403:
             # The RBAC rule that is missing, in the words of a ClusterRole.
@@ -62,126 +93,282 @@ class ApiError(Exception):
         return f"{what}: {self.code} {self.reason}: {self.message}".rstrip(": ")
 
 
+def _detail(exc: BaseException) -> str:
+    """An exception as a few words on one line."""
+    words = " ".join(str(exc).split())
+    return text.shown(f"{type(exc).__name__}: {words}" if words else type(exc).__name__, 300)
+
+
 class KubeApi:
-    """The calls the DRA mode makes. `client` is a lightkube AsyncClient (from `connect`)."""
+    """The calls the DRA mode makes, on `http` (an httpx.AsyncClient with the server's address,
+    TLS and credentials: `connect`). `source` names where the credentials came from."""
 
-    def __init__(self, client: Any) -> None:
-        from lightkube.generic_resource import create_global_resource, create_namespaced_resource
-
-        self._client = client
-        self._slice: Any = create_global_resource(GROUP, VERSION, "ResourceSlice", SLICES)
-        self._claim: Any = create_namespaced_resource(GROUP, VERSION, "ResourceClaim", CLAIMS)
+    def __init__(self, http: Callable[[], httpx.AsyncClient], source: str, timeout_s: float = REQUEST_TIMEOUT_S,
+                 watch_grace_s: float = WATCH_GRACE_S) -> None:
+        self._make_http = http
+        self._http = http()
+        self._stale = False  # a request's connection failed: the pool's others may be as dead
+        self.source = source
+        self._timeout_s = timeout_s
+        self._watch_grace_s = watch_grace_s
 
     async def list_slices(self, node: str, driver: str) -> tuple[list[Json], str]:
         """This node's slices of `driver`, and the list's resourceVersion to watch from."""
-        try:
-            listing = self._client.list(self._slice, fields={SELECT_NODE: node, SELECT_DRIVER: driver})
-            items = [dict(item) async for item in listing]
-        except Exception as exc:
-            raise _api_error("list", SLICES, exc) from exc
-        return items, str(listing.resourceVersion or "")
+        listing = await self._call("list", SLICES, "GET", SLICES_PATH, params=_selector(node, driver))
+        items = listing.get("items")
+        version = (listing.get("metadata") or {}).get("resourceVersion")
+        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items) or not isinstance(version, str):
+            raise ApiError("list", SLICES, 0, "unreadable", "unreadable answer: not a list with a resourceVersion")
+        return items, version
 
-    async def watch_slices(self, node: str, driver: str, resource_version: str) -> AsyncIterator[tuple[str, Json]]:
-        """Events (ADDED, MODIFIED, DELETED, BOOKMARK) after `resource_version`, until an error."""
+    async def watch_slices(self, node: str, driver: str, resource_version: str,
+                           timeout_s: float) -> AsyncIterator[tuple[str, Json]]:
+        """Events (ADDED, MODIFIED, DELETED, BOOKMARK) after `resource_version`, until the server
+        ends the watch (after about `timeout_s`: a normal end). Raises ApiError for anything else:
+        an ERROR event (410: the version is too old to watch from), an unreadable event, a
+        connection that failed or went silent (WATCH_GRACE_S past the timeout)."""
         import httpx
 
-        events = self._client.watch(self._slice, fields={SELECT_NODE: node, SELECT_DRIVER: driver},
-                                    resource_version=resource_version or None)
+        params = {**_selector(node, driver), "watch": "true", "resourceVersion": resource_version,
+                  "allowWatchBookmarks": "true", "timeoutSeconds": str(max(1, int(timeout_s)))}
+        limit = timeout_s + self._watch_grace_s
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + limit
+        request = self._http.build_request("GET", SLICES_PATH, params=params,
+                                           timeout=httpx.Timeout(self._timeout_s, read=limit))
+        response = await self._send("watch", SLICES, request, stream=True)
         try:
-            async for kind, obj in events:
-                yield str(kind), dict(obj)
-        except httpx.TransportError:
-            # The connection ended under the watch (the API server closes long watches, and its
-            # restarts end them too): an end like any other. The caller lists again, and if the
-            # server is really gone that list says so.
-            return
-        except Exception as exc:
-            raise _api_error("watch", SLICES, exc) from exc
+            if response.status_code >= 400:
+                await self._guarded("watch", SLICES, response.aread())
+                raise _status_error("watch", SLICES, response)
+            pending = b""
+            chunks = response.aiter_bytes()
+            while True:
+                try:
+                    chunk = await self._guarded("watch", SLICES, chunks.__anext__())
+                except StopAsyncIteration:
+                    return
+                if loop.time() > ends:
+                    self._stale = True
+                    raise ApiError("watch", SLICES, 0, "stalled",
+                                   f"the watch went on {self._watch_grace_s:g} s past its timeoutSeconds="
+                                   f"{params['timeoutSeconds']}")
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                if len(pending) > MAX_EVENT_BYTES:
+                    raise ApiError("watch", SLICES, 0, "unreadable",
+                                   f"a watch event longer than {MAX_EVENT_BYTES} bytes")
+                for line in lines:
+                    if line.strip():
+                        yield _event(line)
+        finally:
+            await response.aclose()
 
     async def create_slice(self, body: Json) -> Json:
-        try:
-            return dict(await self._client.create(self._slice.from_dict(body)))
-        except Exception as exc:
-            raise _api_error("create", SLICES, exc) from exc
+        return await self._call("create", SLICES, "POST", SLICES_PATH, body=body)
 
     async def replace_slice(self, body: Json) -> Json:
         """PUT; the body's metadata.resourceVersion makes it conditional (409 when someone wrote first)."""
-        try:
-            return dict(await self._client.replace(self._slice.from_dict(body)))
-        except Exception as exc:
-            raise _api_error("update", SLICES, exc) from exc
+        name = str(body["metadata"]["name"])
+        return await self._call("update", SLICES, "PUT", f"{SLICES_PATH}/{name}", body=body)
 
     async def delete_slice(self, name: str) -> None:
-        try:
-            await self._client.delete(self._slice, name)
-        except Exception as exc:
-            raise _api_error("delete", SLICES, exc) from exc
+        await self._call("delete", SLICES, "DELETE", f"{SLICES_PATH}/{name}")
 
     async def get_claim(self, namespace: str, name: str) -> Json:
-        try:
-            return dict(await self._client.get(self._claim, name, namespace=namespace))
-        except Exception as exc:
-            raise _api_error("get", CLAIMS, exc) from exc
+        return await self._call("get", CLAIMS, "GET", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{CLAIMS}/{name}")
 
     async def close(self) -> None:
-        await self._client.close()
+        await self._http.aclose()
+
+    # --- one request ----------------------------------------------------------------------------
+
+    async def _call(self, verb: str, resource: str, method: str, path: str, *,
+                    params: Optional[dict[str, str]] = None, body: Optional[Json] = None) -> Json:
+        request = self._http.build_request(method, path, params=params, json=body)
+        response = await self._send(verb, resource, request)
+        if response.status_code >= 400:
+            raise _status_error(verb, resource, response)
+        try:
+            answer = response.json()
+        except ValueError as exc:
+            raise ApiError(verb, resource, 0, "unreadable", f"unreadable answer: {_detail(exc)}") from exc
+        if not isinstance(answer, dict):
+            raise ApiError(verb, resource, 0, "unreadable", "unreadable answer: not a JSON object")
+        return answer
+
+    async def _send(self, verb: str, resource: str, request: httpx.Request, stream: bool = False) -> httpx.Response:
+        if self._stale:
+            # A connection that stopped forwarding leaves its pooled siblings (to the same proxy
+            # or load balancer) suspect: the retry must not wait out another dead one.
+            self._stale = False
+            old, self._http = self._http, self._make_http()
+            await old.aclose()
+        response: httpx.Response = await self._guarded(verb, resource, self._http.send(request, stream=stream))
+        return response
+
+    async def _guarded(self, verb: str, resource: str, work: Any) -> Any:
+        """`work`'s result; what the network, the server or a credential plugin does wrong as ApiError."""
+        import httpx
+        from lightkube import ConfigError
+
+        try:
+            return await work
+        except httpx.TimeoutException as exc:
+            self._stale = True
+            raise ApiError(verb, resource, 0, "", f"no answer in time ({_detail(exc)})") from exc
+        except httpx.HTTPError as exc:
+            self._stale = isinstance(exc, httpx.TransportError)
+            raise ApiError(verb, resource, 0, "", _detail(exc)) from exc
+        except (ConfigError, OSError, ValueError, KeyError, TypeError) as exc:
+            # httpx raises only its own errors, so these come from the credentials: a token file
+            # that is missing or unreadable, an exec plugin that failed or printed garbage.
+            raise ApiError(verb, resource, 0, CREDENTIALS, f"{self.source}: {_detail(exc)}") from exc
 
 
-def _api_error(verb: str, resource: str, exc: Exception) -> Exception:
-    """lightkube's and httpx's exceptions as one ApiError naming the verb and resource; any other
-    exception (a bug of ours) is returned as it is, to be raised unchanged."""
-    import httpx
-    from lightkube import ApiError as LightkubeApiError
+def _selector(node: str, driver: str) -> dict[str, str]:
+    return {"fieldSelector": f"{SELECT_NODE}={node},{SELECT_DRIVER}={driver}"}
 
-    if isinstance(exc, LightkubeApiError):
-        status = exc.status
-        code = status.code or (exc.response.status_code if exc.response is not None else 0)
-        return ApiError(verb, resource, int(code), str(status.reason or ""), str(status.message or ""))
-    if isinstance(exc, httpx.HTTPStatusError):  # a body that is no Status (a proxy's page, a watch's answer)
-        return ApiError(verb, resource, exc.response.status_code, exc.response.reason_phrase, "")
-    if isinstance(exc, httpx.HTTPError):
-        return ApiError(verb, resource, 0, "", f"{type(exc).__name__}: {exc}".rstrip(": "))
-    if isinstance(exc, ValueError):  # an answer that is not the JSON we asked for
-        return ApiError(verb, resource, 0, "", f"unreadable answer: {exc}")
-    return exc
+
+def _status_error(verb: str, resource: str, response: httpx.Response) -> ApiError:
+    """The API server's Status (or, for a body that is none, a proxy's page, the HTTP status)."""
+    try:
+        status = response.json()
+    except ValueError:
+        status = None
+    if isinstance(status, dict) and status.get("kind") == "Status":
+        code = status.get("code")
+        return ApiError(verb, resource, code if isinstance(code, int) and code else response.status_code,
+                        str(status.get("reason") or ""), " ".join(str(status.get("message") or "").split()))
+    return ApiError(verb, resource, response.status_code, response.reason_phrase, "")
+
+
+def _event(line: bytes) -> tuple[str, Json]:
+    """One watch event line: (type, object). ERROR events and anything unreadable raise ApiError."""
+    try:
+        event = json.loads(line)
+    except ValueError as exc:
+        raise ApiError("watch", SLICES, 0, "unreadable", f"an unreadable watch event: {_detail(exc)}") from exc
+    kind = event.get("type") if isinstance(event, dict) else None
+    obj = event.get("object") if isinstance(event, dict) else None
+    if kind == "ERROR" and isinstance(obj, dict):
+        code = obj.get("code")
+        raise ApiError("watch", SLICES, code if isinstance(code, int) else 0, str(obj.get("reason") or "unreadable"),
+                       " ".join(str(obj.get("message") or "").split()))
+    version = (obj.get("metadata") or {}).get("resourceVersion") if isinstance(obj, dict) else None
+    if kind not in WATCH_EVENTS or not isinstance(version, str) or not isinstance(obj, dict):
+        raise ApiError("watch", SLICES, 0, "unreadable",
+                       f"an unreadable watch event (type {text.quote(str(kind))}, no object with a resourceVersion)")
+    return str(kind), obj
 
 
 def connect(kubeconfig: Optional[str], *, service_account_dir: str = SERVICE_ACCOUNT_DIR,
-            environ: Mapping[str, str], timeout_s: float = REQUEST_TIMEOUT_S) -> KubeApi:
+            environ: Mapping[str, str], timeout_s: float = REQUEST_TIMEOUT_S,
+            watch_grace_s: float = WATCH_GRACE_S) -> KubeApi:
     """A client from the kubeconfig at `kubeconfig` (the `kubeconfig` setting), else from the pod's
     service account and the in-cluster address in `environ` (the process environment, handed over
-    by the entry point). Raises ClientConfigError naming the path or what is missing."""
-    import httpx
-    import yaml
-    from lightkube import AsyncClient, ConfigError, KubeConfig
-
-    timeout = httpx.Timeout(timeout_s)
-    # httpx logs every request at INFO: our own lines say what matters (a change, a problem).
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    by the entry point). Raises ClientConfigError naming the path and what is wrong with it."""
     missing = [name for name in IN_CLUSTER_ENV if not environ.get(name)]
     if not kubeconfig and missing:
         raise ClientConfigError(f"no kubeconfig setting and not in a cluster ({' and '.join(missing)} unset)")
+    source = f"kubeconfig {kubeconfig}" if kubeconfig else f"service account {service_account_dir}"
     try:
-        if kubeconfig:
-            config = KubeConfig.from_file(kubeconfig)
-            # trust_env=False: proxies and the like come from the kubeconfig we were given, nothing else.
-            return KubeApi(AsyncClient(config, timeout=timeout, trust_env=False))
+        return _connect(kubeconfig, service_account_dir, environ, timeout_s, source, watch_grace_s)
+    except ClientConfigError as exc:
+        raise ClientConfigError(f"{source}: {exc}") from exc
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename and exc.filename != kubeconfig else ""
+        raise ClientConfigError(f"{source}: {where}{exc.strerror or _detail(exc)}") from exc
+    except RecursionError as exc:  # YAML nested deeper than the parser recurses
+        raise ClientConfigError(f"{source}: nested too deeply") from exc
+    except Exception as exc:  # lightkube's, yaml's and ssl's ways to refuse a config are many
+        raise ClientConfigError(f"{source}: {_detail(exc)}") from exc
+
+
+def _connect(kubeconfig: Optional[str], service_account_dir: str, environ: Mapping[str, str], timeout_s: float,
+             source: str, watch_grace_s: float) -> KubeApi:
+    import httpx
+
+    # httpx logs every request at INFO: our own lines say what matters (a change, a problem).
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from lightkube.config.client_adapter import AsyncClient, ConnectionParams
+
+    if kubeconfig:
+        config = _kubeconfig(kubeconfig)
+    else:
         host, port = environ[IN_CLUSTER_ENV[0]], environ[IN_CLUSTER_ENV[1]]
-        config = _service_account_config(KubeConfig, service_account_dir, host, port)
-        return KubeApi(AsyncClient(config, timeout=timeout, trust_env=False))
-    except (ConfigError, OSError, ValueError, KeyError, TypeError, AssertionError, yaml.YAMLError) as exc:
-        source = f"kubeconfig {kubeconfig}" if kubeconfig else f"service account {service_account_dir}"
-        detail = " ".join(str(exc).split()) or type(exc).__name__
-        raise ClientConfigError(f"{source}: {detail}") from exc
+        config = _service_account_config(service_account_dir, host, port)
+    # trust_env=False: proxies and the like come from the kubeconfig we were given, nothing else.
+    params = ConnectionParams(timeout=httpx.Timeout(timeout_s), trust_env=False)
+    return KubeApi(lambda: AsyncClient(config, params), source, timeout_s, watch_grace_s)
 
 
-def _service_account_config(kubeconfig: Any, directory: str, host: str, port: str) -> Any:
+def _kubeconfig(path: str) -> Any:
+    """lightkube's SingleConfig for the current context of the kubeconfig at `path`, its shape
+    checked first: lightkube indexes into whatever YAML it is given."""
+    import yaml
+    from lightkube import KubeConfig
+
+    with open(path, "rb") as f:
+        data = f.read(MAX_KUBECONFIG_BYTES + 1)
+    if len(data) > MAX_KUBECONFIG_BYTES:
+        raise ClientConfigError(f"larger than {MAX_KUBECONFIG_BYTES} bytes")
+    try:
+        doc = yaml.safe_load(data)
+    except yaml.YAMLError as exc:
+        raise ClientConfigError(f"not YAML: {' '.join(str(exc).split())}") from exc
+    problem = kubeconfig_problem(doc)
+    if problem:
+        raise ClientConfigError(problem)
+    return KubeConfig.from_dict(doc, fname=path).get()
+
+
+def kubeconfig_problem(doc: Any) -> str:  # noqa: PLR0911 - one return per problem reads best
+    """What makes a parsed kubeconfig unusable ("" when its shape is right).
+
+    >>> kubeconfig_problem([])
+    'not a mapping (a list)'
+    >>> kubeconfig_problem({"clusters": [], "contexts": [{"name": "a", "context": None}]})
+    "contexts[0] ('a'): 'context' is not a mapping"
+    """
+    if not isinstance(doc, dict):
+        return "empty" if doc is None else f"not a mapping (a {_kind(doc)})"
+    for key, inner, required in (("clusters", "cluster", True), ("contexts", "context", True),
+                                 ("users", "user", False)):
+        entries = doc.get(key)
+        if entries is None and not required:
+            continue
+        if not isinstance(entries, list):
+            return f"{key!r} is not a list" if key in doc else f"no {key!r}"
+        for i, entry in enumerate(entries):
+            where = f"{key}[{i}]"
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                return f"{where} is not a mapping with a name"
+            where += f" ({text.quote(entry['name'])})"
+            if not isinstance(entry.get(inner), dict):
+                return f"{where}: {inner!r} is not a mapping"
+    current = doc.get("current-context")
+    if not isinstance(current, str) or not current:
+        return "no current-context"
+    names = {c["name"] for c in doc["contexts"]}
+    if current not in names:
+        return f"current-context {text.quote(current)} is not among its contexts"
+    return ""
+
+
+def _kind(value: Any) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value),
+                                                                                               type(value).__name__)
+
+
+def _service_account_config(directory: str, host: str, port: str) -> Any:
     """lightkube's in-cluster config, from our arguments rather than the process environment."""
+    from lightkube import KubeConfig
     from lightkube.config import models
 
     token_file = os.path.join(directory, "token")
     with open(token_file) as f:
-        token = f.read()
+        f.read(1)  # readable now; lightkube reads it (again, rotated) for each request
     host = f"[{host}]" if ":" in host else host
     cluster = models.Cluster(server=f"https://{host}:{port}", certificate_auth=os.path.join(directory, "ca.crt"))
-    return kubeconfig.from_one(cluster=cluster, user=models.User(token=token, token_file=token_file))
+    return KubeConfig.from_one(cluster=cluster, user=models.User(token_file=token_file)).get()

@@ -12,22 +12,37 @@ scheduler sees the same "no devices here" either way, but an empty slice says "t
 runs and has nothing to offer" where a missing one says nothing; and every change stays one
 update of one object, with the generation never going back.
 
-The server's state is read, never assumed (events are hints, as elsewhere in the agent): a watch
-event only wakes the publisher, which lists this node's slices of our driver afresh and writes
-what differs. The kubelet deletes all of its node's slices when it starts; anyone with RBAC may
-delete or edit ours. The slice is not deleted on close: a successor instance (rolling update)
-publishes the same slice, and the kubelet wipes it 30 s after the last instance unregisters.
+How the server's state is known: list once, then watch from the list's resourceVersion, keeping
+the node's slices of our driver as the events say (an informer, as client-go's). A watch asks the
+server to end it after WATCH_TIMEOUT_S (a dead connection is found out by then, whatever the
+network does) and is opened again from the last version it saw, without a list; 410 Gone (too old
+a version) and a conflict on write mean "list again". Anything that fails, or a watch that ends
+early, waits the jittered backoff; it starts over only after a watch ran to its end.
+
+What is ours in the slice is compared, nothing else (`owned`): the driver, node and pool, and each
+device's name and our attributes. Fields and attributes others add (a mutating webhook, a newer
+API's defaults) are left alone; and if the server changes what we wrote on the way in, that answer
+is accepted once (said once) rather than fought.
+
+One writer per node: during a rolling update two instances of the driver run, maybe with other
+settings. Before writing, the publisher asks `newer()` for a newer live instance of our driver on
+this node; while there is one, it yields and leaves the slice to it (ARCHITECTURE.md, "Whose spec
+and slice stand").
+
+The kubelet deletes all of its node's slices when it starts; anyone with RBAC may delete or edit
+ours. The slice is not deleted on close: a successor instance (rolling update) publishes the same
+slice, and the kubelet wipes it 30 s after the last instance unregisters.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+import random
 import time
-from typing import Any, Callable, NamedTuple, NoReturn, Optional
+from typing import Any, Awaitable, Callable, NamedTuple, Optional
 
-from hyperlight_agent import contracts
+from hyperlight_agent import backoff, contracts
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.dra.client import GROUP, SLICES, VERSION, ApiError, Json, KubeApi
 
@@ -36,11 +51,21 @@ log = logging.getLogger(__name__)
 DRIVER = contracts.DRA_DRIVER
 MAX_DEVICES_PER_SLICE = contracts.RESOURCE_SLICE_MAX_DEVICES
 DEFAULT_DEVICE_COUNT = MAX_DEVICES_PER_SLICE
-# Failures back off 0.5, 1, 2 … 30 s; a conflict (someone wrote first) is re-read at once, this often
-# in a row before it counts as a failure too.
+# Failures back off 0.5, 1, 2 … 30 s, jittered (a restarted API server meets every node at once);
+# the first retry of a streak is immediate.
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_CAP_S = 30.0
-CONFLICTS_BEFORE_BACKOFF = 3
+# Each watch asks the server to end it after a time in this range (spread, so that a fleet's watches
+# do not end together). The real API server sends a bookmark shortly before it ends a watch, and
+# about once a minute otherwise; a watch that has not ended WATCH_GRACE_S (client.py) past its
+# timeout is given up, so a deleted slice is back within a minute whatever the network does.
+WATCH_TIMEOUT_S = (40.0, 50.0)
+# A watch the server ended sooner than this fraction of what we asked for ended early: a failure.
+EARLY_END = 0.5
+# "Edited by someone else" and the like: said once per this long, with a count of the repeats.
+NOTICE_INTERVAL_S = 600.0
+# The attributes we publish per device; others' attributes are not compared.
+ATTRIBUTES = ("hypervisor", "apiVersion", "devicePath")
 
 
 class DeviceInfo(NamedTuple):
@@ -68,13 +93,31 @@ def desired_spec(node_name: str, driver: str, count: int, device: Optional[Devic
             "devices": devices}
 
 
-def essence(spec: Json) -> Json:
-    """A spec as compared with the desired one: no generation, and no devices the same as `[]`
-    (the server omits an empty list)."""
-    found = dict(spec)
-    found["pool"] = {k: v for k, v in (spec.get("pool") or {}).items() if k != "generation"}
-    found["devices"] = spec.get("devices") or []
-    return found
+def owned(spec: Any) -> Json:
+    """What of a slice's spec is ours to compare with the desired one: the driver, node, pool (no
+    generation), and per device its name and our attributes. No devices is the same as `[]` (the
+    server omits an empty list); anything others add is left out.
+
+    >>> owned({"driver": "d", "nodeName": "n", "pool": {"name": "n", "generation": 3, "resourceSliceCount": 1},
+    ...        "devices": [{"name": "kvm-0", "attributes": {"hypervisor": {"string": "kvm"}, "x": {"int": 1}}}]})
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'driver': 'd', 'nodeName': 'n', 'pool': {'name': 'n', 'resourceSliceCount': 1},
+     'devices': [{'name': 'kvm-0', 'attributes': {'hypervisor': {'string': 'kvm'}}}]}
+    """
+    spec = _mapping(spec)
+    found = []
+    for entry in spec.get("devices") if isinstance(spec.get("devices"), list) else []:
+        device = _mapping(entry)
+        attributes = _mapping(device.get("attributes"))
+        found.append({"name": device.get("name"),
+                      "attributes": {k: attributes[k] for k in ATTRIBUTES if k in attributes}})
+    pool = _mapping(spec.get("pool"))
+    return {"driver": spec.get("driver"), "nodeName": spec.get("nodeName"),
+            "pool": {k: pool.get(k) for k in ("name", "resourceSliceCount")}, "devices": found}
+
+
+def _mapping(value: Any) -> Json:
+    return value if isinstance(value, dict) else {}
 
 
 def _generation(obj: Json) -> int:
@@ -86,39 +129,62 @@ def _name(obj: Json) -> str:
     return str((obj.get("metadata") or {}).get("name", ""))
 
 
+def _version(obj: Json) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion", ""))
+
+
+def _newer(candidate: Json, current: Optional[Json]) -> bool:
+    """Whether `candidate` is a later state of an object than `current` (resourceVersions are
+    opaque, but etcd's are integers: compared as such when both are; else the later arrival wins)."""
+    if current is None:
+        return True
+    a, b = _version(candidate), _version(current)
+    return int(a) >= int(b) if a.isdigit() and b.isdigit() else True
+
+
 class _Relist(Exception):
-    """The server changed under us (a conflict, an object gone, the watch ended): read it again."""
+    """What we know of the server is stale (a conflict, an expired watch): list again."""
 
 
 class SlicePublisher:
     """Keeps this node's ResourceSlice equal to the desired one while `run()` runs.
 
     State for readiness and status: `published` (the server's slice was equal to the desired one
-    at the last read or write, and the desired one has not changed since), `last_error` ("" once a
-    read or write succeeds again) and `first_published_at` (clock() of the first such success).
+    at the last look, and the desired one has not changed since; or a newer instance keeps it:
+    `kept_by`), `last_error` ("" once a read or write succeeds again) and `first_published_at`
+    (clock() of the first such success).
     """
 
     def __init__(self, api: KubeApi, node_name: str, driver: str = DRIVER, count: int = DEFAULT_DEVICE_COUNT, *,
                  clock: Callable[[], float] = time.monotonic, backoff_initial_s: float = BACKOFF_INITIAL_S,
-                 backoff_cap_s: float = BACKOFF_CAP_S, on_change: Optional[Callable[[], None]] = None) -> None:
+                 backoff_cap_s: float = BACKOFF_CAP_S, watch_timeout_s: tuple[float, float] = WATCH_TIMEOUT_S,
+                 newer: Optional[Callable[[], Awaitable[Optional[str]]]] = None,
+                 on_change: Optional[Callable[[], None]] = None) -> None:
         if not 1 <= count <= MAX_DEVICES_PER_SLICE:
             raise ValueError(f"DRA device count {count}: must be 1 to {MAX_DEVICES_PER_SLICE} "
                              f"(the devices of one ResourceSlice)")
         self._api, self.node_name, self.driver, self.count = api, node_name, driver, count
         self._clock = clock
-        self._backoff_initial_s, self._backoff_cap_s = backoff_initial_s, backoff_cap_s
+        self._backoff = Backoff(backoff_initial_s, backoff_cap_s, rand=backoff.JITTER, immediate_first=True)
+        self._watch_timeout_s = watch_timeout_s
+        self._newer = newer
+        self._on_change = on_change  # told when published, kept_by or last_error may have changed
         self._device: Optional[DeviceInfo] = None
-        self._wake = asyncio.Event()
-        self._written: Optional[Json] = None  # the spec essence we last saw on the server as ours
+        self._dirty = asyncio.Event()
+        self._cache: dict[str, Json] = {}  # our node's slices of our driver, as the server has them
+        self._listed_version: Optional[str] = None  # where the next watch starts (None: list first)
+        self._written: Optional[Json] = None  # what we last wrote (desired), once we have
+        self._accepted: Optional[tuple[Json, Json]] = None  # (desired, what the server made of it)
         self._generation = 0  # the highest pool.generation seen for our pool
-        self._logged: set[str] = set()  # problems said once since the last success
-        self._conflicts = 0  # conflicts in a row
-        self._succeeded_since_failure = False
+        self._logged: set[str] = set()  # problems said once in this streak of failures
+        self._said_recovered = False  # "published again" said in this streak
+        self._notices: dict[str, tuple[float, int]] = {}  # notice → (when last said, repeats since)
         self.slice_name = ""
         self.published = False
+        self.kept_by = ""  # a newer instance of our driver that keeps the slice now
         self.last_error = ""
         self.first_published_at: Optional[float] = None
-        self._on_change = on_change  # told when published or last_error may have changed
+        self.requests = 0  # requests sent to the API server (benchmarks read this)
 
     def set_device(self, device: Optional[DeviceInfo]) -> None:
         """The device the last check found usable, or None: absent or unusable (its devices leave)."""
@@ -127,7 +193,11 @@ class SlicePublisher:
         self._device = device
         self.published = False
         self._changed()
-        self._wake.set()
+        self._dirty.set()
+
+    def wake(self) -> None:
+        """Look again (another instance came or went)."""
+        self._dirty.set()
 
     def _changed(self) -> None:
         if self._on_change is not None:
@@ -138,120 +208,194 @@ class SlicePublisher:
 
     async def run(self) -> None:
         """Publish, then keep the slice right until cancelled. Never raises but CancelledError."""
-        backoff = Backoff(self._backoff_initial_s, self._backoff_cap_s)
         while True:
             try:
                 await self._session()
+                continue  # the watch ran to its end: open the next one at once
             except _Relist as exc:
-                self._conflicts += 1
-                log.debug("ResourceSlice: %s; reading again", exc)
-                if self._conflicts < CONFLICTS_BEFORE_BACKOFF:
-                    continue
-                line = f"ResourceSlice for node {self.node_name}: {exc}, {self._conflicts} times in a row"
-                problem = "conflicts"
+                self._listed_version = None
+                log.debug("ResourceSlice: %s; listing again", exc)
+                line, problem = f"ResourceSlice for node {self.node_name}: {exc}", "relist"
             except ApiError as exc:
+                if exc.code == 410 or exc.problem == "unreadable":
+                    # Too old to watch from, or a server whose events we cannot read (re-watching
+                    # from the same version would replay the same event): a fresh list.
+                    self._listed_version = None
                 line, problem = str(exc), exc.problem
-            if self._succeeded_since_failure:
-                backoff.reset()  # the session got as far as a success: start over
-            self._succeeded_since_failure = False
-            self._problem(problem, line)
-            await asyncio.sleep(backoff.next())
-            self._conflicts = 0
+            delay = self._backoff.next()
+            if delay > 0:  # an immediate retry is no problem yet; a streak is
+                self._problem(problem, line)
+            await asyncio.sleep(delay)
 
-    def _problem(self, problem: str, line: str) -> None:
-        """Say each distinct problem once until the next success, not once per retry."""
-        self.last_error = line
-        self._changed()
-        if problem not in self._logged:
-            self._logged.add(problem)
-            log.warning("%s; retrying with backoff", line)
-
-    def _succeeded(self) -> None:
-        if self._logged:
-            log.info("ResourceSlice %s published again", self.slice_name)
-        self._logged.clear()
-        self.last_error = ""
-        self._changed()
-        self._conflicts = 0
-        self._succeeded_since_failure = True
-
-    async def _session(self) -> NoReturn:
-        """List, reconcile, then reconcile again on every watch event or desired change."""
-        self._wake.clear()
-        items, version = await self._api.list_slices(self.node_name, self.driver)
-        await self._reconcile(items)
-        watch_ended: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
-        watcher = asyncio.ensure_future(self._watch(version, watch_ended))
+    async def _session(self) -> None:
+        """List if needed, then one watch; reconcile whenever something changed. Returns when the
+        watch ran to its end; raises ApiError or _Relist otherwise."""
+        if self._listed_version is None:
+            self.requests += 1
+            items, self._listed_version = await self._api.list_slices(self.node_name, self.driver)
+            self._cache = {_name(o): o for o in items}
+        self._dirty.set()  # a session starts by comparing: the last one may have ended mid-write
+        timeout = random.uniform(*self._watch_timeout_s)  # noqa: S311 - a spread, not a secret
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        watch = asyncio.ensure_future(self._watch(self._listed_version, timeout))
         try:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                if watch_ended.done():
-                    raise watch_ended.result()
-                items, _ = await self._api.list_slices(self.node_name, self.driver)
-                await self._reconcile(items)
+            while not watch.done():
+                dirty = asyncio.ensure_future(self._dirty.wait())
+                try:
+                    await asyncio.wait([watch, dirty], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    dirty.cancel()
+                if self._dirty.is_set():
+                    self._dirty.clear()
+                    await self._reconcile()
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            watch.cancel()
+            await asyncio.wait([watch])
+            # Retrieved even when a failed write ends the session first (else asyncio logs it).
+            ended = None if watch.cancelled() else watch.exception()
+        if ended is not None:
+            raise ended
+        lasted = loop.time() - started
+        if lasted < EARLY_END * timeout:
+            raise ApiError("watch", SLICES, 0, "early",
+                           f"the API server ended the watch after {lasted:.1f} s (asked for {timeout:.0f} s)")
+        # A whole watch without trouble: the streak is over, and the next one starts afresh.
+        self._backoff.reset()
+        self._logged.clear()
+        self._said_recovered = False
 
-    async def _watch(self, version: str, ended: asyncio.Future[BaseException]) -> None:
-        """Wake the session on every change; an ended or failed watch ends the session."""
-        error: BaseException = _Relist("the watch ended")
-        try:
-            async for kind, _ in self._api.watch_slices(self.node_name, self.driver, version):
-                if kind != "BOOKMARK":
-                    self._wake.set()
-        except ApiError as exc:
-            # 410 Gone: our version is too old to watch from; anything else is a real problem.
-            error = _Relist("the watch expired") if exc.code == 410 else exc
-        ended.set_result(error)
-        self._wake.set()
+    async def _watch(self, version: str, timeout: float) -> None:
+        """Follow the server's changes to our slices from `version` until the watch ends."""
+        self.requests += 1
+        async for kind, obj in self._api.watch_slices(self.node_name, self.driver, version, timeout):
+            self._listed_version = _version(obj)
+            if kind == "BOOKMARK":
+                continue
+            name, known = _name(obj), self._cache.get(_name(obj))
+            if not _newer(obj, known):
+                continue
+            if kind == "DELETED":
+                self._cache.pop(name, None)
+            else:
+                self._cache[name] = obj
+            self._dirty.set()
 
-    async def _reconcile(self, items: list[Json]) -> None:
+    async def _reconcile(self) -> None:
         desired = self.desired()
         # Oldest first: of several slices of ours the oldest stays, unless another is already right.
-        ours = sorted(items, key=lambda o: (str(o.get("metadata", {}).get("creationTimestamp", "")), _name(o)))
+        ours = sorted(self._cache.values(), key=lambda o: (str((o.get("metadata") or {}).get("creationTimestamp", "")),
+                                                            _name(o)))
         self._generation = max([self._generation, *(_generation(o) for o in ours)])
-        keep = next((o for o in ours if essence(o.get("spec") or {}) == desired), ours[0] if ours else None)
+        keep = next((o for o in ours if self._right(o, desired)), ours[0] if ours else None)
+        extras = [o for o in ours if o is not keep]
+        if keep is not None and not extras and self._right(keep, desired):
+            self._settled(keep, desired)
+            return
+        if self._newer is not None:
+            newer = await self._newer()
+            if newer:
+                self._yield_to(newer, keep)
+                return
+        if self.kept_by:
+            log.info("ResourceSlice for node %s: instance %s is gone; keeping the slice again", self.node_name,
+                     self.kept_by)
+            self.kept_by = ""
+        result = await self._write(desired, keep, extras)
+        self._written = desired
+        if _newer(result, self._cache.get(_name(result))):
+            self._cache[_name(result)] = result
+        if owned(result.get("spec")) != desired:
+            self._accepted = (desired, owned(result.get("spec")))
+            self._notice("mutated", f"ResourceSlice {_name(result)}: the API server changed what we wrote "
+                         "(a mutating webhook or policy?); keeping its version rather than writing it again")
+        self._settled(result, desired)
+
+    async def _write(self, desired: Json, keep: Optional[Json], extras: list[Json]) -> Json:
+        """Delete the duplicates, then create or update the slice; the server's answer."""
         try:
-            for extra in ours:
-                if extra is not keep:
-                    log.warning("ResourceSlice %s duplicates %s for node %s; deleting it", _name(extra),
-                                _name(keep or {}), self.node_name)
-                    await self._delete(_name(extra))
+            for extra in extras:
+                self._notice(f"duplicate {_name(extra)}", f"ResourceSlice {_name(extra)} duplicates "
+                             f"{_name(keep or {})} for node {self.node_name}; deleting it")
+                await self._delete(_name(extra))
             if keep is None:
                 if self._written is not None:
-                    log.info("ResourceSlice %s was deleted (a kubelet start wipes them); re-creating", self.slice_name)
-                result = await self._api.create_slice(self._object(desired, {"generateName": self._prefix()}))
-            elif essence(keep.get("spec") or {}) != desired:
-                if self._written is not None and self._written == desired and _name(keep) == self.slice_name:
-                    log.warning("ResourceSlice %s edited by someone else; restoring", _name(keep))
-                result = await self._api.replace_slice(self._object(desired, keep.get("metadata") or {}))
-            else:
-                result = keep
+                    self._notice("deleted", f"ResourceSlice {self.slice_name} was deleted (a kubelet start wipes "
+                                 "them); creating it again")
+                self.requests += 1
+                return await self._api.create_slice(self._object(desired, {"generateName": self._prefix()}))
+            if self._written == desired and _name(keep) == self.slice_name:
+                self._notice("edited", f"ResourceSlice {_name(keep)} edited by someone else; restoring")
+            self.requests += 1
+            return await self._api.replace_slice(self._object(desired, keep.get("metadata") or {}))
         except ApiError as exc:
             if exc.code == 409:
                 raise _Relist(f"conflict: {exc.message}") from exc
             if exc.code == 404 and exc.verb == "update":
                 raise _Relist("the slice went away while we updated it") from exc
             raise
-        self._generation = max(self._generation, _generation(result))
-        self.slice_name = _name(result)
-        self._written = desired
-        self.published = essence(result.get("spec") or {}) == self.desired()
-        self._changed()
+
+    def _right(self, obj: Json, desired: Json) -> bool:
+        """The server's slice says what we want: equal in what is ours, or what the server made of
+        exactly this desired spec when we wrote it (accepted once, not fought)."""
+        found = owned(obj.get("spec"))
+        return found == desired or self._accepted == (desired, found)
+
+    def _settled(self, obj: Json, desired: Json) -> None:
+        self._generation = max(self._generation, _generation(obj))
+        self.slice_name = _name(obj)
+        self.kept_by = ""
+        self.published = desired == self.desired()
         if self.published and self.first_published_at is None:
             self.first_published_at = self._clock()
             log.info("ResourceSlice %s published: %d devices", self.slice_name, len(desired["devices"]))
         self._succeeded()
 
+    def _yield_to(self, newer: str, current: Optional[Json]) -> None:
+        if self.kept_by != newer:
+            log.info("ResourceSlice for node %s: newer instance %s keeps it; not writing it", self.node_name, newer)
+        self.kept_by = newer
+        self._written = None  # what the newer one writes is no edit to complain of when we take over
+        self.published = current is not None
+        self.slice_name = _name(current or {})
+        self._succeeded()
+
+    def _problem(self, problem: str, line: str) -> None:
+        """Say each distinct problem once per streak of failures, not once per retry."""
+        self.last_error = line
+        self._changed()
+        if problem not in self._logged:
+            self._logged.add(problem)
+            self._said_recovered = False
+            log.warning("%s; retrying with backoff", line)
+
+    def _notice(self, key: str, line: str) -> None:
+        """Something others did that we answer (an edit, a deletion): said at most once per
+        NOTICE_INTERVAL_S, then with how often it happened meanwhile."""
+        now = self._clock()
+        said, repeats = self._notices.get(key, (None, 0))
+        if said is not None and now - said < NOTICE_INTERVAL_S:
+            self._notices[key] = (said, repeats + 1)
+            log.debug("%s", line)
+            return
+        self._notices[key] = (now, 0)
+        log.warning("%s%s", line, f" ({repeats} more times since it was last said)" if repeats else "")
+
+    def _succeeded(self) -> None:
+        if self._logged and not self._said_recovered:
+            self._said_recovered = True
+            log.info("ResourceSlice %s published again", self.slice_name)
+        self.last_error = ""
+        self._changed()
+
     async def _delete(self, name: str) -> None:
+        self.requests += 1
         try:
             await self._api.delete_slice(name)
         except ApiError as exc:
             if exc.code != 404:  # already gone is what we wanted
                 raise
+        self._cache.pop(name, None)
 
     def _prefix(self) -> str:
         """generateName: the server appends five random characters ("node1-hyperlight.dev-x7k2p")."""
@@ -265,4 +409,4 @@ class SlicePublisher:
         return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ResourceSlice", "metadata": dict(metadata), "spec": spec}
 
 
-__all__ = ["DRIVER", "MAX_DEVICES_PER_SLICE", "SLICES", "DeviceInfo", "SlicePublisher", "desired_spec"]
+__all__ = ["DRIVER", "MAX_DEVICES_PER_SLICE", "SLICES", "DeviceInfo", "SlicePublisher", "desired_spec", "owned"]

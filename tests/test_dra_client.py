@@ -1,0 +1,186 @@
+"""The DRA mode's API client (dra/client.py) against a broken environment: credentials that fail
+inside a request, kubeconfigs of every wrong shape, watch events the client cannot read, and a
+connection that goes silent. Each failure is one ApiError or ClientConfigError naming what we
+asked or the file, never an exception of the libraries underneath."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import stat
+from typing import Any
+
+import pytest
+
+from hyperlight_agent.dra import client as dra_client
+from hyperlight_agent.dra.client import ApiError, ClientConfigError
+from standin.apiserver import DRIVER, NODE, FakeApiServer, kubeconfig
+from standin.proxy import FreezingProxy
+from tests.conftest import until
+
+
+def write_kubeconfig(tmp_path: Any, server: str, user: dict[str, Any]) -> str:
+    path = os.path.join(str(tmp_path), "kubeconfig")
+    with open(path, "w") as f:
+        json.dump({"apiVersion": "v1", "kind": "Config", "current-context": "test",
+                   "clusters": [{"name": "test", "cluster": {"server": server}}],
+                   "users": [{"name": "test", "user": user}],
+                   "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}]}, f)
+    return path
+
+
+def exec_plugin(tmp_path: Any, body: str) -> str:
+    path = os.path.join(str(tmp_path), "credential-plugin")
+    with open(path, "w") as f:
+        f.write(f"#!/bin/sh\n{body}\n")
+    os.chmod(path, stat.S_IRWXU)
+    return path
+
+
+# 1: a credential problem inside a request is an ApiError naming the kubeconfig, never an escape.
+@pytest.mark.parametrize(("user", "cause"), [
+    ({"tokenFile": "/nonexistent/token"}, "Token file /nonexistent/token not found"),
+    ({"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": "PLUGIN"}}, "returned 1"),
+    ({"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": "GARBAGE"}}, "JSONDecodeError"),
+    ({"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": "/nonexistent/plugin"}},
+     "FileNotFoundError"),
+])
+async def test_a_credential_failure_is_an_api_error_naming_the_kubeconfig(tmp_path: Any, user: dict[str, Any],
+                                                                          cause: str) -> None:
+    fake = FakeApiServer()
+    url = await fake.start()
+    if user.get("exec", {}).get("command") == "PLUGIN":
+        user["exec"]["command"] = exec_plugin(tmp_path, "echo 'no credentials today' >&2; exit 1")
+    if user.get("exec", {}).get("command") == "GARBAGE":
+        user["exec"]["command"] = exec_plugin(tmp_path, "echo not-json")
+    path = write_kubeconfig(tmp_path, url, user)
+    api = dra_client.connect(path, environ={})
+    try:
+        for call in (lambda: api.list_slices(NODE, DRIVER), lambda: api.get_claim("ns", "c"),
+                     lambda: api.delete_slice("x")):
+            with pytest.raises(ApiError) as caught:
+                await call()
+            error = caught.value
+            assert error.code == 0 and error.problem == "credentials"
+            assert str(error).count("\n") == 0 and f"cannot authenticate: kubeconfig {path}: " in str(error)
+            assert cause in str(error), str(error)
+        with pytest.raises(ApiError, match="cannot authenticate"):
+            async for _ in api.watch_slices(NODE, DRIVER, "1", 5):
+                pass
+    finally:
+        await api.close()
+        await fake.stop()
+    assert not fake.requests, "nothing was sent without credentials"
+
+
+# 13: every wrong shape of kubeconfig is one line naming the file and what is wrong.
+@pytest.mark.parametrize(("content", "problem"), [
+    ("", "empty"),
+    ("[]", r"not a mapping \(a list\)"),
+    ("42", r"not a mapping \(a number\)"),
+    ("'text'", r"not a mapping \(a string\)"),
+    ("clusters: {}\ncontexts: []", "'clusters' is not a list"),
+    ("clusters: []", "no 'contexts'"),
+    ("clusters: [1]\ncontexts: []", r"clusters\[0\] is not a mapping with a name"),
+    ("clusters: []\ncontexts: [{name: a, context: x}]", r"contexts\[0\] \('a'\): 'context' is not a mapping"),
+    ("clusters: []\ncontexts: [{name: a, context: {}}]\nusers: [{name: u, user: [1]}]",
+     r"users\[0\] \('u'\): 'user' is not a mapping"),
+    ("clusters: []\ncontexts: [{name: a, context: {}}]", "no current-context"),
+    ("clusters: []\ncontexts: [{name: a, context: {}}]\ncurrent-context: b", "current-context 'b' is not among"),
+    ("clusters: []\ncontexts: [{name: a, context: {cluster: c}}]\ncurrent-context: a", "KeyError"),
+    ("clusters: [" * 100000, "nested too deeply|not YAML"),
+    ("a: " + "[" * 5000 + "]" * 5000, "nested too deeply|clusters"),
+    ("clusters: [\n", "not YAML"),
+])
+def test_a_kubeconfig_of_the_wrong_shape_is_one_line_naming_the_file(tmp_path: Any, content: str,
+                                                                     problem: str) -> None:
+    path = os.path.join(str(tmp_path), "kubeconfig")
+    with open(path, "w") as f:
+        f.write(content)
+    with pytest.raises(ClientConfigError) as caught:
+        dra_client.connect(path, environ={})
+    line = str(caught.value)
+    assert line.startswith(f"kubeconfig {path}: ") and "\n" not in line and len(line) < 500, line
+    assert re.search(problem, line), line
+
+
+def test_a_kubeconfig_larger_than_any_real_one_is_not_parsed(tmp_path: Any) -> None:
+    path = os.path.join(str(tmp_path), "kubeconfig")
+    with open(path, "wb") as f:
+        f.write(b"#" * (dra_client.MAX_KUBECONFIG_BYTES + 1))
+    with pytest.raises(ClientConfigError, match=f"^kubeconfig {path}: larger than"):
+        dra_client.connect(path, environ={})
+
+
+# 16: an event the client cannot read ends the watch with an ApiError, not a KeyError.
+@pytest.mark.parametrize("event", [
+    {"type": "MODIFIED", "object": {"metadata": {"name": "x"}, "spec": {"nodeName": NODE, "driver": DRIVER}}},
+    {"type": "SURPRISE", "object": {"metadata": {"resourceVersion": "9"}, "spec": {"nodeName": NODE,
+                                                                                    "driver": DRIVER}}},
+])
+async def test_an_unreadable_watch_event_ends_the_watch_with_an_api_error(tmp_path: Any,
+                                                                          event: dict[str, Any]) -> None:
+    fake = FakeApiServer()
+    url = await fake.start()
+    api = dra_client.connect(kubeconfig(tmp_path, url), environ={})
+    try:
+        seen: list[str] = []
+
+        async def watch() -> None:
+            async for kind, _ in api.watch_slices(NODE, DRIVER, str(fake.version), 30):
+                seen.append(kind)
+
+        task = asyncio.ensure_future(watch())
+        await until(lambda: fake.of("watch"), what="the watch")
+        await fake.inject(event["type"], event["object"])
+        with pytest.raises(ApiError) as caught:
+            await asyncio.wait_for(task, 10)
+        assert caught.value.code == 0 and caught.value.problem == "unreadable" and seen == []
+        assert "unreadable watch event" in str(caught.value)
+    finally:
+        await api.close()
+        await fake.stop()
+
+
+def test_watch_event_lines_are_read_strictly() -> None:
+    good = b'{"type": "ADDED", "object": {"metadata": {"resourceVersion": "5"}}}'
+    assert dra_client._event(good) == ("ADDED", {"metadata": {"resourceVersion": "5"}})
+    for line in (b"not json", b"[]", b'{"type": "ADDED"}', b'{"type": "ADDED", "object": []}',
+                 b'{"type": "ADDED", "object": {"metadata": {"resourceVersion": 5}}}'):
+        with pytest.raises(ApiError, match="unreadable watch event"):
+            dra_client._event(line)
+    with pytest.raises(ApiError) as caught:
+        dra_client._event(b'{"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}')
+    assert caught.value.code == 410
+
+
+# 3: a watch asks the server to end it, and a connection that went silent is given up.
+async def test_a_silent_watch_connection_is_given_up_past_its_timeout(tmp_path: Any) -> None:
+    fake = FakeApiServer()
+    url = await fake.start()
+    proxy = FreezingProxy("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    api = dra_client.connect(kubeconfig(tmp_path, await proxy.start()), environ={}, watch_grace_s=0.5)
+    try:
+        started = asyncio.get_running_loop().time()
+
+        async def watch() -> list[str]:
+            return [kind async for kind, _ in api.watch_slices(NODE, DRIVER, str(fake.version), 1)]
+
+        task = asyncio.ensure_future(watch())
+        await until(lambda: fake.of("watch"), what="the watch")
+        (request,) = fake.of("watch")
+        assert request.query["timeoutSeconds"] == "1" and request.query["allowWatchBookmarks"] == "true"
+        proxy.freeze()
+        with pytest.raises(ApiError) as caught:
+            await asyncio.wait_for(task, 10)
+        lasted = asyncio.get_running_loop().time() - started
+        assert caught.value.code == 0 and "no answer in time" in str(caught.value), str(caught.value)
+        assert lasted < 1 + 0.5 + 1, lasted
+        # Unfrozen, the same watch ends when its timeout is up, after a bookmark.
+        assert await asyncio.wait_for(watch(), 10) == ["BOOKMARK"]
+    finally:
+        await api.close()
+        await proxy.stop()
+        await fake.stop()
