@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Union
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hyperlight_agent import __version__, contracts, modes, parts, readiness, waits
+from hyperlight_agent import __version__, contracts, modes, parts, peers, readiness, waits
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.checker import Checker
@@ -60,6 +60,8 @@ class Agent:
         self.notifier = notifier or Notifier(self._environ)
         self.metrics = Metrics(enabled=settings.metrics_address is not None)
         self.metrics_server = self.metrics.server(settings.metrics_address) if settings.metrics_address else None
+        # Who we are to other instances of ours on this node (a successor, a predecessor): peers.py.
+        self.identity = peers.Identity.of(settings.instance or "", self.mode.protocol, self.mode.resource)
         self.observation = SharedObservation()
         self.helper = ProbeHelper(on_timeout=self.metrics.helper_timeouts.inc)
         self.checker = Checker(parts.check_target(settings, self.mode), self.helper, self.observation,
@@ -176,7 +178,7 @@ class Agent:
             # The kubelet calls the newest connected instance; calls with us finish in the stop grace.
             successor = await self.driver.hand_over(timeout)
         else:
-            successor = await handover.wait_for_successor(self.settings.kubelet_dir, self.mode.socket,
+            successor = await handover.wait_for_successor(self.identity, self.settings.kubelet_dir, self.mode.socket,
                                                           self.profile.socket, timeout)
             if successor:
                 # Its registration made the kubelet send new Allocates there; ours in flight must
@@ -217,8 +219,14 @@ class Agent:
                           on_stream: Callable[[int, object], None]) -> Callable[[], None]:
         endpoint = Endpoint(self.servicer, on_stream)
         server.add_generic_rpc_handlers([api.device_plugin_handler(endpoint)])
-        health_pb2_grpc.add_HealthServicer_to_server(self.health_service, server)
+        self._serve_ours(server)
         return endpoint.close
+
+    def _serve_ours(self, server: grpc.aio.Server) -> None:
+        """What every socket of ours serves beside its kubelet protocol: the gRPC health service
+        (the exec probes, a successor's readiness) and Describe (peers.py)."""
+        health_pb2_grpc.add_HealthServicer_to_server(self.health_service, server)
+        server.add_generic_rpc_handlers([peers.describe_handler(self.identity, lambda: self.ready)])
 
     async def _watchdog(self, interval: float) -> None:
         """WATCHDOG=1 from the loop that does the work: if the loop wedges, systemd restarts us."""
@@ -276,9 +284,7 @@ class Agent:
         return Driver(node_name=t.node_name, instance=t.instance, devices=t.devices, kubeconfig=t.kubeconfig,
                       observation=self.observation, check=lambda timeout: self.checker.check(timeout=timeout),
                       registry_dir=t.registry_dir, plugins_dir=t.plugins_dir, environ=self._environ,
-                      configure=lambda server: health_pb2_grpc.add_HealthServicer_to_server(self.health_service,
-                                                                                           server),
-                      on_change=self._status_changed)
+                      configure=self._serve_ours, identity=self.identity, on_change=self._status_changed)
 
     def _on_registrar(self) -> None:
         r = self.registrar

@@ -2,8 +2,8 @@
 
 In a surge update (or when a deleted pod's replacement starts while it terminates) a successor
 agent starts beside us under its own socket name (settings.instance), registers, and is ready
-while we still serve. On SIGTERM we keep serving until such a successor answers ready (gRPC
-health, the readiness service: registered, streamed, healthy), then end our stream:
+while we still serve. On SIGTERM we keep serving until such a successor answers ready (peers.py:
+an agent of ours for the same resource, registered, streamed, healthy), then end our stream:
 - kubelets from 1.35 on keep one endpoint per socket path and promote the remaining one when
   ours ends: the resource never drops to zero;
 - 1.34 keeps one client per resource, and our stream ending disconnects the newest client as well
@@ -20,19 +20,20 @@ import os
 import stat
 from typing import Callable, Optional
 
+import grpc
+
+from hyperlight_agent import peers, wire
+from hyperlight_agent.deviceplugin import api
+from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.host import healthcheck
 
 log = logging.getLogger(__name__)
 
-# How often we look for a successor while handing over (bounded by handover_seconds).
-POLL_S = 0.1
-# A successor answers its health service in milliseconds; one that does not is not ready.
-PEER_TIMEOUT_S = 0.5
 
-
-def peers(kubelet_dir: str, base_socket: str, own: str) -> list[str]:
-    """Sockets of other agents for the same resource: hyperlight.sock and hyperlight.<instance>.sock
-    (for base hyperlight.sock), never our own."""
+def candidates(kubelet_dir: str, base_socket: str, own: str) -> list[str]:
+    """Sockets that may be other agents for the same resource: hyperlight.sock and
+    hyperlight.<instance>.sock (for base hyperlight.sock), never our own. Whether one is an agent
+    of ours is for peers.py to find out."""
     stem, _, suffix = base_socket.rpartition(".")
     try:
         names = sorted(os.listdir(kubelet_dir))
@@ -52,22 +53,23 @@ def peers(kubelet_dir: str, base_socket: str, own: str) -> list[str]:
     return found
 
 
-async def peer_ready(path: str) -> bool:
-    """Whether the agent serving `path` says it is ready (registered, streamed, healthy)."""
-    return await healthcheck.peer_ready(path, PEER_TIMEOUT_S)
+async def legacy_ready(path: str, timeout: float) -> bool:
+    """An agent of an earlier release (no Describe): a device plugin (it answers
+    GetDevicePluginOptions) whose gRPC health says it is ready."""
+    async with grpc.aio.insecure_channel(wire.unix_target(path)) as channel:
+        try:
+            await api.device_plugin_stub(channel).GetDevicePluginOptions(pb.Empty(), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+    return await healthcheck.peer_ready(path, timeout)
 
 
-async def wait_for_successor(kubelet_dir: str, base_socket: str, own: str, timeout: float) -> Optional[str]:
+async def wait_for_successor(me: peers.Identity, kubelet_dir: str, base_socket: str, own: str,
+                             timeout: float) -> Optional[str]:
     """The socket path of a ready successor, or None after `timeout` seconds without one."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        for path in peers(kubelet_dir, base_socket, own):
-            if await peer_ready(path):
-                return path
-        if loop.time() >= deadline:
-            return None
-        await asyncio.sleep(min(POLL_S, max(0.0, deadline - loop.time())))
+    deadline = asyncio.get_running_loop().time() + timeout
+    return await peers.successor(me, lambda: candidates(kubelet_dir, base_socket, own), deadline,
+                                 legacy_ready=legacy_ready)
 
 
 async def drained(in_flight: Callable[[], int], timeout: float) -> bool:

@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import grpc
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, peers
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.observation import Observation, SharedObservation
@@ -41,9 +41,6 @@ log = logging.getLogger(__name__)
 # directory or an API server that is not there yet must not turn into a crash loop.
 RETRY_INITIAL_S = 0.5
 RETRY_CAP_S = 30.0
-# Handing over: how often the registry is looked at, and how long another instance may take to answer.
-HANDOVER_POLL_S = 0.1
-PEER_TIMEOUT_S = 0.5
 # Each Prepare runs a fresh device check (as Allocate does), bounded well below the kubelet's 45 s.
 PREPARE_CHECK_TIMEOUT_S = 10.0
 
@@ -76,8 +73,10 @@ class Driver:
                  observation: SharedObservation, check: Callable[[float], Awaitable[Observation]],
                  registry_dir: str = contracts.DRA_REGISTRY_DIR, plugins_dir: str = contracts.DRA_PLUGINS_DIR,
                  driver: str = contracts.DRA_DRIVER, configure: Optional[Callable[[grpc.aio.Server], None]] = None,
+                 identity: Optional[peers.Identity] = None,
                  on_change: Optional[Callable[[], None]] = None, environ: Mapping[str, str] = MappingProxyType({}),
                  ) -> None:
+        self.identity = identity or peers.Identity.of(instance, "dra", driver)
         self.node_name = node_name
         self._environ = environ  # the in-cluster API address, when there is no kubeconfig
         self.devices = devices
@@ -123,7 +122,7 @@ class Driver:
         try:
             api = await self._retrying("API client", self._make_client)
             self.publisher = SlicePublisher(api, self.node_name, self.registrar.driver, self.devices,
-                                            on_change=self._on_change)
+                                            newer=self.newer_instance, on_change=self._on_change)
             tasks += [asyncio.ensure_future(self._follow_checks(self.publisher)),
                       asyncio.ensure_future(self.publisher.run())]
             await asyncio.gather(*tasks)
@@ -139,16 +138,29 @@ class Driver:
         already with us finish within the registrar's stop grace. Returns the successor's socket."""
         if not self.registrar.serving:
             return None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            for path in successors(self._registry_dir, self.registrar.driver, self.registrar.registration_socket):
-                endpoint = await _endpoint(path)
-                if endpoint and await healthcheck.peer_ready(endpoint, PEER_TIMEOUT_S):
-                    return endpoint
-            if loop.time() >= deadline:
+        deadline = asyncio.get_running_loop().time() + timeout
+        return await peers.successor(self.identity, self._candidates, deadline, resolve=self._service_socket,
+                                     legacy_ready=healthcheck.peer_ready)
+
+    async def newer_instance(self) -> Optional[str]:
+        """The name of a live instance of our driver on this node that started after us, if any:
+        it keeps the ResourceSlice (peers.py)."""
+        found = await peers.newer(self.identity, self._candidates(), resolve=self._service_socket)
+        return (found.identity.instance or f"pid {found.identity.pid}") if found else None
+
+    def _candidates(self) -> list[str]:
+        return candidates(self._registry_dir, self.registrar.driver, self.registrar.registration_socket)
+
+    async def _service_socket(self, registration_socket: str, timeout: float) -> Optional[str]:
+        """The DRA service socket an instance of our driver names in GetInfo (None: not one)."""
+        async with grpc.aio.insecure_channel(api.unix_target(registration_socket)) as channel:
+            try:
+                info = await api.registration_stub(channel).GetInfo(reg.InfoRequest(), timeout=timeout)
+            except grpc.aio.AioRpcError:
                 return None
-            await asyncio.sleep(min(HANDOVER_POLL_S, max(0.0, deadline - loop.time())))
+        if info.type != contracts.DRA_PLUGIN_TYPE or info.name != self.registrar.driver or not info.endpoint:
+            return None
+        return str(info.endpoint)
 
     async def close(self) -> None:
         await self.registrar.close()
@@ -198,9 +210,10 @@ class Driver:
             publisher.set_device(device_info(observation))
 
 
-def successors(registry_dir: str, driver: str, own: str) -> list[str]:
+def candidates(registry_dir: str, driver: str, own: str) -> list[str]:
     """Registration sockets in the registry that may be another instance of our driver: the
-    names registration.registration_socket gives (<driver>-*-reg.sock, or the hashed dra-*), never ours."""
+    names registration.registration_socket gives (<driver>-*-reg.sock, or the hashed dra-*), never
+    ours. Whether one is an instance of ours is for GetInfo and peers.py to find out."""
     try:
         names = sorted(os.listdir(registry_dir))
     except OSError:
@@ -214,16 +227,6 @@ def successors(registry_dir: str, driver: str, own: str) -> list[str]:
             if stat.S_ISSOCK(os.lstat(path).st_mode):
                 found.append(path)
     return found
-
-
-async def _endpoint(registration_socket: str) -> str:
-    """The DRA service socket another instance names in GetInfo ("" if it does not answer as ours)."""
-    async with grpc.aio.insecure_channel(api.unix_target(registration_socket)) as channel:
-        try:
-            info = await api.registration_stub(channel).GetInfo(reg.InfoRequest(), timeout=PEER_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return ""
-    return str(info.endpoint) if info.type == contracts.DRA_PLUGIN_TYPE else ""
 
 
 class _Retry(Exception):

@@ -1,0 +1,223 @@
+"""The other instances of our agent on this node, as each instance sees them through the sockets
+they serve: who they are, whether one is ready to take over from us, and whether one is newer.
+
+Two instances run side by side during a surge update or the replacement of a deleted pod (and,
+under systemd, an in-place upgrade). Their sockets are the only thing they share, so each serves
+one small gRPC method beside its kubelet protocol, `Describe`, answering who it is as JSON:
+
+    {"agent": "hyperlight-agent", "version": "0.1.0", "instance": "web-1", "protocol": "dra",
+     "resource": "hyperlight.dev", "started": 5123456789, "pid": 42, "ready": true}
+
+`started` is CLOCK_BOOTTIME in nanoseconds at the agent's start: one clock for every container on
+the node, never set back. Asking by socket is what makes an answer trustworthy enough: another
+vendor's driver, a test tool serving the standard gRPC health service at a name like ours, or a
+socket that accepts and never answers is no instance of ours.
+
+- `successor()`: a ready instance of ours for the same resource, to hand the kubelet over to. All
+  candidates are asked at once, each within PEER_TIMEOUT_S and all within the caller's deadline,
+  so a hundred silent sockets cost the deadline, not a hundred timeouts. An instance of an earlier
+  release (no Describe) still counts when it proves its protocol and says it is ready.
+- `newer()`: a live instance of ours for the same resource that started after us. The newest
+  instance writes what all of them would write (the CDI spec, the ResourceSlice); the others
+  leave it alone rather than fight (ARCHITECTURE.md, "Whose spec and slice stand").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Awaitable, Callable, Iterable, Optional
+
+import grpc
+
+from hyperlight_agent import __version__, wire
+
+AGENT = "hyperlight-agent"
+SERVICE = "hyperlight.agent.v1.Instance"
+DESCRIBE = f"/{SERVICE}/Describe"
+# An instance of ours answers in milliseconds; one that does not within this is not a successor.
+PEER_TIMEOUT_S = 0.5
+# How often the candidates are asked again while waiting for a successor.
+POLL_S = 0.1
+# At most this many candidates are asked at once (a directory full of sockets is no reason to
+# open a hundred channels).
+MAX_CONCURRENT = 16
+MAX_ANSWER_BYTES = 4096
+
+
+def boottime_ns() -> int:
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who an instance is: fixed for its life."""
+
+    instance: str  # its instance name ("" under systemd without one)
+    protocol: str  # "deviceplugin" or "dra"
+    resource: str  # the device plugin's resource name, or the DRA driver's name
+    started: int  # boottime_ns() at its start
+    pid: int
+    version: str = __version__
+    agent: str = AGENT
+
+    @classmethod
+    def of(cls, instance: str, protocol: str, resource: str) -> Identity:
+        return cls(instance, protocol, resource, boottime_ns(), os.getpid())
+
+    def same_kind(self, other: Identity) -> bool:
+        """Another instance of ours serving the same resource over the same protocol."""
+        return (other.agent, other.protocol, other.resource) == (self.agent, self.protocol, self.resource)
+
+    def is_newer_than(self, other: Identity) -> bool:
+        """Started later (ties broken by instance name, then pid: a total order)."""
+        return (self.started, self.instance, self.pid) > (other.started, other.instance, other.pid)
+
+
+@dataclass(frozen=True)
+class Description:
+    """What another instance answered: who it is, and whether it was ready then."""
+
+    identity: Identity
+    ready: bool
+    path: str  # the socket it answered on
+
+
+def describe_handler(identity: Identity, ready: Callable[[], bool]) -> grpc.GenericRpcHandler[Any, Any]:
+    """The Describe method, for a server that serves one of our sockets."""
+    async def describe(request: bytes, context: Any) -> bytes:
+        return json.dumps({**asdict(identity), "ready": bool(ready())}).encode()
+
+    handler = grpc.unary_unary_rpc_method_handler(describe)  # bytes in, bytes out
+    return grpc.method_handlers_generic_handler(SERVICE, {"Describe": handler})
+
+
+class _Legacy(Exception):
+    """The peer has no Describe (an earlier release, or not ours at all)."""
+
+
+async def describe(path: str, timeout: float) -> Optional[Description]:
+    """Ask the instance serving the unix socket at `path`; None when nothing of ours answers.
+    Raises _Legacy when a server answers without the method."""
+    async with grpc.aio.insecure_channel(wire.unix_target(path)) as channel:
+        try:
+            answer = await channel.unary_unary(DESCRIBE, None, None)(b"", timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise _Legacy from None
+            return None
+    return _parse(answer, path)
+
+
+def _parse(answer: Any, path: str) -> Optional[Description]:
+    if not isinstance(answer, bytes) or len(answer) > MAX_ANSWER_BYTES:
+        return None
+    try:
+        doc = json.loads(answer)
+        identity = Identity(instance=str(doc["instance"]), protocol=str(doc["protocol"]),
+                            resource=str(doc["resource"]), started=int(doc["started"]), pid=int(doc["pid"]),
+                            version=str(doc["version"]), agent=str(doc["agent"]))
+        return Description(identity, doc["ready"] is True, path)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+# A peer of an earlier release: whether it proves its protocol (it is a device plugin, or a DRA
+# driver of ours) and its gRPC health says it is ready, within the budget. The protocol side supplies it.
+LegacyReady = Callable[[str, float], Awaitable[bool]]
+# From a socket found in a directory to the socket its instance answers Describe on (the DRA
+# registration socket names the service socket in GetInfo), within the budget; None: not ours.
+Resolve = Callable[[str, float], Awaitable[Optional[str]]]
+
+
+async def _same(path: str, budget: float) -> Optional[str]:
+    return path
+
+
+async def successor(me: Identity, candidates: Callable[[], Iterable[str]], deadline: float,
+                    resolve: Resolve = _same, legacy_ready: Optional[LegacyReady] = None) -> Optional[str]:
+    """The socket of a ready instance of ours for our resource, looked for until the loop's clock
+    reaches `deadline`; None then. `candidates()` lists sockets that may be one (never ours); the
+    socket returned is the one the successor answered on (resolved from its candidate)."""
+    loop = asyncio.get_running_loop()
+
+    async def ready(path: str, budget: float) -> Optional[str]:
+        target = await resolve(path, budget)
+        if target is None:
+            return None
+        try:
+            found = await describe(target, budget)
+        except _Legacy:
+            return target if legacy_ready is not None and await legacy_ready(target, budget) else None
+        ours = found is not None and found.ready and me.same_kind(found.identity) and found.identity != me
+        return target if ours else None
+
+    while True:
+        found = await _first(candidates(), ready, deadline)
+        if found is not None:
+            return found
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return None
+        await asyncio.sleep(min(POLL_S, remaining))
+
+
+async def newer(me: Identity, candidates: Iterable[str], resolve: Resolve = _same,
+                timeout: float = PEER_TIMEOUT_S) -> Optional[Description]:
+    """A live instance of ours for our resource that started after us, if there is one."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    newest: list[Description] = []
+
+    async def is_newer(path: str, budget: float) -> Optional[str]:
+        target = await resolve(path, budget)
+        if target is None:
+            return None
+        try:
+            found = await describe(target, budget)
+        except _Legacy:
+            return None  # an earlier release does not yield, so it is not yielded to either
+        if found is not None and me.same_kind(found.identity) and found.identity.is_newer_than(me):
+            newest.append(found)
+            return target
+        return None
+
+    await _first(candidates, is_newer, deadline)
+    return newest[0] if newest else None
+
+
+async def _first(paths: Iterable[str], test: Callable[[str, float], Awaitable[Optional[str]]],
+                 deadline: float) -> Optional[str]:
+    """The first answer (not None) of test(path, budget) for `paths`, asking all at once (at most
+    MAX_CONCURRENT at a time), each within PEER_TIMEOUT_S and all before `deadline`."""
+    loop = asyncio.get_running_loop()
+    slots = asyncio.Semaphore(MAX_CONCURRENT)
+
+    async def one(path: str) -> Optional[str]:
+        async with slots:
+            budget = min(PEER_TIMEOUT_S, deadline - loop.time())
+            if budget <= 0:
+                return None
+            try:
+                return await test(path, budget)
+            except (OSError, grpc.RpcError):
+                return None
+
+    pending = {asyncio.ensure_future(one(p)) for p in paths}
+    try:
+        while pending:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.result() is not None:
+                    return task.result()
+        return None
+    finally:
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
