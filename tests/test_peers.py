@@ -15,13 +15,13 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from hyperlight_agent import contracts, peers
+from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.deviceplugin import api as dp_api
-from hyperlight_agent.deviceplugin import handover
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
+from hyperlight_agent.deviceplugin import handover
 from hyperlight_agent.dra import api as dra_api
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
 from hyperlight_agent.dra.driver import Driver, candidates
-from hyperlight_agent.device.observation import Observation, SharedObservation
 
 RESOURCE = contracts.RESOURCE_HYPERVISOR
 DRIVER = contracts.DRA_DRIVER
@@ -52,9 +52,8 @@ class Server:
             async def GetDevicePluginOptions(self, request: Any, context: Any) -> pb.DevicePluginOptions:
                 return pb.DevicePluginOptions()
 
-        self.server.add_generic_rpc_handlers([dp_api.generic_handler(
-            dp_api.DEVICE_PLUGIN_SERVICE, {"GetDevicePluginOptions": dp_api.DEVICE_PLUGIN_METHODS["GetDevicePluginOptions"]},
-            Options())])
+        methods = {"GetDevicePluginOptions": dp_api.DEVICE_PLUGIN_METHODS["GetDevicePluginOptions"]}
+        self.server.add_generic_rpc_handlers([dp_api.generic_handler(dp_api.DEVICE_PLUGIN_SERVICE, methods, Options())])
         return self
 
     def with_registration(self, name: str, endpoint: str) -> Server:
