@@ -65,7 +65,7 @@ class Agent:
         self.observation = SharedObservation()
         self.helper = ProbeHelper(on_timeout=self.metrics.helper_timeouts.inc)
         self.checker = Checker(parts.check_target(settings, self.mode), self.helper, self.observation,
-                               on_result=self._on_check)
+                               on_result=self._on_check, keeper=self._newer_instance)
         self.profile = parts.profile(settings, self.mode)
         self.servicer = DevicePluginServicer(
             self.profile, self.observation, self.checker, on_streams_changed=self._on_streams,
@@ -285,6 +285,15 @@ class Agent:
                       observation=self.observation, check=lambda timeout: self.checker.check(timeout=timeout),
                       registry_dir=t.registry_dir, plugins_dir=t.plugins_dir, environ=self._environ,
                       configure=self._serve_ours, identity=self.identity, on_change=self._status_changed)
+
+    async def _newer_instance(self) -> Optional[str]:
+        """A live instance of ours for the same resource on this node that started after us: the
+        CDI spec is its to keep (peers.py)."""
+        if self.driver is not None:
+            return await self.driver.newer_instance()
+        found = await peers.newer(self.identity, handover.candidates(self.settings.kubelet_dir, self.mode.socket,
+                                                                     self.profile.socket))
+        return found.identity.name if found else None
 
     def _on_registrar(self) -> None:
         r = self.registrar

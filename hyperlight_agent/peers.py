@@ -68,6 +68,11 @@ class Identity:
     def of(cls, instance: str, protocol: str, resource: str) -> Identity:
         return cls(instance, protocol, resource, boottime_ns(), os.getpid())
 
+    @property
+    def name(self) -> str:
+        """How a log line names the instance."""
+        return self.instance or f"pid {self.pid}"
+
     def same_kind(self, other: Identity) -> bool:
         """Another instance of ours serving the same resource over the same protocol."""
         return (other.agent, other.protocol, other.resource) == (self.agent, self.protocol, self.resource)

@@ -8,6 +8,7 @@ device nodes (tests/fakes.py). test_status_and_readiness_through_a_lifecycle use
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -438,3 +439,47 @@ async def test_the_environment_comes_from_the_caller(tmp: str, helpers: list[Fak
     await bare.start()
     await shut(bare)
     assert "(commit unknown)" in caplog.text
+
+
+# Issue 26, 10: two agents on one CDI directory with other settings (a surge update that changes
+# device_uid): the newer one's spec stands, and the older one does not rewrite it.
+def test_the_newest_instance_keeps_the_cdi_spec_and_the_older_does_not_fight(
+        tmp: str, helpers: list[FakeHelper], monkeypatch: pytest.MonkeyPatch) -> None:
+    spec_path = cdi.spec_path(os.path.join(tmp, "cdi"))
+    writes: list[bytes] = []
+    repair = cdi.repair
+
+    def counted(plan: cdi.Plan) -> None:
+        writes.append(plan.wanted)
+        repair(plan)
+
+    monkeypatch.setattr(cdi, "repair", counted)
+
+    def uid_in_spec() -> Optional[int]:
+        data = read_bytes(spec_path)
+        return None if data is None else int(json.loads(data)["devices"][0]["containerEdits"]["deviceNodes"][0]["uid"])
+
+    async def body(kubelet: KubeletStandin) -> None:
+        old = Agent(settings_in(tmp, instance="old", device_uid=65534), notifier=RecordingNotifier())
+        await old.start()
+        new: Optional[Agent] = None
+        try:
+            await until(lambda: old.ready and uid_in_spec() == 65534, what="the old agent's spec")
+            new = Agent(settings_in(tmp, instance="new", device_uid=1000), notifier=RecordingNotifier())
+            await new.start()
+            await until(lambda: new is not None and new.ready and uid_in_spec() == 1000, what="the new agent's spec")
+            for _ in range(20):  # both look again, as their inotify events and timers would have them
+                for agent in (old, new):
+                    await agent.checker.check(timeout=5)
+            assert uid_in_spec() == 1000 and len(writes) == 2, (uid_in_spec(), len(writes))
+            assert old.ready and old.checker.kept_by == "new" and new.checker.kept_by == ""
+            await shut(new)
+            new = None
+            await old.checker.check(timeout=5)
+            assert uid_in_spec() == 65534 and old.checker.kept_by == "", "the newer one gone, the older keeps it"
+        finally:
+            for agent in (old, new):
+                if agent is not None:
+                    await shut(agent)
+
+    with_kubelet(tmp, body)

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 from hyperlight_agent import waits
 from hyperlight_agent.backoff import Backoff
@@ -55,8 +55,13 @@ class CheckTarget:
 
 class Checker:
     def __init__(self, target: CheckTarget, helper: ProbeHelper, observation: SharedObservation,
-                 on_result: Optional[Callable[[Observation, float, bool], None]] = None) -> None:
+                 on_result: Optional[Callable[[Observation, float, bool], None]] = None,
+                 keeper: Optional[Callable[[], Awaitable[Optional[str]]]] = None) -> None:
         self.target = target
+        # Asked before repairing a spec someone else wrote: the name of a newer instance of ours
+        # that keeps the spec now (peers.py), or None. Its spec stands, if it resolves our device.
+        self._keeper = keeper
+        self.kept_by = ""
         self._helper = helper
         self._observation = observation
         self._on_result = on_result  # (observation, seconds, cdi_repaired) for logs and metrics
@@ -223,7 +228,12 @@ class Checker:
             if t.read_only:
                 self.cdi_note = cdi.inspect(t.cdi_dir, self._spec(hypervisor))
                 return Observation(True, "", hypervisor.name), False
-            repaired = cdi.reconcile(t.cdi_dir, self._spec(hypervisor))
+            plan = cdi.examine(t.cdi_dir, self._spec(hypervisor))
+            if plan is not None and await self._kept_by_newer(plan, hypervisor.name):
+                return Observation(True, "", hypervisor.name), False
+            if plan is not None:
+                cdi.repair(plan)
+            repaired = plan is not None
         except cdi.CdiError as exc:
             if exc.exhausted:
                 self._exhausted_reason = str(exc)
@@ -233,6 +243,19 @@ class Checker:
         if repaired:
             log.info("CDI spec %s written", cdi.spec_path(t.cdi_dir))
         return Observation(True, "", hypervisor.name), repaired
+
+    async def _kept_by_newer(self, plan: cdi.Plan, name: str) -> bool:
+        """Whether a newer instance of ours keeps the spec that is there (one that resolves our
+        device): then it stands, unrepaired, and no two instances rewrite it in turn (a surge
+        update that changes device_uid). Said once per keeper."""
+        keeper = await self._keeper() if self._keeper is not None and plan.lists(name) else None
+        if keeper and keeper != self.kept_by:
+            log.info("CDI spec %s is kept by newer instance %s; not rewriting it", cdi.spec_path(plan.cdi_dir), keeper)
+        elif not keeper and self.kept_by:
+            log.info("instance %s no longer keeps CDI spec %s; keeping it again", self.kept_by,
+                     cdi.spec_path(plan.cdi_dir))
+        self.kept_by = keeper or ""
+        return bool(keeper)
 
     def _host_path(self, hypervisor: hypervisors.Hypervisor) -> Optional[str]:
         host_dir = self.target.host_device_dir

@@ -146,7 +146,7 @@ class Driver:
         """The name of a live instance of our driver on this node that started after us, if any:
         it keeps the ResourceSlice (peers.py)."""
         found = await peers.newer(self.identity, self._candidates(), resolve=self._service_socket)
-        return (found.identity.instance or f"pid {found.identity.pid}") if found else None
+        return found.identity.name if found else None
 
     def _candidates(self) -> list[str]:
         return candidates(self._registry_dir, self.registrar.driver, self.registrar.registration_socket)

@@ -174,13 +174,23 @@ def inspect(cdi_dir: str, spec: Spec) -> Optional[str]:
     return None
 
 
-def reconcile(cdi_dir: str, spec: Spec) -> bool:
-    """Make the spec exactly what `spec` wants (bytes, mode, owner). True if it had to be written.
+@dataclass(frozen=True)
+class Plan:
+    """What a repair would write over what is there (`current`, None: nothing is), from one read."""
 
-    The file is read once: the devices it lists and the comparison come from the same read.
-    Raises CdiError; anything but a regular file at our path, even one that appears while we
-    write, is left in place.
-    """
+    cdi_dir: str
+    current: Optional[atomic.Current]
+    wanted: bytes
+
+    def lists(self, name: str) -> bool:
+        """Whether the spec there now resolves the CDI device `name` (another writer's spec may)."""
+        return self.current is not None and name in listed_devices(self.current.data)
+
+
+def examine(cdi_dir: str, spec: Spec) -> Optional[Plan]:
+    """None when the spec is exactly what `spec` wants (bytes, mode, owner), else what a repair
+    would write. The file is read once: the devices it lists and the comparison come from the same
+    read. Raises CdiError; abandoned temp files of ours are removed on the way."""
     path = spec_path(cdi_dir)
     check_directory(cdi_dir)
     for stale in atomic.remove_temps(cdi_dir, contracts.CDI_TEMP_PREFIX, contracts.CDI_TEMP_SUFFIX):
@@ -188,19 +198,34 @@ def reconcile(cdi_dir: str, spec: Spec) -> bool:
     current = _read_ours(path)
     wanted = spec.wanted(current.data if current is not None else None)
     if atomic.is_exact(current, wanted, SPEC_MODE):
-        return False
+        return None
+    return Plan(cdi_dir, current, wanted)
+
+
+def repair(plan: Plan) -> None:
+    """Write plan.wanted, replacing only the file examine() read. Raises CdiError; anything but a
+    regular file at our path, even one that appears while we write, is left in place."""
+    cdi_dir, path = plan.cdi_dir, spec_path(plan.cdi_dir)
     try:
         os.makedirs(cdi_dir, mode=0o755, exist_ok=True)
     except OSError as exc:
         raise CdiError(f"{cdi_dir}: cannot create CDI directory: {exc.strerror or exc}", exc.errno) from exc
     try:
-        atomic.write(cdi_dir, contracts.CDI_SPEC_FILE, wanted, contracts.CDI_TEMP_PREFIX,
+        atomic.write(cdi_dir, contracts.CDI_SPEC_FILE, plan.wanted, contracts.CDI_TEMP_PREFIX,
                      contracts.CDI_TEMP_SUFFIX, SPEC_MODE,
-                     replace=current.identity if current is not None else None)
+                     replace=plan.current.identity if plan.current is not None else None)
     except atomic.Refused as exc:
         raise CdiError(str(exc)) from exc
     except OSError as exc:
         raise CdiError(f"{path}: cannot write: {exc.strerror or exc}", exc.errno) from exc
+
+
+def reconcile(cdi_dir: str, spec: Spec) -> bool:
+    """Make the spec exactly what `spec` wants: examine, then repair. True if it had to be written."""
+    plan = examine(cdi_dir, spec)
+    if plan is None:
+        return False
+    repair(plan)
     return True
 
 
