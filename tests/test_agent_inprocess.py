@@ -478,8 +478,8 @@ def test_the_newest_instance_keeps_the_cdi_spec_and_the_older_does_not_fight(
             await old.checker.check(timeout=5)
             assert uid_in_spec() == 65534 and old.checker.kept_by == "", "the newer one gone, the older keeps it"
         finally:
-            for agent in (old, new):
-                if agent is not None:
-                    await shut(agent)
+            await shut(old)
+            if new is not None:
+                await shut(new)
 
     with_kubelet(tmp, body)
