@@ -240,6 +240,12 @@ class Agent:
         registrar = self.registrar
         if registrar is not None:
             watcher.watch(s.kubelet_dir, lambda name: registrar.wake(), {contracts.KUBELET_SOCKET, self.profile.socket})
+        driver = self.driver
+        if driver is not None:
+            # Our two sockets (removed by a cleanup tool: served again), and other instances'
+            # registration sockets coming and going (whether a newer one keeps the slice).
+            for path in self._dra_sockets():
+                watcher.watch(os.path.dirname(path), lambda name: driver.sockets_changed())
         device_nodes = {h.node for h in hypervisors.HYPERVISORS}
         watcher.watch(s.device_dir, lambda name: self.checker.request(), device_nodes)
         if s.host_device_dir:
@@ -284,7 +290,12 @@ class Agent:
         return Driver(node_name=t.node_name, instance=t.instance, devices=t.devices, kubeconfig=t.kubeconfig,
                       observation=self.observation, check=lambda timeout: self.checker.check(timeout=timeout),
                       registry_dir=t.registry_dir, plugins_dir=t.plugins_dir, environ=self._environ,
-                      configure=self._serve_ours, identity=self.identity, on_change=self._status_changed)
+                      configure=self._serve_ours, identity=self.identity, on_change=self._status_changed,
+                      watched=lambda: all(self.watcher.watching(os.path.dirname(p)) for p in self._dra_sockets()))
+
+    def _dra_sockets(self) -> tuple[str, str]:
+        assert self.driver is not None
+        return self.driver.registrar.registration_socket, self.driver.registrar.service_socket
 
     async def _newer_instance(self) -> Optional[str]:
         """A live instance of ours for the same resource on this node that started after us: the

@@ -3,9 +3,11 @@ for tests. Runs on the caller's event loop.
 
 As strict as the kubelet (1.34 and 1.37 behave alike here; pkg/kubelet/pluginmanager and
 pkg/kubelet/cm/dra), never more forgiving:
-- it watches the registry directory (polling: a test tool) for sockets whose names do not start
-  with "."; a socket that appears, or is replaced, is registered; one that vanishes deregisters
-  that (driver, endpoint);
+- it watches the registry directory with inotify, as the plugin watcher does with fsnotify: a
+  socket whose name does not start with "." that is created or moved in (fsnotify's Create) is
+  registered, again if it was already (the desired state's new UUID makes the reconciler
+  re-register it); one deleted (Remove) deregisters that (driver, endpoint); one moved away
+  (Rename) changes nothing; sockets there at the start are registered;
 - registering: dial the socket, GetInfo with a 1 s deadline; type must be "DRAPlugin"; an empty
   endpoint means the registration socket itself; supported_versions is walked in the plugin's
   order and the first the kubelet knows ("v1.DRAPlugin", "v1beta1.DRAPlugin") is chosen (an
@@ -27,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import grpc
+from asyncinotify import Inotify, Mask
 
 from hyperlight_agent import contracts, waits
 from hyperlight_agent.dra import api
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
 
-POLL_S = 0.01
 # Versions this kubelet knows, as supported_versions names them.
 KNOWN_VERSIONS = (contracts.DRA_VERSION_V1, contracts.DRA_VERSION_V1BETA1)
 
@@ -71,7 +73,6 @@ class DraKubeletStandin:
     instances: dict[str, list[Instance]] = field(default_factory=dict)
     # Registration attempts that failed: (registration socket, reason).
     refused: list[tuple[str, str]] = field(default_factory=list)
-    _seen: dict[str, tuple[int, int]] = field(default_factory=dict)
     _task: Optional[asyncio.Task[None]] = None
 
     async def __aenter__(self) -> DraKubeletStandin:
@@ -91,35 +92,33 @@ class DraKubeletStandin:
     # --- the plugin watcher ---------------------------------------------------------------------
 
     async def _watch(self) -> None:
-        while True:
-            await self.scan()
-            await asyncio.sleep(POLL_S)
+        with Inotify() as inotify:
+            inotify.add_watch(self.registry_dir, Mask.CREATE | Mask.MOVED_TO | Mask.DELETE)
+            with contextlib.suppress(FileNotFoundError):
+                for name in sorted(os.listdir(self.registry_dir)):
+                    await self._created(os.path.join(self.registry_dir, name))
+            async for event in inotify:
+                path = os.path.join(self.registry_dir, str(event.name))
+                if event.mask & (Mask.CREATE | Mask.MOVED_TO):
+                    await self._created(path)
+                elif event.mask & Mask.DELETE:
+                    await self._deregister(path)
 
-    async def scan(self) -> None:
-        """One look at the registry directory: register new sockets, deregister vanished ones."""
-        present: dict[str, tuple[int, int]] = {}
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(self.registry_dir):
-                path = os.path.join(self.registry_dir, name)
-                with contextlib.suppress(OSError):
-                    st = os.lstat(path)
-                    if not name.startswith(".") and stat.S_ISSOCK(st.st_mode):
-                        present[path] = (st.st_dev, st.st_ino)
-        for path, identity in list(self._seen.items()):
-            if present.get(path) != identity:
-                del self._seen[path]
-                await self._deregister(path)
-        for path, identity in present.items():
-            if path not in self._seen:
-                self._seen[path] = identity
-                try:
-                    await self.register(path)
-                except RegistrationRefused as exc:
-                    self.refused.append((path, str(exc)))
-                except (grpc.RpcError, asyncio.TimeoutError) as exc:
-                    # The real kubelet retries with a backoff; forgetting the socket retries it.
-                    self.refused.append((path, f"dial/GetInfo failed: {exc}"))
-                    del self._seen[path]
+    async def _created(self, path: str) -> None:
+        """A Create event: a socket (not a dot-file) is registered, afresh if it was already."""
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return
+        if os.path.basename(path).startswith(".") or not stat.S_ISSOCK(st.st_mode):
+            return
+        await self._deregister(path)
+        try:
+            await self.register(path)
+        except RegistrationRefused as exc:
+            self.refused.append((path, str(exc)))
+        except (grpc.RpcError, asyncio.TimeoutError) as exc:
+            self.refused.append((path, f"dial/GetInfo failed: {exc}"))
 
     async def register(self, path: str) -> Instance:
         channel = grpc.aio.insecure_channel(api.unix_target(path))

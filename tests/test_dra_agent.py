@@ -186,3 +186,54 @@ def test_device_info_comes_from_the_table() -> None:
 
     assert dra_driver.device_info(Observation(True, "", "mshv")) == DeviceInfo("mshv", 0, "/dev/mshv")
     assert dra_driver.device_info(Observation(False, "gone", "kvm")) is None
+
+
+# Issue 26, 2: a removed registration socket is put back, the kubelet registers us again, and we
+# are not ready meanwhile; a removed service socket is served again too.
+def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration(
+        tmp: str, helpers: list[FakeHelper]) -> None:  # noqa: F811
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        notifier = RecordingNotifier()
+        agent = Agent(settings_in(tmp, config), dra=True, notifier=notifier)
+        await agent.start()
+        try:
+            await until(lambda: agent.ready and len(kubelet.instances.get(DRIVER, [])) == 1, what="ready")
+            registrar = agent.driver.registrar  # type: ignore[union-attr]
+            loop = asyncio.get_running_loop()
+            said = len(notifier.messages)
+            os.unlink(registrar.registration_socket)  # a cleanup tool, an administrator
+            removed = loop.time()
+            await until(lambda: registrar.served_again == 1 and os.path.exists(registrar.registration_socket),
+                        what="the socket back")
+            assert loop.time() - removed < 1.0, "put back within a second"
+            await until(lambda: agent.ready and len(kubelet.instances.get(DRIVER, [])) == 1, what="registered again")
+            statuses = [m[0] for m in notifier.messages[said:] if m[0].startswith("STATUS=")]
+            assert any("our registration socket was removed" in m for m in statuses), statuses
+
+            fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
+            os.unlink(registrar.service_socket)
+            await until(lambda: os.path.exists(registrar.service_socket), what="the service socket back")
+            answer = await kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)])
+            assert list(answer[UID].devices[0].cdi_device_ids) == ["hyperlight.dev/hypervisor=kvm"]
+            assert registrar.served_again == 2 and agent.ready
+        finally:
+            await shut(agent)
+
+    with_cluster(tmp, body)
+
+
+# Issue 26, 17: a stop at any moment of the start leaves none of our private sockets behind.
+@pytest.mark.parametrize("delay", [0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12])
+def test_a_stop_during_the_start_leaves_nothing_behind(tmp: str, helpers: list[FakeHelper],  # noqa: F811
+                                                        delay: float) -> None:
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        agent = Agent(settings_in(tmp, config), dra=True)
+        await agent.start()
+        await asyncio.sleep(delay)  # the moment of the stop is the variable here
+        await shut(agent)
+        registry, plugins = dirs(tmp)
+        left = [os.path.join(d, n) for d in (registry, plugins, os.path.join(plugins, DRIVER)) if os.path.isdir(d)
+                for n in os.listdir(d) if n.endswith(".sock") or n.startswith(".hl-dra.")]
+        assert left == [], left
+
+    with_cluster(tmp, body)

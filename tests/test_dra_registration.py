@@ -421,3 +421,17 @@ def test_standin_rejects_an_answer_missing_a_claim() -> None:
         _entries("NodePrepareResources", [Claim("n", "a", "a"), Claim("n", "b", "b")], Response())
     with pytest.raises(CallFailed, match="unknown claim"):
         _entries("NodePrepareResources", [], Response())
+
+
+# Issue 26, 18: a symlink at our directory below the plugins directory is refused, not written through.
+def test_a_symlinked_driver_directory_is_refused_and_nothing_is_written_through(tmp: str) -> None:
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        elsewhere = os.path.join(tmp, "elsewhere")
+        os.makedirs(elsewhere)
+        os.makedirs(node.plugins)
+        os.symlink(elsewhere, os.path.join(node.plugins, DRIVER))
+        with pytest.raises(RegistrationError, match=f"^{node.plugins}/{DRIVER} is a symlink; refusing to follow it"):
+            await node.start("a")
+        assert os.listdir(elsewhere) == [] and os.listdir(node.registry) == []
+
+    run(tmp, body)

@@ -73,7 +73,7 @@ class Driver:
                  observation: SharedObservation, check: Callable[[float], Awaitable[Observation]],
                  registry_dir: str = contracts.DRA_REGISTRY_DIR, plugins_dir: str = contracts.DRA_PLUGINS_DIR,
                  driver: str = contracts.DRA_DRIVER, configure: Optional[Callable[[grpc.aio.Server], None]] = None,
-                 identity: Optional[peers.Identity] = None,
+                 identity: Optional[peers.Identity] = None, watched: Callable[[], bool] = lambda: False,
                  on_change: Optional[Callable[[], None]] = None, environ: Mapping[str, str] = MappingProxyType({}),
                  ) -> None:
         self.identity = identity or peers.Identity.of(instance, "dra", driver)
@@ -90,7 +90,7 @@ class Driver:
                                Prepared(os.path.join(plugins_dir, driver)))
         self._registry_dir = registry_dir
         self.registrar = registration.Registrar(self.service, driver, instance, registry_dir, plugins_dir,
-                                                on_change=self._on_change, configure=configure)
+                                                on_change=self._on_change, configure=configure, watched=watched)
 
     # --- state for readiness --------------------------------------------------------------------
 
@@ -148,6 +148,13 @@ class Driver:
         found = await peers.newer(self.identity, self._candidates(), resolve=self._service_socket)
         return found.identity.name if found else None
 
+    def sockets_changed(self) -> None:
+        """A socket came or went in the registry or our plugin directory: ours may need serving
+        again, and another instance may have come or gone (who keeps the slice)."""
+        self.registrar.wake()
+        if self.publisher is not None:
+            self.publisher.wake()
+
     def _candidates(self) -> list[str]:
         return candidates(self._registry_dir, self.registrar.driver, self.registrar.registration_socket)
 
@@ -185,7 +192,7 @@ class Driver:
 
     async def _serve(self) -> None:
         try:
-            await self.registrar.start()
+            await self.registrar.run()
         except registration.RegistrationError as exc:
             raise _Retry(str(exc)) from exc
 

@@ -4,6 +4,9 @@
     start(): serve DRAPlugin (v1, v1beta1) at <plugins_dir>/<driver>/dra-<instance>.sock,
              then Registration at <registry_dir>/<driver>-<instance>-reg.sock
              (the kubelet dials the service as soon as the registration socket appears)
+    run():   start() if need be, then keep both sockets ours: one removed or replaced (a cleanup
+             tool, an administrator) is served anew at once, and the kubelet registers us again;
+             meanwhile we are not registered (readiness is off)
     kubelet: GetInfo → {type DRAPlugin, name driver, endpoint the service socket,
              supported_versions [v1.DRAPlugin, v1beta1.DRAPlugin]} → NotifyRegistrationStatus
     close(): remove the registration socket (the kubelet deregisters this instance only), stop
@@ -37,11 +40,12 @@ import logging
 import os
 import re
 import secrets
+import stat
 from typing import Any, Callable, Optional
 
 import grpc
 
-from hyperlight_agent import contracts, wire
+from hyperlight_agent import contracts, waits, wire
 from hyperlight_agent.dra import api
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
 from hyperlight_agent.node import sockets
@@ -49,6 +53,9 @@ from hyperlight_agent.node import sockets
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0
+# A safety net for when our sockets' directories are not watched (inotify unavailable, a directory
+# missing): look at the sockets this often. While they are watched, events wake us at once.
+VERIFY_INTERVAL_S = 5.0
 # After our registration socket goes, the kubelet deregisters us only when its plugin manager's
 # reconciler (a 1 s loop) sees it; until then it may still route a claim to us, which must be
 # answered rather than refused with "Server shutdown" (seen on the e2e cluster's 1.34 kubelet).
@@ -121,7 +128,8 @@ class Registrar:
                  registry_dir: str = contracts.DRA_REGISTRY_DIR, plugins_dir: str = contracts.DRA_PLUGINS_DIR,
                  on_change: Optional[Callable[[], None]] = None, stop_grace: float = STOP_GRACE_S,
                  deregister_grace: float = DEREGISTER_GRACE_S,
-                 configure: Optional[Callable[[grpc.aio.Server], None]] = None) -> None:
+                 configure: Optional[Callable[[grpc.aio.Server], None]] = None,
+                 watched: Callable[[], bool] = lambda: False) -> None:
         if not instance:
             raise ValueError("a DRA plugin instance needs a name unique on the node (the pod name or uid)")
         self.driver = driver
@@ -140,6 +148,11 @@ class Registrar:
         self.registered = False
         self.error = ""  # the kubelet's reason for refusing us, or why we could not serve
         self.notifications = 0  # NotifyRegistrationStatus calls received
+        self.served_again = 0  # sockets of ours put back after someone removed or replaced them
+        # Whether both sockets' directories are watched now: then every change of our sockets
+        # calls wake(), and nothing runs on a timer.
+        self._watched = watched
+        self._wake = asyncio.Event()
 
     @property
     def serving(self) -> bool:
@@ -147,36 +160,73 @@ class Registrar:
 
     async def start(self) -> None:
         """Serve the DRA service, then the registration socket. Raises RegistrationError; nothing
-        of ours is left behind then."""
+        of ours is left behind then (nor when a stop cancels us half-way)."""
         try:
-            os.makedirs(os.path.dirname(self.service_socket), mode=0o750, exist_ok=True)
+            driver_dir(os.path.dirname(self.service_socket))
             self._dra = await self._serve(self.service_socket, api.dra_handlers(self._service), self._configure)
             self._registration = await self._serve(self.registration_socket, [api.registration_handler(self)])
         except RegistrationError as exc:
             self._set(False, str(exc))
             await self.close()
             raise
-        except OSError as exc:
-            self._set(False, f"cannot create {os.path.dirname(self.service_socket)}: {exc.strerror}")
+        except BaseException:
             await self.close()
-            raise RegistrationError(self.error) from exc
+            raise
         log.info("DRA driver %s serving %s, registering at %s", self.driver, self.service_socket,
                  self.registration_socket)
+
+    def wake(self) -> None:
+        """One of our sockets' directories changed: look at our sockets."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """start() if not serving, then keep both sockets ours until cancelled. Raises
+        RegistrationError when one cannot be served again (the caller retries with backoff)."""
+        if not self.serving:
+            await self.start()
+        while True:
+            self._wake.clear()
+            await self.keep()
+            await waits.event(self._wake, None if self._watched() else VERIFY_INTERVAL_S)
+
+    async def keep(self) -> None:
+        """Serve anew whichever of our sockets is no longer ours at its path."""
+        registration, dra = self._registration, self._dra
+        if dra is not None and not dra.pin.is_at(dra.path):
+            log.warning("our DRA service socket %s was removed or replaced; serving it again", dra.path)
+            self._dra = await self._serve(dra.path, api.dra_handlers(self._service), self._configure)
+            self.served_again += 1
+            dra.pin.close()
+            await dra.server.stop(self._stop_grace)  # calls in flight finish on the old server
+        if registration is not None and not registration.pin.is_at(registration.path):
+            # The kubelet has deregistered us (or will in a moment): not registered until it says so.
+            log.warning("our registration socket %s was removed or replaced; serving it again for the kubelet "
+                        "to register us", registration.path)
+            self._set(False, "our registration socket was removed; registering again")
+            registration.pin.close()
+            await registration.server.stop(0)
+            self._registration = await self._serve(registration.path, [api.registration_handler(self)])
+            self.served_again += 1
 
     async def close(self) -> None:
         """Deregister (our registration socket goes first), then stop serving. Idempotent."""
         registration, self._registration = self._registration, None
         dra, self._dra = self._dra, None
-        if registration is not None:
-            registration.remove_socket()
-            await registration.server.stop(0)
-            if dra is not None and self._deregister_grace > 0:
-                await asyncio.sleep(self._deregister_grace)  # still serving claims meanwhile
-        if dra is not None:
-            await dra.server.stop(self._stop_grace)
-            dra.remove_socket()
-        if self.registered:
-            self._set(False, "")
+        try:
+            if registration is not None:
+                registration.remove_socket()
+                await registration.server.stop(0)
+                if dra is not None and self._deregister_grace > 0:
+                    await asyncio.sleep(self._deregister_grace)  # still serving claims meanwhile
+        finally:
+            # Also when a stop cancels this close (a start cut short): our sockets must not stay.
+            if dra is not None:
+                try:
+                    await dra.server.stop(self._stop_grace)
+                finally:
+                    dra.remove_socket()
+            if self.registered:
+                self._set(False, "")
 
     # --- the Registration service ---------------------------------------------------------------
 
@@ -216,17 +266,43 @@ class Registrar:
         server.add_generic_rpc_handlers(handlers)
         if configure is not None:
             configure(server)
-        problem = await wire.listen(server, private)
-        if problem:
-            raise RegistrationError(f"cannot listen in {directory}: {problem}")
-        await server.start()
         try:
-            pin = sockets.put_in_place(private, path)
+            problem = await wire.listen(server, private)
+            pin = None if problem else await _start_in_place(server, private, path)
         except BaseException as exc:
+            # Also when a stop cancels us between bind and rename: our private name must not stay.
             await server.stop(0)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(private)
             if isinstance(exc, sockets.NotPlaced):
                 raise RegistrationError(str(exc)) from None
             raise
+        if pin is None:
+            raise RegistrationError(f"cannot listen in {directory}: {problem}")
         return _Served(server, path, pin)
+
+
+async def _start_in_place(server: grpc.aio.Server, private: str, path: str) -> sockets.Pin:
+    await server.start()
+    return sockets.put_in_place(private, path)
+
+
+def driver_dir(directory: str) -> None:
+    """Make our directory below the plugins directory (<plugins_dir>/<driver>), or refuse what is
+    there instead: a symlink is never followed (our sockets and record would land wherever it
+    points), as for cdi_dir. Raises RegistrationError naming the path."""
+    try:
+        os.makedirs(directory, 0o750, exist_ok=True)
+    except FileExistsError:
+        pass  # not a directory (a dangling symlink, a file): said below
+    except OSError as exc:
+        raise RegistrationError(f"cannot create {directory}: {exc.strerror}") from exc
+    try:
+        st = os.lstat(directory)
+    except OSError as exc:
+        raise RegistrationError(f"cannot look at {directory}: {exc.strerror}") from exc
+    if stat.S_ISLNK(st.st_mode):
+        raise RegistrationError(f"{directory} is a symlink; refusing to follow it "
+                                f"(dra_plugins_dir/{os.path.basename(directory)} must be a directory)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise RegistrationError(f"{directory} is not a directory; refusing to replace it")
