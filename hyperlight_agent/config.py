@@ -257,6 +257,15 @@ def longest_socket_name(instance: Optional[str]) -> int:
                for n in (contracts.PLUGIN_SOCKET, contracts.DEVICE_ACCESS_SOCKET))
 
 
+# The shortest names the DRA mode gives its sockets (dra/registration.py; a test holds these to
+# it): the hashed registration socket "dra-<24 hex>-reg.sock" in dra_registry_dir, the hashed
+# service socket "dra-<16 hex>.sock" in dra_plugins_dir/<driver>, and in both the private name
+# ".hl-dra.<pid>.<8 hex>" bound before the rename.
+_DRA_PRIVATE_NAME = len(".hl-dra.") + len(str(contracts.PID_MAX)) + 1 + 8
+DRA_SHORTEST_NAMES = {"dra_registry_dir": max(len("dra--reg.sock") + 24, _DRA_PRIVATE_NAME),
+                      "dra_plugins_dir": max(len("dra-.sock") + 16, _DRA_PRIVATE_NAME)}
+
+
 @dataclass(frozen=True)
 class Settings:
     """Resolved settings. No defaults here: SETTINGS is their one home (see defaults())."""
@@ -315,13 +324,24 @@ def load(args: argparse.Namespace, environ: Mapping[str, str],
     values: dict[str, Any] = {}
     for s in SETTINGS:
         values[s.key] = _resolve(s, getattr(args, s.key, None), environ, from_file, path)
-    socket_bytes = (len(values["kubelet_dir"].encode("utf-8", "surrogateescape")) + 1
-                    + longest_socket_name(values["instance"]))
+    socket_bytes = _bytes(values["kubelet_dir"]) + 1 + longest_socket_name(values["instance"])
     if socket_bytes > contracts.UNIX_PATH_MAX:
         named = f" with instance = {quote(values['instance'])}" if values["instance"] else ""
         raise ConfigError(f"kubelet_dir = {quote(values['kubelet_dir'])}{named}: socket paths in it would be up to "
                           f"{socket_bytes} bytes; unix sockets allow {contracts.UNIX_PATH_MAX}")
+    # The DRA mode shortens its socket names (a hash of the instance) down to these: only a
+    # directory too long even for them cannot hold its sockets.
+    for key, below in (("dra_registry_dir", None), ("dra_plugins_dir", contracts.DRA_DRIVER)):
+        directory = os.path.join(values[key], below) if below else values[key]
+        socket_bytes = _bytes(directory) + 1 + DRA_SHORTEST_NAMES[key]
+        if socket_bytes > contracts.UNIX_PATH_MAX:
+            raise ConfigError(f"{key} = {quote(values[key])}: socket paths in it would be at least {socket_bytes} "
+                              f"bytes; unix sockets allow {contracts.UNIX_PATH_MAX}")
     return Settings(**values, config_file=path if file_read else None)
+
+
+def _bytes(path: str) -> int:
+    return len(path.encode("utf-8", "surrogateescape"))
 
 
 def _read_bytes(path: str) -> Optional[bytes]:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 from typing import Callable, Optional, TypeVar
 
-from hyperlight_agent import config
+from hyperlight_agent import config, waits
 from hyperlight_agent.config import Settings
 from hyperlight_agent.host.notify import Notifier
 
@@ -67,7 +66,7 @@ class Reloader:
             while True:
                 self._again = False
                 try:
-                    new = await _in_thread(self._read) if self._read else self._running()
+                    new = await waits.in_thread(self._read, "config-reload") if self._read else self._running()
                 except config.ConfigError as exc:
                     log.error("reload failed, keeping the running configuration: %s", exc)
                     self._notifier.status(f"reload failed, kept running configuration: {exc}")
@@ -82,29 +81,3 @@ class Reloader:
                     return
         finally:
             self._notifier.reloaded()  # systemd must never be left waiting in "reloading"
-
-
-async def _in_thread(fn: Callable[[], T]) -> T:
-    """fn() in a daemon thread, awaited on the loop."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def run() -> None:
-        try:
-            result = fn()
-        except BaseException as exc:  # handed to the awaiting coroutine, which decides
-            loop.call_soon_threadsafe(_settle, future, None, exc)
-        else:
-            loop.call_soon_threadsafe(_settle, future, result, None)
-
-    threading.Thread(target=run, name="config-reload", daemon=True).start()
-    return await future
-
-
-def _settle(future: asyncio.Future[T], result: Optional[T], error: Optional[BaseException]) -> None:
-    if future.done():
-        return  # the waiter was cancelled (shutdown)
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)  # type: ignore[arg-type]

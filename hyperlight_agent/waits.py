@@ -10,7 +10,9 @@ with the cancel. asyncio.wait never swallows a cancellation, so these are built 
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Optional, TypeVar
+import contextlib
+import threading
+from typing import Awaitable, Callable, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -42,3 +44,37 @@ async def event(flag: asyncio.Event, timeout: Optional[float]) -> bool:
     except asyncio.TimeoutError:
         return False
     return True
+
+
+async def in_thread(fn: Callable[[], T], name: str) -> T:
+    """fn() in a daemon thread of its own, awaited on the loop: file work that may block (a hung
+    filesystem, a large fsync) without stalling the loop. Not asyncio.to_thread: its executor's
+    threads are not daemons, so one stuck in the kernel would hold up the process's exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to the awaiting coroutine, which decides
+            _post(loop, future, None, exc)
+        else:
+            _post(loop, future, result, None)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await future
+
+
+def _post(loop: asyncio.AbstractEventLoop, future: asyncio.Future[T], result: Optional[T],
+          error: Optional[BaseException]) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+        loop.call_soon_threadsafe(_settle, future, result, error)
+
+
+def _settle(future: asyncio.Future[T], result: Optional[T], error: Optional[BaseException]) -> None:
+    if future.done():
+        return  # the waiter was cancelled (shutdown)
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)  # type: ignore[arg-type]

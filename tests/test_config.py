@@ -158,3 +158,29 @@ def test_every_error_is_one_bounded_line(tmp: str, argv: list[str], toml: str, e
         load(["--config", path, *argv], {})
     message = str(info.value)
     assert expected in message and len(message) <= 400 and message.splitlines() == [message], message
+
+
+# Issue 26, 20: a DRA directory too long for our sockets is a configuration error naming it, held
+# to the names dra/registration.py gives.
+@pytest.mark.parametrize("key", ["dra_registry_dir", "dra_plugins_dir"])
+def test_a_dra_directory_too_long_for_our_sockets_is_refused_by_name(key: str) -> None:
+    from hyperlight_agent import contracts
+    from hyperlight_agent.dra import registration
+
+    below = "" if key == "dra_registry_dir" else "/" + contracts.DRA_DRIVER
+    room = contracts.UNIX_PATH_MAX - 1 - config.DRA_SHORTEST_NAMES[key] - len(below)
+    longest = "/" + "d" * (room - 1)
+    flag = "--" + key.replace("_", "-")
+    settings = load(["--config", "/dev/null", flag, longest, "--instance", "x" * 20], {})
+    # At the limit the registrar still finds names that fit, private names included.
+    registrar = registration.Registrar(object(), contracts.DRA_DRIVER, settings.instance or "",
+                                       settings.dra_registry_dir, settings.dra_plugins_dir)
+    for path in (registrar.registration_socket, registrar.service_socket):
+        private = os.path.join(os.path.dirname(path), f"{registration.PRIVATE_PREFIX}{contracts.PID_MAX}.{'0' * 8}")
+        assert len(os.fsencode(path)) <= contracts.UNIX_PATH_MAX and len(private) <= contracts.UNIX_PATH_MAX
+    with pytest.raises(config.ConfigError, match=f"^{key} = '/ddd.*: socket paths in it would be at least 108 bytes"):
+        load(["--config", "/dev/null", flag, longest + "d"], {})
+    done = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--dra", flag,
+                           longest + "d", "--health-check", "readiness"], capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and done.stderr.startswith(f"hyperlight-agent: error: {key} = "), done.stderr
+    assert "Traceback" not in done.stderr

@@ -4,8 +4,10 @@ bad file and never replaces what is not ours."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+from typing import Any
 
 import pytest
 
@@ -75,7 +77,7 @@ def test_a_symlink_at_the_record_path_is_neither_followed_nor_replaced(tmp: str)
     os.symlink(target, path)
     record = Prepared(tmp)
     assert record.claims() == {}
-    with pytest.raises(PreparedError, match=f"cannot write {path}"):
+    with pytest.raises(PreparedError, match=f"^{path} is not a regular file \\(a symlink\\?\\); refusing to follow"):
         asyncio.run(record.record("u1", CLAIM))
     assert os.path.islink(path)
     with open(target) as f:
@@ -84,5 +86,85 @@ def test_a_symlink_at_the_record_path_is_neither_followed_nor_replaced(tmp: str)
 
 def test_encode_and_decode_round_trip() -> None:
     claims = {"u1": CLAIM, "u2": PreparedClaim("ns", "d", (PreparedDevice("r", "p", "d", (), None),))}
-    assert prepared.decode(prepared.encode(claims)) == claims
-    assert prepared.encode(claims) == prepared.encode(dict(reversed(list(claims.items()))))
+    raw = {"version": prepared.VERSION, "claims": {uid: prepared.encode_claim(c, 1000.0) for uid, c in claims.items()}}
+    assert prepared.decode(prepared.encode(raw), 2000.0).claims == claims
+    assert prepared.encode(raw) == prepared.encode(dict(reversed(list(raw.items()))))
+
+
+# Issue 30, 3: two releases share the file during a rolling update.
+def test_a_newer_release_s_fields_and_entries_survive_our_writes(tmp: str) -> None:
+    path = os.path.join(tmp, prepared.RECORD_FILE)
+    newer: dict[str, Any] = {"version": 3, "shards": ["a"], "claims": {
+        "u-new": {"namespace": "ns", "name": "n", "preparedAt": 1e12, "devices": [], "owner": "pod-b"},
+        "u-shape": {"namespace": "ns", "name": "m", "preparedAt": 1e12, "resources": {"kvm": 1}}}}
+    with open(path, "w") as f:
+        json.dump(newer, f)
+    record = Prepared(tmp, clock=lambda: 1e12 + 10)
+    assert record.get("u-new") == PreparedClaim("ns", "n", ()) and record.get("u-shape") is None
+    asyncio.run(record.record("u1", CLAIM))
+    with open(path) as f:
+        written = json.load(f)
+    assert written["version"] == 3 and written["shards"] == ["a"], "never lowered, unknown fields kept"
+    assert written["claims"]["u-new"]["owner"] == "pod-b" and written["claims"]["u-shape"] == newer["claims"]["u-shape"]
+    assert set(written["claims"]) == {"u-new", "u-shape", "u1"}
+
+
+def test_a_file_of_version_1_is_migrated_on_the_next_write(tmp: str) -> None:
+    path = os.path.join(tmp, prepared.RECORD_FILE)
+    v1 = {"claims": {"u-old": {"namespace": "ns", "name": "c", "devices": [
+        {"request": "hv", "pool": "node1", "device": "kvm-0", "cdi_device_ids": ["x"], "share_id": None}]}}}
+    with open(path, "w") as f:
+        json.dump(v1, f)
+    record = Prepared(tmp, clock=lambda: 5000.0)
+    assert record.get("u-old") == PreparedClaim("ns", "c", (PreparedDevice("hv", "node1", "kvm-0", ("x",), None),))
+    asyncio.run(record.record("u1", CLAIM))
+    with open(path) as f:
+        written = json.load(f)
+    assert written["version"] == prepared.VERSION and written["claims"]["u-old"]["preparedAt"] == 5000.0
+
+
+# Issue 26, 19: entries of claims no longer prepared go, and the file work is off the loop.
+def test_old_entries_expire_and_the_oldest_go_beyond_the_limit(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1_000_000.0]
+    record = Prepared(tmp, clock=lambda: now[0])
+    asyncio.run(record.change({f"old{i}": CLAIM for i in range(3)}, ()))
+    now[0] += prepared.ENTRY_TTL_S + 1
+    monkeypatch.setattr(prepared, "MAX_ENTRIES", 4)
+    for i in range(6):
+        now[0] += 1
+        asyncio.run(record.record(f"new{i}", CLAIM))
+    assert sorted(record.claims()) == ["new2", "new3", "new4", "new5"]
+
+
+def test_the_file_is_written_in_a_thread_not_on_the_loop(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from hyperlight_agent.node import atomic
+
+    threads: list[str] = []
+    write = atomic.write
+
+    def recording(*args: object, **kw: object) -> None:
+        threads.append(threading.current_thread().name)
+        write(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(atomic, "write", recording)
+    asyncio.run(Prepared(tmp).record("u1", CLAIM))
+    assert threads == ["prepared-claims"]
+
+
+def test_an_unchanged_file_is_parsed_once(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    asyncio.run(Prepared(tmp).change({f"u{i}": CLAIM for i in range(50)}, ()))
+    parses = []
+    decode = prepared.decode
+
+    def counted(data: bytes, now: float) -> prepared.Record:
+        parses.append(1)
+        return decode(data, now)
+
+    monkeypatch.setattr(prepared, "decode", counted)
+    record = Prepared(tmp)
+    for _ in range(20):
+        assert len(record.claims()) == 50
+    asyncio.run(record.record("u-new", CLAIM))  # our own write does not make it parse again
+    assert len(record.claims()) == 51 and len(parses) == 1

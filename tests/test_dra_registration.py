@@ -435,3 +435,87 @@ def test_a_symlinked_driver_directory_is_refused_and_nothing_is_written_through(
         assert os.listdir(elsewhere) == [] and os.listdir(node.registry) == []
 
     run(tmp, body)
+
+
+# --- hostile neighbours (issue 26) -------------------------------------------------------------------
+
+def v1_request(kind: str, *claims: Claim) -> Any:
+    from hyperlight_agent.dra import dra_v1_pb2 as v1
+
+    message = v1.NodePrepareResourcesRequest if kind == "prepare" else v1.NodeUnprepareResourcesRequest
+    return message(claims=[v1.Claim(namespace=c.namespace, name=c.name, uid=c.uid) for c in claims])
+
+
+# 11: a held record lock costs one bounded wait per request, names the lock and its holder, and
+# an Unprepare of a claim never prepared succeeds without it.
+async def test_a_held_record_lock_costs_one_wait_per_request_and_is_named(tmp: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import fcntl
+
+    from hyperlight_agent.dra import dra_v1_pb2 as v1
+    from hyperlight_agent.dra import prepared
+
+    monkeypatch.setattr(prepared, "LOCK_TIMEOUT_S", 0.2)
+    claims = FakeClaims()
+    many = [Claim("ns", f"c{i}", f"uid-{i}") for i in range(10)]
+    for claim in many:
+        claims.claims[claim.uid] = [ours()]
+    record = Prepared(tmp)
+    waits_for_lock: list[int] = []
+    take_lock = record._lock
+
+    async def counted() -> int:
+        waits_for_lock.append(1)
+        return await take_lock()
+
+    monkeypatch.setattr(record, "_lock", counted)
+    service = Service(DRIVER, claims, lambda: HEALTHY, record)
+    holder = os.open(os.path.join(tmp, prepared.LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another process mid-write, or stuck
+    try:
+        response = await service.NodePrepareResources(v1_request("prepare", *many), None, v1)  # type: ignore[arg-type]
+        errors = {response.claims[c.uid].error for c in many}
+        (error,) = errors
+        assert error.startswith(f"cannot lock {tmp}/prepared.lock: held by pid {os.getpid()} "), error
+        assert waits_for_lock == [1], "one wait for the lock per request, not one per claim"
+        never = v1_request("unprepare", Claim("ns", "x", "never"))
+        unknown = await service.NodeUnprepareResources(never, None, v1)  # type: ignore[arg-type]
+        assert unknown.claims["never"].error == "" and waits_for_lock == [1]
+    finally:
+        os.close(holder)
+    response = await service.NodePrepareResources(v1_request("prepare", *many), None, v1)  # type: ignore[arg-type]
+    assert all(response.claims[c.uid].error == "" for c in many) and len(record.claims()) == 10
+
+
+# 12: claim reads hanging on a slow API do not hold up work that needs no API.
+async def test_hanging_claim_reads_do_not_delay_work_that_needs_no_api(tmp: str) -> None:
+    from hyperlight_agent import waits
+    from hyperlight_agent.dra import dra_v1_pb2 as v1
+
+    gate = asyncio.Event()
+    claims = FakeClaims()
+    claims.claims[CLAIM.uid] = [ours()]
+
+    class Hanging(FakeClaims):
+        async def allocation(self, namespace: str, name: str, uid: str) -> list[AllocatedDevice]:
+            if uid.startswith("hang"):
+                await gate.wait()
+            return await claims.allocation(namespace, name, uid)
+
+    service = Service(DRIVER, Hanging(), lambda: HEALTHY, Prepared(tmp), max_concurrent=16)
+    first = await service.NodePrepareResources(v1_request("prepare", CLAIM), None, v1)  # type: ignore[arg-type]
+    assert first.claims[CLAIM.uid].error == ""
+    hanging = [asyncio.ensure_future(service.NodePrepareResources(
+        v1_request("prepare", Claim("ns", f"h{i}", f"hang-{i}")), None, v1))  # type: ignore[arg-type]
+        for i in range(20)]
+    try:
+        await asyncio.sleep(0.05)  # the reads are under way (the variable here, not synchronisation)
+        prepare = service.NodePrepareResources(v1_request("prepare", CLAIM), None, v1)  # type: ignore[arg-type]
+        again = await waits.within(prepare, 5)
+        assert again.claims[CLAIM.uid].error == "" and len(again.claims[CLAIM.uid].devices) == 1
+        unprepare = service.NodeUnprepareResources(v1_request("unprepare", CLAIM), None, v1)  # type: ignore[arg-type]
+        gone = await waits.within(unprepare, 5)
+        assert gone.claims[CLAIM.uid].error == ""
+    finally:
+        gate.set()
+        await asyncio.gather(*hanging)

@@ -3,7 +3,8 @@ answered with, kept as one JSON file so that a prepared claim gets the same answ
 restart, and from any agent instance on the node.
 
     Prepared("/var/lib/kubelet/plugins/hyperlight.dev")
-      → prepared.json   {"claims": {"<uid>": {"namespace", "name", "devices": [...]}}}
+      → prepared.json   {"version": 2, "claims": {"<uid>": {"namespace", "name", "devices": [...],
+                                                             "preparedAt": <unix seconds>}}}
       → prepared.lock   flock(2)ed by each writer, so two instances (a rolling update) never
                         lose each other's change (read-modify-write under the lock)
 
@@ -11,23 +12,40 @@ Why keep one at all: the kubelet sends only a claim's namespace, name and uid, c
 for a claim it already prepared (after its own restart) and calls Unprepare after the claim may
 be gone from the API; and Prepare and Unprepare of one claim may reach different instances.
 
-The file is replaced atomically (node.atomic), so a reader never needs the lock. A file we
-cannot read or parse is reported once, with its path, and treated as empty (never a crash): the
-kubelet asks again for what it needs, and the next change writes a good file.
+Versions: two releases share the file during a rolling update, so a writer keeps every field it
+does not know (the file's and each claim's) and never lowers the version; a file of version 1 (no
+"version", no preparedAt) is read as prepared now. A version this release does not know is read
+for what it knows and kept whole otherwise.
+
+What it costs: the parsed file is kept and parsed again only when the file changed (another
+instance wrote it); a change is one read-modify-write of the whole file under the lock, done in a
+thread (waits.in_thread) so that a large record never stalls the event loop, and one per kubelet
+request however many claims it names. Entries leave when their claim is unprepared, and also when
+they are older than ENTRY_TTL_S or beyond MAX_ENTRIES (oldest first): the kubelet unprepares what
+it prepared, but a kubelet that lost its own state never will. Dropping an entry only costs an API
+read if the kubelet asks for that claim again.
+
+The file is replaced atomically (node.atomic), so a reader never needs the lock. A file we cannot
+read or parse is reported once, with its path, and treated as empty (never a crash): the kubelet
+asks again for what it needs, and the next change writes a good file. A symlink or anything but a
+regular file at its path is refused, never followed or replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import errno
 import fcntl
 import json
 import logging
 import os
 import time
-from typing import Any, NamedTuple, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional
 
+from hyperlight_agent import waits
 from hyperlight_agent.node import atomic
 
 log = logging.getLogger(__name__)
@@ -36,11 +54,14 @@ RECORD_FILE = "prepared.json"
 LOCK_FILE = "prepared.lock"
 TEMP_PREFIX = ".prepared.json."
 FILE_MODE = 0o600
-# Far above any real record (a claim is ~300 bytes, a node has at most hundreds): a bigger file
-# is not ours to parse.
+VERSION = 2
+# Far above any real record (a claim is ~300 bytes): a bigger file is not ours to parse.
 MAX_FILE_BYTES = 16 << 20
-# Another instance holds the lock for one small write (milliseconds); we poll rather than block
-# the event loop in flock(2), and give up after this long.
+# A node prepares at most a few hundred claims at once (its pods); beyond these the oldest go.
+MAX_ENTRIES = 10000
+ENTRY_TTL_S = 7 * 24 * 3600.0
+# Another instance holds the lock for one small write (milliseconds). One wait per kubelet request
+# (however many claims it names), well below the kubelet's 45 s per call; polled, not blocking.
 LOCK_TIMEOUT_S = 5.0
 LOCK_POLL_S = 0.005
 
@@ -63,33 +84,61 @@ class PreparedError(Exception):
     """The record could not be changed (the message names the path and the cause)."""
 
 
-def encode(claims: dict[str, PreparedClaim]) -> bytes:
-    """The file's bytes: sorted, one claim per key, so equal records are equal files."""
-    doc = {"claims": {uid: {"namespace": c.namespace, "name": c.name,
-                            "devices": [{"request": d.request, "pool": d.pool, "device": d.device,
-                                         "cdi_device_ids": list(d.cdi_device_ids), "share_id": d.share_id}
-                                        for d in c.devices]}
-                      for uid, c in claims.items()}}
-    return (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode()
+@dataclass
+class Record:
+    """The file's content: the claims we understand, and everything as it was read (kept whole
+    when written back: fields a newer release added, claims whose entries we cannot read)."""
+
+    claims: dict[str, PreparedClaim] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=lambda: {"version": VERSION, "claims": {}})
 
 
-def decode(data: bytes) -> dict[str, PreparedClaim]:
-    """Parse the file's bytes; ValueError (naming what is wrong) for anything but our format."""
+def encode_claim(claim: PreparedClaim, prepared_at: float) -> dict[str, Any]:
+    return {"namespace": claim.namespace, "name": claim.name, "preparedAt": round(prepared_at, 3),
+            "devices": [{"request": d.request, "pool": d.pool, "device": d.device,
+                         "cdi_device_ids": list(d.cdi_device_ids), "share_id": d.share_id} for d in claim.devices]}
+
+
+def encode(raw: dict[str, Any]) -> bytes:
+    """The file's bytes: sorted keys, so equal records are equal files."""
+    return (json.dumps(raw, sort_keys=True, separators=(",", ":")) + "\n").encode()
+
+
+def decode(data: bytes, now: float) -> Record:
+    """Parse the file's bytes; ValueError (naming what is wrong) for anything but our format. A
+    claim whose entry we cannot read stays in `raw` (a newer release's shape) but not in `claims`."""
     if len(data) > MAX_FILE_BYTES:
         raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
     doc = json.loads(data.decode())
-    claims = _field(doc, "claims", dict, "the file")
-    found = {}
-    for uid, entry in claims.items():
-        devices = tuple(
-            PreparedDevice(request=_field(d, "request", str, uid), pool=_field(d, "pool", str, uid),
-                           device=_field(d, "device", str, uid),
-                           cdi_device_ids=tuple(_strings(_field(d, "cdi_device_ids", list, uid), uid)),
-                           share_id=_field(d, "share_id", (str, type(None)), uid))
-            for d in _field(entry, "devices", list, uid))
-        found[uid] = PreparedClaim(namespace=_field(entry, "namespace", str, uid),
-                                   name=_field(entry, "name", str, uid), devices=devices)
-    return found
+    if not isinstance(doc, dict):
+        raise ValueError("the file is not a JSON object")
+    version = doc.get("version", 1)
+    if not isinstance(version, int) or version < 1:
+        raise ValueError(f"'version' {version!r} is not a version")
+    entries = _field(doc, "claims", dict, "the file")
+    claims = {}
+    for uid, entry in entries.items():
+        try:
+            claims[uid] = _claim(uid, entry)
+        except ValueError:
+            if version <= VERSION:
+                raise  # our own format, broken: the file is unreadable
+            continue  # a newer release's entry: kept as it is, not answered from
+        if version == 1 or not isinstance(entry.get("preparedAt"), (int, float)):
+            entry["preparedAt"] = round(now, 3)  # migrated: prepared "now" as far as expiry goes
+    doc["version"] = max(version, VERSION)
+    return Record(claims, doc)
+
+
+def _claim(uid: str, entry: Any) -> PreparedClaim:
+    devices = tuple(
+        PreparedDevice(request=_field(d, "request", str, uid), pool=_field(d, "pool", str, uid),
+                       device=_field(d, "device", str, uid),
+                       cdi_device_ids=tuple(_strings(_field(d, "cdi_device_ids", list, uid), uid)),
+                       share_id=_field(d, "share_id", (str, type(None)), uid))
+        for d in _field(entry, "devices", list, uid))
+    return PreparedClaim(namespace=_field(entry, "namespace", str, uid), name=_field(entry, "name", str, uid),
+                         devices=devices)
 
 
 def _field(doc: Any, key: str, kind: Any, where: str) -> Any:
@@ -104,59 +153,101 @@ def _strings(values: list[Any], where: str) -> list[str]:
     return values
 
 
+def expire(raw: dict[str, Any], now: float) -> list[str]:
+    """Drop entries older than ENTRY_TTL_S, then the oldest beyond MAX_ENTRIES; the uids dropped."""
+    entries: dict[str, Any] = raw["claims"]
+    ttl, limit = ENTRY_TTL_S, MAX_ENTRIES
+
+    def when(uid: str) -> float:
+        value = entries[uid].get("preparedAt") if isinstance(entries[uid], dict) else None
+        return float(value) if isinstance(value, (int, float)) else now
+
+    gone = [uid for uid in entries if now - when(uid) > ttl]
+    for uid in gone:
+        del entries[uid]
+    if len(entries) > limit:
+        extra = sorted(entries, key=when)[:len(entries) - limit]
+        for uid in extra:
+            del entries[uid]
+        gone += extra
+    return gone
+
+
 class Prepared:
     """The record in `directory` (created when first written). Reads are lock-free and always
-    current; record() and forget() serialize with every other instance through the lock file."""
+    current; change() serializes with every other instance through the lock file."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, clock: Callable[[], float] = time.time) -> None:
         self.directory = directory
         self.path = os.path.join(directory, RECORD_FILE)
         self.lock_path = os.path.join(directory, LOCK_FILE)
+        self._clock = clock
         # Our own writers; flock(2) orders us against other processes. Made on first use: an
         # asyncio.Lock made outside the loop belongs to another loop under Python 3.9.
         self._local: Optional[asyncio.Lock] = None
         self._reported: Optional[str] = None  # the unreadable-file error last logged
-        claims = self.claims()
-        log.info("prepared claims: %d in %s", len(claims), self.path)
+        # The last parse, and the file it came from: (device, inode, size, mtime) → Record.
+        self._cache: Optional[tuple[tuple[int, int, int, int], Record]] = None
+        record, _ = self._read()
+        log.info("prepared claims: %d in %s", len(record.claims), self.path)
 
     def claims(self) -> dict[str, PreparedClaim]:
-        """Every prepared claim, read from the file now ({} if it is missing or unreadable)."""
-        return self._read()[0]
+        """Every prepared claim, as the file says now ({} if it is missing or unreadable)."""
+        return self._read()[0].claims
 
     def get(self, uid: str) -> Optional[PreparedClaim]:
         return self.claims().get(uid)
 
     async def record(self, uid: str, claim: PreparedClaim) -> None:
         """Remember claim uid as prepared with these devices. Raises PreparedError."""
-        await self._change(uid, claim)
+        await self.change({uid: claim}, ())
 
     async def forget(self, uid: str) -> bool:
         """Forget claim uid; False if it was not recorded. Raises PreparedError."""
-        return await self._change(uid, None)
+        return uid in await self.change({}, (uid,))
 
-    async def _change(self, uid: str, claim: Optional[PreparedClaim]) -> bool:
+    async def change(self, add: dict[str, PreparedClaim], remove: tuple[str, ...]) -> set[str]:
+        """Record `add` and forget `remove` in one read-modify-write under the lock (one wait
+        for it, bounded by LOCK_TIMEOUT_S, whatever the number of claims). Returns the uids of
+        `remove` that were recorded. Raises PreparedError naming the path (and the lock's holder)."""
         if self._local is None:
             self._local = asyncio.Lock()
         async with self._local:
             fd = await self._lock()
             try:
-                claims, current = self._read()
-                if claim is None:
-                    if claims.pop(uid, None) is None:
-                        return False
-                elif claims.get(uid) == claim:
-                    return True
-                else:
-                    claims[uid] = claim
-                try:
-                    os.makedirs(self.directory, mode=0o755, exist_ok=True)
-                    atomic.write(self.directory, RECORD_FILE, encode(claims), TEMP_PREFIX, mode=FILE_MODE,
-                                 replace=current.identity if current is not None else None)
-                except (OSError, atomic.Refused) as exc:
-                    raise PreparedError(f"cannot write {self.path}: {_why(exc)}") from exc
-                return True
+                return await waits.in_thread(lambda: self._rewrite(add, remove), "prepared-claims")
             finally:
                 os.close(fd)  # closing the descriptor releases the flock
+
+    def _rewrite(self, add: dict[str, PreparedClaim], remove: tuple[str, ...]) -> set[str]:
+        """Under the lock, in a thread: read, change, expire, write if anything changed."""
+        record, current = self._read(refuse=True)
+        raw = copy.deepcopy(record.raw)  # the cached parse stays what the file says
+        now = self._clock()
+        removed = {uid for uid in remove if raw["claims"].pop(uid, None) is not None}
+        for uid, claim in add.items():
+            known = record.claims.get(uid)
+            entry = raw["claims"].get(uid)
+            if known != claim or not isinstance(entry, dict):
+                raw["claims"][uid] = encode_claim(claim, now)
+        expired = expire(raw, now)
+        if expired:
+            log.info("prepared claims: %d entries expired (older than %g days, or beyond %d)", len(expired),
+                     ENTRY_TTL_S / 86400, MAX_ENTRIES)
+        if raw == record.raw:
+            return removed
+        try:
+            os.makedirs(self.directory, mode=0o755, exist_ok=True)
+            atomic.write(self.directory, RECORD_FILE, encode(raw), TEMP_PREFIX, mode=FILE_MODE,
+                         replace=current.identity if current is not None else None)
+        except (OSError, atomic.Refused) as exc:
+            raise PreparedError(f"cannot write {self.path}: {_why(exc)}") from exc
+        # What we wrote is what the next read would parse: keep it rather than parse it again.
+        with contextlib.suppress(OSError):
+            st = os.lstat(self.path)
+            claims = {uid: c for uid, c in {**record.claims, **add}.items() if uid in raw["claims"]}
+            self._cache = ((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), Record(claims, raw))
+        return removed
 
     async def _lock(self) -> int:
         """Our descriptor of the lock file, exclusively flock(2)ed."""
@@ -172,31 +263,67 @@ class Prepared:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
+                    holder = _holder(fd) if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else ""
                     os.close(fd)
-                    raise PreparedError(f"cannot lock {self.lock_path}: {_why(exc)}") from exc
+                    why = f"held by {holder} for over {LOCK_TIMEOUT_S:g} s" if holder else _why(exc)
+                    raise PreparedError(f"cannot lock {self.lock_path}: {why}") from exc
                 await asyncio.sleep(LOCK_POLL_S)
                 continue
             return fd
 
-    def _read(self) -> tuple[dict[str, PreparedClaim], Optional[atomic.Current]]:
-        """The claims and the file they came from (None: no file). Unreadable → {} and one log line."""
+    def _read(self, refuse: bool = False) -> tuple[Record, Optional[atomic.Current]]:
+        """The record and the file it came from (None: no file). Unreadable → empty and one log
+        line; with `refuse`, a file that is not ours to replace (a symlink) raises PreparedError."""
         current: Optional[atomic.Current] = None
         try:
             current = atomic.read_regular(self.path, MAX_FILE_BYTES + 1)
             if current is None:
-                return {}, None
-            claims = decode(current.data)
-        except (OSError, atomic.Refused, ValueError) as exc:
-            problem = f"cannot read prepared claims from {self.path}: {_why(exc)}; treating it as empty"
-            if problem != self._reported:
-                log.error("%s", problem)
-                self._reported = problem
-            # A file we refused (a symlink, a directory) must not be replaced either.
-            return {}, None if isinstance(exc, atomic.Refused) else current
+                return Record(), None
+            key = (current.st.st_dev, current.st.st_ino, current.st.st_size, current.st.st_mtime_ns)
+            if self._cache is not None and self._cache[0] == key:
+                return self._cache[1], current
+            record = decode(current.data, self._clock())
+        except atomic.Refused as exc:
+            problem = f"{self.path} is not a regular file (a symlink?); refusing to follow or replace it"
+            self._report(problem)
+            if refuse:
+                raise PreparedError(problem) from exc
+            return Record(), None
+        except (OSError, ValueError) as exc:
+            self._report(f"cannot read prepared claims from {self.path}: {_why(exc)}; treating it as empty")
+            return Record(), current
+        self._cache = (key, record)
         if self._reported is not None:
             log.info("prepared claims readable again in %s", self.path)
             self._reported = None
-        return claims, current
+        return record, current
+
+    def _report(self, problem: str) -> None:
+        if problem != self._reported:
+            log.error("%s", problem)
+            self._reported = problem
+
+
+def _holder(fd: int) -> str:
+    """Who holds the flock on the file open at fd, from /proc/locks ("" if not found): "pid 42
+    (hyperlight-agent)"."""
+    try:
+        st = os.fstat(fd)
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; a waiter's line has "->" in field 2.
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == wanted and fields[4].isdigit():
+            pid = int(fields[4])
+            name = ""
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            return f"pid {pid}" + (f" ({name})" if name else "") if pid else "a process in another PID namespace"
+    return ""
 
 
 def _why(exc: BaseException) -> str:

@@ -2,15 +2,21 @@
 NodeUnprepareResources for our driver.
 
     Service(driver, claim_reader, observe, prepared)
-    NodePrepareResources, per claim (concurrently, at most MAX_CONCURRENT_CLAIMS at once):
-      recorded in `prepared` → the recorded answer (the kubelet asks again after its restart,
-                               and a rolling update's other instance may have prepared it);
-      else claim_reader.allocation(ns, name, uid) → the results of our driver
+    NodePrepareResources:
+      claims recorded in `prepared` → the recorded answer at once (the kubelet asks again after its
+                               restart, and a rolling update's other instance may have prepared it);
+      the others, concurrently (at most MAX_CONCURRENT_READS API reads at once, over all requests):
+        claim_reader.allocation(ns, name, uid) → the results of our driver
           none of ours          → "claim ns/name has no device of driver hyperlight.dev"
           device unhealthy      → "device kvm-3 (/dev/kvm) failed its check: <reason>"
-          else                  → one Device per result with our CDI id, recorded, answered
-    NodeUnprepareResources: forget the claim; an unknown claim is a success (the kubelet's
-      reconcile retries every 60 s and may ask for claims we never saw).
+          else                  → one Device per result with our CDI id
+      then all of those recorded in one change of the record (one wait for its lock), answered.
+    NodeUnprepareResources: forget the recorded claims in one change; an unknown claim is a
+      success at once (the kubelet's reconcile retries every 60 s and may ask for claims we never
+      saw).
+
+A claim is worked on by one call at a time (a per-claim lock); work that needs no API read never
+waits for the reads of other claims.
 
 Every claim of a request gets an entry: a claim's failure is its `error`, never the RPC's (a gRPC
 error would fail every claim of the batch). The only RPC-level error is a malformed request.
@@ -19,10 +25,11 @@ error would fail every claim of the batch). The only RPC-level error is a malfor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from types import ModuleType
-from typing import Any, Awaitable, Callable, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
 import grpc
 
@@ -35,9 +42,9 @@ from hyperlight_agent.node import cdi
 
 log = logging.getLogger(__name__)
 
-# Claims of all requests being prepared at once: each may be an API read. The kubelet batches one
-# pod's claims per driver, so this bounds a burst of pod starts, not one pod.
-MAX_CONCURRENT_CLAIMS = 16
+# Claims of all requests being read from the API at once. The kubelet batches one pod's claims per
+# driver, so this bounds a burst of pod starts, not one pod.
+MAX_CONCURRENT_READS = 16
 # One claim's read from the API; below the kubelet's 45 s per call, so a slow API server shows as
 # that claim's error rather than the whole call's deadline.
 CLAIM_READ_TIMEOUT_S = 30.0
@@ -55,7 +62,7 @@ class Service:
 
     def __init__(self, driver: str, claims: ClaimReader, observe: Observe, prepared: Prepared,
                  cdi_id: Callable[[str], str] = cdi.device_name,
-                 max_concurrent: int = MAX_CONCURRENT_CLAIMS,
+                 max_concurrent: int = MAX_CONCURRENT_READS,
                  claim_read_timeout: float = CLAIM_READ_TIMEOUT_S) -> None:
         self.driver = driver
         self.claims = claims
@@ -72,10 +79,12 @@ class Service:
 
     async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext[Any, Any],
                                    messages: ModuleType) -> Any:
-        answers = await asyncio.gather(*(self._one(c.uid, self._prepare(c.namespace, c.name, c.uid))
-                                         for c in request.claims))
+        claims = list(request.claims)
+        async with self._claims_locked(claims):
+            answers = await self._prepare(claims)
         response = messages.NodePrepareResourcesResponse()
-        for claim, (error, devices) in zip(request.claims, answers):
+        for claim in claims:
+            error, devices = answers[claim.uid]
             entry = response.claims[claim.uid]
             if error:
                 entry.error = error
@@ -89,47 +98,74 @@ class Service:
 
     async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext[Any, Any],
                                      messages: ModuleType) -> Any:
-        answers = await asyncio.gather(*(self._one(c.uid, self._unprepare(c.namespace, c.name, c.uid))
-                                         for c in request.claims))
+        claims = list(request.claims)
+        async with self._claims_locked(claims):
+            errors = await self._unprepare(claims)
         response = messages.NodeUnprepareResourcesResponse()
-        for claim, (error, _) in zip(request.claims, answers):
-            response.claims[claim.uid].error = error
+        for claim in claims:
+            response.claims[claim.uid].error = errors.get(claim.uid, "")
         return response
 
-    # --- one claim ------------------------------------------------------------------------------
+    # --- the claims of one request --------------------------------------------------------------
 
-    async def _one(self, uid: str, work: Awaitable[tuple[str, tuple[PreparedDevice, ...]]]
-                   ) -> tuple[str, tuple[PreparedDevice, ...]]:
-        """Run one claim's work under the concurrency bound and the claim's own lock."""
+    @contextlib.asynccontextmanager
+    async def _claims_locked(self, claims: list[Any]) -> AsyncIterator[None]:
+        """Hold each claim's own lock (in uid order: two calls never wait for each other in turn)."""
+        uids = sorted({c.uid for c in claims})
+        locks = []
+        for uid in uids:
+            lock, users = self._busy.get(uid) or (asyncio.Lock(), 0)
+            self._busy[uid] = (lock, users + 1)
+            locks.append(lock)
+        try:
+            async with contextlib.AsyncExitStack() as held:
+                for lock in locks:
+                    await held.enter_async_context(lock)
+                yield
+        finally:
+            for uid in uids:
+                lock, users = self._busy[uid]
+                if users == 1:
+                    del self._busy[uid]
+                else:
+                    self._busy[uid] = (lock, users - 1)
+
+    async def _prepare(self, claims: list[Any]) -> dict[str, tuple[str, tuple[PreparedDevice, ...]]]:
+        """(error, devices) per claim uid: error is "" on success."""
+        recorded = self.prepared.claims()
+        answers = {c.uid: ("", recorded[c.uid].devices) for c in claims if c.uid in recorded}
+        new = {c.uid: c for c in claims if c.uid not in recorded}
+        found = await asyncio.gather(*(self._read(c.namespace, c.name, c.uid) for c in new.values()))
+        ready: dict[str, PreparedClaim] = {}
+        for claim, result in zip(new.values(), found):
+            if isinstance(result, str):
+                answers[claim.uid] = (self._refuse(claim.namespace, claim.name, result), ())
+            else:
+                ready[claim.uid] = PreparedClaim(namespace=claim.namespace, name=claim.name, devices=result)
+        if ready:
+            try:
+                await self.prepared.change(ready, ())
+            except PreparedError as exc:
+                # Not recorded, not answered: answering without a record would leave a later
+                # Unprepare, or the other instance, unaware of the claim. The kubelet asks again.
+                answers.update({uid: (str(exc), ()) for uid in ready})
+                self._refuse_all(list(ready.values()), str(exc))
+                return answers
+        for uid, claim in ready.items():
+            answers[uid] = ("", claim.devices)
+            log.info("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, uid,
+                     ", ".join(f"{d.pool}/{d.device}" for d in claim.devices))
+        return answers
+
+    async def _read(self, namespace: str, name: str, uid: str) -> Union[str, tuple[PreparedDevice, ...]]:
+        """One claim's devices, from the API (within the bound on concurrent reads), or the error."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._max_concurrent)
-        lock, users = self._busy.get(uid) or (asyncio.Lock(), 0)
-        self._busy[uid] = (lock, users + 1)
         try:
-            async with self._slots, lock:
-                return await work
-        finally:
-            lock, users = self._busy[uid]
-            if users == 1:
-                del self._busy[uid]
-            else:
-                self._busy[uid] = (lock, users - 1)
-
-    async def _prepare(self, namespace: str, name: str, uid: str) -> tuple[str, tuple[PreparedDevice, ...]]:
-        """(error, devices) for one claim: error is "" on success."""
-        known = self.prepared.get(uid)
-        if known is not None:
-            return "", known.devices
-        try:
-            devices = await self._devices(namespace, name, uid)
-            await self.prepared.record(uid, PreparedClaim(namespace=namespace, name=name, devices=devices))
-        except (ClaimError, PreparedError) as exc:
-            # Not recorded, not answered: answering without a record would leave a later
-            # Unprepare, or the other instance, unaware of the claim. The kubelet asks again.
-            return self._refuse(namespace, name, str(exc)), ()
-        log.info("prepared claim %s/%s (%s): %s", namespace, name, uid,
-                 ", ".join(f"{d.pool}/{d.device}" for d in devices))
-        return "", devices
+            async with self._slots:
+                return await self._devices(namespace, name, uid)
+        except ClaimError as exc:
+            return str(exc)
 
     async def _devices(self, namespace: str, name: str, uid: str) -> tuple[PreparedDevice, ...]:
         """Our devices of the claim's allocation, with the CDI id of the healthy device; ClaimError."""
@@ -152,14 +188,21 @@ class Service:
         return tuple(PreparedDevice(request=d.request, pool=d.pool, device=d.device, cdi_device_ids=cdi_ids,
                                     share_id=d.share_id) for d in ours)
 
-    async def _unprepare(self, namespace: str, name: str, uid: str) -> tuple[str, tuple[PreparedDevice, ...]]:
+    async def _unprepare(self, claims: list[Any]) -> dict[str, str]:
+        """The error per claim uid that could not be forgotten (none: all were, or were unknown)."""
+        recorded = self.prepared.claims()
+        known = tuple(sorted({c.uid for c in claims if c.uid in recorded}))
+        if not known:
+            return {}
         try:
-            forgotten = await self.prepared.forget(uid)
+            forgotten = await self.prepared.change({}, known)
         except PreparedError as exc:
-            return self._refuse(namespace, name, str(exc)), ()
-        if forgotten:
-            log.info("unprepared claim %s/%s (%s)", namespace, name, uid)
-        return "", ()
+            self._refuse_all([c for c in claims if c.uid in known], str(exc))
+            return {uid: str(exc) for uid in known}
+        for claim in claims:
+            if claim.uid in forgotten:
+                log.info("unprepared claim %s/%s (%s)", claim.namespace, claim.name, claim.uid)
+        return {}
 
     async def _observation(self) -> Observation:
         observation = self._observe()
@@ -171,3 +214,10 @@ class Service:
     def _refuse(namespace: str, name: str, error: str) -> str:
         log.warning("claim %s/%s: %s", namespace, name, error)
         return error
+
+    @staticmethod
+    def _refuse_all(claims: list[Any], error: str) -> None:
+        """One line for the claims of a request refused for one reason (the record's)."""
+        names = [f"{c.namespace}/{c.name}" for c in claims]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        log.warning("claim%s %s: %s", "s" if len(names) > 1 else "", shown, error)
