@@ -134,6 +134,11 @@ def setting_text(key: str) -> st.SearchStrategy[str]:
     return st.one_of(BY_KIND.get(key, PATH_TEXT), ANY_TEXT)
 
 
+# Settings checked after all are read (a directory's room for our socket names): their errors name
+# the setting, whichever source gave it.
+CHECKED_TOGETHER = ("kubelet_dir", "dra_registry_dir", "dra_plugins_dir")
+
+
 def assert_in_range(s: config.Settings) -> None:
     """Every value within the range its setting documents."""
     assert type(s.device_count) is int and 1 <= s.device_count <= config.MAX_DEVICE_COUNT
@@ -148,6 +153,8 @@ def assert_in_range(s: config.Settings) -> None:
         assert len(path.encode("utf-8", "surrogateescape")) <= config.PATH_MAX
     socket_bytes = len(s.kubelet_dir.encode("utf-8", "surrogateescape")) + 1 + config.longest_socket_name(s.instance)
     assert socket_bytes <= contracts.UNIX_PATH_MAX
+    assert len(s.dra_registry_dir.encode("utf-8", "surrogateescape")) + 1 + \
+        config.DRA_SHORTEST_NAMES["dra_registry_dir"] <= contracts.UNIX_PATH_MAX
     assert isinstance(s.check_interval_seconds, (int, float)) and math.isfinite(s.check_interval_seconds)
     assert 0.1 <= s.check_interval_seconds <= 86400
     assert s.allocation in config.ALLOCATION_MODES and s.log_level in config.LOG_LEVELS
@@ -224,7 +231,7 @@ def check_environment(scratch: str, values: dict[str, str]) -> None:
         s = config.load(cli.build_parser().parse_args([]), environ, default_file_path=missing_default(scratch))
     except config.ConfigError as exc:
         one_line(str(exc), MAX_ERROR_CHARS)
-        names_one_of(str(exc), {config.BY_KEY[k].env for k in values} | {"kubelet_dir"})
+        names_one_of(str(exc), {config.BY_KEY[k].env for k in values} | set(CHECKED_TOGETHER))
         return
     assert_in_range(s)
     for key, value in values.items():
@@ -306,7 +313,7 @@ def check_toml(scratch: str, data: bytes) -> None:
         message = str(exc)
         assert message.startswith(f"config file {path}: ") or any(
             message.startswith(f"{key} in {path} = ") for key in config.BY_KEY) or message.startswith(
-            "kubelet_dir = "), message
+            tuple(f"{key} = " for key in CHECKED_TOGETHER)), message
         return
     assert_in_range(s)
     assert s.config_file == path
