@@ -256,3 +256,56 @@ async def test_a_lost_watch_or_lost_events_call_every_callback_at_once(tmp: str)
     assert not w.watching(directory)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+# Run in a private mount namespace: a storm of mounts and unmounts outside every watched directory
+# (pod volumes on a busy node) while the table holds a few hundred mounts, then a change that
+# matters. The table is read at most every MOUNT_INTERVAL_S, and the change is still seen.
+MOUNT_STORM = IN_PRIVATE_MOUNTS + """
+import ctypes, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+outside = os.path.join(os.path.dirname(directory), "volumes")
+os.makedirs(os.path.join(outside, "storm"))
+for i in range(300):
+    os.makedirs(os.path.join(outside, str(i)))
+    assert libc.mount(b"tmpfs", os.path.join(outside, str(i)).encode(), b"tmpfs", 0, None) == 0
+reads = []
+read = watcher._read_mount_points
+watcher._read_mount_points = lambda within: reads.append(1) or read(within)
+def storm(pairs):
+    target = os.path.join(outside, "storm").encode()
+    for _ in range(pairs):
+        assert libc.mount(b"tmpfs", target, b"tmpfs", 0, None) == 0
+        assert libc.umount2(target, 0) == 0
+async def main():
+    w = watcher.DirectoryWatcher()
+    w.watch(directory, seen.append, {"kvm"})
+    task = asyncio.ensure_future(w.run())
+    await until(lambda: seen == [""])
+    before = len(reads)
+    started = time.monotonic()
+    await asyncio.get_running_loop().run_in_executor(None, storm, 1000)
+    lasted = time.monotonic() - started
+    storm_reads = len(reads) - before
+    subprocess.run(["mount", "--bind", "/dev/null", os.path.join(directory, "kvm")], check=True)
+    await until(lambda: seen == ["", "kvm"])
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    print(storm_reads, lasted, watcher.MOUNT_INTERVAL_S)
+asyncio.run(main())
+"""
+
+
+def test_a_mount_storm_elsewhere_costs_a_bounded_number_of_reads(tmp: str) -> None:
+    """2000 mount changes outside every watched directory: the table is read at most once per
+    MOUNT_INTERVAL_S (plus the first at once), not once per change; a mount over a watched entry
+    afterwards is still reported."""
+    directory = os.path.join(tmp, "dev")
+    os.mkdir(directory)
+    open(os.path.join(directory, "kvm"), "w").close()
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private",
+                           sys.executable, "-c", MOUNT_STORM, directory],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    reads, lasted, interval = done.stdout.split()
+    assert int(reads) <= float(lasted) / float(interval) + 2, (reads, lasted)

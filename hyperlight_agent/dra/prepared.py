@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import errno
 import fcntl
 import json
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
@@ -57,8 +57,10 @@ FILE_MODE = 0o600
 VERSION = 2
 # Far above any real record (a claim is ~300 bytes): a bigger file is not ours to parse.
 MAX_FILE_BYTES = 16 << 20
-# A node prepares at most a few hundred claims at once (its pods); beyond these the oldest go.
-MAX_ENTRIES = 10000
+# A node prepares at most a few hundred claims at once (its pods: the kubelet's maxPods is 110 by
+# default, rarely above 1000); beyond these the oldest go. Every change rewrites the file while
+# holding the interpreter's lock for part of it, so this also bounds what one change costs the loop.
+MAX_ENTRIES = 4096
 ENTRY_TTL_S = 7 * 24 * 3600.0
 # Another instance holds the lock for one small write (milliseconds). One wait per kubelet request
 # (however many claims it names), well below the kubelet's 45 s per call; polled, not blocking.
@@ -100,8 +102,8 @@ def encode_claim(claim: PreparedClaim, prepared_at: float) -> dict[str, Any]:
 
 
 def encode(raw: dict[str, Any]) -> bytes:
-    """The file's bytes: sorted keys, so equal records are equal files."""
-    return (json.dumps(raw, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    """The file's bytes: compact (not sorted: sorting a large record costs the loop's thread)."""
+    return (json.dumps(raw, separators=(",", ":")) + "\n").encode()
 
 
 def decode(data: bytes, now: float) -> Record:
@@ -222,19 +224,20 @@ class Prepared:
     def _rewrite(self, add: dict[str, PreparedClaim], remove: tuple[str, ...]) -> set[str]:
         """Under the lock, in a thread: read, change, expire, write if anything changed."""
         record, current = self._read(refuse=True)
-        raw = copy.deepcopy(record.raw)  # the cached parse stays what the file says
+        # The cached parse stays what the file says: a new mapping of claims (its entries are
+        # replaced, never changed in place).
+        raw = {**record.raw, "claims": dict(record.raw["claims"])}
         now = self._clock()
         removed = {uid for uid in remove if raw["claims"].pop(uid, None) is not None}
-        for uid, claim in add.items():
-            known = record.claims.get(uid)
-            entry = raw["claims"].get(uid)
-            if known != claim or not isinstance(entry, dict):
-                raw["claims"][uid] = encode_claim(claim, now)
+        added = {uid for uid, claim in add.items()
+                 if record.claims.get(uid) != claim or not isinstance(raw["claims"].get(uid), dict)}
+        for uid in added:
+            raw["claims"][uid] = encode_claim(add[uid], now)
         expired = expire(raw, now)
         if expired:
             log.info("prepared claims: %d entries expired (older than %g days, or beyond %d)", len(expired),
                      ENTRY_TTL_S / 86400, MAX_ENTRIES)
-        if raw == record.raw:
+        if not (removed or added or expired):
             return removed
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
@@ -276,12 +279,13 @@ class Prepared:
         line; with `refuse`, a file that is not ours to replace (a symlink) raises PreparedError."""
         current: Optional[atomic.Current] = None
         try:
+            cached = self._unchanged()
+            if cached is not None:
+                return cached
             current = atomic.read_regular(self.path, MAX_FILE_BYTES + 1)
             if current is None:
                 return Record(), None
             key = (current.st.st_dev, current.st.st_ino, current.st.st_size, current.st.st_mtime_ns)
-            if self._cache is not None and self._cache[0] == key:
-                return self._cache[1], current
             record = decode(current.data, self._clock())
         except atomic.Refused as exc:
             problem = f"{self.path} is not a regular file (a symlink?); refusing to follow or replace it"
@@ -297,6 +301,19 @@ class Prepared:
             log.info("prepared claims readable again in %s", self.path)
             self._reported = None
         return record, current
+
+    def _unchanged(self) -> Optional[tuple[Record, atomic.Current]]:
+        """The cached record, if the file is still the one it was parsed from (no read at all:
+        a large record is neither read nor parsed again)."""
+        if self._cache is None:
+            return None
+        try:
+            st = os.lstat(self.path)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._cache[0]:
+            return None
+        return self._cache[1], atomic.Current(b"", st)  # its bytes are the cached record's
 
     def _report(self, problem: str) -> None:
         if problem != self._reported:

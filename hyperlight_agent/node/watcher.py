@@ -19,7 +19,7 @@ import logging
 import os
 import re
 import select
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 from asyncinotify import Inotify, Mask
 
@@ -40,23 +40,35 @@ NAMES = Mask.CREATE | Mask.DELETE | Mask.MOVED_FROM | Mask.MOVED_TO | Mask.ONLYD
 RETRY_S = 1.0
 # Reports EPOLLPRI|EPOLLERR after every mount or unmount in our mount namespace (proc(5)).
 MOUNTINFO = "/proc/self/mountinfo"
+# A host's pod volumes mount and unmount all the time, and a unit's private mount namespace still
+# receives them: a burst of mount changes is looked at once at its start and then at most this
+# often (the table is read and parsed each time), so a storm costs a bounded share of a core and
+# a change that matters is still seen within this.
+MOUNT_INTERVAL_S = 0.1
 
 # callback(name) — name is the entry that changed, or "" when the directory itself did.
 Callback = Callable[[str], None]
 
 
 class MountTable:
-    """Calls callback() after mounts or unmounts in our mount namespace (a few may be one call).
+    """Calls callback() after mounts or unmounts in our mount namespace: at the first change of
+    a burst at once, then at most every `interval` seconds while changes go on.
 
     /proc/self/mountinfo is always readable (EPOLLIN), and signals a change with EPOLLPRI, which
     asyncio's add_reader cannot ask for: so the file sits in an epoll of its own that waits for
     EPOLLPRI only, and the loop watches that epoll's descriptor. The kernel marks a change as
     seen when the file is polled, which the loop's own readiness check of the inner epoll does:
-    nothing needs to be read."""
+    nothing needs to be read. Between two calls the loop stops watching the descriptor, so the
+    changes of a storm cost no wake-ups: the kernel keeps them pending until it watches again."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None],
+                 interval: float = MOUNT_INTERVAL_S) -> None:
         self._loop = loop
         self._callback = callback
+        self._interval = interval
+        self._last = -interval  # loop.time() of the last call
+        self._later: Optional[asyncio.TimerHandle] = None
+        self.calls = 0
         self._fd = os.open(MOUNTINFO, os.O_RDONLY | os.O_CLOEXEC)
         try:
             self._epoll = select.epoll()
@@ -72,9 +84,23 @@ class MountTable:
 
     def _changed(self) -> None:
         self._epoll.poll(0)  # drains the inner epoll's ready list
+        self._loop.remove_reader(self._epoll.fileno())
+        due = self._last + self._interval - self._loop.time()
+        if due <= 0:
+            self._call()
+        else:
+            self._later = self._loop.call_later(due, self._call)
+
+    def _call(self) -> None:
+        self._later = None
+        self._last = self._loop.time()
+        self.calls += 1
+        self._loop.add_reader(self._epoll.fileno(), self._changed)  # changes meanwhile: at once
         self._callback()
 
     def close(self) -> None:
+        if self._later is not None:
+            self._later.cancel()
         self._loop.remove_reader(self._epoll.fileno())
         self._epoll.close()
         os.close(self._fd)
@@ -117,24 +143,38 @@ class _MountWakes:
 _OCTAL = re.compile(r"\\([0-7]{3})")  # mountinfo escapes space, tab, newline and backslash
 
 
-def mount_points(mountinfo: str) -> set[str]:
-    r"""The mount points listed in /proc/self/mountinfo's text (field 5, octal escapes decoded).
+def mount_points(mountinfo: str, within: Optional[Collection[str]] = None) -> set[str]:
+    r"""The mount points listed in /proc/self/mountinfo's text (field 5, octal escapes decoded);
+    with `within`, only those directly in one of these directories (the others are not parsed:
+    a busy host lists thousands).
 
     >>> sorted(mount_points("36 35 0:3 / /dev/kvm rw - devtmpfs udev rw\n37 35 0:4 / /a\\040b rw - tmpfs t rw"))
     ['/a b', '/dev/kvm']
+    >>> sorted(mount_points("36 35 0:3 / /dev/kvm rw - devtmpfs udev rw\n37 35 0:4 / /a\\040b rw - t t rw", ["/dev"]))
+    ['/dev/kvm']
     """
+    # A directory as mountinfo writes it (escaped), followed by "/": a cheap test per line first.
+    wanted = None if within is None else {_escape(d.rstrip("/")) + "/" for d in within}
     points = set()
     for line in mountinfo.splitlines():
+        if wanted is not None and not any(w in line for w in wanted):
+            continue
         fields = line.split(" ")
         if len(fields) > 4:
-            points.add(_OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4]))
+            point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
+            if within is None or os.path.dirname(point) in within:
+                points.add(point)
     return points
 
 
-def _read_mount_points() -> Optional[set[str]]:
+def _escape(path: str) -> str:
+    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in path)
+
+
+def _read_mount_points(within: Collection[str]) -> Optional[set[str]]:
     try:
         with open(MOUNTINFO) as f:
-            return mount_points(f.read())
+            return mount_points(f.read(), within)
     except OSError:
         return None
 
@@ -185,7 +225,7 @@ class DirectoryWatcher:
         pending = set(self._wanted)
         loop = asyncio.get_running_loop()
         mounts = _MountWakes(loop)
-        self._mount_points = _read_mount_points() if mounts.table is not None else None
+        self._mount_points = _read_mount_points(self._wanted) if mounts.table is not None else None
         next_look = loop.time()
         try:
             while True:
@@ -214,7 +254,7 @@ class DirectoryWatcher:
         """Something mounted over (or unmounted from) an entry of a watched directory changes that
         entry without an inotify event (/dev/null bound over /dev/kvm): it counts as a change of
         that entry."""
-        points = _read_mount_points()
+        points = _read_mount_points(self._wanted)
         if points is None:
             return
         before, self._mount_points = self._mount_points, points
