@@ -935,7 +935,8 @@ def test_labelled_node_without_a_usable_device_admits_nothing(installed: Cluster
 def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
     """A run killed half-way leaves processes (some only in a node's mount namespace, like
     containerd's shims), cgroups, a bridge and mountpoints: the next start() ends and removes
-    exactly those, found through the state file."""
+    exactly those, found through the state file. A process in a recorded mount namespace without
+    the run's marker is not the run's (namespace numbers are reused at once) and survives."""
     state_path = os.path.join(tmp, "cluster-state.json")
     directory = os.path.join(tmp, "cluster")
     os.makedirs(directory)
@@ -944,6 +945,7 @@ def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
                               start_new_session=True)
     shim: Optional[subprocess.Popen[bytes]] = None
     container: Optional[subprocess.Popen[bytes]] = None
+    stranger: Optional[subprocess.Popen[bytes]] = None
     try:
         state.add("pids", [holder.pid, cluster_module._start_time(holder.pid)])
         namespace = wait_until(lambda: (ns := cluster_module._mount_ns(holder.pid)) != os.readlink("/proc/self/ns/mnt")
@@ -951,7 +953,11 @@ def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
         state.add("namespaces", namespace)
         # Not recorded by PID: found only through its mount namespace, as a shim would be.
         shim = subprocess.Popen(["nsenter", "-t", str(holder.pid), "-m", "--", "sleep", "1000"],
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, cluster_module.RUN_ENV: str(state.run)})
+        # Someone else's process that lives in a namespace of that number (a reused number).
+        stranger = subprocess.Popen(["nsenter", "-t", str(holder.pid), "-m", "--", "sleep", "1000"],
+                                    start_new_session=True, env={k: v for k, v in os.environ.items()
+                                                                 if k != cluster_module.RUN_ENV})
         wait_until(lambda: cluster_module._mount_ns(shim.pid) == namespace, 10, "the shim in the namespace")  # type: ignore[union-attr]
         group = f"/hl-e2e-leftover-{os.getpid()}"
         state.add("cgroups", group)
@@ -975,12 +981,13 @@ def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
         Cluster.clean_leftovers(state_path, directory)
 
         assert holder.wait(10) == -9 and shim.wait(10) == -9 and container.wait(10) == -9
+        assert stranger.poll() is None, "an unrelated process in a recorded namespace survives"
         assert not any(os.path.exists(os.path.join(cluster_module.CGROUP_ROOT, h, group.lstrip("/")))
                        for h in cluster_module._hierarchies())
         assert subprocess.run(["ip", "link", "show", bridge], capture_output=True, check=False).returncode != 0
         assert not os.path.exists(mountpoint) and not os.path.exists(directory) and not os.path.exists(state_path)
     finally:
-        for proc in (holder, shim, container):
+        for proc in (holder, shim, container, stranger):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(10)

@@ -28,6 +28,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from typing import Any, Callable, Optional
 
 from .kube import Api, ApiError
@@ -51,6 +52,10 @@ NODE_MOUNTS = {
     "/etc/kubernetes": "etc-kubernetes",
 }
 CGROUP_ROOT = "/sys/fs/cgroup"
+# Every process a run starts carries this in its environment (and so do the containerd shims its
+# containerd starts): what proves a process in one of the run's mount namespaces to be the run's,
+# since namespace numbers are reused at once once a namespace is gone.
+RUN_ENV = "HYPERLIGHT_E2E_RUN"
 DEVICE_PLUGINS = "device-plugins"
 
 
@@ -120,12 +125,16 @@ def _mount_ns(pid: int) -> Optional[str]:
 class State:
     def __init__(self, path: str) -> None:
         self.path = path
-        self.data: dict[str, list[Any]] = {"pids": [], "namespaces": [], "cgroups": [], "bridges": [],
-                                           "mountpoints": []}
+        self.data: dict[str, Any] = {"run": uuid.uuid4().hex, "pids": [], "namespaces": [], "cgroups": [],
+                                     "bridges": [], "mountpoints": []}
         self.started: list[subprocess.Popen[bytes]] = []  # this run's children, to reap at the end
         if os.path.exists(path):
             with open(path) as f:
-                self.data.update(json.load(f))
+                self.data.update({"run": None}, **json.load(f))  # a run before markers: none to match
+
+    @property
+    def run(self) -> Optional[str]:
+        return self.data["run"]  # type: ignore[no-any-return]
 
     def add(self, kind: str, value: Any) -> None:
         self.data[kind].append(value)
@@ -145,22 +154,39 @@ def _in_cgroups(pid: int, roots: tuple[str, ...]) -> bool:
     return any(p == root or p.startswith(root + "/") for p in paths for root in roots)
 
 
-def _kill_everything(state: State) -> None:
-    """End every process we started, that lives in a node's mount namespace (containerd's shims)
-    or in a node's cgroup tree (the containers: their own mount namespaces), then remove what
-    they left on the host: cgroups, bridges, mountpoints."""
+def _marked(pid: int, run: Optional[str]) -> bool:
+    """Whether the process carries this run's marker in its environment."""
+    if not run:
+        return False
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{RUN_ENV}={run}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def _victims(state: State) -> list[int]:
+    """The run's processes still alive (see _kill_everything), never ourselves."""
     namespaces = set(state.data["namespaces"])
     roots = tuple(state.data["cgroups"])
+    found = {pid for pid, started in state.data["pids"] if _start_time(pid) == started}
+    if namespaces or roots:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and (_in_cgroups(int(entry), roots)
+                                    or (_mount_ns(int(entry)) in namespaces and _marked(int(entry), state.run))):
+                found.add(int(entry))
+    found.discard(os.getpid())
+    return sorted(found)
+
+
+def _kill_everything(state: State) -> None:
+    """End every process the run started, proven to be its own: a recorded PID with its recorded
+    start time, a process in a node's cgroup tree (the containers: their own mount namespaces),
+    or one in a node's mount namespace that carries the run's marker (containerd's shims). A
+    namespace number alone proves nothing: it is reused at once once its namespace is gone. Then
+    remove what they left on the host: cgroups, bridges, mountpoints."""
     for _ in range(50):
-        victims = []
-        for pid, started in state.data["pids"]:
-            if _start_time(pid) == started:
-                victims.append(pid)
-        if namespaces or roots:
-            for entry in os.listdir("/proc"):
-                if entry.isdigit() and (_mount_ns(int(entry)) in namespaces or _in_cgroups(int(entry), roots)):
-                    victims.append(int(entry))
-        victims = [pid for pid in set(victims) if pid != os.getpid()]
+        victims = _victims(state)
         if not victims:
             break
         for pid in victims:
@@ -208,9 +234,10 @@ class Process:
                  env: Optional[dict[str, str]] = None) -> None:
         self.name = name
         self.log_path = os.path.join(log_dir, f"{name}.log")
+        marked = {**(os.environ if env is None else env), RUN_ENV: state.run or ""}
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          env=env, start_new_session=True)
+                                          env=marked, start_new_session=True)
         state.started.append(self.popen)
         state.add("pids", [self.popen.pid, _start_time(self.popen.pid)])
 
