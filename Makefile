@@ -37,11 +37,14 @@ JUDGES := build/judges
 # The judges of the code, written once: every target that lints or type-checks runs these.
 RUFF := $(VENV)/bin/ruff check .
 MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.py pins/update.py
+# The module layers and boundaries (pyproject.toml's [tool.importlinter]).
+IMPORTS := $(VENV)/bin/lint-imports --no-cache
 
 # Everything, system tests included, beside a neighbour agent (tests observe only what they create).
 test: $(VENV)/.installed $(JUDGES)/.installed system-deps tools e2e-components
 	$(RUFF)
 	$(MYPY)
+	$(IMPORTS)
 	HYPERLIGHT_TEST_NEIGHBOUR=1 $(PY) -m pytest -q
 
 # Just the real-cluster tests (tests/test_e2e.py): Kubernetes, etcd and containerd built from the
@@ -59,12 +62,15 @@ e2e-components:
 check: $(VENV)/.installed
 	$(RUFF)
 	$(MYPY)
-	@mkdir -p build
-	HYPERLIGHT_FUZZ_SCALE=0.1 $(PY) -m coverage run -m pytest -q -m "not system and not root and not judge"
+	$(IMPORTS)
+	@mkdir -p build && rm -f build/check.coverage*
+	HYPERLIGHT_FUZZ_SCALE=0.1 $(PY) -m coverage run -m pytest -q -n 2 -m "not system and not root and not judge"
+	@$(PY) -m coverage combine -q
 	$(PY) -m coverage report
 
 lint: $(VENV)/.installed
 	$(RUFF)
+	$(IMPORTS)
 
 typecheck: $(VENV)/.installed
 	$(MYPY)

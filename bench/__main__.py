@@ -19,7 +19,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc loads: no GOAWAY
 
 import grpc
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, transport
 from hyperlight_agent.device import kernel
 from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
 from hyperlight_agent.deviceplugin import api
@@ -141,7 +141,7 @@ def bench_allocate(top: str, raw_probe: float) -> None:
         sock = os.path.join(top, "kubelet", contracts.PLUGIN_SOCKET)
 
         async def timed(concurrency: int, n: int, call: Callable[[object], object]) -> list[float]:
-            async with grpc.aio.insecure_channel(api.unix_target(sock)) as ch:
+            async with grpc.aio.insecure_channel(transport.unix_target(sock)) as ch:
                 stub = api.device_plugin_stub(ch)
                 times: list[float] = []
                 sem = asyncio.Semaphore(concurrency)
@@ -199,7 +199,7 @@ def bench_streams(top: str) -> None:
         received: list[list[float]] = [[] for _ in range(50)]
 
         async def watch(i: int) -> None:
-            async with grpc.aio.insecure_channel(api.unix_target(sock)) as ch:
+            async with grpc.aio.insecure_channel(transport.unix_target(sock)) as ch:
                 async for _ in api.device_plugin_stub(ch).ListAndWatch(pb.Empty()):
                     received[i].append(time.monotonic())
 
@@ -252,7 +252,7 @@ def bench_rss_and_start(top: str) -> None:
                 sock = os.path.join(top, "kubelet", contracts.PLUGIN_SOCKET)
 
                 async def watch(sock: str = sock) -> None:
-                    async with grpc.aio.insecure_channel(api.unix_target(sock)) as ch:
+                    async with grpc.aio.insecure_channel(transport.unix_target(sock)) as ch:
                         async for _ in api.device_plugin_stub(ch).ListAndWatch(pb.Empty()):
                             pass
 

@@ -83,17 +83,11 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
         return 2
     if args.health_check or args.check:
         signals.restore_defaults()
+    mode = modes.of(args.device_access, args.dra)
     if args.health_check:
-        from hyperlight_agent.host.healthcheck import health_check, plugin_socket
+        from hyperlight_agent.host.healthcheck import health_check
 
-        if args.dra:
-            from hyperlight_agent.dra.registration import service_socket
-
-            path = service_socket(settings.dra_plugins_dir, contracts.DRA_DRIVER,
-                                  settings.instance or modes.DRA_DEFAULT_INSTANCE)
-        else:
-            path = plugin_socket(settings, args.device_access)
-        ok, line = health_check(path, args.health_check)
+        ok, line = health_check(mode.health_socket(settings), args.health_check)
         print(line)
         return 0 if ok else 1
     if args.check:
@@ -105,7 +99,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
         print("this node can serve Hyperlight" if ok else "this node cannot serve Hyperlight")
         return 0 if ok else 1
     journal.setup(settings.log_level, environ, {
-        "resource": modes.of(args.device_access, args.dra).resource,
+        "resource": mode.resource,
         "cdi_path": os.path.join(settings.cdi_dir, contracts.CDI_SPEC_FILE),
         "device_dir": settings.device_dir})
     from hyperlight_agent.deviceplugin.registration import (
@@ -126,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
 async def _serve(settings: config.Settings, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     from hyperlight_agent.agent import Agent
 
-    agent = Agent(settings, device_access=args.device_access, reload=lambda: config.load(args, environ), dra=args.dra,
+    agent = Agent(settings, modes.of(args.device_access, args.dra), reload=lambda: config.load(args, environ),
                   environ=environ)
     loop = asyncio.get_running_loop()
     signals.attach(loop, agent.stop, agent.reload)

@@ -26,6 +26,10 @@ RESOURCE_DEVICE_ACCESS = "hyperlight.dev/device-access"
 PLUGIN_SOCKET = "hyperlight.sock"
 DEVICE_ACCESS_SOCKET = "hyperlight-access.sock"
 
+# gRPC health service names (grpc.health.v1) every socket of ours serves, for the exec probes and
+# a successor's readiness: readiness is the overall service "", liveness our own name.
+HEALTH_SERVICES = {"liveness": "liveness", "readiness": ""}
+
 # --- Linux (owner: the kernel) ---
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
 PID_MAX = 4194304  # /proc/sys/kernel/pid_max's upper bound

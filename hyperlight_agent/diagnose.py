@@ -40,11 +40,12 @@ def runtime() -> tuple[bool, str]:
         from hyperlight_agent import agent  # noqa: F401 - the daemon's whole import graph, grpc's extension first
     except Exception as exc:
         return False, f"FAIL runtime: cannot import the agent: {type(exc).__name__}: {exc}"
-    from hyperlight_agent.deviceplugin import api  # imported by the agent already
 
     try:
+        from hyperlight_agent import transport  # grpc's: only once the agent imported
+
         with tempfile.TemporaryDirectory(prefix="hyperlight-check-") as tmp:
-            asyncio.run(bind(api.unix_target(os.path.join(tmp, "check.sock"))))
+            asyncio.run(bind(transport.unix_target(os.path.join(tmp, "check.sock"))))
     except Exception as exc:
         return False, f"FAIL runtime: gRPC server cannot bind a unix socket: {type(exc).__name__}: {exc}"
     return True, "ok   runtime: the agent imports and its gRPC server binds a unix socket"

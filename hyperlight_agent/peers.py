@@ -33,7 +33,7 @@ from typing import Any, Awaitable, Callable, Iterable, Optional
 
 import grpc
 
-from hyperlight_agent import __version__, wire
+from hyperlight_agent import __version__, transport
 
 AGENT = "hyperlight-agent"
 SERVICE = "hyperlight.agent.v1.Instance"
@@ -107,7 +107,7 @@ class _Legacy(Exception):
 async def describe(path: str, timeout: float) -> Optional[Description]:
     """Ask the instance serving the unix socket at `path`; None when nothing of ours answers.
     Raises _Legacy when a server answers without the method."""
-    async with grpc.aio.insecure_channel(wire.unix_target(path)) as channel:
+    async with grpc.aio.insecure_channel(transport.unix_target(path)) as channel:
         try:
             answer = await channel.unary_unary(DESCRIBE, None, None)(b"", timeout=timeout)
         except grpc.aio.AioRpcError as exc:

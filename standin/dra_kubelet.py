@@ -31,7 +31,7 @@ from typing import Any, Optional
 import grpc
 from asyncinotify import Inotify, Mask
 
-from hyperlight_agent import contracts, waits
+from hyperlight_agent import contracts, transport, waits
 from hyperlight_agent.dra import api
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
 
@@ -121,7 +121,7 @@ class DraKubeletStandin:
             self.refused.append((path, f"dial/GetInfo failed: {exc}"))
 
     async def register(self, path: str) -> Instance:
-        channel = grpc.aio.insecure_channel(api.unix_target(path))
+        channel = grpc.aio.insecure_channel(transport.unix_target(path))
         registration = api.registration_stub(channel)
         try:
             info = await waits.within(registration.GetInfo(reg.InfoRequest()), contracts.DRA_GET_INFO_TIMEOUT_S)
@@ -157,7 +157,7 @@ class DraKubeletStandin:
         endpoint = info.endpoint or path
         if any(i.endpoint == endpoint for i in self.instances.get(info.name, [])):
             raise RegistrationRefused(f"endpoint {endpoint} already registered for DRA driver plugin {info.name}")
-        channel = grpc.aio.insecure_channel(api.unix_target(endpoint))
+        channel = grpc.aio.insecure_channel(transport.unix_target(endpoint))
         channel.get_state(try_to_connect=True)  # the kubelet connects at once and stays connected
         return Instance(driver=info.name, endpoint=endpoint, version=chosen, registration_socket=path,
                         channel=channel, stub=api.dra_stub(channel, chosen))

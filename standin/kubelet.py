@@ -37,7 +37,7 @@ from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 import grpc
 
-from hyperlight_agent import contracts, waits
+from hyperlight_agent import contracts, transport, waits
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 
@@ -116,7 +116,7 @@ class KubeletStandin:
                 f.write('{"Data":{"PodDeviceEntries":null,"RegisteredDevices":{}},"Checksum":0}\n')
         self._server = grpc.aio.server()
         self._server.add_generic_rpc_handlers([api.registration_handler(self)])
-        self._server.add_insecure_port(api.unix_target(self.socket_path))
+        self._server.add_insecure_port(transport.unix_target(self.socket_path))
         await self._server.start()
         self.started_at = time.monotonic()  # when kubelet.sock began answering
         self._changed()
@@ -179,7 +179,7 @@ class KubeletStandin:
             await context.abort(grpc.StatusCode.UNKNOWN, f"invalid resource name {request.resource_name!r}")
         if not request.endpoint or "/" in request.endpoint:
             await context.abort(grpc.StatusCode.UNKNOWN, f"invalid endpoint {request.endpoint!r}")
-        channel = grpc.aio.insecure_channel(api.unix_target(os.path.join(self.directory, request.endpoint)))
+        channel = grpc.aio.insecure_channel(transport.unix_target(os.path.join(self.directory, request.endpoint)))
         try:
             # Dial back inside Register, as the kubelet's device manager does.
             await waits.within(channel.channel_ready(), contracts.KUBELET_DIAL_TIMEOUT_S)

@@ -234,6 +234,16 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
+def quick_deregistration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DRA agent's close waits DEREGISTER_GRACE_S for the kubelet's plugin manager (a 1 s
+    reconciler) to deregister it; the DRA stand-in does so at once. (test_dra_registration holds
+    the wait itself.)"""
+    from hyperlight_agent.dra import registration
+
+    monkeypatch.setattr(registration, "DEREGISTER_GRACE_S", 0.05)
+
+
+@pytest.fixture
 def tmp() -> Iterator[str]:
     """A short temp dir: unix socket paths must stay under 108 bytes."""
     path = tempfile.mkdtemp(prefix="hl-")

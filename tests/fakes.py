@@ -123,3 +123,35 @@ class RecordingNotifier(Notifier):
     @property
     def statuses(self) -> list[str]:
         return [line[len("STATUS="):] for m in self.messages for line in m if line.startswith("STATUS=")]
+
+
+def shared(checker: Optional[FakeChecker] = None, identity: Optional[Any] = None,
+           on_change: Callable[[], None] = lambda: None) -> Any:
+    """What an agent gives its kubelet side (kubelet_side.Shared), with a FakeChecker, metrics
+    off and a watcher nobody runs: for building a side on its own."""
+    from hyperlight_agent import peers
+    from hyperlight_agent.device.observation import SharedObservation
+    from hyperlight_agent.host.metrics import Metrics
+    from hyperlight_agent.kubelet_side import Shared
+    from hyperlight_agent.node.watcher import DirectoryWatcher
+
+    return Shared(observation=SharedObservation(), checker=checker or FakeChecker(),  # type: ignore[arg-type]
+                  identity=identity or peers.Identity.of("test", "dra", "hyperlight.dev"),
+                  serve_ours=lambda server: None, metrics=Metrics(enabled=False), watcher=DirectoryWatcher(),
+                  on_change=on_change, environ={})
+
+
+def dp_side(agent: Any) -> Any:
+    """The device plugin side of an agent (its registrar, servicer, profile)."""
+    from hyperlight_agent.deviceplugin.side import DevicePluginSide
+
+    assert isinstance(agent.side, DevicePluginSide)
+    return agent.side
+
+
+def dra_side(agent: Any) -> Any:
+    """The DRA side of an agent (its registrar, publisher, service)."""
+    from hyperlight_agent.dra.side import DraSide
+
+    assert isinstance(agent.side, DraSide)
+    return agent.side

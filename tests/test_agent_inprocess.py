@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from hyperlight_agent import agent as agent_module
-from hyperlight_agent import config, contracts, modes, readiness, waits
+from hyperlight_agent import config, contracts, modes, waits
 from hyperlight_agent.agent import COMMIT_ENV, Agent
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device.checker import Checker
@@ -26,10 +26,11 @@ from hyperlight_agent.device.helper import ProbeResult
 from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.deviceplugin import registration
 from hyperlight_agent.deviceplugin.registration import AlreadyServed, Registrar
+from hyperlight_agent.deviceplugin.side import DevicePluginSnapshot
 from hyperlight_agent.node import cdi, labels
 from standin.kubelet import KubeletStandin
 from tests.conftest import read_bytes, until
-from tests.fakes import FakeHelper, RecordingNotifier, device_dir, files_as_devices
+from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dp_side, files_as_devices
 
 R = contracts.RESOURCE_HYPERVISOR
 
@@ -52,7 +53,7 @@ async def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) 
         # No kubelet yet: live, not ready, and the status says what it waits for.
         await until(lambda: agent.status().startswith("waiting for kubelet at "), what="waiting")
         assert not agent.ready
-        assert serving(agent, modes.HEALTH_SERVICES["liveness"]) == health_pb2.HealthCheckResponse.SERVING
+        assert serving(agent, contracts.HEALTH_SERVICES["liveness"]) == health_pb2.HealthCheckResponse.SERVING
         assert serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING
 
         kubelet = KubeletStandin(kubelet_dir)
@@ -93,25 +94,29 @@ async def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) 
     assert not os.path.exists(os.path.join(kubelet_dir, contracts.PLUGIN_SOCKET))
 
 
+Snap = DevicePluginSnapshot
+State = registration.State
+
+
 def test_status_lines_are_pure_functions_of_state() -> None:
     ok = Observation(True, "", "kvm")
-    base = readiness.Snapshot(ok, True, registration.STREAMED, "", "/k/kubelet.sock", 2, 1)
+    base = Snap(ok, True, State.STREAMED, "", "/k/kubelet.sock", 2, 1)
     cases = {
         base: "ready: kvm, 1 slot, 2 streams",
-        readiness.Snapshot(ok, True, registration.REGISTERED, "", "/k/kubelet.sock", 0, 4):
+        Snap(ok, True, State.REGISTERED, "", "/k/kubelet.sock", 0, 4):
             "registered; waiting for the kubelet's ListAndWatch stream",
-        readiness.Snapshot(ok, False, registration.WAITING, "Register with /k/kubelet.sock: UNAVAILABLE: x",
+        Snap(ok, False, State.WAITING, "Register with /k/kubelet.sock: UNAVAILABLE: x",
                            "/k/kubelet.sock", 0, 4):
             "waiting for kubelet at /k/kubelet.sock: Register with /k/kubelet.sock: UNAVAILABLE: x",
-        readiness.Snapshot(ok, False, registration.STREAMED, "", "/k/kubelet.sock", 1, 4): "checking the device",
-        readiness.Snapshot(Observation(False, "gone", None), True, registration.STREAMED, "", "/k", 1, 4):
+        Snap(ok, False, State.STREAMED, "", "/k/kubelet.sock", 1, 4): "checking the device",
+        Snap(Observation(False, "gone", None), True, State.STREAMED, "", "/k", 1, 4):
             "unhealthy: gone",
-        readiness.Snapshot(ok, True, registration.LOST, "no ListAndWatch stream within 3 s of registering",
+        Snap(ok, True, State.LOST, "no ListAndWatch stream within 3 s of registering",
                            "/k", 0, 4): "no ListAndWatch stream within 3 s of registering; registering again",
     }
     for snapshot, text in cases.items():
-        assert readiness.status(snapshot) == text
-        assert readiness.ready(snapshot) == text.startswith("ready:")
+        assert snapshot.status() == text
+        assert snapshot.ready() == text.startswith("ready:")
 
 
 def test_nothing_is_said_after_stopping_when_the_first_check_ends_during_the_stop(
@@ -254,8 +259,8 @@ def test_a_second_agent_on_the_same_socket_fails_from_wait(tmp: str, helpers: li
             with pytest.raises(AlreadyServed, match="another agent is serving it"):
                 await second.wait()
             await second.close()
-            assert first.registrar is not None
-            assert first.ready and os.path.exists(first.registrar.socket_path), "the first agent's socket stays"
+            assert first.ready and os.path.exists(dp_side(first).registrar.socket_path), \
+                "the first agent's socket stays"
         finally:
             await shut(first)
 
@@ -384,8 +389,8 @@ def test_a_stop_with_handover_time_and_no_successor_stops_after_it(tmp: str, hel
         await shut(agent)
         assert "serving until a successor is ready (up to 0.2 s)" in caplog.text
         assert "no successor within 0.2 s" in caplog.text
-        assert agent.registrar is not None
-        assert not os.path.exists(agent.registrar.socket_path)
+        assert dp_side(agent).registrar is not None
+        assert not os.path.exists(dp_side(agent).registrar.socket_path)
 
     with_kubelet(tmp, body)
 
@@ -411,12 +416,12 @@ def test_an_unready_agent_hands_nothing_over(tmp: str, helpers: list[FakeHelper]
 
 def test_device_access_mode_lists_its_one_slot_without_cdi(tmp: str, helpers: list[FakeHelper]) -> None:
     async def body(kubelet: KubeletStandin) -> None:
-        agent = Agent(settings_in(tmp), device_access=True, notifier=RecordingNotifier())
+        agent = Agent(settings_in(tmp), modes.DEVICE_ACCESS, notifier=RecordingNotifier())
         await agent.start()
         try:
             resource = modes.of(True).resource
             await until(lambda: (p := kubelet.plugins.get(resource)) and p.devices, what="the access slot")
-            assert agent.profile.slots == modes.of(True).slots == len(kubelet.plugins[resource].devices)
+            assert dp_side(agent).profile.slots == modes.of(True).slots == len(kubelet.plugins[resource].devices)
             assert helpers[0].requests == [], "inventory only: never probed"
             # A regular file is no device node: inventory lstats it and says so.
             assert agent.status().endswith("host device node is a regular file, not a character device")

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, transport
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
@@ -99,7 +99,8 @@ def test_plugin_options_preferred_allocation_and_prestart(kubelet: StandinThread
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
 
     async def calls() -> tuple[pb.DevicePluginOptions, pb.PreferredAllocationResponse, pb.PreStartContainerResponse]:
-        async with grpc.aio.insecure_channel(api.unix_target(os.path.join(tmp, "kubelet", "hyperlight.sock"))) as ch:
+        plugin = transport.unix_target(os.path.join(tmp, "kubelet", "hyperlight.sock"))
+        async with grpc.aio.insecure_channel(plugin) as ch:
             stub = api.device_plugin_stub(ch)
             options = await stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
             preferred = await stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
@@ -203,7 +204,7 @@ def test_every_open_stream_gets_each_health_change(kubelet: StandinThread, start
     seen: list[list[list[tuple[str, str]]]] = [[] for _ in range(5)]
 
     async def watch(i: int) -> None:
-        async with grpc.aio.insecure_channel(api.unix_target(sock)) as ch:
+        async with grpc.aio.insecure_channel(transport.unix_target(sock)) as ch:
             async for response in api.device_plugin_stub(ch).ListAndWatch(pb.Empty()):
                 seen[i].append([(d.ID, d.health) for d in response.devices])
 

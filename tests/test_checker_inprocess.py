@@ -16,7 +16,7 @@ import pytest
 from hyperlight_agent.device import checker as checker_module
 from hyperlight_agent.device.checker import Checker, CheckTarget
 from hyperlight_agent.device.helper import ProbeResult
-from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.device.observation import Cause, Observation, SharedObservation
 from hyperlight_agent.node import atomic, cdi
 from tests.conftest import read_bytes, until
 from tests.fakes import FakeHelper, device_dir, files_as_devices
@@ -67,7 +67,7 @@ async def test_a_failing_probe_is_unhealthy_and_never_writes_the_spec(tmp: str) 
     helper = FakeHelper({"kvm": ProbeResult(False, "KVM_GET_API_VERSION failed")})
     checker, _, _ = make(tmp, helper, "kvm")
     found = await checker.check()
-    assert found == Observation(False, "KVM_GET_API_VERSION failed", "kvm", "probe")
+    assert found == Observation(False, "KVM_GET_API_VERSION failed", "kvm", Cause.PROBE)
     assert read_bytes(os.path.join(tmp, "cdi", "hyperlight.json")) is None
 
 
@@ -78,7 +78,7 @@ async def test_the_first_passing_row_serves_and_the_first_failure_is_reported_wh
     assert [r.hypervisor for r in helper.requests] == ["mshv", "kvm"]
     helper.answers["kvm"] = ProbeResult(False, "kvm broken")
     found = await checker.check()
-    assert found == Observation(False, "partition refused", "mshv", "probe")
+    assert found == Observation(False, "partition refused", "mshv", Cause.PROBE)
     # An empty reason still says something.
     helper.answers = {"mshv": ProbeResult(False), "kvm": ProbeResult(False)}
     assert (await checker.check()).reason == "probe failed"

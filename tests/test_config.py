@@ -165,7 +165,7 @@ def test_every_error_is_one_bounded_line(tmp: str, argv: list[str], toml: str, e
 @pytest.mark.parametrize("key", ["dra_registry_dir", "dra_plugins_dir"])
 def test_a_dra_directory_too_long_for_our_sockets_is_refused_by_name(key: str) -> None:
     from hyperlight_agent import contracts
-    from hyperlight_agent.dra import registration
+    from hyperlight_agent.dra import names, registration
 
     below = "" if key == "dra_registry_dir" else "/" + contracts.DRA_DRIVER
     room = contracts.UNIX_PATH_MAX - 1 - config.DRA_SHORTEST_NAMES[key] - len(below)
@@ -176,7 +176,7 @@ def test_a_dra_directory_too_long_for_our_sockets_is_refused_by_name(key: str) -
     registrar = registration.Registrar(object(), contracts.DRA_DRIVER, settings.instance or "",
                                        settings.dra_registry_dir, settings.dra_plugins_dir)
     for path in (registrar.registration_socket, registrar.service_socket):
-        private = os.path.join(os.path.dirname(path), f"{registration.PRIVATE_PREFIX}{contracts.PID_MAX}.{'0' * 8}")
+        private = os.path.join(os.path.dirname(path), f"{names.PRIVATE_PREFIX}{contracts.PID_MAX}.{'0' * 8}")
         assert len(os.fsencode(path)) <= contracts.UNIX_PATH_MAX and len(private) <= contracts.UNIX_PATH_MAX
     with pytest.raises(config.ConfigError, match=f"^{key} = '/ddd.*: socket paths in it would be at least 108 bytes"):
         load(["--config", "/dev/null", flag, longest + "d"], {})

@@ -11,23 +11,26 @@ from typing import Any, Awaitable, Callable
 
 import pytest
 
-from hyperlight_agent import modes, readiness, waits
+from hyperlight_agent import modes, waits
 from hyperlight_agent.agent import Agent
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device.helper import ProbeResult
 from hyperlight_agent.dra import client as dra_client
-from hyperlight_agent.dra import driver as dra_driver
+from hyperlight_agent.dra import side as dra_side_module
 from hyperlight_agent.dra.slices import DeviceInfo
 from hyperlight_agent.host import healthcheck
 from hyperlight_agent.node import cdi
 from standin.apiserver import FakeApiServer, kubeconfig, recorded
 from standin.dra_kubelet import Claim, DraKubeletStandin
 from tests.conftest import until
-from tests.fakes import FakeHelper, RecordingNotifier, device_dir
+from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dra_side
 from tests.test_agent_inprocess import helpers, shut  # noqa: F401 - the fixture, shared
 
 DRIVER = "hyperlight.dev"
 UID = "8d5c0f2a-1b3e-4d6f-a7c9-0e1f2a3b4c5d"  # the recorded claim's uid (default/pod-hv-9x2lq)
+
+
+pytestmark = pytest.mark.usefixtures("quick_deregistration")
 
 
 def settings_in(tmp: str, config: str, **kw: Any) -> Settings:
@@ -72,8 +75,8 @@ def devices_published(fake: FakeApiServer) -> int:
 def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: str, helpers: list[FakeHelper]) -> None:  # noqa: F811
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         notifier = RecordingNotifier()
-        agent = Agent(settings_in(tmp, config), notifier=notifier, dra=True)
-        assert agent.mode is modes.DRA and agent.registrar is None
+        agent = Agent(settings_in(tmp, config), modes.DRA, notifier=notifier)
+        assert agent.mode is modes.DRA and dra_side(agent).registrar.driver == DRIVER
         await agent.start()
         try:
             # Ready once the kubelet's NotifyRegistrationStatus came; the stand-in records us just after.
@@ -91,7 +94,7 @@ def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: st
             (device,) = answer[UID].devices
             assert list(device.cdi_device_ids) == ["hyperlight.dev/hypervisor=kvm"] and device.device_name == "kvm-3"
             # The exec probes ask the health service on the DRA socket.
-            socket = agent.driver.registrar.service_socket  # type: ignore[union-attr]
+            socket = dra_side(agent).registrar.service_socket
             assert await healthcheck.peer_ready(socket, 2)
 
             # The device fails its check: its devices leave the slice, readiness follows.
@@ -118,15 +121,15 @@ def test_a_stopped_dra_agent_hands_over_to_a_ready_successor(tmp: str, helpers: 
     caplog.set_level(logging.INFO, "hyperlight_agent")
 
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
-        old = Agent(settings_in(tmp, config, handover_seconds=30), dra=True)
-        new = Agent(settings_in(tmp, config, instance="pod-b"), dra=True)
+        old = Agent(settings_in(tmp, config, handover_seconds=30), modes.DRA)
+        new = Agent(settings_in(tmp, config, instance="pod-b"), modes.DRA)
         await old.start()
         await until(lambda: old.ready, what="the old agent ready")
         await new.start()
         try:
             await until(lambda: new.ready, what="its successor ready")
             await waits.within(shut(old), 20)
-            successor = new.driver.registrar.service_socket  # type: ignore[union-attr]
+            successor = dra_side(new).registrar.service_socket
             assert f"handing over to {successor}" in caplog.text
             assert new.ready, "the successor serves on"
         finally:
@@ -138,8 +141,8 @@ def test_a_stopped_dra_agent_hands_over_to_a_ready_successor(tmp: str, helpers: 
 def test_no_api_access_is_said_once_and_retried_without_stopping(tmp: str, helpers: list[FakeHelper],  # noqa: F811
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(dra_driver, "RETRY_INITIAL_S", 0.01)
-    monkeypatch.setattr(dra_driver, "RETRY_CAP_S", 0.02)
+    monkeypatch.setattr(dra_side_module, "RETRY_INITIAL_S", 0.01)
+    monkeypatch.setattr(dra_side_module, "RETRY_CAP_S", 0.02)
     caplog.set_level(logging.INFO, "hyperlight_agent")
 
     attempts: list[str] = []
@@ -151,10 +154,10 @@ def test_no_api_access_is_said_once_and_retried_without_stopping(tmp: str, helpe
     monkeypatch.setattr(dra_client, "connect", counted)
 
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
-        agent = Agent(settings_in(tmp, os.path.join(tmp, "missing-kubeconfig")), dra=True)
+        agent = Agent(settings_in(tmp, os.path.join(tmp, "missing-kubeconfig")), modes.DRA)
         await agent.start()
         try:
-            await until(lambda: len(attempts) >= 5 and agent.driver is not None and agent.driver.registered,
+            await until(lambda: len(attempts) >= 5 and dra_side(agent).registrar.registered,
                         what="retries, and registered meanwhile")
             lines = [r.getMessage() for r in caplog.records if "API client" in r.getMessage()]
             assert len(lines) == 1 and "missing-kubeconfig" in lines[0], lines
@@ -172,20 +175,21 @@ def test_dra_status_names_what_it_waits_for() -> None:
     from hyperlight_agent.device.observation import Observation
 
     ok = Observation(True, "", "kvm")
-    s = readiness.DraSnapshot(ok, True, False, "", "/r/x-reg.sock", False, "", 4)
-    assert readiness.status(s) == "waiting for the kubelet's plugin watcher to register /r/x-reg.sock"
-    s = readiness.DraSnapshot(ok, True, True, "", "/r/x-reg.sock", False, "API server at x: connection refused", 4)
-    assert readiness.status(s) == "ResourceSlice not published: API server at x: connection refused"
-    assert not readiness.ready(s)
-    s = readiness.DraSnapshot(ok, True, True, "", "/r/x-reg.sock", True, "", 1)
-    assert readiness.status(s) == "ready: kvm, 1 device in the ResourceSlice" and readiness.ready(s)
+    s = dra_side_module.DraSnapshot(ok, True, False, "", "/r/x-reg.sock", False, "", 4)
+    assert s.status() == "waiting for the kubelet's plugin watcher to register /r/x-reg.sock"
+    refused = "API server at x: connection refused"
+    s = dra_side_module.DraSnapshot(ok, True, True, "", "/r/x-reg.sock", False, refused, 4)
+    assert s.status() == "ResourceSlice not published: API server at x: connection refused"
+    assert not s.ready()
+    s = dra_side_module.DraSnapshot(ok, True, True, "", "/r/x-reg.sock", True, "", 1)
+    assert s.status() == "ready: kvm, 1 device in the ResourceSlice" and s.ready()
 
 
 def test_device_info_comes_from_the_table() -> None:
     from hyperlight_agent.device.observation import Observation
 
-    assert dra_driver.device_info(Observation(True, "", "mshv")) == DeviceInfo("mshv", 0, "/dev/mshv")
-    assert dra_driver.device_info(Observation(False, "gone", "kvm")) is None
+    assert dra_side_module.device_info(Observation(True, "", "mshv")) == DeviceInfo("mshv", 0, "/dev/mshv")
+    assert dra_side_module.device_info(Observation(False, "gone", "kvm")) is None
 
 
 # Issue 26, 2: a removed registration socket is put back, the kubelet registers us again, and we
@@ -194,11 +198,11 @@ def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration
         tmp: str, helpers: list[FakeHelper]) -> None:  # noqa: F811
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         notifier = RecordingNotifier()
-        agent = Agent(settings_in(tmp, config), dra=True, notifier=notifier)
+        agent = Agent(settings_in(tmp, config), modes.DRA, notifier=notifier)
         await agent.start()
         try:
             await until(lambda: agent.ready and len(kubelet.instances.get(DRIVER, [])) == 1, what="ready")
-            registrar = agent.driver.registrar  # type: ignore[union-attr]
+            registrar = dra_side(agent).registrar
             loop = asyncio.get_running_loop()
             said = len(notifier.messages)
             os.unlink(registrar.registration_socket)  # a cleanup tool, an administrator
@@ -227,7 +231,7 @@ def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration
 def test_a_stop_during_the_start_leaves_nothing_behind(tmp: str, helpers: list[FakeHelper],  # noqa: F811
                                                         delay: float) -> None:
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
-        agent = Agent(settings_in(tmp, config), dra=True)
+        agent = Agent(settings_in(tmp, config), modes.DRA)
         await agent.start()
         await asyncio.sleep(delay)  # the moment of the stop is the variable here
         await shut(agent)

@@ -9,7 +9,7 @@ import os
 import grpc
 import pytest
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, transport
 from hyperlight_agent.dra import api
 from hyperlight_agent.dra import dra_v1_pb2 as v1
 from hyperlight_agent.dra import dra_v1beta1_pb2 as v1beta1
@@ -87,7 +87,7 @@ def test_unparsable_request_is_invalid_argument(tmp: str) -> None:
         registrar = Registrar(Unreached(), "hyperlight.dev", "a", registry, plugins)
         await registrar.start()
         try:
-            async with grpc.aio.insecure_channel(api.unix_target(registrar.service_socket)) as channel:
+            async with grpc.aio.insecure_channel(transport.unix_target(registrar.service_socket)) as channel:
                 call = channel.unary_unary(f"/{api.DRA_V1_SERVICE}/NodePrepareResources", None, None)
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await call(b"\n\xff")  # a length past the end

@@ -12,13 +12,14 @@ from typing import Any, Awaitable, Callable, ClassVar, Optional, Union
 import grpc
 import pytest
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, transport
 from hyperlight_agent.device.observation import Observation
-from hyperlight_agent.dra import api, registration
+from hyperlight_agent.dra import api, names, registration
 from hyperlight_agent.dra.prepared import Prepared
-from hyperlight_agent.dra.registration import Registrar, RegistrationError
+from hyperlight_agent.dra.registration import Registrar
 from hyperlight_agent.dra.service import Service
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
+from hyperlight_agent.transport import NotServing
 from standin.dra_kubelet import CallFailed, Claim, DraKubeletStandin, RegistrationRefused
 from tests.conftest import until
 
@@ -340,7 +341,7 @@ def test_claims_are_answered_until_the_kubelet_has_deregistered_us(tmp: str) -> 
         closing = asyncio.ensure_future(registrar.close())
         await until(lambda: not os.path.lexists(registrar.registration_socket), what="the registration socket gone")
         _, messages = api.VERSIONS[contracts.DRA_VERSION_V1]
-        async with grpc.aio.insecure_channel(api.unix_target(registrar.service_socket)) as channel:
+        async with grpc.aio.insecure_channel(transport.unix_target(registrar.service_socket)) as channel:
             stub = api.dra_stub(channel, contracts.DRA_VERSION_V1)
             answer = await stub.NodePrepareResources(messages.NodePrepareResourcesRequest(
                 claims=[messages.Claim(namespace="ns", uid="u-1", name="c")]), timeout=5)
@@ -358,7 +359,7 @@ def test_a_foreign_file_at_our_path_is_left_alone(tmp: str) -> None:
         registrar = node.registrar("pod-a")
         with open(registrar.registration_socket, "w") as f:
             f.write("someone else's")
-        with pytest.raises(RegistrationError, match="exists and is not a socket"):
+        with pytest.raises(NotServing, match="exists and is not a socket"):
             await registrar.start()
         with open(registrar.registration_socket) as f:
             assert f.read() == "someone else's"
@@ -384,7 +385,7 @@ def test_a_live_socket_at_our_path_is_not_taken_over_but_a_stale_one_is(tmp: str
         node = Node(tmp, FakeClaims())
         first = await node.start("pod-a")
         second = node.registrar("pod-a")
-        with pytest.raises(RegistrationError, match="another agent is serving it; not taking it over"):
+        with pytest.raises(NotServing, match="another agent is serving it; not taking it over"):
             await second.start()
         assert os.path.exists(first.service_socket) and _accepts(first.service_socket)
         await first.close()
@@ -400,15 +401,15 @@ def test_a_live_socket_at_our_path_is_not_taken_over_but_a_stale_one_is(tmp: str
 
 def test_long_paths_get_short_deterministic_names(tmp: str) -> None:
     long_instance = "x" * 90
-    path = registration.registration_socket(tmp, DRIVER, long_instance)
+    path = names.registration_socket(tmp, DRIVER, long_instance)
     assert len(os.fsencode(path)) <= contracts.UNIX_PATH_MAX
-    assert path == registration.registration_socket(tmp, DRIVER, long_instance)
-    assert path != registration.registration_socket(tmp, DRIVER, "y" * 90)
-    service = registration.service_socket(tmp, DRIVER, long_instance)
+    assert path == names.registration_socket(tmp, DRIVER, long_instance)
+    assert path != names.registration_socket(tmp, DRIVER, "y" * 90)
+    service = names.service_socket(tmp, DRIVER, long_instance)
     assert len(os.fsencode(service)) <= contracts.UNIX_PATH_MAX and service.endswith(".sock")
-    assert os.path.basename(registration.service_socket(tmp, DRIVER, "a/b")) != "dra-a/b.sock"
-    with pytest.raises(RegistrationError, match="too long"):
-        registration.registration_socket("/" + "d" * 120, DRIVER, "a")
+    assert os.path.basename(names.service_socket(tmp, DRIVER, "a/b")) != "dra-a/b.sock"
+    with pytest.raises(names.TooLong, match="too long"):
+        names.registration_socket("/" + "d" * 120, DRIVER, "a")
 
 
 def test_standin_rejects_an_answer_missing_a_claim() -> None:
@@ -430,7 +431,7 @@ def test_a_symlinked_driver_directory_is_refused_and_nothing_is_written_through(
         os.makedirs(elsewhere)
         os.makedirs(node.plugins)
         os.symlink(elsewhere, os.path.join(node.plugins, DRIVER))
-        with pytest.raises(RegistrationError, match=f"^{node.plugins}/{DRIVER} is a symlink; refusing to follow it"):
+        with pytest.raises(NotServing, match=f"^{node.plugins}/{DRIVER} is a symlink; refusing to follow it"):
             await node.start("a")
         assert os.listdir(elsewhere) == [] and os.listdir(node.registry) == []
 

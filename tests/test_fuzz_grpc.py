@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, transport
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from standin.kubelet import StandinThread
@@ -150,7 +150,7 @@ def test_fuzz_grpc_methods_and_raw_socket_garbage_never_hurt_the_agent(
 
     async def fuzz() -> None:
         nonlocal sent, raw_sent
-        async with grpc.aio.insecure_channel(api.unix_target(sock)) as channel:
+        async with grpc.aio.insecure_channel(transport.unix_target(sock)) as channel:
             calls: dict[str, Any] = {}
             for name, (_, _, streaming) in api.DEVICE_PLUGIN_METHODS.items():
                 path = f"/{api.DEVICE_PLUGIN_SERVICE}/{name}"
@@ -205,7 +205,7 @@ def test_unparsable_request_bytes_are_invalid_arguments_without_a_traceback(
     sock = os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET)
 
     async def refused(name: str) -> tuple[grpc.StatusCode, str]:
-        async with grpc.aio.insecure_channel(api.unix_target(sock)) as channel:
+        async with grpc.aio.insecure_channel(transport.unix_target(sock)) as channel:
             path = f"/{api.DEVICE_PLUGIN_SERVICE}/{name}"
             try:
                 if api.DEVICE_PLUGIN_METHODS[name][2]:

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, transport
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.node import cdi, watcher
@@ -83,7 +83,7 @@ def test_a_bad_file_on_reload_never_stalls_and_is_refused(kubelet: StandinThread
 
 def raw_call(tmp: str, method: str, request: Any, timeout: float = 10) -> Any:
     async def call() -> Any:
-        async with grpc.aio.insecure_channel(api.unix_target(os.path.join(tmp, "kubelet",
+        async with grpc.aio.insecure_channel(transport.unix_target(os.path.join(tmp, "kubelet",
                                                                           contracts.PLUGIN_SOCKET))) as ch:
             return await getattr(api.device_plugin_stub(ch), method)(request, timeout=timeout)
 
@@ -240,7 +240,7 @@ def test_the_health_check_never_follows_a_symlink_at_our_socket(tmp: str) -> Non
         server = grpc.aio.server()
         servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
         health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-        server.add_insecure_port(api.unix_target(other))
+        server.add_insecure_port(transport.unix_target(other))
         await server.start()
         await servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         try:

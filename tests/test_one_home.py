@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from hyperlight_agent import __version__, config
+from hyperlight_agent import __version__, config, transport
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from tests.test_docs import read
@@ -70,10 +70,11 @@ def test_the_spec_file_name_lives_in_contracts() -> None:
     assert homes_of_string("hyperlight.json") == {"contracts"}
 
 
-def test_unix_targets_are_built_by_wire() -> None:
-    assert {m for m, tree in trees().items() for n in ast.walk(tree)
-            if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("unix:")} == {"wire"}
-    assert api.unix_target("/k/p.sock") == "unix:///k/p.sock"
+def test_unix_targets_are_built_by_transport() -> None:
+    built = {m for m, tree in trees().items() for n in ast.walk(tree)
+             if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("unix:")}
+    assert built == {"transport"}
+    assert transport.unix_target("/k/p.sock") == "unix:///k/p.sock"
 
 
 def test_allocation_modes_are_named_in_config_only() -> None:
@@ -92,14 +93,13 @@ def _settings_readers() -> set[str]:
 
 def test_settings_become_parts_in_parts_only() -> None:
     """The device and protocol parts never see Settings: parts.py translates, the composition reads
-    what it wires itself (directories to watch, intervals), config owns the table, and the entry
-    points (cli, diagnose, the exec health probe) read what they act on."""
-    assert _settings_readers() <= {"parts", "agent", "config", "cli", "diagnose", "host.healthcheck"}, \
-        _settings_readers()
+    what it wires itself (directories to watch, intervals), config owns the table, the entry points
+    (cli, diagnose) read what they act on, and a mode names the socket its exec probe asks."""
+    assert _settings_readers() <= {"parts", "agent", "config", "cli", "diagnose", "modes"}, _settings_readers()
     takers = {m for m, tree in trees().items() for n in ast.walk(tree)
               if isinstance(n, ast.ImportFrom) and n.module == "hyperlight_agent.config"
               and any(a.name == "Settings" for a in n.names)}
-    assert takers <= {"parts", "agent", "reload", "cli", "diagnose", "host.healthcheck"}, takers
+    assert takers <= {"parts", "agent", "reload", "cli", "diagnose"}, takers
 
 
 def _constant_names(module: str) -> set[str]:
@@ -111,15 +111,16 @@ def test_probe_names_only_the_device_probe() -> None:
     """"Probe" is the kernel-level part of the device check, run in the helper; the exec health
     probe's RPC and the socket liveness test have names of their own."""
     named = {m for m in trees() if any("PROBE" in c for c in _constant_names(m))}
-    assert named <= {"device.helper", "device.helper_process", "device.kernel"}, named
+    # (device.observation: Cause.PROBE, a failed probe)
+    assert named <= {"device.helper", "device.helper_process", "device.kernel", "device.observation"}, named
 
 
 def test_one_name_per_stream_count() -> None:
     """Open streams on every server (the servicer, the metric) and on the registered server (the
     registrar, readiness) are two counts with two names."""
-    from hyperlight_agent.readiness import Snapshot
+    from hyperlight_agent.deviceplugin.side import DevicePluginSnapshot
 
-    assert "current_streams" in Snapshot.__dataclass_fields__
+    assert "current_streams" in DevicePluginSnapshot.__dataclass_fields__
     for path, name in (("deviceplugin/servicer.py", "open_streams"), ("deviceplugin/registration.py",
                                                                        "current_streams")):
         source = read(f"hyperlight_agent/{path}")
@@ -133,3 +134,14 @@ def test_only_the_entry_point_reads_the_process_environment() -> None:
                if isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv")
                and isinstance(n.value, ast.Name) and n.value.id == "os"}
     assert readers == {"cli"}, readers
+
+
+def test_servers_are_put_in_place_and_stopped_by_transport_only() -> None:
+    """One home for serving at a socket path and for the stop grace: no protocol builds its own
+    grpc server, renames its own socket into place or defines its own stop grace."""
+    builders = {m for m, tree in trees().items() for n in ast.walk(tree)
+                if isinstance(n, ast.Call) and ast.unparse(n.func) in ("grpc.aio.server", "sockets.put_in_place")
+                and m != "diagnose"}  # --check binds a throwaway server to prove grpc loads
+    assert builders <= {"transport"}, builders
+    graces = {m for m in trees() if "STOP_GRACE_S" in _constant_names(m)}
+    assert graces == {"transport"}, graces

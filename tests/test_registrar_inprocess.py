@@ -67,13 +67,13 @@ def run(tmp: str, body: Callable[[KubeletStandin, Registrar], Awaitable[None]], 
 
 def streamed(kubelet: KubeletStandin, reg: Registrar) -> bool:
     plugin = kubelet.plugins.get(R)
-    return reg.state == registration.STREAMED and plugin is not None and plugin.stream_open
+    return reg.state == registration.State.STREAMED and plugin is not None and plugin.stream_open
 
 
 def test_no_kubelet_yet_waits_then_registers_as_soon_as_one_appears(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
         await until(lambda: reg.last_error, what="a failed attempt")
-        assert reg.state == registration.WAITING and not reg.registered
+        assert reg.state == registration.State.WAITING and not reg.registered
         assert reg.last_error == f"no kubelet socket at {kubelet.socket_path}"
         await kubelet.start()
         reg.wake()  # as the kubelet directory's watcher does (agent.py)
@@ -98,7 +98,7 @@ def test_a_regular_file_at_kubelet_sock_is_said_for_what_it_is(tmp: str) -> None
 def test_a_kubelet_that_rejects_us_is_retried_with_backoff(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
         await until(lambda: len(kubelet.register_calls) >= 3, what="retries")
-        assert reg.state == registration.WAITING
+        assert reg.state == registration.State.WAITING
         assert reg.last_error == f"Register with {kubelet.socket_path}: INTERNAL: stand-in rejects registrations"
         kubelet.mode = "normal"
         await until(lambda: streamed(kubelet, reg), what="registered once accepted")
@@ -115,7 +115,7 @@ def test_nothing_is_served_while_backing_off(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
         kubelet.mode = "reject"
         await kubelet.start()
-        await until(lambda: kubelet.register_calls and reg.state == registration.WAITING and reg.last_error
+        await until(lambda: kubelet.register_calls and reg.state == registration.State.WAITING and reg.last_error
                     and not os.path.exists(reg.socket_path), what="our socket gone after the refusal")
         assert len(kubelet.register_calls) == 1, "a 30 s backoff: no second attempt yet"
 
@@ -138,7 +138,7 @@ def test_no_stream_after_register_is_a_lost_registration(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
         kubelet.open_streams = False
         await kubelet.start()
-        await until(lambda: reg.state == registration.LOST, what="lost")
+        await until(lambda: reg.state == registration.State.LOST, what="lost")
         assert reg.last_error == "no ListAndWatch stream within 0.2 s of registering"
         kubelet.open_streams = True
         await until(lambda: streamed(kubelet, reg), what="streamed after registering again")

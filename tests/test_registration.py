@@ -13,7 +13,7 @@ from typing import Awaitable, Callable
 import grpc
 import pytest
 
-from hyperlight_agent import contracts, waits
+from hyperlight_agent import contracts, transport, waits
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.deviceplugin import api, registration
@@ -75,7 +75,7 @@ def test_stop_ends_the_stream_while_the_socket_is_still_there(tmp: str) -> None:
         socket_path = os.path.join(kdir, contracts.PLUGIN_SOCKET)
         registrar = make(kdir, lambda delta: seen.append((delta, os.path.exists(socket_path))))
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.STREAMED)
+        await until(lambda: registrar.state == registration.State.STREAMED)
         await shut_down(task, registrar)
         assert not os.path.exists(socket_path)
 
@@ -87,10 +87,10 @@ def test_streams_of_a_replaced_server_change_nothing(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, kdir: str) -> None:
         registrar = make(kdir)
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.STREAMED)
+        await until(lambda: registrar.state == registration.State.STREAMED)
         old_generation = registrar._generation - 1  # a server we no longer run
         registrar._on_stream(old_generation, -1, object())
-        assert (registrar.state, registrar.current_streams) == (registration.STREAMED, 1)
+        assert (registrar.state, registrar.current_streams) == (registration.State.STREAMED, 1)
         await shut_down(task, registrar)
 
     run(tmp, body)
@@ -102,7 +102,7 @@ def test_a_kubelet_that_keeps_dropping_streams_backs_us_off(tmp: str) -> None:
         registrar = make(kdir, loss_backoff=losses)
         task = asyncio.ensure_future(registrar.run())
         for n in range(1, 4):
-            await until(lambda: registrar.state == registration.STREAMED)
+            await until(lambda: registrar.state == registration.State.STREAMED)
             await kubelet.drop_stream(R)
             await until(lambda n=n: registrar.streams_lost == n)  # type: ignore[misc]
         assert losses.attempt == 3, "each loss waits longer than the last"
@@ -137,8 +137,8 @@ def test_another_clients_stream_never_hides_the_loss_of_the_kubelets(tmp: str) -
     async def body(kubelet: KubeletStandin, kdir: str) -> None:
         registrar = make(kdir, loss_backoff=Backoff(initial=0.01, rand=lambda: 1.0))
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.STREAMED)
-        target = api.unix_target(os.path.join(kdir, contracts.PLUGIN_SOCKET))
+        await until(lambda: registrar.state == registration.State.STREAMED)
+        target = transport.unix_target(os.path.join(kdir, contracts.PLUGIN_SOCKET))
         async with grpc.aio.insecure_channel(target) as channel:
             observer = api.device_plugin_stub(channel).ListAndWatch(pb.Empty())
             assert len((await observer.read()).devices) == 2  # its stream is open
@@ -147,7 +147,7 @@ def test_another_clients_stream_never_hides_the_loss_of_the_kubelets(tmp: str) -
             await until(lambda: len(kubelet.register_calls) == 2 and kubelet.allocatable() == 2,
                         what="registered again although another client's stream is open")
         assert registrar.streams_lost == 1 and registrar.kubelet_restarts == 0
-        assert registrar.state == registration.STREAMED
+        assert registrar.state == registration.State.STREAMED
         await shut_down(task, registrar)
 
     run(tmp, body)
@@ -176,13 +176,13 @@ def test_a_metadata_change_is_no_kubelet_restart(tmp: str, which: str, change: s
     async def body(kubelet: KubeletStandin, kdir: str) -> None:
         registrar = make(kdir, loss_backoff=Backoff(initial=0.01, rand=lambda: 1.0))
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.STREAMED)
+        await until(lambda: registrar.state == registration.State.STREAMED)
         touch_metadata(os.path.join(kdir, which), change)
         registrar.wake()  # as the watcher does on the ATTRIB event
         # Then something the registrar must act on: had the change looked like a restart, it
         # would have been acted on first.
         await kubelet.drop_stream(R)
-        await until(lambda: registrar.streams_lost == 1 and registrar.state == registration.STREAMED)
+        await until(lambda: registrar.streams_lost == 1 and registrar.state == registration.State.STREAMED)
         assert registrar.kubelet_restarts == 0
         assert len(kubelet.register_calls) == 2
         await shut_down(task, registrar)
@@ -194,7 +194,7 @@ def test_our_socket_replaced_by_a_live_one_is_no_kubelet_restart(tmp: str, caplo
     async def body(kubelet: KubeletStandin, kdir: str) -> None:
         registrar = make(kdir)
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.STREAMED)
+        await until(lambda: registrar.state == registration.State.STREAMED)
         path = os.path.join(kdir, contracts.PLUGIN_SOCKET)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
             other.bind(path + ".other")
@@ -230,7 +230,7 @@ def test_a_stale_socket_that_vanishes_before_the_exchange_is_a_changed_path(
         monkeypatch.setattr(sockets, "is_live", probe_then_vanish)
         registrar = make(kdir)
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.STREAMED or task.done(), what="streamed")
+        await until(lambda: registrar.state == registration.State.STREAMED or task.done(), what="streamed")
         assert not task.done(), task.exception()
         await shut_down(task, registrar)
 
@@ -254,7 +254,7 @@ def test_our_private_socket_removed_before_its_rename_is_served_anew(
         monkeypatch.setattr(atomic, "rename_noreplace", remove_first)
         registrar = make(kdir, backoff=Backoff(initial=0.01, rand=lambda: 1.0))
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.STREAMED or task.done(), what="streamed")
+        await until(lambda: registrar.state == registration.State.STREAMED or task.done(), what="streamed")
         assert not task.done(), task.exception()
         await shut_down(task, registrar)
 
@@ -293,7 +293,7 @@ def test_only_our_abandoned_private_sockets_are_swept(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, kdir: str) -> None:
         registrar = make(kdir)
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.STREAMED)
+        await until(lambda: registrar.state == registration.State.STREAMED)
         await shut_down(task, registrar)
 
     try:
@@ -360,9 +360,9 @@ def test_a_watched_kubelet_dir_wakes_us_with_no_timer(tmp: str, monkeypatch: pyt
         w.watch(kdir, lambda name: registrar.wake(), {contracts.KUBELET_SOCKET, contracts.PLUGIN_SOCKET})
         watching = asyncio.ensure_future(w.run())
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.STREAMED and timeouts[-1] is None)
+        await until(lambda: registrar.state == registration.State.STREAMED and timeouts[-1] is None)
         os.unlink(os.path.join(kdir, contracts.PLUGIN_SOCKET))  # as a starting kubelet does
-        await until(lambda: len(kubelet.register_calls) == 2 and registrar.state == registration.STREAMED)
+        await until(lambda: len(kubelet.register_calls) == 2 and registrar.state == registration.State.STREAMED)
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
         registrar.wake()

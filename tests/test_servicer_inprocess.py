@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from hyperlight_agent import contracts
-from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.device.observation import Cause, Observation, SharedObservation
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
 from tests.conftest import until
@@ -80,8 +80,8 @@ def test_allocate_answers_from_a_check_honouring_the_callers_deadline() -> None:
     assert "deadline passed while waiting for the device check" in refused.message
 
 
-@pytest.mark.parametrize("observation", [Observation(False, "KVM_CREATE_VM failed", "kvm", "probe"),
-                                         Observation(False, "no hypervisor device in /dev", None, "no-device")])
+@pytest.mark.parametrize("observation", [Observation(False, "KVM_CREATE_VM failed", "kvm", Cause.PROBE),
+                                         Observation(False, "no hypervisor device in /dev", None, Cause.NO_DEVICE)])
 def test_allocate_on_an_unhealthy_device_is_unavailable_with_the_reason(observation: Observation) -> None:
     servicer, _, outcomes, _ = make(observation=observation)
     refused = refusal(servicer, ["kvm-0"])
@@ -118,12 +118,12 @@ async def test_list_and_watch_sends_the_first_list_after_the_first_check_then_ea
     state.publish(HEALTHY)
     devices = (await first).devices
     assert [(d.ID, d.health) for d in devices] == [("kvm-0", "Healthy"), ("kvm-1", "Healthy")]
-    state.publish(Observation(False, "gone", "kvm", "probe"))
+    state.publish(Observation(False, "gone", "kvm", Cause.PROBE))
     assert {d.health for d in (await stream.__anext__()).devices} == {"Unhealthy"}
     servicer.profile = Profile(R, "hyperlight.sock", 1, "both")
     state.republish()  # a reload changed the slot count
     assert [d.ID for d in (await stream.__anext__()).devices] == ["kvm-0"]
-    state.publish(Observation(False, "no device", None, "no-device"))
+    state.publish(Observation(False, "no device", None, Cause.NO_DEVICE))
     assert list((await stream.__anext__()).devices) == []
     await stream.aclose()
     assert streams == [1, 0]

@@ -4,5 +4,5 @@ publishes.
 
 Import-free on purpose: the probe helper imports this package with the standard library only.
 
-May import: contracts, text, backoff, config, modes, waits, node.
+Import rules: pyproject.toml, [tool.importlinter].
 """

@@ -20,7 +20,7 @@ from hyperlight_agent import waits
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device import hypervisors, kernel
 from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
-from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.device.observation import Cause, Observation, SharedObservation
 from hyperlight_agent.node import cdi
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class Checker:
         elif not self._rechecked:
             self._rechecked = True
             self._schedule(HELPER_RECHECK_S)
-        if observation.cause == "cdi" and self._cdi_transient:
+        if observation.cause is Cause.CDI and self._cdi_transient:
             self._schedule(self._cdi_retry.next())
         else:
             self._cdi_retry.reset()
@@ -202,11 +202,11 @@ class Checker:
         t = self.target
         candidates = hypervisors.present(t.device_dir)
         if not candidates:
-            return Observation(False, hypervisors.absence_reason(t.device_dir), None, "no-device"), False
+            return Observation(False, hypervisors.absence_reason(t.device_dir), None, Cause.NO_DEVICE), False
         if t.inventory_only:
             hypervisor = candidates[0]
             ok, reason = _inventory(hypervisor.device_path(t.device_dir), self._host_path(hypervisor))
-            return Observation(ok, reason, hypervisor.name, "" if ok else "probe"), False
+            return Observation(ok, reason, hypervisor.name, Cause.NONE if ok else Cause.PROBE), False
         # The first row whose probe passes serves; when none does, the first row's failure is
         # what the node reports.
         failure: Optional[Observation] = None
@@ -219,7 +219,7 @@ class Checker:
             if result.ok:
                 break
             self._helper_trouble = self._helper_trouble or result.helper_fault
-            failure = failure or Observation(False, result.reason or "probe failed", hypervisor.name, "probe")
+            failure = failure or Observation(False, result.reason or "probe failed", hypervisor.name, Cause.PROBE)
         else:
             assert failure is not None
             return failure, False
@@ -239,7 +239,7 @@ class Checker:
                 self._exhausted_reason = str(exc)
                 return None, False
             self._cdi_transient = exc.errno is not None
-            return Observation(False, str(exc), hypervisor.name, "cdi"), False
+            return Observation(False, str(exc), hypervisor.name, Cause.CDI), False
         if repaired:
             log.info("CDI spec %s written", cdi.spec_path(t.cdi_dir))
         return Observation(True, "", hypervisor.name), repaired

@@ -24,6 +24,9 @@ from hyperlight_agent import waits
 log = logging.getLogger(__name__)
 
 PROBE_DEADLINE_S = 2.0
+# Closing: the helper gets this long to exit on EOF, then is killed and reaped within its deadline.
+CLOSE_EOF_WAIT_S = 0.5
+CLOSE_BOUND_S = CLOSE_EOF_WAIT_S + PROBE_DEADLINE_S
 
 
 class ProbeRequest(NamedTuple):
@@ -155,7 +158,7 @@ class ProbeHelper:
             if proc is not None and proc.returncode is None and proc.stdin is not None:
                 proc.stdin.close()
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await waits.within(proc.wait(), 0.5)
+                    await waits.within(proc.wait(), CLOSE_EOF_WAIT_S)
             self._abandon()
             await self._reap(self.deadline)
 

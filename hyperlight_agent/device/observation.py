@@ -8,8 +8,19 @@ observation, and every ListAndWatch stream wakes when it changes. Create inside 
 from __future__ import annotations
 
 import asyncio
+import enum
 from dataclasses import dataclass
 from typing import Optional
+
+
+class Cause(str, enum.Enum):
+    """What kind of failure an unhealthy observation is (a str: the metrics' label value)."""
+
+    NONE = ""  # healthy
+    STARTING = "starting"  # no check has completed yet
+    NO_DEVICE = "no-device"
+    PROBE = "probe"
+    CDI = "cdi"
 
 
 @dataclass(frozen=True)
@@ -19,12 +30,11 @@ class Observation:
     reason: str
     # The detected hypervisor's name ("kvm", "mshv"), or None when no device exists.
     hypervisor: Optional[str]
-    # What kind of failure ("no-device", "probe", "cdi"), for metrics; empty when healthy.
-    cause: str = ""
+    cause: Cause = Cause.NONE
 
 
 INITIAL = Observation(healthy=False, reason="no device check has completed yet", hypervisor=None,
-                      cause="starting")
+                      cause=Cause.STARTING)
 
 
 class SharedObservation:

@@ -2,5 +2,5 @@
 (ListAndWatch, Allocate), registration with the kubelet and the handover to a successor. A second
 kubelet protocol (Dynamic Resource Allocation) sits beside it as its own package.
 
-May import: contracts, text, backoff, config, modes, waits, wire, peers, device, node, host.
+Import rules: pyproject.toml, [tool.importlinter].
 """

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import grpc
 
-from hyperlight_agent import peers, wire
+from hyperlight_agent import peers, transport
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.host import healthcheck
@@ -56,7 +56,7 @@ def candidates(kubelet_dir: str, base_socket: str, own: str) -> list[str]:
 async def legacy_ready(path: str, timeout: float) -> bool:
     """An agent of an earlier release (no Describe): a device plugin (it answers
     GetDevicePluginOptions) whose gRPC health says it is ready."""
-    async with grpc.aio.insecure_channel(wire.unix_target(path)) as channel:
+    async with grpc.aio.insecure_channel(transport.unix_target(path)) as channel:
         try:
             await api.device_plugin_stub(channel).GetDevicePluginOptions(pb.Empty(), timeout=timeout)
         except grpc.aio.AioRpcError:

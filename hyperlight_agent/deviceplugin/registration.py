@@ -26,19 +26,16 @@ see Pin), so its inode cannot be freed and its number handed to a new file meanw
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import os
-import re
-import secrets
 import stat
 import time
 from typing import Callable, Optional
 
 import grpc
 
-from hyperlight_agent import contracts, waits, wire
+from hyperlight_agent import contracts, transport, waits
 from hyperlight_agent.backoff import JITTER, Backoff
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
@@ -61,15 +58,13 @@ STREAM_SETTLE_S = 0.1
 # missing or its watch refused): re-check the sockets this often. While it is watched, events wake
 # us instead (an overflow or the watch's loss too), and no timer runs.
 VERIFY_INTERVAL_S = 5.0
-STOP_GRACE_S = 1.0
 # A new kubelet.sock that does not answer yet: retry this often, for this long, before backing off.
 KUBELET_STARTING_RETRY_S = 0.05
 KUBELET_STARTING_S = 10.0
-PRIVATE_TOKEN_BYTES = 4  # the random part of a private socket name: 8 hex digits
 
 
 class RegistrationError(Exception):
-    pass
+    """Register with the kubelet failed (the message names its socket and the cause)."""
 
 
 class AlreadyServed(Exception):
@@ -99,7 +94,15 @@ class State(str, enum.Enum):
     LOST = "lost"  # the stream ended, or never opened: serving and registering again
 
 
-WAITING, REGISTERED, STREAMED, LOST = State.WAITING, State.REGISTERED, State.STREAMED, State.LOST
+
+
+class Ending(enum.Enum):
+    """How a registration ended (Registrar._watch), and so what comes before serving again."""
+
+    RESTART = "restart"  # the kubelet restarted, or our socket is gone: at once
+    REPLACED = "replaced"  # another socket is at our path: serve again (a stale one is swapped out)
+    LOST = "lost"  # the kubelet's stream ended: after the loss backoff
+    NO_STREAM = "no-stream"  # no stream opened in time after Register: likewise
 
 
 class Registrar:
@@ -117,10 +120,6 @@ class Registrar:
         self.socket_path = os.path.join(kubelet_dir, socket_name)
         self.kubelet_socket = os.path.join(kubelet_dir, contracts.KUBELET_SOCKET)
         self._socket_name = socket_name
-        # Our private names, contracts.private_socket_name(socket_name, pid, PRIVATE_TOKEN_BYTES of
-        # hex): those an earlier run abandoned between bind and rename are swept before serving.
-        self._private_name = re.compile(
-            re.escape(f".{socket_name}.") + rf"[0-9]+\.[0-9a-f]{{{2 * PRIVATE_TOKEN_BYTES}}}")
         self._resource = resource
         # configure(server, on_stream) adds our services to a new server; on_stream(+1/-1, stream)
         # must be called as that server's ListAndWatch streams open and end, `stream` being any
@@ -140,9 +139,8 @@ class Registrar:
         # from ends its own (handover.py), and every moment until we register again is a moment
         # with no healthy device.
         self._loss_backoff = loss_backoff or Backoff(rand=JITTER, immediate_first=True)
-        self._server: Optional[grpc.aio.Server] = None
+        self._serving: Optional[transport.Serving] = None
         self._end_streams: Callable[[], None] = lambda: None
-        self._served: Optional[Pin] = None
         self._kubelet_seen: Optional[Pin] = None
         self._starting: Optional[tuple[Identity, float]] = None  # a new kubelet.sock, first failed at
         # The kubelet.sock a failed attempt used (None: there was none). Any other one ends the
@@ -159,7 +157,7 @@ class Registrar:
         self._kubelet_stream_open = False
         self._stream_since = 0.0
         self._streamed_before_stop = False
-        self.state: State = WAITING
+        self.state: State = State.WAITING
         self.registrations = 0
         self.kubelet_restarts = 0
         self.streams_lost = 0
@@ -167,7 +165,7 @@ class Registrar:
 
     @property
     def registered(self) -> bool:
-        return self.state in (REGISTERED, STREAMED)
+        return self.state in (State.REGISTERED, State.STREAMED)
 
     def wake(self) -> None:
         """Something changed in the kubelet directory (called by the watcher)."""
@@ -191,10 +189,10 @@ class Registrar:
                 await asyncio.sleep(STREAM_SETTLE_S)
                 self._streamed_before_stop = False
             await self._register()
-        except RegistrationError as exc:
+        except (RegistrationError, transport.NotServing) as exc:
             self.last_error = str(exc)
             await self.stop(grace=0)
-            self._set(WAITING)
+            self._set(State.WAITING)
             delay = self._backoff.next()
             unanswered = isinstance(exc.__cause__, grpc.aio.AioRpcError) and \
                 exc.__cause__.code() == grpc.StatusCode.UNAVAILABLE
@@ -208,30 +206,30 @@ class Registrar:
         self._backoff.reset()  # Register works; stream losses have their own backoff
         self.last_error = ""
         log.info("registered %s with the kubelet (endpoint %s)", self._resource, self._socket_name)
-        self._set(STREAMED if self._kubelet_stream_open else REGISTERED)
+        self._set(State.STREAMED if self._kubelet_stream_open else State.REGISTERED)
         return True
 
-    async def _registration_ended(self, outcome: str) -> None:
+    async def _registration_ended(self, outcome: Ending) -> None:
         """Act on how a registration ended (_watch's outcome) before serving again."""
-        if outcome == "replaced":
+        if outcome is Ending.REPLACED:
             # Not a kubelet restart: serving again either swaps out a stale socket or finds the
             # live one of another agent (and then we exit, never taking it over).
             log.warning("%s is no longer our socket: another one was put there; serving again",
                         self.socket_path)
-            self._set(WAITING)
+            self._set(State.WAITING)
             await self.stop(grace=0)
             return
-        if outcome == "restart":
+        if outcome is Ending.RESTART:
             self._after_kubelet_restart()
-            self._set(WAITING)
+            self._set(State.WAITING)
             await self.stop(grace=0)
             return
         # The stream ended or never opened: the kubelet will not dial us again.
-        if time.monotonic() - self._stream_since >= STABLE_STREAM_S and outcome == "lost":
+        if time.monotonic() - self._stream_since >= STABLE_STREAM_S and outcome is Ending.LOST:
             self._loss_backoff.reset()  # a long-lived stream: this is no loop
         delay = self._loss_backoff.next()
         self.last_error = outcome_text(outcome, self._stream_open_timeout)
-        self._set(LOST)
+        self._set(State.LOST)
         log.warning("%s; serving and registering again in %.1f s", self.last_error, delay)
         await self.stop(grace=0)
         if await self._wait_for_kubelet(delay):
@@ -267,26 +265,25 @@ class Registrar:
         end_streams, self._end_streams = self._end_streams, lambda: None
         end_streams()
 
-    async def stop(self, grace: float = STOP_GRACE_S) -> None:
+    async def stop(self, grace: float = transport.STOP_GRACE_S) -> None:
         """Stop serving: end our streams and stop accepting at once, give in-flight calls `grace`,
         then remove our socket (only if it is still the one we put there)."""
-        server, self._server = self._server, None
+        serving, self._serving = self._serving, None
         self._generation += 1  # from here on, the old server's streams change nothing
         if self._kubelet_stream_open:
             self._streamed_before_stop = True
         self.current_streams = 0
         self._forget_kubelet_stream()
         self.end_streams()
-        if server is not None:
-            await server.stop(grace)
-        self._remove_ours()
+        if serving is not None:
+            await serving.stop(grace)
 
     def _pin(self, attr: str, new: Optional[Pin]) -> Optional[Pin]:
-        """Remember `new` as _served, _kubelet_seen or _kubelet_tried; the pin it replaces is
-        closed unless another of them still holds it."""
+        """Remember `new` as _kubelet_seen or _kubelet_tried; the pin it replaces is closed unless
+        the other still holds it."""
         old = getattr(self, attr)
         setattr(self, attr, new)
-        if old is not None and all(old is not p for p in (self._served, self._kubelet_seen, self._kubelet_tried)):
+        if old is not None and all(old is not p for p in (self._kubelet_seen, self._kubelet_tried)):
             old.close()
         return new
 
@@ -303,45 +300,28 @@ class Registrar:
             self._kubelet_stream = stream
             self._kubelet_stream_open = True
             self._stream_since = time.monotonic()
-            if self.state == REGISTERED:
-                self._set(STREAMED)
+            if self.state == State.REGISTERED:
+                self._set(State.STREAMED)
         elif delta < 0 and stream is self._kubelet_stream:
             self._kubelet_stream_open = False
         self._wake.set()
         if self._on_change:
             self._on_change()
 
-    def _remove_ours(self) -> None:
-        sockets.remove_ours(self._served, self.socket_path)
-        self._served = None
-
     async def _serve(self) -> None:
-        sockets.sweep(self.kubelet_dir, self._private_name)
         self._generation += 1
         generation = self._generation
-        server = grpc.aio.server()
-        self._end_streams = self._configure(server, lambda delta, stream: self._on_stream(generation, delta, stream))
-        private = os.path.join(self.kubelet_dir,
-                               contracts.private_socket_name(self._socket_name, os.getpid(),
-                                                             secrets.token_hex(PRIVATE_TOKEN_BYTES)))
-        # Fails while the directory does not exist yet (kubelet not installed or started). The
-        # message names the directory, not the random name, so it stays the same per retry.
-        problem = await wire.listen(server, private)
-        if problem:
-            raise RegistrationError(f"cannot listen in {self.kubelet_dir} (kubelet_dir): {problem}")
-        await server.start()
+
+        def configure(server: grpc.aio.Server) -> None:
+            self._end_streams = self._configure(server, lambda delta, stream: self._on_stream(generation, delta,
+                                                                                            stream))
+
         try:
-            self._pin("_served", sockets.put_in_place(private, self.socket_path))
-        except BaseException as exc:
-            await server.stop(0)
-            with contextlib.suppress(OSError):
-                os.unlink(private)
-            if isinstance(exc, sockets.Served):
-                raise AlreadyServed(str(exc)) from None
-            if isinstance(exc, sockets.NotPlaced):
-                raise RegistrationError(str(exc)) from None
-            raise
-        self._server = server
+            # Our private name: .<our socket>.<pid>.<8 hex> (contracts.private_socket_name).
+            self._serving = await transport.serve_in_place(self.socket_path, configure, f".{self._socket_name}.",
+                                                           "kubelet_dir")
+        except transport.Taken as exc:
+            raise AlreadyServed(str(exc)) from None
 
     async def _register(self) -> None:
         kubelet = self._pin("_kubelet_tried", Pin.take(self.kubelet_socket))
@@ -355,7 +335,7 @@ class Registrar:
         )
         self._register_sent = True
         try:
-            async with grpc.aio.insecure_channel(api.unix_target(self.kubelet_socket)) as channel:
+            async with grpc.aio.insecure_channel(transport.unix_target(self.kubelet_socket)) as channel:
                 await api.registration_stub(channel).Register(request, timeout=self._register_timeout)
         except grpc.aio.AioRpcError as exc:
             raise RegistrationError(
@@ -382,30 +362,28 @@ class Registrar:
             await waits.event(self._wake, left if self._watched() else min(left, VERIFY_INTERVAL_S))
         return False
 
-    async def _watch(self) -> str:
-        """Until the registration ends: "restart" (kubelet restarted or our socket is gone),
-        "replaced" (another socket is at our path), "lost" (the kubelet's stream ended) or
-        "no-stream" (none opened in time)."""
+    async def _watch(self) -> Ending:
+        """Until the registration ends; how it did."""
         loop = asyncio.get_running_loop()
         no_stream_by = loop.time() + self._stream_open_timeout
         while True:
             self._wake.clear()
-            if self._served is None or not self._served.is_at(self.socket_path):
-                return "replaced" if os.path.lexists(self.socket_path) else "restart"
+            if self._serving is None or not self._serving.still_ours():
+                return Ending.REPLACED if os.path.lexists(self.socket_path) else Ending.RESTART
             kubelet = sockets.identity(self.kubelet_socket)
             if kubelet is not None and (self._kubelet_seen is None or kubelet != self._kubelet_seen.identity):
-                return "restart"
+                return Ending.RESTART
             if self._kubelet_stream is not None and not self._kubelet_stream_open:
-                return "lost"
+                return Ending.LOST
             timeout: Optional[float] = None if self._watched() else VERIFY_INTERVAL_S
-            if self.state == REGISTERED:
+            if self.state == State.REGISTERED:
                 timeout = no_stream_by - loop.time()
                 if timeout <= 0:
-                    return "no-stream"
+                    return Ending.NO_STREAM
             await waits.event(self._wake, timeout)
 
 
-def outcome_text(outcome: str, stream_open_timeout: float) -> str:
-    if outcome == "no-stream":
+def outcome_text(outcome: Ending, stream_open_timeout: float) -> str:
+    if outcome is Ending.NO_STREAM:
         return f"no ListAndWatch stream within {stream_open_timeout:g} s of registering"
     return "the kubelet's ListAndWatch stream ended"

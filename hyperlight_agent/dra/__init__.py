@@ -5,5 +5,5 @@ answering NodePrepareResources and NodeUnprepareResources, and registration with
 watcher. The API side: this node's ResourceSlice and the claims Prepare reads, on a client that
 only this package loads.
 
-May import: contracts, text, backoff, config, modes, waits, wire, peers, device, node, host.
+Import rules: pyproject.toml, [tool.importlinter].
 """

@@ -10,7 +10,7 @@
     kubelet: GetInfo → {type DRAPlugin, name driver, endpoint the service socket,
              supported_versions [v1.DRAPlugin, v1beta1.DRAPlugin]} → NotifyRegistrationStatus
     close(): remove the registration socket (the kubelet deregisters this instance only), stop
-             both servers (calls in flight get STOP_GRACE_S), remove the service socket;
+             both servers (calls in flight get transport.STOP_GRACE_S), remove the service socket;
              a socket is removed only while it is still the one we put there.
 
     e.g. driver hyperlight.dev, instance web-1:
@@ -34,25 +34,19 @@ so) and `error` (why it did not, or why serving failed); on_change() is called w
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import logging
 import os
-import re
-import secrets
 import stat
 from typing import Any, Callable, Optional
 
 import grpc
 
-from hyperlight_agent import contracts, waits, wire
-from hyperlight_agent.dra import api
+from hyperlight_agent import contracts, transport, waits
+from hyperlight_agent.dra import api, names
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
-from hyperlight_agent.node import sockets
 
 log = logging.getLogger(__name__)
 
-STOP_GRACE_S = 5.0
 # A safety net for when our sockets' directories are not watched (inotify unavailable, a directory
 # missing): look at the sockets this often. While they are watched, events wake us at once.
 VERIFY_INTERVAL_S = 5.0
@@ -60,91 +54,30 @@ VERIFY_INTERVAL_S = 5.0
 # reconciler (a 1 s loop) sees it; until then it may still route a claim to us, which must be
 # answered rather than refused with "Server shutdown" (seen on the e2e cluster's 1.34 kubelet).
 DEREGISTER_GRACE_S = 1.5
-PRIVATE_PREFIX = ".hl-dra."  # .hl-dra.<pid>.<8 hex>: the plugin watcher ignores dot-files
-_PRIVATE_NAME = re.compile(re.escape(PRIVATE_PREFIX) + r"[0-9]+\.[0-9a-f]{8}")
-# An instance used verbatim in a file name; anything else is hashed.
-_PLAIN_INSTANCE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
-class RegistrationError(Exception):
-    """We cannot serve at our socket path (the message names it and says why)."""
-
-
-def _digest(*parts: str, chars: int) -> str:
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:chars]
-
-
-def _fits(path: str) -> bool:
-    return len(os.fsencode(path)) <= contracts.UNIX_PATH_MAX
-
-
-def _first_fitting(directory: str, names: list[str]) -> str:
-    for name in names:
-        path = os.path.join(directory, name)
-        if _fits(path):
-            return path
-    raise RegistrationError(f"{directory}: too long for a unix socket path even with the name {names[-1]}")
-
-
-def registration_socket(registry_dir: str, driver: str, instance: str) -> str:
-    """<registry_dir>/<driver>-<instance>-reg.sock, or a shorter hashed name where that is too long.
-
-    >>> registration_socket("/var/lib/kubelet/plugins_registry", "hyperlight.dev", "web-1")
-    '/var/lib/kubelet/plugins_registry/hyperlight.dev-web-1-reg.sock'
-    """
-    names = [f"{driver}-{_digest(instance, chars=12)}-reg.sock", f"dra-{_digest(driver, instance, chars=24)}-reg.sock"]
-    if _PLAIN_INSTANCE.fullmatch(instance):
-        names.insert(0, f"{driver}-{instance}-reg.sock")
-    return _first_fitting(registry_dir, names)
-
-
-def service_socket(plugins_dir: str, driver: str, instance: str) -> str:
-    """<plugins_dir>/<driver>/dra-<instance>.sock, or a shorter hashed name where that is too long.
-
-    >>> service_socket("/var/lib/kubelet/plugins", "hyperlight.dev", "web-1")
-    '/var/lib/kubelet/plugins/hyperlight.dev/dra-web-1.sock'
-    """
-    names = [f"dra-{_digest(instance, chars=16)}.sock"]
-    if _PLAIN_INSTANCE.fullmatch(instance):
-        names.insert(0, f"dra-{instance}.sock")
-    return _first_fitting(os.path.join(plugins_dir, driver), names)
-
-
-class _Served:
-    """One running server and the socket we put in place for it."""
-
-    def __init__(self, server: grpc.aio.Server, path: str, pin: sockets.Pin) -> None:
-        self.server, self.path, self.pin = server, path, pin
-
-    def remove_socket(self) -> None:
-        """Unlink our socket if it is still ours; a file someone put there instead stays."""
-        sockets.remove_ours(self.pin, self.path)
-
-
 class Registrar:
     """Owns both gRPC servers of one agent instance: start() → (kubelet registers us) → close()."""
 
     def __init__(self, service: object, driver: str = contracts.DRA_DRIVER, instance: str = "",
                  registry_dir: str = contracts.DRA_REGISTRY_DIR, plugins_dir: str = contracts.DRA_PLUGINS_DIR,
-                 on_change: Optional[Callable[[], None]] = None, stop_grace: float = STOP_GRACE_S,
-                 deregister_grace: float = DEREGISTER_GRACE_S,
+                 on_change: Optional[Callable[[], None]] = None, stop_grace: float = transport.STOP_GRACE_S,
+                 deregister_grace: Optional[float] = None,
                  configure: Optional[Callable[[grpc.aio.Server], None]] = None,
                  watched: Callable[[], bool] = lambda: False) -> None:
         if not instance:
             raise ValueError("a DRA plugin instance needs a name unique on the node (the pod name or uid)")
         self.driver = driver
         self.instance = instance
-        self.registration_socket = registration_socket(registry_dir, driver, instance)
-        self.service_socket = service_socket(plugins_dir, driver, instance)
+        self.registration_socket = names.registration_socket(registry_dir, driver, instance)
+        self.service_socket = names.service_socket(plugins_dir, driver, instance)
         self._service = service  # answers NodePrepareResources / NodeUnprepareResources (service.Service)
         self._on_change = on_change
         self._stop_grace = stop_grace
-        self._deregister_grace = deregister_grace
+        self._deregister_grace = DEREGISTER_GRACE_S if deregister_grace is None else deregister_grace
         # Adds more services to the DRA socket's server (the agent's gRPC health service, which the
         # exec probes ask there).
         self._configure = configure
-        self._dra: Optional[_Served] = None
-        self._registration: Optional[_Served] = None
+        self._dra: Optional[transport.Serving] = None
+        self._registration: Optional[transport.Serving] = None
         self.registered = False
         self.error = ""  # the kubelet's reason for refusing us, or why we could not serve
         self.notifications = 0  # NotifyRegistrationStatus calls received
@@ -159,13 +92,13 @@ class Registrar:
         return self._registration is not None
 
     async def start(self) -> None:
-        """Serve the DRA service, then the registration socket. Raises RegistrationError; nothing
+        """Serve the DRA service, then the registration socket. Raises transport.NotServing; nothing
         of ours is left behind then (nor when a stop cancels us half-way)."""
         try:
             driver_dir(os.path.dirname(self.service_socket))
             self._dra = await self._serve(self.service_socket, api.dra_handlers(self._service), self._configure)
             self._registration = await self._serve(self.registration_socket, [api.registration_handler(self)])
-        except RegistrationError as exc:
+        except transport.NotServing as exc:
             self._set(False, str(exc))
             await self.close()
             raise
@@ -181,7 +114,7 @@ class Registrar:
 
     async def run(self) -> None:
         """start() if not serving, then keep both sockets ours until cancelled. Raises
-        RegistrationError when one cannot be served again (the caller retries with backoff)."""
+        transport.NotServing when one cannot be served again (the caller retries with backoff)."""
         if not self.serving:
             await self.start()
         while True:
@@ -196,15 +129,13 @@ class Registrar:
             log.warning("our DRA service socket %s was removed or replaced; serving it again", dra.path)
             self._dra = await self._serve(dra.path, api.dra_handlers(self._service), self._configure)
             self.served_again += 1
-            dra.pin.close()
-            await dra.server.stop(self._stop_grace)  # calls in flight finish on the old server
+            await dra.stop(self._stop_grace)  # calls in flight finish on the old server
         if registration is not None and not registration.pin.is_at(registration.path):
             # The kubelet has deregistered us (or will in a moment): not registered until it says so.
             log.warning("our registration socket %s was removed or replaced; serving it again for the kubelet "
                         "to register us", registration.path)
             self._set(False, "our registration socket was removed; registering again")
-            registration.pin.close()
-            await registration.server.stop(0)
+            await registration.stop(0)
             self._registration = await self._serve(registration.path, [api.registration_handler(self)])
             self.served_again += 1
 
@@ -214,17 +145,13 @@ class Registrar:
         dra, self._dra = self._dra, None
         try:
             if registration is not None:
-                registration.remove_socket()
-                await registration.server.stop(0)
+                await registration.stop(0)
                 if dra is not None and self._deregister_grace > 0:
                     await asyncio.sleep(self._deregister_grace)  # still serving claims meanwhile
         finally:
             # Also when a stop cancels this close (a start cut short): our sockets must not stay.
             if dra is not None:
-                try:
-                    await dra.server.stop(self._stop_grace)
-                finally:
-                    dra.remove_socket()
+                await dra.stop(self._stop_grace)
             if self.registered:
                 self._set(False, "")
 
@@ -256,53 +183,32 @@ class Registrar:
             self._on_change()
 
     async def _serve(self, path: str, handlers: list[grpc.GenericRpcHandler[Any, Any]],
-                     configure: Optional[Callable[[grpc.aio.Server], None]] = None) -> _Served:
-        directory = os.path.dirname(path)
-        sockets.sweep(directory, _PRIVATE_NAME)
-        private = os.path.join(directory, f"{PRIVATE_PREFIX}{os.getpid()}.{secrets.token_hex(4)}")
-        if not _fits(private):
-            raise RegistrationError(f"{directory}: too long for a unix socket path")
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers(handlers)
-        if configure is not None:
-            configure(server)
-        try:
-            problem = await wire.listen(server, private)
-            pin = None if problem else await _start_in_place(server, private, path)
-        except BaseException as exc:
-            # Also when a stop cancels us between bind and rename: our private name must not stay.
-            await server.stop(0)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(private)
-            if isinstance(exc, sockets.NotPlaced):
-                raise RegistrationError(str(exc)) from None
-            raise
-        if pin is None:
-            raise RegistrationError(f"cannot listen in {directory}: {problem}")
-        return _Served(server, path, pin)
+                     configure: Optional[Callable[[grpc.aio.Server], None]] = None) -> transport.Serving:
+        def add(server: grpc.aio.Server) -> None:
+            server.add_generic_rpc_handlers(handlers)
+            if configure is not None:
+                configure(server)
 
-
-async def _start_in_place(server: grpc.aio.Server, private: str, path: str) -> sockets.Pin:
-    await server.start()
-    return sockets.put_in_place(private, path)
+        setting = "dra_registry_dir" if path == self.registration_socket else "dra_plugins_dir"
+        return await transport.serve_in_place(path, add, names.PRIVATE_PREFIX, setting)
 
 
 def driver_dir(directory: str) -> None:
     """Make our directory below the plugins directory (<plugins_dir>/<driver>), or refuse what is
     there instead: a symlink is never followed (our sockets and record would land wherever it
-    points), as for cdi_dir. Raises RegistrationError naming the path."""
+    points), as for cdi_dir. Raises transport.NotServing naming the path."""
     try:
         os.makedirs(directory, 0o750, exist_ok=True)
     except FileExistsError:
         pass  # not a directory (a dangling symlink, a file): said below
     except OSError as exc:
-        raise RegistrationError(f"cannot create {directory}: {exc.strerror}") from exc
+        raise transport.NotServing(f"cannot create {directory}: {exc.strerror}") from exc
     try:
         st = os.lstat(directory)
     except OSError as exc:
-        raise RegistrationError(f"cannot look at {directory}: {exc.strerror}") from exc
+        raise transport.NotServing(f"cannot look at {directory}: {exc.strerror}") from exc
     if stat.S_ISLNK(st.st_mode):
-        raise RegistrationError(f"{directory} is a symlink; refusing to follow it "
+        raise transport.NotServing(f"{directory} is a symlink; refusing to follow it "
                                 f"(dra_plugins_dir/{os.path.basename(directory)} must be a directory)")
     if not stat.S_ISDIR(st.st_mode):
-        raise RegistrationError(f"{directory} is not a directory; refusing to replace it")
+        raise transport.NotServing(f"{directory} is not a directory; refusing to replace it")

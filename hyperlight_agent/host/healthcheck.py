@@ -1,27 +1,21 @@
 """Exec probes (`--health-check=liveness|readiness`): one gRPC health Check over the unix
-socket, with a short deadline. Imports only grpc and the health messages, to start fast."""
+socket the mode serves it on, with a short deadline; and asking another instance whether it is
+ready. grpc and the health messages are imported only when asked (the CLI loads this module
+before it knows it will ask)."""
 
 from __future__ import annotations
 
 import os
 import stat
 
-from hyperlight_agent import contracts, modes, wire
-from hyperlight_agent.config import Settings
+from hyperlight_agent import contracts, transport
 
 # The exec probe's one Check RPC (the device probe's deadline is device.helper.PROBE_DEADLINE_S).
 CHECK_RPC_TIMEOUT_S = 2.0
 
 
-def plugin_socket(settings: Settings, device_access: bool) -> str:
-    """The device plugin modes' socket, where they serve the health service too."""
-    return os.path.join(settings.kubelet_dir,
-                        contracts.instance_socket_name(modes.of(device_access).socket, settings.instance))
-
-
 def health_check(path: str, which: str) -> tuple[bool, str]:
-    """Ask the health service on the socket at `path` (the mode's socket: plugin_socket, or the
-    DRA driver's service socket)."""
+    """Ask the health service on the socket at `path` (modes.Mode.health_socket)."""
     # The socket itself, never through a symlink (which could lead to another agent's socket):
     # opened without following, checked, and connected to through that very descriptor.
     try:
@@ -45,14 +39,14 @@ def _check(which: str, path: str, target: str) -> tuple[bool, str]:
     import grpc
     from grpc_health.v1 import health_pb2
 
-    with grpc.insecure_channel(wire.unix_target(target)) as channel:
+    with grpc.insecure_channel(transport.unix_target(target)) as channel:
         check = channel.unary_unary(
             "/grpc.health.v1.Health/Check",
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
             response_deserializer=health_pb2.HealthCheckResponse.FromString,
         )
         try:
-            request = health_pb2.HealthCheckRequest(service=modes.HEALTH_SERVICES[which])
+            request = health_pb2.HealthCheckRequest(service=contracts.HEALTH_SERVICES[which])
             response = check(request, timeout=CHECK_RPC_TIMEOUT_S)
         except grpc.RpcError as exc:
             return False, f"{which}: no answer from {path}: {exc.code().name}"
@@ -67,12 +61,12 @@ async def peer_ready(path: str, timeout: float) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2
 
-    async with grpc.aio.insecure_channel(wire.unix_target(path)) as channel:
+    async with grpc.aio.insecure_channel(transport.unix_target(path)) as channel:
         check = channel.unary_unary("/grpc.health.v1.Health/Check",
                                     request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                                     response_deserializer=health_pb2.HealthCheckResponse.FromString)
         try:
-            response = await check(health_pb2.HealthCheckRequest(service=modes.HEALTH_SERVICES["readiness"]),
+            response = await check(health_pb2.HealthCheckRequest(service=contracts.HEALTH_SERVICES["readiness"]),
                                    timeout=timeout)
         except grpc.aio.AioRpcError:
             return False

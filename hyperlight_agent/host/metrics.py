@@ -277,14 +277,15 @@ class Metrics:
         self.healthy.set(1 if observation.healthy else 0)
         if repaired:
             self.cdi_repairs.inc()
+        cause = observation.cause.value  # the label's value (str() of an Enum is its name)
         if not observation.healthy:
-            self.failures.labels(observation.cause).inc()
-        if self.enabled and observation.cause != self._cause:
+            self.failures.labels(cause).inc()
+        if self.enabled and cause != self._cause:
             if self._cause:
                 self.unhealthy_cause.remove(self._cause)
-            if observation.cause:
-                self.unhealthy_cause.labels(observation.cause).set(1)
-            self._cause = observation.cause
+            if cause:
+                self.unhealthy_cause.labels(cause).set(1)
+            self._cause = cause
 
     def registrar_totals(self, registrations: int, kubelet_restarts: int, streams_lost: int) -> None:
         """The registrar keeps running totals; our counters get what was added since the last call."""

@@ -2,5 +2,5 @@
 feature file, and the inotify wake-ups on the directories they live in. Nothing here knows about
 the kubelet or the device.
 
-May import: contracts.
+Import rules: pyproject.toml, [tool.importlinter].
 """

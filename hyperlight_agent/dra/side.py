@@ -1,5 +1,8 @@
-"""The DRA mode's kubelet and API sides for one agent, on the agent's loop.
+"""The DRA mode as the agent's kubelet side: its kubelet half (the DRAPlugin service and the
+plugin watcher's registration) and its API half (this node's ResourceSlice, the claims Prepare
+reads), on the agent's loop.
 
+    DraSide(DraTarget(node_name, instance, devices, kubeconfig, registry_dir, plugins_dir), shared)
     run(): connect to the API server (retried with backoff until it can), serve and register with
            the kubelet's plugin watcher (retried likewise), publish this node's ResourceSlice and
            keep it following every device check until cancelled
@@ -18,22 +21,23 @@ import contextlib
 import logging
 import os
 import stat
-from types import MappingProxyType
-from typing import Any, Awaitable, Callable, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Optional
 
 import grpc
 
-from hyperlight_agent import contracts, peers
+from hyperlight_agent import contracts, peers, transport
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device import hypervisors
-from hyperlight_agent.device.observation import Observation, SharedObservation
-from hyperlight_agent.dra import api, registration
+from hyperlight_agent.device.observation import Observation
+from hyperlight_agent.dra import api, names, registration
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
 from hyperlight_agent.dra.prepared import Prepared
 from hyperlight_agent.dra.service import Service
 from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
 from hyperlight_agent.host import healthcheck
+from hyperlight_agent.kubelet_side import Shared, count
 
 log = logging.getLogger(__name__)
 
@@ -68,49 +72,111 @@ class _NotConnected:
         raise ClaimError(f"claim {namespace}/{name}: no API connection yet: {self._why()}")
 
 
-class Driver:
-    def __init__(self, *, node_name: str, instance: str, devices: int, kubeconfig: Optional[str],
-                 observation: SharedObservation, check: Callable[[float], Awaitable[Observation]],
-                 registry_dir: str = contracts.DRA_REGISTRY_DIR, plugins_dir: str = contracts.DRA_PLUGINS_DIR,
-                 driver: str = contracts.DRA_DRIVER, configure: Optional[Callable[[grpc.aio.Server], None]] = None,
-                 identity: Optional[peers.Identity] = None, watched: Callable[[], bool] = lambda: False,
-                 on_change: Optional[Callable[[], None]] = None, environ: Mapping[str, str] = MappingProxyType({}),
-                 ) -> None:
-        self.identity = identity or peers.Identity.of(instance, "dra", driver)
-        self.node_name = node_name
-        self._environ = environ  # the in-cluster API address, when there is no kubeconfig
-        self.devices = devices
-        self._kubeconfig = kubeconfig
-        self._observation = observation
-        self._on_change = on_change or (lambda: None)
-        self._api: Any = None
+@dataclass(frozen=True)
+class DraTarget:
+    """Who the DRA driver is and where it talks: its node, its instance (its sockets' names), the
+    devices it publishes, the API credentials and the kubelet's plugin directories."""
+
+    node_name: str
+    instance: str
+    devices: int
+    kubeconfig: Optional[str]
+    registry_dir: str
+    plugins_dir: str
+    driver: str = contracts.DRA_DRIVER
+
+
+@dataclass(frozen=True)
+class DraSnapshot:
+    """What the DRA side's readiness depends on."""
+
+    observation: Observation
+    checked: bool
+    registered: bool  # the kubelet's plugin watcher said so
+    registration_error: str
+    registration_socket: str
+    published: bool  # the API server's ResourceSlice equals what the last check says (or a newer instance keeps it)
+    slice_error: str
+    slots: int  # the ResourceSlice's devices (the API's word): one share of the device each
+    kept_by: str = ""  # a newer instance of ours that keeps the slice
+
+    def ready(self) -> bool:
+        """Registered with the plugin watcher, the ResourceSlice published, and the last device check passed."""
+        return self.registered and self.published and self.checked and self.observation.healthy
+
+    def status(self) -> str:  # noqa: PLR0911 - one return per state reads best
+        """What the DRA driver is doing or waiting for.
+
+        >>> from hyperlight_agent.device.observation import Observation
+        >>> DraSnapshot(Observation(True, "", "kvm"), True, True, "", "/r/x-reg.sock", True, "", 128).status()
+        'ready: kvm, 128 devices in the ResourceSlice'
+        """
+        obs = self.observation
+        if self.checked and not obs.healthy:
+            return f"unhealthy: {obs.reason}" + (f"; ResourceSlice: {self.slice_error}" if self.slice_error else "")
+        if not self.registered:
+            if self.registration_error:
+                return f"not registered with the kubelet ({self.registration_socket}): {self.registration_error}"
+            return f"waiting for the kubelet's plugin watcher to register {self.registration_socket}"
+        if not self.checked:
+            return "checking the device"
+        if not self.published:
+            if self.slice_error:
+                return f"ResourceSlice not published: {self.slice_error}"
+            return "publishing the ResourceSlice"
+        if self.kept_by:
+            return f"ready: {obs.hypervisor}, the ResourceSlice kept by newer instance {self.kept_by}"
+        return f"ready: {obs.hypervisor}, {count(self.slots, 'device')} in the ResourceSlice"
+
+
+
+class DraSide:
+    # Deregistration's wait for the kubelet, then the service's stop grace.
+    close_bound_s = registration.DEREGISTER_GRACE_S + transport.STOP_GRACE_S
+
+    def __init__(self, target: DraTarget, shared: Shared) -> None:
+        self._shared = shared
+        self.identity = shared.identity
+        self.node_name = target.node_name
+        self.devices = target.devices
+        self._kubeconfig = target.kubeconfig
+        self._observation = shared.observation
+        self._on_change = shared.on_change
+        self._kube: Any = None  # the API client (client.KubeApi), once connected
         self.api_error = ""  # why there is no API client yet ("" once there is)
         self.publisher: Optional[SlicePublisher] = None
-        self.service = Service(driver, _NotConnected(lambda: self.api_error), lambda: check(PREPARE_CHECK_TIMEOUT_S),
-                               Prepared(os.path.join(plugins_dir, driver)))
-        self._registry_dir = registry_dir
-        self.registrar = registration.Registrar(self.service, driver, instance, registry_dir, plugins_dir,
-                                                on_change=self._on_change, configure=configure, watched=watched)
+        self.service = Service(target.driver, _NotConnected(lambda: self.api_error),
+                               lambda: shared.checker.check(timeout=PREPARE_CHECK_TIMEOUT_S),
+                               Prepared(os.path.join(target.plugins_dir, target.driver)))
+        self._registry_dir = target.registry_dir
+        watcher = shared.watcher
+        sockets = (names.registration_socket(target.registry_dir, target.driver, target.instance),
+                   names.service_socket(target.plugins_dir, target.driver, target.instance))
+        self.registrar = registration.Registrar(
+            self.service, target.driver, target.instance, target.registry_dir, target.plugins_dir,
+            on_change=self._on_change, configure=shared.serve_ours,
+            watched=lambda: all(watcher.watching(os.path.dirname(p)) for p in sockets))
+        # Our two sockets (removed by a cleanup tool: served again), and other instances'
+        # registration sockets coming and going (whether a newer one keeps the slice).
+        for path in sockets:
+            watcher.watch(os.path.dirname(path), lambda name: self.sockets_changed())
 
-    # --- state for readiness --------------------------------------------------------------------
+    def describe(self) -> str:
+        return (f"DRA driver {self.registrar.driver}, node {self.node_name}, {self.devices} device(s), "
+                f"socket {self.registrar.service_socket}")
 
-    @property
-    def registered(self) -> bool:
-        return self.registrar.registered
+    def begin_stop(self) -> None:
+        """Nothing the kubelet must see before close(): deregistration comes first there."""
 
-    @property
-    def registration_error(self) -> str:
-        return self.registrar.error
+    def snapshot(self, observation: Observation, checked: bool) -> DraSnapshot:
+        p = self.publisher
+        return DraSnapshot(observation, checked, self.registrar.registered, self.registrar.error,
+                           self.registrar.registration_socket, p is not None and p.published,
+                           self.api_error if p is None else p.last_error, self.devices,
+                           p.kept_by if p is not None else "")
 
-    @property
-    def published(self) -> bool:
-        return self.publisher is not None and self.publisher.published
-
-    @property
-    def slice_error(self) -> str:
-        if self.publisher is None:
-            return self.api_error
-        return self.publisher.last_error
+    def reconfigure(self, target: Any) -> None:
+        """Every DRA setting changes only on restart (the device check's follow on their own)."""
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -120,8 +186,8 @@ class Driver:
         status says why no slice is published."""
         tasks = [asyncio.ensure_future(self._retrying("DRA registration", self._serve))]
         try:
-            api = await self._retrying("API client", self._make_client)
-            self.publisher = SlicePublisher(api, self.node_name, self.registrar.driver, self.devices,
+            kube = await self._retrying("API client", self._make_client)
+            self.publisher = SlicePublisher(kube, self.node_name, self.registrar.driver, self.devices,
                                             newer=self.newer_instance, on_change=self._on_change)
             tasks += [asyncio.ensure_future(self._follow_checks(self.publisher)),
                       asyncio.ensure_future(self.publisher.run())]
@@ -160,7 +226,7 @@ class Driver:
 
     async def _service_socket(self, registration_socket: str, timeout: float) -> Optional[str]:
         """The DRA service socket an instance of our driver names in GetInfo (None: not one)."""
-        async with grpc.aio.insecure_channel(api.unix_target(registration_socket)) as channel:
+        async with grpc.aio.insecure_channel(transport.unix_target(registration_socket)) as channel:
             try:
                 info = await api.registration_stub(channel).GetInfo(reg.InfoRequest(), timeout=timeout)
             except grpc.aio.AioRpcError:
@@ -171,9 +237,9 @@ class Driver:
 
     async def close(self) -> None:
         await self.registrar.close()
-        if self._api is not None:
-            api, self._api = self._api, None
-            await api.close()
+        if self._kube is not None:
+            kube, self._kube = self._kube, None
+            await kube.close()
 
     # --- parts ----------------------------------------------------------------------------------
 
@@ -181,19 +247,19 @@ class Driver:
         from hyperlight_agent.dra import claims, client  # lightkube only in this mode
 
         try:
-            self._api = client.connect(self._kubeconfig, environ=self._environ)
+            self._kube = client.connect(self._kubeconfig, environ=self._shared.environ)
         except client.ClientConfigError as exc:
             self.api_error = str(exc)
             raise _Retry(self.api_error) from exc
-        self.service.claims = claims.ClaimReader(self._api)
+        self.service.claims = claims.ClaimReader(self._kube)
         self.api_error = ""
         self._on_change()
-        return self._api
+        return self._kube
 
     async def _serve(self) -> None:
         try:
             await self.registrar.run()
-        except registration.RegistrationError as exc:
+        except transport.NotServing as exc:
             raise _Retry(str(exc)) from exc
 
     async def _retrying(self, what: str, attempt: Callable[[], Awaitable[Any]]) -> Any:

@@ -1,0 +1,144 @@
+"""The device plugin protocol as the agent's kubelet side: the servicer (ListAndWatch, Allocate)
+on a server the registrar keeps registered and streamed, the handover to a successor, and what
+readiness needs of it. Everything here exists only in the device plugin modes.
+
+    DevicePluginSide(DevicePluginTarget(kubelet_dir, profile), shared)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import grpc
+
+from hyperlight_agent import contracts, peers, transport
+from hyperlight_agent.device.observation import Observation
+from hyperlight_agent.deviceplugin import api, handover
+from hyperlight_agent.deviceplugin.registration import Registrar, State
+from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
+from hyperlight_agent.kubelet_side import Shared, count
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DevicePluginTarget:
+    """Where the device plugin talks and what it advertises (parts.side_target)."""
+
+    kubelet_dir: str
+    base_socket: str  # the mode's socket without an instance: hyperlight.sock (its peers' names)
+    profile: Profile
+
+
+@dataclass(frozen=True)
+class DevicePluginSnapshot:
+    """What the device plugin side's readiness depends on."""
+
+    observation: Observation
+    checked: bool  # a device check has completed
+    registration: State
+    registration_error: str
+    kubelet_socket: str
+    current_streams: int  # open ListAndWatch streams on the server the kubelet registered
+    slots: int
+
+    def ready(self) -> bool:
+        """Registered, the kubelet's stream open, and the last device check passed."""
+        return (self.registration is State.STREAMED and self.current_streams > 0 and self.checked
+                and self.observation.healthy)
+
+    def status(self) -> str:  # noqa: PLR0911 - one return per state reads best
+        """What the agent is doing or waiting for.
+
+        >>> from hyperlight_agent.device.observation import Observation
+        >>> ok = Observation(True, "", "kvm")
+        >>> DevicePluginSnapshot(ok, True, State.STREAMED, "", "/k/kubelet.sock", 1, 2).status()
+        'ready: kvm, 2 slots, 1 stream'
+        """
+        obs = self.observation
+        if self.checked and not obs.healthy:
+            return f"unhealthy: {obs.reason}"
+        if self.registration is State.LOST:
+            return f"{self.registration_error}; registering again"
+        if self.registration is State.WAITING:
+            if self.registration_error:
+                return f"waiting for kubelet at {self.kubelet_socket}: {self.registration_error}"
+            return f"waiting for kubelet at {self.kubelet_socket}"
+        if not self.checked:
+            return "checking the device"
+        if self.registration is State.REGISTERED or self.current_streams == 0:
+            return "registered; waiting for the kubelet's ListAndWatch stream"
+        return (f"ready: {obs.hypervisor}, {count(self.slots, 'slot')}, "
+                f"{count(self.current_streams, 'stream')}")
+
+
+
+class DevicePluginSide:
+    close_bound_s = transport.STOP_GRACE_S  # our streams end at once; calls in flight get the grace
+
+    def __init__(self, target: DevicePluginTarget, shared: Shared) -> None:
+        self._shared = shared
+        self.kubelet_dir = target.kubelet_dir
+        self._base_socket = target.base_socket
+        self.profile = target.profile
+        metrics = shared.metrics
+        self.servicer = DevicePluginServicer(
+            self.profile, shared.observation, shared.checker, on_streams_changed=metrics.open_streams.set,
+            on_allocate=lambda outcome: metrics.allocations.labels(outcome).inc())
+        self.registrar = Registrar(target.kubelet_dir, self.profile.socket, self.profile.resource, self._configure,
+                                   on_change=self._on_registrar,
+                                   watched=lambda: shared.watcher.watching(target.kubelet_dir))
+        registrar = self.registrar
+        shared.watcher.watch(target.kubelet_dir, lambda name: registrar.wake(),
+                             {contracts.KUBELET_SOCKET, self.profile.socket})
+
+    def describe(self) -> str:
+        return (f"resource {self.profile.resource}, socket {self.registrar.socket_path}, "
+                f"{self.profile.slots} slot(s)")
+
+    async def run(self) -> None:
+        await self.registrar.run()
+
+    async def hand_over(self, timeout: float) -> Optional[str]:
+        successor = await handover.wait_for_successor(self._shared.identity, self.kubelet_dir,
+                                                      self._base_socket, self.profile.socket, timeout)
+        if successor:
+            # Its registration made the kubelet send new Allocates there; ours in flight must
+            # finish before our stream ends (the kubelet then cancels them).
+            await handover.drained(lambda: self.servicer.allocating, transport.STOP_GRACE_S)
+        return successor
+
+    def begin_stop(self) -> None:
+        self.registrar.end_streams()
+
+    async def close(self) -> None:
+        await self.registrar.stop(grace=transport.STOP_GRACE_S)
+
+    def snapshot(self, observation: Observation, checked: bool) -> DevicePluginSnapshot:
+        r = self.registrar
+        return DevicePluginSnapshot(observation, checked, r.state, r.last_error, r.kubelet_socket,
+                                    r.current_streams, self.profile.slots)
+
+    async def newer_instance(self) -> Optional[str]:
+        found = await peers.newer(self._shared.identity,
+                                  handover.candidates(self.kubelet_dir, self._base_socket, self.profile.socket))
+        return found.identity.name if found else None
+
+    def reconfigure(self, target: Any) -> None:
+        assert isinstance(target, DevicePluginTarget)
+        self.profile = target.profile
+        self.servicer.profile = target.profile
+        self._shared.observation.republish()  # streams resend the list (the slot count may have changed)
+
+    def _configure(self, server: grpc.aio.Server, on_stream: Callable[[int, object], None]) -> Callable[[], None]:
+        endpoint = Endpoint(self.servicer, on_stream)
+        server.add_generic_rpc_handlers([api.device_plugin_handler(endpoint)])
+        self._shared.serve_ours(server)
+        return endpoint.close
+
+    def _on_registrar(self) -> None:
+        r = self.registrar
+        self._shared.metrics.registrar_totals(r.registrations, r.kubelet_restarts, r.streams_lost)
+        self._shared.on_change()

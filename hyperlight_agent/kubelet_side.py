@@ -1,0 +1,94 @@
+"""What the agent needs of a kubelet protocol, and what it gives one: the seam between the
+agent's own parts (the device check, the observation, the watcher, readiness, sd_notify, metrics)
+and one way of offering the device to the kubelet.
+
+    side = parts.kubelet_side(settings, mode, shared)   # DevicePluginSide or DraSide
+    await side.run()           until cancelled: serve, register, stay registered
+    await side.hand_over(t)    on a stop: serve on until a successor of ours is ready
+    side.begin_stop()          the stop's first moment (the kubelet must see it at once)
+    await side.close()         bounded by side.close_bound_s
+    side.snapshot(obs, checked).ready() / .status()
+
+A third protocol is one new class implementing KubeletSide and one row in modes.py (with its
+entry in parts.SIDES).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
+
+if TYPE_CHECKING:
+    import grpc
+
+    from hyperlight_agent import peers
+    from hyperlight_agent.device.checker import Checker
+    from hyperlight_agent.device.observation import Observation, SharedObservation
+    from hyperlight_agent.host.metrics import Metrics
+    from hyperlight_agent.node.watcher import DirectoryWatcher
+
+
+class Snapshot(Protocol):
+    """What readiness depends on, for one side, with readiness and the one-line status as pure
+    functions of it. The same answer feeds sd_notify (READY=1, STATUS=), the gRPC health service
+    the exec probes ask, Describe (peers.py) and the log; tests call them directly."""
+
+    def ready(self) -> bool: ...
+
+    def status(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What the agent gives its kubelet side."""
+
+    observation: SharedObservation  # the device check's result, versioned and broadcast
+    checker: Checker  # check(timeout=...): a fresh device check
+    identity: peers.Identity  # who we are to other instances of ours on the node
+    serve_ours: Callable[[grpc.aio.Server], None]  # adds the health service and Describe to a server
+    metrics: Metrics
+    watcher: DirectoryWatcher  # the side adds its directories' watches
+    on_change: Callable[[], None]  # readiness or status may have changed
+    environ: Mapping[str, str]  # the process environment (the entry point's)
+
+
+class KubeletSide(Protocol):
+    # How long close() may take at most (its stop grace and any wait the kubelet needs).
+    close_bound_s: float
+
+    def describe(self) -> str:
+        """What the start line says of this side: its resource or driver, socket and slots."""
+        ...
+
+    async def run(self) -> None:
+        """Serve the kubelet until cancelled; raises only what must end the agent."""
+        ...
+
+    async def hand_over(self, timeout: float) -> Optional[str]:
+        """Serve on until a successor instance of ours is ready, at most `timeout` s; its socket."""
+        ...
+
+    def begin_stop(self) -> None:
+        """The first moment of a stop: what the kubelet must see at once (a stream's end)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop serving and remove our sockets, within close_bound_s."""
+        ...
+
+    def snapshot(self, observation: Observation, checked: bool) -> Snapshot:
+        """This side's readiness inputs, with the device's last observation."""
+        ...
+
+    async def newer_instance(self) -> Optional[str]:
+        """A live instance of ours for the same resource that started after us (peers.py)."""
+        ...
+
+    def reconfigure(self, target: Any) -> None:
+        """A reload's new target (parts.side_target); restart-only settings are unchanged."""
+        ...
+
+
+def count(n: int, word: str) -> str:
+    """3 slots, 1 stream: for status lines."""
+    return f"{n} {word}{'s' if n != 1 else ''}"
