@@ -20,7 +20,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc loads: no GOAWAY
 import grpc
 
 from hyperlight_agent import contracts, transport
-from hyperlight_agent.device import kernel
+from hyperlight_agent.device import hypervisors, kernel
 from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
@@ -100,7 +100,7 @@ def bench_probe(device_dir: str) -> float:
     raw = []
     for _ in range(200):
         t = time.perf_counter()
-        kernel.check_device(kernel.check_kvm, node)
+        kernel.probe_device(hypervisors.probe_kvm, node)
         raw.append(time.perf_counter() - t)
 
     async def helper_times() -> tuple[list[float], list[float]]:

@@ -1,8 +1,9 @@
-"""Names and numbers that other parties own: the kubelet, CDI, the Linux kernel and systemd.
+"""Names and numbers that other parties own: the kubelet, CDI, the Linux kernel, the Kubernetes
+API and systemd (a hypervisor's own ioctl numbers are its row's: device/hypervisors.py).
 
 None of these is a tunable. Components still take their directories as arguments (tests run in
 temporary directories); the values here are the defaults those arguments take in production.
-Standard library only: the probe helper imports this module.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -61,22 +62,6 @@ CDI_TEMP_PREFIX = ".hyperlight.json."
 CDI_TEMP_SUFFIX = ".tmp"
 ENV_HYPERVISOR = "HYPERLIGHT_HYPERVISOR"
 ENV_DEVICE_PATH = "HYPERLIGHT_DEVICE_PATH"
-
-# --- Linux KVM (owner: the kernel, include/uapi/linux/kvm.h) ---
-KVM_API_VERSION = 12
-KVM_GET_API_VERSION = 0xAE00  # _IO(0xAE, 0x00)
-KVM_CREATE_VM = 0xAE01  # _IO(0xAE, 0x01)
-KVM_VM_TYPE_DEFAULT = 0
-
-# --- Linux MSHV (owner: the kernel, include/uapi/linux/mshv.h) ---
-MSHV_CREATE_PARTITION = 0x4010B800  # _IOW(0xB8, 0x00, struct mshv_create_partition)
-MSHV_PT_BIT_LAPIC = 0
-MSHV_PT_BIT_X2APIC = 1
-MSHV_PT_BIT_GPA_SUPER_PAGES = 2
-# Bit 3 (CPU_AND_XSAVE_FEATURES) switches to a 64-byte struct that older kernels reject;
-# we never set it, so CPU and XSAVE features stay at the kernel's defaults.
-MSHV_PT_ISOLATION_NONE = 0
-MSHV_CREATE_PARTITION_SIZE = 16
 
 # --- systemd (owner: systemd, sd_notify(3)) ---
 NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"

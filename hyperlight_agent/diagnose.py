@@ -18,9 +18,6 @@ from hyperlight_agent.device.helper import ProbeHelper
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.node import cdi
 
-# What the probe proved, per hypervisor.
-PROVED = {"kvm": "empty VM created and closed", "mshv": "partition created and closed"}
-
 
 def runtime() -> tuple[bool, str]:
     """Can the agent itself start here? A tree built for another Python passes every node check
@@ -63,7 +60,7 @@ def diagnose(settings: Settings) -> tuple[bool, list[str]]:
     lines.append(f"ok   device: {hypervisor.name} at {device}" + (f" (host node {host})" if host else ""))
     if not observation.healthy:
         return False, [*lines, f"FAIL probe: {observation.reason}"]
-    lines.append(f"ok   probe: {PROVED.get(hypervisor.name, 'passed')}")
+    lines.append(f"ok   probe: {hypervisor.proved}")
     if cdi_note is None:
         lines.append(f"ok   CDI spec: {cdi.spec_path(settings.cdi_dir)} is exact")
     else:

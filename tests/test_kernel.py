@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from hyperlight_agent import contracts
 from hyperlight_agent.device import helper_process, hypervisors, kernel
 from tests.conftest import make_node
 
@@ -22,18 +21,18 @@ def _ioc(direction: int, kind: int, nr: int, size: int) -> int:
 
 
 def test_ioctl_numbers_follow_the_kernel_encoding() -> None:
-    assert _ioc(0, 0xAE, 0x00, 0) == contracts.KVM_GET_API_VERSION
-    assert _ioc(0, 0xAE, 0x01, 0) == contracts.KVM_CREATE_VM
-    assert contracts.MSHV_CREATE_PARTITION == _ioc(1, 0xB8, 0x00, 16) == 0x4010B800
+    assert _ioc(0, 0xAE, 0x00, 0) == hypervisors.KVM_GET_API_VERSION
+    assert _ioc(0, 0xAE, 0x01, 0) == hypervisors.KVM_CREATE_VM
+    assert hypervisors.MSHV_CREATE_PARTITION == _ioc(1, 0xB8, 0x00, 16) == 0x4010B800
 
 
 def test_mshv_request_is_the_16_byte_backward_compatible_struct() -> None:
-    arg = kernel.mshv_create_partition_arg()
-    assert len(arg) == contracts.MSHV_CREATE_PARTITION_SIZE == 16
+    arg = hypervisors.mshv_create_partition_arg()
+    assert len(arg) == hypervisors.MSHV_CREATE_PARTITION_SIZE == 16
     flags, isolation = struct.unpack("=QQ", arg)
     assert flags == 0b111  # LAPIC, X2APIC, GPA_SUPER_PAGES
     assert not flags & (1 << 3), "CPU_AND_XSAVE_FEATURES would select the 64-byte v2 struct"
-    assert isolation == contracts.MSHV_PT_ISOLATION_NONE
+    assert isolation == hypervisors.MSHV_PT_ISOLATION_NONE
 
 
 def test_table_prefers_mshv_and_maps_paths() -> None:
@@ -53,11 +52,11 @@ def test_detect(tmp: str) -> None:
 
 @pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="this machine has no /dev/kvm")
 def test_real_kvm_is_usable() -> None:
-    kernel.check_device(kernel.check_kvm, "/dev/kvm")
+    kernel.probe_device(hypervisors.probe_kvm, "/dev/kvm")
 
 
 def test_made_node_with_kvm_numbers_is_usable(kvm_dir: str) -> None:
-    kernel.check_device(kernel.check_kvm, os.path.join(kvm_dir, "kvm"))
+    kernel.probe_device(hypervisors.probe_kvm, os.path.join(kvm_dir, "kvm"))
 
 
 class Recorder:
@@ -79,31 +78,31 @@ class Recorder:
         self.closed.append(fd)
 
 
-def test_kvm_check_creates_and_closes_one_vm() -> None:
-    r = Recorder({contracts.KVM_GET_API_VERSION: 12, contracts.KVM_CREATE_VM: 99})
-    kernel.check_kvm(7, ioctl=r.ioctl, close=r.close)
-    assert r.calls == [(7, contracts.KVM_GET_API_VERSION, 0), (7, contracts.KVM_CREATE_VM, 0)]
+def test_kvm_probe_creates_and_closes_one_vm() -> None:
+    r = Recorder({hypervisors.KVM_GET_API_VERSION: 12, hypervisors.KVM_CREATE_VM: 99})
+    hypervisors.probe_kvm(7, ioctl=r.ioctl, close=r.close)
+    assert r.calls == [(7, hypervisors.KVM_GET_API_VERSION, 0), (7, hypervisors.KVM_CREATE_VM, 0)]
     assert r.closed == [99]
 
 
 @pytest.mark.parametrize(("results", "message"), [
-    ({contracts.KVM_GET_API_VERSION: OSError(25, "Inappropriate ioctl for device")},
+    ({hypervisors.KVM_GET_API_VERSION: OSError(25, "Inappropriate ioctl for device")},
      "KVM_GET_API_VERSION failed: Inappropriate ioctl"),
-    ({contracts.KVM_GET_API_VERSION: 11}, "KVM API version is 11, expected 12"),
-    ({contracts.KVM_GET_API_VERSION: 12, contracts.KVM_CREATE_VM: OSError(24, "Too many open files")},
+    ({hypervisors.KVM_GET_API_VERSION: 11}, "KVM API version is 11, expected 12"),
+    ({hypervisors.KVM_GET_API_VERSION: 12, hypervisors.KVM_CREATE_VM: OSError(24, "Too many open files")},
      "KVM_CREATE_VM failed: Too many open files"),
 ])
-def test_kvm_check_errors(results: dict[int, Any], message: str) -> None:
+def test_kvm_probe_errors(results: dict[int, Any], message: str) -> None:
     r = Recorder(results)
     with pytest.raises(kernel.ProbeError, match=message):
-        kernel.check_kvm(7, ioctl=r.ioctl, close=r.close)
+        hypervisors.probe_kvm(7, ioctl=r.ioctl, close=r.close)
     assert r.closed == []  # no VM fd was ever returned
 
 
-def test_mshv_check_creates_and_closes_one_partition() -> None:
-    r = Recorder({contracts.MSHV_CREATE_PARTITION: 42})
-    kernel.check_mshv(7, ioctl=r.ioctl, close=r.close)
-    assert r.calls == [(7, contracts.MSHV_CREATE_PARTITION, kernel.mshv_create_partition_arg())]
+def test_mshv_probe_creates_and_closes_one_partition() -> None:
+    r = Recorder({hypervisors.MSHV_CREATE_PARTITION: 42})
+    hypervisors.probe_mshv(7, ioctl=r.ioctl, close=r.close)
+    assert r.calls == [(7, hypervisors.MSHV_CREATE_PARTITION, hypervisors.mshv_create_partition_arg())]
     assert r.closed == [42]
 
 
@@ -112,10 +111,10 @@ def test_mshv_check_creates_and_closes_one_partition() -> None:
     (OSError(25, "Inappropriate ioctl for device"), "MSHV_CREATE_PARTITION failed: Inappropriate"),
     (-1, "returned -1, not a descriptor"),
 ])
-def test_mshv_check_errors(result: Any, message: str) -> None:
-    r = Recorder({contracts.MSHV_CREATE_PARTITION: result})
+def test_mshv_probe_errors(result: Any, message: str) -> None:
+    r = Recorder({hypervisors.MSHV_CREATE_PARTITION: result})
     with pytest.raises(kernel.ProbeError, match=message):
-        kernel.check_mshv(7, ioctl=r.ioctl, close=r.close)
+        hypervisors.probe_mshv(7, ioctl=r.ioctl, close=r.close)
     assert r.closed == []
 
 
@@ -137,8 +136,8 @@ def test_device_fd_is_closed_on_every_path(kvm_dir: str) -> None:
         raise kernel.ProbeError("boom")
 
     with pytest.raises(kernel.ProbeError, match="boom"):
-        kernel.check_device(failing, os.path.join(kvm_dir, "kvm"), open_=open_, close=close)
-    kernel.check_device(kernel.check_kvm, os.path.join(kvm_dir, "kvm"), open_=open_, close=close)
+        kernel.probe_device(failing, os.path.join(kvm_dir, "kvm"), open_=open_, close=close)
+    kernel.probe_device(hypervisors.probe_kvm, os.path.join(kvm_dir, "kvm"), open_=open_, close=close)
     assert opened == closed and len(opened) == 2
 
 
@@ -148,7 +147,7 @@ def test_dev_null_is_not_a_hypervisor(tmp: str, hypervisor: hypervisors.Hypervis
     # tell, and it must.
     node = make_node(os.path.join(tmp, hypervisor.node), 1, 3)
     with pytest.raises(kernel.ProbeError, match="failed: Inappropriate ioctl for device"):
-        kernel.check_device(hypervisor.check, node)
+        kernel.probe_device(hypervisor.probe, node)
 
 
 def test_host_identity_cases(tmp: str, kvm_dir: str) -> None:
@@ -157,34 +156,34 @@ def test_host_identity_cases(tmp: str, kvm_dir: str) -> None:
     os.mkdir(host)
     host_kvm = os.path.join(host, "kvm")
     with pytest.raises(kernel.ProbeError, match="host device node is missing"):
-        kernel.check_device(kernel.check_kvm, device, host_kvm)
+        kernel.probe_device(hypervisors.probe_kvm, device, host_kvm)
     make_node(host_kvm, 10, 232)
-    kernel.check_device(kernel.check_kvm, device, host_kvm)  # same numbers: fine
+    kernel.probe_device(hypervisors.probe_kvm, device, host_kvm)  # same numbers: fine
     os.unlink(host_kvm)
     make_node(host_kvm, 10, 233)
     with pytest.raises(kernel.ProbeError, match="device 10:232 differs from the host's 10:233"):
-        kernel.check_device(kernel.check_kvm, device, host_kvm)
+        kernel.probe_device(hypervisors.probe_kvm, device, host_kvm)
     os.unlink(host_kvm)
     with open(host_kvm, "w"):
         pass
     with pytest.raises(kernel.ProbeError, match="is a regular file, not a character device"):
-        kernel.check_device(kernel.check_kvm, device, host_kvm)
+        kernel.probe_device(hypervisors.probe_kvm, device, host_kvm)
     os.unlink(host_kvm)
     os.symlink(device, host_kvm)
     with pytest.raises(kernel.ProbeError, match="is a symlink, not a character device"):
-        kernel.check_device(kernel.check_kvm, device, host_kvm)
+        kernel.probe_device(hypervisors.probe_kvm, device, host_kvm)
 
 
 def test_device_path_symlink_or_file_is_refused(tmp: str, kvm_dir: str) -> None:
     link = os.path.join(tmp, "kvm-link")
     os.symlink(os.path.join(kvm_dir, "kvm"), link)
     with pytest.raises(kernel.ProbeError, match="symlink"):
-        kernel.check_device(kernel.check_kvm, link)
+        kernel.probe_device(hypervisors.probe_kvm, link)
     regular = os.path.join(tmp, "kvm-file")
     with open(regular, "w"):
         pass
     with pytest.raises(kernel.ProbeError, match="regular file"):
-        kernel.check_device(kernel.check_kvm, regular)
+        kernel.probe_device(hypervisors.probe_kvm, regular)
 
 
 def test_helper_protocol_reports_reasons(kvm_dir: str, tmp: str) -> None:
@@ -201,7 +200,7 @@ def test_helper_protocol_reports_reasons(kvm_dir: str, tmp: str) -> None:
 def test_mshv_live_partition_creation() -> None:
     """TEST_MSHV_LIVE=1: the real MSHV check on this host; fails clearly where /dev/mshv is absent."""
     assert os.path.exists("/dev/mshv"), "TEST_MSHV_LIVE=1 but this host has no /dev/mshv"
-    kernel.check_device(kernel.check_mshv, "/dev/mshv")
+    kernel.probe_device(hypervisors.probe_mshv, "/dev/mshv")
 
 
 def test_probe_modules_import_without_site_packages() -> None:
@@ -217,7 +216,7 @@ def test_probe_modules_import_without_site_packages() -> None:
                          text=True, check=True, timeout=30)
     # After serving a request the helper holds exactly these agent modules (standard library
     # only), and none of grpc, typing, dataclasses or asyncio: it stays small.
-    assert out.stdout.strip() == str(["hyperlight_agent", "hyperlight_agent.contracts",
+    assert out.stdout.strip() == str(["hyperlight_agent",
                                       "hyperlight_agent.device", "hyperlight_agent.device.helper_process",
                                       "hyperlight_agent.device.hypervisors",
                                       "hyperlight_agent.device.kernel", "hyperlight_agent.text"])

@@ -68,3 +68,31 @@ def test_package_builds_install_build_dependencies_only() -> None:
     testing = plan("test")
     for needed in ("podman", "debootstrap", "debhelper", "rpmlint", "cpio", "[test]"):
         assert needed in testing, needed
+
+
+def test_the_unit_allows_exactly_the_table_s_devices() -> None:
+    """A hypervisor is one row (device/hypervisors.py): the unit's device rules follow the table,
+    so a new row cannot be probed under a unit that forbids its node (DevicePolicy=closed)."""
+    from hyperlight_agent.device import hypervisors
+
+    with open(os.path.join(ROOT, "systemd", "hyperlight-agent.service")) as f:
+        allowed = re.findall(r"^DeviceAllow=(\S+) (\S+)$", f.read(), re.MULTILINE)
+    by_path = {path for path, access in allowed if not path.startswith("/dev/char/") and access == "rw"}
+    assert by_path == {h.container_path for h in hypervisors.HYPERVISORS}
+    # KVM's fixed number (10:232) is named too, so a kvm module loaded after the unit started is allowed.
+    assert ("/dev/char/10:232", "rw") in allowed
+
+
+def test_the_deployments_name_every_row_of_the_table() -> None:
+    """The bootstrap DaemonSet inventories the table's nodes under /host-dev, and the DeviceClass
+    documents the attributes: both say which nodes, so both follow the table."""
+    from hyperlight_agent.device import hypervisors
+
+    nodes = "{" + ",".join(h.node for h in hypervisors.HYPERVISORS) + "}"
+    for path in ("deploy/base/device-access.yaml", "deploy/helm/hyperlight-agent/templates/device-access.yaml"):
+        with open(os.path.join(ROOT, path)) as f:
+            assert f"/host-dev/{nodes}" in f.read(), path
+    for path in ("deploy/components/dra/deviceclass.yaml", "deploy/helm/hyperlight-agent/templates/deviceclass.yaml"):
+        with open(os.path.join(ROOT, path)) as f:
+            named = re.search(r'hypervisor \(([^)]*)\)', f.read())
+        assert named and set(re.findall(r'"(\w+)"', named.group(1))) == set(hypervisors.BY_NAME), path

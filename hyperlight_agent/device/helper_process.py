@@ -44,7 +44,7 @@ def run_request(request: Any) -> dict[str, Any]:
     if hypervisor is None:
         return {"ok": False, "reason": f"unknown hypervisor {str(request['hypervisor'])[:40]!r}"}
     try:
-        kernel.check_device(hypervisor.check, request["device"], request["host"])
+        kernel.probe_device(hypervisor.probe, request["device"], request["host"])
     except kernel.ProbeError as exc:
         return {"ok": False, "reason": str(exc)}
     except (OSError, ValueError) as exc:  # e.g. a path too long for the kernel
