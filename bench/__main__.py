@@ -24,7 +24,7 @@ from hyperlight_agent.device import hypervisors, kernel
 from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
-from hyperlight_agent.node import cdi
+from hyperlight_agent.files import cdi
 from standin import procs
 from standin.kubelet import Plugin, StandinThread
 
@@ -633,7 +633,7 @@ def bench_dra(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
 
 MOUNT_STORM = """
 import asyncio, ctypes, os, sys, time
-from hyperlight_agent.node import watcher
+from hyperlight_agent.files import watcher
 libc = ctypes.CDLL(None, use_errno=True)
 top, pairs = sys.argv[1], int(sys.argv[2])
 directory, outside = os.path.join(top, "dev"), os.path.join(top, "volumes")

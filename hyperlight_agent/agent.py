@@ -24,11 +24,11 @@ from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.helper import CLOSE_BOUND_S, ProbeHelper
 from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.files import labels
+from hyperlight_agent.files.watcher import CONTENT, NAMES, DirectoryWatcher
 from hyperlight_agent.host.metrics import Metrics
 from hyperlight_agent.host.notify import Notifier
 from hyperlight_agent.kubelet_side import Shared, Snapshot
-from hyperlight_agent.node import labels
-from hyperlight_agent.node.watcher import CONTENT, NAMES, DirectoryWatcher
 from hyperlight_agent.reload import Reloader
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,6 @@ MAX_DEVICE_COUNT = 100_000
 # The settings file is a few kilobytes; anything this large is a mistake.
 MAX_CONFIG_BYTES = 1024 * 1024
 PATH_MAX = 4096
-MAX_DRA_DEVICES = contracts.RESOURCE_SLICE_MAX_DEVICES
 
 
 class ConfigError(Exception):
@@ -231,8 +230,9 @@ SETTINGS: tuple[Setting, ...] = (
             "in the kubelet dir (a surge update), so the kubelet never counts zero devices; 0: stop at once",
             toml_types=(int, float)),
     # The Dynamic Resource Allocation mode (--dra) only.
-    Setting("dra_devices", "HYPERLIGHT_DRA_DEVICES", "--dra-devices", MAX_DRA_DEVICES,
-            _int_in(1, MAX_DRA_DEVICES, f"an integer from 1 to {MAX_DRA_DEVICES}"),
+    Setting("dra_devices", "HYPERLIGHT_DRA_DEVICES", "--dra-devices", contracts.RESOURCE_SLICE_MAX_DEVICES,
+            _int_in(1, contracts.RESOURCE_SLICE_MAX_DEVICES,
+                    f"an integer from 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES}"),
             "--dra: devices published in this node's ResourceSlice, each one pod's share of the hypervisor",
             toml_types=(int,), restart_only=True),
     Setting("node_name", "NODE_NAME", "--node-name", None, _node_name,

@@ -53,7 +53,9 @@ def private_socket_name(socket_name: str, pid: int, token: str) -> str:
 
 # --- Container Device Interface (owner: cncf-tags/container-device-interface) ---
 CDI_DIR = "/var/run/cdi"
-CDI_KIND = RESOURCE_HYPERVISOR
+# The CDI device kind we own: the same string as the resource workloads ask for, by choice (a
+# workload's resource and its CDI device read alike), but CDI's name, not the kubelet's.
+CDI_KIND = "hyperlight.dev/hypervisor"
 CDI_SPEC_FILE = "hyperlight.json"
 # The minimum version our content needs; podman 4.3 silently ignores specs declaring 0.6.0+.
 CDI_VERSION = "0.3.0"

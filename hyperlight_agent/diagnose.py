@@ -16,7 +16,7 @@ from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.helper import ProbeHelper
 from hyperlight_agent.device.observation import Observation, SharedObservation
-from hyperlight_agent.node import cdi
+from hyperlight_agent.files import cdi
 
 
 def runtime() -> tuple[bool, str]:

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from hyperlight_agent import peers
     from hyperlight_agent.device.checker import Checker
     from hyperlight_agent.device.observation import Observation, SharedObservation
+    from hyperlight_agent.files.watcher import DirectoryWatcher
     from hyperlight_agent.host.metrics import Metrics
-    from hyperlight_agent.node.watcher import DirectoryWatcher
 
 
 class Snapshot(Protocol):

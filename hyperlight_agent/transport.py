@@ -29,7 +29,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from hyperlight_agent import contracts
-from hyperlight_agent.node import sockets
+from hyperlight_agent.files import sockets
 
 # Calls in flight when a server stops get this long to finish (a kubelet's Allocate or Prepare
 # that arrived before our socket went). Every server of ours stops with it.
@@ -169,7 +169,7 @@ async def serve_in_place(path: str, configure: Callable[[grpc.aio.Server], None]
         await server.stop(0)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(private)
-        if isinstance(exc, sockets.Served):
+        if isinstance(exc, sockets.InUse):
             raise Taken(str(exc)) from None
         if isinstance(exc, sockets.NotPlaced):
             raise NotServing(str(exc)) from None

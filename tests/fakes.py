@@ -131,9 +131,9 @@ def shared(checker: Optional[FakeChecker] = None, identity: Optional[Any] = None
     off and a watcher nobody runs: for building a side on its own."""
     from hyperlight_agent import peers
     from hyperlight_agent.device.observation import SharedObservation
+    from hyperlight_agent.files.watcher import DirectoryWatcher
     from hyperlight_agent.host.metrics import Metrics
     from hyperlight_agent.kubelet_side import Shared
-    from hyperlight_agent.node.watcher import DirectoryWatcher
 
     return Shared(observation=SharedObservation(), checker=checker or FakeChecker(),  # type: ignore[arg-type]
                   identity=identity or peers.Identity.of("test", "dra", "hyperlight.dev"),

@@ -27,7 +27,7 @@ from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.deviceplugin import registration
 from hyperlight_agent.deviceplugin.registration import AlreadyServed, Registrar
 from hyperlight_agent.deviceplugin.side import DevicePluginSnapshot
-from hyperlight_agent.node import cdi, labels
+from hyperlight_agent.files import cdi, labels
 from standin.kubelet import KubeletStandin
 from tests.conftest import read_bytes, until
 from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dp_side, files_as_devices

@@ -14,7 +14,7 @@ from hyperlight_agent import contracts, transport
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
-from hyperlight_agent.node import cdi
+from hyperlight_agent.files import cdi
 from standin.kubelet import KubeletStandin, Plugin, StandinThread
 from tests.conftest import StartAgent, make_node, wait_for
 from tests.conftest import read_bytes as read

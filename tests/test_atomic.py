@@ -10,7 +10,7 @@ from typing import Callable
 import pytest
 
 from hyperlight_agent import contracts
-from hyperlight_agent.node import atomic, cdi
+from hyperlight_agent.files import atomic, cdi
 
 SPEC = cdi.Spec("kvm", "/dev/kvm", 65534, 65534)
 WANTED = SPEC.wanted(None)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import pytest
 
 from hyperlight_agent import contracts
-from hyperlight_agent.node import atomic, cdi
+from hyperlight_agent.files import atomic, cdi
 from tests.conftest import JSON_READER, read_bytes
 
 SPEC = cdi.Spec("kvm", "/dev/kvm", 65534, 65534)
@@ -233,7 +233,7 @@ def test_temp_files_are_invisible_to_cdi_runtimes(tmp: str, monkeypatch: pytest.
 
 RO_SCRIPT = """
 import sys
-from hyperlight_agent.node import cdi
+from hyperlight_agent.files import cdi
 try:
     cdi.reconcile(sys.argv[1], cdi.Spec("kvm", "/dev/kvm", 65534, 65534))
 except cdi.CdiError as exc:

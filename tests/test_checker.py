@@ -13,7 +13,7 @@ import pytest
 from hyperlight_agent.device.checker import Checker, CheckTarget
 from hyperlight_agent.device.helper import ProbeHelper
 from hyperlight_agent.device.observation import Observation, SharedObservation
-from hyperlight_agent.node import atomic, cdi
+from hyperlight_agent.files import atomic, cdi
 from standin.procs import my_helpers
 from tests.conftest import make_node, read_bytes, until
 

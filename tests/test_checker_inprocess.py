@@ -17,7 +17,7 @@ from hyperlight_agent.device import checker as checker_module
 from hyperlight_agent.device.checker import Checker, CheckTarget
 from hyperlight_agent.device.helper import ProbeResult
 from hyperlight_agent.device.observation import Cause, Observation, SharedObservation
-from hyperlight_agent.node import atomic, cdi
+from hyperlight_agent.files import atomic, cdi
 from tests.conftest import read_bytes, until
 from tests.fakes import FakeHelper, device_dir, files_as_devices
 

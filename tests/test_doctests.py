@@ -22,8 +22,8 @@ WITH_EXAMPLES = [m for m in MODULES if has_examples(m)]
 
 
 def test_the_examples_are_found() -> None:
-    assert {"node.cdi", "text", "device.hypervisors", "node.labels", "host.metrics", "deviceplugin.side",
-            "node.watcher", "dra.side"} <= set(WITH_EXAMPLES)
+    assert {"files.cdi", "text", "device.hypervisors", "files.labels", "host.metrics", "deviceplugin.side",
+            "files.watcher", "dra.side"} <= set(WITH_EXAMPLES)
 
 
 @pytest.mark.parametrize("module", WITH_EXAMPLES)

@@ -18,8 +18,8 @@ from hyperlight_agent.device.helper import ProbeResult
 from hyperlight_agent.dra import client as dra_client
 from hyperlight_agent.dra import side as dra_side_module
 from hyperlight_agent.dra.slices import DeviceInfo
+from hyperlight_agent.files import cdi
 from hyperlight_agent.host import healthcheck
-from hyperlight_agent.node import cdi
 from standin.apiserver import FakeApiServer, kubeconfig, recorded
 from standin.dra_kubelet import Claim, DraKubeletStandin
 from tests.conftest import until

@@ -139,7 +139,7 @@ def test_old_entries_expire_and_the_oldest_go_beyond_the_limit(tmp: str, monkeyp
 def test_the_file_is_written_in_a_thread_not_on_the_loop(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    from hyperlight_agent.node import atomic
+    from hyperlight_agent.files import atomic
 
     threads: list[str] = []
     write = atomic.write

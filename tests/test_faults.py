@@ -20,7 +20,7 @@ import grpc
 import pytest
 
 from hyperlight_agent import contracts
-from hyperlight_agent.node import atomic, cdi
+from hyperlight_agent.files import atomic, cdi
 from standin.kubelet import KubeletStandin, StandinThread
 from tests.conftest import JSON_READER, AgentProcess, StartAgent, kvm_metadata, make_node, wait_for
 from tests.conftest import read_bytes as read

@@ -32,7 +32,7 @@ from hyperlight_agent.device import helper_process
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Profile, device_ids
-from hyperlight_agent.node import cdi
+from hyperlight_agent.files import cdi
 from tests.conftest import count_inputs, fuzz_budget, read_bytes
 
 # A settings error is one line, names the setting, and quotes the value briefly.

@@ -20,7 +20,7 @@ import pytest
 from hyperlight_agent import contracts, transport
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
-from hyperlight_agent.node import cdi, watcher
+from hyperlight_agent.files import cdi, watcher
 from standin.kubelet import KubeletStandin, StandinThread
 from tests.conftest import AgentProcess, StartAgent, read_bytes, until, wait_for
 
@@ -178,7 +178,7 @@ def test_a_watch_that_cannot_be_added_is_said_once(tmp: str, caplog: pytest.LogC
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    with caplog.at_level(logging.DEBUG, logger="hyperlight_agent.node.watcher"):
+    with caplog.at_level(logging.DEBUG, logger="hyperlight_agent.files.watcher"):
         asyncio.run(run())
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "No space left on device" in warnings[0].getMessage()

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from hyperlight_agent import contracts, modes
-from hyperlight_agent.node import cdi
+from hyperlight_agent.files import cdi
 from standin.kubelet import StandinThread
 from tests.conftest import assert_ships_the_agent_only, wait_for
 from tests.podman import Podman

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hyperlight_agent.node import atomic, labels
+from hyperlight_agent.files import atomic, labels
 from standin.kubelet import StandinThread
 from tests.conftest import StartAgent, make_node, wait_for
 from tests.conftest import read_bytes as read

@@ -15,7 +15,7 @@ import threading
 from typing import Any
 
 from hyperlight_agent import contracts
-from hyperlight_agent.node import cdi
+from hyperlight_agent.files import cdi
 from standin.kubelet import StandinThread
 from tests.conftest import AgentProcess, count_inputs, read_bytes, wait_for
 from tests.test_fuzz import snapshot

@@ -145,3 +145,14 @@ def test_servers_are_put_in_place_and_stopped_by_transport_only() -> None:
     assert builders <= {"transport"}, builders
     graces = {m for m in trees() if "STOP_GRACE_S" in _constant_names(m)}
     assert graces == {"transport"}, graces
+
+
+def test_no_constant_is_another_constant_under_a_second_name() -> None:
+    """One name per value: a module-level constant that only repeats another (X = contracts.Y)
+    gives one fact two names; use the one."""
+    aliases = [f"{m}: {t.id} = {ast.unparse(n.value)}" for m, tree in trees().items() for n in tree.body
+               if isinstance(n, ast.Assign) and (
+                   (isinstance(n.value, ast.Name) and n.value.id.isupper())
+                   or (isinstance(n.value, ast.Attribute) and n.value.attr.isupper()))
+               for t in n.targets if isinstance(t, ast.Name) and t.id.isupper()]
+    assert not aliases, aliases

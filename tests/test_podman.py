@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from hyperlight_agent import contracts
-from hyperlight_agent.node import cdi
+from hyperlight_agent.files import cdi
 from standin.kubelet import StandinThread
 from tests.conftest import StartAgent
 from tests.podman import Podman, system_cdi_lock

@@ -20,8 +20,8 @@ from hyperlight_agent.deviceplugin import api, registration
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.deviceplugin.registration import AlreadyServed, Registrar
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
-from hyperlight_agent.node import atomic, sockets
-from hyperlight_agent.node.watcher import DirectoryWatcher
+from hyperlight_agent.files import atomic, sockets
+from hyperlight_agent.files.watcher import DirectoryWatcher
 from standin.kubelet import KubeletStandin
 from tests.conftest import until
 

@@ -14,7 +14,7 @@ from hyperlight_agent.device.helper import ProbeHelper
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Profile
-from hyperlight_agent.node import cdi
+from hyperlight_agent.files import cdi
 from tests.conftest import read_bytes
 
 

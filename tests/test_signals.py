@@ -65,7 +65,7 @@ def test_every_entry_point_handles_signals_before_any_heavy_import(entry: str) -
 
 @pytest.fixture
 def handlers() -> Iterator[None]:
-    saved = {s: signal.getsignal(s) for s in (*signals.STOP, signals.RELOAD)}
+    saved = {s: signal.getsignal(s) for s in (*signals.STOP, *signals.RELOAD)}
     try:
         yield
     finally:

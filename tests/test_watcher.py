@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from asyncinotify import Mask
 
-from hyperlight_agent.node import watcher
+from hyperlight_agent.files import watcher
 from tests.conftest import until
 
 
@@ -154,7 +154,7 @@ def test_without_the_mount_table_the_directories_are_looked_at_every_second(
 # it anything), what its callback saw, and a wait on a condition with a deadline.
 IN_PRIVATE_MOUNTS = """
 import asyncio, os, subprocess, sys
-from hyperlight_agent.node import watcher
+from hyperlight_agent.files import watcher
 watcher.RETRY_S = 3600.0
 directory = sys.argv[1]
 seen = []

@@ -21,7 +21,7 @@ from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device import hypervisors, kernel
 from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
 from hyperlight_agent.device.observation import Cause, Observation, SharedObservation
-from hyperlight_agent.node import cdi
+from hyperlight_agent.files import cdi
 
 log = logging.getLogger(__name__)
 

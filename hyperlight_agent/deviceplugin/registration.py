@@ -39,8 +39,8 @@ from hyperlight_agent import contracts, transport, waits
 from hyperlight_agent.backoff import JITTER, Backoff
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
-from hyperlight_agent.node import sockets
-from hyperlight_agent.node.sockets import Identity, Pin
+from hyperlight_agent.files import sockets
+from hyperlight_agent.files.sockets import Identity, Pin
 
 log = logging.getLogger(__name__)
 

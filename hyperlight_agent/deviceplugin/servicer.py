@@ -21,12 +21,10 @@ from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
-from hyperlight_agent.node import cdi
+from hyperlight_agent.files import cdi
 
 log = logging.getLogger(__name__)
 
-# More IDs than the most slots a node can advertise is no request the kubelet makes.
-MAX_IDS_PER_REQUEST = MAX_DEVICE_COUNT
 
 # Matched whole (fullmatch): "kvm-0\n" is no ID. The length limit is checked first, so the
 # number never meets int()'s digit limit.
@@ -114,9 +112,10 @@ class DevicePluginServicer:
         # Linear in the request's size, which is bounded: this runs on the event loop.
         total = sum(len(r.available_deviceIDs) + len(r.must_include_deviceIDs)
                     for r in request.container_requests)
-        if total > 2 * MAX_IDS_PER_REQUEST:
+        # More than twice the most slots a node can advertise is no request the kubelet makes.
+        if total > 2 * MAX_DEVICE_COUNT:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{total} device IDs in one request; at most {2 * MAX_IDS_PER_REQUEST}")
+                                f"{total} device IDs in one request; at most {2 * MAX_DEVICE_COUNT}")
         responses = []
         for req in request.container_requests:
             chosen = list(dict.fromkeys(req.must_include_deviceIDs))

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyperlight_agent.dra.client import CLAIMS, GROUP, ApiError, KubeApi
+from hyperlight_agent import contracts
+from hyperlight_agent.dra.client import CLAIMS, ApiError, KubeApi
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
 
 
@@ -30,7 +31,7 @@ class ClaimReader:
                 raise ClaimError(f"claim {claim} not found (deleted?)") from exc
             if exc.code == 403:
                 raise ClaimError(f"claim {claim}: forbidden: RBAC needs verb 'get' on '{CLAIMS}' in API group "
-                                 f"'{GROUP}' ({exc.message})") from exc
+                                 f"'{contracts.RESOURCE_API_GROUP}' ({exc.message})") from exc
             raise ClaimError(f"claim {claim}: {exc}") from exc
         found_uid = (obj.get("metadata") or {}).get("uid")
         if found_uid != uid:

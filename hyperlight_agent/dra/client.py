@@ -28,7 +28,6 @@ from hyperlight_agent import contracts, text
 if TYPE_CHECKING:
     import httpx
 
-SERVICE_ACCOUNT_DIR = contracts.SERVICE_ACCOUNT_DIR
 IN_CLUSTER_ENV = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
 # Every request but a watch gives up after this long.
 REQUEST_TIMEOUT_S = 10.0
@@ -44,13 +43,9 @@ MAX_EVENT_BYTES = 4 << 20
 # request: the `reason` of such an ApiError.
 CREDENTIALS = "credentials"
 
-GROUP = contracts.RESOURCE_API_GROUP
-VERSION = contracts.RESOURCE_API_VERSION
 SLICES = "resourceslices"
 CLAIMS = "resourceclaims"
-SELECT_NODE = contracts.SLICE_FIELD_NODE
-SELECT_DRIVER = contracts.SLICE_FIELD_DRIVER
-SLICES_PATH = f"/apis/{GROUP}/{VERSION}/{SLICES}"
+SLICES_PATH = f"/apis/{contracts.RESOURCE_API_GROUP}/{contracts.RESOURCE_API_VERSION}/{SLICES}"
 WATCH_EVENTS = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK")
 
 Json = dict[str, Any]
@@ -77,7 +72,7 @@ class ApiError(Exception):
         return f"{self.verb} {self.resource} {self.code} {self.reason}"
 
     def __str__(self) -> str:
-        what = f"{self.verb} {self.resource}.{GROUP}"
+        what = f"{self.verb} {self.resource}.{contracts.RESOURCE_API_GROUP}"
         if self.code == 0:
             if self.reason == CREDENTIALS:
                 return f"{what}: cannot authenticate: {self.message}"
@@ -86,10 +81,11 @@ class ApiError(Exception):
             return f"{what}: API server unreachable: {self.message}"
         if self.code == 403:
             # The RBAC rule that is missing, in the words of a ClusterRole.
-            return (f"{what}: forbidden (RBAC needs verb {self.verb!r} on {self.resource!r} in API group {GROUP!r}): "
-                    f"{self.message}")
+            return (f"{what}: forbidden (RBAC needs verb {self.verb!r} on {self.resource!r} in API group "
+                    f"{contracts.RESOURCE_API_GROUP!r}): {self.message}")
         if self.code == 404 and not self.message.endswith("not found"):
-            return f"{what}: 404, the API server does not serve {GROUP}/{VERSION} (Kubernetes 1.34 or newer needed)"
+            return (f"{what}: 404, the API server does not serve {contracts.RESOURCE_API_GROUP}/"
+                    f"{contracts.RESOURCE_API_VERSION} (Kubernetes 1.34 or newer needed)")
         return f"{what}: {self.code} {self.reason}: {self.message}".rstrip(": ")
 
 
@@ -176,7 +172,8 @@ class KubeApi:
         await self._call("delete", SLICES, "DELETE", f"{SLICES_PATH}/{name}")
 
     async def get_claim(self, namespace: str, name: str) -> Json:
-        return await self._call("get", CLAIMS, "GET", f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{CLAIMS}/{name}")
+        path = f"/apis/{contracts.RESOURCE_API_GROUP}/{contracts.RESOURCE_API_VERSION}/namespaces/{namespace}"
+        return await self._call("get", CLAIMS, "GET", f"{path}/{CLAIMS}/{name}")
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -227,7 +224,7 @@ class KubeApi:
 
 
 def _selector(node: str, driver: str) -> dict[str, str]:
-    return {"fieldSelector": f"{SELECT_NODE}={node},{SELECT_DRIVER}={driver}"}
+    return {"fieldSelector": f"{contracts.SLICE_FIELD_NODE}={node},{contracts.SLICE_FIELD_DRIVER}={driver}"}
 
 
 def _status_error(verb: str, resource: str, response: httpx.Response) -> ApiError:
@@ -262,7 +259,7 @@ def _event(line: bytes) -> tuple[str, Json]:
     return str(kind), obj
 
 
-def connect(kubeconfig: Optional[str], *, service_account_dir: str = SERVICE_ACCOUNT_DIR,
+def connect(kubeconfig: Optional[str], *, service_account_dir: str = contracts.SERVICE_ACCOUNT_DIR,
             environ: Mapping[str, str], timeout_s: float = REQUEST_TIMEOUT_S,
             watch_grace_s: float = WATCH_GRACE_S) -> KubeApi:
     """A client from the kubeconfig at `kubeconfig` (the `kubeconfig` setting), else from the pod's

@@ -25,7 +25,7 @@ they are older than ENTRY_TTL_S or beyond MAX_ENTRIES (oldest first): the kubele
 it prepared, but a kubelet that lost its own state never will. Dropping an entry only costs an API
 read if the kubelet asks for that claim again.
 
-The file is replaced atomically (node.atomic), so a reader never needs the lock. A file we cannot
+The file is replaced atomically (files.atomic), so a reader never needs the lock. A file we cannot
 read or parse is reported once, with its path, and treated as empty (never a crash): the kubelet
 asks again for what it needs, and the next change writes a good file. A symlink or anything but a
 regular file at its path is refused, never followed or replaced.
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
 from hyperlight_agent import waits
-from hyperlight_agent.node import atomic
+from hyperlight_agent.files import atomic
 
 log = logging.getLogger(__name__)
 

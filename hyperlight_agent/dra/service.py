@@ -38,7 +38,7 @@ from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.dra.prepared import Prepared, PreparedClaim, PreparedDevice, PreparedError
 from hyperlight_agent.dra.types import ClaimError, ClaimReader
-from hyperlight_agent.node import cdi
+from hyperlight_agent.files import cdi
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Service:
     observe() gives the device observation to prepare against: a plain function returning the
     current one, or a coroutine function (say, one running a fresh check). cdi_id(hypervisor)
     names the CDI device the runtime injects; the default is the device plugin's own
-    (node.cdi.device_name: hyperlight.dev/hypervisor=kvm)."""
+    (files.cdi.device_name: hyperlight.dev/hypervisor=kvm)."""
 
     def __init__(self, driver: str, claims: ClaimReader, observe: Observe, prepared: Prepared,
                  cdi_id: Callable[[str], str] = cdi.device_name,

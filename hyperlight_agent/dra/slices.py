@@ -44,13 +44,10 @@ from typing import Any, Awaitable, Callable, NamedTuple, Optional
 
 from hyperlight_agent import backoff, contracts
 from hyperlight_agent.backoff import Backoff
-from hyperlight_agent.dra.client import GROUP, SLICES, VERSION, ApiError, Json, KubeApi
+from hyperlight_agent.dra.client import SLICES, ApiError, Json, KubeApi
 
 log = logging.getLogger(__name__)
 
-DRIVER = contracts.DRA_DRIVER
-MAX_DEVICES_PER_SLICE = contracts.RESOURCE_SLICE_MAX_DEVICES
-DEFAULT_DEVICE_COUNT = MAX_DEVICES_PER_SLICE
 # Failures back off 0.5, 1, 2 … 30 s, jittered (a restarted API server meets every node at once);
 # the first retry of a streak is immediate.
 BACKOFF_INITIAL_S = 0.5
@@ -155,13 +152,14 @@ class SlicePublisher:
     (clock() of the first such success).
     """
 
-    def __init__(self, api: KubeApi, node_name: str, driver: str = DRIVER, count: int = DEFAULT_DEVICE_COUNT, *,
+    def __init__(self, api: KubeApi, node_name: str, driver: str = contracts.DRA_DRIVER,
+                 count: int = contracts.RESOURCE_SLICE_MAX_DEVICES, *,
                  clock: Callable[[], float] = time.monotonic, backoff_initial_s: float = BACKOFF_INITIAL_S,
                  backoff_cap_s: float = BACKOFF_CAP_S, watch_timeout_s: tuple[float, float] = WATCH_TIMEOUT_S,
                  newer: Optional[Callable[[], Awaitable[Optional[str]]]] = None,
                  on_change: Optional[Callable[[], None]] = None) -> None:
-        if not 1 <= count <= MAX_DEVICES_PER_SLICE:
-            raise ValueError(f"DRA device count {count}: must be 1 to {MAX_DEVICES_PER_SLICE} "
+        if not 1 <= count <= contracts.RESOURCE_SLICE_MAX_DEVICES:
+            raise ValueError(f"DRA device count {count}: must be 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES} "
                              f"(the devices of one ResourceSlice)")
         self._api, self.node_name, self.driver, self.count = api, node_name, driver, count
         self._clock = clock
@@ -406,7 +404,8 @@ class SlicePublisher:
         spec["pool"] = dict(desired["pool"], generation=self._generation + 1)
         if not spec["devices"]:
             del spec["devices"]  # as the server would store it
-        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "ResourceSlice", "metadata": dict(metadata), "spec": spec}
+        api_version = f"{contracts.RESOURCE_API_GROUP}/{contracts.RESOURCE_API_VERSION}"
+        return {"apiVersion": api_version, "kind": "ResourceSlice", "metadata": dict(metadata), "spec": spec}
 
 
-__all__ = ["DRIVER", "MAX_DEVICES_PER_SLICE", "SLICES", "DeviceInfo", "SlicePublisher", "desired_spec", "owned"]
+__all__ = ["SLICES", "DeviceInfo", "SlicePublisher", "desired_spec", "owned"]

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from typing import Any, Callable
 
 STOP = (signal.SIGTERM, signal.SIGINT)
-RELOAD = signal.SIGHUP
+RELOAD = (signal.SIGHUP,)
 _early: list[int] = []
 
 
@@ -29,14 +29,14 @@ def _remember(signum: int, frame: Any) -> None:
 
 
 def install_early() -> None:
-    for signum in (*STOP, RELOAD):
+    for signum in (*STOP, *RELOAD):
         signal.signal(signum, _remember)
 
 
 def restore_defaults() -> None:
     """For the one-shot modes (--check, --health-check): signals act as usual, also one that
     arrived while we were parsing."""
-    for signum in (*STOP, RELOAD):
+    for signum in (*STOP, *RELOAD):
         signal.signal(signum, signal.SIG_DFL)
     pending, _early[:] = list(_early), []
     for early in pending:
@@ -47,11 +47,12 @@ def attach(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], reload: Ca
     """Hand the signals to the event loop; replay any that arrived early (a stop wins)."""
     for signum in STOP:
         loop.add_signal_handler(signum, stop)
-    loop.add_signal_handler(RELOAD, reload)
+    for signum in RELOAD:
+        loop.add_signal_handler(signum, reload)
     pending, _early[:] = list(_early), []
     if any(s in STOP for s in pending):
         stop()
-    elif RELOAD in pending:
+    elif any(s in RELOAD for s in pending):
         # The settings were read at some point before now, maybe before this HUP arrived: read
         # the file again, as it is now.
         reload()
@@ -59,11 +60,12 @@ def attach(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], reload: Ca
 
 def stopping(loop: asyncio.AbstractEventLoop) -> None:
     """While shutting down: a reload must not start work; another TERM/INT changes nothing."""
-    loop.add_signal_handler(RELOAD, lambda: None)
+    for signum in RELOAD:
+        loop.add_signal_handler(signum, lambda: None)
 
 
 def detach(loop: asyncio.AbstractEventLoop) -> None:
     """Back to remembering: a signal during the last steps of exit must not kill us mid-way."""
-    for signum in (*STOP, RELOAD):
+    for signum in (*STOP, *RELOAD):
         loop.remove_signal_handler(signum)
     install_early()

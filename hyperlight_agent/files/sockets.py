@@ -17,7 +17,7 @@ import socket
 import stat
 from typing import Optional
 
-from hyperlight_agent.node import atomic
+from hyperlight_agent.files import atomic
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class NotPlaced(Exception):
     """Our socket could not be put at its path; the message names the path and why."""
 
 
-class Served(NotPlaced):
+class InUse(NotPlaced):
     """A live server (another agent) listens at the path: it is never taken over."""
 
 
@@ -106,7 +106,7 @@ def put_in_place(private: str, path: str) -> Pin:
 
     Anything at either path may vanish at any moment (a starting kubelet removes every socket in
     its directory, our private one included): a vanished path is a changed path, so we look again.
-    Raises Served, or NotPlaced (then `private` may be gone: bind anew).
+    Raises InUse, or NotPlaced (then `private` may be gone: bind anew).
     """
     mine = identity(private)
     for _ in range(3):  # each retry follows a concurrent change at our path
@@ -123,7 +123,7 @@ def put_in_place(private: str, path: str) -> Pin:
                 continue  # something appeared at our path, or our private socket vanished
             return _pinned(path, mine)
         if is_live(path):
-            raise Served(f"{path}: another agent is serving it; not taking it over")
+            raise InUse(f"{path}: another agent is serving it; not taking it over")
         # A stale socket: swap ours in, and drop it only if it is the stale one we probed.
         try:
             exchanged = atomic.exchange(private, path)

@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Optional
 
-from hyperlight_agent.node import atomic
+from hyperlight_agent.files import atomic
 
 log = logging.getLogger(__name__)
 

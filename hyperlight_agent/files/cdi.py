@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from hyperlight_agent import contracts
-from hyperlight_agent.node import atomic
+from hyperlight_agent.files import atomic
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def spec_path(cdi_dir: str) -> str:
     return os.path.join(cdi_dir, contracts.CDI_SPEC_FILE)
 
 
-def check_directory(cdi_dir: str) -> bool:
+def directory_present(cdi_dir: str) -> bool:
     """Whether cdi_dir is a directory (False: nothing is there). Raises CdiError when something
     else is: a symlink at cdi_dir is refused, never followed — writing through it would put the
     spec wherever it points, and its removal would go unseen (inotify watches the target)."""
@@ -158,7 +158,7 @@ def inspect(cdi_dir: str, spec: Spec) -> Optional[str]:
     """What is wrong with the spec, without changing anything; None when it is exact."""
     path = spec_path(cdi_dir)
     try:
-        check_directory(cdi_dir)
+        directory_present(cdi_dir)
         current = _read_ours(path)
     except CdiError as exc:
         return str(exc)
@@ -192,7 +192,7 @@ def examine(cdi_dir: str, spec: Spec) -> Optional[Plan]:
     would write. The file is read once: the devices it lists and the comparison come from the same
     read. Raises CdiError; abandoned temp files of ours are removed on the way."""
     path = spec_path(cdi_dir)
-    check_directory(cdi_dir)
+    directory_present(cdi_dir)
     for stale in atomic.remove_temps(cdi_dir, contracts.CDI_TEMP_PREFIX, contracts.CDI_TEMP_SUFFIX):
         log.info("removed abandoned temp file %s", stale)
     current = _read_ours(path)
