@@ -23,12 +23,15 @@ apt_install = missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $
 	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; \
 	fi
 
-.PHONY: e2e e2e-components run test check lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
+.PHONY: help e2e e2e-components run test check lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
   image-wheels tools pin-tools
 # Package builds run in a copy of the sources under build/, never in the work tree.
 PKG_SOURCES := pyproject.toml README.md hyperlight_agent proto packaging systemd
 
-run: $(VENV)/.installed
+help:  ## the targets a contributor runs, and what each does
+	@awk -F':.*## ' '/^[a-z][a-z0-9-]*:.*## / {printf "  %-11s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+run: $(VENV)/.installed  ## the agent against a local kubelet stand-in on this machine's /dev/kvm (README)
 	$(PY) -m standin.demo
 
 # Manifest judges (checkov, kubernetes-validate) pin their own dependencies: a venv of their own.
@@ -41,7 +44,7 @@ MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.
 IMPORTS := $(VENV)/bin/lint-imports --no-cache
 
 # Everything, system tests included, beside a neighbour agent (tests observe only what they create).
-test: $(VENV)/.installed $(JUDGES)/.installed system-deps tools e2e-components
+test: $(VENV)/.installed $(JUDGES)/.installed system-deps tools e2e-components  ## everything: lint, types, imports, and every test (system tests and the real cluster)
 	$(RUFF)
 	$(MYPY)
 	$(IMPORTS)
@@ -49,7 +52,7 @@ test: $(VENV)/.installed $(JUDGES)/.installed system-deps tools e2e-components
 
 # Just the real-cluster tests (tests/test_e2e.py): Kubernetes, etcd and containerd built from the
 # pinned Go modules under tests/e2e/components, once (build/e2e/bin, Go's caches).
-e2e: $(VENV)/.installed system-deps tools e2e-components
+e2e: $(VENV)/.installed system-deps tools e2e-components  ## only the real-cluster tests (Kubernetes built from pinned Go modules)
 	$(PY) -m pytest -q -m e2e
 
 E2E_BIN := build/e2e/bin
@@ -59,7 +62,7 @@ e2e-components:
 # The fast inner loop: no system tests, nothing that needs root, no manifest judges; .ci/run
 # runs it with every capability dropped. Ends with the line coverage of the core modules
 # (pyproject.toml's [tool.coverage]), measured in-process, and fails below its floor.
-check: $(VENV)/.installed
+check: $(VENV)/.installed  ## the fast loop: lint, types, imports and the tests needing neither root nor system tools
 	$(RUFF)
 	$(MYPY)
 	$(IMPORTS)
@@ -68,19 +71,19 @@ check: $(VENV)/.installed
 	@$(PY) -m coverage combine -q
 	$(PY) -m coverage report
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.installed  ## ruff and the import contracts
 	$(RUFF)
 	$(IMPORTS)
 
-typecheck: $(VENV)/.installed
+typecheck: $(VENV)/.installed  ## mypy --strict
 	$(MYPY)
 
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed  ## the speed and memory figures (BENCHMARKS.md)
 	$(PY) -m bench
 
 # Regenerate the committed message code with Debian 12's protoc (3.21): code from a newer protoc
 # would not import under Debian's python3-protobuf 3.21.
-proto: system-deps
+proto: system-deps  ## regenerate the committed protobuf messages with Debian 12's protoc
 	protoc -I proto --python_out=hyperlight_agent/deviceplugin --pyi_out=hyperlight_agent/deviceplugin proto/deviceplugin.proto
 	protoc -I proto --python_out=hyperlight_agent/dra --pyi_out=hyperlight_agent/dra \
 	  proto/dra_v1.proto proto/dra_v1beta1.proto proto/pluginregistration.proto
@@ -104,7 +107,7 @@ $(JUDGES)/.installed: pins/judges.txt
 # On purpose only: resolve the newest releases in fresh venvs (build/pin) and rewrite pins/; then
 # `make check` and `make test` say whether the tree still passes under them, before committing.
 PIN := build/pin
-pin-tools:
+pin-tools:  ## move the pinned development tools to their newest releases
 	rm -rf $(PIN)
 	$(PYTHON) -m venv $(PIN)/dev
 	$(PIN)/dev/bin/python -m pip install -q --upgrade pip
@@ -149,7 +152,7 @@ $(BUILD_VENV)/.installed:
 	touch $@
 
 # A .deb for Debian 12 (its python3 3.11): debhelper runs packaging/stage.sh, lintian judges.
-deb: deb-deps $(BUILD_VENV)/.installed
+deb: deb-deps $(BUILD_VENV)/.installed  ## the .deb for Debian 12, judged by lintian
 	rm -rf build/deb && mkdir -p build/deb/hyperlight-agent
 	cp -r $(PKG_SOURCES) build/deb/hyperlight-agent/
 	cp -r packaging/debian build/deb/hyperlight-agent/debian
@@ -161,7 +164,7 @@ deb: deb-deps $(BUILD_VENV)/.installed
 # RPMs for the RPM hosts that run Hyperlight, one per target Python: EL9 (3.9) and
 # Azure Linux 3 (3.12), the MSHV hosts. rpmlint judges with the project's config.
 RPM_TARGETS := el9:3.9 azl3:3.12
-rpm: rpm-deps $(BUILD_VENV)/.installed
+rpm: rpm-deps $(BUILD_VENV)/.installed  ## the .rpm for EL9 and Azure Linux 3, judged by rpmlint
 	rm -rf build/rpm && mkdir -p build/rpm
 	set -e; for target in $(RPM_TARGETS); do dist=$${target%%:*}; py=$${target#*:}; \
 	  UNITDIR=/usr/lib/systemd/system PYTHON=$(abspath $(BUILD_VENV)/bin/python) \
@@ -188,7 +191,7 @@ GIT_COMMIT := $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 IMAGE_ARCHES = $(if $(PLATFORMS),$(subst linux/amd64,x86_64,$(subst linux/arm64,aarch64,$(PLATFORMS))),$(shell uname -m))
 IMAGE_WHEELS := build/image-wheels
 comma := ,
-image: image-wheels
+image: image-wheels  ## the container image (podman or docker)
 	@IMAGE='$(IMAGE)' BASE_IMAGE='$(BASE_IMAGE)' PLATFORMS='$(PLATFORMS)' GIT_COMMIT='$(GIT_COMMIT)' \
 	  VERSION='$(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' hyperlight_agent/__init__.py)' \
 	  ENGINE='$(ENGINE)' deploy/image/build.sh
@@ -198,8 +201,8 @@ $(IMAGE_WHEELS)/.stamp-%: pyproject.toml $(wildcard hyperlight_agent/*.py hyperl
 	@mkdir -p build && PYTHON=$(PYTHON) deploy/image/wheels.sh $(IMAGE_WHEELS) $(IMAGE_PYTHON) '$(IMAGE_ARCHES)' \
 	  >build/image-wheels.log 2>&1 || { echo "make image: preparing wheels failed: $$(tail -n 1 build/image-wheels.log)" >&2; exit 1; }
 	@touch $@
-image-base:
+image-base:  ## a Debian 12 base image built locally, for machines without a registry
 	@ENGINE='$(ENGINE)' deploy/image/base.sh
 
-clean:
+clean:  ## remove the venvs and build products
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

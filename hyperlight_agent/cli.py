@@ -19,9 +19,10 @@ from hyperlight_agent.host import journal, notify, signals
 
 PROG = "hyperlight-agent"
 DESCRIPTION = (
-    "Kubernetes device plugin for Hyperlight sandboxes: detects /dev/mshv or /dev/kvm, proves it "
-    "usable with a bounded kernel-level check, advertises hyperlight.dev/hypervisor slots to the "
-    "kubelet and keeps the CDI spec hyperlight.json exactly right."
+    "Hands the hypervisor device to Hyperlight sandboxes on a Kubernetes node: detects /dev/mshv or "
+    "/dev/kvm, proves it usable with a bounded kernel-level check, keeps the CDI spec hyperlight.json "
+    "exactly right, and offers the device to the kubelet as hyperlight.dev/hypervisor slots (a device "
+    "plugin) or, with --dra, as this node's ResourceSlice (a Dynamic Resource Allocation driver)."
 )
 EPILOG = (
     "Exit status: 0 on a clean stop, 1 on a runtime failure (also when another agent already serves "

@@ -23,7 +23,7 @@ def render() -> str:
     out = [
         f'.TH HYPERLIGHT-AGENT 8 "" "hyperlight-agent {__version__}" "System Administration"',
         ".SH NAME",
-        "hyperlight\\-agent \\- Kubernetes device plugin for Hyperlight sandboxes",
+        "hyperlight\\-agent \\- the hypervisor device for Hyperlight sandboxes on Kubernetes nodes",
         ".SH SYNOPSIS",
         ".B hyperlight\\-agent",
         "[\\fIOPTIONS\\fR]",

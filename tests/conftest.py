@@ -348,7 +348,11 @@ def assert_ships_the_agent_only(paths: list[str]) -> None:
     """A package's file list holds the agent's subpackages and none of the development tools
     (standin/: the kubelet stand-in and the demo)."""
     modules = [p for p in paths if p.endswith(".py")]
-    for sub in ("device", "deviceplugin", "host", "node"):
-        assert any(p.endswith(f"hyperlight_agent/{sub}/__init__.py") for p in modules), f"{sub} not shipped"
+    package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hyperlight_agent")
+    every = sorted(os.path.relpath(os.path.join(d, f), os.path.dirname(package)) for d, _, files in os.walk(package)
+                   for f in files if f.endswith(".py"))
+    assert "hyperlight_agent/dra/side.py" in every
+    missing = [m for m in every if not any(p.endswith(m) for p in modules)]
+    assert not missing, f"not shipped: {missing}"
     tools = [p for p in modules if "/standin/" in p or p.endswith(("/standin.py", "/demo.py"))]
     assert not tools, f"development tools shipped: {tools}"

@@ -70,7 +70,6 @@ class MetricsServer:
         self._timeout = timeout
         # Open connections in arrival order; the value says whether its request is still coming.
         self._open: dict[asyncio.StreamWriter, bool] = {}
-        self.evicted = 0  # connections closed to make room (tests and benchmarks read this)
         self.bind_error = ""  # why the address cannot be served now ("" once it is)
         self.listening = False
 
@@ -160,7 +159,6 @@ class MetricsServer:
             oldest = next((w for w, reading in self._open.items() if reading), None)
             if oldest is None:  # every one is being answered, which ends within the timeout
                 oldest = next(iter(self._open))
-            self.evicted += 1
             del self._open[oldest]
             oldest.transport.abort()
 
