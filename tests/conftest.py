@@ -3,17 +3,13 @@ that the host's /dev/kvm and process table are left exactly as found."""
 
 from __future__ import annotations
 
-import ast
 import asyncio
-import inspect
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, Sequence
@@ -67,59 +63,16 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.write_line(f"total: {sum(FUZZ_INPUTS.values())} (HYPERLIGHT_FUZZ_SCALE={FUZZ_SCALE})")
 
 
-# Fixtures that need root: device nodes made with mknod, an agent probing the host's /dev/kvm.
+# Fixtures that need root: device nodes made with mknod, an agent probing the host's /dev/kvm. A
+# test using one is marked `root`; every other test that needs root (mknod, chown, a mount
+# namespace) says so itself with @pytest.mark.root. (`make check` runs without capabilities, so a
+# test that needs root and says nothing fails there.)
 ROOT_FIXTURES = {"kvm_dir", "start_agent", "node"}
-# What a test does that needs root, read from its source and that of the functions of its own
-# module it calls (to any depth): mknod, chown, a mount namespace.
-ROOT_CALLS = re.compile(r"\bos\.(mknod|chown|lchown|fchown)\(|[\"']unshare[\"']|[\"']mount[\"']|\bmount --bind\b")
-
-
-def _source_with_callees(function: Callable[..., Any]) -> str:
-    """function's source, followed by that of every function of the test suite it calls."""
-    seen: set[str] = set()
-    pending = [function]
-    sources = []
-    while pending:
-        current = pending.pop()
-        try:
-            source = textwrap.dedent(inspect.getsource(current))
-        except (OSError, TypeError):
-            continue
-        sources.append(source)
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id not in seen:
-                seen.add(node.func.id)
-                callee = getattr(inspect.getmodule(current), node.func.id, None)
-                if inspect.isfunction(callee) and callee.__module__.startswith("tests"):
-                    pending.append(callee)
-    return "\n".join(sources)
-
-
-# Tests whose source matches ROOT_CALLS but need no privilege, each with the reason.
-NOT_ROOT = {
-    "test_a_metadata_change_is_no_kubelet_restart": "its chown gives the file to its own owner: no capability",
-}
-
-
-def needs_root(item: pytest.Item, marked_by_hand: set[object]) -> bool:
-    """Whether a test needs root: by a fixture that does, or by what it does itself. A test whose
-    parameters carry `root` by hand (only some of them chown) is left as marked."""
-    if ROOT_FIXTURES & set(getattr(item, "fixturenames", ())):
-        return True
-    function = getattr(item, "function", None)
-    if function is None or function in marked_by_hand or function.__name__ in NOT_ROOT:
-        return False
-    # The test and the fixtures it uses (a fixture that mknods is as good as the test doing it).
-    fixtures = getattr(item, "_fixtureinfo", None)
-    funcs = [function] + [d[-1].func for d in (fixtures.name2fixturedefs.values() if fixtures else ()) if d
-                          and getattr(d[-1].func, "__module__", "").startswith("tests")]
-    return any(ROOT_CALLS.search(_source_with_callees(f)) for f in funcs)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    marked_by_hand = {getattr(item, "function", None) for item in items if item.get_closest_marker("root")}
     for item in items:
-        if needs_root(item, marked_by_hand):
+        if ROOT_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.root)
 
 

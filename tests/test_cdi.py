@@ -251,6 +251,7 @@ def run_read_only(cdi_dir: str) -> subprocess.CompletedProcess[str]:
                           check=False, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.root
 def test_read_only_directory_fails_clearly_then_recovers(tmp: str) -> None:
     """As root, permissions don't stop us: a read-only mount does. No skipping for root."""
     result = run_read_only(tmp)
@@ -262,6 +263,7 @@ def test_read_only_directory_fails_clearly_then_recovers(tmp: str) -> None:
     assert cdi.reconcile(tmp, SPEC)
 
 
+@pytest.mark.root
 def test_read_only_directory_with_exact_spec_is_fine(tmp: str) -> None:
     cdi.reconcile(tmp, SPEC)
     result = run_read_only(tmp)

@@ -122,6 +122,7 @@ async def test_cdi_failure_makes_the_device_unhealthy(tmp: str, kvm_dir: str) ->
     await helper.close()
 
 
+@pytest.mark.root
 async def test_inventory_mode_never_opens_the_device(tmp: str) -> None:
     """A node whose open would fail (numbers of no existing device) still inventories."""
     device_dir = os.path.join(tmp, "dev")
@@ -165,6 +166,7 @@ def test_junk_at_another_hypervisors_path_changes_nothing(tmp: str, kvm_dir: str
         assert f.read() == cdi.render("kvm", "/dev/kvm", 65534, 65534)
 
 
+@pytest.mark.root
 def test_a_failing_probe_never_changes_the_spec(tmp: str) -> None:
     dev = os.path.join(tmp, "dev")
     os.mkdir(dev)

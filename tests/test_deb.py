@@ -61,6 +61,7 @@ def install(guest: nspawn.Guest) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.root
 def test_install_run_reload_remove_purge(guest: nspawn.Guest, tmp: str) -> None:
     # Installed before boot (fixture): enabled, so the boot started it.
     assert guest.run("dpkg-query", "-W", "-f=${Status}", "procps", "python3-systemd").stdout.count(
@@ -196,6 +197,7 @@ def lib_listing(guest: nspawn.Guest) -> str:
     return guest.run("find", "/usr/lib/hyperlight-agent", "-printf", "%p %s %T@\\n").stdout
 
 
+@pytest.mark.root
 def test_upgrade_keeps_the_edited_config_restarts_once_and_purge_leaves_nothing(
         bare_guest: nspawn.Guest, tmp: str) -> None:
     guest = bare_guest

@@ -797,6 +797,7 @@ def deb() -> str:
     return nspawn.build_deb()
 
 
+@pytest.mark.root
 def test_host_mode_on_a_real_kubelet(installed: Cluster, deb: str, tmp: str) -> None:
     """The .deb under real systemd (nspawn) serving node B's kubelet, as on a host: B shows the
     capacity; `systemctl restart` under load. systemd stops the old process before starting the
@@ -838,6 +839,7 @@ def readme_dra_drop_in() -> str:
     return text.split("<!-- dra-drop-in -->", 1)[1].split("```ini\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.root
 def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, deb: str, tmp: str) -> None:
     """The .deb under systemd (nspawn) in the DRA mode, set up as README.md says (the drop-in, a
     kubeconfig, node_name), for node B's real kubelet: it registers, publishes node B's slice, and
@@ -932,6 +934,7 @@ def test_labelled_node_without_a_usable_device_admits_nothing(installed: Cluster
         installed.api.merge_patch("/api/v1/nodes/b", {"metadata": {"labels": {"hyperlight.dev/enabled": None}}})
 
 
+@pytest.mark.root
 def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
     """A run killed half-way leaves processes (some only in a node's mount namespace, like
     containerd's shims), cgroups, a bridge and mountpoints: the next start() ends and removes

@@ -663,6 +663,7 @@ def exact(directory: str) -> bool:
             and (st_.st_uid, st_.st_gid) == (os.geteuid(), os.getegid()))
 
 
+@pytest.mark.root
 @settings(max_examples=fuzz_budget(600))
 @given(p=PLANT)
 def test_fuzz_cdi_inspect_never_raises_and_changes_nothing(scratch: str, p: dict[str, Any]) -> None:
@@ -684,6 +685,7 @@ def test_fuzz_cdi_inspect_never_raises_and_changes_nothing(scratch: str, p: dict
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.mark.root
 @settings(max_examples=fuzz_budget(600))
 @given(p=PLANT)
 def test_fuzz_cdi_reconcile_leaves_exactly_ours_or_the_obstruction_and_nothing_else(
@@ -778,6 +780,7 @@ def check_reply(line: str) -> dict[str, Any]:
     return reply
 
 
+@pytest.mark.root
 @settings(max_examples=fuzz_budget(300))
 @given(requests=st.lists(REQUEST, min_size=1, max_size=6))
 def test_fuzz_helper_requests_always_one_json_reply(nodes: str, requests: list[dict[str, Any]]) -> None:
@@ -803,6 +806,7 @@ LINE_TEXT = st.one_of(
 )
 
 
+@pytest.mark.root
 @settings(max_examples=fuzz_budget(400))
 @given(seed=SEEDS, lines=st.lists(LINE_TEXT, min_size=1, max_size=6))
 def test_fuzz_helper_lines_always_one_json_reply(nodes: str, seed: int, lines: list[str]) -> None:
@@ -819,6 +823,7 @@ def test_fuzz_helper_lines_always_one_json_reply(nodes: str, seed: int, lines: l
         check_reply(helper_process.handle_line(line))
 
 
+@pytest.mark.root
 def test_fuzz_helper_serve_answers_every_line_once(nodes: str) -> None:
     """The loop itself: one reply line per request line, in order, whatever the lines hold."""
     lines = [json.dumps({"hypervisor": "kvm", "device": os.path.join(nodes, "kvm"), "host": None}),
@@ -831,6 +836,7 @@ def test_fuzz_helper_serve_answers_every_line_once(nodes: str) -> None:
     count_inputs("helper lines (serve loop)", len(lines))
 
 
+@pytest.mark.root
 def test_fuzz_the_real_helper_process_answers_garbage_line_by_line(nodes: str) -> None:
     """The helper as the agent starts it (python -I -S -B), fed raw bytes: a reply per line."""
     from hyperlight_agent.device.helper import default_argv

@@ -207,6 +207,7 @@ def test_check_reports_a_usable_node(tmp: str, kvm_dir: str) -> None:
     assert not os.path.exists(cdi_dir), "--check changes nothing"
 
 
+@pytest.mark.root
 def test_check_reports_an_unusable_node(tmp: str) -> None:
     dev = os.path.join(tmp, "dev")
     os.mkdir(dev)

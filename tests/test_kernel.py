@@ -42,6 +42,7 @@ def test_table_prefers_mshv_and_maps_paths() -> None:
         assert h.device_path("/host-dev") == f"/host-dev/{h.name}"
 
 
+@pytest.mark.root
 def test_detect(tmp: str) -> None:
     assert hypervisors.detect(tmp) is None
     make_node(os.path.join(tmp, "kvm"), 10, 232)
@@ -141,6 +142,7 @@ def test_device_fd_is_closed_on_every_path(kvm_dir: str) -> None:
     assert opened == closed and len(opened) == 2
 
 
+@pytest.mark.root
 @pytest.mark.parametrize("hypervisor", hypervisors.HYPERVISORS, ids=lambda h: h.name)
 def test_dev_null_is_not_a_hypervisor(tmp: str, hypervisor: hypervisors.Hypervisor) -> None:
     # /dev/null's numbers at the device path, with a matching host identity: only the ioctl can

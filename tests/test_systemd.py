@@ -52,6 +52,7 @@ def slots(k: KubeletStandin) -> int:
     return p.healthy if p else 0
 
 
+@pytest.mark.root
 def test_notify_unit_is_active_only_when_ready(guest: nspawn.Guest, tmp: str) -> None:
     guest.run("systemctl", "start", "--no-block", UNIT)
     wait_for(lambda: "waiting for kubelet at /var/lib/kubelet/device-plugins/kubelet.sock" in guest.status(UNIT),
@@ -100,6 +101,7 @@ def test_notify_unit_is_active_only_when_ready(guest: nspawn.Guest, tmp: str) ->
         assert not os.path.exists(os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET))
 
 
+@pytest.mark.root
 def test_device_rules_are_enforced(tmp: str, staged: str) -> None:
     """Without the DeviceAllow lines, DevicePolicy=closed keeps the agent from the device."""
     with open(os.path.join(staged, "lib", "systemd", "system", UNIT)) as f:
@@ -113,6 +115,7 @@ def test_device_rules_are_enforced(tmp: str, staged: str) -> None:
                  "the device to be refused by the cgroup device rules")
 
 
+@pytest.mark.root
 def test_unit_verifies_inside_a_system_that_has_the_agent(guest: nspawn.Guest) -> None:
     result = guest.run("systemd-analyze", "verify", f"/etc/systemd/system/{UNIT}", check=False)
     assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), \

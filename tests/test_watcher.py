@@ -186,6 +186,7 @@ print(seen)
 """
 
 
+@pytest.mark.root
 def test_a_filesystem_mounted_over_a_directory_is_seen_through_the_mount_table(tmp: str) -> None:
     """A mount over a watched directory raises no inotify event, and the timer here never fires:
     the mount table's change is what makes the watcher watch the new filesystem (and the old
@@ -220,6 +221,7 @@ print(seen)
 """
 
 
+@pytest.mark.root
 def test_a_mount_over_an_entry_is_a_change_of_that_entry(tmp: str) -> None:
     """/dev/null bound over /dev/kvm changes what the device node is without any inotify event:
     the mount table's change is reported for that entry (and only the names asked for)."""
@@ -296,6 +298,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.root
 def test_a_mount_storm_elsewhere_costs_a_bounded_number_of_reads(tmp: str) -> None:
     """2000 mount changes outside every watched directory: the table is read at most once per
     MOUNT_INTERVAL_S (plus the first at once), not once per change; a mount over a watched entry
