@@ -187,6 +187,24 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
+def helpers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every agent built in the test gets a FakeHelper (listed here) instead of a helper process,
+    and a regular file at a row's path counts as its node (tests/fakes.py)."""
+    from hyperlight_agent import agent as agent_module
+    from tests.fakes import FakeHelper, files_as_devices
+
+    made: list[FakeHelper] = []
+
+    def fake(**kw: Any) -> FakeHelper:
+        made.append(FakeHelper(**kw))
+        return made[-1]
+
+    monkeypatch.setattr(agent_module, "ProbeHelper", fake)
+    files_as_devices(monkeypatch)
+    return made
+
+
+@pytest.fixture
 def quick_deregistration(monkeypatch: pytest.MonkeyPatch) -> None:
     """A DRA agent's close waits DEREGISTER_GRACE_S for the kubelet's plugin manager (a 1 s
     reconciler) to deregister it; the DRA stand-in does so at once. (test_dra_registration holds

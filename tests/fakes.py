@@ -155,3 +155,40 @@ def dra_side(agent: Any) -> Any:
 
     assert isinstance(agent.side, DraSide)
     return agent.side
+
+
+def registrar(kubelet_dir: str, on_stream_seen: Optional[Callable[[int], None]] = None, **kw: Any) -> Any:
+    """A device plugin Registrar serving 2 healthy slots of hyperlight.dev/hypervisor at
+    hyperlight.sock in kubelet_dir (a FakeChecker behind the servicer); on_stream_seen(+1/-1)
+    follows its ListAndWatch streams. Keyword arguments go to the Registrar."""
+    import grpc
+
+    from hyperlight_agent import contracts
+    from hyperlight_agent.device.observation import SharedObservation
+    from hyperlight_agent.deviceplugin import api
+    from hyperlight_agent.deviceplugin.registration import Registrar
+    from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
+
+    state = SharedObservation()
+    state.publish(HEALTHY_KVM)
+    servicer = DevicePluginServicer(Profile(contracts.RESOURCE_HYPERVISOR, contracts.PLUGIN_SOCKET, 2, "cdi"), state,
+                                    FakeChecker())  # type: ignore[arg-type]
+
+    def configure(server: grpc.aio.Server, on_stream: Callable[[int, object], None]) -> Callable[[], None]:
+        def counted(delta: int, stream: object) -> None:
+            if on_stream_seen:
+                on_stream_seen(delta)
+            on_stream(delta, stream)
+
+        endpoint = Endpoint(servicer, counted)
+        server.add_generic_rpc_handlers([api.device_plugin_handler(endpoint)])
+        return endpoint.close
+
+    return Registrar(kubelet_dir, contracts.PLUGIN_SOCKET, contracts.RESOURCE_HYPERVISOR, configure, **kw)
+
+
+async def shut(agent: Any) -> None:
+    """Stop an agent built in-process as a signal would: stop, wait, close."""
+    agent.stop()
+    await agent.wait()
+    await agent.close()

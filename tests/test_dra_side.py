@@ -23,8 +23,7 @@ from hyperlight_agent.host import healthcheck
 from standin.apiserver import FakeApiServer, kubeconfig, recorded
 from standin.dra_kubelet import Claim, DraKubeletStandin
 from tests.conftest import until
-from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dra_side
-from tests.test_agent_inprocess import helpers, shut  # noqa: F401 - the fixture, shared
+from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dra_side, shut
 
 DRIVER = "hyperlight.dev"
 UID = "8d5c0f2a-1b3e-4d6f-a7c9-0e1f2a3b4c5d"  # the recorded claim's uid (default/pod-hv-9x2lq)
@@ -72,7 +71,7 @@ def devices_published(fake: FakeApiServer) -> int:
     return len(ours[0]["spec"].get("devices") or []) if len(ours) == 1 else -1
 
 
-def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: str, helpers: list[FakeHelper]) -> None:  # noqa: F811
+def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: str, helpers: list[FakeHelper]) -> None:
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         notifier = RecordingNotifier()
         agent = Agent(settings_in(tmp, config), modes.DRA, notifier=notifier)
@@ -116,7 +115,7 @@ def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: st
     with_cluster(tmp, body)
 
 
-def test_a_stopped_dra_agent_hands_over_to_a_ready_successor(tmp: str, helpers: list[FakeHelper],  # noqa: F811
+def test_a_stopped_dra_agent_hands_over_to_a_ready_successor(tmp: str, helpers: list[FakeHelper],
                                                              caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "hyperlight_agent")
 
@@ -138,7 +137,7 @@ def test_a_stopped_dra_agent_hands_over_to_a_ready_successor(tmp: str, helpers: 
     with_cluster(tmp, body)
 
 
-def test_no_api_access_is_said_once_and_retried_without_stopping(tmp: str, helpers: list[FakeHelper],  # noqa: F811
+def test_no_api_access_is_said_once_and_retried_without_stopping(tmp: str, helpers: list[FakeHelper],
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(dra_side_module, "RETRY_INITIAL_S", 0.01)
@@ -195,7 +194,7 @@ def test_device_info_comes_from_the_table() -> None:
 # Issue 26, 2: a removed registration socket is put back, the kubelet registers us again, and we
 # are not ready meanwhile; a removed service socket is served again too.
 def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration(
-        tmp: str, helpers: list[FakeHelper]) -> None:  # noqa: F811
+        tmp: str, helpers: list[FakeHelper]) -> None:
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         notifier = RecordingNotifier()
         agent = Agent(settings_in(tmp, config), modes.DRA, notifier=notifier)
@@ -228,7 +227,7 @@ def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration
 
 # Issue 26, 17: a stop at any moment of the start leaves none of our private sockets behind.
 @pytest.mark.parametrize("delay", [0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12])
-def test_a_stop_during_the_start_leaves_nothing_behind(tmp: str, helpers: list[FakeHelper],  # noqa: F811
+def test_a_stop_during_the_start_leaves_nothing_behind(tmp: str, helpers: list[FakeHelper],
                                                         delay: float) -> None:
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         agent = Agent(settings_in(tmp, config), modes.DRA)

@@ -17,7 +17,6 @@ from typing import Any, Awaitable, Callable, Optional
 import pytest
 from grpc_health.v1 import health_pb2
 
-from hyperlight_agent import agent as agent_module
 from hyperlight_agent import config, contracts, modes, waits
 from hyperlight_agent.agent import COMMIT_ENV, Agent
 from hyperlight_agent.config import Settings
@@ -30,7 +29,7 @@ from hyperlight_agent.deviceplugin.side import DevicePluginSnapshot
 from hyperlight_agent.files import cdi, labels
 from standin.kubelet import KubeletStandin
 from tests.conftest import read_bytes, until
-from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dp_side, files_as_devices
+from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dp_side, shut
 
 R = contracts.RESOURCE_HYPERVISOR
 
@@ -162,21 +161,6 @@ def test_nothing_is_said_after_stopping_when_the_first_check_ends_during_the_sto
 # --- the fast loop: a fake helper, a regular file for the node --------------------------------
 
 
-@pytest.fixture
-def helpers(monkeypatch: pytest.MonkeyPatch) -> list[FakeHelper]:
-    """Every agent built in the test gets a FakeHelper (listed here) instead of a helper process,
-    and a regular file at a row's path counts as its node."""
-    made: list[FakeHelper] = []
-
-    def fake(**kw: Any) -> FakeHelper:
-        made.append(FakeHelper(**kw))
-        return made[-1]
-
-    monkeypatch.setattr(agent_module, "ProbeHelper", fake)
-    files_as_devices(monkeypatch)
-    return made
-
-
 def settings_in(tmp: str, **kw: Any) -> Settings:
     return Settings.defaults(kubelet_dir=os.path.join(tmp, "kubelet"), cdi_dir=os.path.join(tmp, "cdi"),
                              device_dir=device_dir(tmp, "kvm"), device_count=3, **kw)
@@ -192,12 +176,6 @@ def with_kubelet(tmp: str, body: Callable[[KubeletStandin], Awaitable[None]]) ->
             await kubelet.stop()
 
     asyncio.run(main())
-
-
-async def shut(agent: Agent) -> None:
-    agent.stop()
-    await agent.wait()
-    await agent.close()
 
 
 def test_start_register_allocate_unhealthy_and_stop_in_process(tmp: str, helpers: list[FakeHelper]) -> None:
