@@ -115,16 +115,26 @@ def test_probe_names_only_the_device_probe() -> None:
     assert named <= {"device.helper", "device.helper_process", "device.kernel", "device.observation"}, named
 
 
+def _instance_attributes(module: str, cls: str) -> set[str]:
+    """The attributes a class's __init__ sets on self."""
+    (node,) = [n for n in trees()[module].body if isinstance(n, ast.ClassDef) and n.name == cls]
+    (init,) = [n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    return {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+
 def test_one_name_per_stream_count() -> None:
     """Open streams on every server (the servicer, the metric) and on the registered server (the
     registrar, readiness) are two counts with two names."""
     from hyperlight_agent.deviceplugin.side import DevicePluginSnapshot
 
     assert "current_streams" in DevicePluginSnapshot.__dataclass_fields__
-    for path, name in (("deviceplugin/servicer.py", "open_streams"), ("deviceplugin/registration.py",
-                                                                       "current_streams")):
-        source = read(f"hyperlight_agent/{path}")
-        assert f"self.{name} = 0" in source and not re.search(r"self\.streams\b", source), path
+    servicer = _instance_attributes("deviceplugin.servicer", "DevicePluginServicer")
+    registrar = _instance_attributes("deviceplugin.registration", "Registrar")
+    assert "open_streams" in servicer and "current_streams" not in servicer
+    assert "current_streams" in registrar and "open_streams" not in registrar
+    assert "streams" not in servicer | registrar
 
 
 def test_only_the_entry_point_reads_the_process_environment() -> None:
