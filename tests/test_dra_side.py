@@ -240,3 +240,32 @@ def test_a_stop_during_the_start_leaves_nothing_behind(tmp: str, helpers: list[F
         assert left == [], left
 
     with_cluster(tmp, body)
+
+
+# Issue 30, 2: a close with a Prepare in flight ends within the agent's shutdown bound, with the
+# service socket removed and the helper closed (the bound was a guess that cut the close short).
+def test_a_stop_with_a_prepare_in_flight_ends_within_the_bound(tmp: str, helpers: list[FakeHelper]) -> None:
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        agent = Agent(settings_in(tmp, config), modes.DRA)
+        await agent.start()
+        await until(lambda: agent.ready and bool(kubelet.instances.get(DRIVER)), what="ready")
+        side = dra_side(agent)
+        reading = asyncio.Event()
+
+        class Hanging:
+            async def allocation(self, namespace: str, name: str, uid: str) -> list[Any]:
+                reading.set()
+                await asyncio.Event().wait()  # an API server that never answers
+                return []
+
+        side.service.claims = Hanging()
+        prepare = asyncio.ensure_future(kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)]))
+        await until(reading.is_set, what="the Prepare in flight")
+        await waits.within(shut(agent), agent.shutdown_bound_s)
+        assert not os.path.exists(side.registrar.service_socket), "the service socket went with the close"
+        assert helpers[0].closed, "the helper was closed inside the bound"
+        # The kubelet's call ends with the server (it asks the successor again).
+        await asyncio.wait([prepare], timeout=5)
+        assert prepare.done() and (prepare.cancelled() or prepare.exception() is not None)
+
+    with_cluster(tmp, body)
