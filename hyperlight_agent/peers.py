@@ -101,7 +101,11 @@ def describe_handler(identity: Identity, ready: Callable[[], bool]) -> grpc.Gene
 
 
 class _Legacy(Exception):
-    """The peer has no Describe (an earlier release, or not ours at all)."""
+    """The server at `target` has no Describe (an earlier release, or not ours at all)."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(target)
+        self.target = target
 
 
 async def describe(path: str, timeout: float) -> Optional[Description]:
@@ -112,7 +116,7 @@ async def describe(path: str, timeout: float) -> Optional[Description]:
             answer = await channel.unary_unary(DESCRIBE, None, None)(b"", timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                raise _Legacy from None
+                raise _Legacy(path) from None
             return None
     return _parse(answer, path)
 
@@ -142,6 +146,15 @@ async def _same(path: str, budget: float) -> Optional[str]:
     return path
 
 
+async def _ask(path: str, budget: float, resolve: Resolve) -> tuple[Optional[str], Optional[Description]]:
+    """(the socket the candidate at `path` answers on, what it said there): (None, None) when it is
+    nothing of ours; a description of None from one of an earlier release (raises _Legacy)."""
+    target = await resolve(path, budget)
+    if target is None:
+        return None, None
+    return target, await describe(target, budget)
+
+
 async def successor(me: Identity, candidates: Callable[[], Iterable[str]], deadline: float,
                     resolve: Resolve = _same, legacy_ready: Optional[LegacyReady] = None) -> Optional[str]:
     """The socket of a ready instance of ours for our resource, looked for until the loop's clock
@@ -150,13 +163,11 @@ async def successor(me: Identity, candidates: Callable[[], Iterable[str]], deadl
     loop = asyncio.get_running_loop()
 
     async def ready(path: str, budget: float) -> Optional[str]:
-        target = await resolve(path, budget)
-        if target is None:
-            return None
         try:
-            found = await describe(target, budget)
-        except _Legacy:
-            return target if legacy_ready is not None and await legacy_ready(target, budget) else None
+            target, found = await _ask(path, budget, resolve)
+        except _Legacy as legacy:
+            ok = legacy_ready is not None and await legacy_ready(legacy.target, budget)
+            return legacy.target if ok else None
         ours = found is not None and found.ready and me.same_kind(found.identity) and found.identity != me
         return target if ours else None
 
@@ -172,18 +183,16 @@ async def successor(me: Identity, candidates: Callable[[], Iterable[str]], deadl
 
 async def newer(me: Identity, candidates: Iterable[str], resolve: Resolve = _same,
                 timeout: float = PEER_TIMEOUT_S) -> Optional[Description]:
-    """A live instance of ours for our resource that started after us, if there is one."""
+    """A live instance of ours for our resource that started after us, if there is one. An
+    earlier release (no Describe) does not yield, so it is not yielded to either."""
     deadline = asyncio.get_running_loop().time() + timeout
     newest: list[Description] = []
 
     async def is_newer(path: str, budget: float) -> Optional[str]:
-        target = await resolve(path, budget)
-        if target is None:
-            return None
         try:
-            found = await describe(target, budget)
+            target, found = await _ask(path, budget, resolve)
         except _Legacy:
-            return None  # an earlier release does not yield, so it is not yielded to either
+            return None
         if found is not None and me.same_kind(found.identity) and found.identity.is_newer_than(me):
             newest.append(found)
             return target

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import stat
 from typing import Callable, Optional
 
 import grpc
@@ -25,6 +23,7 @@ import grpc
 from hyperlight_agent import peers, transport
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
+from hyperlight_agent.files import sockets
 from hyperlight_agent.host import healthcheck
 
 log = logging.getLogger(__name__)
@@ -35,22 +34,8 @@ def candidates(kubelet_dir: str, base_socket: str, own: str) -> list[str]:
     hyperlight.<instance>.sock (for base hyperlight.sock), never our own. Whether one is an agent
     of ours is for peers.py to find out."""
     stem, _, suffix = base_socket.rpartition(".")
-    try:
-        names = sorted(os.listdir(kubelet_dir))
-    except OSError:
-        return []
-    found = []
-    for name in names:
-        if name == own or not (name == base_socket or (name.startswith(stem + ".") and name.endswith("." + suffix)
-                                                       and name.count(".") >= 2)):
-            continue
-        path = os.path.join(kubelet_dir, name)
-        try:
-            if stat.S_ISSOCK(os.lstat(path).st_mode):
-                found.append(path)
-        except OSError:
-            continue
-    return found
+    return sockets.listing(kubelet_dir, lambda name: name != own and (
+        name == base_socket or (name.startswith(stem + ".") and name.endswith("." + suffix) and name.count(".") >= 2)))
 
 
 async def legacy_ready(path: str, timeout: float) -> bool:

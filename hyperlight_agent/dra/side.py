@@ -17,10 +17,8 @@ plugin modes: this module only turns observations into a ResourceSlice and claim
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import stat
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
@@ -36,6 +34,7 @@ from hyperlight_agent.dra.prepared import Prepared
 from hyperlight_agent.dra.service import Service
 from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
+from hyperlight_agent.files import sockets
 from hyperlight_agent.host import healthcheck
 from hyperlight_agent.kubelet_side import Shared, count
 
@@ -287,19 +286,8 @@ def candidates(registry_dir: str, driver: str, own: str) -> list[str]:
     """Registration sockets in the registry that may be another instance of our driver: the
     names registration.registration_socket gives (<driver>-*-reg.sock, or the hashed dra-*), never
     ours. Whether one is an instance of ours is for GetInfo and peers.py to find out."""
-    try:
-        names = sorted(os.listdir(registry_dir))
-    except OSError:
-        return []
-    found = []
-    for name in names:
-        path = os.path.join(registry_dir, name)
-        if path == own or not name.endswith("-reg.sock") or not name.startswith((f"{driver}-", "dra-")):
-            continue
-        with contextlib.suppress(OSError):
-            if stat.S_ISSOCK(os.lstat(path).st_mode):
-                found.append(path)
-    return found
+    return sockets.listing(registry_dir, lambda name: os.path.join(registry_dir, name) != own
+                           and name.endswith("-reg.sock") and name.startswith((f"{driver}-", "dra-")))
 
 
 class _Retry(Exception):

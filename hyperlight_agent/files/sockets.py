@@ -15,7 +15,7 @@ import os
 import re
 import socket
 import stat
-from typing import Optional
+from typing import Callable, Optional
 
 from hyperlight_agent.files import atomic
 
@@ -76,6 +76,21 @@ class Pin:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+
+def listing(directory: str, wanted: Callable[[str], bool]) -> list[str]:
+    """The sockets in `directory` (sorted by name) whose names are `wanted` ([] when it cannot be
+    read): what might be another instance's, for peers.py to ask."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if wanted(name) and identity(path) is not None:
+            found.append(path)
+    return found
 
 
 def is_live(path: str) -> bool:
