@@ -520,3 +520,47 @@ def test_a_stale_socket_at_our_path_is_replaced(tmp: str) -> None:
 
     with_registrar(tmp, body)
 
+
+def test_a_kubelet_restart_seen_before_its_stream_end_registers_at_once(
+        tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watcher's wake (our socket removed, a new kubelet.sock) may reach us before the old
+    stream's end does: that stream was the old kubelet's, gone with it, so there is nothing to
+    settle before registering with the new one (issue 30: 8)."""
+    monkeypatch.setattr(registration, "STREAM_SETTLE_S", 30.0)  # a settle here would time out the test
+    held: list[tuple[int, int, object]] = []
+
+    async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
+        await until(lambda: streamed(kubelet, reg), what="streamed")
+        on_stream = reg._on_stream
+
+        def late(generation: int, delta: int, stream: object) -> None:  # the end arrives late
+            if delta < 0 and not reg.kubelet_restarts:
+                held.append((generation, delta, stream))
+            else:
+                on_stream(generation, delta, stream)
+
+        monkeypatch.setattr(reg, "_on_stream", late)
+        await kubelet.restart()
+        reg.wake()  # as the watcher does: our socket removed, a new kubelet.sock
+        await until(lambda: streamed(kubelet, reg) and reg.kubelet_restarts == 1, timeout=5,
+                    what="registered with the new kubelet")
+        assert held, "the old stream's end was still undelivered when the restart was seen"
+
+    with_registrar(tmp, body, loss_backoff=Backoff(initial=30, cap=30))
+
+
+def test_our_socket_removed_during_register_serves_again_at_once(tmp: str) -> None:
+    """A kubelet starting removes every socket in its directory: a Register in flight then dials
+    back to nothing and would hang until its deadline. It is given up at once (issue 30: 8)."""
+    async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
+        kubelet.mode = "hang"
+        await kubelet.start()
+        await until(lambda: kubelet.register_calls, what="a Register in flight")
+        kubelet.mode = "normal"
+        os.unlink(reg.socket_path)
+        reg.wake()  # as the watcher does
+        await until(lambda: streamed(kubelet, reg), timeout=5, what="registered again")
+        assert len(kubelet.register_calls) == 2
+        assert reg.registrations == 1
+
+    with_registrar(tmp, body, start_kubelet=False, register_timeout=30)

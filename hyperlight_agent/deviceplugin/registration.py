@@ -50,9 +50,10 @@ REGISTER_TIMEOUT_S = 5.0
 STREAM_OPEN_TIMEOUT_S = 3.0
 # A stream that lived this long was a healthy registration: the backoff starts over after it.
 STABLE_STREAM_S = 30.0
-# After ending a stream the kubelet still had open, before registering again: the kubelet handles
-# the end asynchronously, and in 1.28 an old stream ending after a new Register disconnects the
-# new one (kubernetes issue 121994); later releases mark the resource unhealthy instead.
+# After ending a stream the kubelet still had open, before registering again with that same kubelet:
+# it handles the end asynchronously, and in 1.28 an old stream ending after a new Register
+# disconnects the new one (kubernetes issue 121994); later releases mark the resource unhealthy
+# instead. A kubelet that restarted meanwhile never knew that stream: no wait then.
 STREAM_SETTLE_S = 0.1
 # A safety net for when the kubelet directory is not watched (inotify unavailable, the directory
 # missing or its watch refused): re-check the sockets this often. While it is watched, events wake
@@ -65,6 +66,10 @@ KUBELET_STARTING_S = 10.0
 
 class RegistrationError(Exception):
     """Register with the kubelet failed (the message names its socket and the cause)."""
+
+
+class Unserved(RegistrationError):
+    """Our socket left its path while Register was in flight: serve again at once."""
 
 
 class AlreadyServed(Exception):
@@ -156,7 +161,9 @@ class Registrar:
         self._kubelet_stream: Optional[object] = None
         self._kubelet_stream_open = False
         self._stream_since = 0.0
-        self._streamed_before_stop = False
+        # The kubelet our last Register went to, when stop() ended its stream (None: none ended).
+        # Pinned: a restarted kubelet's new socket may get the old one's inode number.
+        self._stream_ended_with: Optional[Pin] = None
         self.state: State = State.WAITING
         self.registrations = 0
         self.kubelet_restarts = 0
@@ -185,15 +192,18 @@ class Registrar:
         self._pin("_kubelet_tried", Pin.take(self.kubelet_socket))
         try:
             await self._serve()
-            if self._streamed_before_stop:
-                await asyncio.sleep(STREAM_SETTLE_S)
-                self._streamed_before_stop = False
+            ended = self._stream_ended_with
+            if ended is not None:
+                same_kubelet = ended.is_at(self.kubelet_socket)
+                self._pin("_stream_ended_with", None)
+                if same_kubelet:
+                    await asyncio.sleep(STREAM_SETTLE_S)
             await self._register()
         except (RegistrationError, transport.NotServing) as exc:
             self.last_error = str(exc)
             await self.stop(grace=0)
             self._set(State.WAITING)
-            delay = self._backoff.next()
+            delay = 0.0 if isinstance(exc, Unserved) else self._backoff.next()
             unanswered = isinstance(exc.__cause__, grpc.aio.AioRpcError) and \
                 exc.__cause__.code() == grpc.StatusCode.UNAVAILABLE
             if unanswered and self._kubelet_starting():  # a kubelet that refuses us is backed off
@@ -271,7 +281,7 @@ class Registrar:
         serving, self._serving = self._serving, None
         self._generation += 1  # from here on, the old server's streams change nothing
         if self._kubelet_stream_open:
-            self._streamed_before_stop = True
+            self._pin("_stream_ended_with", self._kubelet_tried)  # the kubelet of this stream's Register
         self.current_streams = 0
         self._forget_kubelet_stream()
         self.end_streams()
@@ -279,11 +289,12 @@ class Registrar:
             await serving.stop(grace)
 
     def _pin(self, attr: str, new: Optional[Pin]) -> Optional[Pin]:
-        """Remember `new` as _kubelet_seen or _kubelet_tried; the pin it replaces is closed unless
-        the other still holds it."""
+        """Remember `new` as _kubelet_seen, _kubelet_tried or _stream_ended_with; the pin it
+        replaces is closed unless another of them still holds it."""
         old = getattr(self, attr)
         setattr(self, attr, new)
-        if old is not None and all(old is not p for p in (self._kubelet_seen, self._kubelet_tried)):
+        if old is not None and all(old is not p for p in (self._kubelet_seen, self._kubelet_tried,
+                                                          self._stream_ended_with)):
             old.close()
         return new
 
@@ -334,18 +345,43 @@ class Registrar:
             options=api.plugin_options(),
         )
         self._register_sent = True
-        try:
-            async with grpc.aio.insecure_channel(transport.unix_target(self.kubelet_socket)) as channel:
-                await api.registration_stub(channel).Register(request, timeout=self._register_timeout)
-        except grpc.aio.AioRpcError as exc:
+        async with grpc.aio.insecure_channel(transport.unix_target(self.kubelet_socket)) as channel:
+            register = asyncio.ensure_future(
+                api.registration_stub(channel).Register(request, timeout=self._register_timeout))
+            unserved = asyncio.ensure_future(self._unserved())
+            try:
+                await asyncio.wait({register, unserved}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                unserved.cancel()
+                register.cancel()  # nothing once it is done; else the RPC is cancelled
+            if not register.done():
+                await asyncio.wait({register})
+                raise Unserved(f"Register with {self.kubelet_socket}: {self.socket_path} was removed "
+                               "meanwhile (a kubelet starting?)")
+            # Taken, not raised here: a traceback through this frame would keep the call, and
+            # grpc's connection state for kubelet.sock with it, until the garbage collector ran.
+            error = register.exception()
+        if isinstance(error, grpc.aio.AioRpcError):
             raise RegistrationError(
-                f"Register with {self.kubelet_socket}: {exc.code().name}: {exc.details()}") from exc
+                f"Register with {self.kubelet_socket}: {error.code().name}: {error.details()}") from error
+        if error is not None:
+            raise error
         previous = self._kubelet_seen
         if previous is not None and previous.identity != kubelet.identity:
             # Counted here, where it is certain: a restart first seen as a lost stream (the
             # kubelet stopping ends it before its new socket exists) is registered anew at once.
             self.kubelet_restarts += 1
         self._pin("_kubelet_seen", kubelet)
+
+    async def _unserved(self) -> None:
+        """Returns once our socket is no longer at its path. The kubelet dials back to that path
+        inside Register: a kubelet starting removes every socket in its directory, ours too, and
+        its dial then finds nothing until Register's deadline."""
+        while True:
+            self._wake.clear()
+            if self._serving is None or not self._serving.still_ours():
+                return
+            await self._wake.wait()
 
     async def _wait_for_kubelet(self, delay: float) -> bool:
         """Sleep `delay`, cut short (True) as soon as a (new) kubelet.sock exists: woken by the
