@@ -3,7 +3,7 @@
 Everything the agent waits on is an event on this loop: gRPC calls and streams, inotify on the
 kubelet, CDI and device directories, the check timer, the probe helper's pipe. One thread of
 control means the shared state needs no locks. Signals are the entry point's business (cli.py,
-signals.py): it calls stop() and reload().
+signals.py): it calls stop(), reload() and upgrade().
 
 Construct it inside the running event loop (asyncio objects bind to it on Python 3.9).
 """
@@ -26,6 +26,7 @@ from hyperlight_agent.device.helper import CLOSE_BOUND_S, ProbeHelper
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.files import labels
 from hyperlight_agent.files.watcher import CONTENT, NAMES, DirectoryWatcher
+from hyperlight_agent.host import successor
 from hyperlight_agent.host.metrics import Metrics
 from hyperlight_agent.host.notify import Notifier
 from hyperlight_agent.kubelet_side import Shared, Snapshot
@@ -72,6 +73,9 @@ class Agent:
         self._tasks: list[asyncio.Future[Any]] = []
         self._stopping = False
         self._handing_over = False
+        self._handed_over = False  # an in-place upgrade's child has the kubelet and the unit
+        self.upgrades = successor.Record()
+        self._upgrade: Optional[asyncio.Future[None]] = None
         self.reloader = Reloader(reload, lambda: self.settings, self._apply_reload, self.notifier,
                                  on_refused=self._forget_status)
         self._last_status = ""
@@ -90,6 +94,8 @@ class Agent:
         await self.health_service.set(services["liveness"], health_pb2.HealthCheckResponse.SERVING)
         await self.health_service.set(services["readiness"], health_pb2.HealthCheckResponse.NOT_SERVING)
         jobs = [self.side.run(), self.watcher.run(), self._periodic_checks()]
+        if self.notifier.predecessor is not None:
+            jobs.append(self._predecessor_gone(self.notifier.predecessor))
         if self.notifier.watchdog_interval is not None:
             jobs.append(self._watchdog(self.notifier.watchdog_interval))
         if self.metrics_server is not None:
@@ -122,7 +128,7 @@ class Agent:
         # Only a ready agent has something to hand over. An unready one is also one the DaemonSet
         # controller replaces only after it is gone (it surges for available pods only): waiting
         # for a successor would only delay the replacement by handover_seconds.
-        if self.settings.handover_seconds > 0 and self.ready:
+        if self.settings.handover_seconds > 0 and self.ready and not self._handed_over:
             self._handing_over = True
             await self._hand_over(self.settings.handover_seconds)
         self._stopping = True
@@ -133,7 +139,8 @@ class Agent:
         # log after "stopping" (and a first check may still be running this early).
         self.checker.cancel()
         reloading = self.reloader.stop()
-        tasks = [*self._tasks, *([reloading] if reloading else [])]
+        upgrading = self._upgrade if self._upgrade is not None and not self._upgrade.done() else None
+        tasks = [*self._tasks, *([reloading] if reloading else []), *([upgrading] if upgrading else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -169,6 +176,66 @@ class Agent:
         """Re-read the settings and apply them (SIGHUP): reload.py."""
         self.reloader.request()
 
+    def upgrade(self) -> None:
+        """Replace this process with the code installed now, without a gap (SIGUSR2): host/successor.py."""
+        if self._stopping or self._handing_over or self._handed_over:
+            return
+        if self._upgrade is not None and not self._upgrade.done():
+            log.info("in-place upgrade requested: one is already under way")
+            return
+        if not self.notifier.under_systemd or self.notifier.predecessor is not None:
+            # Only systemd can be told that the new process is the one to watch; and until our
+            # predecessor is gone we are not yet the unit's main process.
+            why = "not under systemd" if not self.notifier.under_systemd else "still taking over"
+            self.upgrades.attempts += 1
+            self.upgrades.state, self.upgrades.why = "failed", f"in-place upgrades need systemd's notify socket ({why})"
+            log.warning("in-place upgrade refused: %s", self.upgrades.why)
+            return
+        self._upgrade = asyncio.ensure_future(self._upgrade_in_place())
+
+    async def _upgrade_in_place(self) -> None:
+        record = self.upgrades
+        record.attempts += 1
+        record.state, record.why, record.pid = "running", "", 0
+        log.info("in-place upgrade requested: starting the installed agent beside this one")
+        self.notifier.reloading("upgrading in place: starting the installed agent")
+        # A ready agent waits for a ready child; an unready one has no readiness to keep, and
+        # only needs the child serving.
+        ready = self.ready
+        pid, said = await successor.replace_self(
+            self.settings.instance, self._environ,
+            lambda pid: self.side.hand_over(successor.READY_TIMEOUT_S, pid=pid, ready=ready))
+        if pid is None:
+            record.state, record.why = "failed", said
+            log.warning("in-place upgrade failed: %s; this agent (%s) serves on", said, __version__)
+            self.notifier.reloaded()
+            return
+        record.state, record.pid = "done", pid
+        log.info("in-place upgrade: handing over to pid %d (%s) and leaving", pid, said)
+        self.notifier.hand_off(pid, f"handed over to pid {pid} in an in-place upgrade")
+        self._handed_over = True
+        self.stop()
+
+    async def _predecessor_gone(self, pid: int) -> None:
+        """We are an in-place upgrade's child: once the agent we replace has exited, we are the
+        unit's main process and speak for it."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            pidfd = -1
+        if pidfd >= 0:
+            gone = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            loop.add_reader(pidfd, gone.set)
+            try:
+                await gone.wait()
+            finally:
+                loop.remove_reader(pidfd)
+                os.close(pidfd)
+        log.info("the agent we replaced (pid %d) has exited: this process speaks for the unit", pid)
+        self.notifier.take_over()
+        await asyncio.Event().wait()  # an agent task runs until cancelled
+
     def _apply_reload(self, new: Settings) -> None:
         if new.check_interval_seconds != self.settings.check_interval_seconds:
             self._interval_changed.set()
@@ -185,7 +252,7 @@ class Agent:
         """What every socket of ours serves beside its kubelet protocol: the gRPC health service
         (the exec probes, a successor's readiness) and Describe (peers.py)."""
         health_pb2_grpc.add_HealthServicer_to_server(self.health_service, server)
-        server.add_generic_rpc_handlers([peers.describe_handler(self.identity, lambda: self.ready)])
+        server.add_generic_rpc_handlers([peers.describe_handler(self.identity, lambda: self.ready, self.upgrades.said)])
 
     async def _watchdog(self, interval: float) -> None:
         """WATCHDOG=1 from the loop that does the work: if the loop wedges, systemd restarts us."""

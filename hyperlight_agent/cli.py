@@ -26,8 +26,9 @@ DESCRIPTION = (
 )
 EPILOG = (
     "Exit status: 0 on a clean stop, 1 on a runtime failure (also when another agent already serves "
-    "our socket), 2 on a usage or configuration error. SIGTERM or SIGINT stops gracefully (also "
-    "during startup); SIGHUP reloads the config file; the CDI spec is kept."
+    "our socket), 2 on a usage or configuration error (--upgrade-in-place: 3 when PID cannot upgrade in "
+    "place). SIGTERM or SIGINT stops gracefully (also during startup); SIGHUP reloads the config file; "
+    "SIGUSR2 upgrades in place under systemd (what --upgrade-in-place sends); the CDI spec is kept."
 )
 
 
@@ -62,8 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="one-shot diagnostic: detect, probe, check host identity and the CDI spec without "
         "changing anything; exit 0 when this node can serve Hyperlight",
     )
+    actions.add_argument(
+        "--upgrade-in-place", type=_pid, metavar="PID", default=None,
+        help="ask the agent running as PID (the unit's main process) to start the code installed now, "
+        "hand the kubelet and the unit over to it and leave, without a moment unserved; wait for the "
+        "outcome: exit 0 when done, 1 when it failed (the old agent serves on), 3 when PID cannot "
+        "upgrade in place (then restart the unit)",
+    )
     config.add_arguments(parser)
     return parser
+
+
+def _pid(value: str) -> int:
+    if not (value.isascii() and value.isdigit()) or not 0 < int(value) <= contracts.PID_MAX:
+        raise argparse.ArgumentTypeError(f"not a process id: {text.quote(value)}")
+    return int(value)
 
 
 def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None) -> int:
@@ -82,25 +96,10 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
     except config.ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    if args.health_check or args.check:
-        signals.restore_defaults()
-    mode = modes.of(args.device_access, args.dra)
-    if args.health_check:
-        from hyperlight_agent.host.healthcheck import health_check
-
-        ok, line = health_check(mode.health_socket(settings), args.health_check)
-        print(line)
-        return 0 if ok else 1
-    if args.check:
-        from hyperlight_agent.diagnose import diagnose
-
-        logging.getLogger("hyperlight_agent").setLevel(logging.ERROR)  # the report says it all
-        ok, lines = diagnose(settings)
-        print("\n".join(lines))
-        print("this node can serve Hyperlight" if ok else "this node cannot serve Hyperlight")
-        return 0 if ok else 1
+    if args.health_check or args.check or args.upgrade_in_place:
+        return _one_shot(args, settings)
     journal.setup(settings.log_level, environ, {
-        "resource": mode.resource,
+        "resource": modes.of(args.device_access, args.dra).resource,
         "cdi_path": os.path.join(settings.cdi_dir, contracts.CDI_SPEC_FILE),
         "device_dir": settings.device_dir})
     from hyperlight_agent.deviceplugin.registration import (
@@ -118,13 +117,38 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
     return 0
 
 
+def _one_shot(args: argparse.Namespace, settings: config.Settings) -> int:
+    """--health-check, --upgrade-in-place, --check: one answer, then exit."""
+    signals.restore_defaults()
+    if args.health_check:
+        from hyperlight_agent.host.healthcheck import health_check
+
+        ok, line = health_check(_health_socket(modes.of(args.device_access, args.dra), settings), args.health_check)
+        print(line)
+        return 0 if ok else 1
+    if args.upgrade_in_place:
+        from hyperlight_agent.host.upgrade import upgrade_in_place
+
+        code, line = upgrade_in_place(args.upgrade_in_place,
+                                      lambda: [p for m in modes.MODES for p in m.instance_sockets(settings)])
+        print(line)
+        return code
+    from hyperlight_agent.diagnose import diagnose
+
+    logging.getLogger("hyperlight_agent").setLevel(logging.ERROR)  # the report says it all
+    ok, lines = diagnose(settings)
+    print("\n".join(lines))
+    print("this node can serve Hyperlight" if ok else "this node cannot serve Hyperlight")
+    return 0 if ok else 1
+
+
 async def _serve(settings: config.Settings, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     from hyperlight_agent.agent import Agent
 
     agent = Agent(settings, modes.of(args.device_access, args.dra), reload=lambda: config.load(args, environ),
                   environ=environ)
     loop = asyncio.get_running_loop()
-    signals.attach(loop, agent.stop, agent.reload)
+    signals.attach(loop, agent.stop, agent.reload, agent.upgrade)
     try:
         await agent.start()
         try:
@@ -134,6 +158,18 @@ async def _serve(settings: config.Settings, args: argparse.Namespace, environ: M
             await agent.close()
     finally:
         signals.detach(loop)
+
+
+def _health_socket(mode: modes.Mode, settings: config.Settings) -> str:
+    """The mode's socket for our instance name; once in-place upgrades have put the agent under a
+    name derived from ours (host/successor.py), the newest such instance's."""
+    path = mode.health_socket(settings)
+    if os.path.lexists(path):
+        return path
+    from hyperlight_agent.host.upgrade import descendant
+
+    return asyncio.run(descendant(settings.instance, mode.protocol.value, mode.resource,
+                                  mode.instance_sockets(settings))) or path
 
 
 def exit_now(code: int) -> NoReturn:

@@ -443,8 +443,8 @@ def default_file() -> str:
     out = [
         "# hyperlight-agent settings. Every key is optional; shown here with its default.",
         "# Environment variables and flags override this file (see `hyperlight-agent --help`).",
-        "# After editing: `systemctl reload hyperlight-agent` (settings marked \"changes only on",
-        "# restart\" need `systemctl restart hyperlight-agent`).",
+        "# After editing: `systemctl reload hyperlight-agent` applies every setting without a moment",
+        "# unserved (an in-place replacement; a file it refuses leaves the running agent as it was).",
     ]
     for s in SETTINGS:
         out += ["", f"# {s.meaning[0].upper()}{s.meaning[1:]}.", f"# env {s.env}, flag {s.flag}"]

@@ -46,6 +46,12 @@ def instance_socket_name(socket_name: str, instance: str | None) -> str:
     return f"{stem}.{instance}.{suffix}"
 
 
+def is_instance_socket_name(name: str, socket_name: str) -> bool:
+    """Whether `name` is socket_name itself or one instance's (instance_socket_name)."""
+    stem, _, suffix = socket_name.rpartition(".")
+    return name == socket_name or (name.startswith(stem + ".") and name.endswith("." + suffix) and name.count(".") >= 2)
+
+
 def private_socket_name(socket_name: str, pid: int, token: str) -> str:
     """Where a server binds before its socket is renamed into place: .hyperlight.sock.<pid>.<hex>."""
     return f".{socket_name}.{pid}.{token}"
@@ -69,6 +75,10 @@ ENV_DEVICE_PATH = "HYPERLIGHT_DEVICE_PATH"
 NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"
 WATCHDOG_USEC_ENV = "WATCHDOG_USEC"
 JOURNAL_STREAM_ENV = "JOURNAL_STREAM"
+# Ours, beside systemd's: in an in-place upgrade's child (host/successor.py), the pid of the agent
+# it replaces. Until that process is gone the child is not the unit's main process, and says
+# nothing to systemd (NotifyAccess=main would drop it, with a warning in the journal).
+PREDECESSOR_ENV = "HYPERLIGHT_AGENT_PREDECESSOR"
 
 
 # ---- Dynamic Resource Allocation: the kubelet's side

@@ -64,8 +64,9 @@ class KubeletSide(Protocol):
         """Serve the kubelet until cancelled; raises only what must end the agent."""
         ...
 
-    async def hand_over(self, timeout: float) -> Optional[str]:
-        """Serve on until a successor instance of ours is ready, at most `timeout` s; its socket."""
+    async def hand_over(self, timeout: float, pid: Optional[int] = None, ready: bool = True) -> Optional[str]:
+        """Serve on until a successor instance of ours is ready (without `ready`: answers), at
+        most `timeout` s (with `pid`, only that process counts); its socket."""
         ...
 
     def begin_stop(self) -> None:

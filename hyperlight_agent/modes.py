@@ -15,6 +15,7 @@ from typing import NamedTuple, Optional
 
 from hyperlight_agent import config, contracts
 from hyperlight_agent.dra import names
+from hyperlight_agent.files import sockets
 
 
 class Protocol(str, enum.Enum):
@@ -46,6 +47,13 @@ class Mode(NamedTuple):
             return names.service_socket(settings.dra_plugins_dir, self.resource, dra_instance(settings.instance))
         return os.path.join(settings.kubelet_dir, contracts.instance_socket_name(self.socket, settings.instance))
 
+    def instance_sockets(self, settings: config.Settings) -> list[str]:
+        """The sockets an instance of this mode, under any instance name, answers Describe and
+        the health service on (peers.py): what finds the agent when its name is not known."""
+        if self.protocol is Protocol.DRA:
+            return sockets.listing(os.path.join(settings.dra_plugins_dir, self.resource), names.is_service_socket_name)
+        return sockets.listing(settings.kubelet_dir, lambda name: contracts.is_instance_socket_name(name, self.socket))
+
 
 PLUGIN = Mode("plugin", contracts.RESOURCE_HYPERVISOR, contracts.PLUGIN_SOCKET, None, None,
               workload_env=True, inventory_only=False)
@@ -58,6 +66,8 @@ DEVICE_ACCESS = Mode("device-access", contracts.RESOURCE_DEVICE_ACCESS, contract
 # it, so no DeviceSpec and no environment of ours).
 DRA = Mode("dra", contracts.DRA_DRIVER, "", None, config.ALLOCATION_CDI, workload_env=False,
            inventory_only=False, protocol=Protocol.DRA)
+
+MODES = (PLUGIN, DEVICE_ACCESS, DRA)
 
 
 def dra_instance(instance: Optional[str]) -> str:

@@ -29,7 +29,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Awaitable, Callable, Iterable, Optional
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional
 
 import grpc
 
@@ -89,12 +89,16 @@ class Description:
     identity: Identity
     ready: bool
     path: str  # the socket it answered on
+    # How its in-place upgrades stand (host/successor.py, Record); None from an instance that
+    # cannot upgrade in place (an earlier release).
+    upgrade: Optional[Mapping[str, Any]] = None
 
 
-def describe_handler(identity: Identity, ready: Callable[[], bool]) -> grpc.GenericRpcHandler[Any, Any]:
-    """The Describe method, for a server that serves one of our sockets."""
+def describe_handler(identity: Identity, ready: Callable[[], bool],
+                     more: Callable[[], Mapping[str, Any]] = dict) -> grpc.GenericRpcHandler[Any, Any]:
+    """The Describe method, for a server that serves one of our sockets (`more`: further fields)."""
     async def describe(request: bytes, context: Any) -> bytes:
-        return json.dumps({**asdict(identity), "ready": bool(ready())}).encode()
+        return json.dumps({**asdict(identity), "ready": bool(ready()), **more()}).encode()
 
     handler = grpc.unary_unary_rpc_method_handler(describe)  # bytes in, bytes out
     return grpc.method_handlers_generic_handler(SERVICE, {"Describe": handler})
@@ -129,7 +133,8 @@ def _parse(answer: Any, path: str) -> Optional[Description]:
         identity = Identity(instance=str(doc["instance"]), protocol=str(doc["protocol"]),
                             resource=str(doc["resource"]), started=int(doc["started"]), pid=int(doc["pid"]),
                             version=str(doc["version"]), agent=str(doc["agent"]))
-        return Description(identity, doc["ready"] is True, path)
+        upgrade = doc.get("upgrade")
+        return Description(identity, doc["ready"] is True, path, upgrade if isinstance(upgrade, dict) else None)
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -156,19 +161,25 @@ async def _ask(path: str, budget: float, resolve: Resolve) -> tuple[Optional[str
 
 
 async def successor(me: Identity, candidates: Callable[[], Iterable[str]], deadline: float,
-                    resolve: Resolve = _same, legacy_ready: Optional[LegacyReady] = None) -> Optional[str]:
+                    resolve: Resolve = _same, legacy_ready: Optional[LegacyReady] = None,
+                    pid: Optional[int] = None, require_ready: bool = True) -> Optional[str]:
     """The socket of a ready instance of ours for our resource, looked for until the loop's clock
     reaches `deadline`; None then. `candidates()` lists sockets that may be one (never ours); the
-    socket returned is the one the successor answered on (resolved from its candidate)."""
+    socket returned is the one the successor answered on (resolved from its candidate). With
+    `pid`, only that process counts (the child an in-place upgrade started), and without
+    `require_ready` it need only answer (an unready agent has no readiness to hand over)."""
     loop = asyncio.get_running_loop()
 
     async def ready(path: str, budget: float) -> Optional[str]:
         try:
             target, found = await _ask(path, budget, resolve)
         except _Legacy as legacy:
-            ok = legacy_ready is not None and await legacy_ready(legacy.target, budget)
+            ok = pid is None and legacy_ready is not None and await legacy_ready(legacy.target, budget)
             return legacy.target if ok else None
-        ours = found is not None and found.ready and me.same_kind(found.identity) and found.identity != me
+        ours = (found is not None and (found.ready or not require_ready) and me.same_kind(found.identity)
+                and found.identity != me)
+        if ours and pid is not None:
+            ours = found is not None and found.identity.pid == pid
         return target if ours else None
 
     while True:

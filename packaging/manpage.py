@@ -55,10 +55,16 @@ def render() -> str:
         "after uninstalling.",
         ".SH SIGNALS",
         ".TP", "\\fBSIGTERM\\fR, \\fBSIGINT\\fR", "Stop gracefully within a bounded grace; the socket is removed.",
-        ".TP", "\\fBSIGHUP\\fR", "Re-read the settings file; an invalid file is refused and the running settings kept.",
+        ".TP", "\\fBSIGHUP\\fR", "Re-read the settings file; an invalid file is refused and the running settings kept "
+        "(settings that change only on a restart keep their running value).",
+        ".TP", "\\fBSIGUSR2\\fR", "Under systemd: upgrade in place. Start the code and settings installed now as a "
+        "new process, hand the kubelet and the unit over to it once it is registered and ready "
+        "(MAINPID=), and exit; if it fails, serve on. \\fB--upgrade-in-place\\fR sends it and waits for the "
+        "outcome; the unit's reload and the package upgrades use that.",
         ".SH EXIT STATUS",
         "0 after a clean stop or a passing check; 1 on a runtime failure or a failing check; "
-        "2 on a usage or configuration error.",
+        "2 on a usage or configuration error; with \\fB--upgrade-in-place\\fR, 1 when the upgrade failed "
+        "(the running agent serves on) and 3 when the process cannot upgrade in place.",
         ".SH SEE ALSO",
         "\\fBsystemctl\\fR(1), \\fBsystemd.exec\\fR(5), \\fBkubelet\\fR(8)",
     ]

@@ -6,6 +6,9 @@ As strict as the real device manager (the kubelet's pkg/kubelet/cm/devicemanager
   the background;
 - when a ListAndWatch stream ends, for any reason, every device of the resource is unhealthy and
   the endpoint stopped; the stand-in never dials that plugin again (only a new Register helps);
+- the resource's devices are the last list any of its endpoints sent (the device manager keeps
+  them per resource name, genericDeviceUpdateCallback): a new Register leaves the count as it
+  was until the new endpoint's first list;
 - a later Register for the same resource replaces the client, and the old client lives on until
   its stream ends. What that end does depends on the kubelet (`flavor`, read from the kubelet's
   devicemanager sources at the pinned versions, tests/e2e/components):
@@ -68,12 +71,6 @@ class Plugin:
     def devices(self) -> list[tuple[str, str]]:
         return self.lists[-1][1] if self.lists else []
 
-    @property
-    def healthy(self) -> int:
-        """Allocatable slots as the kubelet would count them (0 once the endpoint stopped)."""
-        if not self.stream_open or self.stopped:
-            return 0
-        return sum(1 for _, health in self.devices if health == contracts.HEALTHY)
 
 
 class NotAllocatable(Exception):
@@ -91,6 +88,9 @@ class KubeletStandin:
         self.socket_path = os.path.join(directory, contracts.KUBELET_SOCKET)
         self.checkpoint = os.path.join(directory, contracts.KUBELET_CHECKPOINT)
         self.plugins: dict[str, Plugin] = {}
+        # Per resource: the last list any of its endpoints sent, [(ID, health)] (the device
+        # manager's healthyDevices and unhealthyDevices).
+        self.devices: dict[str, list[tuple[str, str]]] = {}
         self.register_calls: list[tuple[float, pb.RegisterRequest]] = []
         self.mode = "normal"  # "normal", "hang" or "reject"
         self.open_streams = True  # False: register plugins but never call ListAndWatch
@@ -107,7 +107,16 @@ class KubeletStandin:
     def allocatable(self, resource: str = contracts.RESOURCE_HYPERVISOR) -> int:
         """The resource's allocatable count as the kubelet reports it (0 before any registration)."""
         p = self.plugins.get(resource)
-        return p.healthy if p else 0
+        if p is None or p.stopped:
+            return 0
+        return len(self._healthy(resource))
+
+    def _healthy(self, resource: str) -> set[str]:
+        return {i for i, health in self.devices.get(resource, []) if health == contracts.HEALTHY}
+
+    def _mark_unhealthy(self, resource: str) -> None:
+        """As markResourceUnhealthy: the last endpoint is gone, every device is unhealthy."""
+        self.devices[resource] = [(i, contracts.UNHEALTHY) for i, _ in self.devices.get(resource, [])]
 
     async def start(self) -> None:
         os.makedirs(self.directory, exist_ok=True)
@@ -134,6 +143,7 @@ class KubeletStandin:
         """As the kubelet does on start: remove the sockets in its directory, serve kubelet.sock anew."""
         await self.stop()
         self.plugins.clear()
+        self.devices.clear()
         for name in os.listdir(self.directory):
             path = os.path.join(self.directory, name)
             with contextlib.suppress(FileNotFoundError):
@@ -150,6 +160,7 @@ class KubeletStandin:
             await self._drop(plugin)
         self.replaced.clear()
         self.plugins.clear()
+        self.devices.clear()
         if self._server is not None:
             await self._server.stop(0)
         with contextlib.suppress(FileNotFoundError):  # grpc may already have removed it
@@ -209,6 +220,7 @@ class KubeletStandin:
         try:
             async for response in call:
                 plugin.lists.append((time.monotonic(), [(d.ID, d.health) for d in response.devices]))
+                self.devices[plugin.resource] = plugin.lists[-1][1]
                 self._changed()
         except grpc.aio.AioRpcError:
             pass
@@ -222,16 +234,19 @@ class KubeletStandin:
             if plugin in self.replaced:
                 self.replaced.remove(plugin)
                 self._old_client_ended(plugin)
-            elif self.flavor == "1.35" and self.plugins.get(plugin.resource) is plugin:
-                self._promote(plugin.resource)
+            elif self.plugins.get(plugin.resource) is plugin and not self._promote(plugin.resource):
+                self._mark_unhealthy(plugin.resource)
             self._changed()
 
-    def _promote(self, resource: str) -> None:
-        """1.35+: the primary endpoint ended; another live one for the resource takes its place."""
+    def _promote(self, resource: str) -> bool:
+        """1.35+: the primary endpoint ended; another live one for the resource takes its place
+        (True). 1.34 has one client per resource: never."""
         live = [p for p in self.replaced if p.resource == resource and p.stream_open]
-        if live:
-            self.replaced.remove(live[-1])
-            self.plugins[resource] = live[-1]
+        if self.flavor != "1.35" or not live:
+            return False
+        self.replaced.remove(live[-1])
+        self.plugins[resource] = live[-1]
+        return True
 
     def _old_client_ended(self, old: Plugin) -> None:
         """What a replaced client's end does to the resource's current registration."""
@@ -267,7 +282,7 @@ class KubeletStandin:
             raise NotAllocatable(f"{resource}: no plugin registered")
         if plugin.stopped or not plugin.stream_open:
             raise NotAllocatable(f"{resource}: endpoint stopped")
-        healthy = {i for i, health in plugin.devices if health == contracts.HEALTHY}
+        healthy = self._healthy(resource)
         if not ids or not set(ids) <= healthy:
             raise NotAllocatable(f"{resource}: {ids} are not healthy devices")
         request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
@@ -288,7 +303,7 @@ class KubeletStandin:
         return response
 
     def _changed(self) -> None:
-        self.timeline.append((time.monotonic(), {r: p.healthy for r, p in self.plugins.items()}))
+        self.timeline.append((time.monotonic(), {r: self.allocatable(r) for r in self.plugins}))
         event, self.changed = self.changed, asyncio.Event()
         event.set()
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, NoReturn, Optional, Union
 
 import pytest
 
+from hyperlight_agent import __version__
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.helper import ProbeRequest, ProbeResult
 from hyperlight_agent.device.observation import Observation
@@ -117,12 +118,18 @@ class RecordingNotifier(Notifier):
         if watchdog_interval is not None:
             self.watchdog_interval = watchdog_interval
 
-    def send(self, *lines: str) -> None:
+    def _deliver(self, lines: tuple[str, ...]) -> None:
         self.messages.append(lines)
 
     @property
     def statuses(self) -> list[str]:
-        return [line[len("STATUS="):] for m in self.messages for line in m if line.startswith("STATUS=")]
+        """The status lines, without the version each ends with."""
+        return [line[len("STATUS="):].removesuffix(VERSION_SUFFIX)
+                for m in self.messages for line in m if line.startswith("STATUS=")]
+
+
+# What Notifier appends to every status line of ours.
+VERSION_SUFFIX = f"; version {__version__}"
 
 
 def shared(checker: Optional[FakeChecker] = None, identity: Optional[Any] = None,

@@ -29,7 +29,7 @@ from hyperlight_agent.deviceplugin.side import DevicePluginSnapshot
 from hyperlight_agent.files import cdi, labels
 from standin.kubelet import KubeletStandin
 from tests.conftest import read_bytes, until
-from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dp_side, shut
+from tests.fakes import VERSION_SUFFIX, FakeHelper, RecordingNotifier, device_dir, dp_side, shut
 
 R = contracts.RESOURCE_HYPERVISOR
 
@@ -61,7 +61,7 @@ async def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) 
         assert agent.status() == "ready: kvm, 3 slots, 1 stream"
         # The health service is set by a task the change schedules: it follows within the loop.
         await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.SERVING, what="SERVING")
-        assert ("READY=1", "STATUS=ready: kvm, 3 slots, 1 stream") in notifier.messages
+        assert ("READY=1", "STATUS=ready: kvm, 3 slots, 1 stream" + VERSION_SUFFIX) in notifier.messages
 
         # The kubelet ends the stream: not ready, the status says why, then ready again (the
         # first loss registers again at once, so "lost" is seen in what was said).
@@ -70,9 +70,10 @@ async def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) 
         await until(lambda: len(kubelet.register_calls) == 2 and agent.ready and kubelet.allocatable() == 3,
                     what="registered again")
         lost = [m for m in notifier.messages[said:] if m[0].startswith("STATUS=")]
-        assert ("STATUS=the kubelet's ListAndWatch stream ended; registering again",) in lost, lost
+        assert ("STATUS=the kubelet's ListAndWatch stream ended; registering again" + VERSION_SUFFIX,) in lost, lost
         assert len(kubelet.register_calls) == 2
-        assert sum(m == ("READY=1", "STATUS=ready: kvm, 3 slots, 1 stream") for m in notifier.messages) == 1, \
+        ready = ("READY=1", "STATUS=ready: kvm, 3 slots, 1 stream" + VERSION_SUFFIX)
+        assert sum(m == ready for m in notifier.messages) == 1, \
             "READY=1 is sent once"
 
         # An unusable device: not ready, live; the reason is the status.

@@ -137,6 +137,27 @@ def test_a_stopped_dra_agent_hands_over_to_a_ready_successor(tmp: str, helpers: 
     with_cluster(tmp, body)
 
 
+def test_an_in_place_upgrade_waits_for_the_child_it_started(tmp: str, helpers: list[FakeHelper]) -> None:
+    """The in-place upgrade's hand-over (host/successor.py) names the child's pid: another ready
+    instance of the driver is no successor; the child, once ready, is."""
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        old = Agent(settings_in(tmp, config), modes.DRA)
+        child = Agent(settings_in(tmp, config, instance="host-g0123abcd"), modes.DRA)
+        await old.start()
+        try:
+            await until(lambda: old.ready, what="the old agent ready")
+            await child.start()
+            await until(lambda: child.ready, what="the child ready")
+            assert await old.side.hand_over(0.3, pid=os.getpid() + 1) is None, "a ready instance of another pid is none"
+            found = await old.side.hand_over(10, pid=os.getpid())
+            assert found == dra_side(child).registrar.service_socket and child.ready
+        finally:
+            await shut(child)
+            await shut(old)
+
+    with_cluster(tmp, body)
+
+
 def test_no_api_access_is_said_once_and_retried_without_stopping(tmp: str, helpers: list[FakeHelper],
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  caplog: pytest.LogCaptureFixture) -> None:

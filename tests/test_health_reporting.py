@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hyperlight_agent import contracts, modes
+from hyperlight_agent import __version__, contracts, modes
 from hyperlight_agent.host import journal
 from standin.kubelet import StandinThread
 from tests.conftest import StartAgent, make_node, wait_for
@@ -84,7 +84,7 @@ def test_device_access_probe_uses_its_own_socket(kubelet: StandinThread, start_a
                                                  tmp: str, kvm_dir: str) -> None:
     start_agent("--device-access", "--device-dir", kvm_dir)
     kubelet.wait_until(lambda k: k.plugins.get(contracts.RESOURCE_DEVICE_ACCESS) and
-                       k.plugins[contracts.RESOURCE_DEVICE_ACCESS].healthy == modes.DEVICE_ACCESS.slots, 15)
+                       k.allocatable(contracts.RESOURCE_DEVICE_ACCESS) == modes.DEVICE_ACCESS.slots, 15)
     wait_for(lambda: probe(tmp, "readiness", "--device-access")[0] == 0, 10)
     assert "hyperlight-access.sock" in probe(tmp, "liveness", "--device-access")[1]
     assert probe(tmp, "liveness")[1].startswith("liveness: not serving: no socket")
@@ -276,7 +276,8 @@ def test_no_ready_while_unhealthy_and_status_says_why(tmp: str, start_agent: Sta
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
         # Registered, streamed, but unhealthy: never READY=1.
         kubelet.wait_until(lambda k: k.plugins.get(R) and k.plugins[R].stream_open and k.plugins[R].lists, 15)
-        wanted = f"STATUS=unhealthy: {cdi_dir}/hyperlight.json is a symlink; refusing to follow or replace it"
+        wanted = (f"STATUS=unhealthy: {cdi_dir}/hyperlight.json is a symlink; refusing to follow or replace it"
+                  f"; version {__version__}")
         wait_for(lambda: wanted in notify_socket.lines(), 10, "the unhealthy STATUS")
         assert "READY=1" not in notify_socket.lines()
         os.unlink(os.path.join(cdi_dir, "hyperlight.json"))

@@ -174,13 +174,12 @@ def test_both_daemonsets_run_from_the_image(engine: Podman, image: dict[str, Any
         try:
             for ds_name, ds in sets.items():
                 engine("run", *run_args(ds, names[ds_name], host_paths))
-            kubelet.wait_until(lambda k: k.plugins.get(contracts.RESOURCE_DEVICE_ACCESS)
-                               and k.plugins[contracts.RESOURCE_DEVICE_ACCESS].healthy == modes.DEVICE_ACCESS.slots, 60)
+            kubelet.wait_until(lambda k: k.allocatable(contracts.RESOURCE_DEVICE_ACCESS) == modes.DEVICE_ACCESS.slots,
+                               60)
             plugin = sets["hyperlight-device-plugin"]
             env = {e["name"]: e.get("value") for e in plugin["spec"]["template"]["spec"]["containers"][0]["env"]}
             count = int(env["DEVICE_COUNT"])
-            kubelet.wait_until(lambda k: k.plugins.get(contracts.RESOURCE_HYPERVISOR)
-                               and k.plugins[contracts.RESOURCE_HYPERVISOR].healthy == count, 60)
+            kubelet.wait_until(lambda k: k.allocatable(contracts.RESOURCE_HYPERVISOR) == count, 60)
 
             # The manifests' exec probes pass inside the containers.
             for ds_name, ds in sets.items():

@@ -75,8 +75,7 @@ def run(podman: Podman, user: str) -> subprocess.CompletedProcess[str]:
 def test_podman_resolves_our_spec_and_a_non_root_user_creates_a_vm(
         podman: Podman, system_cdi_dir: str, kubelet: StandinThread, start_agent: StartAgent) -> None:
     start_agent("--device-count", "2", "--cdi-dir", system_cdi_dir)
-    kubelet.wait_until(lambda k: k.plugins.get(contracts.RESOURCE_HYPERVISOR)
-                       and k.plugins[contracts.RESOURCE_HYPERVISOR].healthy == 2, 15)
+    kubelet.wait_until(lambda k: k.allocatable(contracts.RESOURCE_HYPERVISOR) == 2, 15)
     response = kubelet.call(kubelet.kubelet.allocate(contracts.RESOURCE_HYPERVISOR, ["kvm-0"]))
     assert response.container_responses[0].cdi_devices[0].name == "hyperlight.dev/hypervisor=kvm"
 

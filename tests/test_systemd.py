@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import time
 from collections.abc import Iterator
+from typing import Optional
 
 import pytest
 
-from hyperlight_agent import contracts
+from hyperlight_agent import __version__, contracts
+from hyperlight_agent.device.helper import HELPER_MARK
 from standin.kubelet import KubeletStandin, StandinThread
 from tests import nspawn
 from tests.conftest import make_node, wait_for
@@ -18,6 +22,7 @@ from tests.conftest import make_node, wait_for
 pytestmark = pytest.mark.system
 UNIT = "hyperlight-agent.service"
 R = contracts.RESOURCE_HYPERVISOR
+READY_STATUS = f'Status: "ready: kvm, 2000 slots, 1 stream; version {__version__}"'
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +30,16 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> str:
     return nspawn.stage(str(tmp_path_factory.mktemp("stage")))
 
 
-def boot(tmp: str, staged: str, unit: str) -> nspawn.Guest:
+def boot(tmp: str, staged: str, unit: str, tree: Optional[str] = None) -> nspawn.Guest:
     """A guest with a made-for-the-test /dev/kvm (10:232), the agent's files bound in from the
-    staged tree, and the host's temp kubelet directory as the device-plugin directory."""
+    staged tree (its /usr/lib/hyperlight-agent from `tree` when given), and the host's temp
+    kubelet directory as the device-plugin directory."""
     os.makedirs(os.path.join(tmp, "kubelet"), exist_ok=True)
     kvm = os.path.join(tmp, "kvm")
     if not os.path.exists(kvm):
         make_node(kvm, 10, 232)
     binds = [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins",
-             f"{staged}/usr/lib/hyperlight-agent:/usr/lib/hyperlight-agent",
+             f"{tree or staged + '/usr/lib/hyperlight-agent'}:/usr/lib/hyperlight-agent",
              f"{staged}/usr/bin/hyperlight-agent:/usr/bin/hyperlight-agent",
              f"{unit}:/etc/systemd/system/{UNIT}",
              f"{staged}/usr/share/man/man8/hyperlight-agent.8.gz:/usr/share/man/man8/hyperlight-agent.8.gz",
@@ -48,8 +54,7 @@ def guest(tmp: str, staged: str) -> Iterator[nspawn.Guest]:
 
 
 def slots(k: KubeletStandin) -> int:
-    p = k.plugins.get(R)
-    return p.healthy if p else 0
+    return k.allocatable(R)
 
 
 @pytest.mark.root
@@ -62,7 +67,7 @@ def test_notify_unit_is_active_only_when_ready(guest: nspawn.Guest, tmp: str) ->
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
         kubelet.wait_until(lambda k: slots(k) == 2000, 30, "registration from inside the guest")
         wait_for(lambda: guest.is_active(UNIT) == "active", 15, "READY=1 to make the unit active")
-        wait_for(lambda: "Status: \"ready: kvm, 2000 slots, 1 stream\"" in guest.status(UNIT), 10)
+        wait_for(lambda: READY_STATUS in guest.status(UNIT), 10)
 
         # The kubelet's stream goes away: systemctl status says so, and the agent registers again
         # (the kubelet never dials back by itself). It registers again at once, so this kubelet
@@ -74,7 +79,7 @@ def test_notify_unit_is_active_only_when_ready(guest: nspawn.Guest, tmp: str) ->
             "journalctl", "-u", UNIT, "--no-pager").stdout
         kubelet.run(lambda k: setattr(k, "open_streams", True))
         kubelet.wait_until(lambda k: slots(k) == 2000 and len(k.register_calls) >= 3, 15, "registered again")
-        wait_for(lambda: "Status: \"ready: kvm, 2000 slots, 1 stream\"" in guest.status(UNIT), 10)
+        wait_for(lambda: READY_STATUS in guest.status(UNIT), 10)
 
         # systemctl restart: active again; the kubelet's zero-healthy window is short.
         old = kubelet.kubelet.plugins[R]
@@ -99,6 +104,70 @@ def test_notify_unit_is_active_only_when_ready(guest: nspawn.Guest, tmp: str) ->
         guest.run("systemctl", "stop", UNIT)
         assert guest.is_active(UNIT) == "inactive"
         assert not os.path.exists(os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET))
+
+
+def agents(guest: nspawn.Guest) -> list[int]:
+    """The unit's agent processes (its cgroup's, probe helpers aside)."""
+    procs = guest.run("cat", f"/sys/fs/cgroup/system.slice/{UNIT}/cgroup.procs", check=False).stdout.split()
+    found = []
+    for pid in procs:
+        cmdline = guest.run("cat", f"/proc/{pid}/cmdline", check=False).stdout
+        if cmdline and HELPER_MARK not in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def main_pid(guest: nspawn.Guest) -> int:
+    return int(guest.run("systemctl", "show", "-P", "MainPID", UNIT).stdout.strip())
+
+
+@pytest.mark.root
+def test_reload_upgrades_in_place_and_a_failing_new_agent_leaves_the_old_one_serving(tmp: str, staged: str) -> None:
+    """`systemctl reload` (ExecReload=hyperlight-agent --upgrade-in-place $MAINPID) under real
+    systemd: the kubelet never counts zero slots, the new process is the unit's main process and
+    the watchdog's, one agent is left; a new agent that fails leaves the old one serving and the
+    reload failed."""
+    tree = os.path.join(tmp, "tree")
+    shutil.copytree(os.path.join(staged, "usr", "lib", "hyperlight-agent"), tree, symlinks=True)
+    with StandinThread(os.path.join(tmp, "kubelet")) as kubelet, \
+            boot(tmp, staged, os.path.join(staged, "lib", "systemd", "system", UNIT), tree) as guest:
+        kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+        guest.run("systemctl", "start", "--no-block", UNIT)
+        kubelet.wait_until(lambda k: slots(k) == 2000, 30, "registration from inside the guest")
+        wait_for(lambda: guest.is_active(UNIT) == "active", 15, "active")
+        first, since = main_pid(guest), time.monotonic()
+
+        started = time.monotonic()
+        reload = guest.run("systemctl", "reload", UNIT, check=False, timeout=90)
+        print(f"systemctl reload (in-place upgrade) took {(time.monotonic() - started) * 1000:.0f} ms")
+        assert reload.returncode == 0, (reload.stderr, guest.run("journalctl", "-u", UNIT, "--no-pager").stdout)
+        second = main_pid(guest)
+        assert second != first and guest.is_active(UNIT) == "active"
+        assert agents(guest) == [second]
+        journal = guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
+        assert f"handed over to pid {second}" in journal
+        for complaint in ("not our child", "reception only permitted for main PID", "Supervising process"):
+            assert complaint not in journal, journal
+        wait_for(lambda: READY_STATUS in guest.status(UNIT), 10, "the new process's status line")
+        kubelet.wait_until(lambda k: k.plugins[R].endpoint.startswith("hyperlight.host-g"), 10)
+        assert [at for at, counts in kubelet.kubelet.timeline if at >= since and counts.get(R, 0) == 0] == []
+        assert sorted(os.listdir(os.path.join(tmp, "kubelet"))) == sorted(
+            ["kubelet.sock", "kubelet_internal_checkpoint", kubelet.kubelet.plugins[R].endpoint])
+
+        # The code installed next fails at its start: the reload fails, the old agent serves on.
+        with open(os.path.join(tree, "hyperlight_agent", "agent.py"), "a") as f:
+            f.write("\nraise RuntimeError('broken on purpose')\n")
+        since = time.monotonic()
+        failed = guest.run("systemctl", "reload", UNIT, check=False, timeout=90)
+        assert failed.returncode != 0
+        assert main_pid(guest) == second and guest.is_active(UNIT) == "active"
+        assert agents(guest) == [second]
+        journal = guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
+        assert sum("in-place upgrade failed:" in line for line in journal.splitlines()) == 1, journal
+        assert "broken on purpose" in journal
+        assert [at for at, counts in kubelet.kubelet.timeline if at >= since and counts.get(R, 0) == 0] == []
+        guest.run("systemctl", "stop", UNIT)
+        assert agents(guest) == []
 
 
 @pytest.mark.root

@@ -101,9 +101,9 @@ class DevicePluginSide:
     async def run(self) -> None:
         await self.registrar.run()
 
-    async def hand_over(self, timeout: float) -> Optional[str]:
+    async def hand_over(self, timeout: float, pid: Optional[int] = None, ready: bool = True) -> Optional[str]:
         successor = await handover.wait_for_successor(self._shared.identity, self.kubelet_dir,
-                                                      self._base_socket, self.profile.socket, timeout)
+                                                      self._base_socket, self.profile.socket, timeout, pid, ready)
         if successor:
             # Its registration made the kubelet send new Allocates there; ours in flight must
             # finish before our stream ends (the kubelet then cancels them).

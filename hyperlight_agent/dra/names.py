@@ -60,6 +60,11 @@ def registration_socket(registry_dir: str, driver: str, instance: str) -> str:
     return _first_fitting(registry_dir, names)
 
 
+def is_service_socket_name(name: str) -> bool:
+    """Whether a name in a driver's directory is one service_socket gives (any instance)."""
+    return name.startswith("dra-") and name.endswith(".sock")
+
+
 def service_socket(plugins_dir: str, driver: str, instance: str) -> str:
     """<plugins_dir>/<driver>/dra-<instance>.sock, or a shorter hashed name where that is too long.
 

@@ -196,7 +196,7 @@ class DraSide:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def hand_over(self, timeout: float) -> Optional[str]:
+    async def hand_over(self, timeout: float, pid: Optional[int] = None, ready: bool = True) -> Optional[str]:
         """On a stop: serve on until another instance of our driver on this node is registered
         and ready (a surge update, or a deleted pod's replacement), at most `timeout` seconds. The
         kubelet calls the newest connected instance, so from then on new claims go there; calls
@@ -205,7 +205,7 @@ class DraSide:
             return None
         deadline = asyncio.get_running_loop().time() + timeout
         return await peers.successor(self.identity, self._candidates, deadline, resolve=self._service_socket,
-                                     legacy_ready=healthcheck.peer_ready)
+                                     legacy_ready=healthcheck.peer_ready, pid=pid, require_ready=ready)
 
     async def newer_instance(self) -> Optional[str]:
         """The name of a live instance of our driver on this node that started after us, if any:

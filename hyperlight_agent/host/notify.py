@@ -1,13 +1,17 @@
 """systemd readiness protocol (sd_notify) through the sdnotify library.
 
 Without NOTIFY_SOCKET (not under systemd) every call does nothing and nothing fails.
+
+An in-place upgrade (host/successor.py) moves the unit from one process to another: the old agent
+ends with hand_off() (READY=1 and MAINPID= of its child, then silence), and the child, which holds
+its tongue while its predecessor lives (PREDECESSOR_ENV), speaks from take_over() on.
 """
 
 from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from hyperlight_agent import contracts
+from hyperlight_agent import __version__, contracts
 
 
 def watchdog_usec(environ: Mapping[str, str]) -> Optional[int]:
@@ -38,22 +42,52 @@ class Notifier:
         self.watchdog_interval: Optional[float] = usec / 2e6 if usec and self._notifier else None
         self.ready_sent = False
         self.stopping_sent = False
+        self.handed_off = False  # another process is the unit's main process now: we say nothing
+        # The pid of the agent we replace in an in-place upgrade, while it may still be main.
+        predecessor = environ.get(contracts.PREDECESSOR_ENV, "")
+        self.predecessor: Optional[int] = int(predecessor) if predecessor.isdigit() else None
         self._status = ""
 
+    @property
+    def under_systemd(self) -> bool:
+        return self._notifier is not None
+
     def send(self, *lines: str) -> None:
+        if not self.handed_off and self.predecessor is None:
+            self._deliver(lines)
+
+    def _deliver(self, lines: tuple[str, ...]) -> None:
         if self._notifier is not None:
             self._notifier.notify("\n".join(lines))
+
+    def hand_off(self, pid: int, status: str) -> None:
+        """Make `pid` the unit's main process (an in-place upgrade's child) and end the reload; from
+        now on it speaks for the unit, and nothing more is said from here (a STOPPING=1 of ours
+        would stop the unit)."""
+        self.send("READY=1", f"STATUS={status}", f"MAINPID={pid}")
+        self.handed_off = True
+
+    def take_over(self) -> None:
+        """Our predecessor is gone and we are the unit's main process: say where we are."""
+        self.predecessor = None
+        self.send(f"STATUS={self._line}")
+
+    @property
+    def _line(self) -> str:
+        """systemd's status line: ours, and which version says it (after an in-place upgrade,
+        `systemctl status` shows the new one)."""
+        return f"{self._status}; version {__version__}"
 
     def status(self, text: str) -> None:
         if text != self._status:
             self._status = text
-            self.send(f"STATUS={text}")
+            self.send(f"STATUS={self._line}")
 
     def ready(self) -> None:
         """READY=1, once: the first time readiness holds (later losses show in STATUS only)."""
         if not self.ready_sent:
             self.ready_sent = True
-            self.send("READY=1", f"STATUS={self._status}")
+            self.send("READY=1", f"STATUS={self._line}")
 
     def watchdog(self) -> None:
         """WATCHDOG=1; before readiness also EXTEND_TIMEOUT_USEC, so systemd's start timeout keeps
@@ -64,8 +98,8 @@ class Notifier:
         else:
             self.send("WATCHDOG=1", f"EXTEND_TIMEOUT_USEC={int(self.watchdog_interval * 4e6)}")
 
-    def reloading(self) -> None:
-        self.send("RELOADING=1", "STATUS=reloading configuration")
+    def reloading(self, status: str = "reloading configuration") -> None:
+        self.send("RELOADING=1", f"STATUS={status}")
 
     def reloaded(self) -> None:
         """End a reload: READY=1 again only if we had been ready (a reload must not make an
@@ -73,9 +107,9 @@ class Notifier:
         if self.stopping_sent:
             return
         if self.ready_sent:
-            self.send("READY=1", f"STATUS={self._status}")
+            self.send("READY=1", f"STATUS={self._line}")
         else:
-            self.send(f"STATUS={self._status}")
+            self.send(f"STATUS={self._line}")
 
     def stopping(self) -> None:
         self.stopping_sent = True

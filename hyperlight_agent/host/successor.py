@@ -1,0 +1,195 @@
+"""In-place upgrades under systemd: the installed code started anew beside the running agent, under
+an instance name of its own, registered with the kubelet while we still serve, then handed the
+kubelet and the unit.
+
+systemd stops a unit's process before it starts the next, so `systemctl restart` always leaves the
+kubelet without our device for a moment. An upgrade instead asks the running agent (SIGUSR2, sent
+by `hyperlight-agent --upgrade-in-place PID`: the unit's ExecReload= and the package scripts) to
+start the code now installed, wait until that process is registered and ready, hand the kubelet
+over to it as a pod hands over to its successor in a surge update, make it the unit's main process
+(sd_notify MAINPID=) and leave. A child that exits, hangs or is refused before it is ready is
+stopped, and we serve on.
+
+    pid, said = await replace_self(instance, environ, hand_over=lambda pid: side.hand_over(..., pid=pid))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import secrets
+import signal
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
+
+from hyperlight_agent import contracts, waits
+
+# A child is given this long to stop on SIGTERM before it is killed.
+CHILD_STOP_GRACE_S = 5.0
+# The child must be registered and ready within this (it takes about a second); systemd's reload
+# job (TimeoutStartSec=60s) waits for the whole upgrade, our shutdown included.
+READY_TIMEOUT_S = 30.0
+# Our suffix on a child's instance name: "-g" and 8 hex digits (the base before it is kept).
+_SUFFIX = re.compile(r"-g[0-9a-f]{8}$")
+
+
+def child_instance(instance: Optional[str]) -> str:
+    """A new instance name beside ours: our name without an earlier suffix of ours, then a fresh one
+    (hosts without an instance name use "host").
+
+    >>> child_instance("host-g0123abcd").startswith("host-g") and child_instance(None).startswith("host-g")
+    True
+    """
+    return f"{_base(instance)}-g{secrets.token_hex(4)}"
+
+
+def _base(instance: Optional[str]) -> str:
+    return _SUFFIX.sub("", instance or "host")[:50].rstrip("-.") or "host"
+
+
+def descends_from(instance: Optional[str], name: str) -> bool:
+    """Whether the instance `name` is one child_instance(instance) may have given (after any number
+    of upgrades).
+
+    >>> descends_from(None, "host-g0123abcd"), descends_from("web-1", "host-g0123abcd")
+    (True, False)
+    """
+    return _SUFFIX.search(name) is not None and _SUFFIX.sub("", name) == _base(instance)
+
+
+def command_line(instance: str, cmdline: Optional[Sequence[str]] = None) -> list[str]:
+    """How this process was started (/proc/self/cmdline: the interpreter, its options and the
+    launcher, so the child runs the code installed now), every --instance replaced by ours."""
+    if cmdline is None:
+        cmdline = _own_command_line()
+    argv: list[str] = []
+    skip = False
+    for arg in cmdline:
+        if skip:
+            skip = False
+        elif arg == "--instance":
+            skip = True
+        elif not arg.startswith("--instance="):
+            argv.append(arg)
+    return [*argv, f"--instance={instance}"]
+
+
+def _own_command_line() -> list[str]:
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            parts = f.read().split(b"\0")
+    except OSError:
+        return [sys.executable, "-m", "hyperlight_agent", *sys.argv[1:]]
+    return [os.fsdecode(p) for p in parts[:-1]]  # each argument ends with a NUL
+
+
+class Child:
+    """A started child agent: its pid, whether it has exited, and stopping it.
+
+    Started through `sh` as a grandchild, so that it is never our child: when it becomes the unit's
+    main process systemd must be its parent (the service manager reaps it and hears its exit
+    directly; a main process that is some other process's child is one systemd warns it may not
+    see exit). We follow it through a pidfd, which a recycled pid cannot fool."""
+
+    def __init__(self, pid: int, pidfd: int) -> None:
+        self.pid = pid
+        self._pidfd = pidfd
+        self._gone = asyncio.Event()
+        asyncio.get_running_loop().add_reader(pidfd, self._exited)
+
+    @classmethod
+    async def start(cls, argv: Sequence[str], environ: Mapping[str, str]) -> Child:
+        """Started with `environ` (NOTIFY_SOCKET and the watchdog's included: once it is the main
+        process, systemd hears it) and our stdout and stderr (the journal). Raises OSError."""
+        # sh starts the agent in the background, says its pid and leaves: the agent is orphaned at
+        # once (reparented to the service manager, or the nearest subreaper). Its stdout goes
+        # where our stderr goes (the journal), never into the pipe that carries the pid.
+        launcher = await asyncio.create_subprocess_exec(
+            "/bin/sh", "-c", '"$@" >&2 </dev/null & echo $!', "sh", *argv,
+            env=dict(environ), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE)
+        said, _ = await launcher.communicate()
+        if launcher.returncode != 0 or not said.strip().isdigit():
+            raise OSError(f"/bin/sh could not start {argv[0]} (status {launcher.returncode})")
+        pid = int(said)
+        return cls(pid, os.pidfd_open(pid))
+
+    @property
+    def running(self) -> bool:
+        return not self._gone.is_set()
+
+    async def exited(self) -> None:
+        await self._gone.wait()
+
+    def _exited(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        self._gone.set()
+
+    def close(self) -> None:
+        """Forget the child (it is the unit's main process now, or gone)."""
+        if self._pidfd >= 0:
+            if not self._gone.is_set():
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    async def stop(self, grace: float = CHILD_STOP_GRACE_S) -> None:
+        """SIGTERM, then SIGKILL after `grace`; gone either way (whoever reaps it)."""
+        if self.running:
+            self._signal(signal.SIGTERM)
+            if not await waits.event(self._gone, grace):
+                self._signal(signal.SIGKILL)
+                await self._gone.wait()
+        self.close()
+
+    def _signal(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self._pidfd, signum)
+
+
+@dataclass
+class Record:
+    """How this agent's in-place upgrades stand, as Describe tells whoever asked for one."""
+
+    attempts: int = 0
+    state: str = "idle"  # idle, running, done (`pid` took over) or failed (`why`)
+    why: str = ""
+    pid: int = 0
+
+    def said(self) -> dict[str, Any]:
+        return {"upgrade": asdict(self)}
+
+
+async def replace_self(instance: Optional[str], environ: Mapping[str, str],
+                       hand_over: Callable[[int], Awaitable[Optional[str]]],
+                       cmdline: Optional[Sequence[str]] = None) -> tuple[Optional[int], str]:
+    """Start the installed agent as we were started, under a new instance name, and hand over to it:
+    (its pid, the socket it serves on) once `hand_over(pid)` found it ready, or (None, why not) with
+    the child gone again."""
+    argv = command_line(child_instance(instance), cmdline)
+    try:
+        child = await Child.start(argv, {**environ, contracts.PREDECESSOR_ENV: str(os.getpid())})
+    except OSError as exc:
+        return None, f"cannot start {argv[0]}: {exc}"
+    took_over = False
+    try:
+        handed = asyncio.ensure_future(hand_over(child.pid))
+        gone = asyncio.ensure_future(child.exited())
+        try:
+            await asyncio.wait({handed, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (handed, gone):
+                task.cancel()
+        if handed.done() and not handed.cancelled() and handed.result() and child.running:
+            took_over = True
+            return child.pid, str(handed.result())
+        if not child.running:
+            return None, f"the new agent (pid {child.pid}) exited before it was ready"
+        return None, f"the new agent (pid {child.pid}) was not ready within {READY_TIMEOUT_S:g} s"
+    finally:
+        if took_over:
+            child.close()
+        else:
+            await child.stop()

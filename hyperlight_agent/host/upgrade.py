@@ -1,0 +1,105 @@
+"""`hyperlight-agent --upgrade-in-place PID`: ask the agent running as PID to upgrade in place
+(host/successor.py) and wait for the outcome, so that the unit's ExecReload= and the package
+scripts know how it went.
+
+    0  the new agent serves the kubelet and is the unit's main process; the old one has left
+    1  the upgrade failed or timed out: the old agent serves on (why is on stdout and in its journal)
+    3  PID is no agent of ours that can upgrade in place (not ours, gone, or an earlier release):
+       nothing was done, a restart is the way to new code
+
+The agent is found by asking Describe on the sockets every mode's instances serve (the caller
+lists them: modes.Mode.instance_sockets): the one that answers with PID is it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+from typing import Callable, Optional
+
+import grpc
+
+from hyperlight_agent import peers, waits
+from hyperlight_agent.host import signals, successor
+
+DONE, FAILED, CANNOT = 0, 1, 3
+# Describe is asked this often while the upgrade runs.
+POLL_S = 0.1
+# Beyond the child's READY_TIMEOUT_S: the old agent's handover and shutdown.
+LEAVE_TIMEOUT_S = 20.0
+
+
+def upgrade_in_place(pid: int, sockets: Callable[[], list[str]]) -> tuple[int, str]:
+    """(exit code, one line saying what happened)."""
+    return asyncio.run(_upgrade(pid, sockets))
+
+
+async def _answers(sockets: list[str]) -> list[peers.Description]:
+    """What the instances of ours on these sockets say (one at a time: a host has a few)."""
+    found = []
+    for path in sockets:
+        try:
+            answer = await peers.describe(path, peers.PEER_TIMEOUT_S)
+        except (OSError, grpc.RpcError):  # not an answer of ours
+            continue
+        if answer is not None:
+            found.append(answer)
+    return found
+
+
+async def descendant(instance: Optional[str], protocol: str, resource: str, sockets: list[str]) -> Optional[str]:
+    """The socket of the newest live instance that in-place upgrades of `instance` started, if any."""
+    found = [a for a in await _answers(sockets) if (a.identity.protocol, a.identity.resource) == (protocol, resource)
+             and successor.descends_from(instance, a.identity.instance)]
+    return max(found, key=lambda d: d.identity.started).path if found else None
+
+
+async def _upgrade(pid: int, sockets: Callable[[], list[str]]) -> tuple[int, str]:
+    found = next((a for a in await _answers(sockets()) if a.identity.pid == pid), None)
+    if found is None:
+        return CANNOT, f"pid {pid}: no hyperlight-agent answers as this process"
+    if found.upgrade is None:
+        return CANNOT, f"pid {pid} runs hyperlight-agent {found.identity.version}, which cannot upgrade in place"
+    before = int(found.upgrade.get("attempts", 0))
+    # Whatever takes over starts after this moment.
+    asked = dataclasses.replace(found.identity, started=peers.boottime_ns(), instance="", pid=0)
+    try:
+        pidfd = os.pidfd_open(pid)
+        signal.pidfd_send_signal(pidfd, signals.UPGRADE[0])
+    except ProcessLookupError:
+        return CANNOT, f"pid {pid} has exited"
+    try:
+        failed = await _failed_or_gone(pidfd, found.path, before)
+    finally:
+        os.close(pidfd)
+    if failed is not None:
+        return FAILED, f"in-place upgrade of pid {pid} failed: {failed}"
+    successor_found = await peers.newer(asked, sockets())
+    if successor_found is None:
+        return FAILED, f"pid {pid} exited during the in-place upgrade, and no new agent answers (see the journal)"
+    return DONE, (f"pid {pid} handed over to pid {successor_found.identity.pid} "
+                  f"(hyperlight-agent {successor_found.identity.version}) and left")
+
+
+async def _failed_or_gone(pidfd: int, path: str, before: int) -> Optional[str]:
+    """Why the upgrade failed (the old agent serves on), or None once the old agent has left."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + successor.READY_TIMEOUT_S + LEAVE_TIMEOUT_S
+    gone = asyncio.Event()
+    loop.add_reader(pidfd, gone.set)
+    try:
+        while not await waits.event(gone, POLL_S):
+            if loop.time() > deadline:
+                return f"not finished within {successor.READY_TIMEOUT_S + LEAVE_TIMEOUT_S:g} s"
+            try:
+                now = await peers.describe(path, peers.PEER_TIMEOUT_S)
+            except (OSError, grpc.RpcError):  # the old agent is leaving: its socket goes
+                continue
+            record = now.upgrade if now is not None and now.upgrade is not None else {}
+            if int(record.get("attempts", 0)) > before and record.get("state") == "failed":
+                return f"{record.get('why')}; it serves on"
+        return None
+    finally:
+        loop.remove_reader(pidfd)

@@ -1,0 +1,298 @@
+"""In-place upgrades (host/successor.py, host/upgrade.py) under the service-manager stand-in
+(standin/manager.py: systemd's notify rules for NotifyAccess=main, a subreaper like PID 1) and the
+kubelet stand-in: `--upgrade-in-place PID` hands the kubelet and the unit to the code installed
+now without a moment unserved; a child that fails leaves the old agent serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Iterator, Optional
+
+import pytest
+
+from hyperlight_agent import __version__, contracts
+from standin import procs
+from standin.kubelet import KubeletStandin, StandinThread
+from tests.conftest import wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+R = contracts.RESOURCE_HYPERVISOR
+# What the package installs as /usr/bin/hyperlight-agent, in short: a file the agent is started
+# from, so that a test can change "the installed code" under a running agent.
+LAUNCHER = """\
+from hyperlight_agent.__main__ import main
+main()
+"""
+
+
+class Unit:
+    """The agent as a systemd unit's main process, under the service-manager stand-in."""
+
+    def __init__(self, tmp: str, *args: str) -> None:
+        self.tmp = tmp
+        self.events_path = os.path.join(tmp, "events.jsonl")
+        self.launcher = os.path.join(tmp, "launcher.py")
+        self.install(LAUNCHER)
+        self.args = ["--config", "/dev/null", "--kubelet-dir", os.path.join(tmp, "kubelet"),
+                     "--cdi-dir", os.path.join(tmp, "cdi"), *args]
+        self.log_path = os.path.join(tmp, "unit.log")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HYPERLIGHT_", "NOTIFY_", "WATCHDOG_"))}
+        env["PYTHONPATH"] = ROOT
+        self.env = env
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "standin.manager", self.events_path, os.path.join(tmp, "notify"), "--",
+             sys.executable, self.launcher, *self.args],
+            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def install(self, text: str) -> None:
+        """Replace the launcher (the "installed code") atomically, as a package manager does."""
+        with open(self.launcher + ".new", "w") as f:
+            f.write(text)
+        os.replace(self.launcher + ".new", self.launcher)
+
+    def events(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.events_path) as f:
+                return [json.loads(line) for line in f if line.endswith("\n")]
+        except FileNotFoundError:
+            return []
+
+    @property
+    def main(self) -> int:
+        mains = [e["pid"] for e in self.events() if e["event"] == "main"]
+        return mains[-1] if mains else 0
+
+    def accepted(self) -> list[tuple[int, str]]:
+        return [(e["pid"], line) for e in self.events() if e["event"] == "notify" and e["accepted"]
+                for line in e["lines"]]
+
+    def rejected(self) -> list[dict[str, Any]]:
+        return [e for e in self.events() if e["event"] == "notify" and not e["accepted"]]
+
+    def exited(self, pid: int) -> bool:
+        return any(e["event"] == "exit" and e["pid"] == pid for e in self.events())
+
+    def wait_ready(self) -> None:
+        wait_for(lambda: any(line == "READY=1" for _, line in self.accepted()), 20, "READY=1 from the main process")
+
+    def upgrade(self, pid: Optional[int] = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hyperlight_agent", *self.args, "--upgrade-in-place",
+                               str(pid or self.main)], cwd=ROOT, env=self.env, capture_output=True, text=True,
+                              timeout=90, check=False)
+
+    def processes(self) -> list[int]:
+        """The manager's children: the unit's processes (orphans below it are reparented to it)."""
+        return procs.children(self.proc.pid, mark="")
+
+    @property
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        pids = self.processes() if self.proc.poll() is None else []
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for pid in procs.alive(pids):
+            os.kill(pid, signal.SIGKILL)
+        self._log.close()
+
+
+@pytest.fixture
+def unit(tmp: str, kvm_dir: str) -> Iterator[Any]:
+    made: list[Unit] = []
+
+    def start(*args: str) -> Unit:
+        made.append(Unit(tmp, "--device-dir", kvm_dir, *args))
+        return made[-1]
+
+    yield start
+    for u in made:
+        u.kill()
+
+
+def zeros_since(k: KubeletStandin, since: float) -> list[float]:
+    return [at for at, counts in k.timeline if at >= since and counts.get(R, 0) == 0]
+
+
+def served_by(k: KubeletStandin) -> str:
+    p = k.plugins.get(R)
+    return p.endpoint if p is not None else ""
+
+
+def sockets(tmp: str) -> list[str]:
+    return sorted(n for n in os.listdir(os.path.join(tmp, "kubelet")) if n.endswith(".sock"))
+
+
+def upgrade_once(u: Unit, kubelet: StandinThread) -> int:
+    """One in-place upgrade, checked: the new main process serves, the old one is gone."""
+    old = u.main
+    result = u.upgrade()
+    assert result.returncode == 0, (result.stdout, result.stderr, u.log)
+    new = u.main
+    assert new != old
+    assert f"pid {old} handed over to pid {new} (hyperlight-agent {__version__}) and left" in result.stdout
+    assert u.exited(old), "the old agent has left by the time the command returns"
+    kubelet.wait_until(lambda k: served_by(k).startswith("hyperlight.host-g") and k.allocatable() == 3, 15,
+                       "the new agent serving the kubelet")
+    return new
+
+
+def test_an_in_place_upgrade_hands_the_kubelet_and_the_unit_to_the_installed_code(
+        unit: Any, kubelet: StandinThread, tmp: str) -> None:
+    kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+    u = unit("--device-count", "3")
+    u.wait_ready()
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
+    assert served_by(kubelet.kubelet) == "hyperlight.sock"
+    first, since = u.main, time.monotonic()
+    new = upgrade_once(u, kubelet)
+    if zeros_since(kubelet.kubelet, since):
+        print(kubelet.kubelet.timeline, since)
+        print(u.log)
+        for e in u.events():
+            print(e)
+    assert zeros_since(kubelet.kubelet, since) == [], "the kubelet never counted zero slots"
+    assert u.rejected() == [], "nothing was said to the manager by a process that was not main"
+    assert not any(e["event"] == "alien" for e in u.events()), "the new main process is the manager's child"
+    said = u.accepted()
+    assert (first, f"MAINPID={new}") in said
+    wait_for(lambda: any(pid == new and line.startswith("STATUS=") for pid, line in u.accepted()), 10,
+             "the new main process speaks once its predecessor is gone")
+    last_status = [line for pid, line in u.accepted() if line.startswith("STATUS=")][-1]
+    assert last_status.endswith(f"; version {__version__}"), last_status
+    assert u.processes() == [new]
+    assert sockets(tmp) == sorted(["kubelet.sock", served_by(kubelet.kubelet)])
+    # The renamed instance still answers the exec probe without --instance.
+    probe = subprocess.run([sys.executable, "-m", "hyperlight_agent", *u.args, "--health-check=readiness"],
+                           cwd=ROOT, env=u.env, capture_output=True, text=True, timeout=30, check=False)
+    assert probe.returncode == 0 and served_by(kubelet.kubelet) in probe.stdout, probe.stdout
+    assert u.stop() == 0, u.log
+    assert not any(e["event"] == "left" for e in u.events()), "a stop leaves no process for the manager to kill"
+
+
+def test_ten_upgrades_in_a_row_leave_one_agent_and_no_stray_socket(unit: Any, kubelet: StandinThread,
+                                                                   tmp: str) -> None:
+    kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+    u = unit("--device-count", "3")
+    u.wait_ready()
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
+    since, mains = time.monotonic(), [u.main]
+    for _ in range(10):
+        mains.append(upgrade_once(u, kubelet))
+    assert len(set(mains)) == 11
+    assert zeros_since(kubelet.kubelet, since) == []
+    assert u.rejected() == []
+    assert u.processes() == [mains[-1]]
+    assert sockets(tmp) == sorted(["kubelet.sock", served_by(kubelet.kubelet)])
+    assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"])).container_responses
+    assert u.stop() == 0, u.log
+
+
+@pytest.mark.parametrize("installed", [
+    pytest.param("import sys\nsys.exit(1)\n", id="crashes"),
+    pytest.param("import sys\nsys.argv.append('--device-count=nope')\n" + LAUNCHER, id="refuses-its-config"),
+])
+def test_a_new_agent_that_fails_before_it_is_ready_leaves_the_old_one_serving(
+        unit: Any, kubelet: StandinThread, tmp: str, installed: str) -> None:
+    kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+    u = unit("--device-count", "3")
+    u.wait_ready()
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
+    old, since = u.main, time.monotonic()
+    u.install(installed)
+    result = u.upgrade()
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stdout.startswith(f"in-place upgrade of pid {old} failed: the new agent (pid "), result.stdout
+    assert result.stdout.rstrip().endswith("exited before it was ready; it serves on"), result.stdout
+    assert u.main == old and u.processes() == [old]
+    failed = [line for line in u.log.splitlines() if "in-place upgrade failed" in line]
+    assert len(failed) == 1, u.log
+    assert zeros_since(kubelet.kubelet, since) == []
+    assert served_by(kubelet.kubelet) == "hyperlight.sock"
+    assert sockets(tmp) == ["hyperlight.sock", "kubelet.sock"]
+    assert ("READY=1" in [line for pid, line in u.accepted()[-3:] if pid == old]), "the reload is over"
+    # The installed code fixed: the next upgrade succeeds.
+    u.install(LAUNCHER)
+    upgrade_once(u, kubelet)
+    assert u.stop() == 0, u.log
+
+
+def test_upgrade_in_place_of_a_process_that_is_no_agent_of_ours_does_nothing(tmp: str) -> None:
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--kubelet-dir",
+                                 tmp, "--upgrade-in-place", str(sleeper.pid)], cwd=ROOT, capture_output=True,
+                                text=True, timeout=30, check=False)
+        assert result.returncode == 3, result
+        assert result.stdout.strip() == f"pid {sleeper.pid}: no hyperlight-agent answers as this process"
+        assert sleeper.poll() is None, "no signal was sent"
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "12ab", "99999999999"])
+def test_upgrade_in_place_needs_a_process_id(value: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null",
+                             f"--upgrade-in-place={value}"], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                            check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"hyperlight-agent: error: argument --upgrade-in-place: not a process id: "
+                                     f"'{value}'"), result.stderr
+
+
+def test_an_agent_not_under_systemd_refuses_to_upgrade_in_place(kubelet: StandinThread, start_agent: Any,
+                                                                kvm_dir: str, tmp: str) -> None:
+    agent = start_agent("--device-dir", kvm_dir, "--device-count", "2")
+    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
+    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--kubelet-dir",
+                             os.path.join(tmp, "kubelet"), "--upgrade-in-place", str(agent.proc.pid)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 1, result
+    assert "in-place upgrades need systemd's notify socket (not under systemd); it serves on" in result.stdout
+    assert agent.proc.poll() is None and kubelet.kubelet.allocatable() == 2
+    assert agent.stop() == 0
+
+
+def test_a_child_that_never_becomes_ready_is_stopped(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """replace_self with a child that hangs: after the hand-over's bound it is stopped, and the
+    answer says why."""
+    import asyncio
+
+    from hyperlight_agent.host import successor
+
+    async def never(pid: int) -> Optional[str]:
+        await asyncio.sleep(0.3)
+        return None
+
+    async def run() -> tuple[Optional[int], str, list[int]]:
+        seen: list[int] = []
+
+        async def hand_over(pid: int) -> Optional[str]:
+            seen.append(pid)
+            return await never(pid)
+
+        pid, why = await successor.replace_self(None, dict(os.environ), hand_over,
+                                                cmdline=["sh", "-c", "exec sleep 600"])
+        return pid, why, seen
+
+    pid, why, seen = asyncio.run(run())
+    assert pid is None and len(seen) == 1
+    assert why == f"the new agent (pid {seen[0]}) was not ready within {successor.READY_TIMEOUT_S:g} s"
+    wait_for(lambda: not procs.alive(seen), 10, "the child gone (reaped by whoever adopted it)")
