@@ -8,7 +8,6 @@ import re
 import subprocess
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -75,14 +74,15 @@ def test_install_run_reload_remove_purge(guest: nspawn.Guest, tmp: str) -> None:
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
         kubelet.wait_until(lambda k: k.allocatable() == 2000, 30)
         wait_for(lambda: guest.is_active(UNIT) == "active", 15)
-        assert 'Status: "ready: kvm, 2000 slots, 1 stream"' in guest.status(UNIT)
+        assert 'Status: "ready: kvm, 2000 slots, 1 stream; version ' in guest.status(UNIT)
         spec = guest.run("cat", "/run/cdi/hyperlight.json").stdout
         assert '"name": "kvm"' in spec
 
-        # systemctl reload applies a changed device_count.
+        # systemctl reload applies a changed device_count (in place: a new process).
         guest.run("sh", "-c", "echo 'device_count = 7' >> /etc/hyperlight-agent/agent.toml")
         guest.run("systemctl", "reload", UNIT)
         kubelet.wait_until(lambda k: k.allocatable() == 7, 15, "7 slots after reload")
+        assert our_sockets(tmp) != [contracts.PLUGIN_SOCKET], "the reload's new process serves its own socket"
 
         # Remove: stopped, no socket, no process, none of its files; config and the CDI directory stay.
         owned = guest.run("dpkg-query", "-L", "hyperlight-agent").stdout.split()
@@ -93,7 +93,7 @@ def test_install_run_reload_remove_purge(guest: nspawn.Guest, tmp: str) -> None:
                          '[ ! -d "$f" ] && echo "$f"; done; true', "sh", *owned).stdout.split()
         assert set(left) <= conffiles, f"files left behind: {sorted(set(left) - conffiles)[:5]}"
         assert guest.is_active(UNIT) in ("inactive", "unknown")
-        assert not os.path.exists(os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET))
+        assert our_sockets(tmp) == []
         assert guest.run("pgrep", "-f", "hyperlight", check=False).returncode == 1, "a process was left"
         assert guest.run("test", "-e", "/usr/lib/hyperlight-agent", check=False).returncode == 1
         assert "device_count = 7" in guest.run("cat", "/etc/hyperlight-agent/agent.toml").stdout
@@ -180,6 +180,12 @@ def listing(guest: nspawn.Guest) -> set[str]:
     return set(guest.run("sh", "-c", LISTING, timeout=120).stdout.splitlines())
 
 
+def our_sockets(tmp: str) -> list[str]:
+    """The agent's sockets in the kubelet directory (hyperlight.sock, or an in-place upgrade's)."""
+    return sorted(n for n in os.listdir(os.path.join(tmp, "kubelet"))
+                  if contracts.is_instance_socket_name(n, contracts.PLUGIN_SOCKET))
+
+
 def agent_starts(guest: nspawn.Guest) -> list[str]:
     """The versions the unit's processes announced at start, in order (from the journal)."""
     out = guest.run("journalctl", "-u", UNIT, "-o", "cat", "--no-pager").stdout
@@ -198,11 +204,12 @@ def lib_listing(guest: nspawn.Guest) -> str:
 
 
 @pytest.mark.root
-def test_upgrade_keeps_the_edited_config_restarts_once_and_purge_leaves_nothing(
+def test_upgrade_keeps_the_edited_config_hands_over_in_place_and_purge_leaves_nothing(
         bare_guest: nspawn.Guest, tmp: str) -> None:
     guest = bare_guest
     before = listing(guest)
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
+        kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
         result = apt_get(guest, "install", "/root/agent-n.deb")
         assert result.returncode == 0, result.stdout + result.stderr
         kubelet.wait_until(lambda k: k.allocatable() == 2000, 30, "version N registered")
@@ -221,27 +228,25 @@ def test_upgrade_keeps_the_edited_config_restarts_once_and_purge_leaves_nothing(
         guest.run("sh", "-c", "echo 'device_count = 7' >> /etc/hyperlight-agent/agent.toml")
         guest.run("systemctl", "reload", UNIT)
         kubelet.wait_until(lambda k: k.allocatable() == 7, 15, "7 slots after reload")
-        assert agent_starts(guest) == [old.split()[-1]]
+        assert agent_starts(guest) == [old.split()[-1]] * 2, "the reload started the installed code anew"
 
-        # Upgrade while the kubelet watches: the slots drop to zero once, for the restart.
-        with ThreadPoolExecutor(1) as pool:
-            upgrade = pool.submit(apt_get, guest, "install", "/root/agent-n1.deb")
-            gone = kubelet.wait_until(lambda k: k.allocatable() == 0 and time.monotonic(), 120, "the old agent to stop")
-            back = kubelet.wait_until(lambda k: k.allocatable() == 7 and time.monotonic(), 60,
-                                      "the new agent to register")
-            result = upgrade.result(300)
+        # Upgrade while the kubelet watches: the new version takes over in place, the kubelet
+        # never counts zero slots.
+        since, pid = time.monotonic(), guest.run("systemctl", "show", "-P", "MainPID", UNIT).stdout.strip()
+        result = apt_get(guest, "install", "/root/agent-n1.deb")
         assert result.returncode == 0, result.stdout + result.stderr
-        print(f"upgrade N → N+1: kubelet saw 0 healthy slots for {back - gone:.2f} s")
+        assert f"pid {pid} handed over to pid " in result.stdout, result.stdout
+        assert [at for at, counts in kubelet.kubelet.timeline if at >= since and counts.get(R, 0) == 0] == []
         assert "device_count = 7" in guest.run("cat", "/etc/hyperlight-agent/agent.toml").stdout
         assert guest.run("hyperlight-agent", "--version").stdout.strip() == f"hyperlight-agent {NEXT_VERSION}"
-        wait_for(lambda: guest.is_active(UNIT) == "active", 15)
-        assert agent_starts(guest) == [old.split()[-1], NEXT_VERSION], "restarted once, onto the new code"
+        assert guest.is_active(UNIT) == "active"
+        assert f"; version {NEXT_VERSION}" in guest.status(UNIT)
+        assert agent_starts(guest) == [old.split()[-1]] * 2 + [NEXT_VERSION], "one new process, the new code"
         assert guest.run("systemctl", "show", "-P", "NRestarts", UNIT).stdout.strip() == "0"
 
         result = apt_get(guest, "remove", "hyperlight-agent")
         assert result.returncode == 0, result.stdout + result.stderr
-        wait_for(lambda: not os.path.exists(os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET)), 10,
-                 "the plugin socket to go")
+        wait_for(lambda: our_sockets(tmp) == [], 10, "the plugin socket to go")
         result = apt_get(guest, "purge", "hyperlight-agent")
         assert result.returncode == 0, result.stdout + result.stderr
         assert "not empty" not in result.stdout + result.stderr

@@ -111,26 +111,30 @@ def test_rpm_layout_config_and_scriptlets(rpms: dict[str, str], dist: str, tmp: 
     assert f"cn {CONFIG}" in flags, "agent.toml must be %config(noreplace)"
     assert f"python(abi) = {TARGETS[dist]}" in query(rpm, "--requires")
 
-    # Each scriptlet parses, and run with stand-ins for systemctl and systemd-tmpfiles it makes
-    # exactly the calls %systemd_post / %systemd_preun / %systemd_postun_with_restart would.
+    # Each scriptlet parses, and run with stand-ins for systemctl, systemd-tmpfiles and the agent's
+    # --upgrade-in-place it makes exactly the calls %systemd_post / %systemd_preun would, and on
+    # upgrade replaces a running agent in place (restarting one that cannot hand over).
     scripts = scriptlets(rpm)
-    assert set(scripts) == {"postinstall", "preuninstall", "postuninstall"}
+    assert set(scripts) == {"postinstall", "preuninstall", "postuninstall", "posttrans"}
     bin_dir = os.path.join(tmp, "bin")
     os.mkdir(bin_dir)
     log = os.path.join(tmp, "calls")
     # (python3 and find too: the scriptlets compile and clean the host's tree, which is not ours here.)
-    for tool in ("systemctl", "systemd-tmpfiles", "python3", "find"):
+    behaviour = {"systemctl": 'case "$1" in is-active) exit "$FAKE_ACTIVE";; show) echo 4242;; esac\n',
+                 "hyperlight-agent": 'exit "$FAKE_UPGRADE"\n'}
+    for tool in ("systemctl", "systemd-tmpfiles", "python3", "find", "hyperlight-agent"):
         with open(os.path.join(bin_dir, tool), "w") as f:
-            f.write(f'#!/bin/sh\necho "{tool} $*" >> {log}\n')
+            f.write(f'#!/bin/sh\necho "{tool} $*" >> {log}\n{behaviour.get(tool, "")}')
         os.chmod(os.path.join(bin_dir, tool), 0o755)  # noqa: S103 - a command on PATH must be executable
 
-    def run(name: str, arg: str) -> list[str]:
+    def run(name: str, arg: str, active: int = 3, upgrade: int = 0) -> list[str]:
         body = scripts[name]
         subprocess.run(["sh", "-n", "-c", body], check=True, timeout=10)
         if os.path.exists(log):
             os.unlink(log)
-        subprocess.run(["sh", "-e", "-c", body, name, arg], check=True, timeout=10,
-                       env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+        subprocess.run(["sh", "-e", "-c", body, name, arg], check=True, timeout=10, capture_output=True,
+                       env={"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE_ACTIVE": str(active),
+                            "FAKE_UPGRADE": str(upgrade)})
         if not os.path.exists(log):
             return []
         with open(log) as f:
@@ -144,8 +148,15 @@ def test_rpm_layout_config_and_scriptlets(rpms: dict[str, str], dist: str, tmp: 
     clean_tree = "find /usr/lib/hyperlight-agent -name __pycache__ -type d -prune -exec rm -rf {} +"
     assert run("preuninstall", "0") == [f"systemctl --no-reload disable --now {unit}", clean_tree]
     assert run("preuninstall", "1") == [], "an upgrade's old preun must not remove the new bytecode"
-    assert run("postuninstall", "1") == ["systemctl daemon-reload", f"systemctl --no-block try-restart {unit}"]
+    assert run("postuninstall", "1") == ["systemctl daemon-reload"], "no restart: %posttrans upgrades in place"
     assert run("postuninstall", "0") == ["systemctl daemon-reload"]
+    in_place = ["systemctl daemon-reload", f"systemctl is-active --quiet {unit}", f"systemctl show -P MainPID {unit}",
+                "hyperlight-agent --upgrade-in-place 4242"]
+    assert run("posttrans", "0", active=0) == in_place
+    assert run("posttrans", "0", active=0, upgrade=1) == in_place, "a failed upgrade leaves the old agent serving"
+    assert run("posttrans", "0", active=0, upgrade=3) == [*in_place, f"systemctl --no-block restart {unit}"]
+    assert run("posttrans", "0", active=3) == ["systemctl daemon-reload", f"systemctl is-active --quiet {unit}",
+                                               f"systemctl --no-block try-restart {unit}"]
 
 
 @pytest.mark.parametrize("dist", list(TARGETS))
