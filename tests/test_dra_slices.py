@@ -71,6 +71,32 @@ def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 # --- the slice ---
 
 
+def test_nothing_is_written_before_the_first_check_says_what_the_device_is(tmp_path: Any) -> None:
+    """A successor starting beside its predecessor (whose slice stands) must not publish an empty
+    slice while its first check runs: the scheduler would see the node's devices go (issue 29: 6)."""
+    async def setup(fake: FakeApiServer) -> None:
+        fake.slices["kept"] = {"metadata": {"name": "kept", "resourceVersion": "7", "creationTimestamp": "t"},
+                               "spec": {**desired_spec(NODE, DRIVER, 4, KVM), "pool": {
+                                   "name": NODE, "generation": 3, "resourceSliceCount": 1}}}
+
+    async def body(fake: FakeApiServer, api: KubeApi) -> None:
+        publisher = SlicePublisher(api, NODE, DRIVER, 4, backoff_initial_s=0.01, backoff_cap_s=0.05)
+        task = asyncio.ensure_future(publisher.run())
+        try:
+            await until(lambda: publisher.looks >= 1, what="a first look at the server's slices")
+            await until(lambda: publisher.requests >= 2, what="the watch")
+            assert not [r for r in fake.requests if r.method != "GET"], "no write before a check"
+            assert len(fake.ours()[0]["spec"]["devices"]) == 4
+            publisher.set_device(None)  # the first check: no usable device
+            await until(lambda: fake.ours()[0]["spec"].get("devices", []) == [], what="the devices leave")
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    run(tmp_path, body, setup)
+
+
 def test_desired_spec_names_n_identical_devices_with_qualified_attributes() -> None:
     spec = desired_spec(NODE, DRIVER, 3, KVM)
     assert [d["name"] for d in spec["devices"]] == ["kvm-0", "kvm-1", "kvm-2"]

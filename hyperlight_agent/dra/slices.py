@@ -168,6 +168,10 @@ class SlicePublisher:
         self._newer = newer
         self._on_change = on_change  # told when published, kept_by or last_error may have changed
         self._device: Optional[DeviceInfo] = None
+        # Whether a check has said what the device is. Until then nothing is written: a successor's
+        # empty slice would take the node's devices from the scheduler while its predecessor,
+        # whose slice stands, still serves them.
+        self._known = False
         self._dirty = asyncio.Event()
         self._cache: dict[str, Json] = {}  # our node's slices of our driver, as the server has them
         self._listed_version: Optional[str] = None  # where the next watch starts (None: list first)
@@ -183,12 +187,13 @@ class SlicePublisher:
         self.last_error = ""
         self.first_published_at: Optional[float] = None
         self.requests = 0  # requests sent to the API server (benchmarks read this)
+        self.looks = 0  # comparisons of the server's slices with the desired one done (tests read this)
 
     def set_device(self, device: Optional[DeviceInfo]) -> None:
         """The device the last check found usable, or None: absent or unusable (its devices leave)."""
-        if device == self._device:
+        if device == self._device and self._known:
             return
-        self._device = device
+        self._device, self._known = device, True
         self.published = False
         self._changed()
         self._dirty.set()
@@ -280,6 +285,14 @@ class SlicePublisher:
             self._dirty.set()
 
     async def _reconcile(self) -> None:
+        try:
+            await self._compare_and_write()
+        finally:
+            self.looks += 1
+
+    async def _compare_and_write(self) -> None:
+        if not self._known:
+            return  # set_device wakes us
         desired = self.desired()
         # Oldest first: of several slices of ours the oldest stays, unless another is already right.
         ours = sorted(self._cache.values(), key=lambda o: (str((o.get("metadata") or {}).get("creationTimestamp", "")),
