@@ -98,8 +98,13 @@ DRA_SUPPORTED_VERSIONS = (DRA_VERSION_V1, DRA_VERSION_V1BETA1)
 DRA_GET_INFO_TIMEOUT_S = 1.0
 DRA_NOTIFY_TIMEOUT_S = 5.0
 DRA_CALL_TIMEOUT_S = 45.0
-# Our driver name (owner: hyperlight-agent): ResourceSlice.spec.driver and DeviceClass selectors.
-DRA_DRIVER = "hyperlight.dev"
+# Our driver and DeviceClass names (owner: hyperlight-agent), named like what they publish under
+# our domain, as DRA drivers are: ResourceSlice.spec.driver, the class workloads ask for, the
+# chart's (deploy/helm: tests/test_deploy.py keeps them equal to these).
+DRA_DRIVER = "hypervisor.hyperlight.dev"
+DRA_DEVICE_CLASS = "hypervisor.hyperlight.dev"
+# The driver's name before the first release: this node's slices under it are deleted at start.
+DRA_DRIVERS_BEFORE = ("hyperlight.dev",)
 
 # ---- Dynamic Resource Allocation: the API's side (owner: Kubernetes, resource.k8s.io/v1: GA in
 # 1.34, the oldest kubelet we serve in this mode)

@@ -6,7 +6,7 @@ under systemd, an in-place upgrade). Their sockets are the only thing they share
 one small gRPC method beside its kubelet protocol, `Describe`, answering who it is as JSON:
 
     {"agent": "hyperlight-agent", "version": "0.1.0", "instance": "web-1", "protocol": "dra",
-     "resource": "hyperlight.dev", "started": 5123456789, "pid": 42, "ready": true}
+     "resource": "hypervisor.hyperlight.dev", "started": 5123456789, "pid": 42, "ready": true}
 
 `started` is CLOCK_BOOTTIME in nanoseconds at the agent's start: one clock for every container on
 the node, never set back. Asking by socket is what makes an answer trustworthy enough: another

@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "dra")
 NODE = "node1"
-DRIVER = "hyperlight.dev"
+DRIVER = "hypervisor.hyperlight.dev"
 SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
 SELECTOR = {"spec.nodeName": NODE, "spec.driver": DRIVER}
 Json = dict[str, Any]
@@ -181,10 +181,14 @@ class FakeApiServer:
         assert request.path.startswith(SLICES_PATH), request
         name = request.path[len(SLICES_PATH) + 1:]
         if request.verb == "list":
-            assert request.query.get("fieldSelector") == "spec.nodeName=node1,spec.driver=hyperlight.dev", request
+            # The field selectors ResourceSlices offer, each "field=value", all of them ANDed.
+            wanted = dict(part.split("=", 1) for part in request.query.get("fieldSelector", "").split(",") if part)
+            assert set(wanted) <= {"spec.nodeName", "spec.driver"}, request
             answer = recorded("resourceslice-list.json")
             answer["metadata"]["resourceVersion"] = str(self.version)
-            answer["items"] = [{k: v for k, v in s.items() if k not in ("kind", "apiVersion")} for s in self.ours()]
+            answer["items"] = [{k: v for k, v in s.items() if k not in ("kind", "apiVersion")}
+                               for s in self.slices.values()
+                               if all(s["spec"].get(field.split(".")[1]) == value for field, value in wanted.items())]
             return 200, answer
         if request.verb == "create":
             return self._create(request)
@@ -218,11 +222,11 @@ class FakeApiServer:
         body = request.body
         assert body is not None
         self._check_slice_body(body)
-        assert "name" not in body["metadata"] and body["metadata"]["generateName"] == "node1-hyperlight.dev-"
+        assert "name" not in body["metadata"] and body["metadata"]["generateName"] == "node1-hypervisor.hyperlight.dev-"
         template = recorded("resourceslice.json")
         self.names += 1
         self.version += 1
-        name = f"node1-hyperlight.dev-{self.names:05d}"
+        name = f"node1-hypervisor.hyperlight.dev-{self.names:05d}"
         metadata = dict(template["metadata"], name=name, resourceVersion=str(self.version),
                         uid=f"00000000-0000-4000-8000-{self.names:012d}",
                         creationTimestamp=f"2026-11-30T10:15:{self.names:02d}Z")
@@ -263,7 +267,7 @@ class FakeApiServer:
     async def _watch(self, request: Request, writer: asyncio.StreamWriter) -> None:
         """As the real server: events after resourceVersion; with timeoutSeconds the watch ends
         then (a bookmark just before it, with allowWatchBookmarks); an ERROR event for a fault."""
-        assert request.query.get("fieldSelector") == "spec.nodeName=node1,spec.driver=hyperlight.dev", request
+        assert request.query.get("fieldSelector") == f"spec.nodeName={NODE},spec.driver={DRIVER}", request
         since = int(request.query["resourceVersion"])
         timeout = float(request.query["timeoutSeconds"]) if "timeoutSeconds" in request.query else None
         bookmarks = request.query.get("allowWatchBookmarks") == "true"

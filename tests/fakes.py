@@ -143,7 +143,7 @@ def shared(checker: Optional[FakeChecker] = None, identity: Optional[Any] = None
     from hyperlight_agent.kubelet_side import Shared
 
     return Shared(observation=SharedObservation(), checker=checker or FakeChecker(),  # type: ignore[arg-type]
-                  identity=identity or peers.Identity.of("test", "dra", "hyperlight.dev"),
+                  identity=identity or peers.Identity.of("test", "dra", "hypervisor.hyperlight.dev"),
                   serve_ours=lambda server: None, metrics=Metrics(enabled=False), watcher=DirectoryWatcher(),
                   on_change=on_change, environ={})
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hyperlight_agent import contracts
 from hyperlight_agent.agent import SHUTDOWN_MARGIN_S
 from hyperlight_agent.device.helper import CLOSE_BOUND_S
 from hyperlight_agent.deviceplugin.side import DevicePluginSide
@@ -259,6 +260,20 @@ def test_dra_workload_example_asks_for_the_device_class_and_matches_the_defaults
     env = {e["name"]: e.get("value") for e in driver["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert (str(pod["securityContext"]["runAsUser"]), str(pod["securityContext"]["runAsGroup"])) \
         == (env["DEVICE_UID"], env["DEVICE_GID"])
+
+
+def test_dra_names_come_from_one_home() -> None:
+    """The DeviceClass, its CEL selector and the driver's plugin directory are the names the agent
+    uses (contracts.py); the chart renders the same objects (tests/test_helm.py)."""
+    docs = documents(render(os.path.join(DEPLOY, "overlays", "dra")))
+    (device_class,) = [d for d in docs if d["kind"] == "DeviceClass"]
+    assert device_class["metadata"]["name"] == contracts.DRA_DEVICE_CLASS
+    assert device_class["spec"]["selectors"] == [{"cel": {"expression": f'device.driver == "{contracts.DRA_DRIVER}"'}}]
+    driver = _daemonsets(render(os.path.join(DEPLOY, "overlays", "dra")))["hyperlight-dra-driver"]
+    paths = {v["hostPath"]["path"] for v in driver["spec"]["template"]["spec"]["volumes"] if "hostPath" in v}
+    assert f"{contracts.DRA_PLUGINS_DIR}/{contracts.DRA_DRIVER}" in paths
+    with open(DRA_WORKLOAD) as f:
+        assert f'device.attributes["{contracts.DRA_DRIVER}"]' in f.read()
 
 
 @pytest.mark.parametrize("example", [WORKLOAD, DRA_WORKLOAD], ids=os.path.basename)

@@ -24,7 +24,7 @@ PREPARE_RESPONSE = b"\n\x1c\n\x02u1\x12\x16\n\x14\n\x02hv\x12\x01p\x1a\x05kvm-0\
 # RegistrationStatus{plugin_registered=true (1), error="x" (2)}
 STATUS = b"\x08\x01\x12\x01x"
 # PluginInfo{type (1), name (2), endpoint (3), supported_versions (4)}
-INFO = b"\n\tDRAPlugin\x12\x0ehyperlight.dev\x1a\x02/e\"\x0cv1.DRAPlugin"
+INFO = b"\n\tDRAPlugin\x12\x19hypervisor.hyperlight.dev\x1a\x02/e\"\x0cv1.DRAPlugin"
 
 
 @pytest.mark.parametrize("messages", [v1, v1beta1])
@@ -55,7 +55,7 @@ def test_prepare_response_bytes() -> None:
 
 def test_registration_bytes() -> None:
     assert reg.RegistrationStatus.FromString(STATUS) == reg.RegistrationStatus(plugin_registered=True, error="x")
-    assert reg.PluginInfo(type="DRAPlugin", name="hyperlight.dev", endpoint="/e",
+    assert reg.PluginInfo(type="DRAPlugin", name="hypervisor.hyperlight.dev", endpoint="/e",
                           supported_versions=["v1.DRAPlugin"]).SerializeToString() == INFO
 
 
@@ -84,7 +84,7 @@ def test_unparsable_request_is_invalid_argument(tmp: str) -> None:
     async def main() -> None:
         registry, plugins = os.path.join(tmp, "reg"), os.path.join(tmp, "plugins")
         os.mkdir(registry)
-        registrar = Registrar(Unreached(), "hyperlight.dev", "a", registry, plugins)
+        registrar = Registrar(Unreached(), "hypervisor.hyperlight.dev", "a", registry, plugins)
         await registrar.start()
         try:
             async with grpc.aio.insecure_channel(transport.unix_target(registrar.service_socket)) as channel:

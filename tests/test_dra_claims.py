@@ -39,7 +39,7 @@ def read(tmp_path: Any, claim: Any, uid: str = UID) -> list[AllocatedDevice]:
 def test_an_allocated_claim_gives_every_result_other_drivers_included(tmp_path: Any) -> None:
     # The node service filters by driver: it knows which driver it serves.
     assert read(tmp_path, recorded("resourceclaim-allocated.json")) == [
-        AllocatedDevice("hv", "hyperlight.dev", "node1", "kvm-3", None),
+        AllocatedDevice("hv", "hypervisor.hyperlight.dev", "node1", "kvm-3", None),
         AllocatedDevice("gpu", "gpu.example.com", "node1", "gpu-0", "9f1c2d3e-4a5b-4c6d-8e7f-0a1b2c3d4e5f"),
     ]
 

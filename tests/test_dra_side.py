@@ -25,7 +25,7 @@ from standin.dra_kubelet import Claim, DraKubeletStandin
 from tests.conftest import until
 from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dra_side, shut
 
-DRIVER = "hyperlight.dev"
+DRIVER = "hypervisor.hyperlight.dev"
 UID = "8d5c0f2a-1b3e-4d6f-a7c9-0e1f2a3b4c5d"  # the recorded claim's uid (default/pod-hv-9x2lq)
 
 
@@ -223,13 +223,10 @@ def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration
         try:
             await until(lambda: agent.ready and len(kubelet.instances.get(DRIVER, [])) == 1, what="ready")
             registrar = dra_side(agent).registrar
-            loop = asyncio.get_running_loop()
             said = len(notifier.messages)
             os.unlink(registrar.registration_socket)  # a cleanup tool, an administrator
-            removed = loop.time()
             await until(lambda: registrar.served_again == 1 and os.path.exists(registrar.registration_socket),
                         what="the socket back")
-            assert loop.time() - removed < 1.0, "put back within a second"
             await until(lambda: agent.ready and len(kubelet.instances.get(DRIVER, [])) == 1, what="registered again")
             statuses = [m[0] for m in notifier.messages[said:] if m[0].startswith("STATUS=")]
             assert any("our registration socket was removed" in m for m in statuses), statuses
@@ -239,7 +236,8 @@ def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration
             await until(lambda: os.path.exists(registrar.service_socket), what="the service socket back")
             answer = await kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)])
             assert list(answer[UID].devices[0].cdi_device_ids) == ["hyperlight.dev/hypervisor=kvm"]
-            assert registrar.served_again == 2 and agent.ready
+            assert registrar.served_again == 2
+            await until(lambda: agent.ready, what="ready with both sockets back")
         finally:
             await shut(agent)
 

@@ -18,7 +18,7 @@ import pytest
 from hyperlight_agent.dra import client as dra_client
 from hyperlight_agent.dra.client import ApiError, ClientConfigError, KubeApi
 from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher, desired_spec, owned
-from standin.apiserver import DRIVER, NODE, SLICES_PATH, FakeApiServer, kubeconfig, recorded, status
+from standin.apiserver import DRIVER, NODE, SLICES_PATH, FakeApiServer, Json, kubeconfig, recorded, status
 from tests.conftest import until
 from tests.test_docs import ROOT
 
@@ -69,6 +69,36 @@ def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 # --- the slice ---
+
+
+def test_slices_under_the_drivers_earlier_name_are_deleted_once(tmp_path: Any,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """This node's slices of the driver's name before the first release go before our first write;
+    another node's, and anyone else's driver's, stay (issue 29: 4)."""
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+
+    def old(name: str, node: str, driver: str) -> Json:
+        return {"metadata": {"name": name, "resourceVersion": "5", "creationTimestamp": "t"},
+                "spec": {"driver": driver, "nodeName": node, "pool": {"name": node, "generation": 1,
+                                                                       "resourceSliceCount": 1}, "devices": []}}
+
+    async def setup(fake: FakeApiServer) -> None:
+        fake.slices.update({"ours-before": old("ours-before", NODE, "hyperlight.dev"),
+                            "elsewhere": old("elsewhere", "node2", "hyperlight.dev"),
+                            "someone": old("someone", NODE, "gpu.example.com")})
+
+    async def body(fake: FakeApiServer, api: KubeApi) -> None:
+        async def check(publisher: SlicePublisher) -> None:
+            await until(lambda: publisher.published, what="published")
+            assert sorted(fake.slices) == sorted(["elsewhere", "someone", publisher.slice_name])
+            deletes = [r for r in fake.requests if r.method == "DELETE"]
+            assert [r.path.rsplit("/", 1)[1] for r in deletes] == ["ours-before"]
+            assert "ResourceSlice ours-before: published under driver hyperlight.dev, our name before " \
+                   f"{DRIVER}; deleting it" in caplog.text
+
+        await publishing(fake, api, check)
+
+    run(tmp_path, body, setup)
 
 
 def test_nothing_is_written_before_the_first_check_says_what_the_device_is(tmp_path: Any) -> None:

@@ -1,10 +1,10 @@
 """The DRA mode's socket names, from its directories, driver and instance: what the agent serves,
 what the exec probe asks and what the configuration checks room for. Standard library only.
 
-    registration_socket("/var/lib/kubelet/plugins_registry", "hyperlight.dev", "web-1")
-      → /var/lib/kubelet/plugins_registry/hyperlight.dev-web-1-reg.sock
-    service_socket("/var/lib/kubelet/plugins", "hyperlight.dev", "web-1")
-      → /var/lib/kubelet/plugins/hyperlight.dev/dra-web-1.sock
+    registration_socket("/var/lib/kubelet/plugins_registry", "hypervisor.hyperlight.dev", "web-1")
+      → /var/lib/kubelet/plugins_registry/hypervisor.hyperlight.dev-web-1-reg.sock
+    service_socket("/var/lib/kubelet/plugins", "hypervisor.hyperlight.dev", "web-1")
+      → /var/lib/kubelet/plugins/hypervisor.hyperlight.dev/dra-web-1.sock
 
 Both names carry the instance (a pod name or uid) so that a rolling update's new agent registers
 beside the old one. A name whose path would not fit a unix socket address (contracts.UNIX_PATH_MAX)
@@ -51,8 +51,8 @@ def _first_fitting(directory: str, names: list[str]) -> str:
 def registration_socket(registry_dir: str, driver: str, instance: str) -> str:
     """<registry_dir>/<driver>-<instance>-reg.sock, or a shorter hashed name where that is too long.
 
-    >>> registration_socket("/var/lib/kubelet/plugins_registry", "hyperlight.dev", "web-1")
-    '/var/lib/kubelet/plugins_registry/hyperlight.dev-web-1-reg.sock'
+    >>> registration_socket("/var/lib/kubelet/plugins_registry", "hypervisor.hyperlight.dev", "web-1")
+    '/var/lib/kubelet/plugins_registry/hypervisor.hyperlight.dev-web-1-reg.sock'
     """
     names = [f"{driver}-{_digest(instance, chars=12)}-reg.sock", f"dra-{_digest(driver, instance, chars=24)}-reg.sock"]
     if _PLAIN_INSTANCE.fullmatch(instance):
@@ -68,8 +68,8 @@ def is_service_socket_name(name: str) -> bool:
 def service_socket(plugins_dir: str, driver: str, instance: str) -> str:
     """<plugins_dir>/<driver>/dra-<instance>.sock, or a shorter hashed name where that is too long.
 
-    >>> service_socket("/var/lib/kubelet/plugins", "hyperlight.dev", "web-1")
-    '/var/lib/kubelet/plugins/hyperlight.dev/dra-web-1.sock'
+    >>> service_socket("/var/lib/kubelet/plugins", "hypervisor.hyperlight.dev", "web-1")
+    '/var/lib/kubelet/plugins/hypervisor.hyperlight.dev/dra-web-1.sock'
     """
     names = [f"dra-{_digest(instance, chars=16)}.sock"]
     if _PLAIN_INSTANCE.fullmatch(instance):

@@ -2,7 +2,7 @@
 answered with, kept as one JSON file so that a prepared claim gets the same answer after an agent
 restart, and from any agent instance on the node.
 
-    Prepared("/var/lib/kubelet/plugins/hyperlight.dev")
+    Prepared("/var/lib/kubelet/plugins/hypervisor.hyperlight.dev")
       → prepared.json   {"version": 2, "claims": {"<uid>": {"namespace", "name", "devices": [...],
                                                              "preparedAt": <unix seconds>}}}
       → prepared.lock   flock(2)ed by each writer, so two instances (a rolling update) never

@@ -13,8 +13,8 @@
              both servers (calls in flight get transport.STOP_GRACE_S), remove the service socket;
              a socket is removed only while it is still the one we put there.
 
-    e.g. driver hyperlight.dev, instance web-1:
-      /var/lib/kubelet/plugins_registry/hyperlight.dev-web-1-reg.sock
+    e.g. driver hypervisor.hyperlight.dev, instance web-1:
+      /var/lib/kubelet/plugins_registry/hypervisor.hyperlight.dev-web-1-reg.sock
       /var/lib/kubelet/plugins/hyperlight.dev/dra-web-1.sock
 
 Both names carry the instance (a pod name or uid) so that a rolling update's new agent registers

@@ -7,7 +7,7 @@ NodeUnprepareResources for our driver.
                                restart, and a rolling update's other instance may have prepared it);
       the others, concurrently (at most MAX_CONCURRENT_READS API reads at once, over all requests):
         claim_reader.allocation(ns, name, uid) → the results of our driver
-          none of ours          → "claim ns/name has no device of driver hyperlight.dev"
+          none of ours          → "claim ns/name has no device of driver hypervisor.hyperlight.dev"
           device unhealthy      → "device kvm-3 (/dev/kvm) failed its check: <reason>"
           else                  → one Device per result with our CDI id
       then all of those recorded in one change of the record (one wait for its lock), answered.

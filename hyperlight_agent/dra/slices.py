@@ -82,7 +82,8 @@ def desired_spec(node_name: str, driver: str, count: int, device: Optional[Devic
     """The slice's spec without pool.generation (which only says how often it changed)."""
     devices: list[Json] = []
     if device is not None:
-        # Unprefixed attribute names are in the driver's domain: device.attributes["hyperlight.dev"].hypervisor.
+        # Unprefixed attribute names are in the driver's domain:
+        # device.attributes["hypervisor.hyperlight.dev"].hypervisor.
         attributes = {"hypervisor": {"string": device.hypervisor}, "apiVersion": {"int": device.api_version},
                       "devicePath": {"string": device.path}}
         devices = [{"name": name, "attributes": attributes} for name in device_names(device.hypervisor, count)]
@@ -157,7 +158,8 @@ class SlicePublisher:
                  clock: Callable[[], float] = time.monotonic, backoff_initial_s: float = BACKOFF_INITIAL_S,
                  backoff_cap_s: float = BACKOFF_CAP_S, watch_timeout_s: tuple[float, float] = WATCH_TIMEOUT_S,
                  newer: Optional[Callable[[], Awaitable[Optional[str]]]] = None,
-                 on_change: Optional[Callable[[], None]] = None) -> None:
+                 on_change: Optional[Callable[[], None]] = None,
+                 drivers_before: tuple[str, ...] = contracts.DRA_DRIVERS_BEFORE) -> None:
         if not 1 <= count <= contracts.RESOURCE_SLICE_MAX_DEVICES:
             raise ValueError(f"DRA device count {count}: must be 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES} "
                              f"(the devices of one ResourceSlice)")
@@ -166,6 +168,10 @@ class SlicePublisher:
         self._backoff = Backoff(backoff_initial_s, backoff_cap_s, rand=backoff.JITTER, immediate_first=True)
         self._watch_timeout_s = watch_timeout_s
         self._newer = newer
+        # Our driver's earlier names: this node's slices under them are deleted once, before our
+        # first write (nothing allocates from them any more; the kubelet would keep them 30 s).
+        self._drivers_before = drivers_before
+        self._swept = not drivers_before
         self._on_change = on_change  # told when published, kept_by or last_error may have changed
         self._device: Optional[DeviceInfo] = None
         # Whether a check has said what the device is. Until then nothing is written: a successor's
@@ -312,6 +318,8 @@ class SlicePublisher:
             log.info("ResourceSlice for node %s: instance %s is gone; keeping the slice again", self.node_name,
                      self.kept_by)
             self.kept_by = ""
+        if not self._swept:
+            await self._sweep()
         result = await self._write(desired, keep, extras)
         self._written = desired
         if _newer(result, self._cache.get(_name(result))):
@@ -399,6 +407,17 @@ class SlicePublisher:
         self.last_error = ""
         self._changed()
 
+    async def _sweep(self) -> None:
+        """Delete this node's slices published under our driver's earlier names."""
+        for driver in self._drivers_before:
+            self.requests += 1
+            old, _ = await self._api.list_slices(self.node_name, driver)
+            for obj in old:
+                log.info("ResourceSlice %s: published under driver %s, our name before %s; deleting it",
+                         _name(obj), driver, self.driver)
+                await self._delete(_name(obj))
+        self._swept = True
+
     async def _delete(self, name: str) -> None:
         self.requests += 1
         try:
@@ -409,7 +428,7 @@ class SlicePublisher:
         self._cache.pop(name, None)
 
     def _prefix(self) -> str:
-        """generateName: the server appends five random characters ("node1-hyperlight.dev-x7k2p")."""
+        """generateName: the server appends five random characters ("node1-hypervisor.hyperlight.dev-x7k2p")."""
         return f"{self.node_name}-{self.driver}-"
 
     def _object(self, desired: Json, metadata: Json) -> Json:
