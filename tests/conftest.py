@@ -107,7 +107,8 @@ def read_bytes(path: str) -> Optional[bytes]:
         return None
 
 
-# Run in other processes: read a JSON file until `stop` exists; print reads and unparsable reads.
+# Run in other processes: read a JSON file until `stop` exists; say "reading" after the first read,
+# then at the end print reads and unparsable reads.
 JSON_READER = """
 import json, os, sys
 path, stop = sys.argv[1], sys.argv[2]
@@ -123,8 +124,20 @@ while not os.path.exists(stop):
         json.loads(data)
     except ValueError:
         bad += 1
+    if reads == 1:
+        print("reading", flush=True)
 print(reads, bad)
 """
+
+
+def json_readers(path: str, stop: str, count: int = 2) -> list[subprocess.Popen[str]]:
+    """`count` JSON_READER processes on `path`, each past its first read: writes that follow are
+    read concurrently (a reader still starting would see none of them)."""
+    readers = [subprocess.Popen([sys.executable, "-c", JSON_READER, path, stop], stdout=subprocess.PIPE, text=True)
+               for _ in range(count)]
+    for reader in readers:
+        assert reader.stdout is not None and reader.stdout.readline() == "reading\n", "a reader started"
+    return readers
 
 
 def kvm_metadata() -> Optional[tuple[int, int, int, int]]:

@@ -14,7 +14,7 @@ import pytest
 
 from hyperlight_agent import contracts
 from hyperlight_agent.files import atomic, cdi
-from tests.conftest import JSON_READER, read_bytes
+from tests.conftest import json_readers, read_bytes
 
 SPEC = cdi.Spec("kvm", "/dev/kvm", 65534, 65534)
 WANTED = SPEC.wanted(None)
@@ -274,8 +274,7 @@ def test_concurrent_readers_never_see_a_partial_file(tmp: str) -> None:
     cdi_dir = os.path.join(tmp, "cdi")
     cdi.reconcile(cdi_dir, SPEC)
     stop = os.path.join(tmp, "stop")
-    readers = [subprocess.Popen([sys.executable, "-c", JSON_READER, cdi.spec_path(cdi_dir), stop],
-                                stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    readers = json_readers(cdi.spec_path(cdi_dir), stop)
     other = cdi.Spec("kvm", "/dev/kvm", 1000, 1000)
     try:
         for i in range(1000):

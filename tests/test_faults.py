@@ -22,7 +22,7 @@ import pytest
 from hyperlight_agent import contracts
 from hyperlight_agent.files import atomic, cdi
 from standin.kubelet import KubeletStandin, StandinThread
-from tests.conftest import JSON_READER, AgentProcess, StartAgent, kvm_metadata, make_node, wait_for
+from tests.conftest import AgentProcess, StartAgent, json_readers, kvm_metadata, make_node, wait_for
 from tests.conftest import read_bytes as read
 
 # Real agents on real device nodes (mknod) and the host's /dev/kvm.
@@ -248,8 +248,7 @@ def test_row8_kubelet_restart(node: Node) -> None:
 
 def test_row9_atomic_replacement_during_allocation(node: Node) -> None:
     stop = os.path.join(node.tmp, "stop")
-    readers = [subprocess.Popen([sys.executable, "-c", JSON_READER, node.spec, stop], stdout=subprocess.PIPE,
-                                text=True) for _ in range(2)]
+    readers = json_readers(node.spec, stop)
     stale = cdi.render("kvm", "/dev/kvm", 1, 1)
     try:
         for _ in range(100):

@@ -67,7 +67,9 @@ def test_readers_never_see_a_partial_file(tmp: str) -> None:
         "    data = open(sys.argv[1], 'rb').read()\n    reads += 1\n"
         "    bad += data not in (b'hyperlight.dev/enabled=true\\nhyperlight.dev/hypervisor=kvm\\n',"
         " b'hyperlight.dev/enabled=true\\nhyperlight.dev/hypervisor=mshv\\n')\n"
+        "    if reads == 1:\n        print('reading', flush=True)\n"
         "print(reads, bad)\n"), path, stop], stdout=subprocess.PIPE, text=True)
+    assert reader.stdout is not None and reader.stdout.readline() == "reading\n", "the reader started"
     for i in range(300):
         labels.sync(features, "mshv" if i % 2 == 0 else "kvm")
     open(stop, "w").close()
