@@ -233,8 +233,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("dra_devices", "HYPERLIGHT_DRA_DEVICES", "--dra-devices", contracts.RESOURCE_SLICE_MAX_DEVICES,
             _int_in(1, contracts.RESOURCE_SLICE_MAX_DEVICES,
                     f"an integer from 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES}"),
-            "--dra: devices published in this node's ResourceSlice, each one pod's share of the hypervisor",
+            "--dra: identical devices published in this node's ResourceSlice, each one claim's share of the "
+            "hypervisor, where it cannot be one shared device (dra_shared_device)",
             toml_types=(int,), restart_only=True),
+    Setting("dra_shared_device", "HYPERLIGHT_DRA_SHARED_DEVICE", "--dra-shared-device", "auto",
+            _choice(("auto", "off")),
+            "--dra: auto: publish the hypervisor as one device every claim shares, where the API server "
+            "keeps allowMultipleAllocations (Kubernetes 1.36+), else dra_devices identical devices; "
+            "off: always the identical devices (for kubelets before 1.36)", restart_only=True),
     Setting("node_name", "NODE_NAME", "--node-name", None, _node_name,
             "--dra: this node's name in Kubernetes (in a pod: spec.nodeName); unset: the host name",
             restart_only=True),
@@ -244,7 +250,7 @@ SETTINGS: tuple[Setting, ...] = (
             _abs_dir, "--dra: the kubelet's plugin registry (our registration socket)", restart_only=True),
     Setting("dra_plugins_dir", "HYPERLIGHT_DRA_PLUGINS_DIR", "--dra-plugins-dir", contracts.DRA_PLUGINS_DIR,
             _abs_dir, "--dra: the kubelet's plugins directory (our service socket and record of prepared "
-            "claims, in hyperlight.dev/ below it)", restart_only=True),
+            f"claims, in {contracts.DRA_DRIVER}/ below it)", restart_only=True),
 )
 BY_KEY = {s.key: s for s in SETTINGS}
 RESTART_ONLY = tuple(s.key for s in SETTINGS if s.restart_only)
@@ -285,6 +291,7 @@ class Settings:
     instance: Optional[str]
     handover_seconds: float
     dra_devices: int
+    dra_shared_device: str
     node_name: Optional[str]
     kubeconfig: Optional[str]
     dra_registry_dir: str

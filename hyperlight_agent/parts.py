@@ -54,7 +54,7 @@ def dra_target(settings: Settings, mode: modes.Mode) -> DraTarget:
 
     return DraTarget(settings.node_name or socket.gethostname().lower(), modes.dra_instance(settings.instance),
                      settings.dra_devices, settings.kubeconfig, settings.dra_registry_dir, settings.dra_plugins_dir,
-                     mode.resource)
+                     mode.resource, shared=settings.dra_shared_device == "auto")
 
 
 def _device_plugin_side(target: Any, shared: Shared) -> KubeletSide:

@@ -72,6 +72,10 @@ class FakeApiServer:
         self.end_watches = False  # answer every watch with an empty stream that ends at once
         # Applied to every written slice's spec, as a mutating admission webhook would.
         self.mutate: Optional[Callable[[Json], None]] = None
+        # False: a server without DRAConsumableCapacity (before 1.36, or switched off), which drops
+        # a device's allowMultipleAllocations on the way in (dropDisabledFields), unless the slice
+        # it replaces already had it.
+        self.consumable_capacity = True
         self.refused = 0  # connections closed unanswered while down
         self.server: Optional[asyncio.base_events.Server] = None
         self.connections: set[asyncio.StreamWriter] = set()
@@ -205,6 +209,15 @@ class FakeApiServer:
         async with self.changed:
             self.changed.notify_all()
 
+    def _drop_disabled(self, spec: Json, old: Optional[Json]) -> Json:
+        """The spec as stored: a copy, without the fields of features the server does not have."""
+        spec = copy.deepcopy(spec)
+        in_use = any("allowMultipleAllocations" in d for d in (old or {}).get("devices", []))
+        if not self.consumable_capacity and not in_use:
+            for device in spec.get("devices", []):
+                device.pop("allowMultipleAllocations", None)
+        return spec
+
     def _check_slice_body(self, body: Json) -> None:
         assert body["apiVersion"] == "resource.k8s.io/v1" and body["kind"] == "ResourceSlice"
         spec = body["spec"]
@@ -214,7 +227,7 @@ class FakeApiServer:
         assert spec["pool"]["resourceSliceCount"] == 1 and isinstance(spec["pool"]["generation"], int)
         assert len(spec.get("devices", [])) <= 128 and spec.get("devices", None) != []  # omitempty, as the server
         for device in spec.get("devices", []):
-            assert set(device) == {"name", "attributes"}
+            assert set(device) in ({"name", "attributes"}, {"name", "attributes", "allowMultipleAllocations"}), device
             for key, value in device["attributes"].items():
                 assert len(key) <= 32 and key.isidentifier() and len(value) == 1
 
@@ -230,6 +243,7 @@ class FakeApiServer:
         metadata = dict(template["metadata"], name=name, resourceVersion=str(self.version),
                         uid=f"00000000-0000-4000-8000-{self.names:012d}",
                         creationTimestamp=f"2026-11-30T10:15:{self.names:02d}Z")
+        body = dict(body, spec=self._drop_disabled(body["spec"], None))  # the request stays as sent
         if self.mutate is not None:
             self.mutate(body["spec"])
         obj = {"kind": "ResourceSlice", "apiVersion": "resource.k8s.io/v1", "metadata": metadata, "spec": body["spec"]}
@@ -248,6 +262,7 @@ class FakeApiServer:
         if body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
             return status("status-409-conflict.json", name)
         self.version += 1
+        body = dict(body, spec=self._drop_disabled(body["spec"], current["spec"]))
         if self.mutate is not None:
             self.mutate(body["spec"])
         obj = dict(current, spec=body["spec"], metadata=dict(current["metadata"], resourceVersion=str(self.version)))

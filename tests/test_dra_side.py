@@ -81,11 +81,12 @@ def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: st
             # Ready once the kubelet's NotifyRegistrationStatus came; the stand-in records us just after.
             await until(lambda: agent.ready and bool(kubelet.instances.get(DRIVER)),
                         what="registered, published and healthy")
-            assert agent.status() == "ready: kvm, 4 devices in the ResourceSlice"
+            assert agent.status() == "ready: kvm, one device in the ResourceSlice, shared by every claim"
             (published,) = fake.ours()
             assert published["spec"]["nodeName"] == "node1" and published["spec"]["driver"] == DRIVER
-            assert published["spec"]["devices"][0]["attributes"] == {
-                "hypervisor": {"string": "kvm"}, "apiVersion": {"int": 12}, "devicePath": {"string": "/dev/kvm"}}
+            (shared,) = published["spec"]["devices"]
+            assert shared == {"name": "kvm", "allowMultipleAllocations": True, "attributes": {
+                "hypervisor": {"string": "kvm"}, "apiVersion": {"int": 12}, "devicePath": {"string": "/dev/kvm"}}}
             # The CDI spec is the device plugin's, and a claim gets its device.
             assert os.path.exists(cdi.spec_path(os.path.join(tmp, "cdi")))
             fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
@@ -105,12 +106,38 @@ def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: st
             assert not await healthcheck.peer_ready(socket, 2)
             helpers[0].answers.clear()
             agent.checker.request()
-            await until(lambda: devices_published(fake) == 4 and agent.ready, what="back in the slice")
+            await until(lambda: devices_published(fake) == 1 and agent.ready, what="back in the slice")
         finally:
             await shut(agent)
         assert not os.listdir(os.path.join(tmp, "plugins_registry")), "our registration socket is gone"
         assert fake.ours(), "the slice stays for a successor"
         assert notifier.messages[-1] == ("STOPPING=1", "STATUS=stopping")
+
+    with_cluster(tmp, body)
+
+
+@pytest.mark.parametrize(("setting", "capacity"), [("auto", False), ("off", True)])
+def test_identical_devices_where_the_api_server_drops_sharing_or_it_is_off(
+        tmp: str, helpers: list[FakeHelper], setting: str, capacity: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """A server without DRAConsumableCapacity drops allowMultipleAllocations: the agent finds out from
+    the answer and publishes dra_devices identical devices; dra_shared_device=off never tries."""
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        fake.consumable_capacity = capacity
+        agent = Agent(settings_in(tmp, config, dra_shared_device=setting), modes.DRA)
+        await agent.start()
+        try:
+            await until(lambda: agent.ready and devices_published(fake) == 4, what="four identical devices")
+            assert agent.status() == "ready: kvm, 4 devices in the ResourceSlice"
+            assert [d["name"] for d in fake.ours()[0]["spec"]["devices"]] == ["kvm-0", "kvm-1", "kvm-2", "kvm-3"]
+            tried = [r for r in fake.requests if r.body and any(
+                "allowMultipleAllocations" in d for d in r.body.get("spec", {}).get("devices", []))]
+            assert len(tried) == (1 if setting == "auto" else 0)
+            said = "does not keep allowMultipleAllocations (Kubernetes before 1.36, or DRAConsumableCapacity off)"
+            assert (said in caplog.text) == (setting == "auto")
+        finally:
+            await shut(agent)
 
     with_cluster(tmp, body)
 

@@ -45,8 +45,10 @@ def run(tmp_path: Any, body: Body, setup: Optional[Callable[[FakeApiServer], Awa
 
 
 async def publishing(fake: FakeApiServer, api: KubeApi, check: Callable[[SlicePublisher], Awaitable[None]],
-                     device: Optional[DeviceInfo] = KVM, count: int = 4, leaves_slice: bool = True) -> None:
-    publisher = SlicePublisher(api, NODE, DRIVER, count, backoff_initial_s=0.01, backoff_cap_s=0.05)
+                     device: Optional[DeviceInfo] = KVM, count: int = 4, leaves_slice: bool = True,
+                     shared: bool = False) -> None:
+    """A publisher of `count` identical devices (of one shared device with `shared`)."""
+    publisher = SlicePublisher(api, NODE, DRIVER, count, backoff_initial_s=0.01, backoff_cap_s=0.05, shared=shared)
     publisher.set_device(device)
     task = asyncio.ensure_future(publisher.run())
     try:
@@ -134,6 +136,37 @@ def test_desired_spec_names_n_identical_devices_with_qualified_attributes() -> N
                                                 "devicePath": {"string": "/dev/kvm"}}
     assert spec["pool"] == {"name": NODE, "resourceSliceCount": 1}
     assert desired_spec(NODE, DRIVER, 3, None)["devices"] == []
+
+
+def test_desired_spec_with_sharing_is_one_device_every_claim_may_share() -> None:
+    spec = desired_spec(NODE, DRIVER, 3, KVM, shared=True)
+    assert spec["devices"] == [{"name": "kvm", "allowMultipleAllocations": True, "attributes": {
+        "hypervisor": {"string": "kvm"}, "apiVersion": {"int": 12}, "devicePath": {"string": "/dev/kvm"}}}]
+    assert owned(spec) == spec, "the field is ours to compare"
+    assert desired_spec(NODE, DRIVER, 3, None, shared=True)["devices"] == []
+
+
+def test_one_shared_device_where_the_server_keeps_it_and_identical_devices_where_it_drops_it(tmp_path: Any) -> None:
+    async def body(fake: FakeApiServer, api: KubeApi) -> None:
+        async def shared(publisher: SlicePublisher) -> None:
+            await until(lambda: publisher.published, what="published")
+            assert publisher.shared and publisher.devices == 1 and equal_to_desired(fake, publisher)
+            assert fake.ours()[0]["spec"]["devices"][0]["allowMultipleAllocations"] is True
+
+        await publishing(fake, api, shared, shared=True)
+        fake.slices.clear()
+        fake.consumable_capacity = False  # 1.34, 1.35: dropped on the way in
+
+        async def dropped(publisher: SlicePublisher) -> None:
+            await until(lambda: publisher.published, what="published")
+            assert not publisher.shared and publisher.devices == 4 and equal_to_desired(fake, publisher)
+            writes = [r for r in fake.requests if r.method in ("POST", "PUT")]
+            assert len(writes) == 2, "one write to find out, one with the identical devices"
+
+        fake.requests.clear()
+        await publishing(fake, api, dropped, shared=True)
+
+    run(tmp_path, body)
 
 
 def test_the_default_is_128_devices_and_more_than_one_slice_holds_is_refused() -> None:
@@ -351,7 +384,8 @@ def test_the_device_plugin_modes_never_load_the_api_client() -> None:
 
 
 async def publisher_on(api: KubeApi, count: int = 4, **kw: Any) -> tuple[SlicePublisher, asyncio.Task[None]]:
-    publisher = SlicePublisher(api, NODE, DRIVER, count, backoff_initial_s=0.05, backoff_cap_s=0.4, **kw)
+    publisher = SlicePublisher(api, NODE, DRIVER, count, backoff_initial_s=0.05, backoff_cap_s=0.4,
+                               **{"shared": False, **kw})
     publisher.set_device(KVM)
     return publisher, asyncio.ensure_future(publisher.run())
 

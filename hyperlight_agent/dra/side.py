@@ -83,6 +83,7 @@ class DraTarget:
     registry_dir: str
     plugins_dir: str
     driver: str = contracts.DRA_DRIVER
+    shared: bool = True  # one shared device where the API server keeps allowMultipleAllocations
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class DraSnapshot:
     slice_error: str
     slots: int  # the ResourceSlice's devices (the API's word): one share of the device each
     kept_by: str = ""  # a newer instance of ours that keeps the slice
+    shared: bool = False  # one device every claim shares
 
     def ready(self) -> bool:
         """Registered with the plugin watcher, the ResourceSlice published, and the last device check passed."""
@@ -125,6 +127,8 @@ class DraSnapshot:
             return "publishing the ResourceSlice"
         if self.kept_by:
             return f"ready: {obs.hypervisor}, the ResourceSlice kept by newer instance {self.kept_by}"
+        if self.shared:
+            return f"ready: {obs.hypervisor}, one device in the ResourceSlice, shared by every claim"
         return f"ready: {obs.hypervisor}, {count(self.slots, 'device')} in the ResourceSlice"
 
 
@@ -138,6 +142,7 @@ class DraSide:
         self.identity = shared.identity
         self.node_name = target.node_name
         self.devices = target.devices
+        self._shared_device = target.shared
         self._kubeconfig = target.kubeconfig
         self._observation = shared.observation
         self._on_change = shared.on_change
@@ -161,7 +166,8 @@ class DraSide:
             watcher.watch(os.path.dirname(path), lambda name: self.sockets_changed())
 
     def describe(self) -> str:
-        return (f"DRA driver {self.registrar.driver}, node {self.node_name}, {self.devices} device(s), "
+        shape = "one shared device (else " if self._shared_device else "("
+        return (f"DRA driver {self.registrar.driver}, node {self.node_name}, {shape}{self.devices} device(s)), "
                 f"socket {self.registrar.service_socket}")
 
     def begin_stop(self) -> None:
@@ -171,8 +177,8 @@ class DraSide:
         p = self.publisher
         return DraSnapshot(observation, checked, self.registrar.registered, self.registrar.error,
                            self.registrar.registration_socket, p is not None and p.published,
-                           self.api_error if p is None else p.last_error, self.devices,
-                           p.kept_by if p is not None else "")
+                           self.api_error if p is None else p.last_error, self.devices if p is None else p.devices,
+                           p.kept_by if p is not None else "", p is not None and p.shared)
 
     def reconfigure(self, target: Any) -> None:
         """Every DRA setting changes only on restart (the device check's follow on their own)."""
@@ -187,7 +193,8 @@ class DraSide:
         try:
             kube = await self._retrying("API client", self._make_client)
             self.publisher = SlicePublisher(kube, self.node_name, self.registrar.driver, self.devices,
-                                            newer=self.newer_instance, on_change=self._on_change)
+                                            newer=self.newer_instance, on_change=self._on_change,
+                                            shared=self._shared_device)
             tasks += [asyncio.ensure_future(self._follow_checks(self.publisher)),
                       asyncio.ensure_future(self.publisher.run())]
             await asyncio.gather(*tasks)

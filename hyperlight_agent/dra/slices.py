@@ -1,9 +1,14 @@
-"""This node's ResourceSlice: N identical devices of one driver, kept equal to what the device
-check says, whoever deletes or edits it.
+"""This node's ResourceSlice: the hypervisor as one device every claim may share, or N identical
+devices where the API server cannot say that; kept equal to what the device check says, whoever
+deletes or edits it.
 
-One slice, one pool named after the node, `count` devices `kvm-0` … `kvm-{count-1}` (or `mshv-…`),
-each allocated to one claim, all handed out as the same CDI device by the node service. Why N
-identical devices and not one shareable device: ARCHITECTURE.md, "DRA: why N devices".
+One slice, one pool named after the node. Where the API server keeps a device's
+`allowMultipleAllocations` (Kubernetes 1.36+, DRAConsumableCapacity), one device `kvm` (or `mshv`)
+that any number of claims are allocated at once: what /dev/kvm is. Elsewhere (1.34, 1.35, or
+sharing switched off), `count` devices `kvm-0` … `kvm-{count-1}`, each allocated to one claim. All
+are handed out as the same CDI device by the node service. Which the server keeps is found out by
+writing the shared device and reading the answer: a server that drops the field gets the N devices
+from then on (ARCHITECTURE.md, "DRA: one shared device, N where the API cannot say so").
 
 A device that is absent or failed its check leaves the slice: the slice stays, with no devices
 (spec.devices is optional, `omitempty`, and "Only one of Devices and SharedCounters can be set"
@@ -63,6 +68,8 @@ EARLY_END = 0.5
 NOTICE_INTERVAL_S = 600.0
 # The attributes we publish per device; others' attributes are not compared.
 ATTRIBUTES = ("hypervisor", "apiVersion", "devicePath")
+# The device field that lets the scheduler allocate one device to many claims (KEP-5075).
+SHARED_FIELD = "allowMultipleAllocations"
 
 
 class DeviceInfo(NamedTuple):
@@ -78,15 +85,20 @@ def device_names(hypervisor: str, count: int) -> list[str]:
     return [f"{hypervisor}-{i}" for i in range(count)]
 
 
-def desired_spec(node_name: str, driver: str, count: int, device: Optional[DeviceInfo]) -> Json:
-    """The slice's spec without pool.generation (which only says how often it changed)."""
+def desired_spec(node_name: str, driver: str, count: int, device: Optional[DeviceInfo],
+                 shared: bool = False) -> Json:
+    """The slice's spec without pool.generation (which only says how often it changed): one shared
+    device, or `count` identical ones."""
     devices: list[Json] = []
     if device is not None:
         # Unprefixed attribute names are in the driver's domain:
         # device.attributes["hypervisor.hyperlight.dev"].hypervisor.
         attributes = {"hypervisor": {"string": device.hypervisor}, "apiVersion": {"int": device.api_version},
                       "devicePath": {"string": device.path}}
-        devices = [{"name": name, "attributes": attributes} for name in device_names(device.hypervisor, count)]
+        if shared:
+            devices = [{"name": device.hypervisor, SHARED_FIELD: True, "attributes": attributes}]
+        else:
+            devices = [{"name": name, "attributes": attributes} for name in device_names(device.hypervisor, count)]
     return {"driver": driver, "nodeName": node_name, "pool": {"name": node_name, "resourceSliceCount": 1},
             "devices": devices}
 
@@ -107,8 +119,11 @@ def owned(spec: Any) -> Json:
     for entry in spec.get("devices") if isinstance(spec.get("devices"), list) else []:
         device = _mapping(entry)
         attributes = _mapping(device.get("attributes"))
-        found.append({"name": device.get("name"),
-                      "attributes": {k: attributes[k] for k in ATTRIBUTES if k in attributes}})
+        mine: Json = {"name": device.get("name")}
+        if device.get(SHARED_FIELD) is True:
+            mine[SHARED_FIELD] = True
+        mine["attributes"] = {k: attributes[k] for k in ATTRIBUTES if k in attributes}
+        found.append(mine)
     pool = _mapping(spec.get("pool"))
     return {"driver": spec.get("driver"), "nodeName": spec.get("nodeName"),
             "pool": {k: pool.get(k) for k in ("name", "resourceSliceCount")}, "devices": found}
@@ -159,7 +174,7 @@ class SlicePublisher:
                  backoff_cap_s: float = BACKOFF_CAP_S, watch_timeout_s: tuple[float, float] = WATCH_TIMEOUT_S,
                  newer: Optional[Callable[[], Awaitable[Optional[str]]]] = None,
                  on_change: Optional[Callable[[], None]] = None,
-                 drivers_before: tuple[str, ...] = contracts.DRA_DRIVERS_BEFORE) -> None:
+                 drivers_before: tuple[str, ...] = contracts.DRA_DRIVERS_BEFORE, shared: bool = True) -> None:
         if not 1 <= count <= contracts.RESOURCE_SLICE_MAX_DEVICES:
             raise ValueError(f"DRA device count {count}: must be 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES} "
                              f"(the devices of one ResourceSlice)")
@@ -172,6 +187,8 @@ class SlicePublisher:
         # first write (nothing allocates from them any more; the kubelet would keep them 30 s).
         self._drivers_before = drivers_before
         self._swept = not drivers_before
+        # One shared device, until the API server shows it drops allowMultipleAllocations.
+        self.shared = shared
         self._on_change = on_change  # told when published, kept_by or last_error may have changed
         self._device: Optional[DeviceInfo] = None
         # Whether a check has said what the device is. Until then nothing is written: a successor's
@@ -213,7 +230,12 @@ class SlicePublisher:
             self._on_change()
 
     def desired(self) -> Json:
-        return desired_spec(self.node_name, self.driver, self.count, self._device)
+        return desired_spec(self.node_name, self.driver, self.count, self._device, self.shared)
+
+    @property
+    def devices(self) -> int:
+        """The devices the slice offers (a shared device counts once)."""
+        return len(self.desired()["devices"])
 
     async def run(self) -> None:
         """Publish, then keep the slice right until cancelled. Never raises but CancelledError."""
@@ -324,6 +346,17 @@ class SlicePublisher:
         self._written = desired
         if _newer(result, self._cache.get(_name(result))):
             self._cache[_name(result)] = result
+        kept = owned(result.get("spec"))["devices"]
+        if self.shared and desired["devices"] and not any(d.get(SHARED_FIELD) for d in kept):
+            # The server dropped the field (a feature it does not have, or has switched off): the
+            # scheduler would allocate our one device to one claim at a time.
+            log.info("ResourceSlice %s: the API server does not keep %s (Kubernetes before 1.36, or "
+                     "DRAConsumableCapacity off); publishing %d identical devices instead", _name(result),
+                     SHARED_FIELD, self.count)
+            self.shared = False
+            self._changed()
+            self._dirty.set()
+            return
         if owned(result.get("spec")) != desired:
             self._accepted = (desired, owned(result.get("spec")))
             self._notice("mutated", f"ResourceSlice {_name(result)}: the API server changed what we wrote "
