@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     if args.health_check or args.check or args.upgrade_in_place:
-        return _one_shot(args, settings)
+        return _one_shot(args, settings, environ)
     journal.setup(settings.log_level, environ, {
         "resource": modes.of(args.device_access, args.dra).resource,
         "cdi_path": os.path.join(settings.cdi_dir, contracts.CDI_SPEC_FILE),
@@ -117,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
     return 0
 
 
-def _one_shot(args: argparse.Namespace, settings: config.Settings) -> int:
+def _one_shot(args: argparse.Namespace, settings: config.Settings, environ: Mapping[str, str]) -> int:
     """--health-check, --upgrade-in-place, --check: one answer, then exit."""
     signals.restore_defaults()
     if args.health_check:
@@ -136,7 +136,7 @@ def _one_shot(args: argparse.Namespace, settings: config.Settings) -> int:
     from hyperlight_agent.diagnose import diagnose
 
     logging.getLogger("hyperlight_agent").setLevel(logging.ERROR)  # the report says it all
-    ok, lines = diagnose(settings)
+    ok, lines = diagnose(settings, modes.of(args.device_access, args.dra), environ)
     print("\n".join(lines))
     print("this node can serve Hyperlight" if ok else "this node cannot serve Hyperlight")
     return 0 if ok else 1

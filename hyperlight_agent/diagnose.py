@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-from typing import Optional
+from typing import Mapping, Optional
 
 from hyperlight_agent import modes, parts
 from hyperlight_agent.config import Settings
@@ -48,7 +48,24 @@ def runtime() -> tuple[bool, str]:
     return True, "ok   runtime: the agent imports and its gRPC server binds a unix socket"
 
 
-def diagnose(settings: Settings) -> tuple[bool, list[str]]:
+def diagnose(settings: Settings, mode: modes.Mode = modes.PLUGIN,
+             environ: Optional[Mapping[str, str]] = None) -> tuple[bool, list[str]]:
+    """The device's lines and, in the DRA mode, the API's and the kubelet's directories' (each
+    said even when the device fails: they are separate problems)."""
+    ok, lines = _device(settings)
+    if mode.protocol is modes.Protocol.DRA:
+        from hyperlight_agent.dra import preflight
+
+        node = parts.dra_target(settings, mode).node_name
+        found = [*preflight.directories({"dra_registry_dir": settings.dra_registry_dir,
+                                         "dra_plugins_dir": settings.dra_plugins_dir}),
+                 *asyncio.run(preflight.api(settings.kubeconfig, node, environ or {}))]
+        lines += [line for _, line in found]
+        ok = ok and all(good for good, _ in found)
+    return ok, lines
+
+
+def _device(settings: Settings) -> tuple[bool, list[str]]:
     runtime_ok, runtime_line = runtime()
     observation, cdi_note = asyncio.run(_check(settings))
     lines = [runtime_line]

@@ -18,6 +18,7 @@ DATA = os.path.join(os.path.dirname(__file__), "data", "dra")
 NODE = "node1"
 DRIVER = "hypervisor.hyperlight.dev"
 SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+ACCESS_REVIEWS_PATH = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 SELECTOR = {"spec.nodeName": NODE, "spec.driver": DRIVER}
 Json = dict[str, Any]
 
@@ -76,6 +77,8 @@ class FakeApiServer:
         # a device's allowMultipleAllocations on the way in (dropDisabledFields), unless the slice
         # it replaces already had it.
         self.consumable_capacity = True
+        # (verb, resource) pairs a SelfSubjectAccessReview is told are not allowed.
+        self.denied: set[tuple[str, str]] = set()
         self.refused = 0  # connections closed unanswered while down
         self.server: Optional[asyncio.base_events.Server] = None
         self.connections: set[asyncio.StreamWriter] = set()
@@ -182,6 +185,8 @@ class FakeApiServer:
             return fault
         if request.verb == "get":
             return self._get_claim(request)
+        if request.path == ACCESS_REVIEWS_PATH:
+            return self._review(request)
         assert request.path.startswith(SLICES_PATH), request
         name = request.path[len(SLICES_PATH) + 1:]
         if request.verb == "list":
@@ -208,6 +213,17 @@ class FakeApiServer:
     async def _notify(self) -> None:
         async with self.changed:
             self.changed.notify_all()
+
+    def _review(self, request: Request) -> tuple[int, Json]:
+        """A SelfSubjectAccessReview, answered as the RBAC authorizer would for `denied`."""
+        assert request.method == "POST" and request.body is not None
+        assert request.body["kind"] == "SelfSubjectAccessReview", request.body
+        attributes = request.body["spec"]["resourceAttributes"]
+        allowed = (attributes["verb"], attributes["resource"]) not in self.denied
+        status: Json = {"allowed": allowed}
+        if allowed:
+            status["reason"] = 'RBAC: allowed by ClusterRoleBinding "hyperlight-dra-driver"'
+        return 201, dict(request.body, metadata={"creationTimestamp": None}, status=status)
 
     def _drop_disabled(self, spec: Json, old: Optional[Json]) -> Json:
         """The spec as stored: a copy, without the fields of features the server does not have."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 from typing import Any, Awaitable, Callable
 
 import pytest
@@ -138,6 +139,40 @@ def test_identical_devices_where_the_api_server_drops_sharing_or_it_is_off(
             assert (said in caplog.text) == (setting == "auto")
         finally:
             await shut(agent)
+
+    with_cluster(tmp, body)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_dra_metrics_count_calls_claims_writes_and_watches(tmp: str, helpers: list[FakeHelper]) -> None:
+    """The DRA mode's series (issue 29: 5): Prepare and Unprepare calls, claims by result and a
+    latency histogram; slice writes; API errors; watches opened again."""
+    from prometheus_client import generate_latest
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        agent = Agent(settings_in(tmp, config, metrics_address=f"127.0.0.1:{free_port()}"), modes.DRA)
+        await agent.start()
+        try:
+            await until(lambda: agent.ready, what="ready")
+            fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
+            await kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID), Claim("default", "gone", "u2")])
+            await kubelet.unprepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)])
+            text = generate_latest(agent.metrics.registry).decode()
+        finally:
+            await shut(agent)
+        for line in ('hyperlight_dra_calls_total{operation="prepare"} 1.0',
+                     'hyperlight_dra_calls_total{operation="unprepare"} 1.0',
+                     'hyperlight_dra_claims_total{operation="prepare",result="ok"} 1.0',
+                     'hyperlight_dra_claims_total{operation="prepare",result="error"} 1.0',
+                     'hyperlight_dra_claims_total{operation="unprepare",result="ok"} 1.0',
+                     'hyperlight_dra_call_duration_seconds_count{operation="prepare"} 1.0',
+                     'hyperlight_dra_slice_writes_total{verb="create"} 1.0'):
+            assert line in text, (line, [t for t in text.splitlines() if "hyperlight_dra" in t])
 
     with_cluster(tmp, body)
 

@@ -138,6 +138,29 @@ def test_desired_spec_names_n_identical_devices_with_qualified_attributes() -> N
     assert desired_spec(NODE, DRIVER, 3, None)["devices"] == []
 
 
+def test_the_publisher_reports_writes_api_errors_and_watch_restarts(tmp_path: Any) -> None:
+    """What the metrics count (host/metrics.py, dra_event)."""
+    events: list[tuple[str, ...]] = []
+
+    async def body(fake: FakeApiServer, api: KubeApi) -> None:
+        publisher = SlicePublisher(api, NODE, DRIVER, 4, backoff_initial_s=0.01, backoff_cap_s=0.05, shared=False,
+                                   watch_timeout_s=(2.0, 2.0), on_event=lambda *e: events.append(e))
+        publisher.set_device(KVM)
+        task = asyncio.ensure_future(publisher.run())
+        try:
+            await until(lambda: publisher.published, what="published")
+            fake.end_watches = True  # every watch ends at once: early
+            await until(lambda: ("watch", "early") in events, what="an early end counted")
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    run(tmp_path, body)
+    assert events[0] == ("write", "create")
+    assert ("api_error", "watch", "0") in events
+
+
 def test_desired_spec_with_sharing_is_one_device_every_claim_may_share() -> None:
     spec = desired_spec(NODE, DRIVER, 3, KVM, shared=True)
     assert spec["devices"] == [{"name": "kvm", "allowMultipleAllocations": True, "attributes": {

@@ -47,6 +47,8 @@ SLICES = "resourceslices"
 CLAIMS = "resourceclaims"
 SLICES_PATH = f"/apis/{contracts.RESOURCE_API_GROUP}/{contracts.RESOURCE_API_VERSION}/{SLICES}"
 WATCH_EVENTS = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK")
+ACCESS_REVIEWS = "selfsubjectaccessreviews"
+ACCESS_REVIEWS_PATH = f"/apis/authorization.k8s.io/v1/{ACCESS_REVIEWS}"
 
 Json = dict[str, Any]
 
@@ -170,6 +172,19 @@ class KubeApi:
 
     async def delete_slice(self, name: str) -> None:
         await self._call("delete", SLICES, "DELETE", f"{SLICES_PATH}/{name}")
+
+    async def allowed(self, verb: str, resource: str) -> tuple[bool, str]:
+        """Whether our credentials may `verb` `resource` of resource.k8s.io in every namespace, as
+        the API server's authorizers say (a SelfSubjectAccessReview, which any authenticated user
+        may create); (allowed, the authorizer's reason)."""
+        body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                "spec": {"resourceAttributes": {"verb": verb, "group": contracts.RESOURCE_API_GROUP,
+                                                "resource": resource}}}
+        answer = await self._call("create", ACCESS_REVIEWS, "POST", ACCESS_REVIEWS_PATH, body=body)
+        status = answer.get("status")
+        if not isinstance(status, dict):
+            return False, "the review came back without a status"
+        return status.get("allowed") is True, str(status.get("reason", ""))
 
     async def get_claim(self, namespace: str, name: str) -> Json:
         path = f"/apis/{contracts.RESOURCE_API_GROUP}/{contracts.RESOURCE_API_VERSION}/namespaces/{namespace}"

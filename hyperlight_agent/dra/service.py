@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import time
 from types import ModuleType
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
@@ -63,7 +64,9 @@ class Service:
     def __init__(self, driver: str, claims: ClaimReader, observe: Observe, prepared: Prepared,
                  cdi_id: Callable[[str], str] = cdi.device_name,
                  max_concurrent: int = MAX_CONCURRENT_READS,
-                 claim_read_timeout: float = CLAIM_READ_TIMEOUT_S) -> None:
+                 claim_read_timeout: float = CLAIM_READ_TIMEOUT_S,
+                 on_call: Callable[[str, float, int, int], None] = lambda operation, seconds, ok, failed: None,
+                 ) -> None:
         self.driver = driver
         self.claims = claims
         self._observe = observe
@@ -74,14 +77,18 @@ class Service:
         self._slots: Optional[asyncio.Semaphore] = None  # made in the loop (Python 3.9)
         # One claim is prepared or unprepared by one call at a time; entries go when idle.
         self._busy: dict[str, tuple[asyncio.Lock, int]] = {}  # uid → (its lock, calls using it)
+        self._on_call = on_call  # (operation, seconds, claims answered, claims failed): the metrics
 
     # --- the gRPC methods (api.dra_handlers passes the version's message module) ----------------
 
     async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext[Any, Any],
                                    messages: ModuleType) -> Any:
         claims = list(request.claims)
+        started = time.monotonic()
         async with self._claims_locked(claims):
             answers = await self._prepare(claims)
+        failed = sum(1 for error, _ in answers.values() if error)
+        self._on_call("prepare", time.monotonic() - started, len(answers) - failed, failed)
         response = messages.NodePrepareResourcesResponse()
         for claim in claims:
             error, devices = answers[claim.uid]
@@ -99,8 +106,11 @@ class Service:
     async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext[Any, Any],
                                      messages: ModuleType) -> Any:
         claims = list(request.claims)
+        started = time.monotonic()
         async with self._claims_locked(claims):
             errors = await self._unprepare(claims)
+        failed = sum(1 for uid in {c.uid for c in claims} if errors.get(uid))
+        self._on_call("unprepare", time.monotonic() - started, len({c.uid for c in claims}) - failed, failed)
         response = messages.NodeUnprepareResourcesResponse()
         for claim in claims:
             response.claims[claim.uid].error = errors.get(claim.uid, "")

@@ -151,7 +151,8 @@ class DraSide:
         self.publisher: Optional[SlicePublisher] = None
         self.service = Service(target.driver, _NotConnected(lambda: self.api_error),
                                lambda: shared.checker.check(timeout=PREPARE_CHECK_TIMEOUT_S),
-                               Prepared(os.path.join(target.plugins_dir, target.driver)))
+                               Prepared(os.path.join(target.plugins_dir, target.driver)),
+                               on_call=shared.metrics.dra_call)
         self._registry_dir = target.registry_dir
         watcher = shared.watcher
         sockets = (names.registration_socket(target.registry_dir, target.driver, target.instance),
@@ -194,7 +195,7 @@ class DraSide:
             kube = await self._retrying("API client", self._make_client)
             self.publisher = SlicePublisher(kube, self.node_name, self.registrar.driver, self.devices,
                                             newer=self.newer_instance, on_change=self._on_change,
-                                            shared=self._shared_device)
+                                            shared=self._shared_device, on_event=self._shared.metrics.dra_event)
             tasks += [asyncio.ensure_future(self._follow_checks(self.publisher)),
                       asyncio.ensure_future(self.publisher.run())]
             await asyncio.gather(*tasks)

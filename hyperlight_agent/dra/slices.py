@@ -174,7 +174,8 @@ class SlicePublisher:
                  backoff_cap_s: float = BACKOFF_CAP_S, watch_timeout_s: tuple[float, float] = WATCH_TIMEOUT_S,
                  newer: Optional[Callable[[], Awaitable[Optional[str]]]] = None,
                  on_change: Optional[Callable[[], None]] = None,
-                 drivers_before: tuple[str, ...] = contracts.DRA_DRIVERS_BEFORE, shared: bool = True) -> None:
+                 drivers_before: tuple[str, ...] = contracts.DRA_DRIVERS_BEFORE, shared: bool = True,
+                 on_event: Callable[..., None] = lambda kind, *labels: None) -> None:
         if not 1 <= count <= contracts.RESOURCE_SLICE_MAX_DEVICES:
             raise ValueError(f"DRA device count {count}: must be 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES} "
                              f"(the devices of one ResourceSlice)")
@@ -190,6 +191,8 @@ class SlicePublisher:
         # One shared device, until the API server shows it drops allowMultipleAllocations.
         self.shared = shared
         self._on_change = on_change  # told when published, kept_by or last_error may have changed
+        # For the metrics: ("write", verb), ("api_error", verb, code), ("watch", why it was opened again).
+        self._event = on_event
         self._device: Optional[DeviceInfo] = None
         # Whether a check has said what the device is. Until then nothing is written: a successor's
         # empty slice would take the node's devices from the scheduler while its predecessor,
@@ -242,12 +245,16 @@ class SlicePublisher:
         while True:
             try:
                 await self._session()
+                self._event("watch", "ended")
                 continue  # the watch ran to its end: open the next one at once
             except _Relist as exc:
+                self._event("watch", "relist")
                 self._listed_version = None
                 log.debug("ResourceSlice: %s; listing again", exc)
                 line, problem = f"ResourceSlice for node {self.node_name}: {exc}", "relist"
             except ApiError as exc:
+                self._event("api_error", exc.verb, str(exc.code))
+                self._event("watch", "early" if exc.reason == "early" else "failed")
                 if exc.code == 410 or exc.problem == "unreadable":
                     # Too old to watch from, or a server whose events we cannot read (re-watching
                     # from the same version would replay the same event): a fresh list.
@@ -375,10 +382,12 @@ class SlicePublisher:
                     self._notice("deleted", f"ResourceSlice {self.slice_name} was deleted (a kubelet start wipes "
                                  "them); creating it again")
                 self.requests += 1
+                self._event("write", "create")
                 return await self._api.create_slice(self._object(desired, {"generateName": self._prefix()}))
             if self._written == desired and _name(keep) == self.slice_name:
                 self._notice("edited", f"ResourceSlice {_name(keep)} edited by someone else; restoring")
             self.requests += 1
+            self._event("write", "update")
             return await self._api.replace_slice(self._object(desired, keep.get("metadata") or {}))
         except ApiError as exc:
             if exc.code == 409:
@@ -453,6 +462,7 @@ class SlicePublisher:
 
     async def _delete(self, name: str) -> None:
         self.requests += 1
+        self._event("write", "delete")
         try:
             await self._api.delete_slice(name)
         except ApiError as exc:

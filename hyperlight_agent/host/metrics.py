@@ -234,6 +234,8 @@ class Metrics:
             self.healthy = self.unhealthy_cause = self.check_seconds = self.checks = self.failures = off
             self.cdi_repairs = self.registrations = self.kubelet_restarts = self.allocations = off
             self.open_streams = self.helper_timeouts = self.streams_lost = off
+            self.dra_calls = self.dra_claims = self.dra_call_seconds = off
+            self.dra_slice_writes = self.dra_api_errors = self.dra_watch_restarts = off
             return
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -262,6 +264,22 @@ class Metrics:
                                     registry=r)
         self.helper_timeouts = Counter("hyperlight_probe_helper_timeouts_total",
                                        "probe helpers killed for missing their deadline", registry=r)
+        # The DRA mode (--dra). Labels are fixed words or HTTP status codes: bounded.
+        self.dra_calls = Counter("hyperlight_dra_calls_total", "NodePrepareResources and NodeUnprepareResources "
+                                 "calls from the kubelet", ["operation"], registry=r)
+        self.dra_claims = Counter("hyperlight_dra_claims_total", "claims in those calls by result (error: the "
+                                  "claim's answer carried an error)", ["operation", "result"], registry=r)
+        self.dra_call_seconds = Histogram(
+            "hyperlight_dra_call_duration_seconds", "time to answer a NodePrepareResources or "
+            "NodeUnprepareResources call", ["operation"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 45), registry=r)
+        self.dra_slice_writes = Counter("hyperlight_dra_slice_writes_total", "writes of this node's "
+                                        "ResourceSlices by verb", ["verb"], registry=r)
+        self.dra_api_errors = Counter("hyperlight_dra_api_errors_total", "ResourceSlice requests the API server "
+                                      "refused or never answered (code 0)", ["verb", "code"], registry=r)
+        self.dra_watch_restarts = Counter("hyperlight_dra_watch_restarts_total", "ResourceSlice watches opened "
+                                          "again, by why the last one ended (ended: its timeout, as asked)",
+                                          ["reason"], registry=r)
 
     def server(self, address: str) -> MetricsServer:
         """The endpoint for `address`; run() it on the agent's loop."""
@@ -284,6 +302,20 @@ class Metrics:
             if cause:
                 self.unhealthy_cause.labels(cause).set(1)
             self._cause = cause
+
+    def dra_call(self, operation: str, seconds: float, ok: int, failed: int) -> None:
+        self.dra_calls.labels(operation).inc()
+        self.dra_call_seconds.labels(operation).observe(seconds)
+        if ok:
+            self.dra_claims.labels(operation, "ok").inc(ok)
+        if failed:
+            self.dra_claims.labels(operation, "error").inc(failed)
+
+    def dra_event(self, kind: str, *labels: str) -> None:
+        """What the ResourceSlice publisher reports (dra/slices.py: on_event)."""
+        series = {"write": self.dra_slice_writes, "api_error": self.dra_api_errors,
+                  "watch": self.dra_watch_restarts}[kind]
+        series.labels(*labels).inc()
 
     def registrar_totals(self, registrations: int, kubelet_restarts: int, streams_lost: int) -> None:
         """The registrar keeps running totals; our counters get what was added since the last call."""
