@@ -408,7 +408,10 @@ def _resolve(s: Setting, flag: Optional[str], environ: Mapping[str, str],
         except ValueError as exc:
             if not s.lenient_env:
                 raise ConfigError(f"{s.env}={quote(env_value)}: {exc}") from None
-            log.warning("ignoring %s=%s (%s); using %s", s.env, quote(env_value), exc,
+            # The original plugin's manifests set these; a bad one there was ignored, so it still is,
+            # for now: said once, with what is used instead and what a later release will do.
+            log.warning("ignoring %s=%s (%s); using %s instead; a later release will refuse it and not start",
+                        s.env, quote(env_value), exc,
                         "the config file's value" if s.key in from_file else f"the default {s.default}")
     if s.key in from_file:
         value = from_file[s.key]

@@ -70,13 +70,17 @@ def _device(settings: Settings) -> tuple[bool, list[str]]:
     observation, cdi_note = asyncio.run(_check(settings))
     lines = [runtime_line]
     if observation.hypervisor is None:
-        return False, [*lines, f"FAIL device: {observation.reason}"]
+        hints = [f"hint {h.missing_hint}" for h in hypervisors.HYPERVISORS]
+        if settings.host_device_dir is None and settings.device_dir != "/dev":
+            hints.append(f"hint in a container, {settings.device_dir} must be the host's /dev mounted in "
+                         "(device_dir, host_device_dir)")
+        return False, [*lines, f"FAIL device: {observation.reason}", *hints]
     hypervisor = hypervisors.BY_NAME[observation.hypervisor]
     device = hypervisor.device_path(settings.device_dir)
     host = hypervisor.device_path(settings.host_device_dir) if settings.host_device_dir else None
     lines.append(f"ok   device: {hypervisor.name} at {device}" + (f" (host node {host})" if host else ""))
     if not observation.healthy:
-        return False, [*lines, f"FAIL probe: {observation.reason}"]
+        return False, [*lines, f"FAIL probe: {observation.reason}", *_probe_hints(observation.reason)]
     lines.append(f"ok   probe: {hypervisor.proved}")
     if cdi_note is None:
         lines.append(f"ok   CDI spec: {cdi.spec_path(settings.cdi_dir)} is exact")
@@ -93,3 +97,17 @@ async def _check(settings: Settings) -> tuple[Observation, Optional[str]]:
         return await checker.check(), checker.cdi_note
     finally:
         await helper.close()
+
+
+def _probe_hints(reason: str) -> list[str]:
+    """What usually makes a present device fail its probe, from the kernel's words."""
+    if "Permission denied" in reason or "Operation not permitted" in reason:
+        return ["hint the agent cannot open the device for read and write: run it as root, or give it the "
+                "device's group (ls -l the node); in a container, a device cgroup rule or seccomp may refuse it"]
+    if "KVM_CREATE_VM failed" in reason:
+        return ["hint the kernel refused a VM: another hypervisor may hold the CPU's virtualisation (VirtualBox, "
+                "an older VMware), or nested virtualisation is off for this VM"]
+    if "MSHV_CREATE_PARTITION failed" in reason:
+        return ["hint the Microsoft Hypervisor refused a partition: is this the root partition, with enough "
+                "memory free?"]
+    return []

@@ -187,8 +187,13 @@ async def _start_in_place(server: grpc.aio.Server, private: str, path: str) -> s
 
 async def listen(server: grpc.aio.Server, path: str) -> str:
     """Have server listen on the unix socket at path: "" when it does, else why not. grpc says why
-    only in its own log, so the reason comes from binding a plain socket there; on failure the
+    only in its own log (C-core error lines on stderr, ahead of and unlike ours), so a plain socket
+    is bound there first: what fails for it is said by us and never reaches grpc. On failure the
     server is stopped."""
+    problem = bind_problem(path)
+    if problem:
+        await server.stop(0)
+        return problem
     try:
         port = server.add_insecure_port(unix_target(path))
     except RuntimeError:  # some grpcio versions raise instead of returning 0
@@ -200,7 +205,12 @@ async def listen(server: grpc.aio.Server, path: str) -> str:
 
 
 def bind_error(path: str) -> str:
-    """Why a unix socket cannot be bound at path (ENOENT, EROFS, EACCES, ...)."""
+    """Why grpc could not bind a unix socket at path (ENOENT, EROFS, EACCES, ...)."""
+    return bind_problem(path) or "grpc could not bind there, though a plain socket could"
+
+
+def bind_problem(path: str) -> str:
+    """Why a unix socket cannot be bound at path, or "" when one can (it is removed again)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
         try:
             probe.bind(path)
@@ -210,4 +220,4 @@ def bind_error(path: str) -> str:
             return exc.strerror or str(exc)
     with contextlib.suppress(OSError):
         os.unlink(path)
-    return "grpc could not bind there, though a plain socket could"
+    return ""

@@ -3,6 +3,7 @@ bad-input path exiting 2 with one line that names the setting and the value."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -184,3 +185,14 @@ def test_a_dra_directory_too_long_for_our_sockets_is_refused_by_name(key: str) -
                            longest + "d", "--health-check", "readiness"], capture_output=True, text=True, check=False)
     assert done.returncode == 2 and done.stderr.startswith(f"hyperlight-agent: error: {key} = "), done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_bad_legacy_variable_is_ignored_in_one_line_saying_what_is_used_and_what_will_change(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The original plugin's variables keep their leniency, said in one line (issue 31: 7)."""
+    caplog.set_level(logging.WARNING, "hyperlight_agent")
+    settings = load([], {"DEVICE_COUNT": "lots"})
+    assert settings.device_count == 2000
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == ("ignoring DEVICE_COUNT='lots' (must be an integer from 1 to 100000); using the default 2000 "
+                    "instead; a later release will refuse it and not start")

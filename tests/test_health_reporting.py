@@ -221,6 +221,19 @@ def test_check_reports_an_unusable_node(tmp: str) -> None:
                              "--device-dir", dev], capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 1 and "FAIL device: no hypervisor device in" in result.stdout
     assert result.stderr == "", "the report is the output; no log lines besides it"
+    lines = result.stdout.splitlines()
+    hints = [line for line in lines if line.startswith("hint ")]
+    assert hints[0].startswith("hint /dev/mshv: ") and hints[1].startswith("hint /dev/kvm: "), hints
+    assert "modprobe kvm_intel or kvm_amd" in hints[1] and "nested virtualisation" in hints[1]
+    assert hints[2:] == [f"hint in a container, {dev} must be the host's /dev mounted in (device_dir, host_device_dir)"]
+
+
+def test_check_hints_name_the_usual_causes_of_a_failed_probe() -> None:
+    from hyperlight_agent.diagnose import _probe_hints
+
+    assert "run it as root" in _probe_hints("cannot open /dev/kvm: Permission denied")[0]
+    assert "nested virtualisation" in _probe_hints("KVM_CREATE_VM failed: Device or resource busy")[0]
+    assert _probe_hints("something else") == []
 
 
 def test_journal_only_when_stderr_is_the_journal(tmp: str) -> None:

@@ -32,10 +32,10 @@ class Hypervisor:
     ('/dev/kvm', '/dev/kvm')
     """
 
-    __slots__ = ("api_version", "name", "node", "probe", "proved")
+    __slots__ = ("api_version", "missing_hint", "name", "node", "probe", "proved")
 
     def __init__(self, name: str, node: str, probe: Callable[[int], None], api_version: Optional[int],
-                 proved: str) -> None:
+                 proved: str, missing_hint: str) -> None:
         self.name = name
         # The node's name under the device directory and under /dev in containers.
         self.node = node
@@ -46,6 +46,8 @@ class Hypervisor:
         self.api_version = api_version
         # What a passed probe proved, for `--check`'s report.
         self.proved = proved
+        # Where this hypervisor usually comes from, for `--check`'s report when no device is found.
+        self.missing_hint = missing_hint
 
     def __repr__(self) -> str:
         return f"Hypervisor({self.name!r})"
@@ -90,7 +92,9 @@ def probe_mshv(fd: int, ioctl: Ioctl = fcntl.ioctl, close: Callable[[int], None]
 
 
 MSHV = Hypervisor(name="mshv", node="mshv", probe=probe_mshv, api_version=None,
-                  proved="partition created and closed")
+                  proved="partition created and closed",
+                  missing_hint="/dev/mshv: an Azure Linux host running as the Microsoft Hypervisor's root partition "
+                               "with the mshv driver loaded")
 
 
 # --- KVM (owner: the kernel, include/uapi/linux/kvm.h) ---
@@ -117,7 +121,10 @@ def probe_kvm(fd: int, ioctl: Ioctl = fcntl.ioctl, close: Callable[[int], None] 
 
 
 KVM = Hypervisor(name="kvm", node="kvm", probe=probe_kvm, api_version=KVM_API_VERSION,
-                 proved="empty VM created and closed")
+                 proved="empty VM created and closed",
+                 missing_hint="/dev/kvm: virtualisation switched on in the firmware and the kvm module loaded "
+                              "(modprobe kvm_intel or kvm_amd); on a VM, a size that offers nested virtualisation "
+                              "(e.g. Azure Dv3/Ev3 and newer, GCE with --enable-nested-virtualization)")
 
 
 # Detection order: the first row present wins (on hosts with both, mshv, as the original did).
