@@ -50,7 +50,8 @@ class Agent:
         self.settings = settings
         self.mode = mode
         self.notifier = notifier or Notifier(self._environ)
-        self.metrics = Metrics(enabled=settings.metrics_address is not None)
+        self.metrics = Metrics(enabled=settings.metrics_address is not None, build={
+            "version": __version__, "commit": self._environ.get(COMMIT_ENV, "unknown"), "mode": mode.name})
         self.metrics_server = self.metrics.server(settings.metrics_address) if settings.metrics_address else None
         # Who we are to other instances of ours on this node (a successor, a predecessor): peers.py.
         self.identity = peers.Identity.of(settings.instance or "", mode.protocol, mode.resource)

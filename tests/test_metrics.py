@@ -14,6 +14,7 @@ import pytest
 from hyperlight_agent import contracts
 from standin.kubelet import StandinThread
 from tests.conftest import StartAgent, wait_for
+from tests.test_docs import ROOT
 
 R = contracts.RESOURCE_HYPERVISOR
 
@@ -180,3 +181,42 @@ def scrape_or_empty(address: str) -> str:
         return scrape(address)
     except OSError:
         return ""
+
+
+def documented() -> dict[str, tuple[str, str]]:
+    """docs/metrics.md's table: series → (type, labels)."""
+    with open(os.path.join(ROOT, "docs", "metrics.md")) as f:
+        rows = [line.split("|")[1:-1] for line in f if line.startswith("| `")]
+    return {cells[0].strip().strip("`"): (cells[1].strip(), cells[2].strip()) for cells in rows}
+
+
+def test_every_series_is_documented_with_its_type_and_labels() -> None:
+    """docs/metrics.md lists exactly what the agent registers (issue 31: 5), with each series' type
+    and label names."""
+    from hyperlight_agent.host.metrics import Metrics
+
+    metrics = Metrics(True, {"version": "0", "commit": "x", "mode": "plugin"})
+    suffix = {"counter": "_total", "info": "_info"}
+    registered = {}
+    for family in metrics.registry.collect():
+        kind = "gauge (info)" if family.type == "info" else family.type
+        registered[family.name + suffix.get(family.type, "")] = kind
+    docs = documented()
+    assert {name: kind for name, (kind, _) in docs.items()} == registered
+    # prometheus_client has no public way to read a metric's label names.
+    labelled = {m._name + ("_total" if m._type == "counter" else ""): m._labelnames
+                for m in vars(metrics).values() if hasattr(m, "_labelnames")}
+    for name, labels in labelled.items():
+        said = docs[name][1]
+        assert all(f"`{label}`" in said for label in labels) and (said == "") == (labels == ()), (name, said)
+    assert "`version`, `commit`, `mode`" in docs["hyperlight_build_info"][1]
+
+
+def test_build_info_and_process_series_are_served(tmp: str) -> None:
+    from prometheus_client import generate_latest
+
+    from hyperlight_agent.host.metrics import Metrics
+
+    text = generate_latest(Metrics(True, {"version": "9.9.9", "commit": "abc", "mode": "dra"}).registry).decode()
+    assert 'hyperlight_build_info{commit="abc",mode="dra",version="9.9.9"} 1.0' in text
+    assert "process_resident_memory_bytes " in text and "process_start_time_seconds " in text

@@ -225,7 +225,8 @@ class _Off:
 
 
 class Metrics:
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, build: Optional[dict[str, str]] = None) -> None:
+        """`build`: hyperlight_build_info's labels (version, commit, mode)."""
         self._cause = ""
         self._counted = (0, 0, 0)  # the registrar's totals already added to our counters
         self.enabled = enabled
@@ -237,10 +238,14 @@ class Metrics:
             self.dra_calls = self.dra_claims = self.dra_call_seconds = off
             self.dra_slice_writes = self.dra_api_errors = self.dra_watch_restarts = off
             return
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 
         self.registry = CollectorRegistry()
         r = self.registry
+        # The process's own series (resident memory, CPU seconds, start time, open descriptors), as
+        # the library's default registry would have them.
+        ProcessCollector(registry=r)
+        Info("hyperlight_build", "the agent's version, commit and mode", registry=r).info(build or {})
         self.healthy = Gauge("hyperlight_device_healthy", "1 when the last device check passed", registry=r)
         self.unhealthy_cause = Gauge("hyperlight_device_unhealthy_cause",
                                      "1 for the cause of the current unhealthy state", ["cause"], registry=r)
