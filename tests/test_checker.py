@@ -345,16 +345,23 @@ async def test_a_recovered_device_is_healthy_again(tmp: str) -> None:
     assert state.version == 2
 
 
+def gated(tmp: str, answers: Optional[dict[str, Any]] = None
+          ) -> tuple[FakeHelper, asyncio.Event, Checker, SharedObservation]:
+    """A checker on kvm whose probes wait for the gate."""
+    helper = FakeHelper(answers)
+    helper.gate = gate = asyncio.Event()
+    checker, state, _ = make(tmp, helper, "kvm")
+    return helper, gate, checker, state
+
+
 @pytest.mark.usefixtures("files_are_devices")
 async def test_callers_during_a_check_share_the_next_one(tmp: str) -> None:
-    helper = FakeHelper()
-    helper.gate = asyncio.Event()
-    checker, _, _ = make(tmp, helper, "kvm")
+    helper, gate, checker, _ = gated(tmp)
     first = asyncio.ensure_future(checker.check())
     await until(lambda: len(helper.requests) == 1, what="the first probe")
     later = [asyncio.ensure_future(checker.check()) for _ in range(20)]
     checker.request()
-    helper.gate.set()
+    gate.set()
     results = await asyncio.gather(first, *later)
     assert all(r.healthy for r in results)
     assert checker.completed == 2 and len(helper.requests) == 2, "one running, one shared next check"
@@ -362,26 +369,22 @@ async def test_callers_during_a_check_share_the_next_one(tmp: str) -> None:
 
 @pytest.mark.usefixtures("files_are_devices")
 async def test_a_caller_that_gives_up_leaves_the_check_running(tmp: str) -> None:
-    helper = FakeHelper()
-    helper.gate = asyncio.Event()
-    checker, state, _ = make(tmp, helper, "kvm")
+    _helper, gate, checker, state = gated(tmp)
     with pytest.raises(asyncio.TimeoutError):
         await checker.check(timeout=0.01)
     assert state.version == 0
-    helper.gate.set()
+    gate.set()
     await until(lambda: state.version == 1, what="the abandoned check to publish")
     assert state.current.healthy
 
 
 @pytest.mark.usefixtures("files_are_devices")
 async def test_a_check_that_raises_reaches_every_waiter(tmp: str) -> None:
-    helper = FakeHelper({"kvm": RuntimeError("boom")})
-    helper.gate = asyncio.Event()
-    checker, _, _ = make(tmp, helper, "kvm")
+    helper, gate, checker, _ = gated(tmp, {"kvm": RuntimeError("boom")})
     first = asyncio.ensure_future(checker.check())
     await until(lambda: helper.requests, what="the first probe")
     second = asyncio.ensure_future(checker.check())  # shares the next check
-    helper.gate.set()
+    gate.set()
     for waiter in (first, second):
         with pytest.raises(RuntimeError, match="boom"):
             await waiter
@@ -389,9 +392,7 @@ async def test_a_check_that_raises_reaches_every_waiter(tmp: str) -> None:
 
 @pytest.mark.usefixtures("files_are_devices")
 async def test_close_cancels_the_running_check_and_refuses_new_ones(tmp: str) -> None:
-    helper = FakeHelper()
-    helper.gate = asyncio.Event()
-    checker, state, _ = make(tmp, helper, "kvm")
+    helper, _gate, checker, state = gated(tmp)
     running = asyncio.ensure_future(checker.check())
     await until(lambda: helper.requests, what="the probe")
     waiting = asyncio.ensure_future(checker.check())
