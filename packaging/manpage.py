@@ -20,8 +20,10 @@ def esc(text: str) -> str:
 
 def render() -> str:
     parser = cli.build_parser()
+    # A build of another version than the tree's (`make release VERSION=...`) names that one.
+    version = os.environ.get("VERSION") or __version__
     out = [
-        f'.TH HYPERLIGHT-AGENT 8 "" "hyperlight-agent {__version__}" "System Administration"',
+        f'.TH HYPERLIGHT-AGENT 8 "" "hyperlight-agent {version}" "System Administration"',
         ".SH NAME",
         "hyperlight\\-agent \\- the hypervisor device for Hyperlight sandboxes on Kubernetes nodes",
         ".SH SYNOPSIS",

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Stage the installed file tree of hyperlight-agent into DESTDIR: the layout the .deb and .rpm
-# ship and the system tests boot. Dependencies are wheels for the *target* Python, fetched at
-# build time, so nothing is downloaded at install time.
+# ship and the system tests boot. Dependencies are the wheels pins/runtime-pyX.Y.txt locks for
+# the *target* Python (packaging/wheels.sh), installed with --require-hashes at build time, so
+# nothing is downloaded at install time. VERSION (environment), when set, is the agent's version.
 #   usage: packaging/stage.sh DESTDIR [TARGET_PYTHON_VERSION] [ARCH]   (defaults: 3.11 x86_64)
 set -eu
 dest=$1
@@ -14,17 +15,13 @@ wheels=$(mktemp -d)
 trap 'rm -rf "$wheels"' EXIT
 
 rm -rf "$lib"
-PYTHON=$python "$here/packaging/wheel.sh" "$wheels"
-# pip evaluates environment markers against the Python running pip, not --python-version, so
-# marker-selected dependencies for an older target are named here (tests/test_rpm.py checks).
-extra=""
-if [ "$(printf '%s\n%s\n' "$pyver" 3.11 | sort -V | head -n1)" != 3.11 ]; then
-    extra="tomli>=1.1 exceptiongroup>=1.0.2"  # ours (tomllib), and anyio's (lightkube, DRA)
-fi
-"$python" -m pip install --quiet --no-compile --target "$lib" --find-links "$wheels" \
+PYTHON=$python "$here/packaging/wheels.sh" "$wheels" "$pyver" "$arch"
+# Exactly the locked set for the target's Python: nothing resolved, every file's hash checked.
+"$python" -m pip install --quiet --disable-pip-version-check --no-compile --target "$lib" \
+    --no-index --find-links "$wheels" --require-hashes --no-deps \
     --python-version "$pyver" --implementation cp --only-binary=:all: \
     --platform "manylinux2014_$arch" --platform "manylinux_2_17_$arch" --platform "manylinux_2_28_$arch" \
-    "$wheels"/hyperlight_agent-*.whl $extra
+    -r "$wheels/requirements.txt"
 # PyYAML's optional C accelerator carries its own copy of libyaml (lintian: embedded-library);
 # the DRA mode parses one kubeconfig with it, for which the pure-Python loader is enough.
 rm -f "$lib"/yaml/_yaml.cpython-*.so

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Builds the e2e cluster's components from the pinned modules beside this script into OUT/<module>/<version>/,
-# once: a directory that is complete (its .complete stamp) is reused. Go's module and build caches
-# (GOMODCACHE, GOCACHE) make a rebuild after a version bump incremental. Prints the time each took.
-# Usage: build.sh OUT
+# Builds from the pinned modules beside this script into OUT/<name>/<version>/, once: a directory
+# that is complete (its .complete stamp) is reused. Go's module and build caches (GOMODCACHE,
+# GOCACHE) make a rebuild after a version bump incremental. Prints the time each took.
+#   components: the e2e cluster (Kubernetes, etcd, containerd);
+#   tools: what the tests and `make release`/`make publish` drive (helm, kubectl, the CNCF
+#          distribution registry, cosign), each also linked as OUT/<name>. Never shipped.
+# Usage: build.sh OUT [components|tools]   (default: components)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=$(mkdir -p "$1" && cd "$1" && pwd)
+set_=${2:-components}
 export PATH=/usr/local/go/bin:$PATH CGO_ENABLED=0 GOFLAGS=-mod=readonly
 command -v go >/dev/null || { echo "build.sh: go: not found (Go 1.26 is expected at /usr/local/go)" >&2; exit 2; }
 
@@ -38,6 +42,24 @@ k8s_ldflags() {
 
 total=$SECONDS
 k137=$(version "$here/k8s-v1.37" k8s.io/kubernetes)
+if [ "$set_" = tools ]; then
+  helm=$(version "$here/helm" helm.sh/helm/v4)
+  registry=$(version "$here/registry" github.com/distribution/distribution/v3)
+  cosign=$(version "$here/cosign" github.com/sigstore/cosign/v3)
+  build helm helm "$helm" "-s -w -X helm.sh/helm/v4/internal/version.version=$helm \
+    -X helm.sh/helm/v4/internal/version.gitTreeState=clean" "" helm.sh/helm/v4/cmd/helm
+  # kubectl from the same module as the 1.37 components (their replaces, their build cache).
+  build kubectl k8s-v1.37 "$k137" "$(k8s_ldflags "$k137")" providerless k8s.io/kubernetes/cmd/kubectl
+  build registry registry "$registry" "-s -w -X github.com/distribution/distribution/v3/version.version=$registry" "" \
+    github.com/distribution/distribution/v3/cmd/registry
+  build cosign cosign "$cosign" "-s -w -X sigs.k8s.io/release-utils/version.gitVersion=$cosign" "" \
+    github.com/sigstore/cosign/v3/cmd/cosign
+  for tool in helm:"$helm" kubectl:"$k137" registry:"$registry" cosign:"$cosign"; do
+    ln -sfn "${tool%%:*}/${tool#*:}/${tool%%:*}" "$out/${tool%%:*}"
+  done
+  echo "tools: ready in $((SECONDS - total)) s under $out"
+  exit 0
+fi
 k134=$(version "$here/k8s-v1.34" k8s.io/kubernetes)
 etcd=$(version "$here/etcd" go.etcd.io/etcd/server/v3)
 ctrd=$(version "$here/containerd" github.com/containerd/containerd/v2)

@@ -1,0 +1,340 @@
+"""`make release`: one complete, signed release in DIST/VERSION/, everything a release publishes.
+
+    python packaging/release.py        (the Makefile passes its settings in the environment)
+
+What it holds (names for version 0.1.0):
+    hyperlight-agent_0.1.0_amd64.deb                    Debian 12 (Python 3.11)
+    hyperlight-agent-0.1.0-1.el9.x86_64.rpm             EL9 (Python 3.9), signed with rpmsign
+    hyperlight-agent-0.1.0-1.azl3.x86_64.rpm            Azure Linux 3 (Python 3.12), signed
+    apt/                                                signed apt repository (reprepro): dists/bookworm/InRelease
+    yum/el9/x86_64/, yum/azl3/x86_64/                   signed yum repositories (createrepo_c): repodata/repomd.xml.asc
+    hyperlight-agent-0.1.0.oci.tar                      the image, an OCI archive
+    hyperlight-agent-0.1.0.tgz                          the Helm chart; its default image is the archive's, by digest
+    <artefact>.cdx.json                                 a CycloneDX SBOM per artefact: exactly its lock in pins/
+    hyperlight-agent.asc                                the public key of every signature above
+    release.json                                        what publish needs: version, commit, image digest, files
+    SHA256SUMS, SHA256SUMS.asc                          every file's hash, signed
+
+Settings (environment): VERSION, DIST (default dist), GIT_COMMIT, SOURCE_DATE_EPOCH, ENGINE and
+BASE_IMAGE (as for `make image`), IMAGE_REPOSITORY (default ghcr.io/hyperlight-dev/hyperlight-agent),
+GNUPGHOME and RELEASE_GPG_KEY (the signing key; without one, a key made for this build only,
+said loudly: such a release is for testing, never for publishing), HELM, CYCLONEDX (tool paths).
+Any failure is one line naming what failed; a release half-built is removed.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMAGE_REPOSITORY = "ghcr.io/hyperlight-dev/hyperlight-agent"
+CHART = os.path.join(ROOT, "deploy", "helm", "hyperlight-agent")
+# The placeholder the development chart and manifests carry; never in a release.
+PLACEHOLDER = "sha256:" + "0" * 64
+# Which lock each artefact's Python dependencies come from (its target Python).
+LOCKS = {"deb": "3.11", "el9": "3.9", "azl3": "3.12", "image": "3.11"}
+APT_CODENAME = "bookworm"
+APT_COMPONENT = "main"
+PUBLIC_KEY = "hyperlight-agent.asc"
+SUMS = "SHA256SUMS"
+VERSION_RE = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+")
+
+
+class ReleaseError(Exception):
+    """One line saying what failed."""
+
+
+def run(*argv: str, cwd: Optional[str] = None, env: Optional[dict[str, str]] = None,
+        what: Optional[str] = None) -> str:
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or [""]
+        raise ReleaseError(f"{what or argv[0]}: exit {done.returncode}: {tail[0]}")
+    return done.stdout
+
+
+def sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tree_version() -> str:
+    with open(os.path.join(ROOT, "hyperlight_agent", "__init__.py")) as f:
+        match = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.M)
+    assert match
+    return match.group(1)
+
+
+def check_version(version: str) -> None:
+    """X.Y.Z, and a commit tagged vA.B.C is released as A.B.C only."""
+    if not VERSION_RE.fullmatch(version):
+        raise ReleaseError(f"VERSION {version!r}: not MAJOR.MINOR.PATCH")
+    tags = subprocess.run(["git", "tag", "--points-at", "HEAD", "--list", "v[0-9]*"], cwd=ROOT,
+                          capture_output=True, text=True, check=False).stdout.split()
+    if tags and f"v{version}" not in tags:
+        raise ReleaseError(f"VERSION {version}: this commit is tagged {', '.join(tags)}; release it as that")
+
+
+class Signer:
+    """The OpenPGP key that signs the repositories, the RPMs and SHA256SUMS."""
+
+    def __init__(self, work: str) -> None:
+        self.env = dict(os.environ)
+        self.key = os.environ.get("RELEASE_GPG_KEY", "")
+        if not self.key:
+            # No key given: one made for this build, so that `make release` works anywhere; its
+            # signatures prove nothing to anyone else, and release.json says so.
+            home = os.path.join(work, "gnupg")
+            os.makedirs(home, mode=0o700)
+            self.env["GNUPGHOME"] = home
+            run("gpg", "--batch", "--passphrase", "", "--quick-gen-key",
+                "hyperlight-agent release (made for one build, not for publishing)", "rsa3072", "sign", "never",
+                env=self.env, what="gpg --quick-gen-key")
+            self.key = run("gpg", "--batch", "--list-secret-keys", "--with-colons", env=self.env).split(
+                "fpr:::::::::", 1)[1].split(":", 1)[0]
+            print("make release: WARNING: no RELEASE_GPG_KEY: signed with a key made for this build only "
+                  "(for testing; never publish it)", file=sys.stderr)
+            self.ephemeral = True
+        else:
+            self.ephemeral = False
+        self.fingerprint = run("gpg", "--batch", "--with-colons", "--list-secret-keys", self.key,
+                               env=self.env, what=f"gpg: secret key {self.key}").split("fpr:::::::::", 1)[1][:40]
+
+    def gpg(self, *args: str) -> str:
+        return run("gpg", "--batch", "--yes", "--pinentry-mode", "loopback", "--passphrase", "",
+                   "--local-user", self.fingerprint, *args, env=self.env, what=f"gpg {args[0]}")
+
+    def detach(self, path: str) -> str:
+        self.gpg("--armor", "--detach-sign", "--output", path + ".asc", path)
+        return path + ".asc"
+
+    def export(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(run("gpg", "--batch", "--armor", "--export", self.fingerprint, env=self.env))
+
+    def sign_rpm(self, path: str) -> None:
+        run("rpmsign", "--addsign", "--define", f"_gpg_name {self.fingerprint}",
+            "--define", f"_gpg_path {self.env.get('GNUPGHOME', os.path.expanduser('~/.gnupg'))}",
+            "--define", "_gpg_sign_cmd_extra_args --pinentry-mode loopback --passphrase ''",
+            path, env=self.env, what=f"rpmsign {os.path.basename(path)}")
+
+
+def make(*args: str) -> None:
+    run("make", "-s", "-C", ROOT, *args, what=f"make {args[0]}")
+
+
+def build_packages(version: str, out: str, signer: Signer) -> dict[str, str]:
+    """The .deb and the signed RPMs, copied out of build/ at once (the next build replaces them)."""
+    make("deb", f"VERSION={version}")
+    (deb,) = glob.glob(os.path.join(ROOT, "build", "deb", f"hyperlight-agent_{version}_*.deb"))
+    found = {"deb": shutil.copy2(deb, out)}
+    make("rpm", f"VERSION={version}")
+    for dist in ("el9", "azl3"):
+        (rpm,) = glob.glob(os.path.join(ROOT, "build", "rpm", "top", "RPMS", "*",
+                                        f"hyperlight-agent-{version}-*.{dist}.*.rpm"))
+        found[dist] = shutil.copy2(rpm, out)
+        signer.sign_rpm(found[dist])
+    return found
+
+
+def apt_repository(out: str, deb: str, signer: Signer, work: str) -> None:
+    """reprepro's pool and dists, signed: InRelease and Release.gpg."""
+    base = os.path.join(work, "reprepro")
+    os.makedirs(os.path.join(base, "conf"))
+    with open(os.path.join(base, "conf", "distributions"), "w") as f:
+        f.write(f"Origin: hyperlight-agent\nLabel: hyperlight-agent\nCodename: {APT_CODENAME}\n"
+                f"Architectures: amd64\nComponents: {APT_COMPONENT}\n"
+                f"Description: hyperlight-agent for Debian 12\nSignWith: {signer.fingerprint}\n")
+    run("reprepro", "--basedir", base, "--outdir", os.path.join(out, "apt"), "includedeb", APT_CODENAME, deb,
+        env=signer.env, what="reprepro includedeb")
+
+
+def yum_repositories(out: str, rpms: dict[str, str], signer: Signer, epoch: str) -> None:
+    """One repository per distribution (createrepo_c), repomd.xml signed (repo_gpgcheck)."""
+    for dist in ("el9", "azl3"):
+        repo = os.path.join(out, "yum", dist, "x86_64")
+        os.makedirs(os.path.join(repo, "Packages"))
+        shutil.copy2(rpms[dist], os.path.join(repo, "Packages"))
+        run("createrepo_c", "--quiet", "--revision", epoch, "--set-timestamp-to-revision", repo,
+            what=f"createrepo_c {dist}")
+        signer.detach(os.path.join(repo, "repodata", "repomd.xml"))
+
+
+def image_archive(version: str, out: str, repository: str) -> tuple[str, str]:
+    """`make image` as this version, saved as an OCI archive; (path, manifest digest)."""
+    image = f"{repository}:{version}"
+    engine = os.environ.get("ENGINE") or "podman"
+    make("image", f"VERSION={version}", f"IMAGE={image}", f"ENGINE={engine}",
+         f"BASE_IMAGE={os.environ.get('BASE_IMAGE', '')}")
+    path = os.path.join(out, f"hyperlight-agent-{version}.oci.tar")
+    run(*engine.split(), "save", "--format", "oci-archive", "-o", path, image, what="saving the image")
+    with tarfile.open(path) as archive:
+        member = archive.extractfile("index.json")
+        assert member is not None
+        (manifest,) = json.load(member)["manifests"]
+    return path, str(manifest["digest"])
+
+
+def chart_package(version: str, out: str, repository: str, digest: str, work: str) -> str:
+    """The chart as this version, whose default image is this release's, by digest."""
+    chart = os.path.join(work, "chart", "hyperlight-agent")
+    shutil.copytree(CHART, chart)
+    for name, edits in (("Chart.yaml", [(r"^version: .*$", f"version: {version}"),
+                                        (r"^appVersion: .*$", f'appVersion: "{version}"')]),
+                        ("values.yaml", [(r"^  repository: .*$", f"  repository: {repository}"),
+                                         (r"^  digest: .*$", f'  digest: "{digest}"'),
+                                         (r"^  tag: .*$", '  tag: ""')])):
+        path = os.path.join(chart, name)
+        with open(path) as f:
+            text = f.read()
+        for pattern, replacement in edits:
+            text, n = re.subn(pattern, replacement, text, count=1, flags=re.M)
+            if n != 1:
+                raise ReleaseError(f"{name}: no line matching {pattern!r} to set")
+        with open(path, "w") as f:
+            f.write(text)
+    helm = os.environ.get("HELM") or os.path.join(ROOT, "build", "tools", "helm")
+    run(helm, "lint", "--strict", chart, what="helm lint --strict")
+    run(helm, "package", chart, "--destination", out, what="helm package")
+    return os.path.join(out, f"hyperlight-agent-{version}.tgz")
+
+
+def sbom(version: str, lock: str, path: str, epoch: str, work: str) -> None:
+    """CycloneDX from the lock itself: the SBOM lists exactly what the lock installs."""
+    project = os.path.join(work, f"pyproject-{os.path.basename(path)}.toml")
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        text = f.read().replace('dynamic = ["version"]', f'version = "{version}"', 1)
+    with open(project, "w") as f:
+        f.write(text)
+    tool = os.environ.get("CYCLONEDX") or os.path.join(ROOT, "build", "release-tools", "bin", "cyclonedx-py")
+    run(tool, "requirements", "--output-reproducible", "--of", "JSON", "--pyproject", project, "-o", path,
+        os.path.join(ROOT, "pins", f"runtime-py{lock}.txt"), env={**os.environ, "SOURCE_DATE_EPOCH": epoch},
+        what=f"cyclonedx-py for {os.path.basename(path)}")
+
+
+def placeholders(out: str) -> list[str]:
+    """Files holding the development placeholder digest, the chart package's contents included."""
+    found = []
+    for directory, _, names in os.walk(out):
+        for name in names:
+            path = os.path.join(directory, name)
+            if path.endswith(".tgz"):
+                with tarfile.open(path) as chart:
+                    for member in chart.getmembers():
+                        f = chart.extractfile(member)
+                        if f is not None and PLACEHOLDER.encode() in f.read():
+                            found.append(f"{path}:{member.name}")
+            elif not path.endswith(".tar"):  # the image holds no chart or manifest
+                with open(path, "rb") as f:
+                    if PLACEHOLDER.encode() in f.read():
+                        found.append(path)
+    return found
+
+
+def refuse_placeholders(out: str) -> None:
+    found = placeholders(out)
+    if found:
+        raise ReleaseError(f"the placeholder digest is in {found[0]}")
+
+
+def checksums(out: str) -> str:
+    """SHA256SUMS of every file (sha256sum -c format, paths relative to the release)."""
+    lines = []
+    for directory, _, names in sorted(os.walk(out)):
+        for name in sorted(names):
+            path = os.path.join(directory, name)
+            rel = os.path.relpath(path, out)
+            if rel not in (SUMS, SUMS + ".asc"):
+                lines.append(f"{sha256(path)}  {rel}\n")
+    path = os.path.join(out, SUMS)
+    with open(path, "w") as f:
+        f.writelines(lines)
+    return path
+
+
+def release() -> str:
+    version = os.environ.get("VERSION") or tree_version()
+    check_version(version)
+    repository = os.environ.get("IMAGE_REPOSITORY") or IMAGE_REPOSITORY
+    epoch = os.environ.get("SOURCE_DATE_EPOCH") or run("git", "log", "-1", "--format=%ct", cwd=ROOT).strip()
+    dist = os.path.abspath(os.environ.get("DIST") or os.path.join(ROOT, "dist"))
+    out = os.path.join(dist, version)
+    partial = out + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    work = tempfile.mkdtemp(prefix="hl-release-")
+    try:
+        signer = Signer(work)
+        packages = build_packages(version, partial, signer)
+        apt_repository(partial, packages["deb"], signer, work)
+        yum_repositories(partial, packages, signer, epoch)
+        archive, digest = image_archive(version, partial, repository)
+        chart = chart_package(version, partial, repository, digest, work)
+        artefacts = {**packages, "image": archive}
+        sboms = {}
+        for kind, path in artefacts.items():
+            sboms[kind] = path + ".cdx.json"
+            sbom(version, LOCKS[kind], sboms[kind], epoch, work)
+        signer.export(os.path.join(partial, PUBLIC_KEY))
+        manifest = {
+            "version": version, "commit": os.environ.get("GIT_COMMIT", "unknown"), "source_date_epoch": int(epoch),
+            "image": {"repository": repository, "digest": digest, "archive": os.path.basename(archive)},
+            "chart": os.path.basename(chart),
+            "packages": {kind: os.path.basename(path) for kind, path in packages.items()},
+            "sboms": {kind: os.path.basename(path) for kind, path in sboms.items()},
+            "locks": {kind: f"pins/runtime-py{LOCKS[kind]}.txt" for kind in artefacts},
+            "signing_key": signer.fingerprint, "signing_key_ephemeral": signer.ephemeral,
+        }
+        with open(os.path.join(partial, "release.json"), "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.write("\n")
+        refuse_placeholders(partial)
+        signer.detach(checksums(partial))
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(partial, out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def listing(out: str) -> str:
+    rows = []
+    for directory, _, names in sorted(os.walk(out)):
+        for name in sorted(names):
+            path = os.path.join(directory, name)
+            rows.append(f"{os.path.getsize(path):>12}  {os.path.relpath(path, out)}")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    try:
+        out = release()
+    except ReleaseError as exc:
+        print(f"make release: {exc}", file=sys.stderr)
+        return 1
+    with open(os.path.join(out, "release.json")) as f:
+        manifest = json.load(f)
+    print(f"release {manifest['version']} in {out}:")
+    print(listing(out))
+    print(f"image: {manifest['image']['repository']}@{manifest['image']['digest']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
