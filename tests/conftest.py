@@ -340,3 +340,40 @@ def assert_ships_the_agent_only(paths: list[str]) -> None:
     assert not missing, f"not shipped: {missing}"
     tools = [p for p in modules if "/standin/" in p or p.endswith(("/standin.py", "/demo.py"))]
     assert not tools, f"development tools shipped: {tools}"
+
+
+# ---- Releases as users get them (tests/releases.py): built, published and served once a session ----
+
+@pytest.fixture(scope="session")
+def release_builder() -> Iterator[Any]:
+    from tests.releases import Builder
+    builder = Builder(tempfile.mkdtemp(prefix="hl-rel-"))
+    try:
+        yield builder
+    finally:
+        builder.close()
+        shutil.rmtree(builder.directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def release_previous(release_builder: Any) -> str:
+    """`make release` of N-1: this commit as the tree's own version."""
+    from tests.releases import PREVIOUS
+    return str(release_builder.release(PREVIOUS))
+
+
+@pytest.fixture(scope="session")
+def release_current(release_builder: Any) -> str:
+    """`make release VERSION=N`: this commit as the next patch version."""
+    from tests.releases import CURRENT
+    return str(release_builder.release(CURRENT))
+
+
+@pytest.fixture(scope="session")
+def published(release_builder: Any, release_previous: str, release_current: str) -> Iterator[Any]:
+    """Both releases published with `make publish`: image and chart in a real OCI registry, signed
+    with a cosign key pair made for the session; each release's package repositories in a site
+    directory of its own, served over HTTP from `served`, a link the tests point at either."""
+    from tests.releases import Published
+    with Published(release_builder, release_previous, release_current) as found:
+        yield found

@@ -4,12 +4,15 @@
 # GOCACHE) make a rebuild after a version bump incremental. Prints the time each took.
 #   components: the e2e cluster (Kubernetes, etcd, containerd);
 #   tools: what the tests and `make release`/`make publish` drive (helm, kubectl, the CNCF
-#          distribution registry, cosign), each also linked as OUT/<name>. Never shipped.
+#          distribution registry, cosign), into OUT/versions/<name>/<version>/, each linked as
+#          OUT/<name>. Never shipped.
 # Usage: build.sh OUT [components|tools]   (default: components)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=$(mkdir -p "$1" && cd "$1" && pwd)
 set_=${2:-components}
+# Where each build goes: the tools' under versions/, so that OUT/<tool> can be its link.
+into=$out; [ "$set_" != tools ] || into=$out/versions
 export PATH=/usr/local/go/bin:$PATH CGO_ENABLED=0 GOFLAGS=-mod=readonly
 command -v go >/dev/null || { echo "build.sh: go: not found (Go 1.26 is expected at /usr/local/go)" >&2; exit 2; }
 
@@ -20,7 +23,7 @@ version() { awk -v p="$2" '$1 == p && $2 ~ /^v/ {print $2; exit} $1 == "require"
 build() {
   local name=$1 dir=$2 ver=$3 ldflags=$4 tags=$5; shift 5
   local out_name; out_name=$(basename "$1"); [ "$1" != go.etcd.io/etcd/server/v3 ] || out_name=etcd
-  local dest=$out/$name/$ver
+  local dest=$into/$name/$ver
   if [ -e "$dest/.complete" ]; then echo "e2e components: $name $ver cached"; return; fi
   rm -rf "$dest" && mkdir -p "$dest"
   local start=$SECONDS
@@ -55,7 +58,7 @@ if [ "$set_" = tools ]; then
   build cosign cosign "$cosign" "-s -w -X sigs.k8s.io/release-utils/version.gitVersion=$cosign" "" \
     github.com/sigstore/cosign/v3/cmd/cosign
   for tool in helm:"$helm" kubectl:"$k137" registry:"$registry" cosign:"$cosign"; do
-    ln -sfn "${tool%%:*}/${tool#*:}/${tool%%:*}" "$out/${tool%%:*}"
+    ln -sfn "versions/${tool%%:*}/${tool#*:}/${tool%%:*}" "$out/${tool%%:*}"
   done
   echo "tools: ready in $((SECONDS - total)) s under $out"
   exit 0

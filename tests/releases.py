@@ -1,0 +1,236 @@
+"""Releases as `make release` builds them, and the servers users install them from, for the tests.
+
+Two releases of this commit, each built once per test session: N-1, the tree's own version, and
+N, the next patch version (`make release VERSION=…`, the tree untouched), signed with a key made
+for the session; the image from `make image-base`'s Debian 12 (no registry is reachable here),
+in podman storage of the session's own. Served as users get them: the package repositories over
+HTTP (`Site`), the image and the chart from a real OCI registry (`Registry`, the CNCF
+distribution registry built from its pinned Go module)."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+from typing import Any, Optional
+
+from hyperlight_agent import __version__
+from tests.podman import Podman
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(ROOT, "build", "tools")
+BASE = "localhost/hyperlight-agent-base:bookworm"
+# Where the release's chart says its image lives; the tests' registry serves as its mirror.
+IMAGE_REPOSITORY = "ghcr.io/hyperlight-dev/hyperlight-agent"
+PUBLIC_REGISTRY = "ghcr.io/hyperlight-dev"
+
+
+def next_version(version: str) -> str:
+    major, minor, patch = version.split(".")
+    return f"{major}.{minor}.{int(patch) + 1}"
+
+
+PREVIOUS = __version__
+CURRENT = next_version(__version__)
+
+
+class Keyring:
+    """A GnuPG home with one signing key, made for a test session (as the release pipeline's
+    secret key would be imported)."""
+
+    def __init__(self, directory: str) -> None:
+        self.home = os.path.join(directory, "gnupg")
+        os.makedirs(self.home, mode=0o700)
+        self.env = {**os.environ, "GNUPGHOME": self.home}
+        subprocess.run(["gpg", "--batch", "--passphrase", "", "--quick-gen-key",
+                        "hyperlight-agent test release <release@hyperlight.invalid>", "rsa3072", "sign", "never"],
+                       env=self.env, check=True, capture_output=True, timeout=120)
+        listing = subprocess.run(["gpg", "--batch", "--with-colons", "--list-secret-keys"], env=self.env, check=True,
+                                 capture_output=True, text=True, timeout=30).stdout
+        self.fingerprint = listing.split("fpr:::::::::", 1)[1][:40]
+
+
+class Builder:
+    """`make release` into a directory of the session's, with its key and podman storage."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.keyring = Keyring(directory)
+        self.engine = Podman(os.path.join(directory, "podman"))
+        self.env = {**self.engine.env, **{k: v for k, v in self.keyring.env.items() if k == "GNUPGHOME"},
+                    "RELEASE_GPG_KEY": self.keyring.fingerprint, "MAKEFLAGS": ""}
+        self._base = False
+
+    def make(self, *args: str, timeout: float = 3600) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(["make", "-s", "-C", ROOT, *args, f"ENGINE={' '.join(self.engine.argv)}"],
+                              capture_output=True, text=True, env=self.env, timeout=timeout, check=False)
+        assert done.returncode == 0, f"make {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return done
+
+    def release(self, version: str, dist: Optional[str] = None) -> str:
+        if not self._base:
+            self.make("image-base")
+            self._base = True
+        dist = dist or os.path.join(self.directory, "dist")
+        self.make("release", f"VERSION={version}", f"DIST={dist}", f"BASE_IMAGE={BASE}")
+        return os.path.join(dist, version)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def manifest(release: str) -> dict[str, Any]:
+    with open(os.path.join(release, "release.json")) as f:
+        found: dict[str, Any] = json.load(f)
+    return found
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # the test output stays readable
+        pass
+
+
+class Site:
+    """A static web host on 127.0.0.1 for a directory, as the public package site would be."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        handler = functools.partial(_Quiet, directory=directory)
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.port = int(self._server.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Registry:
+    """The CNCF distribution registry (build/tools/registry), plain HTTP on 127.0.0.1, storage in
+    a temp dir; deletes allowed so a test can replace a tag's manifest."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="hl-registry-")
+        self.port = free_port()
+        self.host = f"127.0.0.1:{self.port}"
+        config = os.path.join(self.directory, "config.yml")
+        with open(config, "w") as f:
+            f.write(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: "
+                    f"{self.directory}/data\n  delete:\n    enabled: true\nhttp:\n  addr: {self.host}\n")
+        self._log = open(os.path.join(self.directory, "registry.log"), "wb")  # noqa: SIM115 (closed in close())
+        self.process = subprocess.Popen([os.path.join(TOOLS, "registry"), "serve", config], stdout=self._log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        from tests.conftest import wait_for
+        wait_for(self._up, 30, "the registry to listen")
+
+    def _up(self) -> bool:
+        if self.process.poll() is not None:
+            with open(os.path.join(self.directory, "registry.log")) as f:
+                raise AssertionError(f"the registry exited: {f.read()[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+        self._log.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class Published:
+    """Both releases published by `make publish`: the image and chart of each in `registry` (a
+    mirror of the public registry: the chart's image names ghcr.io), signed with a cosign key pair
+    made here (`cosign_pub`); each one's package repositories in a site directory of its own,
+    served at `site.url` from the directory the link `served` points at (`serve(version)`: as the
+    public site changes when a release is published)."""
+
+    def __init__(self, builder: Builder, previous: str, current: str) -> None:
+        self.builder = builder
+        self.releases = {manifest(r)["version"]: r for r in (previous, current)}
+        self.directory = tempfile.mkdtemp(prefix="hl-pub-")
+        self.registry: Optional[Registry] = None
+        self.site: Optional[Site] = None
+        try:
+            keys = os.path.join(self.directory, "cosign")
+            os.makedirs(keys)
+            subprocess.run([os.path.join(TOOLS, "cosign"), "generate-key-pair"], cwd=keys, check=True,
+                           capture_output=True, env={**os.environ, "COSIGN_PASSWORD": ""}, timeout=60)
+            self.cosign_key, self.cosign_pub = os.path.join(keys, "cosign.key"), os.path.join(keys, "cosign.pub")
+            self.registry = Registry()
+            self.host = self.registry.host
+            for version, release in self.releases.items():
+                self.publish(release, os.path.join(self.directory, f"site-{version}"))
+            self.served = os.path.join(self.directory, "served")
+            self.serve(PREVIOUS)
+            self.site = Site(self.served)
+        except BaseException:
+            self.close()
+            raise
+
+    def publish(self, release: str, site: str) -> None:
+        self.builder.env["COSIGN_PASSWORD"] = ""
+        self.builder.make("publish", f"VERSION={manifest(release)['version']}", f"DIST={os.path.dirname(release)}",
+                          f"REGISTRY={self.host}/hyperlight-dev", "INSECURE_REGISTRY=1",
+                          f"COSIGN_KEY={self.cosign_key}", f"SITE={site}")
+
+    def serve(self, version: str) -> None:
+        """Point the site at this release's repositories (a link swapped atomically)."""
+        link = self.served + ".new"
+        os.symlink(os.path.join(self.directory, f"site-{version}"), link)
+        os.replace(link, self.served)
+
+    def image(self, version: str) -> str:
+        """This release's image in the test registry, by digest."""
+        return f"{self.host}/hyperlight-dev/hyperlight-agent@{manifest(self.releases[version])['image']['digest']}"
+
+    def chart(self) -> str:
+        return f"oci://{self.host}/hyperlight-dev/charts/hyperlight-agent"
+
+    def close(self) -> None:
+        if self.site is not None:
+            self.site.close()
+        if self.registry is not None:
+            self.registry.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> Published:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# The public channels as README.md gives them to operators; the tests run README's own commands
+# with these replaced by the local servers' addresses.
+PUBLIC_SITE = "https://hyperlight-dev.github.io/hyperlight-agent"
+PUBLIC_CHARTS = "oci://ghcr.io/hyperlight-dev/charts"
+
+
+def readme_commands(marker: str) -> str:
+    """The ```sh block after `<!-- operator: MARKER -->` in README.md, exactly as written there."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    after = text.split(f"<!-- operator: {marker} -->", 1)[1]
+    return after.split("```sh\n", 1)[1].split("```", 1)[0]

@@ -1,0 +1,112 @@
+"""The release's signed apt repository on a clean Debian 12, as an operator uses it: README.md's own
+commands (key, `Signed-By:` source line, `apt-get update && apt-get install`) run in systemd-nspawn
+over HTTP from a local server standing for the public site; a tampered Release is refused; and
+`apt-get upgrade` takes a running host from release N-1 to N once the site serves N."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from standin.kubelet import StandinThread
+from tests import nspawn
+from tests.conftest import make_node, wait_for
+from tests.releases import CURRENT, PREVIOUS, PUBLIC_SITE, Published, Site, readme_commands
+from tests.test_deb import UNIT, agent_starts
+
+pytestmark = pytest.mark.system
+
+# README's commands are interactive (apt-get asks before installing): in the guest, apt assumes yes.
+ASSUME_YES = 'APT::Get::Assume-Yes "true";\n'
+
+
+def fresh_root(tmp: str) -> str:
+    root = os.path.join(tmp, "root")
+    subprocess.run(["cp", "-a", "--reflink=auto", nspawn.rootfs(), root], check=True, timeout=300)
+    with open(os.path.join(root, "etc", "apt", "apt.conf.d", "90assume-yes"), "w") as f:
+        f.write(ASSUME_YES)
+    return root
+
+
+def operator_install(root: str, url: str) -> subprocess.CompletedProcess[str]:
+    """README's apt commands, with the local site in place of the public one, in the guest's root."""
+    script = readme_commands("apt").replace(PUBLIC_SITE, url)
+    assert url in script
+    return nspawn.pipe(root, "env", "DEBIAN_FRONTEND=noninteractive", "sh", "-ec", script)
+
+
+@pytest.fixture
+def site(published: Published) -> Iterator[Site]:
+    """The public site's stand-in, left serving N-1 (as the session's other tests expect)."""
+    assert published.site is not None
+    yield published.site
+    published.serve(PREVIOUS)
+
+
+def test_readme_commands_add_the_signed_source_and_install(published: Published, site: Site, tmp: str) -> None:
+    published.serve(CURRENT)
+    root = fresh_root(tmp)
+    done = operator_install(root, site.url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    sources = nspawn.pipe(root, "cat", "/etc/apt/sources.list.d/hyperlight-agent.list").stdout
+    assert re.fullmatch(rf"deb \[signed-by=/etc/apt/keyrings/hyperlight-agent\.asc\] {re.escape(site.url)}/apt "
+                        r"bookworm main\n", sources), sources
+    version = nspawn.pipe(root, "dpkg-query", "-W", "-f=${Version}", "hyperlight-agent").stdout
+    assert version == CURRENT
+    policy = nspawn.pipe(root, "apt-cache", "policy", "hyperlight-agent").stdout
+    assert f"{site.url}/apt bookworm/main amd64 Packages" in policy, policy
+
+
+def test_a_tampered_release_is_refused(release_current: str, tmp: str) -> None:
+    copy = os.path.join(tmp, "site")
+    shutil.copytree(os.path.join(release_current, "apt"), os.path.join(copy, "apt"))
+    shutil.copy2(os.path.join(release_current, "hyperlight-agent.asc"), copy)
+    dists = os.path.join(copy, "apt", "dists", "bookworm")
+    for name in ("InRelease", "Release"):  # the signed text changed, the signatures left as they were
+        with open(os.path.join(dists, name)) as f:
+            text = f.read()
+        changed = re.sub(r"^Date: .*$", "Date: Thu, 01 Jan 2099 00:00:00 UTC", text, count=1, flags=re.M)
+        assert changed != text
+        with open(os.path.join(dists, name), "w") as f:
+            f.write(changed)
+    served = Site(copy)
+    try:
+        root = fresh_root(tmp)
+        done = operator_install(root, served.url)
+        assert done.returncode != 0, done.stdout
+        assert "The following signatures were invalid" in done.stdout + done.stderr or \
+            "BADSIG" in done.stdout + done.stderr, done.stdout + done.stderr
+        assert nspawn.pipe(root, "dpkg-query", "-W", "hyperlight-agent").returncode != 0, "installed anyway"
+        candidate = nspawn.pipe(root, "apt-cache", "policy", "hyperlight-agent").stdout
+        assert "Candidate" not in candidate or "Candidate: (none)" in candidate, candidate
+    finally:
+        served.close()
+
+
+def test_apt_get_upgrade_takes_a_running_host_from_n_minus_1_to_n(published: Published, site: Site, tmp: str) -> None:
+    published.serve(PREVIOUS)
+    root = fresh_root(tmp)
+    done = operator_install(root, site.url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    os.makedirs(os.path.join(tmp, "kubelet"))
+    kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
+    binds = [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins"]
+    with StandinThread(os.path.join(tmp, "kubelet")) as kubelet, \
+            nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest:
+        kubelet.wait_until(lambda k: k.allocatable() == 2000, 60, "release N-1 registered")
+        assert guest.run("hyperlight-agent", "--version").stdout.strip() == f"hyperlight-agent {PREVIOUS}"
+
+        published.serve(CURRENT)
+        upgrade = guest.run("sh", "-c", "DEBIAN_FRONTEND=noninteractive apt-get update -q && "
+                            "DEBIAN_FRONTEND=noninteractive apt-get upgrade -y -q </dev/null", check=False, timeout=600)
+        assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
+        assert "hyperlight-agent" in upgrade.stdout
+        wait_for(lambda: guest.is_active(UNIT) == "active", 60, "the unit active after the upgrade")
+        kubelet.wait_until(lambda k: k.allocatable() == 2000, 60, "release N registered")
+        assert guest.run("hyperlight-agent", "--version").stdout.strip() == f"hyperlight-agent {CURRENT}"
+        assert agent_starts(guest)[-1] == CURRENT, agent_starts(guest)

@@ -1,0 +1,147 @@
+"""`make publish` into a real OCI registry (the CNCF distribution registry, built from its pinned Go
+module, on this machine): the image pushed unchanged (the digest the chart names), the chart
+installable from OCI by --version, the image signed with cosign and its SBOM attached as an
+attestation — and verification failing for an image that is not the signed one."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import subprocess
+import tarfile
+
+import pytest
+import yaml
+
+from tests.releases import CURRENT, PREVIOUS, TOOLS, Published, manifest
+
+pytestmark = pytest.mark.system
+
+INSECURE = ["--allow-http-registry", "--allow-insecure-registry"]
+
+
+def cosign(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([os.path.join(TOOLS, "cosign"), *args], capture_output=True, text=True, timeout=120,
+                          check=False)
+    if check:
+        assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def verify(published: Published, reference: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return cosign("verify", "--key", published.cosign_pub, "--insecure-ignore-tlog=true", *INSECURE, *extra,
+                  reference, check=check)
+
+
+def skopeo(*args: str) -> str:
+    return subprocess.run(["skopeo", *args], capture_output=True, text=True, timeout=300, check=True).stdout
+
+
+@pytest.mark.parametrize("version", [PREVIOUS, CURRENT])
+def test_the_registry_serves_the_image_the_chart_names(published: Published, version: str) -> None:
+    m = manifest(published.releases[version])
+    repository = f"{published.host}/hyperlight-dev/hyperlight-agent"
+    assert skopeo("inspect", "--tls-verify=false", "--format", "{{.Digest}}",
+                  f"docker://{repository}:{version}").strip() == m["image"]["digest"]
+    chart = subprocess.run([os.path.join(TOOLS, "helm"), "show", "values", published.chart(), "--version", version,
+                            "--plain-http"], capture_output=True, text=True, timeout=120, check=True).stdout
+    image = yaml.safe_load(chart)["image"]
+    assert (image["repository"], image["digest"], image["tag"]) == \
+        ("ghcr.io/hyperlight-dev/hyperlight-agent", m["image"]["digest"], "")
+
+
+def test_cosign_verifies_the_release_image_by_digest_and_by_tag(published: Published) -> None:
+    reference = published.image(CURRENT)
+    claims = json.loads(verify(published, reference).stdout)
+    assert {c["critical"]["image"]["docker-manifest-digest"] for c in claims} == {reference.split("@", 1)[1]}
+    verify(published, f"{published.host}/hyperlight-dev/hyperlight-agent:{CURRENT}")
+
+
+def test_the_sbom_is_attached_as_a_verified_attestation(published: Published) -> None:
+    done = cosign("verify-attestation", "--key", published.cosign_pub, "--insecure-ignore-tlog=true", *INSECURE,
+                  "--type", "cyclonedx", published.image(CURRENT))
+    (envelope,) = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    statement = json.loads(base64.b64decode(envelope["payload"]))
+    release = published.releases[CURRENT]
+    with open(os.path.join(release, manifest(release)["sboms"]["image"])) as f:
+        assert statement["predicate"] == json.load(f)
+    assert statement["subject"][0]["digest"]["sha256"] == published.image(CURRENT).split("sha256:", 1)[1]
+
+
+def tampered_archive(release: str, directory: str) -> str:
+    """The release's image with one change to its configuration (an environment variable added):
+    another manifest, so another digest, that nobody signed."""
+    m = manifest(release)
+    layout = os.path.join(directory, "layout")
+    with tarfile.open(os.path.join(release, m["image"]["archive"])) as archive:
+        archive.extractall(layout)  # noqa: S202 (the release's own archive, just built)
+    blobs = os.path.join(layout, "blobs", "sha256")
+
+    def read(digest: str) -> dict[str, object]:
+        with open(os.path.join(blobs, digest.removeprefix("sha256:"))) as f:
+            found: dict[str, object] = json.load(f)
+        return found
+
+    def write(value: dict[str, object]) -> tuple[str, int]:
+        data = json.dumps(value).encode()
+        digest = hashlib.sha256(data).hexdigest()
+        with open(os.path.join(blobs, digest), "wb") as f:
+            f.write(data)
+        return f"sha256:{digest}", len(data)
+
+    index = read_index(layout)
+    image = read(str(index["manifests"][0]["digest"]))
+    config_desc = image["config"]
+    assert isinstance(config_desc, dict)
+    config = read(config_desc["digest"])
+    config["config"]["Env"].append("INJECTED=1")  # type: ignore[index]
+    config_desc["digest"], config_desc["size"] = write(config)
+    index["manifests"][0]["digest"], index["manifests"][0]["size"] = write(image)
+    with open(os.path.join(layout, "index.json"), "w") as f:
+        json.dump(index, f)
+    return layout
+
+
+def read_index(layout: str) -> dict[str, list[dict[str, object]]]:
+    with open(os.path.join(layout, "index.json")) as f:
+        found: dict[str, list[dict[str, object]]] = json.load(f)
+    return found
+
+
+def test_an_unsigned_or_retagged_image_fails_verification(published: Published, tmp: str) -> None:
+    release = published.releases[CURRENT]
+    layout = tampered_archive(release, tmp)
+    unsigned = f"{published.host}/hyperlight-dev/unsigned:{CURRENT}"
+    skopeo("copy", "--quiet", "--preserve-digests", "--dest-tls-verify=false", f"oci:{layout}", f"docker://{unsigned}")
+    refused = verify(published, unsigned, check=False)
+    assert refused.returncode != 0 and "no signatures found" in refused.stderr, refused.stderr
+
+    # The release's tag pointed at the tampered image: verifying the tag now fails; the release's
+    # digest still verifies. Then the tag is put back, for the session's other tests.
+    tag = f"{published.host}/hyperlight-dev/hyperlight-agent:{CURRENT}"
+    skopeo("copy", "--quiet", "--preserve-digests", "--dest-tls-verify=false", f"oci:{layout}", f"docker://{tag}")
+    try:
+        refused = verify(published, tag, check=False)
+        assert refused.returncode != 0 and "no signatures found" in refused.stderr, refused.stderr
+        verify(published, published.image(CURRENT))
+    finally:
+        skopeo("copy", "--quiet", "--preserve-digests", "--dest-tls-verify=false", "--src-tls-verify=false",
+               f"docker://{published.image(CURRENT)}", f"docker://{tag}")
+    verify(published, tag)
+
+    # A signed image copied to another repository carries no signature there.
+    moved = f"{published.host}/elsewhere/hyperlight-agent:{CURRENT}"
+    skopeo("copy", "--quiet", "--preserve-digests", "--dest-tls-verify=false", "--src-tls-verify=false",
+           f"docker://{published.image(CURRENT)}", f"docker://{moved}")
+    refused = verify(published, moved, check=False)
+    assert refused.returncode != 0 and "no signatures found" in refused.stderr, refused.stderr
+
+
+def test_another_key_does_not_verify_the_release_image(published: Published, tmp: str) -> None:
+    subprocess.run([os.path.join(TOOLS, "cosign"), "generate-key-pair"], cwd=tmp, check=True, capture_output=True,
+                   env={**os.environ, "COSIGN_PASSWORD": ""}, timeout=60)
+    refused = cosign("verify", "--key", os.path.join(tmp, "cosign.pub"), "--insecure-ignore-tlog=true", *INSECURE,
+                     published.image(CURRENT), check=False)
+    assert refused.returncode != 0, refused.stdout

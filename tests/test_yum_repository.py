@@ -1,0 +1,134 @@
+"""The release's signed yum repositories, read by a real yum client: Debian's dnf, over HTTP from a
+local server as from the public site, with gpgcheck=1 and repo_gpgcheck=1. The RPMs pass `rpm -K`,
+dnf installs the EL9 one (into a scratch root whose rpm database holds a stand-in providing what
+EL9 itself would: Python 3.9, systemd, glibc's libraries), and a tampered repomd.xml is refused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from tests.releases import CURRENT, PUBLIC_SITE, Site, manifest, readme_commands
+
+pytestmark = pytest.mark.system
+
+KEY = "hyperlight-agent.asc"
+
+
+def repo_file(url: str, dist: str) -> str:
+    """The .repo file README.md has users write into /etc/yum.repos.d, with the local site in place
+    of the public one (and the Azure Linux repository for azl3, as README says)."""
+    commands = readme_commands("yum")
+    text = commands.split("<<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0] + "\n"
+    assert "gpgcheck=1\n" in text and "repo_gpgcheck=1\n" in text and PUBLIC_SITE in text
+    return text.replace(PUBLIC_SITE, url).replace("/yum/el9/", f"/yum/{dist}/")
+
+
+def dnf(root: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(["dnf", "-y", "--installroot", root, "--releasever", "9", "--forcearch", "x86_64",
+                           "--setopt", f"reposdir={root}/etc/yum.repos.d", "--setopt", "cachedir=/var/cache/dnf",
+                           "--setopt", "install_weak_deps=False", "--noplugins", *args],
+                          capture_output=True, text=True, timeout=600, check=False)
+    if check:
+        assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def scratch_root(directory: str, url: str, dist: str) -> str:
+    root = os.path.join(directory, f"root-{dist}")
+    os.makedirs(os.path.join(root, "etc", "yum.repos.d"))
+    with open(os.path.join(root, "etc", "yum.repos.d", "hyperlight-agent.repo"), "w") as f:
+        f.write(repo_file(url, dist))
+    return root
+
+
+def stand_in_for_the_distribution(rpm: str, directory: str) -> str:
+    """An RPM providing every capability the package requires (but rpm's own): what EL9's base
+    packages would provide, so dnf's solver has them installed."""
+    requires = subprocess.run(["rpm", "-qp", "--requires", rpm], capture_output=True, text=True, check=True,
+                              timeout=60).stdout.splitlines()
+    provides = sorted({r for r in requires if not r.startswith("rpmlib(")})
+    spec = os.path.join(directory, "base.spec")
+    with open(spec, "w") as f:
+        f.write("Name: el9-base-stand-in\nVersion: 1\nRelease: 1\nSummary: stand-in\nLicense: none\n"
+                "BuildArch: noarch\n" + "".join(f"Provides: {p}\n" for p in provides)
+                + "%description\nstand-in\n%files\n")
+    subprocess.run(["rpmbuild", "-bb", "--quiet", "--define", f"_topdir {directory}/top", spec], check=True,
+                   capture_output=True, timeout=120)
+    return os.path.join(directory, "top", "RPMS", "noarch", "el9-base-stand-in-1-1.noarch.rpm")
+
+
+@pytest.fixture
+def site(release_current: str) -> Iterator[Site]:
+    """The release's directory on a web server, as the public site serves the newest release."""
+    served = Site(release_current)
+    yield served
+    served.close()
+
+
+def test_rpms_pass_rpm_k_with_the_release_key(release_current: str, tmp: str) -> None:
+    m = manifest(release_current)
+    db = os.path.join(tmp, "rpmdb")
+    os.makedirs(db)
+    for dist in ("el9", "azl3"):
+        rpm = os.path.join(release_current, m["packages"][dist])
+        unknown = subprocess.run(["rpm", "--dbpath", db, "-K", rpm], capture_output=True, text=True, timeout=60,
+                                 check=False)
+        assert unknown.returncode != 0 and "NOKEY" in unknown.stdout, unknown.stdout  # signed, but not yet trusted
+    subprocess.run(["rpm", "--dbpath", db, "--import", os.path.join(release_current, KEY)], check=True, timeout=60)
+    for dist in ("el9", "azl3"):
+        rpm = os.path.join(release_current, m["packages"][dist])
+        checked = subprocess.run(["rpm", "--dbpath", db, "-K", rpm], capture_output=True, text=True, timeout=60,
+                                 check=False)
+        assert checked.returncode == 0 and checked.stdout.strip().endswith("digests signatures OK"), checked.stdout
+        key_id = m["signing_key"][-8:].lower()
+        info = subprocess.run(["rpm", "--dbpath", db, "-qp", "--qf", "%{RSAHEADER:pgpsig}", rpm], capture_output=True,
+                              text=True, timeout=60, check=True).stdout
+        assert key_id in info.lower(), info
+
+
+@pytest.mark.parametrize("dist", ["el9", "azl3"])
+def test_dnf_reads_the_signed_repository(site: Site, tmp: str, dist: str) -> None:
+    root = scratch_root(tmp, site.url, dist)
+    dnf(root, "makecache")
+    found = dnf(root, "repoquery", "--qf", "%{name} %{version} %{release} %{arch}", "hyperlight-agent").stdout
+    assert f"hyperlight-agent {CURRENT} 1.{dist} x86_64" in found, found
+
+
+def test_dnf_installs_the_el9_package_with_gpgcheck(release_current: str, site: Site, tmp: str) -> None:
+    root = scratch_root(tmp, site.url, "el9")
+    rpm = os.path.join(release_current, manifest(release_current)["packages"]["el9"])
+    base = stand_in_for_the_distribution(rpm, tmp)
+    subprocess.run(["rpm", "--root", root, "-i", "--nodeps", base], check=True, capture_output=True, timeout=120)
+    # No scriptlets: they run the distribution's systemctl, which this scratch root has not.
+    dnf(root, "--setopt", "tsflags=noscripts", "install", "hyperlight-agent")
+    installed = subprocess.run(["rpm", "--root", root, "-q", "--qf", "%{version}-%{release} %{SIGPGP:pgpsig}",
+                                "hyperlight-agent"], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert installed.startswith(f"{CURRENT}-1.el9 RSA/SHA256"), installed
+    assert os.path.exists(os.path.join(root, "usr", "bin", "hyperlight-agent"))
+
+
+def test_a_tampered_repomd_xml_is_refused(release_current: str, tmp: str) -> None:
+    copy = os.path.join(tmp, "site")
+    shutil.copytree(os.path.join(release_current, "yum"), os.path.join(copy, "yum"))
+    shutil.copy2(os.path.join(release_current, KEY), copy)
+    repomd = os.path.join(copy, "yum", "el9", "x86_64", "repodata", "repomd.xml")
+    with open(repomd) as f:
+        text = f.read()
+    with open(repomd, "w") as f:
+        f.write(text.replace("<revision>", "<revision>1", 1))  # the signature stays the original's
+    served = Site(copy)
+    try:
+        root = scratch_root(tmp, served.url, "el9")
+        refused = dnf(root, "makecache", check=False)
+        assert refused.returncode != 0, refused.stdout
+        assert "repomd.xml GPG signature verification error" in refused.stderr, refused.stderr
+        found = dnf(root, "repoquery", "hyperlight-agent", check=False)
+        assert f"hyperlight-agent-0:{CURRENT}" not in found.stdout
+    finally:
+        served.close()
+
