@@ -78,12 +78,15 @@ def tree_version() -> str:
     return match.group(1)
 
 
-def check_version(version: str) -> None:
-    """X.Y.Z, and a commit tagged vA.B.C is released as A.B.C only."""
+def tags_at_head() -> list[str]:
+    return subprocess.run(["git", "tag", "--points-at", "HEAD", "--list", "v[0-9]*"], cwd=ROOT, capture_output=True,
+                          text=True, check=False).stdout.split()
+
+
+def check_version(version: str, tags: list[str]) -> None:
+    """X.Y.Z, and a commit tagged vA.B.C (tags: its release tags) is released as A.B.C only."""
     if not VERSION_RE.fullmatch(version):
         raise ReleaseError(f"VERSION {version!r}: not MAJOR.MINOR.PATCH")
-    tags = subprocess.run(["git", "tag", "--points-at", "HEAD", "--list", "v[0-9]*"], cwd=ROOT,
-                          capture_output=True, text=True, check=False).stdout.split()
     if tags and f"v{version}" not in tags:
         raise ReleaseError(f"VERSION {version}: this commit is tagged {', '.join(tags)}; release it as that")
 
@@ -126,7 +129,9 @@ class Signer:
             f.write(run("gpg", "--batch", "--armor", "--export", self.fingerprint, env=self.env))
 
     def sign_rpm(self, path: str) -> None:
-        run("rpmsign", "--addsign", "--define", f"_gpg_name {self.fingerprint}",
+        # Debian's rpm names gpg2, which Debian no longer ships under that name.
+        run("rpmsign", "--addsign", "--define", f"__gpg {shutil.which('gpg') or 'gpg'}",
+            "--define", f"_gpg_name {self.fingerprint}",
             "--define", f"_gpg_path {self.env.get('GNUPGHOME', os.path.expanduser('~/.gnupg'))}",
             "--define", "_gpg_sign_cmd_extra_args --pinentry-mode loopback --passphrase ''",
             path, env=self.env, what=f"rpmsign {os.path.basename(path)}")
@@ -267,7 +272,7 @@ def checksums(out: str) -> str:
 
 def release() -> str:
     version = os.environ.get("VERSION") or tree_version()
-    check_version(version)
+    check_version(version, tags_at_head())
     repository = os.environ.get("IMAGE_REPOSITORY") or IMAGE_REPOSITORY
     epoch = os.environ.get("SOURCE_DATE_EPOCH") or run("git", "log", "-1", "--format=%ct", cwd=ROOT).strip()
     dist = os.path.abspath(os.environ.get("DIST") or os.path.join(ROOT, "dist"))

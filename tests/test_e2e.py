@@ -1,8 +1,12 @@
 """The agent on a real Kubernetes cluster: a 1.37 control plane and kubelets (node A's restarted
 as 1.34 for the oldest supported minor), containerd 2 with CDI on, all built from pinned Go
-modules (tests/e2e/components) and started here (tests/e2e/cluster.py). The chart is installed
-with real helm from the image `make image` builds; the figures each scenario measures are printed
-and written to build/e2e/figures.json (BENCHMARKS.md quotes them).
+modules (tests/e2e/components) and started here (tests/e2e/cluster.py). The agent comes as users
+get it: the chart installed with real helm from an OCI registry by --version, with README's own
+command and no value changed, its image pulled by digest from that registry (the nodes' containerd
+mirrors ghcr.io to it), upgraded to the next release from there; node B's host agent installed
+from the release's apt repository (tests/releases.py builds and publishes both releases). The
+figures each scenario measures are printed and written to build/e2e/figures.json (BENCHMARKS.md
+quotes them).
 
 Node A is labelled hyperlight.dev/enabled=true and has the real /dev/kvm; node B is unlabelled
 and has /dev/null bound over /dev/kvm in its mount namespace (for the "labelled but unusable"
@@ -14,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -33,10 +38,10 @@ from tests.e2e.cluster import Cluster, Node, State, wait_until
 from tests.e2e.kube import Api, ApiError
 from tests.e2e.oci import pause_image, workload_image
 from tests.e2e.podresources import PodResources
-from tests.podman import Podman
-from tests.test_deb import UNIT, apt
+from tests.releases import CURRENT, PREVIOUS, PUBLIC_CHARTS, Published, manifest, readme_commands
+from tests.test_apt_repository import fresh_root, operator_install
+from tests.test_deb import UNIT
 from tests.test_docs import ROOT
-from tests.test_image import BASE
 
 pytestmark = [pytest.mark.system, pytest.mark.e2e]
 
@@ -44,10 +49,8 @@ BIN_DIR = os.path.join(ROOT, "build", "e2e", "bin")
 RUN_DIR = os.path.join(ROOT, "build", "e2e", "run")
 FIGURES = os.path.join(ROOT, "build", "e2e", "figures.json")
 TOOLS = os.path.join(ROOT, "build", "tools")
-CHART = os.path.join(ROOT, "deploy", "helm", "hyperlight-agent")
 WORKLOAD = os.path.join(ROOT, "deploy", "examples", "workload.yaml")
 NAMESPACE = "hyperlight-system"
-AGENT_IMAGE = "localhost/hyperlight-agent"
 WORKLOAD_IMAGE = "localhost/hyperlight-e2e/workload:1"
 HYPERVISOR = contracts.RESOURCE_HYPERVISOR
 DEVICE_ACCESS = contracts.RESOURCE_DEVICE_ACCESS
@@ -73,32 +76,22 @@ def record(key: str, value: Any) -> None:
 
 @pytest.fixture(scope="session")
 def images() -> Iterator[dict[str, str]]:
-    """The agent's image from `make image` (two tags, for an upgrade), the workload and the pod
-    sandbox image, as archives containerd imports."""
+    """The workload and the pod sandbox image, as archives containerd imports (the agent's comes
+    from the registry)."""
     directory = tempfile.mkdtemp(prefix="hl-e2e-img-")
-    engine = Podman(directory)
     try:
-        env = {**engine.env, "MAKEFLAGS": ""}
-        for target in (["image-base"], ["image", f"BASE_IMAGE={BASE}", f"IMAGE={AGENT_IMAGE}:e2e-1"]):
-            made = subprocess.run(["make", "-s", "-C", ROOT, *target, f"ENGINE={' '.join(engine.argv)}"],
-                                  capture_output=True, text=True, env=env, timeout=1800, check=False)
-            assert made.returncode == 0, made.stdout + made.stderr
-        engine("tag", f"{AGENT_IMAGE}:e2e-1", f"{AGENT_IMAGE}:e2e-2")
-        archive = os.path.join(directory, "agent.tar")
-        engine("save", "--format", "docker-archive", "-o", archive, f"{AGENT_IMAGE}:e2e-1", f"{AGENT_IMAGE}:e2e-2",
-               timeout=600)
-        yield {"agent": archive,
-               "pause": pause_image(directory, "localhost/hyperlight-e2e/pause:1"),
+        yield {"pause": pause_image(directory, "localhost/hyperlight-e2e/pause:1"),
                "workload": workload_image(directory, WORKLOAD_IMAGE)}
     finally:
-        engine.close()
         subprocess.run(["rm", "-rf", directory], check=False)
 
 
 @pytest.fixture(scope="session")
-def cluster(images: dict[str, str]) -> Iterator[Cluster]:
+def cluster(images: dict[str, str], published: Published) -> Iterator[Cluster]:
     session_started = started = time.monotonic()
-    c = Cluster(os.path.join(RUN_DIR, "cluster"), BIN_DIR)
+    # The chart names ghcr.io/hyperlight-dev/hyperlight-agent@<digest>: the nodes pull it from the
+    # test registry, as a mirror of ghcr.io.
+    c = Cluster(os.path.join(RUN_DIR, "cluster"), BIN_DIR, mirrors={"ghcr.io": f"http://{published.host}"})
     try:
         c.start()
         newest = c.versions["newest"]
@@ -124,9 +117,29 @@ def helm(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def chart_values(tag: str) -> list[str]:
-    return ["--set", f"image.repository={AGENT_IMAGE}", "--set", "image.digest=", "--set", f"image.tag={tag}",
-            "--set", "image.pullPolicy=Never"]
+def release_chart(published: Published, version: str) -> list[str]:
+    """helm's arguments for a release's chart from the test registry (plain HTTP, on this machine)."""
+    return [published.chart(), "--version", version, "--plain-http"]
+
+
+def readme_helm_install(published: Published) -> list[str]:
+    """README's `helm install` for operators, the public registry replaced by the test registry."""
+    command = readme_commands("helm").replace("\\\n", " ").splitlines()[0]
+    argv = shlex.split(command)
+    assert argv[:2] == ["helm", "install"] and argv[argv.index("--version") + 1] == PREVIOUS, argv
+    assert any(a.startswith(PUBLIC_CHARTS) for a in argv), argv
+    return [a.replace(PUBLIC_CHARTS, published.chart().rsplit("/", 1)[0]) for a in argv[1:]] + ["--plain-http"]
+
+
+def running_release(published: Published, pods: list[dict[str, Any]]) -> str:
+    """The release whose image the pods run (by the digest its chart names)."""
+    digests = {manifest(release)["image"]["digest"]: version for version, release in published.releases.items()}
+    (version,) = {digests[p["spec"]["containers"][0]["image"].rsplit("@", 1)[1]] for p in pods}
+    return str(version)
+
+
+def other_release(version: str) -> str:
+    return CURRENT if version == PREVIOUS else PREVIOUS
 
 
 def daemonset_pods(cluster: Cluster, name: str) -> list[dict[str, Any]]:
@@ -153,23 +166,28 @@ def kubelet_view(node: Node) -> dict[str, int]:
 
 
 @pytest.fixture(scope="session")
-def installed(cluster: Cluster) -> Cluster:
+def installed(cluster: Cluster, published: Published) -> Cluster:
     a = cluster.nodes["a"]
     started = time.monotonic()
-    helm(cluster, "install", "hyperlight", CHART, "--namespace", NAMESPACE, "--create-namespace",
-         *chart_values("e2e-1"))
+    helm(cluster, *readme_helm_install(published))
     wait_until(lambda: allocatable(a, HYPERVISOR) == SLOTS, 120, "node a's allocatable hyperlight.dev/hypervisor")
     record("install_to_allocatable_s", round(time.monotonic() - started, 1))
     return cluster
 
 
-def test_install_runs_on_the_labelled_node_only(installed: Cluster) -> None:
+def test_install_runs_on_the_labelled_node_only(installed: Cluster, published: Published) -> None:
+    release = manifest(published.releases[PREVIOUS])
     for name in ("hyperlight-device-access", "hyperlight-device-plugin"):
         def ready(name: str = name) -> list[dict[str, Any]]:
             return [p for p in daemonset_pods(installed, name) if pod_ready(p)]
         pods = wait_until(ready, 120, f"{name} Ready")
         assert [p["spec"]["nodeName"] for p in pods] == ["a"], pods
         assert all(s["restartCount"] == 0 for p in pods for s in p["status"]["containerStatuses"])
+        # The chart's default image, by digest, pulled from the registry (no image on the nodes before).
+        (container,) = pods[0]["spec"]["containers"]
+        assert container["image"] == f"{release['image']['repository']}@{release['image']['digest']}"
+        (status,) = pods[0]["status"]["containerStatuses"]
+        assert status["imageID"].endswith(release["image"]["digest"]), status
     a, b = installed.nodes["a"], installed.nodes["b"]
     assert allocatable(a, HYPERVISOR) == SLOTS
     assert allocatable(a, DEVICE_ACCESS) >= 1
@@ -364,7 +382,7 @@ def run_event(cluster: Cluster, node: Node, label: str, event: Any, back: Any,
 
 @pytest.mark.parametrize("kubelet", KUBELETS)
 @pytest.mark.parametrize("event", ["kubelet_restart", "agent_pod_deleted", "helm_upgrade"])
-def test_lifecycle_under_load(installed: Cluster, kubelet: str, event: str) -> None:
+def test_lifecycle_under_load(installed: Cluster, published: Published, kubelet: str, event: str) -> None:
     version = installed.versions[kubelet]
     a = use_kubelet(installed, version)
     def healthy() -> bool:
@@ -388,12 +406,14 @@ def test_lifecycle_under_load(installed: Cluster, kubelet: str, event: str) -> N
             for pod in daemonset_pods(installed, "hyperlight-device-plugin"):
                 installed.api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}", grace=None)
     else:
-        tags = ["e2e-1", "e2e-2"]
-        current = daemonset_pods(installed, "hyperlight-device-plugin")[0]["spec"]["containers"][0]["image"]
-        tag = tags[1] if current.endswith(":e2e-1") else tags[0]
+        # To the other release, from the registry, with its chart's defaults: N-1 → N first (the
+        # newest kubelet's run), N → N-1 the next time.
+        running = running_release(published, daemonset_pods(installed, "hyperlight-device-plugin"))
+        target = other_release(running)
+        event = f"helm_upgrade_{running}_to_{target}"
 
         def act() -> None:
-            helm(installed, "upgrade", "hyperlight", CHART, "--namespace", NAMESPACE, *chart_values(tag))
+            helm(installed, "upgrade", "hyperlight", *release_chart(published, target), "--namespace", NAMESPACE)
     figure = run_event(installed, a, f"{kubelet}-{event}", act, back)
     record(f"lifecycle.{kubelet}.{version}.{event}", figure)
     assert figure["failed"] == 0, figure
@@ -421,8 +441,8 @@ DRA_NS = "hyperlight-dra"
 SHARERS = 24
 
 
-def dra_values(tag: str) -> list[str]:
-    return [*chart_values(tag), "--set", "mode=both"]
+def dra_values(published: Published, version: str) -> list[str]:
+    return [*release_chart(published, version), "--set", "mode=both"]
 
 
 def node_slices(cluster: Cluster, node: str) -> list[dict[str, Any]]:
@@ -465,9 +485,10 @@ def dra_ready(cluster: Cluster) -> bool:
 
 
 @pytest.fixture(scope="session")
-def dra_installed(installed: Cluster) -> Cluster:
+def dra_installed(installed: Cluster, published: Published) -> Cluster:
     started = time.monotonic()
-    helm(installed, "upgrade", "hyperlight", CHART, "--namespace", NAMESPACE, *dra_values("e2e-1"))
+    version = running_release(published, daemonset_pods(installed, "hyperlight-device-plugin"))
+    helm(installed, "upgrade", "hyperlight", *dra_values(published, version), "--namespace", NAMESPACE)
     give_the_driver_api_access(installed)
     patched = time.monotonic()
     wait_until(lambda: dra_ready(installed), 180, "the DRA driver rolled out and node a's ResourceSlice published")
@@ -646,7 +667,7 @@ def dra_event(cluster: Cluster, label: str, act: Callable[[], None], back: Calla
 
 
 @pytest.mark.parametrize("kubelet", KUBELETS)
-def test_dra_on_a_real_kubelet(dra_installed: Cluster, kubelet: str) -> None:
+def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kubelet: str) -> None:
     """The DRA mode on the kubelet of each supported minor, one scenario after another: a
     workload, many sharing the device, a selector no device matches, the device made unusable
     and usable again, an agent pod deleted and a helm upgrade under load."""
@@ -746,15 +767,14 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, kubelet: str) -> None:
         def back(old: set[str] = old) -> bool:
             pods = daemonset_pods(cluster, DRA_DAEMONSET)
             return bool(pods) and all(p["metadata"]["uid"] not in old for p in pods) and dra_ready(cluster)
-        image = daemonset_pods(cluster, DRA_DAEMONSET)[0]["spec"]["containers"][0]["image"]
-        tag = "e2e-2" if image.endswith(":e2e-1") else "e2e-1"
+        target = other_release(running_release(published, daemonset_pods(cluster, DRA_DAEMONSET)))
 
-        def act(event: str = event, tag: str = tag) -> None:
+        def act(event: str = event, target: str = target) -> None:
             if event == "agent_pod_deleted":
                 for pod in daemonset_pods(cluster, DRA_DAEMONSET):
                     cluster.api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}", grace=None)
             else:
-                helm(cluster, "upgrade", "hyperlight", CHART, "--namespace", NAMESPACE, *dra_values(tag))
+                helm(cluster, "upgrade", "hyperlight", *dra_values(published, target), "--namespace", NAMESPACE)
         figure = dra_event(cluster, f"{kubelet}-{event}", act, back)
         record(f"dra.{kubelet}.{version}.{event}", figure)
         assert figure["failed"] == 0 and figure["failed_prepares"] == [], figure
@@ -792,21 +812,23 @@ def test_dra_driver_may_change_only_its_own_nodes_slices(dra_installed: Cluster)
         driver.close()
 
 
-@pytest.fixture(scope="session")
-def deb() -> str:
-    return nspawn.build_deb()
+def install_from_the_apt_repository(published: Published, tmp: str) -> str:
+    """A fresh Debian 12 root with the agent installed as README says: the release's signed apt
+    repository, from the site (serving release N-1)."""
+    root = fresh_root(tmp)
+    assert published.site is not None
+    done = operator_install(root, published.site.url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return root
 
 
 @pytest.mark.root
-def test_host_mode_on_a_real_kubelet(installed: Cluster, deb: str, tmp: str) -> None:
-    """The .deb under real systemd (nspawn) serving node B's kubelet, as on a host: B shows the
-    capacity; `systemctl restart` under load. systemd stops the old process before starting the
-    new one, so no handover can happen: the figure is the gap of one agent restart."""
+def test_host_mode_on_a_real_kubelet(installed: Cluster, published: Published, tmp: str) -> None:
+    """The .deb from the apt repository under real systemd (nspawn) serving node B's kubelet, as on
+    a host: B shows the capacity; `systemctl restart` under load. systemd stops the old process
+    before starting the new one, so no handover can happen: the figure is the gap of one restart."""
     b = installed.nodes["b"]
-    root = os.path.join(tmp, "root")
-    subprocess.run(["cp", "-a", "--reflink=auto", nspawn.rootfs(), root], check=True, timeout=300)
-    apt(root, "update")
-    apt(root, "install", "/root/agent.deb", binds=(f"{deb}:/root/agent.deb",))
+    root = install_from_the_apt_repository(published, tmp)
     kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)  # the guest's own /dev/kvm: B's is /dev/null
     binds = [f"{kvm}:/dev/kvm", f"{b.device_plugin_dir}:/var/lib/kubelet/device-plugins",
              f"{b.path('cdi')}:/var/run/cdi"]
@@ -840,15 +862,12 @@ def readme_dra_drop_in() -> str:
 
 
 @pytest.mark.root
-def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, deb: str, tmp: str) -> None:
-    """The .deb under systemd (nspawn) in the DRA mode, set up as README.md says (the drop-in, a
-    kubeconfig, node_name), for node B's real kubelet: it registers, publishes node B's slice, and
-    a claim's pod on B is prepared by it."""
+def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, tmp: str) -> None:
+    """The .deb from the apt repository under systemd (nspawn) in the DRA mode, set up as README.md
+    says (the drop-in, a kubeconfig, node_name), for node B's real kubelet: it registers, publishes
+    node B's slice, and a claim's pod on B is prepared by it."""
     cluster, b = dra_installed, dra_installed.nodes["b"]
-    root = os.path.join(tmp, "root")
-    subprocess.run(["cp", "-a", "--reflink=auto", nspawn.rootfs(), root], check=True, timeout=300)
-    apt(root, "update")
-    apt(root, "install", "/root/agent.deb", binds=(f"{deb}:/root/agent.deb",))
+    root = install_from_the_apt_repository(published, tmp)
     # A user of its own with the chart's DRA role (RBAC only: the admission policy is for the pods'
     # service account), in a kubeconfig with everything inline.
     user = cluster.pki.issue("host-b-dra", "/CN=hyperlight-host-b")

@@ -357,6 +357,8 @@ state = "/run/containerd"
   snapshotter = "overlayfs"
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
     sandbox = "{SANDBOX_IMAGE}"
+  [plugins.'io.containerd.cri.v1.images'.registry]
+    config_path = "{self._registry_hosts()}"
 [plugins.'io.containerd.cri.v1.runtime']
   enable_cdi = true
   cdi_spec_dirs = ["/etc/cdi", "/var/run/cdi"]
@@ -381,6 +383,16 @@ state = "/run/containerd"
         containerd = self.containerd
         wait_until(lambda: containerd.check() and self.ctr("version").returncode == 0, 60,
                    f"node {self.name}'s containerd")
+
+    def _registry_hosts(self) -> str:
+        """containerd's registry host configuration: each of the cluster's mirrors (registry →
+        the URL that serves it, e.g. a plain-HTTP registry on this machine) as a hosts.toml."""
+        directory = self.path("certs.d")
+        for registry, url in self.cluster.mirrors.items():
+            os.makedirs(os.path.join(directory, registry), exist_ok=True)
+            with open(os.path.join(directory, registry, "hosts.toml"), "w") as f:
+                f.write(f'server = "https://{registry}"\n[host."{url}"]\n  capabilities = ["pull", "resolve"]\n')
+        return directory
 
     def ctr(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         binaries = self.cluster.binaries("containerd", self.cluster.versions["containerd"])
@@ -509,9 +521,12 @@ class Forwarder:
 
 
 class Cluster:
-    def __init__(self, directory: str, bin_dir: str) -> None:
+    def __init__(self, directory: str, bin_dir: str, mirrors: Optional[dict[str, str]] = None) -> None:
+        """mirrors: registry → URL whose registry the nodes' containerd pulls that registry's
+        images from (as a mirror), e.g. {"ghcr.io": "http://127.0.0.1:5000"}."""
         self.directory = directory
         self.bin_dir = bin_dir
+        self.mirrors = dict(mirrors or {})
         self.versions = versions()
         self.state_path = os.path.join(os.path.dirname(directory.rstrip("/")), "cluster-state.json")
         self.processes: list[Process] = []
