@@ -18,8 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build")
 ROOTFS = os.path.join(BUILD, "rootfs-bookworm")
 # python3-systemd lets the agent log to the guest's journal with fields; procps has /bin/kill
-# (ExecReload); man-db lets `systemd-analyze verify` check the unit's Documentation=.
-PACKAGES = "systemd,systemd-sysv,dbus,python3,python3-systemd,procps,man-db"
+# (ExecReload); man-db lets `systemd-analyze verify` check the unit's Documentation=; curl runs
+# README's commands for the apt repository as an operator would.
+PACKAGES = "systemd,systemd-sysv,dbus,python3,python3-systemd,procps,man-db,curl"
 
 
 def require_tools() -> None:

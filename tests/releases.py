@@ -62,6 +62,7 @@ class Builder:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self.keyring = Keyring(directory)
+        os.makedirs(os.path.join(directory, "podman"))
         self.engine = Podman(os.path.join(directory, "podman"))
         self.env = {**self.engine.env, **{k: v for k, v in self.keyring.env.items() if k == "GNUPGHOME"},
                     "RELEASE_GPG_KEY": self.keyring.fingerprint, "MAKEFLAGS": ""}
