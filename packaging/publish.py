@@ -123,10 +123,11 @@ def publish() -> None:
     site = os.environ.get("SITE", "")
     if site:
         os.makedirs(site, exist_ok=True)
+        # Dated now, not when built: web servers and apt's If-Modified-Since go by these dates.
         for name in ("apt", "yum"):
             shutil.rmtree(os.path.join(site, name), ignore_errors=True)
-            shutil.copytree(os.path.join(out, name), os.path.join(site, name))
-        shutil.copy2(os.path.join(out, "hyperlight-agent.asc"), site)
+            shutil.copytree(os.path.join(out, name), os.path.join(site, name), copy_function=shutil.copy)
+        shutil.copy(os.path.join(out, "hyperlight-agent.asc"), site)
     print(f"published {version}: {reference}, oci://{registry}/{CHARTS}/hyperlight-agent --version {version}"
           + (f", repositories in {site}" if site else ""))
 
