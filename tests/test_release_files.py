@@ -5,11 +5,13 @@ operator commands README gives, and a release workflow that runs exactly the tes
 from __future__ import annotations
 
 import importlib.util
+import io
 import os
 import re
 import sys
+import tarfile
 from types import ModuleType
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import yaml
@@ -163,3 +165,25 @@ def test_a_tagged_commit_is_released_only_as_its_tag(version: str, tags: list[st
         with pytest.raises(release.ReleaseError) as refused:
             release.check_version(version, tags)
         assert str(refused.value) == error
+
+
+def test_a_release_holding_the_placeholder_digest_is_refused(tmp_path: Any) -> None:
+    release = release_script()
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    (clean / "values.yaml").write_text('digest: "sha256:' + "1" * 64 + '"\n')
+    release.refuse_placeholders(str(clean))
+    placeholder = 'digest: "' + release.PLACEHOLDER + '"\n'
+    (tmp_path / "file").mkdir()
+    (tmp_path / "file" / "values.yaml").write_text(placeholder)
+    with pytest.raises(release.ReleaseError, match=r"the placeholder digest is in .*values\.yaml"):
+        release.refuse_placeholders(str(tmp_path / "file"))
+    chart = tmp_path / "chart"
+    chart.mkdir()
+    with tarfile.open(chart / "hyperlight-agent-9.9.9.tgz", "w:gz") as package:
+        data = placeholder.encode()
+        member = tarfile.TarInfo("hyperlight-agent/values.yaml")
+        member.size = len(data)
+        package.addfile(member, io.BytesIO(data))
+    with pytest.raises(release.ReleaseError, match=r"hyperlight-agent-9\.9\.9\.tgz:hyperlight-agent/values\.yaml"):
+        release.refuse_placeholders(str(chart))
