@@ -88,6 +88,7 @@ def test_a_tampered_release_is_refused(release_current: str, tmp: str) -> None:
         served.close()
 
 
+@pytest.mark.root
 def test_apt_get_upgrade_takes_a_running_host_from_n_minus_1_to_n(published: Published, site: Site, tmp: str) -> None:
     published.serve(PREVIOUS)
     root = fresh_root(tmp)

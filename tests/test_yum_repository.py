@@ -103,6 +103,7 @@ def test_dnf_reads_the_signed_repository(site: Site, tmp: str, dist: str) -> Non
     assert f"hyperlight-agent {CURRENT} 1.{dist} x86_64" in found, found
 
 
+@pytest.mark.root
 def test_dnf_installs_the_el9_package_with_gpgcheck(release_current: str, site: Site, tmp: str) -> None:
     root = scratch_root(tmp, site.url, "el9")
     rpm = os.path.join(release_current, manifest(release_current)["packages"]["el9"])
