@@ -363,8 +363,9 @@ def release_previous(release_builder: Any) -> str:
 
 
 @pytest.fixture(scope="session")
-def release_current(release_builder: Any) -> str:
-    """`make release VERSION=N`: this commit as the next patch version."""
+def release_current(release_builder: Any, release_previous: str) -> str:
+    """`make release VERSION=N`: this commit as the next patch version, built after N-1 as a real
+    N is (apt refuses a repository whose Release is dated before the one it has: a rollback)."""
     from tests.releases import CURRENT
     return str(release_builder.release(CURRENT))
 
