@@ -314,6 +314,9 @@ def release() -> str:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     finally:
+        # The agent gpg started for a key made here ends with the build.
+        subprocess.run(["gpgconf", "--homedir", os.path.join(work, "gnupg"), "--kill", "gpg-agent"], check=False,
+                       capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
     return out
 

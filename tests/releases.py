@@ -84,6 +84,9 @@ class Builder:
 
     def close(self) -> None:
         self.engine.close()
+        # gpg started an agent for the key's home: it ends with us, not minutes after the directory.
+        subprocess.run(["gpgconf", "--homedir", self.keyring.home, "--kill", "gpg-agent"], check=False,
+                       capture_output=True, timeout=30)
 
 
 def manifest(release: str) -> dict[str, Any]:

@@ -5,9 +5,11 @@ EL9 itself would: Python 3.9, systemd, glibc's libraries), and a tampered repomd
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 
@@ -30,8 +32,9 @@ def repo_file(url: str, dist: str) -> str:
 
 
 def dnf(root: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    # Everything dnf keeps (its cache, the keyrings repo_gpgcheck imports) inside the scratch root.
     done = subprocess.run(["dnf", "-y", "--installroot", root, "--releasever", "9", "--forcearch", "x86_64",
-                           "--setopt", f"reposdir={root}/etc/yum.repos.d", "--setopt", "cachedir=/var/cache/dnf",
+                           "--setopt", f"reposdir={root}/etc/yum.repos.d", "--setopt", f"cachedir={root}/var/cache/dnf",
                            "--setopt", "install_weak_deps=False", "--noplugins",
                            # EL9's default (Debian's dnf skips a repository it cannot verify, with a warning).
                            "--setopt", "skip_if_unavailable=False", *args],
@@ -63,6 +66,22 @@ def stand_in_for_the_distribution(rpm: str, directory: str) -> str:
     subprocess.run(["rpmbuild", "-bb", "--quiet", "--define", f"_topdir {directory}/top", spec], check=True,
                    capture_output=True, timeout=120)
     return os.path.join(directory, "top", "RPMS", "noarch", "el9-base-stand-in-1-1.noarch.rpm")
+
+
+@pytest.fixture(autouse=True)
+def no_agent_left(tmp: str) -> Iterator[None]:
+    """librepo verifies repomd.xml with gpgme, whose gpg-agent (one per repository keyring, under
+    our scratch root's cache) would outlive dnf: ended here, by the keyring path that is ours."""
+    yield
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv[:2] == [b"gpg-agent", b"--homedir"] and argv[2].startswith(tmp.encode() + b"/"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry), signal.SIGTERM)
 
 
 @pytest.fixture
