@@ -439,10 +439,23 @@ DRA_DEVICES = 128
 DRA_NS = "hyperlight-dra"
 # Pods that hold the device at once in the sharing scenario.
 SHARERS = 24
+# With one shared device: this many pods at once, each with CLAIMS_PER_POD claims of its own (more
+# claims than the fallback's 128 devices could serve; few pods, so the node's sandbox starts do not
+# dominate the test's time).
+CLAIM_PODS, CLAIMS_PER_POD = 5, 30
+# How the DRA driver publishes the device now: one shared device (the chart's draSharedDevice
+# "auto" on this 1.37 control plane), or DRA_DEVICES identical ones ("off", for the 1.34 kubelet).
+DRA_SHAPE = {"draSharedDevice": "auto"}
 
 
-def dra_values(published: Published, version: str) -> list[str]:
-    return [*release_chart(published, version), "--set", "mode=both"]
+def dra_values(published: Published, version: str, mode: str = "both") -> list[str]:
+    return [*release_chart(published, version), "--set", f"mode={mode}",
+            "--set", f"draSharedDevice={DRA_SHAPE['draSharedDevice']}"]
+
+
+def dra_expected_devices() -> int:
+    """Devices a full slice of node a holds in the current shape."""
+    return 1 if DRA_SHAPE["draSharedDevice"] == "auto" else DRA_DEVICES
 
 
 def node_slices(cluster: Cluster, node: str) -> list[dict[str, Any]]:
@@ -481,7 +494,7 @@ def rolled_out(cluster: Cluster, name: str) -> bool:
 
 
 def dra_ready(cluster: Cluster) -> bool:
-    return rolled_out(cluster, DRA_DAEMONSET) and slice_devices(cluster, "a") == DRA_DEVICES
+    return rolled_out(cluster, DRA_DAEMONSET) and slice_devices(cluster, "a") == dra_expected_devices()
 
 
 @pytest.fixture(scope="session")
@@ -509,8 +522,10 @@ def dra_installed(installed: Cluster, published: Published) -> Cluster:
     return installed
 
 
-def dra_pod(name: str, command: list[str], template: str = "hypervisor") -> dict[str, Any]:
-    """The DRA example's pod template (deploy/examples/dra-workload.yaml), with our image."""
+def dra_pod(name: str, command: list[str], template: str = "hypervisor", node: Optional[str] = None,
+            claims: int = 1) -> dict[str, Any]:
+    """The DRA example's pod template (deploy/examples/dra-workload.yaml), with our image; pinned to
+    `node` by a node selector; with `claims` claims from the template, all used by the container."""
     with open(DRA_WORKLOAD) as f:
         deployment = next(d for d in yaml.safe_load_all(f) if d["kind"] == "Deployment")
     spec = deployment["spec"]["template"]["spec"]
@@ -523,6 +538,12 @@ def dra_pod(name: str, command: list[str], template: str = "hypervisor") -> dict
     spec["restartPolicy"] = "Never"
     spec["terminationGracePeriodSeconds"] = 0
     spec["resourceClaims"][0]["resourceClaimTemplateName"] = template
+    if claims > 1:
+        spec["resourceClaims"] = [{"name": f"hypervisor-{i}", "resourceClaimTemplateName": template}
+                                  for i in range(claims)]
+        container["resources"]["claims"] = [{"name": f"hypervisor-{i}"} for i in range(claims)]
+    if node:
+        spec["nodeSelector"] = {**spec.get("nodeSelector", {}), "kubernetes.io/hostname": node}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"e2e": "dra"}}, "spec": spec}
 
 
@@ -597,10 +618,13 @@ def break_the_device(pid: int, how: str) -> None:
 
 
 class DraLoad:
-    """A DRA pod every interval while an event happens (placed by the scheduler)."""
+    """A DRA pod every interval while an event happens (placed by the scheduler, on `node` when
+    given), running `command`."""
 
-    def __init__(self, cluster: Cluster, namespace: str, interval: float = 0.3) -> None:
+    def __init__(self, cluster: Cluster, namespace: str, interval: float = 0.3, node: Optional[str] = None,
+                 command: Optional[list[str]] = None) -> None:
         self.cluster, self.namespace, self.interval = cluster, namespace, interval
+        self.node, self.command = node, command or ["/kvmcheck"]
         self.created: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pods)
@@ -616,42 +640,103 @@ class DraLoad:
     def _pods(self) -> None:
         while not self._stop.is_set():
             name = f"load-{len(self.created)}"
-            self.cluster.api.create(f"/api/v1/namespaces/{self.namespace}/pods", dra_pod(name, ["/kvmcheck"]))
+            self.cluster.api.create(f"/api/v1/namespaces/{self.namespace}/pods",
+                                    dra_pod(name, self.command, node=self.node))
             self.created.append(name)
             self._stop.wait(self.interval)
 
-    def outcomes(self) -> dict[str, int]:
-        def settled() -> Optional[dict[str, int]]:
+    def outcomes(self) -> dict[str, Any]:
+        """How the pods ended, and how long each took from creation to its container's start
+        ("late": more than LATE_S)."""
+        def settled() -> Optional[dict[str, Any]]:
             pods = {p["metadata"]["name"]: p for p in
                     self.cluster.api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector="e2e=dra")["items"]}
             phases = [pods[n]["status"].get("phase") for n in self.created if n in pods]
             if len(phases) < len(self.created) or any(p not in ("Succeeded", "Failed") for p in phases):
                 return None
-            return {"succeeded": phases.count("Succeeded"), "failed": phases.count("Failed")}
-        result: dict[str, int] = wait_until(settled, 300, "every DRA load pod finished", interval=1)
+            waits = sorted(w for n in self.created if (w := start_delay(pods[n])) is not None)
+            return {"succeeded": phases.count("Succeeded"), "failed": phases.count("Failed"),
+                    "late": sum(1 for w in waits if w > LATE_S),
+                    "start_s_p50_max": [waits[len(waits) // 2], waits[-1]] if waits else []}
+        result: dict[str, Any] = wait_until(settled, 300, "every DRA load pod finished", interval=1)
         return result
 
 
-def dra_event(cluster: Cluster, label: str, act: Callable[[], None], back: Callable[[], bool]) -> dict[str, Any]:
-    """Under a DRA pod every 0.3 s, with one long-running pod holding the device: act(), wait
-    for back(), a tail of pods; how every pod ended and whether the running one was touched."""
+# A pod of the DRA load that took longer than this from creation to its container's start was late
+# (the kubelet's own claim read refused and backed off: issue 29, 6).
+LATE_S = 60.0
+
+
+def start_delay(pod: dict[str, Any]) -> Optional[float]:
+    """Seconds from the pod's creation to its container's start (whole seconds, as the API says)."""
+    statuses = pod["status"].get("containerStatuses") or []
+    started = statuses and (statuses[0]["state"].get("terminated") or statuses[0]["state"].get("running") or {})
+    if not started or "startedAt" not in started:
+        return None
+    return float(parse_time(started["startedAt"]) - parse_time(pod["metadata"]["creationTimestamp"]))
+
+
+def parse_time(stamp: str) -> float:
+    import calendar
+
+    return float(calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")))
+
+
+class SliceWatch:
+    """The fewest devices node's slices held at any look, every 0.1 s while an event happens."""
+
+    def __init__(self, cluster: Cluster, node: str) -> None:
+        self.cluster, self.node = cluster, node
+        self.fewest: Optional[int] = None
+        self.looks = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch)
+
+    def __enter__(self) -> SliceWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                count = slice_devices(self.cluster, self.node) or 0
+            except Exception:  # an API hiccup is no observation
+                count = None
+            if count is not None:
+                self.looks += 1
+                self.fewest = count if self.fewest is None else min(self.fewest, count)
+            self._stop.wait(0.1)
+
+
+def dra_event(cluster: Cluster, label: str, act: Callable[[], None], back: Callable[[], bool],
+              node: str = "a", command: Optional[list[str]] = None) -> dict[str, Any]:
+    """Under a DRA pod every 0.3 s on `node`, with one long-running pod holding the device: act(),
+    wait for back(), a tail of pods; how every pod ended (and how late), whether the running one
+    was touched, and the fewest devices the node's slice held meanwhile."""
     ns = f"dra-{label}".replace("_", "-").replace(".", "-")
     ensure_namespace(cluster, ns)
     with open(DRA_WORKLOAD) as f:
         template = next(d for d in yaml.safe_load_all(f) if d["kind"] == "ResourceClaimTemplate")
     template["metadata"]["namespace"] = ns
     cluster.api.create(f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates", template)
-    runner = dra_pod("running", ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"])
+    # (a node whose /dev/kvm is /dev/null for containerd only proves the claim was prepared)
+    hold = "/kvmcheck && exec sleep 3600" if command is None else "exec sleep 3600"
+    runner = dra_pod("running", ["/bin/sh", "-c", hold], node=node)
     runner["metadata"]["labels"] = {"e2e": "dra-running"}
     cluster.api.create(f"/api/v1/namespaces/{ns}/pods", runner)
     before = wait_until(lambda: (p := cluster.api.get(f"/api/v1/namespaces/{ns}/pods/running"))["status"]
                         .get("phase") == "Running" and p, 120, "the long-running pod running")
-    with DraLoad(cluster, ns) as load:
+    with DraLoad(cluster, ns, node=node, command=command) as load:
         wait_until(lambda: len(load.created) >= 5, 30, "load started")
-        started = time.monotonic()
-        act()
-        wait_until(back, 180, f"{label}: ready again")
-        recovered = time.monotonic() - started
+        with SliceWatch(cluster, node) as slices:
+            started = time.monotonic()
+            act()
+            wait_until(back, 180, f"{label}: ready again")
+            recovered = time.monotonic() - started
         tail = len(load.created) + 10
         wait_until(lambda: len(load.created) >= tail, 60, "load after the event")
     outcomes = load.outcomes()
@@ -661,7 +746,8 @@ def dra_event(cluster: Cluster, label: str, act: Callable[[], None], back: Calla
     figure = {"pods": len(load.created), **outcomes, "recovered_s": round(recovered, 2),
               "failed_prepares": failed, "kubelet_claim_reads_refused": len(kubelets_own),
               "running_pod_untouched": after["metadata"]["uid"] == before["metadata"]["uid"]
-              and after["status"]["phase"] == "Running" and status["restartCount"] == 0}
+              and after["status"]["phase"] == "Running" and status["restartCount"] == 0,
+              "slice_fewest_devices": slices.fewest, "slice_looks": slices.looks}
     cluster.api.delete(f"/api/v1/namespaces/{ns}")
     return figure
 
@@ -670,20 +756,20 @@ def dra_event(cluster: Cluster, label: str, act: Callable[[], None], back: Calla
 def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kubelet: str) -> None:
     """The DRA mode on the kubelet of each supported minor, one scenario after another: a
     workload, many sharing the device, a selector no device matches, the device made unusable
-    and usable again, an agent pod deleted and a helm upgrade under load."""
+    and usable again, an agent pod deleted and a helm upgrade under load. On the newest kubelet
+    the device is one device every claim shares (the 1.37 control plane keeps
+    allowMultipleAllocations); on the oldest, the chart's draSharedDevice=off gives 128 identical
+    devices (issue 29: 3)."""
     cluster, version = dra_installed, dra_installed.versions[kubelet]
-    a = cluster.nodes["a"]
-    if a.kubelet_version != version:
-        a.stop_kubelet()
-        started = time.monotonic()
-        a.start_kubelet(version)
-        wait_until(a.ready, 180, f"node a Ready on kubelet {version}")
-        # A starting kubelet deletes every ResourceSlice of its node: the driver publishes it again.
-        wait_until(lambda: dra_ready(cluster), 120, "node a's ResourceSlice published again")
-        record(f"dra.{kubelet}.{version}.kubelet_start_to_slice_s", round(time.monotonic() - started, 1))
-    wait_until(lambda: dra_ready(cluster), 120, "the DRA driver ready")
+    shape = "auto" if kubelet == "newest" else "off"
+    dra_on_kubelet(cluster, published, kubelet, shape)
     (slice_,) = node_slices(cluster, "a")
     device = slice_["spec"]["devices"][0]
+    if shape == "auto":
+        assert slice_["spec"]["devices"] == [device] and device["name"] == "kvm", slice_["spec"]
+        assert device["allowMultipleAllocations"] is True, device
+    else:
+        assert [d["name"] for d in slice_["spec"]["devices"]] == [f"kvm-{i}" for i in range(DRA_DEVICES)]
     assert device["attributes"]["hypervisor"] == {"string": "kvm"}, device
     assert device["attributes"]["apiVersion"] == {"int": 12} and device["attributes"]["devicePath"] == \
         {"string": "/dev/kvm"}, device
@@ -715,19 +801,18 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
         return len(running) == SHARERS
     wait_until(all_running, 240, f"{SHARERS} pods running at once", interval=0.5)
     record(f"dra.{kubelet}.{version}.{SHARERS}_pods_running_s", round(time.monotonic() - started, 1))
-    # Each claim names node a's pool and a device of its own.
-    devices = set()
-    for sharer in sharers:
-        pod = cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods/{sharer}")
-        (claim_status,) = pod["status"]["resourceClaimStatuses"]
-        claim = cluster.api.get(f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaims/"
-                                f"{claim_status['resourceClaimName']}")
-        (result,) = claim["status"]["allocation"]["devices"]["results"]
-        assert (result["driver"], result["pool"]) == (DRA_DRIVER, "a"), result
-        devices.add(result["device"])
-    assert len(devices) == SHARERS
+    # Each claim names node a's pool and a device of its own, or the one shared device with a
+    # share of its own.
+    results = [claim_result(cluster, sharer) for sharer in sharers]
+    assert all((r["driver"], r["pool"]) == (DRA_DRIVER, "a") for r in results), results
+    if shape == "auto":
+        assert {r["device"] for r in results} == {"kvm"} and len({r["shareID"] for r in results}) == SHARERS
+    else:
+        assert len({r["device"] for r in results}) == SHARERS
     for sharer in sharers:
         cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{sharer}")
+    if shape == "auto":
+        claims_at_once(cluster, kubelet, version)
 
     # A claim for mshv on a KVM node: never scheduled, with the scheduler's reason.
     name = f"dra-mshv-{kubelet}"
@@ -754,7 +839,7 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
     finally:
         break_the_device(pid, "unbind")
     started = time.monotonic()
-    wait_until(lambda: slice_devices(cluster, "a") == DRA_DEVICES, 30, "the devices back in the slice")
+    wait_until(lambda: slice_devices(cluster, "a") == dra_expected_devices(), 30, "the devices back in the slice")
     record(f"dra.{kubelet}.usable_to_slice_full_s", round(time.monotonic() - started, 2))
     assert finished(cluster, DRA_NS, name)["status"]["phase"] == "Succeeded"
     cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")
@@ -779,6 +864,166 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
         record(f"dra.{kubelet}.{version}.{event}", figure)
         assert figure["failed"] == 0 and figure["failed_prepares"] == [], figure
         assert figure["running_pod_untouched"], figure
+        # A successor never publishes fewer devices than its predecessor while it starts (issue 29: 6).
+        assert figure["slice_fewest_devices"] == dra_expected_devices(), figure
+    if kubelet == "newest":
+        # The same load with no event: what share of pods is late without one (issue 29: 6).
+        baseline = dra_event(cluster, f"{kubelet}-no-event", lambda: None, lambda: True)
+        record(f"dra.{kubelet}.{version}.no_event", baseline)
+        assert baseline["failed"] == 0, baseline
+
+
+def dra_on_kubelet(cluster: Cluster, published: Published, kubelet: str, shape: str) -> None:
+    """Node a on that kubelet, the DRA driver publishing in that shape (draSharedDevice), ready."""
+    a, version = cluster.nodes["a"], cluster.versions[kubelet]
+    if DRA_SHAPE["draSharedDevice"] != shape:
+        DRA_SHAPE["draSharedDevice"] = shape
+        running = running_release(published, daemonset_pods(cluster, DRA_DAEMONSET))
+        helm(cluster, "upgrade", "hyperlight", *dra_values(published, running), "--namespace", NAMESPACE)
+    if a.kubelet_version != version:
+        a.stop_kubelet()
+        started = time.monotonic()
+        a.start_kubelet(version)
+        wait_until(a.ready, 180, f"node a Ready on kubelet {version}")
+        # A starting kubelet deletes every ResourceSlice of its node: the driver publishes it again.
+        wait_until(lambda: dra_ready(cluster), 120, "node a's ResourceSlice published again")
+        record(f"dra.{kubelet}.{version}.kubelet_start_to_slice_s", round(time.monotonic() - started, 1))
+    wait_until(lambda: dra_ready(cluster), 120, "the DRA driver ready")
+
+
+def claim_result(cluster: Cluster, pod_name: str) -> dict[str, Any]:
+    """The allocation result of the one claim of a DRA pod."""
+    pod = cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods/{pod_name}")
+    (claim_status,) = pod["status"]["resourceClaimStatuses"]
+    claim = cluster.api.get(f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaims/"
+                            f"{claim_status['resourceClaimName']}")
+    (result,) = claim["status"]["allocation"]["devices"]["results"]
+    return dict(result)
+
+
+def claims_at_once(cluster: Cluster, kubelet: str, version: str) -> None:
+    """More claims on node a's one shared device at once than the fallback's devices could serve:
+    CLAIM_PODS pods of CLAIMS_PER_POD claims each, all prepared, all running."""
+    names = [f"claims-{kubelet}-{i}" for i in range(CLAIM_PODS)]
+    started = time.monotonic()
+    for name in names:
+        cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods",
+                           dra_pod(name, ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"], claims=CLAIMS_PER_POD))
+
+    def running() -> bool:
+        pods = [cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods/{n}") for n in names]
+        return all(p["status"].get("phase") == "Running" for p in pods)
+    wait_until(running, 300, f"{CLAIM_PODS} pods with {CLAIMS_PER_POD} claims each running", interval=1)
+    claims = [c for c in cluster.api.get(f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaims")["items"]
+              if any(ref.get("name", "").startswith(f"claims-{kubelet}-")
+                     for ref in c["metadata"].get("ownerReferences", []))]
+    results = [r for c in claims for r in c["status"]["allocation"]["devices"]["results"]]
+    assert len(results) == CLAIM_PODS * CLAIMS_PER_POD > DRA_DEVICES, len(results)
+    assert {r["device"] for r in results} == {"kvm"} and len({r["shareID"] for r in results}) == len(results)
+    record(f"dra.{kubelet}.{version}.claims_on_one_device_running_s",
+           {"claims": len(results), "pods": CLAIM_PODS, "s": round(time.monotonic() - started, 1)})
+    for name in names:
+        cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")
+
+
+def load_namespace(label: str) -> str:
+    """The namespace run_event puts its load in (for an event that looks at those pods)."""
+    return f"load-{label}".replace("_", "-").replace(".", "-")
+
+
+def pods_on(cluster: Cluster, namespace: str, node: str) -> list[dict[str, Any]]:
+    return [p for p in cluster.api.get(f"/api/v1/namespaces/{namespace}/pods")["items"]
+            if p["spec"].get("nodeName") == node]
+
+
+def through_dra(pod: dict[str, Any]) -> bool:
+    """The scheduler gave the pod its extended resource from a DRA device (KEP-5004)."""
+    return bool(pod["status"].get("extendedResourceClaimStatus"))
+
+
+@pytest.mark.root
+def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(dra_installed: Cluster, published: Published,
+                                                                     tmp: str) -> None:
+    """Issue 29: 1, 2. Pods asking for resources.limits hyperlight.dev/hypervisor, unchanged, one
+    every 0.2 s pinned to node a by a node selector, while node a moves from the device plugin to
+    DRA in the documented order (the DRA driver beside the plugin; cordon; the pods already bound
+    started; the plugin removed until the node's allocatable says 0; uncordon) and back (the plugin
+    beside the driver until its allocatable is back): no pod rejected or failed; pods created while
+    the node is cordoned wait. Between the two, the mixed cluster: node a by DRA, node b by the
+    .deb's device plugin, the same pod spec runs on both."""
+    cluster, newest = dra_installed, dra_installed.versions["newest"]
+    dra_on_kubelet(cluster, published, "newest", "auto")
+    a, b = use_kubelet(cluster, newest), cluster.nodes["b"]
+    release = running_release(published, daemonset_pods(cluster, DRA_DAEMONSET))
+    device_class = cluster.api.get(f"/apis/resource.k8s.io/v1/deviceclasses/{contracts.DRA_DEVICE_CLASS}")
+    assert device_class["spec"].get("extendedResourceName") == HYPERVISOR, device_class["spec"]
+
+    def cordon(on: bool) -> None:
+        cluster.api.merge_patch("/api/v1/nodes/a", {"spec": {"unschedulable": True if on else None}})
+
+    label = f"migrate-{newest}-dp-to-dra"
+    cordoned: dict[str, float] = {}
+
+    def to_dra() -> None:
+        cordon(True)
+        cordoned["at"] = time.monotonic()
+        def bound_started() -> bool:
+            return all(p["status"].get("phase") != "Pending" for p in pods_on(cluster, load_namespace(label), "a"))
+        wait_until(bound_started, 120, "every pod bound before the cordon started")
+        helm(cluster, "upgrade", "hyperlight", *dra_values(published, release, mode="dra"), "--namespace", NAMESPACE)
+        wait_until(lambda: allocatable(a, HYPERVISOR) == 0, 120, "node a's allocatable without the device plugin")
+        cordon(False)
+        cordoned["for"] = time.monotonic() - cordoned["at"]
+
+    def on_dra() -> bool:
+        return any(through_dra(p) and p["status"].get("phase") == "Succeeded"
+                   for p in pods_on(cluster, load_namespace(label), "a"))
+
+    try:
+        figure = run_event(cluster, a, label, to_dra, on_dra, pin=True)
+    finally:
+        cordon(False)
+    figure["cordoned_s"] = round(cordoned.get("for", -1), 1)
+    record(f"dra.migration.{newest}.device_plugin_to_dra", figure)
+    assert figure["rejected"] == 0 and figure["failed"] == 0, figure
+
+    # The mixed cluster: the same pod spec on node a (DRA) and node b (the .deb's device plugin).
+    root = install_from_the_apt_repository(published, tmp)
+    kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
+    binds = [f"{kvm}:/dev/kvm", f"{b.device_plugin_dir}:/var/lib/kubelet/device-plugins",
+             f"{b.path('cdi')}:/var/run/cdi"]
+    with nspawn.Guest(root, binds, ephemeral=False) as guest:
+        wait_until(lambda: kubelet_view(b).get(HYPERVISOR) == SLOTS, 120, "node b's kubelet counting the host agent")
+        wait_until(lambda: allocatable(b, HYPERVISOR) == SLOTS, 60, "node b's allocatable")
+        ns = "mixed"
+        ensure_namespace(cluster, ns)
+        # B's /dev/kvm is /dev/null for containerd: that pod proves admission and the device plugin's path.
+        cluster.api.create(f"/api/v1/namespaces/{ns}/pods", workload_pod("same-spec-a", ["/kvmcheck"], "a"))
+        cluster.api.create(f"/api/v1/namespaces/{ns}/pods",
+                           workload_pod("same-spec-b", ["/bin/sh", "-c", "exit 0"], "b"))
+        on_a, on_b = finished(cluster, ns, "same-spec-a"), finished(cluster, ns, "same-spec-b")
+        assert on_a["status"]["phase"] == on_b["status"]["phase"] == "Succeeded", (on_a["status"], on_b["status"])
+        assert through_dra(on_a) and not through_dra(on_b), (on_a["status"], on_b["status"])
+        cluster.api.delete(f"/api/v1/namespaces/{ns}")
+        guest.run("systemctl", "stop", UNIT)
+    wait_until(lambda: kubelet_view(b).get(HYPERVISOR, 0) == 0, 30, "the stopped host agent's slots gone")
+
+    # Back: the device plugin beside the DRA driver; pods go to it once the node counts its slots.
+    label = f"migrate-{newest}-dra-to-dp"
+
+    def to_plugin() -> None:
+        helm(cluster, "upgrade", "hyperlight", *dra_values(published, release), "--namespace", NAMESPACE)
+        wait_until(lambda: allocatable(a, HYPERVISOR) == SLOTS, 120, "node a's allocatable from the device plugin")
+
+    def on_plugin() -> bool:
+        pods = pods_on(cluster, load_namespace(label), "a")
+        return any(p["status"].get("phase") == "Succeeded" and not through_dra(p) for p in pods) and \
+            not any(through_dra(p) and p["status"].get("phase") in ("Pending", "Running") for p in pods)
+
+    figure = run_event(cluster, a, label, to_plugin, on_plugin, pin=True)
+    record(f"dra.migration.{newest}.dra_to_device_plugin", figure)
+    assert figure["rejected"] == 0 and figure["failed"] == 0, figure
+    wait_until(lambda: dra_ready(cluster), 120, "mode both again, as the other tests expect")
 
 
 def test_dra_driver_may_change_only_its_own_nodes_slices(dra_installed: Cluster) -> None:
@@ -822,18 +1067,34 @@ def install_from_the_apt_repository(published: Published, tmp: str) -> str:
     return root
 
 
+def main_pid(guest: nspawn.Guest) -> int:
+    return int(guest.run("systemctl", "show", "-P", "MainPID", UNIT).stdout.strip())
+
+
+def apt_upgrade(guest: nspawn.Guest) -> subprocess.CompletedProcess[str]:
+    """The agent upgraded from the repository the host's sources name, as an operator would."""
+    return guest.run("sh", "-c", "apt-get update -q && DEBIAN_FRONTEND=noninteractive "
+                     "apt-get install -y -q hyperlight-agent </dev/null", check=False, timeout=300)
+
+
+BROKEN = "\nraise RuntimeError('the next release, broken on purpose')\n"
+
+
 @pytest.mark.root
 def test_host_mode_on_a_real_kubelet(installed: Cluster, published: Published, tmp: str) -> None:
     """The .deb from the apt repository under real systemd (nspawn) serving node B's kubelet, as on
-    a host: B shows the capacity; `systemctl restart` under load. systemd stops the old process
-    before starting the new one, so no handover can happen: the figure is the gap of one restart."""
+    a host: B shows the capacity. Under load: `systemctl reload` and `apt-get install` of the next
+    release hand over in place (issue 28: no pod rejected, no moment without a healthy device); a
+    next release that fails before it is ready leaves the old agent serving; `systemctl restart`
+    stops the old process before starting the new one, so its figure is the gap of one restart."""
     b = installed.nodes["b"]
     root = install_from_the_apt_repository(published, tmp)
     kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)  # the guest's own /dev/kvm: B's is /dev/null
     binds = [f"{kvm}:/dev/kvm", f"{b.device_plugin_dir}:/var/lib/kubelet/device-plugins",
              f"{b.path('cdi')}:/var/run/cdi"]
     started = time.monotonic()
-    with nspawn.Guest(root, binds, ephemeral=False) as guest:
+    # The host's network: apt reaches the release site on the host's loopback.
+    with nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest:
         wait_until(lambda: kubelet_view(b).get(HYPERVISOR) == SLOTS, 120, "node b's kubelet counting the host agent")
         record("host.boot_to_kubelet_view_s", round(time.monotonic() - started, 1))
         wait_until(lambda: allocatable(b, HYPERVISOR) == SLOTS, 60, "node b's allocatable")
@@ -846,11 +1107,91 @@ def test_host_mode_on_a_real_kubelet(installed: Cluster, published: Published, t
             return guest.is_active(UNIT) == "active" and kubelet_view(b).get(HYPERVISOR) == SLOTS
 
         # B's /dev/kvm is /dev/null for containerd, so these pods only prove admission.
-        figure = run_event(installed, b, f"host-{installed.versions['newest']}-systemctl-restart", restart, back,
-                           command=["/bin/sh", "-c", "exit 0"], pin=True)
-        record(f"host.{installed.versions['newest']}.systemctl_restart", figure)
+        newest = installed.versions["newest"]
+        exit0 = ["/bin/sh", "-c", "exit 0"]
+        figure = run_event(installed, b, f"host-{newest}-systemctl-restart", restart, back, command=exit0, pin=True)
+        record(f"host.{newest}.systemctl_restart", figure)
         assert figure["failed"] == 0, figure
         assert len(figure["kubelet_zero_windows_s"]) == 1, figure  # one restart, one gap, healthy after
+        host_upgrades_in_place(installed, published, guest, root, back, "host")
+
+
+# An event under load: (name, act, back) → its figure (run_event's or dra_event's).
+UnderLoad = Callable[[str, Callable[[], None], Callable[[], bool]], dict[str, Any]]
+
+
+def host_upgrades_in_place(cluster: Cluster, published: Published, guest: nspawn.Guest, root: str,
+                           serving: Callable[[], bool], label: str, under: Optional[UnderLoad] = None) -> None:
+    """Issue 28 on node B's real kubelet: `systemctl reload`, then `apt-get install` of the next
+    release from the repository, each under load with no pod rejected or failed and no moment
+    without the device; then (the device plugin's run) a next release that fails before it is
+    ready: the reload fails, the old agent serves on, one journal line says why."""
+    b, newest = cluster.nodes["b"], cluster.versions["newest"]
+    exit0 = ["/bin/sh", "-c", "exit 0"]
+
+    def event(name: str, act: Callable[[], None], back: Callable[[], bool]) -> dict[str, Any]:
+        if under is not None:
+            return under(name, act, back)
+        return run_event(cluster, b, f"{label}-{newest}-{name}", act, back, command=exit0, pin=True)
+
+    def check(figure: dict[str, Any]) -> None:
+        assert figure["failed"] == 0 and figure.get("rejected", 0) == 0, figure
+        assert figure.get("running_pod_untouched", True) and figure.get("failed_prepares", []) == [], figure
+        assert figure.get("kubelet_zero_windows_s", []) == [], figure
+        assert figure.get("slice_fewest_devices", 1) >= 1, figure
+
+    before = main_pid(guest)
+
+    def reload() -> None:
+        done = guest.run("systemctl", "reload", UNIT, check=False, timeout=120)
+        assert done.returncode == 0, done.stderr + guest.run("journalctl", "-u", UNIT, "--no-pager").stdout[-3000:]
+
+    figure = event("systemctl-reload", reload, lambda: main_pid(guest) != before and serving())
+    record(f"{label}.{newest}.systemctl_reload", figure)
+    check(figure)
+    published.serve(CURRENT)
+    try:
+        before = main_pid(guest)
+
+        def upgrade() -> None:
+            done = apt_upgrade(guest)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            assert f"pid {before} handed over to pid " in done.stdout, done.stdout[-3000:]
+
+        def upgraded() -> bool:
+            version = guest.run("hyperlight-agent", "--version").stdout.split()[-1]
+            return version == CURRENT and main_pid(guest) != before and serving()
+
+        figure = event("apt-upgrade", upgrade, upgraded)
+        record(f"{label}.{newest}.apt_upgrade_{PREVIOUS}_to_{CURRENT}", figure)
+        check(figure)
+        assert f"; version {CURRENT}" in guest.status(UNIT)
+    finally:
+        published.serve(PREVIOUS)
+    if under is not None:
+        return
+    # The next release fails at its start: the reload fails, the old agent serves on.
+    agent_py = os.path.join(root, "usr", "lib", "hyperlight-agent", "hyperlight_agent", "agent.py")
+    with open(agent_py) as f:
+        original = f.read()
+    with open(agent_py, "a") as f:
+        f.write(BROKEN)
+    try:
+        before = main_pid(guest)
+
+        def failing_reload() -> None:
+            done = guest.run("systemctl", "reload", UNIT, check=False, timeout=120)
+            assert done.returncode != 0, "the reload must fail"
+
+        figure = event("failing-reload", failing_reload, lambda: serving() and main_pid(guest) == before)
+        record(f"{label}.{newest}.failing_reload", figure)
+        check(figure)
+        journal = guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
+        assert sum("in-place upgrade failed:" in line for line in journal.splitlines()) == 1, journal[-3000:]
+        assert guest.is_active(UNIT) == "active" and main_pid(guest) == before
+    finally:
+        with open(agent_py, "w") as f:
+            f.write(original)
     wait_until(lambda: kubelet_view(b).get(HYPERVISOR, 0) == 0, 30, "the stopped host agent's slots gone")
 
 
@@ -901,7 +1242,8 @@ def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, published: Publ
     started = time.monotonic()
     try:
         with nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest:
-            wait_until(lambda: slice_devices(cluster, "b") == DRA_DEVICES, 120, "node b's slice from the host agent")
+            # One shared device: the 1.37 control plane keeps allowMultipleAllocations.
+            wait_until(lambda: slice_devices(cluster, "b") == 1, 120, "node b's slice from the host agent")
             record("host.dra.boot_to_slice_s", round(time.monotonic() - started, 1))
             wait_until(lambda: guest.is_active(UNIT) == "active", 30, "the unit active (ready)")
             # B's /dev/kvm is /dev/null for containerd, so the pod only proves the claim was prepared.
@@ -913,7 +1255,14 @@ def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, published: Publ
             assert done["spec"]["nodeName"] == "b"
             cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/dra-on-host-b")
             status = guest.run("systemctl", "show", "-p", "StatusText", UNIT).stdout
-            assert "ready: kvm, 128 devices in the ResourceSlice" in status, status
+            assert "ready: kvm, one device in the ResourceSlice, shared by every claim" in status, status
+
+            def serving() -> bool:
+                return guest.is_active(UNIT) == "active" and slice_devices(cluster, "b") == 1
+
+            def under(name: str, act: Callable[[], None], back: Callable[[], bool]) -> dict[str, Any]:
+                return dra_event(cluster, f"host-b-{name}", act, back, node="b", command=["/bin/sh", "-c", "exit 0"])
+            host_upgrades_in_place(cluster, published, guest, root, serving, "host.dra", under)
     finally:
         cluster.api.delete("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/hyperlight-host-b")
         for item in node_slices(cluster, "b"):  # the kubelet would, 30 s after the driver is gone
