@@ -158,7 +158,8 @@ def test_dra_metrics_count_calls_claims_writes_and_watches(tmp: str, helpers: li
         agent = Agent(settings_in(tmp, config, metrics_address=f"127.0.0.1:{free_port()}"), modes.DRA)
         await agent.start()
         try:
-            await until(lambda: agent.ready, what="ready")
+            # Ready once NotifyRegistrationStatus came; the stand-in records us just after.
+            await until(lambda: agent.ready and bool(kubelet.instances.get(DRIVER)), what="ready and registered")
             fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
             await kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID), Claim("default", "gone", "u2")])
             await kubelet.unprepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)])
