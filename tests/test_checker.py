@@ -82,6 +82,7 @@ async def test_caller_that_gives_up_does_not_change_shared_health(tmp: str, kvm_
     open(marker, "w").close()
     slow = [sys.executable, "-I", "-S", "-c",
             "import os, sys, time, json\n"
+            "print(json.dumps({'ready': True}), flush=True)\n"
             "for line in sys.stdin:\n"
             "    while os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
             "    print(json.dumps({'ok': True, 'reason': ''}), flush=True)\n", marker]

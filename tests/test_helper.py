@@ -9,6 +9,9 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
+from hyperlight_agent.device import helper as helper_module
 from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest, ProbeResult, default_argv
 from standin.procs import alive, my_helpers
 from tests.conftest import wait_for
@@ -18,6 +21,7 @@ def hanging_helper(marker: str) -> list[str]:
     """A helper that answers normally, except it hangs while `marker` exists."""
     code = (
         "import os, sys, time, json\n"
+        "print(json.dumps({'ready': True}), flush=True)\n"
         "for line in sys.stdin:\n"
         "    while os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
         "    sys.stdout.write(json.dumps({'ok': True, 'reason': ''}) + '\\n'); sys.stdout.flush()\n"
@@ -138,7 +142,8 @@ def test_cancelled_request_abandons_the_helper(tmp: str, kvm_dir: str) -> None:
 
 
 async def test_helper_that_dies_is_reported_and_replaced(kvm_dir: str) -> None:
-    helper = ProbeHelper(argv=[sys.executable, "-I", "-S", "-c", "import sys; sys.stdin.readline()"])
+    helper = ProbeHelper(argv=[sys.executable, "-I", "-S", "-c",
+                               "import sys; print('{\"ready\": true}', flush=True); sys.stdin.readline()"])
     reply = await helper.run(request(kvm_dir))
     assert reply == ProbeResult(False, "probe helper exited unexpectedly", helper_fault=True)
     await helper.close()
@@ -168,3 +173,39 @@ async def test_an_idle_helper_that_died_is_replaced_before_any_failure(kvm_dir: 
     assert await helper.run(request(kvm_dir)) == ProbeResult(True, "")
     assert helper.started == 2 and helper.pid not in (None, pid)
     await helper.close()
+
+
+def slow_start(seconds: float, ready: bool = True) -> list[str]:
+    """A helper whose start (its interpreter, its imports) takes `seconds`; then it says READY
+    (or not) and answers every request healthy at once."""
+    code = (
+        "import sys, time, json\n"
+        f"time.sleep({seconds})\n"
+        + ("print(json.dumps({'ready': True}), flush=True)\n" if ready else "sys.stdin.readline()\n") +
+        "for line in sys.stdin:\n"
+        "    print(json.dumps({'ok': True, 'reason': ''}), flush=True)\n"
+    )
+    return [sys.executable, "-I", "-S", "-c", code]
+
+
+async def test_a_slow_helper_start_is_not_counted_against_the_probe(kvm_dir: str) -> None:
+    """On a loaded node a fresh interpreter may take longer than the probe's deadline to start:
+    that is no failure of the device (the first check of a successor failed for it once, and
+    its first list to the kubelet said unhealthy)."""
+    helper = ProbeHelper(argv=slow_start(0.6), deadline=0.3)
+    try:
+        assert await helper.run(request(kvm_dir)) == ProbeResult(True, "")
+    finally:
+        await helper.close()
+
+
+async def test_a_helper_that_never_says_ready_is_killed_after_the_start_bound(
+        kvm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(helper_module, "HELPER_START_S", 0.3)
+    helper = ProbeHelper(argv=slow_start(0, ready=False))
+    try:
+        reply = await helper.run(request(kvm_dir))
+        assert reply == ProbeResult(False, "probe helper did not start within 0.3 s (killed)", helper_fault=True)
+        assert helper.pid is None
+    finally:
+        await helper.close()

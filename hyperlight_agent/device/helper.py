@@ -20,10 +20,16 @@ import sys
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from hyperlight_agent import waits
+from hyperlight_agent.device.helper_process import READY_LINE
 
 log = logging.getLogger(__name__)
 
 PROBE_DEADLINE_S = 2.0
+# A fresh helper says READY once its interpreter has started and imported the probes; that start
+# gets this long, separately from the probe's deadline. On a loaded node an interpreter's start
+# can take seconds, and counting it against the device made a successor's first check fail (its
+# first list to the kubelet then all unhealthy: the node counted no device for 0.6 s).
+HELPER_START_S = 10.0
 # Closing: the helper gets this long to exit on EOF, then is killed and reaped within its deadline.
 CLOSE_EOF_WAIT_S = 0.5
 CLOSE_BOUND_S = CLOSE_EOF_WAIT_S + PROBE_DEADLINE_S
@@ -121,11 +127,16 @@ class ProbeHelper:
                 return _failure(f"previous probe has not exited (pid {self._dying.pid})"), False
             self._stuck = False
         try:
-            proc = await self._ensure_started()
+            proc, fresh = await self._ensure_started()
+            if fresh:  # its start was not the probe's: the request gets a whole deadline
+                give_up_at = loop.time() + self.deadline
             assert proc.stdin is not None and proc.stdout is not None
             proc.stdin.write(json.dumps(request._asdict()).encode() + b"\n")
             await proc.stdin.drain()
             line = await waits.within(proc.stdout.readline(), give_up_at - loop.time())
+        except _NotStarted as exc:
+            self._abandon()
+            return _failure(str(exc)), False
         except asyncio.TimeoutError:
             self._abandon()
             if self._on_timeout:
@@ -162,16 +173,27 @@ class ProbeHelper:
             self._abandon()
             await self._reap(self.deadline)
 
-    async def _ensure_started(self) -> asyncio.subprocess.Process:
-        if self._proc is None or self._proc.returncode is not None:
-            self._proc = await asyncio.create_subprocess_exec(
-                *self._argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                close_fds=True,
-            )
-            self.started += 1
-        return self._proc
+    async def _ensure_started(self) -> tuple[asyncio.subprocess.Process, bool]:
+        """The running helper, started (and READY) if need be; whether it was started now.
+        Raises _NotStarted."""
+        if self._proc is not None and self._proc.returncode is None:
+            return self._proc, False
+        self._proc = await asyncio.create_subprocess_exec(
+            *self._argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            close_fds=True,
+        )
+        self.started += 1
+        assert self._proc.stdout is not None
+        try:
+            said = await waits.within(self._proc.stdout.readline(), HELPER_START_S)
+        except asyncio.TimeoutError:
+            raise _NotStarted(f"probe helper did not start within {HELPER_START_S:g} s (killed)") from None
+        if said != READY_LINE:
+            raise _NotStarted("probe helper exited unexpectedly" if not said else
+                              f"probe helper sent {said[:80]!r} instead of saying it was ready")
+        return self._proc, True
 
     def _abandon(self) -> None:
         """Kill the current helper and start reaping it in the background."""
@@ -198,6 +220,10 @@ class ProbeHelper:
         self._dying = None
         self._reaper = None
         return True
+
+
+class _NotStarted(Exception):
+    """A fresh helper did not say READY in time (a failure of the helper, not of the device)."""
 
 
 def _failure(reason: str) -> ProbeResult:

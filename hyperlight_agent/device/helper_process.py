@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 # Fields of a request (helper.ProbeRequest on the agent's side).
 REQUEST_FIELDS = ("hypervisor", "device", "host")
+# Said once, first, when the helper has started and imported the probes.
+READY_LINE = b'{"ready": true}\n'
 
 
 def _invalid(request: Any) -> str:
@@ -66,6 +68,8 @@ def serve(stdin: Any = None, stdout: Any = None) -> None:
     """The helper's main loop, until EOF on stdin."""
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
+    stdout.write(READY_LINE.decode())
+    stdout.flush()
     for line in stdin:
         stdout.write(handle_line(line) + "\n")
         stdout.flush()
