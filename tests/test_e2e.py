@@ -1114,6 +1114,7 @@ def test_host_mode_on_a_real_kubelet(installed: Cluster, published: Published, t
         assert figure["failed"] == 0, figure
         assert len(figure["kubelet_zero_windows_s"]) == 1, figure  # one restart, one gap, healthy after
         host_upgrades_in_place(installed, published, guest, root, back, "host")
+    wait_until(lambda: kubelet_view(b).get(HYPERVISOR, 0) == 0, 30, "the stopped host agent's slots gone")
 
 
 # An event under load: (name, act, back) → its figure (run_event's or dra_event's).
@@ -1192,7 +1193,6 @@ def host_upgrades_in_place(cluster: Cluster, published: Published, guest: nspawn
     finally:
         with open(agent_py, "w") as f:
             f.write(original)
-    wait_until(lambda: kubelet_view(b).get(HYPERVISOR, 0) == 0, 30, "the stopped host agent's slots gone")
 
 
 def readme_dra_drop_in() -> str:

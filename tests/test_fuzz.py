@@ -830,7 +830,8 @@ def test_fuzz_helper_serve_answers_every_line_once(nodes: str) -> None:
              "garbage", "", "[" * 5000, '{"hypervisor": "kvm"}', json.dumps({"device": 1})] * 200
     out = io.StringIO()
     helper_process.serve(io.StringIO("".join(line + "\n" for line in lines)), out)
-    replies = out.getvalue().splitlines()
+    ready, *replies = out.getvalue().splitlines()
+    assert ready.encode() + b"\n" == helper_process.READY_LINE  # said once, before any request
     assert len(replies) == len(lines)
     assert [check_reply(r)["ok"] for r in replies] == [i % 6 == 0 for i in range(len(lines))]
     count_inputs("helper lines (serve loop)", len(lines))
@@ -852,7 +853,8 @@ def test_fuzz_the_real_helper_process_answers_garbage_line_by_line(nodes: str) -
     data = "".join(line + "\n" for line in lines).encode()
     result = subprocess.run(default_argv(), input=data, capture_output=True, timeout=120, check=False)
     assert result.returncode == 0 and result.stderr == b"", result.stderr[-2000:]
-    replies = result.stdout.decode().splitlines()
+    ready, *replies = result.stdout.decode().splitlines()
+    assert ready.encode() + b"\n" == helper_process.READY_LINE
     assert len(replies) == len(lines)
     for i, reply in enumerate(replies):
         assert check_reply(reply)["ok"] == (i % 10 == 0)
