@@ -15,6 +15,12 @@ from typing import Any, Callable, Optional
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "dra")
+# When the real API server's watch cache sends bookmarks (k8s.io/apiserver pkg/storage/cacher, 1.34
+# and 1.37 alike): each watch that allowed them is looked at every minute from its start
+# (defaultBookmarkFrequency), and 2 s before its deadline, and gets a bookmark at the cache's
+# version only if that has moved past the version the watch started from. Never more often.
+BOOKMARK_INTERVAL_S = 60.0
+BOOKMARK_BEFORE_DEADLINE_S = 2.0
 NODE = "node1"
 DRIVER = "hypervisor.hyperlight.dev"
 SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
@@ -80,6 +86,7 @@ class FakeApiServer:
         # (verb, resource) pairs a SelfSubjectAccessReview is told are not allowed.
         self.denied: set[tuple[str, str]] = set()
         self.refused = 0  # connections closed unanswered while down
+        self.bookmark_interval_s = BOOKMARK_INTERVAL_S  # tests shorten it, as they shorten timeouts
         self.server: Optional[asyncio.base_events.Server] = None
         self.connections: set[asyncio.StreamWriter] = set()
 
@@ -115,6 +122,12 @@ class FakeApiServer:
         """An event sent to the watches as it is (say, one without a resourceVersion)."""
         self.version += 1
         await self._event(kind, obj)
+
+    async def advance(self) -> None:
+        """The version moves on without an event for our node: another node's slice changed, or
+        etcd told the cache of its progress (the cacher's version is the cluster's etcd revision)."""
+        self.version += 1
+        await self._notify()
 
     async def remove(self, name: str) -> Json:
         obj = self.slices.pop(name)
@@ -297,13 +310,16 @@ class FakeApiServer:
 
     async def _watch(self, request: Request, writer: asyncio.StreamWriter) -> None:
         """As the real server: events after resourceVersion; with timeoutSeconds the watch ends
-        then (a bookmark just before it, with allowWatchBookmarks); an ERROR event for a fault."""
+        then; bookmarks (with allowWatchBookmarks) only when and as the real one sends them; an
+        ERROR event for a fault."""
         assert request.query.get("fieldSelector") == f"spec.nodeName={NODE},spec.driver={DRIVER}", request
         since = int(request.query["resourceVersion"])
         timeout = float(request.query["timeoutSeconds"]) if "timeoutSeconds" in request.query else None
-        bookmarks = request.query.get("allowWatchBookmarks") == "true"
         loop = asyncio.get_running_loop()
         ends = None if timeout is None else loop.time() + timeout
+        look = None  # when the next bookmark may be due
+        if request.query.get("allowWatchBookmarks") == "true":
+            look = self._next_look(loop.time(), ends)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
         if self.end_watches:
             writer.write(b"0\r\n\r\n")
@@ -327,17 +343,31 @@ class FakeApiServer:
             def news(last: int = sent) -> bool:
                 return self.down or any(v > last for v, _, _ in self.events)
 
+            wake = min((t for t in (ends, look) if t is not None), default=None)
             try:
                 async with self.changed:
-                    await asyncio.wait_for(self.changed.wait_for(news), None if ends is None else ends - loop.time())
+                    await asyncio.wait_for(self.changed.wait_for(news), None if wake is None else wake - loop.time())
             except asyncio.TimeoutError:
-                if bookmarks:
+                pass
+            now = loop.time()
+            if look is not None and now >= look:
+                if self.version > since:  # compared with where the watch started, as the cacher does
                     self._chunk(writer, {"type": "BOOKMARK", "object": {
                         "kind": "ResourceSlice", "apiVersion": "resource.k8s.io/v1",
                         "metadata": {"resourceVersion": str(self.version)}}})
+                look = self._next_look(now, ends)
+            if ends is not None and now >= ends:
                 writer.write(b"0\r\n\r\n")  # the end of a watch whose time is up
                 await writer.drain()
                 return
+
+    def _next_look(self, now: float, ends: Optional[float]) -> Optional[float]:
+        """The cacher's next look at a watch (cache_watcher.go, nextBookmarkTime): a minute on, or
+        2 s before its deadline if that is sooner; none once that moment has passed."""
+        due = now + self.bookmark_interval_s
+        if ends is not None:
+            due = min(due, ends - BOOKMARK_BEFORE_DEADLINE_S)
+        return None if due < now else due
 
     @staticmethod
     def _chunk(writer: asyncio.StreamWriter, event: Json) -> None:

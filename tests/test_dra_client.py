@@ -176,11 +176,63 @@ async def test_a_silent_watch_connection_is_given_up_past_its_timeout(tmp_path: 
         with pytest.raises(ApiError) as caught:
             await asyncio.wait_for(task, 10)
         lasted = asyncio.get_running_loop().time() - started
-        assert caught.value.code == 0 and "no answer in time" in str(caught.value), str(caught.value)
+        assert caught.value.code == 0 and caught.value.problem == "stalled", str(caught.value)
+        assert "0.5 s past its timeoutSeconds=1" in str(caught.value), str(caught.value)
         assert lasted < 1 + 0.5 + 1, lasted
-        # Unfrozen, the same watch ends when its timeout is up, after a bookmark.
-        assert await asyncio.wait_for(watch(), 10) == ["BOOKMARK"]
+        # Unfrozen, the same watch ends when its timeout is up; with nothing new since its start,
+        # the real server sends it no bookmark (nor any to a watch of under 2 s).
+        assert await asyncio.wait_for(watch(), 10) == []
     finally:
         await api.close()
         await proxy.stop()
+        await fake.stop()
+
+
+# The server's bookmarks are the heartbeat: once they come, a silence of a bookmark interval and a
+# margin is a dead connection, given up long before the watch's timeout.
+async def test_a_watch_whose_bookmarks_stop_is_given_up_long_before_its_timeout(tmp_path: Any) -> None:
+    fake = FakeApiServer()
+    fake.bookmark_interval_s = 0.2
+    url = await fake.start()
+    proxy = FreezingProxy("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    api = dra_client.connect(kubeconfig(tmp_path, await proxy.start()), environ={}, watch_heartbeat_s=0.6)
+    loop = asyncio.get_running_loop()
+    try:
+        kinds: list[str] = []
+
+        async def watch() -> None:
+            async for kind, _ in api.watch_slices(NODE, DRIVER, str(fake.version), 60):
+                kinds.append(kind)
+
+        task = asyncio.ensure_future(watch())
+        await until(lambda: fake.of("watch"), what="the watch")
+        await fake.advance()  # the cluster moved on (another node's slice, etcd's progress)
+        await until(lambda: kinds.count("BOOKMARK") >= 5, what="five bookmarks")
+        assert not task.done(), "bookmarks 0.2 s apart keep a watch with a 0.6 s heartbeat alive"
+        proxy.freeze()
+        frozen = loop.time()
+        with pytest.raises(ApiError) as caught:
+            await asyncio.wait_for(task, 10)
+        assert caught.value.problem == "stalled" and "nothing for 0.6 s after a bookmark" in str(caught.value)
+        assert loop.time() - frozen < 0.6 + 1, "given up a heartbeat after the last bookmark, not at 60 s"
+    finally:
+        await api.close()
+        await proxy.stop()
+        await fake.stop()
+
+
+# A quiet resource: the real server sends a watch no bookmark until its version moves past the
+# watch's start, so silence alone before the first bookmark proves nothing.
+async def test_a_watch_that_never_had_a_bookmark_runs_to_its_timeout(tmp_path: Any) -> None:
+    fake = FakeApiServer()
+    fake.bookmark_interval_s = 0.1
+    url = await fake.start()
+    api = dra_client.connect(kubeconfig(tmp_path, url), environ={}, watch_heartbeat_s=0.3)
+    loop = asyncio.get_running_loop()
+    try:
+        started = loop.time()
+        kinds = [kind async for kind, _ in api.watch_slices(NODE, DRIVER, str(fake.version), 3)]
+        assert kinds == [] and loop.time() - started >= 2.9, "silent for ten heartbeats, and a normal end"
+    finally:
+        await api.close()
         await fake.stop()

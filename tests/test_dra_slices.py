@@ -447,6 +447,36 @@ async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_the_watch_ti
         await fake.stop()
 
 
+# The same with watches of minutes, as by default: once the server's bookmarks come, the slice is
+# back a heartbeat after the connection went silent, not at the watch's end.
+async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_a_heartbeat(tmp_path: Any) -> None:
+    from standin.proxy import FreezingProxy
+
+    fake = FakeApiServer()
+    fake.bookmark_interval_s = 0.2
+    url = await fake.start()
+    proxy = FreezingProxy("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    api = dra_client.connect(kubeconfig(tmp_path, await proxy.start()), environ={}, watch_heartbeat_s=0.6)
+    publisher, task = await publisher_on(api, watch_timeout_s=(60.0, 60.0))
+    try:
+        await until(lambda: publisher.published and fake.of("watch"), what="published")
+        await fake.advance()  # the cluster moves on: the server's bookmarks start
+        await until(lambda: publisher._listed_version == str(fake.version), what="a bookmark")
+        proxy.freeze()
+        await fake.remove(publisher.slice_name)
+        loop = asyncio.get_running_loop()
+        deleted = loop.time()
+        await until(lambda: len(fake.ours()) == 1, what="the slice back")
+        assert loop.time() - deleted < 0.6 + 1, "back a heartbeat after the last bookmark"
+        lists = [r for r in fake.of("list") if r.query["fieldSelector"].endswith(f"spec.driver={DRIVER}")]
+        assert len(fake.of("watch")) == 2 and len(lists) == 1, "a new watch, from the bookmark: no list"
+    finally:
+        await stopped(task)
+        await api.close()
+        await proxy.stop()
+        await fake.stop()
+
+
 # 5: a watch that ends at once, or is refused with 410 every time, is retried with backoff.
 @pytest.mark.parametrize("fault", ["ends at once", "410 every time"])
 async def test_a_watch_that_keeps_ending_is_backed_off_not_a_hot_loop(tmp_path: Any, fault: str,

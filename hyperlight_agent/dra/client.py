@@ -23,7 +23,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Optional
 
-from hyperlight_agent import contracts, text
+from hyperlight_agent import contracts, text, waits
 
 if TYPE_CHECKING:
     import httpx
@@ -32,9 +32,20 @@ IN_CLUSTER_ENV = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
 # Every request but a watch gives up after this long.
 REQUEST_TIMEOUT_S = 10.0
 # A watch asks the server to end it after its timeoutSeconds; one that has not ended this much
-# later, or has sent nothing for that long, is dead (a connection that stopped forwarding: no FIN,
-# no RST) and is given up.
+# later is dead (a connection that stopped forwarding: no FIN, no RST) and is given up.
 WATCH_GRACE_S = 5.0
+# How often the API server's watch cache sends a bookmark to a watch that allowed them
+# (k8s.io/apiserver pkg/storage/cacher, defaultBookmarkFrequency; the same in 1.34 and 1.37) --
+# but only once the cache has moved past the version the watch started from: from then on every
+# minute (and 2 s before the watch's deadline), until the watch ends. Before that, a healthy
+# watch of a quiet resource may be silent for its whole life (etcd tells the cache of progress
+# every 10 minutes by default, every 5 s as kubeadm sets it up).
+BOOKMARK_INTERVAL_S = 60.0
+# So a watch that has had a bookmark and then hears nothing for a bookmark interval and this
+# margin (the cacher checks its watchers once a second, in one-second buckets, behind its event
+# dispatch) is dead, long before its timeoutSeconds. A miss costs one watch, never a list.
+BOOKMARK_MARGIN_S = 15.0
+WATCH_HEARTBEAT_S = BOOKMARK_INTERVAL_S + BOOKMARK_MARGIN_S
 # Far above any real kubeconfig (embedded certificates included) or watch event line (an object
 # is at most 3 MiB in etcd): anything bigger is not ours to parse.
 MAX_KUBECONFIG_BYTES = 4 << 20
@@ -102,13 +113,14 @@ class KubeApi:
     TLS and credentials: `connect`). `source` names where the credentials came from."""
 
     def __init__(self, http: Callable[[], httpx.AsyncClient], source: str, timeout_s: float = REQUEST_TIMEOUT_S,
-                 watch_grace_s: float = WATCH_GRACE_S) -> None:
+                 watch_grace_s: float = WATCH_GRACE_S, watch_heartbeat_s: float = WATCH_HEARTBEAT_S) -> None:
         self._make_http = http
         self._http = http()
         self._stale = False  # a request's connection failed: the pool's others may be as dead
         self.source = source
         self._timeout_s = timeout_s
         self._watch_grace_s = watch_grace_s
+        self._watch_heartbeat_s = watch_heartbeat_s
 
     async def list_slices(self, node: str, driver: str) -> tuple[list[Json], str]:
         """This node's slices of `driver`, and the list's resourceVersion to watch from."""
@@ -124,7 +136,9 @@ class KubeApi:
         """Events (ADDED, MODIFIED, DELETED, BOOKMARK) after `resource_version`, until the server
         ends the watch (after about `timeout_s`: a normal end). Raises ApiError for anything else:
         an ERROR event (410: the version is too old to watch from), an unreadable event, a
-        connection that failed or went silent (WATCH_GRACE_S past the timeout)."""
+        connection that failed, or one gone silent: still open WATCH_GRACE_S past the timeout, or,
+        once the server has sent a bookmark, silent for WATCH_HEARTBEAT_S (the server's bookmarks
+        come every minute from then on)."""
         import httpx
 
         params = {**_selector(node, driver), "watch": "true", "resourceVersion": resource_version,
@@ -132,8 +146,10 @@ class KubeApi:
         limit = timeout_s + self._watch_grace_s
         loop = asyncio.get_running_loop()
         ends = loop.time() + limit
+        # httpx's read timeout bounds the wait for the answer's headers; once streaming, the
+        # deadlines below decide (a second later, httpx's never fires first).
         request = self._http.build_request("GET", SLICES_PATH, params=params,
-                                           timeout=httpx.Timeout(self._timeout_s, read=limit))
+                                           timeout=httpx.Timeout(self._timeout_s, read=limit + 1))
         response = await self._send("watch", SLICES, request, stream=True)
         try:
             if response.status_code >= 400:
@@ -141,16 +157,20 @@ class KubeApi:
                 raise _status_error("watch", SLICES, response)
             pending = b""
             chunks = response.aiter_bytes()
+            bookmarked, heard = False, loop.time()
             while True:
+                # Silent past its end, or (once bookmarks come) past the next one's due: dead.
+                silent_until = min(ends, heard + self._watch_heartbeat_s) if bookmarked else ends
                 try:
-                    chunk = await self._guarded("watch", SLICES, chunks.__anext__())
+                    chunk = await waits.within(self._guarded("watch", SLICES, chunks.__anext__()),
+                                               silent_until - loop.time())
                 except StopAsyncIteration:
                     return
-                if loop.time() > ends:
+                except asyncio.TimeoutError:
                     self._stale = True
                     raise ApiError("watch", SLICES, 0, "stalled",
-                                   f"the watch went on {self._watch_grace_s:g} s past its timeoutSeconds="
-                                   f"{params['timeoutSeconds']}")
+                                   self._silence(params, heartbeat=silent_until < ends)) from None
+                heard = loop.time()
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
                 if len(pending) > MAX_EVENT_BYTES:
@@ -158,9 +178,18 @@ class KubeApi:
                                    f"a watch event longer than {MAX_EVENT_BYTES} bytes")
                 for line in lines:
                     if line.strip():
-                        yield _event(line)
+                        kind, obj = _event(line)
+                        bookmarked = bookmarked or kind == "BOOKMARK"
+                        yield kind, obj
         finally:
             await response.aclose()
+
+    def _silence(self, params: dict[str, str], heartbeat: bool) -> str:
+        """Why a watch was given up as dead: its bookmarks stopped, or it went on past its end."""
+        if heartbeat:
+            return (f"the watch sent nothing for {self._watch_heartbeat_s:g} s after a bookmark (the API server "
+                    f"sends one every {BOOKMARK_INTERVAL_S:g} s once it has sent one)")
+        return f"the watch went on {self._watch_grace_s:g} s past its timeoutSeconds={params['timeoutSeconds']}"
 
     async def create_slice(self, body: Json) -> Json:
         return await self._call("create", SLICES, "POST", SLICES_PATH, body=body)
@@ -276,7 +305,7 @@ def _event(line: bytes) -> tuple[str, Json]:
 
 def connect(kubeconfig: Optional[str], *, service_account_dir: str = contracts.SERVICE_ACCOUNT_DIR,
             environ: Mapping[str, str], timeout_s: float = REQUEST_TIMEOUT_S,
-            watch_grace_s: float = WATCH_GRACE_S) -> KubeApi:
+            watch_grace_s: float = WATCH_GRACE_S, watch_heartbeat_s: float = WATCH_HEARTBEAT_S) -> KubeApi:
     """A client from the kubeconfig at `kubeconfig` (the `kubeconfig` setting), else from the pod's
     service account and the in-cluster address in `environ` (the process environment, handed over
     by the entry point). Raises ClientConfigError naming the path and what is wrong with it."""
@@ -285,7 +314,8 @@ def connect(kubeconfig: Optional[str], *, service_account_dir: str = contracts.S
         raise ClientConfigError(f"no kubeconfig setting and not in a cluster ({' and '.join(missing)} unset)")
     source = f"kubeconfig {kubeconfig}" if kubeconfig else f"service account {service_account_dir}"
     try:
-        return _connect(kubeconfig, service_account_dir, environ, timeout_s, source, watch_grace_s)
+        return _connect(kubeconfig, service_account_dir, environ, timeout_s, source, watch_grace_s,
+                        watch_heartbeat_s)
     except ClientConfigError as exc:
         raise ClientConfigError(f"{source}: {exc}") from exc
     except OSError as exc:
@@ -298,7 +328,7 @@ def connect(kubeconfig: Optional[str], *, service_account_dir: str = contracts.S
 
 
 def _connect(kubeconfig: Optional[str], service_account_dir: str, environ: Mapping[str, str], timeout_s: float,
-             source: str, watch_grace_s: float) -> KubeApi:
+             source: str, watch_grace_s: float, watch_heartbeat_s: float) -> KubeApi:
     import httpx
 
     # httpx logs every request at INFO: our own lines say what matters (a change, a problem).
@@ -312,7 +342,7 @@ def _connect(kubeconfig: Optional[str], service_account_dir: str, environ: Mappi
         config = _service_account_config(service_account_dir, host, port)
     # trust_env=False: proxies and the like come from the kubeconfig we were given, nothing else.
     params = ConnectionParams(timeout=httpx.Timeout(timeout_s), trust_env=False)
-    return KubeApi(lambda: AsyncClient(config, params), source, timeout_s, watch_grace_s)
+    return KubeApi(lambda: AsyncClient(config, params), source, timeout_s, watch_grace_s, watch_heartbeat_s)
 
 
 def _kubeconfig(path: str) -> Any:
