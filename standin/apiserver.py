@@ -47,8 +47,9 @@ def status(name: str, object_name: str = "") -> tuple[int, Json]:
 
 
 class Request:
-    def __init__(self, method: str, path: str, query: dict[str, str], body: Optional[Json]) -> None:
+    def __init__(self, method: str, path: str, query: dict[str, str], body: Optional[Json], at: float = 0.0) -> None:
         self.method, self.path, self.query, self.body = method, path, query, body
+        self.at = at  # the loop's time when it came
 
     @property
     def verb(self) -> str:
@@ -166,7 +167,8 @@ class FakeApiServer:
                     return
                 url = urlsplit(target)
                 body = json.loads(raw) if raw else None
-                request = Request(method, unquote(url.path), dict(parse_qsl(url.query)), body)
+                request = Request(method, unquote(url.path), dict(parse_qsl(url.query)), body,
+                                  asyncio.get_running_loop().time())
                 self.requests.append(request)
                 if request.verb == "watch" and not self._fault(request.verb, remove=False):
                     await self._watch(request, writer)

@@ -477,6 +477,33 @@ async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_a_heartbeat(
         await fake.stop()
 
 
+# Issue 29, 7: publishers that fail together (an API server restart meets every node at once)
+# retry apart, so the server meets them spread out: the backoff is jittered.
+async def test_publishers_failing_together_retry_apart(tmp_path: Any) -> None:
+    fakes, apis = [FakeApiServer() for _ in range(20)], []
+    for i, fake in enumerate(fakes):
+        fake.stuck["list"] = status("status-403-list.json")
+        os.mkdir(os.path.join(str(tmp_path), str(i)))
+        apis.append(dra_client.connect(kubeconfig(os.path.join(str(tmp_path), str(i)), await fake.start()),
+                                       environ={}))
+    publishers = [SlicePublisher(api, NODE, DRIVER, 4, backoff_initial_s=0.8, backoff_cap_s=1.6) for api in apis]
+    for publisher in publishers:
+        publisher.set_device(KVM)
+    tasks = [asyncio.ensure_future(publisher.run()) for publisher in publishers]
+    try:
+        await until(lambda: all(len(fake.of("list")) >= 3 for fake in fakes), what="three lists each")
+        # Each failed at once, retried at once, failed again, then waited 0.4-0.8 s (0.8 s jittered).
+        waits = [fake.of("list")[2].at - fake.of("list")[1].at for fake in fakes]
+        assert min(waits) >= 0.4 - 0.01, waits
+        assert max(waits) - min(waits) > 0.1, f"twenty waits within {max(waits) - min(waits):.3f} s: not jittered"
+    finally:
+        await stopped(*tasks)
+        for api in apis:
+            await api.close()
+        for fake in fakes:
+            await fake.stop()
+
+
 # 5: a watch that ends at once, or is refused with 410 every time, is retried with backoff.
 @pytest.mark.parametrize("fault", ["ends at once", "410 every time"])
 async def test_a_watch_that_keeps_ending_is_backed_off_not_a_hot_loop(tmp_path: Any, fault: str,
