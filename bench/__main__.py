@@ -838,6 +838,131 @@ def bench_watch_hot_loop(top: str) -> None:
         f"{broken} / {normal}", "≤ 20 (was ~14 000)")
 
 
+# DRA at fleet scale: the nodes of the measured fleet (the baseline and the fleet that restarts,
+# flaps and prepares have half as many each), and its idle window. A watch lasts 5-10 minutes, so
+# a window that sees every node's watch renewed is over 10 minutes; shorter ones (CI) still count
+# every request but see few renewals.
+FLEET_NODES = int(os.environ.get("HYPERLIGHT_BENCH_FLEET_NODES", "200"))
+FLEET_IDLE_S = float(os.environ.get("HYPERLIGHT_BENCH_FLEET_IDLE_S", "630"))
+
+
+def bench_fleet(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
+    """The DRA mode's cost to a real API server (etcd and kube-apiserver 1.37 from the pinned
+    builds, tests/e2e/fleet.py) with hundreds of publishers, counted from the API server's audit
+    log; bytes on the wire (TLS included) counted by a relay per fleet. Three fleets at once, each
+    its own user: `idle` (FLEET_NODES nodes, untouched), `before` (the previous watch timeout,
+    40-50 s: the baseline) and `active` (restarted, flapped, preparing claims meanwhile)."""
+    from hyperlight_agent.dra import slices
+    from standin.proxy import FreezingProxy
+    from tests.e2e import fleet
+    from tests.e2e.cluster import wait_until
+
+    print(f"DRA at fleet scale ({FLEET_NODES} nodes, {FLEET_IDLE_S:g} s idle window)", flush=True)
+    if not os.path.exists(os.path.join(fleet.BIN_DIR, "kubernetes")):
+        row("DRA at fleet scale", "not run: no Kubernetes built (make e2e-components)")
+        return
+    plane = fleet.ControlPlane(os.path.join(top, "plane"))
+    runner = fleet.LoopThread()
+    groups: dict[str, tuple[fleet.Fleet, FreezingProxy]] = {}
+    try:
+        plane.start()
+        for name, size, timeout in (("idle", FLEET_NODES, slices.WATCH_TIMEOUT_S),
+                                    ("before", FLEET_NODES // 2, (40.0, 50.0)),
+                                    ("active", FLEET_NODES // 2, slices.WATCH_TIMEOUT_S)):
+            relay = FreezingProxy("127.0.0.1", plane.cluster.api_port)
+            url = runner.call(relay.start()).replace("http://", "https://")
+            nodes = [f"{name}-{i:04d}" for i in range(size)]
+            groups[name] = (fleet.Fleet(plane.kubeconfig(f"fleet-{name}", url), nodes, timeout), relay)
+        idle, before, active = (groups[n][0] for n in ("idle", "before", "active"))
+
+        def wire() -> dict[str, int]:
+            return {n: relay.bytes_up + relay.bytes_down for n, (_, relay) in groups.items()}
+
+        started = time.time()
+        for group, _ in groups.values():
+            runner.call(group.start())
+        wait_until(lambda: all(g.published() for g, _ in groups.values()), 600, "every fleet published")
+        wait_until(lambda: all(sum(1 for r in plane.requests() if r.user == f"fleet-{n}" and r.verb == "watch")
+                               >= len(g.nodes) for n, (g, _) in groups.items()), 60, "every node's watch")
+        published, bytes_published = time.time(), wire()
+
+        # The active fleet, while the others idle: every agent restarted, the device flapped, a
+        # claim prepared on each node. Each step ends when every node is done.
+        phases: dict[str, tuple[float, float, int]] = {}
+        t, b = time.time(), wire()["active"]
+        runner.call(active.restart())
+        wait_until(active.published, 300, "the restarted fleet published")
+        wait_until(lambda: sum(1 for r in plane.requests() if r.user == "fleet-active" and r.verb == "watch"
+                               and r.received >= t) >= len(active.nodes), 60, "the restarted fleet's watches")
+        phases["restart"] = (t, time.time(), wire()["active"] - b)
+        t, b = time.time(), wire()["active"]
+        runner.call(active.set_device(None))
+        wait_until(active.published, 300, "the fleet's devices out of its slices")
+        runner.call(active.set_device(fleet.KVM))
+        wait_until(active.published, 300, "the fleet's devices back")
+        phases["flap"] = (t, time.time(), wire()["active"] - b)
+        claims = [(node, *plane.create_claim(node)) for node in active.nodes]
+        t, b = time.time(), wire()["active"]
+        runner.call(active.prepare(claims))
+        phases["prepare"] = (t, time.time(), wire()["active"] - b)
+
+        time.sleep(max(0.0, published + FLEET_IDLE_S - time.time()))  # the idle window measured
+        ended, bytes_ended = time.time(), wire()
+        watches_open = plane.metric("apiserver_longrunning_requests", verb="WATCH", resource="resourceslices")
+        requests = plane.requests()
+    finally:
+        for group, relay in groups.values():
+            runner.call(group.stop())
+            runner.call(relay.stop())
+        runner.close()
+        plane.stop()
+
+    window = ended - published
+    total_nodes = sum(len(g.nodes) for g, _ in groups.values())
+
+    def idle_cost(name: str) -> tuple[float, float, float]:
+        """(requests per node-hour counted in the window; the same at steady state: one watch per
+        mean watch life as the server saw it, besides the other requests counted; that life). A
+        watch still open at the window's end lives as long as it asked (the server ends it then)."""
+        counts = fleet.per_node(requests, f"fleet-{name}", len(groups[name][0].nodes), published, ended)
+        lives = [(r.ended if r.ended is not None and r.ended <= ended else r.received + (r.timeout_s or 0))
+                 - r.received for r in requests if r.user == f"fleet-{name}" and r.verb == "watch"]
+        life = statistics.mean(lives)
+        others = (counts["all"] - counts.get("watch", 0)) * 3600 / window
+        return counts["all"] * 3600 / window, 3600 / life + others, life
+
+    now, steady, life = idle_cost("idle")
+    old_counted, old_steady, old_life = idle_cost("before")
+    held = {n: sum(1 for r in requests if r.user == f"fleet-{n}" and r.verb == "watch" and r.received <= ended
+                   and (r.ended is None or r.ended > ended)) / len(g.nodes) for n, (g, _) in groups.items()}
+    first = fleet.per_node(requests, "fleet-idle", len(idle.nodes), started, published)
+    row("DRA fleet: first publish, requests per node (list / create / watch)",
+        f"{first.get('list', 0):.2f} / {first.get('create', 0):.2f} / {first.get('watch', 0):.2f}")
+    row("DRA fleet: first publish, bytes per node on the wire (TLS included)",
+        f"{bytes_published['idle'] / len(idle.nodes):.0f}")
+    row(f"DRA fleet: idle requests per node-hour, steady state (watch life {life:.0f} s) / counted in the "
+        f"{window:.0f} s window", f"{steady:.1f} / {now:.1f}", "≤ 12 (one per 5 minutes)")
+    row(f"DRA fleet: idle requests per node-hour, 40-50 s watches (baseline, same run; life {old_life:.0f} s)",
+        f"{old_steady:.1f} (counted {old_counted:.1f})")
+    row("DRA fleet: idle requests, ratio to the 40-50 s watches", f"{steady / old_steady:.3f}")
+    row("DRA fleet: idle bytes per node-hour on the wire: 5-10 min watches / 40-50 s (baseline)",
+        f"{(bytes_ended['idle'] - bytes_published['idle']) / len(idle.nodes) * 3600 / window:.0f} / "
+        f"{(bytes_ended['before'] - bytes_published['before']) / len(before.nodes) * 3600 / window:.0f}")
+    row("DRA fleet: bookmarks per node-hour received (the watch's heartbeat)",
+        f"{idle.bookmarks / len(idle.nodes) * 3600 / (ended - started):.1f}")
+    row("DRA fleet: watches held per node: idle / before / active (the API server's count, all fleets)",
+        f"{held['idle']:.2f} / {held['before']:.2f} / {held['active']:.2f} ({watches_open:.0f} for {total_nodes})")
+    for phase, (t0, t1, wire_bytes) in phases.items():
+        counts = fleet.per_node(requests, "fleet-active", len(active.nodes), t0, t1)
+        verbs = ", ".join(f"{v} {n:.2f}" for v, n in sorted(counts.items()) if v != "all")
+        row(f"DRA fleet: {phase}, requests per node ({verbs}) / bytes per node on the wire",
+            f"{counts['all']:.2f} / {wire_bytes / len(active.nodes):.0f}")
+    codes = sorted({r.code for r in requests if r.ended is not None})
+    row("DRA fleet: answers the fleets got (HTTP codes)", ", ".join(str(c) for c in codes))
+    row("DRA fleet: 5000 nodes idle: requests per second at the API server, 5-10 min / 40-50 s watches",
+        f"{5000 * steady / 3600:.1f} / {5000 * old_steady / 3600:.1f}")
+
+
 def bench_image() -> None:
     """The last `make image`'s size (deploy/image/build.sh records it), if an image was built."""
     try:
@@ -870,7 +995,7 @@ def main() -> int:
                          ("c", bench_rss_and_start), ("d", bench_restart_and_cdi),
                          ("e", bench_plugin_restart), ("f", bench_metrics_flood), ("g", bench_idle),
                          ("h", bench_dra), ("i", bench_mount_storm), ("j", bench_prepared_record),
-                         ("k", bench_watch_hot_loop), ("l", bench_upgrade_in_place)):
+                         ("k", bench_watch_hot_loop), ("l", bench_upgrade_in_place), ("fleet", bench_fleet)):
             if only and name not in only:
                 continue
             sub = os.path.join(top, name)

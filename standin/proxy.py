@@ -1,7 +1,8 @@
 """A TCP proxy for tests, on the caller's event loop, that can go silent the way a broken network
 does: freeze() makes every connection open at that moment stop forwarding in both directions,
 with no FIN and no RST (the peers' sockets stay open, their data unread), while connections made
-afterwards work as before."""
+afterwards work as before. It counts the bytes it forwards each way (benchmarks read them: what
+crossed the network, TLS included)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ class FreezingProxy:
         self._connections: list[tuple[asyncio.Event, list[asyncio.StreamWriter]]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.accepted = 0
+        self.bytes_up = 0  # client → target
+        self.bytes_down = 0  # target → client
 
     async def start(self) -> str:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -43,13 +46,13 @@ class FreezingProxy:
         upstream_reader, upstream_writer = await asyncio.open_connection(*self._target)
         frozen = asyncio.Event()
         self._connections.append((frozen, [writer, upstream_writer]))
-        for source, sink in ((reader, upstream_writer), (upstream_reader, writer)):
-            task = asyncio.ensure_future(self._pump(source, sink, frozen))
+        for source, sink, up in ((reader, upstream_writer, True), (upstream_reader, writer, False)):
+            task = asyncio.ensure_future(self._pump(source, sink, frozen, up))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    @staticmethod
-    async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter, frozen: asyncio.Event) -> None:
+    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, frozen: asyncio.Event,
+                    up: bool) -> None:
         with contextlib.suppress(ConnectionError, asyncio.CancelledError):
             while not frozen.is_set():
                 data = await source.read(65536)
@@ -59,5 +62,9 @@ class FreezingProxy:
                     sink.close()
                     return
                 sink.write(data)
+                if up:
+                    self.bytes_up += len(data)
+                else:
+                    self.bytes_down += len(data)
                 await sink.drain()
             await asyncio.Event().wait()  # frozen: hold both sockets open, silently

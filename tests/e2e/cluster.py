@@ -550,11 +550,14 @@ class Cluster:
             os.unlink(state_path)
         shutil.rmtree(directory, ignore_errors=True)
 
-    def start(self) -> None:
+    def start(self, controllers: bool = True, etcd_args: tuple[str, ...] = (),
+              api_server_args: tuple[str, ...] = ()) -> None:
+        """etcd and the API server, then (`controllers`) the controller-manager and scheduler;
+        the extra arguments are added to etcd's and the API server's command lines."""
         self.clean_leftovers(self.state_path, self.directory)
         os.makedirs(os.path.join(self.directory, "logs"))
         self.state = State(self.state_path)
-        logs = os.path.join(self.directory, "logs")
+        self.logs = os.path.join(self.directory, "logs")
         self.pki = Pki(os.path.join(self.directory, "pki"))
         etcd_client, etcd_peer, api_port = free_port(), free_port(), free_port()
         etcd = self.binaries("etcd", self.versions["etcd"])
@@ -565,7 +568,7 @@ class Cluster:
             "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
             "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}",
-            "--unsafe-no-fsync", "--log-level", "warn"], logs))
+            "--unsafe-no-fsync", "--log-level", "warn", *etcd_args], self.logs))
         serving = self.pki.issue("apiserver", "/CN=kube-apiserver",
                                  ("IP:127.0.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
                                   "IP:10.96.0.1", *(f"IP:10.250.{i}.1" for i in range(1, MAX_NODES + 1))))
@@ -574,7 +577,7 @@ class Cluster:
         k8s = self.binaries("kubernetes", self.versions["newest"])
         self.api_port = api_port
         self.server = f"https://127.0.0.1:{api_port}"
-        self.processes.append(Process(self.state, "kube-apiserver", [
+        self._api_server_argv = [
             os.path.join(k8s, "kube-apiserver"), "--etcd-servers", f"http://127.0.0.1:{etcd_client}",
             "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1", "--secure-port", str(api_port),
             "--tls-cert-file", serving.cert, "--tls-private-key-file", serving.key,
@@ -585,11 +588,13 @@ class Cluster:
             "--service-account-issuer", "https://kubernetes.default.svc",
             "--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction",
             "--service-cluster-ip-range", "10.96.0.0/24", "--endpoint-reconciler-type", "none",
-            "--allow-privileged=false", "--profiling=false"], logs))
+            "--allow-privileged=false", "--profiling=false", *api_server_args]
         admin = self.pki.issue("admin", "/O=system:masters/CN=hyperlight-e2e-admin")
         self.admin_kubeconfig = self.pki.kubeconfig("admin", self.server, admin)
         self.api = Api("127.0.0.1", api_port, self.pki.ca.cert, admin)
-        wait_until(lambda: self.check_alive() and self.api.get("/readyz") == "ok", 120, "kube-apiserver /readyz")
+        self._start_api_server()
+        if not controllers:
+            return
         controller = self.pki.issue("controller-manager", "/CN=system:kube-controller-manager")
         self.processes.append(Process(self.state, "kube-controller-manager", [
             os.path.join(k8s, "kube-controller-manager"),
@@ -601,15 +606,30 @@ class Cluster:
             "--root-ca-file", self.pki.ca.cert,
             # No pod CIDRs to hand out (each node's CNI has its own range); the cloud controllers
             # are not in a providerless build.
-            "--controllers", "*,-node-ipam-controller"], logs))
+            "--controllers", "*,-node-ipam-controller"], self.logs))
         scheduler = self.pki.issue("scheduler", "/CN=system:kube-scheduler")
         scheduler_kubeconfig = self.pki.kubeconfig("scheduler", self.server, scheduler)
         self.processes.append(Process(self.state, "kube-scheduler", [
             os.path.join(k8s, "kube-scheduler"), "--kubeconfig", scheduler_kubeconfig,
             "--authentication-kubeconfig", scheduler_kubeconfig, "--authorization-kubeconfig", scheduler_kubeconfig,
-            "--bind-address", "127.0.0.1", "--secure-port", str(free_port()), "--leader-elect=false"], logs))
+            "--bind-address", "127.0.0.1", "--secure-port", str(free_port()), "--leader-elect=false"], self.logs))
         wait_until(lambda: self.check_alive() and self.api.get("/api/v1/namespaces/default/serviceaccounts/default"),
                    120, "the default service account (controller-manager running)")
+
+    def _start_api_server(self) -> None:
+        self.api_server = Process(self.state, "kube-apiserver", self._api_server_argv, self.logs)
+        self.processes.insert(1, self.api_server)  # after etcd: stopped before it
+        wait_until(lambda: self.check_alive() and self.api.get("/readyz") == "ok", 120, "kube-apiserver /readyz")
+
+    def stop_api_server(self) -> None:
+        """SIGTERM, as a restart or an upgrade of the API server does; etcd and the rest run on."""
+        self.api_server.stop()
+        self.processes.remove(self.api_server)
+        self.api.close()  # its keep-alive connections were to the old process
+
+    def start_api_server(self) -> None:
+        """The API server again, with the same command line (port, certificates, flags)."""
+        self._start_api_server()
 
     def add_node(self, name: str, version: str, labels: Optional[dict[str, str]] = None,
                  device_unusable: bool = False) -> Node:
