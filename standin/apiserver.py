@@ -88,6 +88,9 @@ class FakeApiServer:
         self.denied: set[tuple[str, str]] = set()
         self.refused = 0  # connections closed unanswered while down
         self.bookmark_interval_s = BOOKMARK_INTERVAL_S  # tests shorten it, as they shorten timeouts
+        # How long a watch waits before the server starts it (and its timeout): a busy server's
+        # priority-and-fairness queues hold requests for seconds.
+        self.watch_queue_s = 0.0
         self.server: Optional[asyncio.base_events.Server] = None
         self.connections: set[asyncio.StreamWriter] = set()
 
@@ -317,6 +320,7 @@ class FakeApiServer:
         assert request.query.get("fieldSelector") == f"spec.nodeName={NODE},spec.driver={DRIVER}", request
         since = int(request.query["resourceVersion"])
         timeout = float(request.query["timeoutSeconds"]) if "timeoutSeconds" in request.query else None
+        await asyncio.sleep(self.watch_queue_s)
         loop = asyncio.get_running_loop()
         ends = None if timeout is None else loop.time() + timeout
         look = None  # when the next bookmark may be due

@@ -169,7 +169,7 @@ async def test_a_silent_watch_connection_is_given_up_past_its_timeout(tmp_path: 
             return [kind async for kind, _ in api.watch_slices(NODE, DRIVER, str(fake.version), 1)]
 
         task = asyncio.ensure_future(watch())
-        await until(lambda: fake.of("watch"), what="the watch")
+        await until(lambda: fake.of("watch") and proxy.bytes_down, what="the watch answered")
         (request,) = fake.of("watch")
         assert request.query["timeoutSeconds"] == "1" and request.query["allowWatchBookmarks"] == "true"
         proxy.freeze()
@@ -185,6 +185,41 @@ async def test_a_silent_watch_connection_is_given_up_past_its_timeout(tmp_path: 
     finally:
         await api.close()
         await proxy.stop()
+        await fake.stop()
+
+
+# A watch the server held in its queues before starting it ends normally: the server's clock starts
+# when it answers, and so does ours (issue 29: 400 agents starting at once saw watches end 5 s late).
+async def test_a_watch_queued_by_a_busy_server_is_not_taken_for_a_stalled_one(tmp_path: Any) -> None:
+    fake = FakeApiServer()
+    fake.watch_queue_s = 1.0
+    url = await fake.start()
+    api = dra_client.connect(kubeconfig(tmp_path, url), environ={}, watch_grace_s=0.5)
+    try:
+        kinds = [kind async for kind, _ in api.watch_slices(NODE, DRIVER, str(fake.version), 1)]
+        assert kinds == [], "ended by the server, one second after it started it"
+    finally:
+        await api.close()
+        await fake.stop()
+
+
+# ... but a watch the server does not answer at all (a connection that stopped forwarding before the
+# answer) is given up too.
+async def test_a_watch_without_an_answer_is_given_up(tmp_path: Any) -> None:
+    fake = FakeApiServer()
+    fake.watch_queue_s = 30.0
+    url = await fake.start()
+    api = dra_client.connect(kubeconfig(tmp_path, url), environ={}, watch_grace_s=0.5)
+    loop = asyncio.get_running_loop()
+    try:
+        started = loop.time()
+        with pytest.raises(ApiError) as caught:
+            async for _ in api.watch_slices(NODE, DRIVER, str(fake.version), 1):
+                pass
+        assert caught.value.problem == "stalled" and "no answer to the watch in 1.5 s" in str(caught.value)
+        assert loop.time() - started < 1.5 + 1
+    finally:
+        await api.close()
         await fake.stop()
 
 

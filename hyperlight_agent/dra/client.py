@@ -46,6 +46,11 @@ BOOKMARK_INTERVAL_S = 60.0
 # dispatch) is dead, long before its timeoutSeconds. A miss costs one watch, never a list.
 BOOKMARK_MARGIN_S = 15.0
 WATCH_HEARTBEAT_S = BOOKMARK_INTERVAL_S + BOOKMARK_MARGIN_S
+# A healthy server answers a watch (its headers, or 429) within a minute: priority and fairness
+# queues a request at most that long (k8s.io/apiserver pkg/server/filters/priority-and-fairness.go,
+# getRequestWaitContext). No answer in that and the margin: the request went down a dead connection.
+QUEUE_LIMIT_S = 60.0
+WATCH_ANSWER_S = QUEUE_LIMIT_S + BOOKMARK_MARGIN_S
 # Far above any real kubeconfig (embedded certificates included) or watch event line (an object
 # is at most 3 MiB in etcd): anything bigger is not ours to parse.
 MAX_KUBECONFIG_BYTES = 4 << 20
@@ -145,12 +150,20 @@ class KubeApi:
                   "allowWatchBookmarks": "true", "timeoutSeconds": str(max(1, int(timeout_s)))}
         limit = timeout_s + self._watch_grace_s
         loop = asyncio.get_running_loop()
-        ends = loop.time() + limit
-        # httpx's read timeout bounds the wait for the answer's headers; once streaming, the
-        # deadlines below decide (a second later, httpx's never fires first).
+        # Our deadlines decide, for the answer and the stream; httpx's read timeout, a second
+        # later, never fires first.
         request = self._http.build_request("GET", SLICES_PATH, params=params,
                                            timeout=httpx.Timeout(self._timeout_s, read=limit + 1))
-        response = await self._send("watch", SLICES, request, stream=True)
+        answer_s = min(limit, WATCH_ANSWER_S)
+        try:
+            response = await waits.within(self._send("watch", SLICES, request, stream=True), answer_s)
+        except asyncio.TimeoutError:
+            self._stale = True
+            raise ApiError("watch", SLICES, 0, "stalled", f"no answer to the watch in {answer_s:g} s") from None
+        # The server's clock for timeoutSeconds starts as it sends the headers, not when we asked:
+        # a busy server holds watches in its queues (priority and fairness) for seconds, and 400
+        # agents starting at once saw watches end up to 5.4 s after their timeoutSeconds.
+        ends = loop.time() + limit
         try:
             if response.status_code >= 400:
                 await self._guarded("watch", SLICES, response.aread())
