@@ -16,6 +16,7 @@ from typing import Any, Awaitable, Callable, Optional
 import pytest
 
 from hyperlight_agent.dra import client as dra_client
+from hyperlight_agent.dra import slices
 from hyperlight_agent.dra.client import ApiError, ClientConfigError, KubeApi
 from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher, desired_spec, owned
 from standin.apiserver import DRIVER, NODE, SLICES_PATH, FakeApiServer, Json, kubeconfig, recorded, status
@@ -199,6 +200,13 @@ def test_the_default_is_128_devices_and_more_than_one_slice_holds_is_refused() -
         SlicePublisher(api, NODE, DRIVER, 129)
     with pytest.raises(ValueError, match="0: must be 1 to 128"):
         SlicePublisher(api, NODE, DRIVER, 0)
+
+
+def test_an_idle_node_opens_a_watch_at_most_once_per_5_minutes() -> None:
+    # Issue 29, 7: an idle node's cost to the API server is its watches; every one of them, not
+    # only their average, lasts at least 5 minutes (client-go's reflectors ask for 5-10).
+    low, high = slices.WATCH_TIMEOUT_S
+    assert 300 <= low < high <= 600, slices.WATCH_TIMEOUT_S
 
 
 def test_the_server_omitting_an_empty_device_list_is_no_difference() -> None:
