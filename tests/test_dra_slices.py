@@ -5,13 +5,14 @@ configuration errors and lazy import."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import logging
 import os
 import subprocess
 import sys
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, NamedTuple, Optional
 
 import pytest
 
@@ -430,16 +431,41 @@ async def stopped(*tasks: asyncio.Task[None]) -> None:
     await asyncio.wait(tasks)
 
 
-# 3: a deleted slice comes back whatever the network does to the watch's connection.
-async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_the_watch_timeout(tmp_path: Any) -> None:
+class Publishing(NamedTuple):
+    fake: FakeApiServer
+    publisher: SlicePublisher
+    proxy: Any  # standin.proxy.FreezingProxy, when asked for
+
+
+@contextlib.asynccontextmanager
+async def running_publisher(tmp_path: Any, fake: Optional[FakeApiServer] = None, proxied: bool = False,
+                     client: Optional[dict[str, Any]] = None, **kw: Any) -> AsyncIterator[Publishing]:
+    """A fake API server (`fake`, set up by the test, or a new one), a client to it (through a
+    FreezingProxy when `proxied`; `client`: connect()'s options) and a publisher running on it
+    (`kw`: publisher_on's); all stopped at the end."""
     from standin.proxy import FreezingProxy
 
-    fake = FakeApiServer()
+    fake = fake or FakeApiServer()
     url = await fake.start()
-    proxy = FreezingProxy("127.0.0.1", int(url.rsplit(":", 1)[1]))
-    api = dra_client.connect(kubeconfig(tmp_path, await proxy.start()), environ={}, watch_grace_s=0.5)
-    publisher, task = await publisher_on(api, watch_timeout_s=(1.0, 1.0))
+    proxy = FreezingProxy("127.0.0.1", int(url.rsplit(":", 1)[1])) if proxied else None
+    if proxy is not None:
+        url = await proxy.start()
+    api = dra_client.connect(kubeconfig(tmp_path, url), environ={}, **(client or {}))
+    publisher, task = await publisher_on(api, **kw)
     try:
+        yield Publishing(fake, publisher, proxy)
+    finally:
+        await stopped(task)
+        await api.close()
+        if proxy is not None:
+            await proxy.stop()
+        await fake.stop()
+
+
+# 3: a deleted slice comes back whatever the network does to the watch's connection.
+async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_the_watch_timeout(tmp_path: Any) -> None:
+    async with running_publisher(tmp_path, proxied=True, client={"watch_grace_s": 0.5},
+                          watch_timeout_s=(1.0, 1.0)) as (fake, publisher, proxy):
         await until(lambda: publisher.published and fake.of("watch"), what="published")
         proxy.freeze()  # the watch's connection stops forwarding: no FIN, no RST
         await fake.remove(publisher.slice_name)  # as a starting kubelet does
@@ -448,25 +474,15 @@ async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_the_watch_ti
         await until(lambda: len(fake.ours()) == 1, what="the slice back")
         assert loop.time() - deleted < 1 + 0.5 + 1, "back within the watch timeout and its grace"
         await until(lambda: publisher.published, what="published again")
-    finally:
-        await stopped(task)
-        await api.close()
-        await proxy.stop()
-        await fake.stop()
 
 
 # The same with watches of minutes, as by default: once the server's bookmarks come, the slice is
 # back a heartbeat after the connection went silent, not at the watch's end.
 async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_a_heartbeat(tmp_path: Any) -> None:
-    from standin.proxy import FreezingProxy
-
     fake = FakeApiServer()
     fake.bookmark_interval_s = 0.2
-    url = await fake.start()
-    proxy = FreezingProxy("127.0.0.1", int(url.rsplit(":", 1)[1]))
-    api = dra_client.connect(kubeconfig(tmp_path, await proxy.start()), environ={}, watch_heartbeat_s=0.6)
-    publisher, task = await publisher_on(api, watch_timeout_s=(60.0, 60.0))
-    try:
+    async with running_publisher(tmp_path, fake, proxied=True, client={"watch_heartbeat_s": 0.6},
+                          watch_timeout_s=(60.0, 60.0)) as (_, publisher, proxy):
         await until(lambda: publisher.published and fake.of("watch"), what="published")
         await fake.advance()  # the cluster moves on: the server's bookmarks start
         await until(lambda: publisher._listed_version == str(fake.version), what="a bookmark")
@@ -478,11 +494,6 @@ async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_a_heartbeat(
         assert loop.time() - deleted < 0.6 + 1, "back a heartbeat after the last bookmark"
         lists = [r for r in fake.of("list") if r.query["fieldSelector"].endswith(f"spec.driver={DRIVER}")]
         assert len(fake.of("watch")) == 2 and len(lists) == 1, "a new watch, from the bookmark: no list"
-    finally:
-        await stopped(task)
-        await api.close()
-        await proxy.stop()
-        await fake.stop()
 
 
 # Issue 29, 7: publishers that fail together (an API server restart meets every node at once)
@@ -517,14 +528,11 @@ async def test_publishers_failing_together_retry_apart(tmp_path: Any) -> None:
 async def test_a_watch_that_keeps_ending_is_backed_off_not_a_hot_loop(tmp_path: Any, fault: str,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     fake = FakeApiServer()
-    url = await fake.start()
     if fault == "ends at once":
         fake.end_watches = True
     else:
         fake.stuck["watch"] = (410, recorded("watch-error-410.json")["object"])
-    api = dra_client.connect(kubeconfig(tmp_path, url), environ={})
-    publisher, task = await publisher_on(api)
-    try:
+    async with running_publisher(tmp_path, fake) as (_, publisher, _):
         await until(lambda: publisher.published, what="published")
         await asyncio.sleep(1.5)  # a window to count requests in, not synchronisation
         watches, lists = len(fake.of("watch")), len(fake.of("list"))
@@ -532,10 +540,6 @@ async def test_a_watch_that_keeps_ending_is_backed_off_not_a_hot_loop(tmp_path: 
         assert watches <= 14 and lists <= 14, (watches, lists)
         (said,) = warnings(caplog)  # the streak, once
         assert ("ended the watch after" if fault == "ends at once" else "410 Expired") in said, said
-    finally:
-        await stopped(task)
-        await api.close()
-        await fake.stop()
 
 
 # 6: two instances of the driver for one node (a surge update changing the device count): the
@@ -582,7 +586,6 @@ async def test_two_publishers_for_one_node_do_not_fight(tmp_path: Any, caplog: p
 async def test_a_mutating_webhook_neither_starves_readiness_nor_causes_rewrites(
         tmp_path: Any, webhook: str, caplog: pytest.LogCaptureFixture) -> None:
     fake = FakeApiServer()
-    url = await fake.start()
 
     def mutate(spec: dict[str, Any]) -> None:
         for device in spec.get("devices", []):
@@ -592,47 +595,29 @@ async def test_a_mutating_webhook_neither_starves_readiness_nor_causes_rewrites(
                 device["attributes"]["devicePath"] = {"string": "/dev/elsewhere"}
 
     fake.mutate = mutate
-    api = dra_client.connect(kubeconfig(tmp_path, url), environ={})
-    publisher, task = await publisher_on(api)
-    try:
+    async with running_publisher(tmp_path, fake) as (_, publisher, _):
         await until(lambda: publisher.published and fake.of("watch"), what="published")
         await asyncio.sleep(0.5)  # a window in which a rewrite loop would show, not synchronisation
         assert len(fake.of("create")) == 1 and not fake.of("update")
         assert publisher.published and publisher.last_error == ""
         said = [w for w in warnings(caplog) if "changed what we wrote" in w]
         assert len(said) == (1 if webhook == "changes ours" else 0), warnings(caplog)
-    finally:
-        await stopped(task)
-        await api.close()
-        await fake.stop()
 
 
 # 16: a watch event without a resourceVersion ends that watch, not the publisher.
 async def test_an_unreadable_event_is_followed_by_a_new_watch_that_still_repairs(tmp_path: Any) -> None:
-    fake = FakeApiServer()
-    url = await fake.start()
-    api = dra_client.connect(kubeconfig(tmp_path, url), environ={})
-    publisher, task = await publisher_on(api)
-    try:
+    async with running_publisher(tmp_path) as (fake, publisher, _):
         await until(lambda: publisher.published and fake.of("watch"), what="published")
         watches = len(fake.of("watch"))
         await fake.inject("MODIFIED", {"metadata": {"name": "x"}, "spec": {"nodeName": NODE, "driver": DRIVER}})
         await until(lambda: len(fake.of("watch")) > watches, what="a new watch")
         await fake.remove(publisher.slice_name)
         await until(lambda: len(fake.ours()) == 1 and publisher.published, what="the deleted slice back")
-    finally:
-        await stopped(task)
-        await api.close()
-        await fake.stop()
 
 
 # 21: a repeated edit is answered every time but said once.
 async def test_repeated_edits_are_restored_and_said_once(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
-    fake = FakeApiServer()
-    url = await fake.start()
-    api = dra_client.connect(kubeconfig(tmp_path, url), environ={})
-    publisher, task = await publisher_on(api)
-    try:
+    async with running_publisher(tmp_path) as (fake, publisher, _):
         await until(lambda: publisher.published and fake.of("watch"), what="published")
         def restored(edits: int) -> bool:
             return len(fake.of("update")) == edits and equal_to_desired(fake, publisher)
@@ -645,7 +630,3 @@ async def test_repeated_edits_are_restored_and_said_once(tmp_path: Any, caplog: 
             await until(functools.partial(restored, i + 1), what=f"edit {i} restored")
         said = [w for w in warnings(caplog) if "edited by someone else" in w]
         assert len(said) == 1, said
-    finally:
-        await stopped(task)
-        await api.close()
-        await fake.stop()
