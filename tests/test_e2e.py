@@ -947,10 +947,11 @@ def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(dra_installe
     """Issue 29: 1, 2. Pods asking for resources.limits hyperlight.dev/hypervisor, unchanged, one
     every 0.2 s pinned to node a by a node selector, while node a moves from the device plugin to
     DRA in the documented order (the DRA driver beside the plugin; cordon; the pods already bound
-    started; the plugin removed until the node's allocatable says 0; uncordon) and back (the plugin
-    beside the driver until its allocatable is back): no pod rejected or failed; pods created while
-    the node is cordoned wait. Between the two, the mixed cluster: node a by DRA, node b by the
-    .deb's device plugin, the same pod spec runs on both."""
+    started; the plugin removed until the node's allocatable says 0; uncordon) and back (cordon; the
+    pods placed through DRA ended; the plugin beside the driver until its allocatable is back;
+    uncordon): no pod rejected or failed; pods created while the node is cordoned wait. Between the
+    two, the mixed cluster: node a by DRA, node b by the .deb's device plugin, the same pod spec
+    runs on both."""
     cluster, newest = dra_installed, dra_installed.versions["newest"]
     dra_on_kubelet(cluster, published, "newest", "auto")
     a, b = use_kubelet(cluster, newest), cluster.nodes["b"]
@@ -1011,16 +1012,33 @@ def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(dra_installe
     # Back: the device plugin beside the DRA driver; pods go to it once the node counts its slots.
     label = f"migrate-{newest}-dra-to-dp"
 
+    # The kubelet 1.37.2 crashes if the plugin registers while pods placed through DRA still start:
+    # each such container start re-allocates in a pod worker, racing the admissions' Allocate
+    # (kubernetes/kubernetes#136021; docs/migrating-to-dra.md). So this way is cordoned as well.
+    cordoned.clear()
+
     def to_plugin() -> None:
+        cordon(True)
+        cordoned["at"] = time.monotonic()
+
+        def dra_pods_ended() -> bool:
+            return not any(through_dra(p) and p["status"].get("phase") in ("Pending", "Running")
+                           for p in pods_on(cluster, load_namespace(label), "a"))
+        wait_until(dra_pods_ended, 300, "every pod placed through DRA ended")
         helm(cluster, "upgrade", "hyperlight", *dra_values(published, release), "--namespace", NAMESPACE)
         wait_until(lambda: allocatable(a, HYPERVISOR) == SLOTS, 120, "node a's allocatable from the device plugin")
+        cordon(False)
+        cordoned["for"] = time.monotonic() - cordoned["at"]
 
     def on_plugin() -> bool:
-        pods = pods_on(cluster, load_namespace(label), "a")
-        return any(p["status"].get("phase") == "Succeeded" and not through_dra(p) for p in pods) and \
-            not any(through_dra(p) and p["status"].get("phase") in ("Pending", "Running") for p in pods)
+        return any(p["status"].get("phase") == "Succeeded" and not through_dra(p)
+                   for p in pods_on(cluster, load_namespace(label), "a"))
 
-    figure = run_event(cluster, a, label, to_plugin, on_plugin, pin=True)
+    try:
+        figure = run_event(cluster, a, label, to_plugin, on_plugin, pin=True)
+    finally:
+        cordon(False)
+    figure["cordoned_s"] = round(cordoned.get("for", -1), 1)
     record(f"dra.migration.{newest}.dra_to_device_plugin", figure)
     assert figure["rejected"] == 0 and figure["failed"] == 0, figure
     wait_until(lambda: dra_ready(cluster), 120, "mode both again, as the other tests expect")
