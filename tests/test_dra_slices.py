@@ -464,34 +464,36 @@ async def running_publisher(tmp_path: Any, fake: Optional[FakeApiServer] = None,
 
 # 3: a deleted slice comes back whatever the network does to the watch's connection.
 async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_the_watch_timeout(tmp_path: Any) -> None:
+    events: list[tuple[str, ...]] = []
     async with running_publisher(tmp_path, proxied=True, client={"watch_grace_s": 0.5},
-                          watch_timeout_s=(1.0, 1.0)) as (fake, publisher, proxy):
+                                 watch_timeout_s=(1.0, 1.0),
+                                 on_event=lambda *e: events.append(e)) as (fake, publisher, proxy):
         await until(lambda: publisher.published and fake.of("watch"), what="published")
         proxy.freeze()  # the watch's connection stops forwarding: no FIN, no RST
         await fake.remove(publisher.slice_name)  # as a starting kubelet does
-        loop = asyncio.get_running_loop()
-        deleted = loop.time()
         await until(lambda: len(fake.ours()) == 1, what="the slice back")
-        assert loop.time() - deleted < 1 + 0.5 + 1, "back within the watch timeout and its grace"
         await until(lambda: publisher.published, what="published again")
+        # Found out by the client giving up the silent watch (an ApiError of no HTTP status), not
+        # by a wall-clock bound a loaded machine could miss.
+        assert ("api_error", "watch", "0") in events and ("watch", "failed") in events, events
 
 
 # The same with watches of minutes, as by default: once the server's bookmarks come, the slice is
 # back a heartbeat after the connection went silent, not at the watch's end.
 async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_a_heartbeat(tmp_path: Any) -> None:
+    events: list[tuple[str, ...]] = []
     fake = FakeApiServer()
     fake.bookmark_interval_s = 0.2
     async with running_publisher(tmp_path, fake, proxied=True, client={"watch_heartbeat_s": 0.6},
-                          watch_timeout_s=(60.0, 60.0)) as (_, publisher, proxy):
+                                 watch_timeout_s=(60.0, 60.0), on_event=lambda *e: events.append(e)) \
+            as (_, publisher, proxy):
         await until(lambda: publisher.published and fake.of("watch"), what="published")
         await fake.advance()  # the cluster moves on: the server's bookmarks start
         await until(lambda: publisher._listed_version == str(fake.version), what="a bookmark")
         proxy.freeze()
         await fake.remove(publisher.slice_name)
-        loop = asyncio.get_running_loop()
-        deleted = loop.time()
-        await until(lambda: len(fake.ours()) == 1, what="the slice back")
-        assert loop.time() - deleted < 0.6 + 1, "back a heartbeat after the last bookmark"
+        await until(lambda: len(fake.ours()) == 1, what="the slice back")  # long before the 60 s watch ends
+        assert ("api_error", "watch", "0") in events, events
         lists = [r for r in fake.of("list") if r.query["fieldSelector"].endswith(f"spec.driver={DRIVER}")]
         assert len(fake.of("watch")) == 2 and len(lists) == 1, "a new watch, from the bookmark: no list"
 
