@@ -43,11 +43,28 @@ def test_every_value_has_a_default_and_a_rule() -> None:
     assert set(values()) == set(rules["properties"]) - {"global"}
 
 
+# Values whose keys are Kubernetes' own (a map of labels, an affinity, a strategy): the table
+# names the value, not each key.
+FREE_FORM = {"nodeSelector", "affinity", "podAnnotations", "podLabels", "podSecurityContext", "updateStrategy"}
+
+
 def test_every_value_is_in_the_table() -> None:
+    """Each value, and each key of a value that is a group of settings (metrics.podMonitor...),
+    has its row: `a.b` names a.b; a following `.c` in the same cell names a.c."""
     named = set()
     for cell in values_table():
-        # `a.b`, `.c` (a sibling of the cell's first value), `d`
-        for path in re.findall(r"`([A-Za-z.]+)`", cell):
-            named.add(path.split(".")[0] if not path.startswith(".") else "")
-    missing = sorted(set(values()) - named)
+        first = ""
+        for path in re.findall(r"`([A-Za-z][A-Za-z.]*|\.[A-Za-z.]+)`", cell):
+            if path.startswith("."):
+                path = first.rsplit(".", 1)[0] + path
+            else:
+                first = path
+            parts = path.split(".")
+            named.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
+    wanted = set()
+    for key, value in values().items():
+        wanted.add(key)
+        if isinstance(value, dict) and key not in FREE_FORM:
+            wanted.update(f"{key}.{child}" for child in value)
+    missing = sorted(wanted - named)
     assert not missing, f"docs/deploy.md's values table lacks {missing}"

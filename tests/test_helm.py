@@ -4,6 +4,7 @@ objects as the kustomize base and overlays (one source of truth, checked both wa
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -24,8 +25,11 @@ NAMESPACE = "hyperlight-system"
 # Labels only Helm can know (release, chart version); everything else must match the base.
 HELM_ONLY_LABELS = {"app.kubernetes.io/managed-by", "app.kubernetes.io/instance", "app.kubernetes.io/version",
                     "helm.sh/chart"}
+# Every monitoring object, where the API server serves prometheus-operator's API.
+MONITORING_API = ["--api-versions", "monitoring.coreos.com/v1"]
 MONITORS = ["--set", "metrics.enabled=true", "--set", "metrics.podMonitor.enabled=true",
-            "--set", "metrics.serviceMonitor.enabled=true"]
+            "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.prometheusRule.enabled=true",
+            "--set", "metrics.dashboard.enabled=true", "--set", "mode=both", *MONITORING_API]
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -177,15 +181,8 @@ def test_kubernetes_validate_strict(renderings: dict[str, str], name: str) -> No
                             timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("passed for resource") == len(core)
-    monitors = {d["kind"]: d for d in docs if d not in core}
-    if name == "monitors":
-        assert set(monitors) == {"PodMonitor", "ServiceMonitor"}
-        assert monitors["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
-        assert monitors["ServiceMonitor"]["spec"]["endpoints"][0]["port"] == "metrics"
-        service = next(d for d in core if d["kind"] == "Service")
-        assert service["spec"]["selector"] == monitors["PodMonitor"]["spec"]["selector"]["matchLabels"]
-    else:
-        assert not monitors
+    monitors = {d["kind"] for d in docs if d not in core}
+    assert monitors == ({"PodMonitor", "ServiceMonitor", "PrometheusRule"} if name == "monitors" else set())
 
 
 def _normal(value: Any, key: Optional[str] = None) -> Any:
@@ -312,3 +309,47 @@ def test_the_agents_kubelet_directories_are_the_kubelets(every_value: str, root:
             assert mounted[driver_dir] == driver_dir == f"{root}/plugins/{contracts.DRA_DRIVER}"
         else:
             assert mounted[settings.kubelet_dir] == settings.kubelet_dir == contracts.KUBELET_PLUGIN_DIR
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_monitors_scrape_every_agent_the_mode_runs(mode: str) -> None:
+    """The PodMonitor and the ServiceMonitor (through its Service) select exactly this mode's
+    DaemonSets' pods, each of which serves metrics on the port they scrape, and name the job
+    after the DaemonSet (the alerts and the dashboard select by it)."""
+    objects = documents(template(*MONITORS, "--set", f"mode={mode}").stdout)
+    sets = {d["metadata"]["name"]: d for d in objects if d["kind"] == "DaemonSet"}
+    assert "hyperlight-device-access" in sets and len(sets) == (3 if mode == "both" else 2)
+    (pod_monitor,) = [d for d in objects if d["kind"] == "PodMonitor"]
+    (service_monitor,) = [d for d in objects if d["kind"] == "ServiceMonitor"]
+    (service,) = [d for d in objects if d["kind"] == "Service"]
+    (expression,) = pod_monitor["spec"]["selector"]["matchExpressions"]
+    assert expression["key"] == "app.kubernetes.io/name" and expression["operator"] == "In"
+    assert set(expression["values"]) == set(sets)
+    (endpoint,) = service_monitor["spec"]["endpoints"]
+    keep, job = endpoint["relabelings"]
+    assert keep["action"] == "keep" and set(keep["regex"].split("|")) == set(sets)
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["relabelings"] == [job]
+    assert job == {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_name"], "targetLabel": "job"}
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    for ds in sets.values():
+        template_ = ds["spec"]["template"]
+        assert service["spec"]["selector"].items() <= template_["metadata"]["labels"].items()
+        (container,) = template_["spec"]["containers"]
+        assert container["ports"] == [{"name": "metrics", "containerPort": 9464, "protocol": "TCP"}]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["HYPERLIGHT_METRICS_ADDRESS"] == "0.0.0.0:9464"
+
+
+def test_prometheus_operator_objects_only_where_its_api_is_served() -> None:
+    """Enabled but not served (no CRDs): nothing of monitoring.coreos.com is rendered, so the
+    install does not fail on an unknown kind; the dashboard, a plain ConfigMap, still is."""
+    without = documents(template(*[a for a in MONITORS if a not in MONITORING_API]).stdout)
+    assert not [d for d in without if d["apiVersion"].startswith("monitoring.coreos.com/")]
+    assert not [d for d in without if d["kind"] == "Service"], "the Service exists only for the ServiceMonitor"
+    assert [d["metadata"]["labels"]["grafana_dashboard"] for d in without if d["kind"] == "ConfigMap"] == ["1"]
+
+
+def test_the_dashboard_is_the_charts_file() -> None:
+    (config_map,) = [d for d in documents(template(*MONITORS).stdout) if d["kind"] == "ConfigMap"]
+    with open(os.path.join(CHART, "dashboards", "hyperlight-agent.json")) as f:
+        assert json.loads(config_map["data"]["hyperlight-agent.json"]) == json.load(f)

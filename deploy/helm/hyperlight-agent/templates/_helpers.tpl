@@ -142,22 +142,38 @@ seccompProfile:
   value: {{ .Values.logLevel | quote }}
 {{- end }}
 
-{{/* The agent's metrics endpoint, when metrics are on: its env and its port. */}}
+{{/* The agent's metrics endpoint (with metrics on): its env, and its port (named for the monitors). */}}
 {{- define "hyperlight.metricsEnv" -}}
-{{- if .Values.metrics.enabled }}
 - name: HYPERLIGHT_METRICS_ADDRESS
   value: {{ printf "0.0.0.0:%d" (int .Values.metrics.port) | quote }}
 {{- end }}
-{{- end }}
-
-{{/* extraEnv, after the chart's own settings. */}}
-{{- define "hyperlight.extraEnv" -}}
-{{- with .Values.extraEnv }}
-{{ toYaml . }}
-{{- end }}
+{{- define "hyperlight.metricsPort" -}}
+ports:
+  - name: metrics
+    containerPort: {{ .Values.metrics.port }}
+    protocol: TCP
 {{- end }}
 
 {{/* The kubelet's root directory: the DRA driver's kubelet directories follow it. */}}
 {{- define "hyperlight.kubeletRootDir" -}}
 {{ .Values.kubeletRootDir | trimSuffix "/" }}
+{{- end }}
+
+{{/* The DaemonSets this mode installs, as component names (device-access always). */}}
+{{- define "hyperlight.components" -}}
+{{- $components := list "device-access" }}
+{{- if ne .Values.mode "dra" }}{{ $components = append $components "device-plugin" }}{{ end }}
+{{- if ne .Values.mode "devicePlugin" }}{{ $components = append $components "dra-driver" }}{{ end }}
+{{- join " " $components }}
+{{- end }}
+
+{{/* Whether prometheus-operator's API is served (its objects fail to install elsewhere). */}}
+{{- define "hyperlight.monitoringServed" -}}
+{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end }}
+{{- end }}
+
+{{/* The scrape targets' job: the DaemonSet's name (app.kubernetes.io/name), whichever monitor. */}}
+{{- define "hyperlight.jobRelabeling" -}}
+- sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_name]
+  targetLabel: job
 {{- end }}
