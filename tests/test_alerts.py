@@ -285,15 +285,18 @@ def test_the_alerts_fire_for_faults_recorded_from_real_agents(tmp_path: Any, rec
     timeline.add(healthy, 30, [ready(DRA.pod, True)])
     scenarios.append(("healthy", timeline, {}))
 
-    # The device gone for 15 minutes after 10 healthy ones.
+    # The device gone for 20 minutes after 10 healthy ones. The plugin was recorded in that
+    # order, after the CDI scenario's repairs: its healthy minutes are the last of those, so that
+    # its repairs counter does not jump.
+    repaired = {**healthy, PLUGIN: r.cdi_tampered[-1]}
     timeline = Timeline()
-    timeline.add(healthy, 10, [ready(DRA.pod, True)])
+    timeline.add(repaired, 10, [ready(DRA.pod, True)])
     timeline.add({**healthy, PLUGIN: r.device_gone}, 20, [ready(DRA.pod, True)])
     scenarios.append(("device gone", timeline, {"HyperlightDeviceUnusable": [expected(PLUGIN)]}))
 
     # Then the kubelet gone too: the plugin keeps retrying, with no stream.
     timeline = Timeline()
-    timeline.add(healthy, 10, [ready(DRA.pod, True)])
+    timeline.add(repaired, 10, [ready(DRA.pod, True)])
     timeline.add({**healthy, PLUGIN: r.kubelet_gone}, 20, [ready(DRA.pod, True)])
     scenarios.append(("kubelet gone", timeline, {"HyperlightNotRegisteredWithKubelet": [expected(PLUGIN)],
                                                  "HyperlightDeviceUnusable": [expected(PLUGIN)]}))

@@ -51,14 +51,14 @@ FREE_FORM = {"nodeSelector", "affinity", "podAnnotations", "podLabels", "podSecu
 def test_every_value_is_in_the_table() -> None:
     """Each value, and each key of a value that is a group of settings (metrics.podMonitor...),
     has its row: `a.b` names a.b; a following `.c` in the same cell names a.c."""
-    named = set()
+    named: set[str] = set()
     for cell in values_table():
         first = ""
-        for path in re.findall(r"`([A-Za-z][A-Za-z.]*|\.[A-Za-z.]+)`", cell):
-            if path.startswith("."):
-                path = first.rsplit(".", 1)[0] + path
+        for name in re.findall(r"`([A-Za-z][A-Za-z.]*|\.[A-Za-z.]+)`", cell):
+            if name.startswith("."):
+                path = first.rsplit(".", 1)[0] + name
             else:
-                first = path
+                path = first = name
             parts = path.split(".")
             named.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
     wanted = set()
