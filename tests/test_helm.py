@@ -84,6 +84,8 @@ def test_values_files_match_the_overlays() -> None:
     ("updateStrategy.rollingUpdate.maxSurge=one", "at '/updateStrategy/rollingUpdate/maxSurge'"),
     ("podSecurityContext.runAsUser=1000", "at '/podSecurityContext': additional properties 'runAsUser' not allowed"),
     ("imagePullSecrets[0].secret=x", "at '/imagePullSecrets/0'"),
+    ("namespace.name=x", "at '/namespace': additional properties 'name' not allowed"),
+    ("tests.image=x", "at '/tests': additional properties 'image' not allowed"),
 ])
 def test_schema_refuses_bad_values_with_a_clear_message(setting: str, message: str) -> None:
     result = template("--set", setting, check=False)
@@ -126,6 +128,8 @@ EVERY_VALUE: dict[str, Any] = {
     "logLevel": "debug",
     "extraEnv": [{"name": "HYPERLIGHT_CHECK_INTERVAL", "value": "10"}],
     "kubeletRootDir": "/var/snap/microk8s/common/var/lib/kubelet/x",  # 43 of the 47 allowed
+    "namespace": {"create": True, "labels": {"example.com/team": "sandboxes"}},
+    "tests": {"enabled": True},
 }
 MODES = ["devicePlugin", "dra", "both"]
 
@@ -206,14 +210,71 @@ def _objects(text: str) -> dict[tuple[str, str], Any]:
 @pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
 def test_chart_and_kustomize_render_the_same_objects(overlay: str) -> None:
     """The chart with the overlay's values file (or none, for the base) gives exactly the
-    kustomize rendering's objects, but the Namespace (Helm installs into one: docs/deploy.md)."""
+    kustomize rendering's objects, but the Namespace (Helm installs into one: docs/deploy.md) and
+    `helm test`'s pods (kustomize has no tests)."""
     path = os.path.join(DEPLOY, overlay) if overlay == "base" else os.path.join(DEPLOY, "overlays", overlay)
     kustomized = _objects(render(path))
     assert kustomized.pop(("Namespace", NAMESPACE))
-    charted = _objects(template(*values_file(overlay)).stdout)
+    charted = _objects(template(*values_file(overlay), "--skip-tests").stdout)
     assert sorted(charted) == sorted(kustomized)
     for key, obj in kustomized.items():
         assert charted[key] == obj, f"{overlay}: {key} differs"
+
+
+def test_the_charts_namespace_is_the_bases() -> None:
+    """namespace.create gives the kustomize base's Namespace, Pod Security labels and all, which
+    namespace.labels cannot lower."""
+    base = _objects(render(os.path.join(DEPLOY, "base")))[("Namespace", NAMESPACE)]
+    created = [d for d in documents(template(
+        "--namespace", "default", "--set", "namespace.create=true", "--set", f"namespaceOverride={NAMESPACE}",
+        "--set", "namespace.labels.pod-security\\.kubernetes\\.io/enforce=restricted").stdout)
+        if d["kind"] == "Namespace"]
+    assert [_normal(d) for d in created] == [base]
+
+
+def test_namespace_create_needs_the_namespace_to_create() -> None:
+    result = template("--set", "namespace.create=true", check=False)
+    assert result.returncode != 0
+    assert "namespace.create=true needs namespaceOverride" in result.stderr, result.stderr
+
+
+def ways(mode: str) -> list[str]:
+    """How workloads ask for the device in a mode: `helm test` has a pod for each."""
+    return [way for way, served in (("device-plugin", mode != "dra"), ("dra", mode != "devicePlugin")) if served]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_helm_test_asks_for_the_device_as_a_restricted_workload(mode: str) -> None:
+    """One test pod per way of asking (a DRA pod through a claim template of its own), each
+    running the agent's --check as deviceUid:deviceGid within the restricted Pod Security level,
+    all of them `helm test` hooks: a plain install creates none of them."""
+    objects = documents(template("--set", f"mode={mode}", "--set", "deviceUid=1234", "--set", "deviceGid=5678").stdout)
+    hooks = {(d["kind"], d["metadata"]["name"]): d for d in objects
+             if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"}
+    pods = {name: d for (kind, name), d in hooks.items() if kind == "Pod"}
+    assert sorted(pods) == [f"hyperlight-test-{way}" for way in ways(mode)]
+    for name, pod in pods.items():
+        spec = pod["spec"]
+        assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1234, "runAsGroup": 5678,
+                                           "seccompProfile": {"type": "RuntimeDefault"}}
+        (container,) = spec["containers"]
+        assert container["args"] == ["--check"] and container["image"].startswith("ghcr.io/hyperlight-dev/")
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                                "capabilities": {"drop": ["ALL"]}}
+        if name.endswith("device-plugin"):
+            assert container["resources"]["limits"][contracts.RESOURCE_HYPERVISOR] == "1"
+        else:
+            (claim,) = spec["resourceClaims"]
+            assert container["resources"]["claims"] == [{"name": claim["name"]}]
+            template_ = hooks[("ResourceClaimTemplate", claim["resourceClaimTemplateName"])]
+            (request,) = template_["spec"]["spec"]["devices"]["requests"]
+            assert request["exactly"]["deviceClassName"] == contracts.DRA_DRIVER
+            # Helm creates hooks by weight: the template first.
+            assert int(template_["metadata"]["annotations"]["helm.sh/hook-weight"]) < \
+                int(pod["metadata"]["annotations"].get("helm.sh/hook-weight", "0"))
+    without = documents(template("--set", f"mode={mode}", "--set", "tests.enabled=false").stdout)
+    assert not [d for d in without if "helm.sh/hook" in d["metadata"].get("annotations", {})]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -222,12 +283,22 @@ def test_every_value_lands_where_it_says(renderings: dict[str, str], mode: str) 
     metadata, security additions, environment and update strategy."""
     objects = rendered_objects(renderings, f"every-value-{mode}")
     for obj in objects:
-        # The DeviceClass's name is the API's contract; the service account's is a value of its own.
-        assert obj["metadata"]["name"].startswith("hl-production1-") or obj["kind"] in {"DeviceClass", "ServiceAccount"}
+        # The DeviceClass's name is the API's contract; the service account's and the namespace's
+        # are values of their own.
+        assert obj["metadata"]["name"].startswith("hl-production1-") or \
+            obj["kind"] in {"DeviceClass", "ServiceAccount", "Namespace"}
         if obj["kind"] not in {"DeviceClass", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
-                               "ValidatingAdmissionPolicyBinding"}:
+                               "ValidatingAdmissionPolicyBinding", "Namespace"}:
             assert obj["metadata"]["namespace"] == "sandboxes-system", obj["metadata"]
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "hl"
+    (namespace,) = [d for d in objects if d["kind"] == "Namespace"]
+    assert namespace["metadata"]["name"] == "sandboxes-system"
+    assert namespace["metadata"]["labels"]["example.com/team"] == "sandboxes"
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    tests = {d["metadata"]["name"]: d for d in objects if d["kind"] == "Pod"}
+    assert set(tests) == {f"hl-production1-test-{way}" for way in ways(mode)}
+    for pod in tests.values():
+        assert pod["spec"]["imagePullSecrets"] == EVERY_VALUE["imagePullSecrets"]
     sets = {d["metadata"]["name"]: d for d in objects if d["kind"] == "DaemonSet"}
     expected = {"hl-production1-device-access"} | ({"hl-production1-device-plugin"} if mode != "dra" else set()) \
         | ({"hl-production1-dra-driver"} if mode != "devicePlugin" else set())
