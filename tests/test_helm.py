@@ -223,19 +223,17 @@ def test_chart_and_kustomize_render_the_same_objects(overlay: str) -> None:
 
 def test_the_charts_namespace_is_the_bases() -> None:
     """namespace.create gives the kustomize base's Namespace, Pod Security labels and all, which
-    namespace.labels cannot lower."""
+    namespace.labels cannot lower; it is the release's namespace unless namespaceOverride says."""
     base = _objects(render(os.path.join(DEPLOY, "base")))[("Namespace", NAMESPACE)]
-    created = [d for d in documents(template(
-        "--namespace", "default", "--set", "namespace.create=true", "--set", f"namespaceOverride={NAMESPACE}",
-        "--set", "namespace.labels.pod-security\\.kubernetes\\.io/enforce=restricted").stdout)
-        if d["kind"] == "Namespace"]
-    assert [_normal(d) for d in created] == [base]
-
-
-def test_namespace_create_needs_the_namespace_to_create() -> None:
-    result = template("--set", "namespace.create=true", check=False)
-    assert result.returncode != 0
-    assert "namespace.create=true needs namespaceOverride" in result.stderr, result.stderr
+    for where in (["--namespace", NAMESPACE], ["--namespace", "default", "--set", f"namespaceOverride={NAMESPACE}"]):
+        created = [d for d in documents(template(
+            *where, "--set", "namespace.create=true",
+            "--set", "namespace.labels.pod-security\\.kubernetes\\.io/enforce=restricted").stdout)
+            if d["kind"] == "Namespace"]
+        (namespace,) = created
+        # Helm never deletes it (an upgrade without namespace.create would delete every pod in it).
+        assert namespace["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
+        assert [_normal(namespace)] == [base]
 
 
 def ways(mode: str) -> list[str]:
