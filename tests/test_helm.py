@@ -267,7 +267,7 @@ def test_helm_test_asks_for_the_device_as_a_restricted_workload(mode: str) -> No
             assert container["resources"]["claims"] == [{"name": claim["name"]}]
             template_ = hooks[("ResourceClaimTemplate", claim["resourceClaimTemplateName"])]
             (request,) = template_["spec"]["spec"]["devices"]["requests"]
-            assert request["exactly"]["deviceClassName"] == contracts.DRA_DRIVER
+            assert request["exactly"]["deviceClassName"] == contracts.DRA_DEVICE_CLASS
             # Helm creates hooks by weight: the template first.
             assert int(template_["metadata"]["annotations"]["helm.sh/hook-weight"]) < \
                 int(pod["metadata"]["annotations"].get("helm.sh/hook-weight", "0"))
