@@ -130,6 +130,8 @@ EVERY_VALUE: dict[str, Any] = {
     "kubeletRootDir": "/var/snap/microk8s/common/var/lib/kubelet/x",  # 43 of the 47 allowed
     "namespace": {"create": True, "labels": {"example.com/team": "sandboxes"}},
     "tests": {"enabled": True},
+    "nodeFeatureRule": {"enabled": True, "modules": {"kvm": ["kvm_intel", "kvm_amd", "kvm_pvm"], "mshv": []}},
+    "metrics": {"enabled": True, "port": 9500, "dashboard": {"enabled": True, "annotations": {"grafana_folder": "HL"}}},
 }
 MODES = ["devicePlugin", "dra", "both"]
 
@@ -175,8 +177,9 @@ def test_kubernetes_validate_strict(renderings: dict[str, str], name: str) -> No
     with open(path) as f:
         docs = documents(f.read())
     # PodMonitor and ServiceMonitor are prometheus-operator CRDs: no schema to validate against,
-    # so they are judged by shape here and the core objects strictly.
-    core = [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com/")]
+    # so they are judged by shape here and the core objects strictly. The NodeFeatureRule is
+    # validated against NFD's own CRD (tests/test_nodefeaturerule.py).
+    core = [d for d in docs if not d["apiVersion"].startswith(("monitoring.coreos.com/", "nfd.k8s-sigs.io/"))]
     assert core
     core_path = os.path.join(renderings[name], "core.yaml.txt")
     with open(core_path, "w") as f:
@@ -185,8 +188,9 @@ def test_kubernetes_validate_strict(renderings: dict[str, str], name: str) -> No
                             timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("passed for resource") == len(core)
-    monitors = {d["kind"] for d in docs if d not in core}
-    assert monitors == ({"PodMonitor", "ServiceMonitor", "PrometheusRule"} if name == "monitors" else set())
+    custom = {d["kind"] for d in docs if d not in core}
+    assert custom == ({"PodMonitor", "ServiceMonitor", "PrometheusRule"} if name == "monitors" else
+                      {"NodeFeatureRule"} if name.startswith("every-value-") else set())
 
 
 def _normal(value: Any, key: Optional[str] = None) -> Any:
@@ -286,7 +290,7 @@ def test_every_value_lands_where_it_says(renderings: dict[str, str], mode: str) 
         assert obj["metadata"]["name"].startswith("hl-production1-") or \
             obj["kind"] in {"DeviceClass", "ServiceAccount", "Namespace"}
         if obj["kind"] not in {"DeviceClass", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
-                               "ValidatingAdmissionPolicyBinding", "Namespace"}:
+                               "ValidatingAdmissionPolicyBinding", "Namespace", "NodeFeatureRule"}:
             assert obj["metadata"]["namespace"] == "sandboxes-system", obj["metadata"]
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "hl"
     (namespace,) = [d for d in objects if d["kind"] == "Namespace"]
@@ -317,6 +321,9 @@ def test_every_value_lands_where_it_says(renderings: dict[str, str], mode: str) 
         env = [e["name"] for e in container["env"]]
         assert env[-1] == "HYPERLIGHT_CHECK_INTERVAL", "extraEnv comes after the chart's own settings"
         assert {"name": "HYPERLIGHT_LOG_LEVEL", "value": "debug"} in container["env"]
+        # Every agent serves metrics, on the port set (the DRA driver's too).
+        assert {"name": "HYPERLIGHT_METRICS_ADDRESS", "value": "0.0.0.0:9500"} in container["env"]
+        assert container["ports"] == [{"name": "metrics", "containerPort": 9500, "protocol": "TCP"}]
     if mode != "devicePlugin":
         driver = sets["hl-production1-dra-driver"]["spec"]["template"]["spec"]
         assert driver["serviceAccountName"] == "hl-dra" and driver["automountServiceAccountToken"] is True
