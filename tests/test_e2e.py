@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -193,6 +194,61 @@ def test_install_runs_on_the_labelled_node_only(installed: Cluster, published: P
     assert allocatable(a, DEVICE_ACCESS) >= 1
     assert kubelet_view(a)[HYPERVISOR] == SLOTS
     assert HYPERVISOR not in b.allocatable()
+
+
+PRIVILEGED = {f"pod-security.kubernetes.io/{mode}": "privileged" for mode in ("enforce", "audit", "warn")}
+
+
+def test_pod_security_refuses_the_agents_pod_outside_the_charts_namespace(installed: Cluster) -> None:
+    """The cluster enforces `restricted` in every namespace without a label of its own
+    (cluster.POD_SECURITY); README's install went through it because the chart created the agents'
+    namespace with the level they need (namespace.create), and the agents run (above). The same
+    pod in a namespace of the cluster's default is refused."""
+    labels = installed.api.get(f"/api/v1/namespaces/{NAMESPACE}")["metadata"]["labels"]
+    assert {k: v for k, v in labels.items() if k.startswith("pod-security.kubernetes.io/")} == PRIVILEGED
+    (agent,) = daemonset_pods(installed, "hyperlight-device-plugin")
+    # As the DaemonSet would ask for it, less what the scheduler, the service account and priority
+    # admission added or allow only elsewhere (Pod Security is what is asked here).
+    spec = {k: v for k, v in agent["spec"].items() if k not in ("nodeName", "serviceAccountName", "serviceAccount",
+                                                                "priority", "priorityClassName")}
+    ns = "pod-security-default"
+    ensure_namespace(installed, ns)
+    try:
+        with pytest.raises(ApiError) as refused:
+            installed.api.create(f"/api/v1/namespaces/{ns}/pods", {
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "agent-elsewhere"}, "spec": spec})
+        assert refused.value.status == 403, refused.value
+        message = json.loads(refused.value.body)["message"]
+        assert 'violates PodSecurity "restricted:latest"' in message, message
+        assert 'restricted volume type "hostPath"' in message and "runAsUser=0" in message, message
+    finally:
+        installed.api.delete(f"/api/v1/namespaces/{ns}")
+
+
+def test_helm_test_gets_the_device_as_a_restricted_workload(installed: Cluster) -> None:
+    """`helm test`: the chart's test pod asks for hyperlight.dev/hypervisor and runs the agent's
+    --check in its container, as 65534 with no capabilities; it passes (and is deleted)."""
+    assert helm_test(installed) == {"hyperlight-test-device-plugin": "Succeeded"}
+    # Passed tests' pods are deleted.
+    assert not installed.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods",
+                                 labelSelector="app.kubernetes.io/name=hyperlight-test")["items"]
+
+
+def helm_test(cluster: Cluster) -> dict[str, str]:
+    """`helm test`: each test pod's phase, as helm reports it. (Not --logs: this cluster's API
+    server has no address for its kubelets; `--check` exits 0 only when the probe created a VM, and
+    a failed pod's status carries its output, as terminationMessagePolicy FallbackToLogsOnError
+    makes it, shown here.)"""
+    done = subprocess.run([os.path.join(TOOLS, "helm"), "--kubeconfig", cluster.admin_kubeconfig, "test",
+                           "hyperlight", "--namespace", NAMESPACE, "--timeout", "180s"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        pods = cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods",
+                               labelSelector="app.kubernetes.io/name=hyperlight-test")["items"]
+        said = {p["metadata"]["name"]: [s.get("state") for s in p["status"].get("containerStatuses", [])]
+                for p in pods}
+        raise AssertionError(f"helm test failed: {done.stderr}\n{done.stdout}\n{said}")
+    return dict(re.findall(r"^TEST SUITE:\s+(\S+)\n(?:.*\n)*?Phase:\s+(\S+)", done.stdout, re.M))
 
 
 def workload_pod(name: str, command: list[str], node: Optional[str] = None) -> dict[str, Any]:
@@ -942,6 +998,15 @@ def through_dra(pod: dict[str, Any]) -> bool:
 
 
 @pytest.mark.root
+def test_helm_test_gets_the_device_through_a_claim_too(dra_installed: Cluster) -> None:
+    """`helm test` in mode both: the device plugin's test pod and the DRA one (a claim from the
+    chart's test template) each run the agent's --check on the device they got, and pass."""
+    assert helm_test(dra_installed) == {"hyperlight-test-device-plugin": "Succeeded",
+                                        "hyperlight-test-dra": "Succeeded"}
+    # The test's claim template and its claims go with the pods that passed.
+    assert not dra_installed.api.get(f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/resourceclaimtemplates")["items"]
+
+
 def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(dra_installed: Cluster, published: Published,
                                                                      tmp: str) -> None:
     """Issue 29: 1, 2. Pods asking for resources.limits hyperlight.dev/hypervisor, unchanged, one
@@ -1318,6 +1383,135 @@ def test_labelled_node_without_a_usable_device_admits_nothing(installed: Cluster
             installed.api.delete(f"/api/v1/namespaces/{ns}/pods/workload-unusable")
     finally:
         installed.api.merge_patch("/api/v1/nodes/b", {"metadata": {"labels": {"hyperlight.dev/enabled": None}}})
+
+
+# The upstream Hyperlight device plugin (hyperlight-dev/hyperlight-on-kubernetes,
+# deploy/manifests/device-plugin.yaml), as far as a migration meets it: in namespace
+# hyperlight-system, a ServiceAccount and a DaemonSet both named hyperlight-device-plugin, selecting
+# app.kubernetes.io/name=hyperlight-device-plugin on nodes labelled hyperlight.dev/enabled=true; its
+# container runs as root with the kubelet's device-plugin directory, /var/run/cdi and the host's /dev
+# (read-only, at /dev) mounted, and takes DEVICE_COUNT, DEVICE_UID and DEVICE_GID. Its plugin writes
+# /var/run/cdi/hyperlight.json at start (kind hyperlight.dev/hypervisor), registers
+# hyperlight.dev/hypervisor on the socket hyperlight.sock, answers Allocate with the CDI name only,
+# and checks that the device node exists, never opening it. Its image cannot be fetched here, so our
+# image stands in for its binary, run as that: our agent's inventory-only mode (lstat, never open:
+# a container without the device's cgroup rule cannot open it) under the upstream's resource and
+# socket, answering with the CDI name, after writing the CDI spec as the upstream does. (Ours on
+# SIGTERM waits for a successor of the same resource where the upstream ends its stream at once;
+# either way our new agent is registered and Ready first.)
+UPSTREAM_NAME = "hyperlight-device-plugin"
+UPSTREAM_STAND_IN = f"""
+import os
+from hyperlight_agent import config, contracts, modes
+from hyperlight_agent.files import cdi
+with open(cdi.spec_path("/var/run/cdi"), "wb") as spec:
+    spec.write(cdi.render("kvm", "/dev/kvm", int(os.environ["DEVICE_UID"]), int(os.environ["DEVICE_GID"])))
+modes.of = lambda *args, **kwargs: modes.DEVICE_ACCESS._replace(
+    name="upstream", resource={HYPERVISOR!r}, socket="hyperlight.sock", slots=None, allocation=config.ALLOCATION_CDI)
+from hyperlight_agent.__main__ import main
+main()
+"""
+
+
+def gone(cluster: Cluster, path: str) -> bool:
+    try:
+        cluster.api.get(path)
+    except ApiError as exc:
+        if exc.status == 404:
+            return True
+        raise
+    return False
+
+
+def upstream_objects(image: str) -> list[tuple[str, dict[str, Any]]]:
+    labels = {"app.kubernetes.io/name": UPSTREAM_NAME, "app.kubernetes.io/part-of": "hyperlight"}
+    mounts = [("device-plugin", "/var/lib/kubelet/device-plugins", "Directory", False),
+              ("cdi", "/var/run/cdi", "DirectoryOrCreate", False), ("dev", "/dev", "Directory", True)]
+    daemonset = {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": UPSTREAM_NAME, "labels": labels},
+                 "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": UPSTREAM_NAME}},
+                          "updateStrategy": {"type": "RollingUpdate"},
+                          "template": {"metadata": {"labels": labels}, "spec": {
+                              "serviceAccountName": UPSTREAM_NAME,
+                              "nodeSelector": {"hyperlight.dev/enabled": "true"},
+                              "priorityClassName": "system-node-critical",
+                              "containers": [{
+                                  "name": "device-plugin", "image": image, "imagePullPolicy": "Always",
+                                  "command": ["python3", "-c", UPSTREAM_STAND_IN],
+                                  # Not the upstream's: with the host's /dev read-only at /dev, runc
+                                  # here cannot mount the default /dev/termination-log (the pod never
+                                  # starts: "error mounting … to rootfs at /dev/termination-log").
+                                  "terminationMessagePath": "/termination-log",
+                                  "env": [{"name": "DEVICE_COUNT", "value": str(SLOTS)},
+                                          {"name": "DEVICE_UID", "value": "65534"},
+                                          {"name": "DEVICE_GID", "value": "65534"}],
+                                  "securityContext": {"privileged": False, "readOnlyRootFilesystem": True,
+                                                      "allowPrivilegeEscalation": False, "runAsUser": 0},
+                                  "volumeMounts": [{"name": n, "mountPath": p, **({"readOnly": True} if ro else {})}
+                                                   for n, p, _, ro in mounts],
+                                  "resources": {"requests": {"memory": "32Mi", "cpu": "10m"},
+                                                "limits": {"memory": "96Mi", "cpu": "500m"}}}],
+                              "volumes": [{"name": n, "hostPath": {"path": p, "type": t}} for n, p, t, _ in mounts],
+                              "terminationGracePeriodSeconds": 30}}}}
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": UPSTREAM_NAME, "labels": labels}}
+    return [(f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts", account),
+            (f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets", daemonset)]
+
+
+def test_migration_from_the_upstream_plugin_fails_no_pod(installed: Cluster, published: Published) -> None:
+    """docs/operations.md's migration on node a: the upstream plugin's objects serving the node and a
+    workload running on its device; then its DaemonSet deleted with its pods orphaned, and our chart
+    installed into its namespace: our DaemonSet adopts the upstream pod and replaces it with a surge,
+    the running workload is untouched, and none of the pods created every 0.2 s meanwhile fails."""
+    a = installed.nodes["a"]
+    release = manifest(published.releases[PREVIOUS])
+    image = f"{release['image']['repository']}@{release['image']['digest']}"
+    # The upstream install alone: ours uninstalled first (its namespace, which Helm keeps, stays:
+    # the upstream's is the same namespace, and on this cluster it must allow privileged pods).
+    helm(installed, "uninstall", "hyperlight", "--namespace", NAMESPACE, "--wait", "--timeout", "180s")
+    wait_until(lambda: not installed.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"], 180,
+               "our agents' pods gone")
+    for path, body in upstream_objects(image):
+        installed.api.create(path, body)
+    wait_until(lambda: kubelet_view(a).get(HYPERVISOR) == SLOTS, 180, "the upstream plugin serving node a")
+    (upstream_pod,) = daemonset_pods(installed, UPSTREAM_NAME)
+    ns = "migration"
+    ensure_namespace(installed, ns)
+    installed.api.create(f"/api/v1/namespaces/{ns}/pods",
+                         workload_pod("running", ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"], node="a"))
+    running = wait_until(lambda: (p := installed.api.get(f"/api/v1/namespaces/{ns}/pods/running"))["status"]
+                         .get("phase") == "Running" and p, 120, "a workload running on the upstream plugin's device")
+    started = time.monotonic()
+    with Load(installed, a, ns, ["/kvmcheck"], pin=True) as load:
+        # 1. The upstream DaemonSet goes; its pod keeps serving.
+        installed.api.delete(f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{UPSTREAM_NAME}",
+                             propagation="Orphan")
+        wait_until(lambda: gone(installed, f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{UPSTREAM_NAME}"), 60,
+                   "the upstream DaemonSet gone (its pods orphaned)")
+        assert not gone(installed, f"/api/v1/namespaces/{NAMESPACE}/pods/{upstream_pod['metadata']['name']}")
+        # 2. Ours, into the existing namespace.
+        helm(installed, "install", "hyperlight", *release_chart(published, PREVIOUS), "--namespace", NAMESPACE)
+        # 3. The upstream pod adopted and replaced by ours, which serves the node.
+        wait_until(lambda: rolled_out(installed, "hyperlight-device-plugin")
+                   and not [p for p in daemonset_pods(installed, "hyperlight-device-plugin")
+                            if p["metadata"]["name"] == upstream_pod["metadata"]["name"]], 240,
+                   "our device plugin rolled out over the upstream pod")
+        wait_until(lambda: gone(installed, f"/api/v1/namespaces/{NAMESPACE}/pods/{upstream_pod['metadata']['name']}"),
+                   120, "the upstream pod gone")
+        # And ten more pods on our plugin alone.
+        then = len(load.created)
+        wait_until(lambda: len(load.created) >= then + 10, 60, "ten pods created after the switch")
+    record("migration.upstream_to_ours_s", round(time.monotonic() - started, 1))
+    outcomes = load.outcomes()
+    record("migration.load_pods", outcomes)
+    assert outcomes["rejected"] == outcomes["failed"] == 0 and outcomes["succeeded"] == len(load.created), outcomes
+    after = installed.api.get(f"/api/v1/namespaces/{ns}/pods/running")
+    assert after["metadata"]["uid"] == running["metadata"]["uid"] and after["status"]["phase"] == "Running"
+    assert [s["restartCount"] for s in after["status"]["containerStatuses"]] == [0]
+    (ours,) = daemonset_pods(installed, "hyperlight-device-plugin")
+    assert ours["spec"]["containers"][0]["name"] == "agent"
+    assert kubelet_view(a)[HYPERVISOR] == SLOTS
+    installed.api.delete(f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{UPSTREAM_NAME}")
+    installed.api.delete(f"/api/v1/namespaces/{ns}")
 
 
 @pytest.mark.root
