@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -193,6 +194,61 @@ def test_install_runs_on_the_labelled_node_only(installed: Cluster, published: P
     assert allocatable(a, DEVICE_ACCESS) >= 1
     assert kubelet_view(a)[HYPERVISOR] == SLOTS
     assert HYPERVISOR not in b.allocatable()
+
+
+PRIVILEGED = {f"pod-security.kubernetes.io/{mode}": "privileged" for mode in ("enforce", "audit", "warn")}
+
+
+def test_pod_security_refuses_the_agents_pod_outside_the_charts_namespace(installed: Cluster) -> None:
+    """The cluster enforces `restricted` in every namespace without a label of its own
+    (cluster.POD_SECURITY); README's install went through it because the chart created the agents'
+    namespace with the level they need (namespace.create), and the agents run (above). The same
+    pod in a namespace of the cluster's default is refused."""
+    labels = installed.api.get(f"/api/v1/namespaces/{NAMESPACE}")["metadata"]["labels"]
+    assert {k: v for k, v in labels.items() if k.startswith("pod-security.kubernetes.io/")} == PRIVILEGED
+    (agent,) = daemonset_pods(installed, "hyperlight-device-plugin")
+    # As the DaemonSet would ask for it, less what the scheduler, the service account and priority
+    # admission added or allow only elsewhere (Pod Security is what is asked here).
+    spec = {k: v for k, v in agent["spec"].items() if k not in ("nodeName", "serviceAccountName", "serviceAccount",
+                                                                "priority", "priorityClassName")}
+    ns = "pod-security-default"
+    ensure_namespace(installed, ns)
+    try:
+        with pytest.raises(ApiError) as refused:
+            installed.api.create(f"/api/v1/namespaces/{ns}/pods", {
+                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "agent-elsewhere"}, "spec": spec})
+        assert refused.value.status == 403, refused.value
+        message = json.loads(refused.value.body)["message"]
+        assert 'violates PodSecurity "restricted:latest"' in message, message
+        assert 'restricted volume type "hostPath"' in message and "runAsUser=0" in message, message
+    finally:
+        installed.api.delete(f"/api/v1/namespaces/{ns}")
+
+
+def test_helm_test_gets_the_device_as_a_restricted_workload(installed: Cluster) -> None:
+    """`helm test`: the chart's test pod asks for hyperlight.dev/hypervisor and runs the agent's
+    --check in its container, as 65534 with no capabilities; it passes (and is deleted)."""
+    assert helm_test(installed) == {"hyperlight-test-device-plugin": "Succeeded"}
+    # Passed tests' pods are deleted.
+    assert not installed.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods",
+                                 labelSelector="app.kubernetes.io/name=hyperlight-test")["items"]
+
+
+def helm_test(cluster: Cluster) -> dict[str, str]:
+    """`helm test`: each test pod's phase, as helm reports it. (Not --logs: this cluster's API
+    server has no address for its kubelets; `--check` exits 0 only when the probe created a VM, and
+    a failed pod's status carries its output, as terminationMessagePolicy FallbackToLogsOnError
+    makes it, shown here.)"""
+    done = subprocess.run([os.path.join(TOOLS, "helm"), "--kubeconfig", cluster.admin_kubeconfig, "test",
+                           "hyperlight", "--namespace", NAMESPACE, "--timeout", "180s"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        pods = cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods",
+                               labelSelector="app.kubernetes.io/name=hyperlight-test")["items"]
+        said = {p["metadata"]["name"]: [s.get("state") for s in p["status"].get("containerStatuses", [])]
+                for p in pods}
+        raise AssertionError(f"helm test failed: {done.stderr}\n{done.stdout}\n{said}")
+    return dict(re.findall(r"^TEST SUITE:\s+(\S+)\n(?:.*\n)*?Phase:\s+(\S+)", done.stdout, re.M))
 
 
 def workload_pod(name: str, command: list[str], node: Optional[str] = None) -> dict[str, Any]:
@@ -942,6 +998,15 @@ def through_dra(pod: dict[str, Any]) -> bool:
 
 
 @pytest.mark.root
+def test_helm_test_gets_the_device_through_a_claim_too(dra_installed: Cluster) -> None:
+    """`helm test` in mode both: the device plugin's test pod and the DRA one (a claim from the
+    chart's test template) each run the agent's --check on the device they got, and pass."""
+    assert helm_test(dra_installed) == {"hyperlight-test-device-plugin": "Succeeded",
+                                        "hyperlight-test-dra": "Succeeded"}
+    # The test's claim template and its claims go with the pods that passed.
+    assert not dra_installed.api.get(f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/resourceclaimtemplates")["items"]
+
+
 def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(dra_installed: Cluster, published: Published,
                                                                      tmp: str) -> None:
     """Issue 29: 1, 2. Pods asking for resources.limits hyperlight.dev/hypervisor, unchanged, one

@@ -4,6 +4,7 @@ objects as the kustomize base and overlays (one source of truth, checked both wa
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ from typing import Any, Optional
 import pytest
 import yaml
 
-from hyperlight_agent import __version__
+from hyperlight_agent import __version__, cli, config, contracts
 from tests.test_deploy import DEPLOY, OVERLAYS, checkov, documents, judge, render, tool
 
 # Rendered by kubectl/helm and judged by checkov and kubernetes-validate (build/tools, build/judges).
@@ -24,8 +25,11 @@ NAMESPACE = "hyperlight-system"
 # Labels only Helm can know (release, chart version); everything else must match the base.
 HELM_ONLY_LABELS = {"app.kubernetes.io/managed-by", "app.kubernetes.io/instance", "app.kubernetes.io/version",
                     "helm.sh/chart"}
+# Every monitoring object, where the API server serves prometheus-operator's API.
+MONITORING_API = ["--api-versions", "monitoring.coreos.com/v1"]
 MONITORS = ["--set", "metrics.enabled=true", "--set", "metrics.podMonitor.enabled=true",
-            "--set", "metrics.serviceMonitor.enabled=true"]
+            "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.prometheusRule.enabled=true",
+            "--set", "metrics.dashboard.enabled=true", "--set", "mode=both", *MONITORING_API]
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -68,12 +72,32 @@ def test_values_files_match_the_overlays() -> None:
     ("devicecount=5", "additional properties 'devicecount' not allowed"),
     ("mode=deviceplugin", "at '/mode': value must be one of 'devicePlugin', 'dra', 'both'"),
     ("draDevices=129", "at '/draDevices': maximum: got 129, want 128"),
+    # Unknown keys are refused at every depth, with Helm's own words.
+    ("serviceAccount.automount=true", "at '/serviceAccount': additional properties 'automount' not allowed"),
+    ("fullnameOverride=hyperlight-agents", "at '/fullnameOverride': maxLength: got 17, want 14"),
+    ("namespaceOverride=Hyperlight", "at '/namespaceOverride'"),
+    ("kubeletRootDir=var/lib/kubelet", "at '/kubeletRootDir': 'var/lib/kubelet' does not match pattern"),
+    ("kubeletRootDir=/" + "k" * 47, "at '/kubeletRootDir': maxLength: got 48, want 47"),
+    ("serviceAccount.create=false", "at '/serviceAccount/name': minLength: got 0, want 1"),
+    ("logLevel=verbose", "at '/logLevel': value must be one of 'debug', 'info', 'warning', 'error'"),
+    ("updateStrategy.type=Recreate", "at '/updateStrategy/type': value must be one of 'RollingUpdate', 'OnDelete'"),
+    ("updateStrategy.rollingUpdate.maxSurge=one", "at '/updateStrategy/rollingUpdate/maxSurge'"),
+    ("podSecurityContext.runAsUser=1000", "at '/podSecurityContext': additional properties 'runAsUser' not allowed"),
+    ("imagePullSecrets[0].secret=x", "at '/imagePullSecrets/0'"),
+    ("namespace.name=x", "at '/namespace': additional properties 'name' not allowed"),
+    ("tests.image=x", "at '/tests': additional properties 'image' not allowed"),
 ])
 def test_schema_refuses_bad_values_with_a_clear_message(setting: str, message: str) -> None:
     result = template("--set", setting, check=False)
     assert result.returncode != 0, f"{setting} was accepted"
     assert "values don't meet the specifications of the schema" in result.stderr
     assert message in result.stderr, result.stderr
+
+
+def test_pod_labels_cannot_take_the_charts_own() -> None:
+    result = template("--set", "podLabels.app\\.kubernetes\\.io/name=mine", check=False)
+    assert result.returncode != 0
+    assert "podLabels: app.kubernetes.io/name is the chart's own label" in result.stderr, result.stderr
 
 
 def test_schema_wants_a_digest_or_a_tag() -> None:
@@ -85,11 +109,49 @@ def test_schema_wants_a_digest_or_a_tag() -> None:
     assert images == {"ghcr.io/hyperlight-dev/hyperlight-agent:dev"}
 
 
+# Every value an operator sets routinely (issue 31: 1), each away from its default; the longest
+# name prefix and kubelet root the schema allows, so what the agent accepts is checked at the edge.
+EVERY_VALUE: dict[str, Any] = {
+    "fullnameOverride": "hl-production1",  # 14 characters, the most
+    "nameOverride": "hl",
+    "namespaceOverride": "sandboxes-system",
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "node.kubernetes.io/instance-type", "operator": "In",
+                               "values": ["Standard_D4s_v5"]}]}]}}},
+    "imagePullSecrets": [{"name": "registry-credentials"}],
+    "podAnnotations": {"example.com/owner": "sandbox-team"},
+    "podLabels": {"example.com/cost-centre": "hypervisors"},
+    "podSecurityContext": {"seLinuxOptions": {"type": "spc_t"}, "supplementalGroups": [2000]},
+    "serviceAccount": {"create": True, "name": "hl-dra", "annotations": {"example.com/purpose": "dra"}},
+    "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "100%", "maxUnavailable": 0}},
+    "runtimeClassName": "runc",
+    "logLevel": "debug",
+    "extraEnv": [{"name": "HYPERLIGHT_CHECK_INTERVAL", "value": "10"}],
+    "kubeletRootDir": "/var/snap/microk8s/common/var/lib/kubelet/x",  # 43 of the 47 allowed
+    "namespace": {"create": True, "labels": {"example.com/team": "sandboxes"}},
+    "tests": {"enabled": True},
+    "nodeFeatureRule": {"enabled": True, "modules": {"kvm": ["kvm_intel", "kvm_amd", "kvm_pvm"], "mshv": []}},
+    "metrics": {"enabled": True, "port": 9500, "dashboard": {"enabled": True, "annotations": {"grafana_folder": "HL"}}},
+}
+MODES = ["devicePlugin", "dra", "both"]
+
+
 @pytest.fixture(scope="module")
-def renderings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def every_value(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("values") / "every-value.yaml"
+    path.write_text(yaml.safe_dump(EVERY_VALUE))
+    return str(path)
+
+
+RENDERINGS = ["base", *OVERLAYS, "monitors", *(f"every-value-{mode}" for mode in MODES)]
+
+
+@pytest.fixture(scope="module")
+def renderings(tmp_path_factory: pytest.TempPathFactory, every_value: str) -> dict[str, str]:
     """Each rendering in a directory of its own (checkov judges a directory)."""
     out = {}
-    for name, args in [*((o, values_file(o)) for o in ["base", *OVERLAYS]), ("monitors", MONITORS)]:
+    every = [(f"every-value-{mode}", ["-f", every_value, "--set", f"mode={mode}"]) for mode in MODES]
+    for name, args in [*((o, values_file(o)) for o in ["base", *OVERLAYS]), ("monitors", MONITORS), *every]:
         directory = tmp_path_factory.mktemp(f"helm-{name}")
         with open(directory / "all.yaml", "w") as f:
             f.write(template(*args).stdout)
@@ -97,21 +159,28 @@ def renderings(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("name", ["base", *OVERLAYS, "monitors"])
+def rendered_objects(renderings: dict[str, str], name: str) -> list[dict[str, Any]]:
+    with open(os.path.join(renderings[name], "all.yaml")) as f:
+        return documents(f.read())
+
+
+@pytest.mark.parametrize("name", RENDERINGS)
 def test_checkov_passes_every_rendering(renderings: dict[str, str], name: str) -> None:
     summary = checkov(renderings[name])
     assert summary["failed"] == 0, summary
     assert summary["passed"] > 100, summary
 
 
-@pytest.mark.parametrize("name", ["base", *OVERLAYS, "monitors"])
+@pytest.mark.parametrize("name", RENDERINGS)
 def test_kubernetes_validate_strict(renderings: dict[str, str], name: str) -> None:
     path = os.path.join(renderings[name], "all.yaml")
     with open(path) as f:
         docs = documents(f.read())
     # PodMonitor and ServiceMonitor are prometheus-operator CRDs: no schema to validate against,
-    # so they are judged by shape here and the core objects strictly.
-    core = [d for d in docs if not d["apiVersion"].startswith("monitoring.coreos.com/")]
+    # so they are judged by shape here and the core objects strictly. The NodeFeatureRule is
+    # validated against NFD's own CRD (tests/test_nodefeaturerule.py).
+    core = [d for d in docs if not d["apiVersion"].startswith(("monitoring.coreos.com/", "nfd.k8s-sigs.io/"))]
+    assert core
     core_path = os.path.join(renderings[name], "core.yaml.txt")
     with open(core_path, "w") as f:
         yaml.safe_dump_all(core, f)
@@ -119,15 +188,9 @@ def test_kubernetes_validate_strict(renderings: dict[str, str], name: str) -> No
                             timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("passed for resource") == len(core)
-    monitors = {d["kind"]: d for d in docs if d not in core}
-    if name == "monitors":
-        assert set(monitors) == {"PodMonitor", "ServiceMonitor"}
-        assert monitors["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
-        assert monitors["ServiceMonitor"]["spec"]["endpoints"][0]["port"] == "metrics"
-        service = next(d for d in core if d["kind"] == "Service")
-        assert service["spec"]["selector"] == monitors["PodMonitor"]["spec"]["selector"]["matchLabels"]
-    else:
-        assert not monitors
+    custom = {d["kind"] for d in docs if d not in core}
+    assert custom == ({"PodMonitor", "ServiceMonitor", "PrometheusRule"} if name == "monitors" else
+                      {"NodeFeatureRule"} if name.startswith("every-value-") else set())
 
 
 def _normal(value: Any, key: Optional[str] = None) -> Any:
@@ -151,11 +214,218 @@ def _objects(text: str) -> dict[tuple[str, str], Any]:
 @pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
 def test_chart_and_kustomize_render_the_same_objects(overlay: str) -> None:
     """The chart with the overlay's values file (or none, for the base) gives exactly the
-    kustomize rendering's objects, but the Namespace (Helm installs into one: docs/deploy.md)."""
+    kustomize rendering's objects, but the Namespace (Helm installs into one: docs/deploy.md) and
+    `helm test`'s pods (kustomize has no tests)."""
     path = os.path.join(DEPLOY, overlay) if overlay == "base" else os.path.join(DEPLOY, "overlays", overlay)
     kustomized = _objects(render(path))
     assert kustomized.pop(("Namespace", NAMESPACE))
-    charted = _objects(template(*values_file(overlay)).stdout)
+    charted = _objects(template(*values_file(overlay), "--skip-tests").stdout)
     assert sorted(charted) == sorted(kustomized)
     for key, obj in kustomized.items():
         assert charted[key] == obj, f"{overlay}: {key} differs"
+
+
+def test_the_charts_namespace_is_the_bases() -> None:
+    """namespace.create gives the kustomize base's Namespace, Pod Security labels and all, which
+    namespace.labels cannot lower; it is the release's namespace unless namespaceOverride says."""
+    base = _objects(render(os.path.join(DEPLOY, "base")))[("Namespace", NAMESPACE)]
+    for where in (["--namespace", NAMESPACE], ["--namespace", "default", "--set", f"namespaceOverride={NAMESPACE}"]):
+        created = [d for d in documents(template(
+            *where, "--set", "namespace.create=true",
+            "--set", "namespace.labels.pod-security\\.kubernetes\\.io/enforce=restricted").stdout)
+            if d["kind"] == "Namespace"]
+        (namespace,) = created
+        # Helm never deletes it (an upgrade without namespace.create would delete every pod in it).
+        assert namespace["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
+        assert [_normal(namespace)] == [base]
+
+
+def ways(mode: str) -> list[str]:
+    """How workloads ask for the device in a mode: `helm test` has a pod for each."""
+    return [way for way, served in (("device-plugin", mode != "dra"), ("dra", mode != "devicePlugin")) if served]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_helm_test_asks_for_the_device_as_a_restricted_workload(mode: str) -> None:
+    """One test pod per way of asking (a DRA pod through a claim template of its own), each
+    running the agent's --check as deviceUid:deviceGid within the restricted Pod Security level,
+    all of them `helm test` hooks: a plain install creates none of them."""
+    objects = documents(template("--set", f"mode={mode}", "--set", "deviceUid=1234", "--set", "deviceGid=5678").stdout)
+    hooks = {(d["kind"], d["metadata"]["name"]): d for d in objects
+             if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"}
+    pods = {name: d for (kind, name), d in hooks.items() if kind == "Pod"}
+    assert sorted(pods) == [f"hyperlight-test-{way}" for way in ways(mode)]
+    for name, pod in pods.items():
+        spec = pod["spec"]
+        assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
+        assert spec["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1234, "runAsGroup": 5678,
+                                           "seccompProfile": {"type": "RuntimeDefault"}}
+        (container,) = spec["containers"]
+        assert container["args"] == ["--check"] and container["image"].startswith("ghcr.io/hyperlight-dev/")
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                                "capabilities": {"drop": ["ALL"]}}
+        if name.endswith("device-plugin"):
+            assert container["resources"]["limits"][contracts.RESOURCE_HYPERVISOR] == "1"
+        else:
+            (claim,) = spec["resourceClaims"]
+            assert container["resources"]["claims"] == [{"name": claim["name"]}]
+            template_ = hooks[("ResourceClaimTemplate", claim["resourceClaimTemplateName"])]
+            (request,) = template_["spec"]["spec"]["devices"]["requests"]
+            assert request["exactly"]["deviceClassName"] == contracts.DRA_DEVICE_CLASS
+            # Helm creates hooks by weight: the template first.
+            assert int(template_["metadata"]["annotations"]["helm.sh/hook-weight"]) < \
+                int(pod["metadata"]["annotations"].get("helm.sh/hook-weight", "0"))
+    without = documents(template("--set", f"mode={mode}", "--set", "tests.enabled=false").stdout)
+    assert not [d for d in without if "helm.sh/hook" in d["metadata"].get("annotations", {})]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_value_lands_where_it_says(renderings: dict[str, str], mode: str) -> None:
+    """Each value of EVERY_VALUE in each mode: names and namespace, every agent pod's placement,
+    metadata, security additions, environment and update strategy."""
+    objects = rendered_objects(renderings, f"every-value-{mode}")
+    for obj in objects:
+        # The DeviceClass's name is the API's contract; the service account's and the namespace's
+        # are values of their own.
+        assert obj["metadata"]["name"].startswith("hl-production1-") or \
+            obj["kind"] in {"DeviceClass", "ServiceAccount", "Namespace"}
+        if obj["kind"] not in {"DeviceClass", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                               "ValidatingAdmissionPolicyBinding", "Namespace", "NodeFeatureRule"}:
+            assert obj["metadata"]["namespace"] == "sandboxes-system", obj["metadata"]
+        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "hl"
+    (namespace,) = [d for d in objects if d["kind"] == "Namespace"]
+    assert namespace["metadata"]["name"] == "sandboxes-system"
+    assert namespace["metadata"]["labels"]["example.com/team"] == "sandboxes"
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    tests = {d["metadata"]["name"]: d for d in objects if d["kind"] == "Pod"}
+    assert set(tests) == {f"hl-production1-test-{way}" for way in ways(mode)}
+    for pod in tests.values():
+        assert pod["spec"]["imagePullSecrets"] == EVERY_VALUE["imagePullSecrets"]
+    sets = {d["metadata"]["name"]: d for d in objects if d["kind"] == "DaemonSet"}
+    expected = {"hl-production1-device-access"} | ({"hl-production1-device-plugin"} if mode != "dra" else set()) \
+        | ({"hl-production1-dra-driver"} if mode != "devicePlugin" else set())
+    assert set(sets) == expected
+    for name, ds in sets.items():
+        assert ds["spec"]["selector"] == {"matchLabels": {"app.kubernetes.io/name": name}}
+        assert ds["spec"]["updateStrategy"] == EVERY_VALUE["updateStrategy"]
+        meta, pod = ds["spec"]["template"]["metadata"], ds["spec"]["template"]["spec"]
+        assert meta["labels"] == {**EVERY_VALUE["podLabels"], "app.kubernetes.io/name": name,
+                                  "app.kubernetes.io/part-of": "hl"}
+        assert meta["annotations"] == EVERY_VALUE["podAnnotations"]
+        for key in ("affinity", "imagePullSecrets", "runtimeClassName"):
+            assert pod[key] == EVERY_VALUE[key], key
+        # Added to the fixed pod security context, which stays as it is.
+        assert pod["securityContext"] == {**EVERY_VALUE["podSecurityContext"], "runAsUser": 0, "runAsGroup": 0,
+                                          "runAsNonRoot": False, "seccompProfile": {"type": "RuntimeDefault"}}
+        (container,) = pod["containers"]
+        env = [e["name"] for e in container["env"]]
+        assert env[-1] == "HYPERLIGHT_CHECK_INTERVAL", "extraEnv comes after the chart's own settings"
+        assert {"name": "HYPERLIGHT_LOG_LEVEL", "value": "debug"} in container["env"]
+        # Every agent serves metrics, on the port set (the DRA driver's too).
+        assert {"name": "HYPERLIGHT_METRICS_ADDRESS", "value": "0.0.0.0:9500"} in container["env"]
+        assert container["ports"] == [{"name": "metrics", "containerPort": 9500, "protocol": "TCP"}]
+    if mode != "devicePlugin":
+        driver = sets["hl-production1-dra-driver"]["spec"]["template"]["spec"]
+        assert driver["serviceAccountName"] == "hl-dra" and driver["automountServiceAccountToken"] is True
+        (account,) = [d for d in objects if d["kind"] == "ServiceAccount"]
+        assert account["metadata"]["name"] == "hl-dra"
+        assert account["metadata"]["annotations"] == EVERY_VALUE["serviceAccount"]["annotations"]
+        (binding,) = [d for d in objects if d["kind"] == "ClusterRoleBinding"]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "hl-dra", "namespace": "sandboxes-system"}]
+        (policy,) = [d for d in objects if d["kind"] == "ValidatingAdmissionPolicy"]
+        assert policy["spec"]["matchConditions"][0]["expression"] == \
+            'request.userInfo.username == "system:serviceaccount:sandboxes-system:hl-dra"'
+        (policy_binding,) = [d for d in objects if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+        assert policy_binding["spec"]["policyName"] == policy["metadata"]["name"]
+
+
+def test_an_existing_service_account_is_used_not_created() -> None:
+    objects = documents(template("--set", "mode=dra", "--set", "serviceAccount.create=false",
+                                 "--set", "serviceAccount.name=platform-dra").stdout)
+    assert not [d for d in objects if d["kind"] == "ServiceAccount"]
+    (driver,) = [d for d in objects if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "hyperlight-dra-driver"]
+    assert driver["spec"]["template"]["spec"]["serviceAccountName"] == "platform-dra"
+    (binding,) = [d for d in objects if d["kind"] == "ClusterRoleBinding"]
+    assert binding["subjects"][0]["name"] == "platform-dra"
+
+
+def agent_settings(container: dict[str, Any], pod_name: str) -> config.Settings:
+    """What the agent makes of a rendered container's arguments and environment, as the kubelet
+    would start it (the downward API's fields filled in); raises config.ConfigError as the agent
+    would refuse to start."""
+    environ = {}
+    for entry in container["env"]:
+        if "value" in entry:
+            environ[entry["name"]] = entry["value"]
+        else:
+            field = entry["valueFrom"]["fieldRef"]["fieldPath"]
+            environ[entry["name"]] = {"metadata.name": pod_name, "spec.nodeName": "node-1"}[field]
+    args = cli.build_parser().parse_args([*container.get("args", []), "--config", "/dev/null"])
+    return config.load(args, environ)
+
+
+@pytest.mark.parametrize("root", ["/var/lib/kubelet", "/var/lib/k0s/kubelet", EVERY_VALUE["kubeletRootDir"]])
+def test_the_agents_kubelet_directories_are_the_kubelets(every_value: str, root: str) -> None:
+    """With the kubelet's root directory moved, the DRA driver's directories follow it, mounted at
+    the same paths in the pod (the driver tells the kubelet its socket's path), and the agent's
+    settings name exactly those mounts; the device-plugin directory stays the kubelet's fixed one.
+    The agent accepts every container's settings, with the longest names the schema allows."""
+    objects = documents(template("-f", every_value, "--set", "mode=both", "--set", f"kubeletRootDir={root}").stdout)
+    for ds in (d for d in objects if d["kind"] == "DaemonSet"):
+        pod = ds["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        # A DaemonSet's pods are named <DaemonSet>-<5 characters>.
+        settings = agent_settings(container, ds["metadata"]["name"] + "-x7k2q")
+        assert (settings.log_level, settings.check_interval_seconds) == ("debug", 10)
+        host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+        mounted = {m["mountPath"]: host[m["name"]] for m in container["volumeMounts"] if m["name"] in host}
+        if ds["metadata"]["name"].endswith("-dra-driver"):
+            assert mounted[settings.dra_registry_dir] == settings.dra_registry_dir == f"{root}/plugins_registry"
+            driver_dir = f"{settings.dra_plugins_dir}/{contracts.DRA_DRIVER}"
+            assert mounted[driver_dir] == driver_dir == f"{root}/plugins/{contracts.DRA_DRIVER}"
+        else:
+            assert mounted[settings.kubelet_dir] == settings.kubelet_dir == contracts.KUBELET_PLUGIN_DIR
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_monitors_scrape_every_agent_the_mode_runs(mode: str) -> None:
+    """The PodMonitor and the ServiceMonitor (through its Service) select exactly this mode's
+    DaemonSets' pods, each of which serves metrics on the port they scrape, and name the job
+    after the DaemonSet (the alerts and the dashboard select by it)."""
+    objects = documents(template(*MONITORS, "--set", f"mode={mode}").stdout)
+    sets = {d["metadata"]["name"]: d for d in objects if d["kind"] == "DaemonSet"}
+    assert "hyperlight-device-access" in sets and len(sets) == (3 if mode == "both" else 2)
+    (pod_monitor,) = [d for d in objects if d["kind"] == "PodMonitor"]
+    (service_monitor,) = [d for d in objects if d["kind"] == "ServiceMonitor"]
+    (service,) = [d for d in objects if d["kind"] == "Service"]
+    (expression,) = pod_monitor["spec"]["selector"]["matchExpressions"]
+    assert expression["key"] == "app.kubernetes.io/name" and expression["operator"] == "In"
+    assert set(expression["values"]) == set(sets)
+    (endpoint,) = service_monitor["spec"]["endpoints"]
+    keep, job = endpoint["relabelings"]
+    assert keep["action"] == "keep" and set(keep["regex"].split("|")) == set(sets)
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["relabelings"] == [job]
+    assert job == {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_name"], "targetLabel": "job"}
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    for ds in sets.values():
+        template_ = ds["spec"]["template"]
+        assert service["spec"]["selector"].items() <= template_["metadata"]["labels"].items()
+        (container,) = template_["spec"]["containers"]
+        assert container["ports"] == [{"name": "metrics", "containerPort": 9464, "protocol": "TCP"}]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["HYPERLIGHT_METRICS_ADDRESS"] == "0.0.0.0:9464"
+
+
+def test_prometheus_operator_objects_only_where_its_api_is_served() -> None:
+    """Enabled but not served (no CRDs): nothing of monitoring.coreos.com is rendered, so the
+    install does not fail on an unknown kind; the dashboard, a plain ConfigMap, still is."""
+    without = documents(template(*[a for a in MONITORS if a not in MONITORING_API]).stdout)
+    assert not [d for d in without if d["apiVersion"].startswith("monitoring.coreos.com/")]
+    assert not [d for d in without if d["kind"] == "Service"], "the Service exists only for the ServiceMonitor"
+    assert [d["metadata"]["labels"]["grafana_dashboard"] for d in without if d["kind"] == "ConfigMap"] == ["1"]
+
+
+def test_the_dashboard_is_the_charts_file() -> None:
+    (config_map,) = [d for d in documents(template(*MONITORS).stdout) if d["kind"] == "ConfigMap"]
+    with open(os.path.join(CHART, "dashboards", "hyperlight-agent.json")) as f:
+        assert json.loads(config_map["data"]["hyperlight-agent.json"]) == json.load(f)

@@ -220,3 +220,5 @@ def test_build_info_and_process_series_are_served(tmp: str) -> None:
     text = generate_latest(Metrics(True, {"version": "9.9.9", "commit": "abc", "mode": "dra"}).registry).decode()
     assert 'hyperlight_build_info{commit="abc",mode="dra",version="9.9.9"} 1.0' in text
     assert "process_resident_memory_bytes " in text and "process_start_time_seconds " in text
+    # DRA claim outcomes start at 0, so that increase() sees the first failed claim.
+    assert 'hyperlight_dra_claims_total{operation="prepare",result="error"} 0.0' in text

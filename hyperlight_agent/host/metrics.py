@@ -285,6 +285,12 @@ class Metrics:
         self.dra_watch_restarts = Counter("hyperlight_dra_watch_restarts_total", "ResourceSlice watches opened "
                                           "again, by why the last one ended (ended: its timeout, as asked)",
                                           ["reason"], registry=r)
+        if (build or {}).get("mode") == "dra":
+            # Each claim outcome is served from 0 before it first happens: a series born at 1
+            # has no increase() for an alert on the first failed claim to see.
+            for operation in ("prepare", "unprepare"):
+                for result in ("ok", "error"):
+                    self.dra_claims.labels(operation, result)
 
     def server(self, address: str) -> MetricsServer:
         """The endpoint for `address`; run() it on the agent's loop."""

@@ -1,6 +1,6 @@
 """A real Kubernetes cluster on this machine, started and stopped by the e2e tests themselves.
 
-    etcd ─ kube-apiserver (TLS, Node+RBAC, NodeRestriction) ─ controller-manager, scheduler
+    etcd ─ kube-apiserver (TLS, Node+RBAC, NodeRestriction, Pod Security) ─ controller-manager, scheduler
                     │
         node "a": containerd + kubelet    node "b": containerd + kubelet
 
@@ -8,8 +8,10 @@ Each node lives in a private mount namespace held open by a small process: the k
 /var/lib/kubelet/device-plugins, and containerd resolves hostPath volumes, so both must see the
 node's own directories at the standard paths (/var/lib/kubelet, /run/cdi, /etc/cdi, /var/log/pods,
 /var/lib/cni, /run/netns, /run/containerd, /etc/kubernetes), bind-mounted from its directory under
-the run directory. Each kubelet has its own cgroup root (kubelets sharing one garbage-collect each
-other's pods), ports and CNI bridge.
+the run directory. Pod Security is enforced cluster-wide at the restricted level, as a hardened
+cluster's AdmissionConfiguration sets it (POD_SECURITY): a namespace runs pods beyond it only with
+its own label, as the chart's namespace has. Each kubelet has its own cgroup root (kubelets
+sharing one garbage-collect each other's pods), ports and CNI bridge.
 
 Everything started is recorded in the run directory's state file as it is started; stop() (and the
 next run's start, after a run killed half-way) ends it by PID and by mount namespace, removes the
@@ -35,6 +37,18 @@ from .kube import Api, ApiError
 from .pki import Identity, Pki
 
 COMPONENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "components")
+# The API server's PodSecurity admission defaults: restricted for enforce, audit and warn in every
+# namespace without labels of its own, no exemptions.
+POD_SECURITY = {
+    "apiVersion": "apiserver.config.k8s.io/v1",
+    "kind": "AdmissionConfiguration",
+    "plugins": [{"name": "PodSecurity", "configuration": {
+        "apiVersion": "pod-security.admission.config.k8s.io/v1",
+        "kind": "PodSecurityConfiguration",
+        "defaults": {"enforce": "restricted", "enforce-version": "latest", "audit": "restricted",
+                     "audit-version": "latest", "warn": "restricted", "warn-version": "latest"},
+        "exemptions": {"usernames": [], "runtimeClasses": [], "namespaces": []}}}],
+}
 # Where containerd, runc and the CNI plugins come from.
 RUNC = "/usr/sbin/runc"
 CNI_BIN = "/usr/lib/cni"
@@ -575,6 +589,9 @@ class Cluster:
         kubelet_client = self.pki.issue("apiserver-kubelet-client",
                                         "/O=system:masters/CN=kube-apiserver-kubelet-client")
         k8s = self.binaries("kubernetes", self.versions["newest"])
+        admission = os.path.join(self.directory, "admission.json")
+        with open(admission, "w") as f:
+            json.dump(POD_SECURITY, f)
         self.api_port = api_port
         self.server = f"https://127.0.0.1:{api_port}"
         self._api_server_argv = [
@@ -586,7 +603,8 @@ class Cluster:
             "--service-account-key-file", self.pki.service_account_pub,
             "--service-account-signing-key-file", self.pki.service_account_key,
             "--service-account-issuer", "https://kubernetes.default.svc",
-            "--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction",
+            "--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction,PodSecurity",
+            "--admission-control-config-file", admission,
             "--service-cluster-ip-range", "10.96.0.0/24", "--endpoint-reconciler-type", "none",
             "--allow-privileged=false", "--profiling=false", *api_server_args]
         admin = self.pki.issue("admin", "/O=system:masters/CN=hyperlight-e2e-admin")

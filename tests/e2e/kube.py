@@ -81,9 +81,14 @@ class Api:
     def create(self, path: str, body: Any) -> Any:
         return self.request("POST", path, body)
 
-    def delete(self, path: str, missing_ok: bool = True, grace: Optional[int] = 0) -> None:
-        """DELETE; grace None keeps the object's own grace period (as `kubectl delete` does)."""
-        body = None if grace is None else {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": grace}
+    def delete(self, path: str, missing_ok: bool = True, grace: Optional[int] = 0,
+               propagation: Optional[str] = None) -> None:
+        """DELETE; grace None keeps the object's own grace period (as `kubectl delete` does);
+        propagation "Orphan" leaves the dependents (`kubectl delete --cascade=orphan`)."""
+        body: Optional[dict[str, Any]] = None if grace is None else {
+            "kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": grace}
+        if propagation:
+            body = {"kind": "DeleteOptions", "apiVersion": "v1", **(body or {}), "propagationPolicy": propagation}
         try:
             self.request("DELETE", path, body)
         except ApiError as exc:
