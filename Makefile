@@ -48,7 +48,7 @@ run: $(VENV)/.installed  ## the agent against a local kubelet stand-in on this m
 JUDGES := build/judges
 
 # The judges of the code, written once: every target that lints or type-checks runs these.
-RUFF := $(VENV)/bin/ruff check .
+RUFF := $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.py packaging/release.py \
   packaging/publish.py pins/update.py
 # The module layers and boundaries (pyproject.toml's [tool.importlinter]).

@@ -55,8 +55,21 @@ class Agent:
         self.kubelet_dir = os.path.join(top, "kubelet")
         self.cdi_dir = os.path.join(top, "cdi")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--log-level", "warning",
-             "--kubelet-dir", self.kubelet_dir, "--cdi-dir", self.cdi_dir, *args])
+            [
+                sys.executable,
+                "-m",
+                "hyperlight_agent",
+                "--config",
+                "/dev/null",
+                "--log-level",
+                "warning",
+                "--kubelet-dir",
+                self.kubelet_dir,
+                "--cdi-dir",
+                self.cdi_dir,
+                *args,
+            ]
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -68,8 +81,11 @@ class Agent:
         and libraries as the agent, which a pod's memory cgroup charges once: what the helper
         adds to the agent is its private memory."""
         helpers = procs.children(self.proc.pid)
-        return (_smaps(self.proc.pid, ("Rss",)), sum(_smaps(p, ("Rss",)) for p in helpers),
-                sum(_smaps(p, ("Private_Clean", "Private_Dirty")) for p in helpers))
+        return (
+            _smaps(self.proc.pid, ("Rss",)),
+            sum(_smaps(p, ("Rss",)) for p in helpers),
+            sum(_smaps(p, ("Private_Clean", "Private_Dirty")) for p in helpers),
+        )
 
 
 def _smaps(pid: int, fields: tuple[str, ...]) -> float:
@@ -117,10 +133,15 @@ def bench_probe(device_dir: str) -> float:
         for _ in range(20):
             t = time.perf_counter()
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", "-c",
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
                 "import sys; sys.path.insert(0, sys.argv[1]); from hyperlight_agent.device import hypervisors, kernel; "
                 "kernel.probe_device(hypervisors.probe_kvm, sys.argv[2])",
-                os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(kernel.__file__)))), node)
+                os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(kernel.__file__)))),
+                node,
+            )
             assert await proc.wait() == 0, "the fresh process did not probe"
             fresh.append(time.perf_counter() - t)
         return times, fresh
@@ -162,8 +183,11 @@ def bench_allocate(top: str, raw_probe: float) -> None:
             base = raw_probe + pct(empty, 0.99)
             label = "sequential" if concurrency == 1 else f"{concurrency} concurrent"
             row(f"Allocate {label} p50 / p99", f"{ms(pct(alloc, 0.5))} / {ms(pct(alloc, 0.99))}")
-            row(f"Allocate {label} p99 ratio to (raw probe + empty RPC p99 {ms(pct(empty, 0.99))})",
-                f"{pct(alloc, 0.99) / base:.2f}", f"≤ {target}")
+            row(
+                f"Allocate {label} p99 ratio to (raw probe + empty RPC p99 {ms(pct(empty, 0.99))})",
+                f"{pct(alloc, 0.99) / base:.2f}",
+                f"≤ {target}",
+            )
 
         # Helpers alive during a burst of 500 Allocates.
         alive: set[int] = set()
@@ -221,8 +245,7 @@ def bench_streams(top: str) -> None:
             totals.append(max(arrivals) - t0)
         row("50 streams: first → last stream updated, worst of 10 changes", ms(max(spreads)))
         row("50 streams: device change → all updated (check included), worst of 10", ms(max(totals)), "≤ 50 ms")
-        row("RSS with 2000 slots and 51 streams: agent + helper's private (MiB)",
-            f"{rss_many[0] + rss_many[2]:.1f}")
+        row("RSS with 2000 slots and 51 streams: agent + helper's private (MiB)", f"{rss_many[0] + rss_many[2]:.1f}")
         for t in tasks:
             t.cancel()
     agent.stop()
@@ -268,10 +291,11 @@ def bench_rss_and_start(top: str) -> None:
         notify.close()
     row("process start → READY=1 (sd_notify), p50", ms(statistics.median(starts)), "≤ 1.5 s")
     row("python -c 'import grpc' p50 (baseline)", ms(statistics.median(grpc_imports)))
-    row("RSS with 2000 slots and 10 streams: agent / probe helper (its private part) (MiB)",
-        f"{rss[0]:.1f} / {rss[1]:.1f} ({rss[2]:.1f})")
-    row("RSS with 2000 slots and 10 streams: agent + helper's private (MiB)", f"{rss[0] + rss[2]:.1f}",
-        "≤ 48 MiB")
+    row(
+        "RSS with 2000 slots and 10 streams: agent / probe helper (its private part) (MiB)",
+        f"{rss[0]:.1f} / {rss[1]:.1f} ({rss[2]:.1f})",
+    )
+    row("RSS with 2000 slots and 10 streams: agent + helper's private (MiB)", f"{rss[0] + rss[2]:.1f}", "≤ 48 MiB")
 
 
 # Kubelet restarts per flavour in section d (HYPERLIGHT_BENCH_RESTARTS overrides it).
@@ -292,11 +316,16 @@ def bench_restart_and_cdi(top: str) -> None:
                 kk = k.kubelet
                 regs.append(kk.register_calls[-1][0] - kk.started_at)
                 healthies.append(kk.plugins[R].lists[-1][0] - kk.started_at)
-            row(f"kubelet restart ({flavor}): new kubelet.sock → Register p50 / max",
-                f"{ms(pct(regs, 0.5))} / {ms(max(regs))}")
-            row(f"kubelet restart ({flavor}): new kubelet.sock → Healthy listed p50 / p99 / max over "
-                f"{KUBELET_RESTARTS}", f"{ms(pct(healthies, 0.5))} / {ms(pct(healthies, 0.99))} / {ms(max(healthies))}",
-                "p99 ≤ 20 ms")
+            row(
+                f"kubelet restart ({flavor}): new kubelet.sock → Register p50 / max",
+                f"{ms(pct(regs, 0.5))} / {ms(max(regs))}",
+            )
+            row(
+                f"kubelet restart ({flavor}): new kubelet.sock → Healthy listed p50 / p99 / max over "
+                f"{KUBELET_RESTARTS}",
+                f"{ms(pct(healthies, 0.5))} / {ms(pct(healthies, 0.99))} / {ms(max(healthies))}",
+                "p99 ≤ 20 ms",
+            )
         path = cdi.spec_path(agent.cdi_dir)
         wanted = cdi.render("kvm", "/dev/kvm", 65534, 65534)
         wait_file(path, wanted)
@@ -309,8 +338,11 @@ def bench_restart_and_cdi(top: str) -> None:
                 with open(path, "wb") as f:
                     f.write(b'{"cdiVersion": "0.3.0", "kind": ')
             latencies.append(wait_file(path, wanted) - t)
-        row("CDI repair (delete or corrupt → exact bytes) p50 / p99",
-            f"{ms(pct(latencies, 0.5))} / {ms(pct(latencies, 0.99))}", "p99 ≤ 0.25 s")
+        row(
+            "CDI repair (delete or corrupt → exact bytes) p50 / p99",
+            f"{ms(pct(latencies, 0.5))} / {ms(pct(latencies, 0.99))}",
+            "p99 ≤ 0.25 s",
+        )
     agent.stop()
 
 
@@ -320,8 +352,18 @@ def bench_upgrade_in_place(top: str) -> None:
     time during each, and how long an upgrade takes."""
     print("in-place upgrade", flush=True)
     events, notify = os.path.join(top, "events.jsonl"), os.path.join(top, "notify")
-    common = ["--config", "/dev/null", "--log-level", "warning", "--kubelet-dir", os.path.join(top, "kubelet"),
-              "--cdi-dir", os.path.join(top, "cdi"), "--device-count", "2000"]
+    common = [
+        "--config",
+        "/dev/null",
+        "--log-level",
+        "warning",
+        "--kubelet-dir",
+        os.path.join(top, "kubelet"),
+        "--cdi-dir",
+        os.path.join(top, "cdi"),
+        "--device-count",
+        "2000",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NOTIFY_", "WATCHDOG_"))}
 
     def main_pid() -> int:
@@ -330,22 +372,43 @@ def bench_upgrade_in_place(top: str) -> None:
 
     with StandinThread(os.path.join(top, "kubelet")) as k:
         k.run(lambda kk: setattr(kk, "flavor", "1.35"))
-        unit = subprocess.Popen([sys.executable, "-m", "standin.manager", events, notify, "--",
-                                 sys.executable, "-m", "hyperlight_agent", *common], env=env)
+        unit = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "standin.manager",
+                events,
+                notify,
+                "--",
+                sys.executable,
+                "-m",
+                "hyperlight_agent",
+                *common,
+            ],
+            env=env,
+        )
         try:
             k.wait_until(lambda kk: kk.allocatable() == 2000, 15)
             since, took = time.monotonic(), []
             for _ in range(10):
                 t = time.monotonic()
-                subprocess.run([sys.executable, "-m", "hyperlight_agent", *common, "--upgrade-in-place",
-                                str(main_pid())], check=True, capture_output=True, env=env, timeout=90)
+                subprocess.run(
+                    [sys.executable, "-m", "hyperlight_agent", *common, "--upgrade-in-place", str(main_pid())],
+                    check=True,
+                    capture_output=True,
+                    env=env,
+                    timeout=90,
+                )
                 took.append(time.monotonic() - t)
             zeros = [at for at, counts in k.kubelet.timeline if at >= since and counts.get(R, 0) == 0]
         finally:
             unit.terminate()
             unit.wait(30)
-    row("in-place upgrade (--upgrade-in-place): kubelet moments at zero healthy over 10 (restart: section e)",
-        str(len(zeros)), "0")
+    row(
+        "in-place upgrade (--upgrade-in-place): kubelet moments at zero healthy over 10 (restart: section e)",
+        str(len(zeros)),
+        "0",
+    )
     row("in-place upgrade: command start → old agent gone p50 / max over 10", f"{ms(pct(took, 0.5))} / {ms(max(took))}")
 
 
@@ -384,11 +447,13 @@ def bench_plugin_restart(top: str) -> None:
                 k.wait_until(lambda kk: kk.allocatable() == 2000, 15)
         finally:
             agent.stop()
-    row("agent restart (SIGTERM, start again): zero-healthy window p50 / p99 over 20",
-        f"{ms(pct(windows, 0.5))} / {ms(pct(windows, 0.99))}", "p99 ≤ 0.3 s")
+    row(
+        "agent restart (SIGTERM, start again): zero-healthy window p50 / p99 over 20",
+        f"{ms(pct(windows, 0.5))} / {ms(pct(windows, 0.99))}",
+        "p99 ≤ 0.3 s",
+    )
     row("agent restart: SIGTERM → exit p50 / max", f"{ms(pct(exits, 0.5))} / {ms(max(exits))}")
-    row("stream lost → Healthy again p50 / p99 over 20", f"{ms(pct(lost, 0.5))} / {ms(pct(lost, 0.99))}",
-        "p99 ≤ 1 s")
+    row("stream lost → Healthy again p50 / p99 over 20", f"{ms(pct(lost, 0.5))} / {ms(pct(lost, 0.99))}", "p99 ≤ 1 s")
 
 
 # Idle cost: the window measured (scaled to a minute), and the settling before it. 60 s is the
@@ -447,9 +512,11 @@ def _sample(pid: int, helpers: bool) -> dict[tuple[int, int], tuple[str, str, in
     return out
 
 
-def _idle_cost(before: dict[tuple[int, int], tuple[str, str, int, int, int]],
-               after: dict[tuple[int, int], tuple[str, str, int, int, int]],
-               seconds: float) -> dict[str, tuple[float, float]]:
+def _idle_cost(
+    before: dict[tuple[int, int], tuple[str, str, int, int, int]],
+    after: dict[tuple[int, int], tuple[str, str, int, int, int]],
+    seconds: float,
+) -> dict[str, tuple[float, float]]:
     """part → (CPU ms per minute, voluntary context switches per minute); "total" and "ticks"
     (utime+stime of all, ms per minute) too. Threads that ended in the window are not counted."""
     per_minute = 60.0 / seconds
@@ -470,8 +537,12 @@ def bench_idle(top: str) -> None:
     """CPU and wakeups of an idle agent (the real /dev/kvm, registered and streamed by the
     stand-in, default check interval), beside a bare grpc.aio server measured over the same window."""
     print(f"idle cost ({IDLE_SETTLE_S:g} s settling, {IDLE_WINDOW_S:g} s window)", flush=True)
-    bare = subprocess.Popen([sys.executable, "-c", BARE_GRPC, os.path.join(top, "bare.sock")],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    bare = subprocess.Popen(
+        [sys.executable, "-c", BARE_GRPC, os.path.join(top, "bare.sock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     agent = Agent(top)
     try:
         assert bare.stdout is not None and bare.stdin is not None
@@ -494,16 +565,27 @@ def bench_idle(top: str) -> None:
         bare.wait(10)
     cost, base = _idle_cost(before, after, seconds), _idle_cost(bare_before, bare_after, seconds)
     main_, grpc_, helper = (cost.get(part, (0.0, 0.0)) for part in ("main", "threads", "helper"))
-    row(f"idle CPU per minute: agent + probe helper (ms, {seconds:.0f} s window scaled to 60 s)",
-        f"{cost['total'][0]:.1f} (utime+stime ticks: {cost['ticks'][0]:.0f})", "≤ 10 ms")
-    row("idle CPU per minute: main thread / grpc's threads / probe helper (ms)",
-        f"{main_[0]:.1f} / {grpc_[0]:.1f} / {helper[0]:.1f}")
-    row("idle wakeups per minute (voluntary context switches): main / grpc's threads / helper",
-        f"{main_[1]:.0f} / {grpc_[1]:.0f} / {helper[1]:.0f}")
-    row("idle CPU per minute: a bare grpc.aio server, no client (baseline, same window) (ms)",
-        f"{base['total'][0]:.1f} ({base['total'][1]:.0f} wakeups)")
-    row("idle CPU per minute, ratio agent + helper to the bare grpc.aio server",
-        f"{cost['total'][0] / max(base['total'][0], 0.01):.2f}")
+    row(
+        f"idle CPU per minute: agent + probe helper (ms, {seconds:.0f} s window scaled to 60 s)",
+        f"{cost['total'][0]:.1f} (utime+stime ticks: {cost['ticks'][0]:.0f})",
+        "≤ 10 ms",
+    )
+    row(
+        "idle CPU per minute: main thread / grpc's threads / probe helper (ms)",
+        f"{main_[0]:.1f} / {grpc_[0]:.1f} / {helper[0]:.1f}",
+    )
+    row(
+        "idle wakeups per minute (voluntary context switches): main / grpc's threads / helper",
+        f"{main_[1]:.0f} / {grpc_[1]:.0f} / {helper[1]:.0f}",
+    )
+    row(
+        "idle CPU per minute: a bare grpc.aio server, no client (baseline, same window) (ms)",
+        f"{base['total'][0]:.1f} ({base['total'][1]:.0f} wakeups)",
+    )
+    row(
+        "idle CPU per minute, ratio agent + helper to the bare grpc.aio server",
+        f"{cost['total'][0] / max(base['total'][0], 0.01):.2f}",
+    )
     print(f"  (agent threads: {', '.join(threads)})", flush=True)
 
 
@@ -565,8 +647,9 @@ def bench_metrics_flood(top: str) -> None:
             return times
 
         quiet = allocates(300)
-        flood = subprocess.Popen([sys.executable, "-c", METRICS_FLOOD, str(port)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
+        flood = subprocess.Popen(
+            [sys.executable, "-c", METRICS_FLOOD, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         try:
             assert flood.stdout is not None and flood.stdin is not None
             flood.stdout.readline()  # "ready": the idle connections are in place
@@ -579,14 +662,21 @@ def bench_metrics_flood(top: str) -> None:
             if flood.poll() is None:
                 flood.kill()
             flood.wait(10)
-        lowest = min((sum(h == contracts.HEALTHY for _, h in devices) for _, devices in plugin.lists[lists_before:]),
-                     default=2000)
+        lowest = min(
+            (sum(h == contracts.HEALTHY for _, h in devices) for _, devices in plugin.lists[lists_before:]),
+            default=2000,
+        )
         still_streamed = k.kubelet.plugins[R] is plugin and plugin.stream_open
-        row("Allocate p99 quiet / under a metrics flood (1000 idle + garbage requests)",
-            f"{ms(pct(quiet, 0.99))} / {ms(pct(flooded, 0.99))} ({garbage} garbage requests)")
+        row(
+            "Allocate p99 quiet / under a metrics flood (1000 idle + garbage requests)",
+            f"{ms(pct(quiet, 0.99))} / {ms(pct(flooded, 0.99))} ({garbage} garbage requests)",
+        )
         row("Allocate p99 under a metrics flood, ratio to quiet", f"{pct(flooded, 0.99) / pct(quiet, 0.99):.2f}", "≤ 2")
-        row("healthy slots at the lowest during the metrics flood",
-            f"{lowest}{'' if still_streamed else ' (the stream was lost)'}", "2000")
+        row(
+            "healthy slots at the lowest during the metrics flood",
+            f"{lowest}{'' if still_streamed else ' (the stream was lost)'}",
+            "2000",
+        )
         row("agent descriptors during the metrics flood", str(fds), "< 64")
         agent.stop()
 
@@ -616,8 +706,20 @@ def bench_dra(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
     kubelet = DraKubeletStandin(registry)
     call(kubelet.__aenter__())
     started = time.monotonic()
-    agent = Agent(top, "--dra", "--kubeconfig", kubeconfig(top, str(url)), "--node-name", "node1",
-                  "--instance", "bench", "--dra-registry-dir", registry, "--dra-plugins-dir", plugins)
+    agent = Agent(
+        top,
+        "--dra",
+        "--kubeconfig",
+        kubeconfig(top, str(url)),
+        "--node-name",
+        "node1",
+        "--instance",
+        "bench",
+        "--dra-registry-dir",
+        registry,
+        "--dra-plugins-dir",
+        plugins,
+    )
     try:
         deadline = started + 30
         while not (fake.ours() and len(fake.ours()[0]["spec"].get("devices") or []) == 128):
@@ -632,8 +734,9 @@ def bench_dra(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
         again: list[float] = []
         for i in range(200):
             uid = f"00000000-0000-4000-8000-{i:012d}"
-            body = json.loads(json.dumps(claim).replace(claim["metadata"]["uid"], uid)
-                              .replace("pod-hv-9x2lq", f"claim-{i}"))
+            body = json.loads(
+                json.dumps(claim).replace(claim["metadata"]["uid"], uid).replace("pod-hv-9x2lq", f"claim-{i}")
+            )
             fake.claims[("default", f"claim-{i}")] = body
             for into in (fresh, again):  # a new claim, then the kubelet asking again (idempotent)
                 t = time.perf_counter()
@@ -651,6 +754,7 @@ def bench_dra(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
             for task in rest:
                 task.cancel()
             await asyncio.gather(*rest, return_exceptions=True)
+
         call(cancel_the_rest())
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
@@ -667,12 +771,20 @@ def bench_dra(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
         finally:
             plugin.stop()
     row("DRA: process start → ResourceSlice of 128 devices published", ms(published), "≤ 1.5 s")
-    row("DRA: NodePrepareResources, new claim (API read + fresh check + record), p50 / p99",
-        f"{ms(pct(fresh, 0.5))} / {ms(pct(fresh, 0.99))}", "p99 ≤ 50 ms")
-    row("DRA: NodePrepareResources, claim already prepared, p50 / p99",
-        f"{ms(pct(again, 0.5))} / {ms(pct(again, 0.99))}")
-    row("RSS, agent + helper's private (MiB): DRA mode / device plugin mode (baseline)",
-        f"{dra_rss[0] + dra_rss[2]:.1f} / {plugin_rss[0] + plugin_rss[2]:.1f}", "DRA ≤ 64 MiB")
+    row(
+        "DRA: NodePrepareResources, new claim (API read + fresh check + record), p50 / p99",
+        f"{ms(pct(fresh, 0.5))} / {ms(pct(fresh, 0.99))}",
+        "p99 ≤ 50 ms",
+    )
+    row(
+        "DRA: NodePrepareResources, claim already prepared, p50 / p99",
+        f"{ms(pct(again, 0.5))} / {ms(pct(again, 0.99))}",
+    )
+    row(
+        "RSS, agent + helper's private (MiB): DRA mode / device plugin mode (baseline)",
+        f"{dra_rss[0] + dra_rss[2]:.1f} / {plugin_rss[0] + plugin_rss[2]:.1f}",
+        "DRA ≤ 64 MiB",
+    )
 
 
 MOUNT_STORM = """
@@ -737,12 +849,20 @@ def bench_mount_storm(top: str) -> None:
     matters (/dev/null bound over a watched device node) is seen."""
     print("mount storm", flush=True)
     pairs = 2500
-    done = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", MOUNT_STORM,
-                           top, str(pairs)], capture_output=True, text=True, timeout=300, check=True)
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", MOUNT_STORM, top, str(pairs)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     cpu, parse_s, p50, worst = (float(v) for v in done.stdout.split())
     events = 2 * pairs
-    row("mount storm, 500 mounts in the table: watcher CPU per 1000 mount changes / parsing every change (before)",
-        f"{ms(cpu / events * 1000)} / {ms(parse_s * 1000)}", "≤ 1/10 of before")
+    row(
+        "mount storm, 500 mounts in the table: watcher CPU per 1000 mount changes / parsing every change (before)",
+        f"{ms(cpu / events * 1000)} / {ms(parse_s * 1000)}",
+        "≤ 1/10 of before",
+    )
     row("a mount over a watched device node seen after, p50 / worst of 20", f"{ms(p50)} / {ms(worst)}", "≤ 100 ms")
 
 
@@ -765,14 +885,17 @@ def bench_prepared_record(top: str) -> None:
     def one(directory: str, entries: int) -> tuple[float, float, float]:
         os.makedirs(directory)
         claim = prepared.PreparedClaim("ns", "c", (prepared.PreparedDevice("hv", "node1", "kvm-0", ("x",), None),))
-        raw = {"version": prepared.VERSION,
-               "claims": {f"old-{i}": prepared.encode_claim(claim, time.time()) for i in range(entries)}}
+        raw = {
+            "version": prepared.VERSION,
+            "claims": {f"old-{i}": prepared.encode_claim(claim, time.time()) for i in range(entries)},
+        }
         with open(os.path.join(directory, prepared.RECORD_FILE), "wb") as f:
             f.write(prepared.encode(raw))
 
         async def run() -> tuple[float, float, float]:
-            service = Service(contracts.DRA_DRIVER, Claims(), lambda: Observation(True, "", "kvm"),
-                              prepared.Prepared(directory))
+            service = Service(
+                contracts.DRA_DRIVER, Claims(), lambda: Observation(True, "", "kvm"), prepared.Prepared(directory)
+            )
             loop = asyncio.get_running_loop()
             stall = [0.0]
             stop = asyncio.Event()
@@ -801,10 +924,16 @@ def bench_prepared_record(top: str) -> None:
 
     big = one(os.path.join(top, "big"), 40000)
     empty = one(os.path.join(top, "empty"), 0)
-    row("DRA: Prepare of a new claim, record of 40 000 entries: p50 / p99 (empty record: p99)",
-        f"{ms(big[0])} / {ms(big[1])} ({ms(empty[1])})", "p99 ≤ 200 ms")
-    row("DRA: longest event-loop stall during those Prepares, 40 000 entries / empty record",
-        f"{ms(big[2])} / {ms(empty[2])}", "≤ 50 ms")
+    row(
+        "DRA: Prepare of a new claim, record of 40 000 entries: p50 / p99 (empty record: p99)",
+        f"{ms(big[0])} / {ms(big[1])} ({ms(empty[1])})",
+        "p99 ≤ 200 ms",
+    )
+    row(
+        "DRA: longest event-loop stall during those Prepares, 40 000 entries / empty record",
+        f"{ms(big[2])} / {ms(empty[2])}",
+        "≤ 50 ms",
+    )
 
 
 def bench_watch_hot_loop(top: str) -> None:
@@ -834,8 +963,11 @@ def bench_watch_hot_loop(top: str) -> None:
 
     broken = asyncio.run(minute(True))
     normal = asyncio.run(minute(False))
-    row("DRA: API requests in the first minute, watches ended at once / kept open (baseline)",
-        f"{broken} / {normal}", "≤ 20 (was ~14 000)")
+    row(
+        "DRA: API requests in the first minute, watches ended at once / kept open (baseline)",
+        f"{broken} / {normal}",
+        "≤ 20 (was ~14 000)",
+    )
 
 
 # DRA at fleet scale: the nodes of the measured fleet (the comparison and the fleet that restarts,
@@ -868,9 +1000,11 @@ def bench_fleet(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
     groups: dict[str, tuple[fleet.Fleet, FreezingProxy]] = {}
     try:
         plane.start()
-        for name, size, timeout in (("idle", FLEET_NODES, slices.WATCH_TIMEOUT_S),
-                                    ("long", FLEET_NODES // 2, LONG_WATCH_S),
-                                    ("active", FLEET_NODES // 2, slices.WATCH_TIMEOUT_S)):
+        for name, size, timeout in (
+            ("idle", FLEET_NODES, slices.WATCH_TIMEOUT_S),
+            ("long", FLEET_NODES // 2, LONG_WATCH_S),
+            ("active", FLEET_NODES // 2, slices.WATCH_TIMEOUT_S),
+        ):
             relay = FreezingProxy("127.0.0.1", plane.cluster.api_port)
             url = runner.call(relay.start()).replace("http://", "https://")
             nodes = [f"{name}-{i:04d}" for i in range(size)]
@@ -884,8 +1018,14 @@ def bench_fleet(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
         for group, _ in groups.values():
             runner.call(group.start())
         wait_until(lambda: all(g.published() for g, _ in groups.values()), 600, "every fleet published")
-        wait_until(lambda: all(sum(1 for r in plane.requests() if r.user == f"fleet-{n}" and r.verb == "watch")
-                               >= len(g.nodes) for n, (g, _) in groups.items()), 60, "every node's watch")
+        wait_until(
+            lambda: all(
+                sum(1 for r in plane.requests() if r.user == f"fleet-{n}" and r.verb == "watch") >= len(g.nodes)
+                for n, (g, _) in groups.items()
+            ),
+            60,
+            "every node's watch",
+        )
         published, bytes_published = time.time(), wire()
 
         # The active fleet, while the others idle: every agent restarted, the device flapped, a
@@ -894,8 +1034,14 @@ def bench_fleet(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
         t, b = time.time(), wire()["active"]
         runner.call(active.restart())
         wait_until(active.published, 300, "the restarted fleet published")
-        wait_until(lambda: sum(1 for r in plane.requests() if r.user == "fleet-active" and r.verb == "watch"
-                               and r.received >= t) >= len(active.nodes), 60, "the restarted fleet's watches")
+        wait_until(
+            lambda: (
+                sum(1 for r in plane.requests() if r.user == "fleet-active" and r.verb == "watch" and r.received >= t)
+                >= len(active.nodes)
+            ),
+            60,
+            "the restarted fleet's watches",
+        )
         phases["restart"] = (t, time.time(), wire()["active"] - b)
         t, b = time.time(), wire()["active"]
         runner.call(active.set_device(None))
@@ -933,44 +1079,80 @@ def bench_fleet(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
         granted = [r for r in requests if r.user == user and r.verb == "watch" and r.code in (0, 200) and r.timeout_s]
         renewed = sum(1 for r in granted if published <= r.received < ended) / nodes
         asked = statistics.mean(r.timeout_s or 0 for r in granted)
-        served = [r.ended - r.received for r in granted
-                  if r.ended is not None and r.ended - r.received >= (r.timeout_s or 0) - 1]
+        served = [
+            r.ended - r.received
+            for r in granted
+            if r.ended is not None and r.ended - r.received >= (r.timeout_s or 0) - 1
+        ]
         steady = 3600 / asked + (counts["all"] - renewed) * 3600 / window
         return counts["all"] * 3600 / window, steady, asked, statistics.median(served) if served else 0.0
 
     now, steady, life, served = idle_cost("idle")
     long_counted, long_steady, long_life, long_served = idle_cost("long")
-    held = {n: sum(1 for r in requests if r.user == f"fleet-{n}" and r.verb == "watch" and r.received <= ended
-                   and (r.ended is None or r.ended > ended)) / len(g.nodes) for n, (g, _) in groups.items()}
+    held = {
+        n: sum(
+            1
+            for r in requests
+            if r.user == f"fleet-{n}"
+            and r.verb == "watch"
+            and r.received <= ended
+            and (r.ended is None or r.ended > ended)
+        )
+        / len(g.nodes)
+        for n, (g, _) in groups.items()
+    }
     first = fleet.per_node(requests, "fleet-idle", len(idle.nodes), started, published)
-    row("DRA fleet: first publish, requests per node (list / create / watch)",
-        f"{first.get('list', 0):.2f} / {first.get('create', 0):.2f} / {first.get('watch', 0):.2f}")
-    row("DRA fleet: first publish, bytes per node on the wire (TLS included)",
-        f"{bytes_published['idle'] / len(idle.nodes):.0f}")
-    row(f"DRA fleet: idle requests per node-hour, steady state (watches asked for {life:.0f} s on average, served "
-        f"{served:.0f} s median) / counted in the {window:.0f} s window", f"{steady:.1f} / {now:.1f}")
+    row(
+        "DRA fleet: first publish, requests per node (list / create / watch)",
+        f"{first.get('list', 0):.2f} / {first.get('create', 0):.2f} / {first.get('watch', 0):.2f}",
+    )
+    row(
+        "DRA fleet: first publish, bytes per node on the wire (TLS included)",
+        f"{bytes_published['idle'] / len(idle.nodes):.0f}",
+    )
+    row(
+        f"DRA fleet: idle requests per node-hour, steady state (watches asked for {life:.0f} s on average, served "
+        f"{served:.0f} s median) / counted in the {window:.0f} s window",
+        f"{steady:.1f} / {now:.1f}",
+    )
     others = fleet.per_node(requests, "fleet-idle", len(idle.nodes), published, ended)
-    row("DRA fleet: idle requests per node-hour besides the watch",
-        f"{(others['all'] - others.get('watch', 0)) * 3600 / window:.1f}", "≤ 12 (one per 5 minutes)")
-    row(f"DRA fleet: idle requests per node-hour, 5-10 min watches (same run; asked {long_life:.0f} s, "
-        f"served {long_served:.0f} s)", f"{long_steady:.1f} (counted {long_counted:.1f})")
+    row(
+        "DRA fleet: idle requests per node-hour besides the watch",
+        f"{(others['all'] - others.get('watch', 0)) * 3600 / window:.1f}",
+        "≤ 12 (one per 5 minutes)",
+    )
+    row(
+        f"DRA fleet: idle requests per node-hour, 5-10 min watches (same run; asked {long_life:.0f} s, "
+        f"served {long_served:.0f} s)",
+        f"{long_steady:.1f} (counted {long_counted:.1f})",
+    )
     row("DRA fleet: idle requests, ratio of the 5-10 min watches to ours", f"{long_steady / steady:.3f}")
-    row("DRA fleet: idle bytes per node-hour on the wire: ours / 5-10 min watches",
+    row(
+        "DRA fleet: idle bytes per node-hour on the wire: ours / 5-10 min watches",
         f"{(bytes_ended['idle'] - bytes_published['idle']) / len(idle.nodes) * 3600 / window:.0f} / "
-        f"{(bytes_ended['long'] - bytes_published['long']) / len(long.nodes) * 3600 / window:.0f}")
-    row("DRA fleet: bookmarks per node-hour received (the watch's heartbeat)",
-        f"{idle.bookmarks / len(idle.nodes) * 3600 / (ended - started):.1f}")
-    row("DRA fleet: watches held per node: idle / long / active (the API server's count, all fleets)",
-        f"{held['idle']:.2f} / {held['long']:.2f} / {held['active']:.2f} ({watches_open:.0f} for {total_nodes})")
+        f"{(bytes_ended['long'] - bytes_published['long']) / len(long.nodes) * 3600 / window:.0f}",
+    )
+    row(
+        "DRA fleet: bookmarks per node-hour received (the watch's heartbeat)",
+        f"{idle.bookmarks / len(idle.nodes) * 3600 / (ended - started):.1f}",
+    )
+    row(
+        "DRA fleet: watches held per node: idle / long / active (the API server's count, all fleets)",
+        f"{held['idle']:.2f} / {held['long']:.2f} / {held['active']:.2f} ({watches_open:.0f} for {total_nodes})",
+    )
     for phase, (t0, t1, wire_bytes) in phases.items():
         counts = fleet.per_node(requests, "fleet-active", len(active.nodes), t0, t1)
         verbs = ", ".join(f"{v} {n:.2f}" for v, n in sorted(counts.items()) if v != "all")
-        row(f"DRA fleet: {phase}, requests per node ({verbs}) / bytes per node on the wire",
-            f"{counts['all']:.2f} / {wire_bytes / len(active.nodes):.0f}")
+        row(
+            f"DRA fleet: {phase}, requests per node ({verbs}) / bytes per node on the wire",
+            f"{counts['all']:.2f} / {wire_bytes / len(active.nodes):.0f}",
+        )
     codes = sorted({r.code for r in requests if r.ended is not None})
     row("DRA fleet: answers the fleets got (HTTP codes)", ", ".join(str(c) for c in codes))
-    row("DRA fleet: 5000 nodes idle: requests per second at the API server, ours / 5-10 min watches",
-        f"{5000 * steady / 3600:.1f} / {5000 * long_steady / 3600:.1f}")
+    row(
+        "DRA fleet: 5000 nodes idle: requests per second at the API server, ours / 5-10 min watches",
+        f"{5000 * steady / 3600:.1f} / {5000 * long_steady / 3600:.1f}",
+    )
 
 
 def bench_image() -> None:
@@ -991,9 +1173,21 @@ def main() -> int:
         return 1
     # Agents start as installed ones do, from compiled bytecode (the packages compile at install):
     # compile the package and the virtualenv once, whatever PYTHONDONTWRITEBYTECODE says.
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j0", os.path.dirname(os.path.abspath(kernel.__file__)),
-                    *sys.path[1:]], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compileall",
+            "-q",
+            "-j0",
+            os.path.dirname(os.path.abspath(kernel.__file__)),
+            *sys.path[1:],
+        ],
+        check=False,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
+    )
     only = set(sys.argv[1:])  # e.g. `python -m bench e`: one section
     top = tempfile.mkdtemp(prefix="hl-bench-")
     try:
@@ -1001,11 +1195,21 @@ def main() -> int:
         os.mkdir(dev)
         mknod(os.path.join(dev, "kvm"), 10, 232)
         raw = bench_probe(dev)
-        for name, fn in (("a", lambda d: bench_allocate(d, raw)), ("b", bench_streams),
-                         ("c", bench_rss_and_start), ("d", bench_restart_and_cdi),
-                         ("e", bench_plugin_restart), ("f", bench_metrics_flood), ("g", bench_idle),
-                         ("h", bench_dra), ("i", bench_mount_storm), ("j", bench_prepared_record),
-                         ("k", bench_watch_hot_loop), ("l", bench_upgrade_in_place), ("fleet", bench_fleet)):
+        for name, fn in (
+            ("a", lambda d: bench_allocate(d, raw)),
+            ("b", bench_streams),
+            ("c", bench_rss_and_start),
+            ("d", bench_restart_and_cdi),
+            ("e", bench_plugin_restart),
+            ("f", bench_metrics_flood),
+            ("g", bench_idle),
+            ("h", bench_dra),
+            ("i", bench_mount_storm),
+            ("j", bench_prepared_record),
+            ("k", bench_watch_hot_loop),
+            ("l", bench_upgrade_in_place),
+            ("fleet", bench_fleet),
+        ):
             if only and name not in only:
                 continue
             sub = os.path.join(top, name)

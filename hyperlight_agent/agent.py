@@ -42,16 +42,23 @@ COMMIT_ENV = "HYPERLIGHT_AGENT_COMMIT"
 
 
 class Agent:
-    def __init__(self, settings: Settings, mode: modes.Mode = modes.PLUGIN,
-                 reload: Optional[Callable[[], Settings]] = None, notifier: Optional[Notifier] = None,
-                 environ: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        mode: modes.Mode = modes.PLUGIN,
+        reload: Optional[Callable[[], Settings]] = None,
+        notifier: Optional[Notifier] = None,
+        environ: Optional[Mapping[str, str]] = None,
+    ) -> None:
         # The process environment is the entry point's to hand over (cli.main); none by default.
         self._environ: Mapping[str, str] = environ if environ is not None else {}
         self.settings = settings
         self.mode = mode
         self.notifier = notifier or Notifier(self._environ)
-        self.metrics = Metrics(enabled=settings.metrics_address is not None, build={
-            "version": __version__, "commit": self._environ.get(COMMIT_ENV, "unknown"), "mode": mode.name})
+        self.metrics = Metrics(
+            enabled=settings.metrics_address is not None,
+            build={"version": __version__, "commit": self._environ.get(COMMIT_ENV, "unknown"), "mode": mode.name},
+        )
         self.metrics_server = self.metrics.server(settings.metrics_address) if settings.metrics_address else None
         # Who we are to other instances of ours on this node (a successor, a predecessor): peers.py.
         self.identity = peers.Identity.of(settings.instance or "", mode.protocol, mode.resource)
@@ -59,16 +66,33 @@ class Agent:
         self.watcher = DirectoryWatcher()
         self.observation = SharedObservation()
         self.helper = ProbeHelper(on_timeout=self.metrics.helper_timeouts.inc)
-        self.checker = Checker(parts.check_target(settings, mode), self.helper, self.observation,
-                               on_result=self._on_check, keeper=self._newer_instance)
+        self.checker = Checker(
+            parts.check_target(settings, mode),
+            self.helper,
+            self.observation,
+            on_result=self._on_check,
+            keeper=self._newer_instance,
+        )
         # The NFD feature file: the main plugin's only (one writer).
-        self.labels = (labels.Keeper(settings.nfd_features_dir)
-                       if settings.nfd_features_dir and not mode.inventory_only else None)
+        self.labels = (
+            labels.Keeper(settings.nfd_features_dir) if settings.nfd_features_dir and not mode.inventory_only else None
+        )
         self._watch_files()
         # How the device reaches the kubelet: the device plugin's side, or DRA's (kubelet_side.py).
-        self.side = parts.kubelet_side(settings, mode, Shared(
-            observation=self.observation, checker=self.checker, identity=self.identity, serve_ours=self._serve_ours,
-            metrics=self.metrics, watcher=self.watcher, on_change=self._status_changed, environ=self._environ))
+        self.side = parts.kubelet_side(
+            settings,
+            mode,
+            Shared(
+                observation=self.observation,
+                checker=self.checker,
+                identity=self.identity,
+                serve_ours=self._serve_ours,
+                metrics=self.metrics,
+                watcher=self.watcher,
+                on_change=self._status_changed,
+                environ=self._environ,
+            ),
+        )
         self._stop = asyncio.Event()
         self._interval_changed = asyncio.Event()
         self._tasks: list[asyncio.Future[Any]] = []
@@ -77,8 +101,9 @@ class Agent:
         self._handed_over = False  # an in-place upgrade's child has the kubelet and the unit
         self.upgrades = successor.Record()
         self._upgrade: Optional[asyncio.Future[None]] = None
-        self.reloader = Reloader(reload, lambda: self.settings, self._apply_reload, self.notifier,
-                                 on_refused=self._forget_status)
+        self.reloader = Reloader(
+            reload, lambda: self.settings, self._apply_reload, self.notifier, on_refused=self._forget_status
+        )
         self._last_status = ""
         self._serving: Optional[bool] = None
         self._health_update: Optional[asyncio.Future[None]] = None
@@ -87,8 +112,13 @@ class Agent:
 
     async def start(self) -> None:
         """Begin serving: first check, registration, watches and timers run as tasks."""
-        log.info("starting hyperlight-agent %s (commit %s): %s, device dir %s", __version__,
-                 self._environ.get(COMMIT_ENV, "unknown"), self.side.describe(), self.settings.device_dir)
+        log.info(
+            "starting hyperlight-agent %s (commit %s): %s, device dir %s",
+            __version__,
+            self._environ.get(COMMIT_ENV, "unknown"),
+            self.side.describe(),
+            self.settings.device_dir,
+        )
         self._status_changed()
         self.checker.request()
         services = contracts.HEALTH_SERVICES
@@ -204,8 +234,10 @@ class Agent:
         # only needs the child serving.
         ready = self.ready
         pid, said = await successor.replace_self(
-            self.settings.instance, self._environ,
-            lambda pid: self.side.hand_over(successor.READY_TIMEOUT_S, pid=pid, ready=ready))
+            self.settings.instance,
+            self._environ,
+            lambda pid: self.side.hand_over(successor.READY_TIMEOUT_S, pid=pid, ready=ready),
+        )
         if pid is None:
             record.state, record.why = "failed", said
             log.warning("in-place upgrade failed: %s; this agent (%s) serves on", said, __version__)
@@ -269,15 +301,21 @@ class Agent:
         if s.host_device_dir:
             watcher.watch(s.host_device_dir, lambda name: self.checker.request(), device_nodes)
         if self.labels is not None:
-            watcher.watch(self.labels.features_dir, lambda name: self._labels_changed(), {labels.FEATURE_FILE},
-                          mask=CONTENT)
+            watcher.watch(
+                self.labels.features_dir, lambda name: self._labels_changed(), {labels.FEATURE_FILE}, mask=CONTENT
+            )
         if not self.mode.inventory_only:
             # A symlink at cdi_dir is refused (cdi.py), never followed: its removal or a directory
             # replacing it shows in the parent directory.
-            watcher.watch(s.cdi_dir, lambda name: self.checker.request(), {contracts.CDI_SPEC_FILE},
-                          mask=CONTENT, follow=False)
-            watcher.watch(os.path.dirname(s.cdi_dir), lambda name: self.checker.request(),
-                          {os.path.basename(s.cdi_dir)}, mask=NAMES)
+            watcher.watch(
+                s.cdi_dir, lambda name: self.checker.request(), {contracts.CDI_SPEC_FILE}, mask=CONTENT, follow=False
+            )
+            watcher.watch(
+                os.path.dirname(s.cdi_dir),
+                lambda name: self.checker.request(),
+                {os.path.basename(s.cdi_dir)},
+                mask=NAMES,
+            )
 
     async def _periodic_checks(self) -> None:
         while True:
@@ -333,4 +371,5 @@ class Agent:
             self._serving = ready
             status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
             self._health_update = asyncio.ensure_future(
-                self.health_service.set(contracts.HEALTH_SERVICES["readiness"], status))
+                self.health_service.set(contracts.HEALTH_SERVICES["readiness"], status)
+            )

@@ -29,8 +29,13 @@ class Backoff:
     0.0
     """
 
-    def __init__(self, initial: float = INITIAL_S, cap: float = CAP_S,
-                 rand: Optional[Callable[[], float]] = None, immediate_first: bool = False) -> None:
+    def __init__(
+        self,
+        initial: float = INITIAL_S,
+        cap: float = CAP_S,
+        rand: Optional[Callable[[], float]] = None,
+        immediate_first: bool = False,
+    ) -> None:
         self._initial, self._cap, self._rand = initial, cap, rand
         self._immediate_first = immediate_first
         self._immediate_due = immediate_first
@@ -40,7 +45,7 @@ class Backoff:
         if self._immediate_due:
             self._immediate_due = False
             return 0.0
-        base: float = min(self._cap, self._initial * (2 ** self.attempt))
+        base: float = min(self._cap, self._initial * (2**self.attempt))
         if base < self._cap:  # past the cap the exponent stops growing (and cannot overflow)
             self.attempt += 1
         return base if self._rand is None else base * (0.5 + 0.5 * float(self._rand()))
@@ -52,4 +57,4 @@ class Backoff:
     @staticmethod
     def floor(attempt: int, initial: float = INITIAL_S, cap: float = CAP_S) -> float:
         """The shortest wait the attempt-th jittered retry can have (jitter at its lowest)."""
-        return 0.5 * min(cap, initial * 2.0 ** attempt)
+        return 0.5 * min(cap, initial * 2.0**attempt)

@@ -43,28 +43,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     which = parser.add_mutually_exclusive_group()  # the mode: the main plugin without either
     which.add_argument(
-        "--device-access", action="store_true",
+        "--device-access",
+        action="store_true",
         help="bootstrap mode: advertise hyperlight.dev/device-access slots (4: our pods and their surge "
         "successors) on hyperlight-access.sock that grant the raw device (DeviceSpec only; never opens it)",
     )
     which.add_argument(
-        "--dra", action="store_true",
+        "--dra",
+        action="store_true",
         help="Dynamic Resource Allocation mode: publish this node's ResourceSlice of driver hypervisor.hyperlight.dev "
         "and prepare claims through the kubelet's plugin watcher (Kubernetes 1.34+; needs API access)",
     )
     actions = parser.add_mutually_exclusive_group()
     actions.add_argument(
-        "--health-check", choices=("liveness", "readiness"), default=None,
+        "--health-check",
+        choices=("liveness", "readiness"),
+        default=None,
         help="exec probe: one gRPC health Check against the running agent's socket (with "
         "--device-access, that mode's socket); exit 0 if SERVING, else 1, with one line why",
     )
     actions.add_argument(
-        "--check", action="store_true",
+        "--check",
+        action="store_true",
         help="one-shot diagnostic: detect, probe, check host identity and the CDI spec without "
         "changing anything; exit 0 when this node can serve Hyperlight",
     )
     actions.add_argument(
-        "--upgrade-in-place", type=_pid, metavar="PID", default=None,
+        "--upgrade-in-place",
+        type=_pid,
+        metavar="PID",
+        default=None,
         help="ask the agent running as PID (the unit's main process) to start the code installed now, "
         "hand the kubelet and the unit over to it and leave, without a moment unserved; wait for the "
         "outcome: exit 0 when done, 1 when it failed (the old agent serves on), 3 when PID cannot "
@@ -98,10 +106,15 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
         return 2
     if args.health_check or args.check or args.upgrade_in_place:
         return _one_shot(args, settings, environ)
-    journal.setup(settings.log_level, environ, {
-        "resource": modes.of(args.device_access, args.dra).resource,
-        "cdi_path": os.path.join(settings.cdi_dir, contracts.CDI_SPEC_FILE),
-        "device_dir": settings.device_dir})
+    journal.setup(
+        settings.log_level,
+        environ,
+        {
+            "resource": modes.of(args.device_access, args.dra).resource,
+            "cdi_path": os.path.join(settings.cdi_dir, contracts.CDI_SPEC_FILE),
+            "device_dir": settings.device_dir,
+        },
+    )
     from hyperlight_agent.deviceplugin.registration import (
         AlreadyServed,  # grpc is imported only for the long-running modes
     )
@@ -129,8 +142,9 @@ def _one_shot(args: argparse.Namespace, settings: config.Settings, environ: Mapp
     if args.upgrade_in_place:
         from hyperlight_agent.host.upgrade import upgrade_in_place
 
-        code, line = upgrade_in_place(args.upgrade_in_place,
-                                      lambda: [p for m in modes.MODES for p in m.instance_sockets(settings)])
+        code, line = upgrade_in_place(
+            args.upgrade_in_place, lambda: [p for m in modes.MODES for p in m.instance_sockets(settings)]
+        )
         print(line)
         return code
     from hyperlight_agent.diagnose import diagnose
@@ -145,8 +159,9 @@ def _one_shot(args: argparse.Namespace, settings: config.Settings, environ: Mapp
 async def _serve(settings: config.Settings, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     from hyperlight_agent.agent import Agent
 
-    agent = Agent(settings, modes.of(args.device_access, args.dra), reload=lambda: config.load(args, environ),
-                  environ=environ)
+    agent = Agent(
+        settings, modes.of(args.device_access, args.dra), reload=lambda: config.load(args, environ), environ=environ
+    )
     loop = asyncio.get_running_loop()
     signals.attach(loop, agent.stop, agent.reload, agent.upgrade)
     try:
@@ -168,8 +183,10 @@ def _health_socket(mode: modes.Mode, settings: config.Settings) -> str:
         return path
     from hyperlight_agent.host.upgrade import descendant
 
-    return asyncio.run(descendant(settings.instance, mode.protocol.value, mode.resource,
-                                  mode.instance_sockets(settings))) or path
+    return (
+        asyncio.run(descendant(settings.instance, mode.protocol.value, mode.resource, mode.instance_sockets(settings)))
+        or path
+    )
 
 
 def exit_now(code: int) -> NoReturn:

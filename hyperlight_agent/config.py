@@ -124,8 +124,10 @@ _INSTANCE = re.compile(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?")
 
 def _instance(value: Any) -> str:
     if not (isinstance(value, str) and value.isascii() and _INSTANCE.fullmatch(value)):
-        raise ValueError("must be 1 to 63 lowercase letters, digits, '-' or '.', starting and ending with a "
-                         "letter or digit (e.g. the pod's name)")
+        raise ValueError(
+            "must be 1 to 63 lowercase letters, digits, '-' or '.', starting and ending with a "
+            "letter or digit (e.g. the pod's name)"
+        )
     return value
 
 
@@ -191,66 +193,194 @@ class Setting:
 
 U32 = _int_in(0, UINT32_MAX, f"an integer from 0 to {UINT32_MAX}")
 SETTINGS: tuple[Setting, ...] = (
-    Setting("device_count", "DEVICE_COUNT", "--device-count", 2000,
-            _int_in(1, MAX_DEVICE_COUNT, f"an integer from 1 to {MAX_DEVICE_COUNT}"),
-            "slots advertised for the shared hypervisor device", lenient_env=True, toml_types=(int,)),
-    Setting("device_uid", "DEVICE_UID", "--device-uid", 65534, U32,
-            "owner of the device node inside containers (CDI)", lenient_env=True, toml_types=(int,)),
-    Setting("device_gid", "DEVICE_GID", "--device-gid", 65534, U32,
-            "group of the device node inside containers (CDI)", lenient_env=True, toml_types=(int,)),
-    Setting("host_device_dir", "HOST_DEVICE_DIR", "--host-device-dir", None, _abs_dir,
-            "where the host's /dev is visible (e.g. /host-dev in a pod); unset: the device dir",
-            restart_only=True),
-    Setting("device_dir", "HYPERLIGHT_DEVICE_DIR", "--device-dir", "/dev", _abs_dir,
-            "directory holding the hypervisor node the agent probes", restart_only=True),
-    Setting("kubelet_dir", "HYPERLIGHT_KUBELET_DIR", "--kubelet-dir", contracts.KUBELET_PLUGIN_DIR,
-            _abs_dir, "the kubelet's device-plugin directory (kubelet.sock, our socket)", restart_only=True),
-    Setting("cdi_dir", "HYPERLIGHT_CDI_DIR", "--cdi-dir", contracts.CDI_DIR, _abs_dir,
-            "CDI spec directory; the agent owns only hyperlight.json in it", restart_only=True),
-    Setting("check_interval_seconds", "HYPERLIGHT_CHECK_INTERVAL", "--check-interval", 30,
-            _seconds, "seconds between periodic device checks", toml_types=(int, float)),
-    Setting("allocation", "HYPERLIGHT_ALLOCATION", "--allocation", ALLOCATION_BOTH,
-            _choice(ALLOCATION_MODES),
-            "what Allocate returns: both (CDI name and DeviceSpec: works on every runtime), "
-            "cdi, or device-spec"),
-    Setting("log_level", "HYPERLIGHT_LOG_LEVEL", "--log-level", "info", _choice(LOG_LEVELS),
-            "debug, info, warning or error"),
-    Setting("nfd_features_dir", "HYPERLIGHT_NFD_FEATURES_DIR", "--nfd-features-dir", None, _abs_dir,
-            "write node labels as an NFD feature file here (e.g. "
-            "/etc/kubernetes/node-feature-discovery/features.d); unset: off", restart_only=True),
-    Setting("metrics_address", "HYPERLIGHT_METRICS_ADDRESS", "--metrics-address", None, _listen_address,
-            "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464); unset: off",
-            restart_only=True),
-    Setting("instance", "HYPERLIGHT_INSTANCE", "--instance", None, _instance,
-            "a name unique to this agent on its node (in a pod: the pod's name); the socket becomes "
-            "hyperlight.INSTANCE.sock, so a successor can register beside this agent during an update; "
-            "unset: hyperlight.sock", restart_only=True),
-    Setting("handover_seconds", "HYPERLIGHT_HANDOVER_SECONDS", "--handover-seconds", 0, _handover_seconds,
-            "on SIGTERM, keep serving up to this long until another agent for the same resource is ready "
-            "in the kubelet dir (a surge update), so the kubelet never counts zero devices; 0: stop at once",
-            toml_types=(int, float)),
+    Setting(
+        "device_count",
+        "DEVICE_COUNT",
+        "--device-count",
+        2000,
+        _int_in(1, MAX_DEVICE_COUNT, f"an integer from 1 to {MAX_DEVICE_COUNT}"),
+        "slots advertised for the shared hypervisor device",
+        lenient_env=True,
+        toml_types=(int,),
+    ),
+    Setting(
+        "device_uid",
+        "DEVICE_UID",
+        "--device-uid",
+        65534,
+        U32,
+        "owner of the device node inside containers (CDI)",
+        lenient_env=True,
+        toml_types=(int,),
+    ),
+    Setting(
+        "device_gid",
+        "DEVICE_GID",
+        "--device-gid",
+        65534,
+        U32,
+        "group of the device node inside containers (CDI)",
+        lenient_env=True,
+        toml_types=(int,),
+    ),
+    Setting(
+        "host_device_dir",
+        "HOST_DEVICE_DIR",
+        "--host-device-dir",
+        None,
+        _abs_dir,
+        "where the host's /dev is visible (e.g. /host-dev in a pod); unset: the device dir",
+        restart_only=True,
+    ),
+    Setting(
+        "device_dir",
+        "HYPERLIGHT_DEVICE_DIR",
+        "--device-dir",
+        "/dev",
+        _abs_dir,
+        "directory holding the hypervisor node the agent probes",
+        restart_only=True,
+    ),
+    Setting(
+        "kubelet_dir",
+        "HYPERLIGHT_KUBELET_DIR",
+        "--kubelet-dir",
+        contracts.KUBELET_PLUGIN_DIR,
+        _abs_dir,
+        "the kubelet's device-plugin directory (kubelet.sock, our socket)",
+        restart_only=True,
+    ),
+    Setting(
+        "cdi_dir",
+        "HYPERLIGHT_CDI_DIR",
+        "--cdi-dir",
+        contracts.CDI_DIR,
+        _abs_dir,
+        "CDI spec directory; the agent owns only hyperlight.json in it",
+        restart_only=True,
+    ),
+    Setting(
+        "check_interval_seconds",
+        "HYPERLIGHT_CHECK_INTERVAL",
+        "--check-interval",
+        30,
+        _seconds,
+        "seconds between periodic device checks",
+        toml_types=(int, float),
+    ),
+    Setting(
+        "allocation",
+        "HYPERLIGHT_ALLOCATION",
+        "--allocation",
+        ALLOCATION_BOTH,
+        _choice(ALLOCATION_MODES),
+        "what Allocate returns: both (CDI name and DeviceSpec: works on every runtime), cdi, or device-spec",
+    ),
+    Setting(
+        "log_level", "HYPERLIGHT_LOG_LEVEL", "--log-level", "info", _choice(LOG_LEVELS), "debug, info, warning or error"
+    ),
+    Setting(
+        "nfd_features_dir",
+        "HYPERLIGHT_NFD_FEATURES_DIR",
+        "--nfd-features-dir",
+        None,
+        _abs_dir,
+        "write node labels as an NFD feature file here (e.g. "
+        "/etc/kubernetes/node-feature-discovery/features.d); unset: off",
+        restart_only=True,
+    ),
+    Setting(
+        "metrics_address",
+        "HYPERLIGHT_METRICS_ADDRESS",
+        "--metrics-address",
+        None,
+        _listen_address,
+        "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464); unset: off",
+        restart_only=True,
+    ),
+    Setting(
+        "instance",
+        "HYPERLIGHT_INSTANCE",
+        "--instance",
+        None,
+        _instance,
+        "a name unique to this agent on its node (in a pod: the pod's name); the socket becomes "
+        "hyperlight.INSTANCE.sock, so a successor can register beside this agent during an update; "
+        "unset: hyperlight.sock",
+        restart_only=True,
+    ),
+    Setting(
+        "handover_seconds",
+        "HYPERLIGHT_HANDOVER_SECONDS",
+        "--handover-seconds",
+        0,
+        _handover_seconds,
+        "on SIGTERM, keep serving up to this long until another agent for the same resource is ready "
+        "in the kubelet dir (a surge update), so the kubelet never counts zero devices; 0: stop at once",
+        toml_types=(int, float),
+    ),
     # The Dynamic Resource Allocation mode (--dra) only.
-    Setting("dra_devices", "HYPERLIGHT_DRA_DEVICES", "--dra-devices", contracts.RESOURCE_SLICE_MAX_DEVICES,
-            _int_in(1, contracts.RESOURCE_SLICE_MAX_DEVICES,
-                    f"an integer from 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES}"),
-            "--dra: identical devices published in this node's ResourceSlice, each one claim's share of the "
-            "hypervisor, where it cannot be one shared device (dra_shared_device)",
-            toml_types=(int,), restart_only=True),
-    Setting("dra_shared_device", "HYPERLIGHT_DRA_SHARED_DEVICE", "--dra-shared-device", "auto",
-            _choice(("auto", "off")),
-            "--dra: auto: publish the hypervisor as one device every claim shares, where the API server "
-            "keeps allowMultipleAllocations (Kubernetes 1.36+), else dra_devices identical devices; "
-            "off: always the identical devices (for kubelets before 1.36)", restart_only=True),
-    Setting("node_name", "NODE_NAME", "--node-name", None, _node_name,
-            "--dra: this node's name in Kubernetes (in a pod: spec.nodeName); unset: the host name",
-            restart_only=True),
-    Setting("kubeconfig", "HYPERLIGHT_KUBECONFIG", "--kubeconfig", None, _abs_file,
-            "--dra: kubeconfig file for the API server; unset: the pod's service account", restart_only=True),
-    Setting("dra_registry_dir", "HYPERLIGHT_DRA_REGISTRY_DIR", "--dra-registry-dir", contracts.DRA_REGISTRY_DIR,
-            _abs_dir, "--dra: the kubelet's plugin registry (our registration socket)", restart_only=True),
-    Setting("dra_plugins_dir", "HYPERLIGHT_DRA_PLUGINS_DIR", "--dra-plugins-dir", contracts.DRA_PLUGINS_DIR,
-            _abs_dir, "--dra: the kubelet's plugins directory (our service socket and record of prepared "
-            f"claims, in {contracts.DRA_DRIVER}/ below it)", restart_only=True),
+    Setting(
+        "dra_devices",
+        "HYPERLIGHT_DRA_DEVICES",
+        "--dra-devices",
+        contracts.RESOURCE_SLICE_MAX_DEVICES,
+        _int_in(
+            1, contracts.RESOURCE_SLICE_MAX_DEVICES, f"an integer from 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES}"
+        ),
+        "--dra: identical devices published in this node's ResourceSlice, each one claim's share of the "
+        "hypervisor, where it cannot be one shared device (dra_shared_device)",
+        toml_types=(int,),
+        restart_only=True,
+    ),
+    Setting(
+        "dra_shared_device",
+        "HYPERLIGHT_DRA_SHARED_DEVICE",
+        "--dra-shared-device",
+        "auto",
+        _choice(("auto", "off")),
+        "--dra: auto: publish the hypervisor as one device every claim shares, where the API server "
+        "keeps allowMultipleAllocations (Kubernetes 1.36+), else dra_devices identical devices; "
+        "off: always the identical devices (for kubelets before 1.36)",
+        restart_only=True,
+    ),
+    Setting(
+        "node_name",
+        "NODE_NAME",
+        "--node-name",
+        None,
+        _node_name,
+        "--dra: this node's name in Kubernetes (in a pod: spec.nodeName); unset: the host name",
+        restart_only=True,
+    ),
+    Setting(
+        "kubeconfig",
+        "HYPERLIGHT_KUBECONFIG",
+        "--kubeconfig",
+        None,
+        _abs_file,
+        "--dra: kubeconfig file for the API server; unset: the pod's service account",
+        restart_only=True,
+    ),
+    Setting(
+        "dra_registry_dir",
+        "HYPERLIGHT_DRA_REGISTRY_DIR",
+        "--dra-registry-dir",
+        contracts.DRA_REGISTRY_DIR,
+        _abs_dir,
+        "--dra: the kubelet's plugin registry (our registration socket)",
+        restart_only=True,
+    ),
+    Setting(
+        "dra_plugins_dir",
+        "HYPERLIGHT_DRA_PLUGINS_DIR",
+        "--dra-plugins-dir",
+        contracts.DRA_PLUGINS_DIR,
+        _abs_dir,
+        "--dra: the kubelet's plugins directory (our service socket and record of prepared "
+        f"claims, in {contracts.DRA_DRIVER}/ below it)",
+        restart_only=True,
+    ),
 )
 BY_KEY = {s.key: s for s in SETTINGS}
 RESTART_ONLY = tuple(s.key for s in SETTINGS if s.restart_only)
@@ -258,9 +388,10 @@ RESTART_ONLY = tuple(s.key for s in SETTINGS if s.restart_only)
 
 def longest_socket_name(instance: Optional[str]) -> int:
     """The longest name the agent binds in kubelet_dir (a private name, renamed into place)."""
-    return max(len(contracts.private_socket_name(contracts.instance_socket_name(n, instance), contracts.PID_MAX,
-                                                 "0" * 8))
-               for n in (contracts.PLUGIN_SOCKET, contracts.DEVICE_ACCESS_SOCKET))
+    return max(
+        len(contracts.private_socket_name(contracts.instance_socket_name(n, instance), contracts.PID_MAX, "0" * 8))
+        for n in (contracts.PLUGIN_SOCKET, contracts.DEVICE_ACCESS_SOCKET)
+    )
 
 
 # The shortest names the DRA mode gives its sockets (dra/registration.py; a test holds these to
@@ -268,8 +399,10 @@ def longest_socket_name(instance: Optional[str]) -> int:
 # service socket "dra-<16 hex>.sock" in dra_plugins_dir/<driver>, and in both the private name
 # ".hl-dra.<pid>.<8 hex>" bound before the rename.
 _DRA_PRIVATE_NAME = len(".hl-dra.") + len(str(contracts.PID_MAX)) + 1 + 8
-DRA_SHORTEST_NAMES = {"dra_registry_dir": max(len("dra--reg.sock") + 24, _DRA_PRIVATE_NAME),
-                      "dra_plugins_dir": max(len("dra-.sock") + 16, _DRA_PRIVATE_NAME)}
+DRA_SHORTEST_NAMES = {
+    "dra_registry_dir": max(len("dra--reg.sock") + 24, _DRA_PRIVATE_NAME),
+    "dra_plugins_dir": max(len("dra-.sock") + 16, _DRA_PRIVATE_NAME),
+}
 
 
 @dataclass(frozen=True)
@@ -312,18 +445,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("settings (flag > environment > TOML file > default)")
     for s in SETTINGS:
         group.add_argument(
-            s.flag, dest=s.key, metavar="VALUE", default=None,
+            s.flag,
+            dest=s.key,
+            metavar="VALUE",
+            default=None,
             help=f"{s.meaning} [env {s.env}; toml {s.key}; default {s.default_text}]",
         )
     group.add_argument(
-        "--config", dest="config", metavar="FILE", default=None,
-        help=f"TOML settings file [env {CONFIG_ENV}; default {DEFAULT_CONFIG_FILE}; "
-        "a missing default file is fine]",
+        "--config",
+        dest="config",
+        metavar="FILE",
+        default=None,
+        help=f"TOML settings file [env {CONFIG_ENV}; default {DEFAULT_CONFIG_FILE}; a missing default file is fine]",
     )
 
 
-def load(args: argparse.Namespace, environ: Mapping[str, str],
-         default_file_path: str = DEFAULT_CONFIG_FILE) -> Settings:
+def load(
+    args: argparse.Namespace, environ: Mapping[str, str], default_file_path: str = DEFAULT_CONFIG_FILE
+) -> Settings:
     """Resolve every setting from flags, environment, file and defaults. Raises ConfigError."""
     explicit_file = args.config or environ.get(CONFIG_ENV) or None
     path = explicit_file or default_file_path
@@ -334,16 +473,20 @@ def load(args: argparse.Namespace, environ: Mapping[str, str],
     socket_bytes = _bytes(values["kubelet_dir"]) + 1 + longest_socket_name(values["instance"])
     if socket_bytes > contracts.UNIX_PATH_MAX:
         named = f" with instance = {quote(values['instance'])}" if values["instance"] else ""
-        raise ConfigError(f"kubelet_dir = {quote(values['kubelet_dir'])}{named}: socket paths in it would be up to "
-                          f"{socket_bytes} bytes; unix sockets allow {contracts.UNIX_PATH_MAX}")
+        raise ConfigError(
+            f"kubelet_dir = {quote(values['kubelet_dir'])}{named}: socket paths in it would be up to "
+            f"{socket_bytes} bytes; unix sockets allow {contracts.UNIX_PATH_MAX}"
+        )
     # The DRA mode shortens its socket names (a hash of the instance) down to these: only a
     # directory too long even for them cannot hold its sockets.
     for key, below in (("dra_registry_dir", None), ("dra_plugins_dir", contracts.DRA_DRIVER)):
         directory = os.path.join(values[key], below) if below else values[key]
         socket_bytes = _bytes(directory) + 1 + DRA_SHORTEST_NAMES[key]
         if socket_bytes > contracts.UNIX_PATH_MAX:
-            raise ConfigError(f"{key} = {quote(values[key])}: socket paths in it would be at least {socket_bytes} "
-                              f"bytes; unix sockets allow {contracts.UNIX_PATH_MAX}")
+            raise ConfigError(
+                f"{key} = {quote(values[key])}: socket paths in it would be at least {socket_bytes} "
+                f"bytes; unix sockets allow {contracts.UNIX_PATH_MAX}"
+            )
     return Settings(**values, config_file=path if file_read else None)
 
 
@@ -397,8 +540,9 @@ def read_file(path: str, required: bool) -> tuple[dict[str, Any], bool]:
     return data, True
 
 
-def _resolve(s: Setting, flag: Optional[str], environ: Mapping[str, str],
-             from_file: Mapping[str, Any], path: str) -> Any:
+def _resolve(
+    s: Setting, flag: Optional[str], environ: Mapping[str, str], from_file: Mapping[str, Any], path: str
+) -> Any:
     if flag is not None:
         return _parse(s, flag, s.flag)
     env_value = environ.get(s.env, "")
@@ -410,9 +554,13 @@ def _resolve(s: Setting, flag: Optional[str], environ: Mapping[str, str],
                 raise ConfigError(f"{s.env}={quote(env_value)}: {exc}") from None
             # The original plugin's manifests set these; a bad one there was ignored, so it still is,
             # for now: said once, with what is used instead and what a later release will do.
-            log.warning("ignoring %s=%s (%s); using %s instead; a later release will refuse it and not start",
-                        s.env, quote(env_value), exc,
-                        "the config file's value" if s.key in from_file else f"the default {s.default}")
+            log.warning(
+                "ignoring %s=%s (%s); using %s instead; a later release will refuse it and not start",
+                s.env,
+                quote(env_value),
+                exc,
+                "the config file's value" if s.key in from_file else f"the default {s.default}",
+            )
     if s.key in from_file:
         value = from_file[s.key]
         if isinstance(value, bool) or not isinstance(value, s.toml_types):
@@ -438,14 +586,21 @@ def settings_table() -> str:
     rows = ["| TOML key | environment | flag | default | meaning |", "|---|---|---|---|---|"]
     for s in SETTINGS:
         rows.append(f"| {s.key} | {s.env} | {s.flag} | {s.default_text} | {s.meaning} |")
-    rows.append(f"| (the file itself) | {CONFIG_ENV} | --config | {DEFAULT_CONFIG_FILE} | "
-                "TOML file with any of the keys above; a missing default file is fine |")
+    rows.append(
+        f"| (the file itself) | {CONFIG_ENV} | --config | {DEFAULT_CONFIG_FILE} | "
+        "TOML file with any of the keys above; a missing default file is fine |"
+    )
     return "\n".join(rows)
 
 
-UNSET_EXAMPLES = {"host_device_dir": "/host-dev", "metrics_address": "127.0.0.1:9464", "instance": "node-agent-1",
-                  "node_name": "node-1", "kubeconfig": "/etc/hyperlight-agent/kubeconfig",
-                  "nfd_features_dir": "/etc/kubernetes/node-feature-discovery/features.d"}
+UNSET_EXAMPLES = {
+    "host_device_dir": "/host-dev",
+    "metrics_address": "127.0.0.1:9464",
+    "instance": "node-agent-1",
+    "node_name": "node-1",
+    "kubeconfig": "/etc/hyperlight-agent/kubeconfig",
+    "nfd_features_dir": "/etc/kubernetes/node-feature-discovery/features.d",
+}
 
 
 def default_file() -> str:

@@ -48,8 +48,9 @@ def runtime() -> tuple[bool, str]:
     return True, "ok   runtime: the agent imports and its gRPC server binds a unix socket"
 
 
-def diagnose(settings: Settings, mode: modes.Mode = modes.PLUGIN,
-             environ: Optional[Mapping[str, str]] = None) -> tuple[bool, list[str]]:
+def diagnose(
+    settings: Settings, mode: modes.Mode = modes.PLUGIN, environ: Optional[Mapping[str, str]] = None
+) -> tuple[bool, list[str]]:
     """The device's lines and, in the DRA mode, the API's and the kubelet's directories' (each
     said even when the device fails: they are separate problems)."""
     ok, lines = _device(settings)
@@ -57,9 +58,12 @@ def diagnose(settings: Settings, mode: modes.Mode = modes.PLUGIN,
         from hyperlight_agent.dra import preflight
 
         node = parts.dra_target(settings, mode).node_name
-        found = [*preflight.directories({"dra_registry_dir": settings.dra_registry_dir,
-                                         "dra_plugins_dir": settings.dra_plugins_dir}),
-                 *asyncio.run(preflight.api(settings.kubeconfig, node, environ or {}))]
+        found = [
+            *preflight.directories(
+                {"dra_registry_dir": settings.dra_registry_dir, "dra_plugins_dir": settings.dra_plugins_dir}
+            ),
+            *asyncio.run(preflight.api(settings.kubeconfig, node, environ or {})),
+        ]
         lines += [line for _, line in found]
         ok = ok and all(good for good, _ in found)
     return ok, lines
@@ -72,8 +76,10 @@ def _device(settings: Settings) -> tuple[bool, list[str]]:
     if observation.hypervisor is None:
         hints = [f"hint {h.missing_hint}" for h in hypervisors.HYPERVISORS]
         if settings.host_device_dir is None and settings.device_dir != "/dev":
-            hints.append(f"hint in a container, {settings.device_dir} must be the host's /dev mounted in "
-                         "(device_dir, host_device_dir)")
+            hints.append(
+                f"hint in a container, {settings.device_dir} must be the host's /dev mounted in "
+                "(device_dir, host_device_dir)"
+            )
         return False, [*lines, f"FAIL device: {observation.reason}", *hints]
     hypervisor = hypervisors.BY_NAME[observation.hypervisor]
     device = hypervisor.device_path(settings.device_dir)
@@ -102,12 +108,17 @@ async def _check(settings: Settings) -> tuple[Observation, Optional[str]]:
 def _probe_hints(reason: str) -> list[str]:
     """What usually makes a present device fail its probe, from the kernel's words."""
     if "Permission denied" in reason or "Operation not permitted" in reason:
-        return ["hint the agent cannot open the device for read and write: run it as root, or give it the "
-                "device's group (ls -l the node); in a container, a device cgroup rule or seccomp may refuse it"]
+        return [
+            "hint the agent cannot open the device for read and write: run it as root, or give it the "
+            "device's group (ls -l the node); in a container, a device cgroup rule or seccomp may refuse it"
+        ]
     if "KVM_CREATE_VM failed" in reason:
-        return ["hint the kernel refused a VM: another hypervisor may hold the CPU's virtualisation (VirtualBox, "
-                "an older VMware), or nested virtualisation is off for this VM"]
+        return [
+            "hint the kernel refused a VM: another hypervisor may hold the CPU's virtualisation (VirtualBox, "
+            "an older VMware), or nested virtualisation is off for this VM"
+        ]
     if "MSHV_CREATE_PARTITION failed" in reason:
-        return ["hint the Microsoft Hypervisor refused a partition: is this the root partition, with enough "
-                "memory free?"]
+        return [
+            "hint the Microsoft Hypervisor refused a partition: is this the root partition, with enough memory free?"
+        ]
     return []

@@ -55,17 +55,39 @@ class Mode(NamedTuple):
         return sockets.listing(settings.kubelet_dir, lambda name: contracts.is_instance_socket_name(name, self.socket))
 
 
-PLUGIN = Mode("plugin", contracts.RESOURCE_HYPERVISOR, contracts.PLUGIN_SOCKET, None, None,
-              workload_env=True, inventory_only=False)
+PLUGIN = Mode(
+    "plugin",
+    contracts.RESOURCE_HYPERVISOR,
+    contracts.PLUGIN_SOCKET,
+    None,
+    None,
+    workload_env=True,
+    inventory_only=False,
+)
 # Four slots: the device plugin's and the DRA driver's running pods (the chart's mode "both") and,
 # during a surge update or a replacement after a delete, each one's successor (both hold the
 # device until the handover; see deviceplugin/handover.py).
-DEVICE_ACCESS = Mode("device-access", contracts.RESOURCE_DEVICE_ACCESS, contracts.DEVICE_ACCESS_SOCKET, 4,
-                     config.ALLOCATION_DEVICE_SPEC, workload_env=False, inventory_only=True)
+DEVICE_ACCESS = Mode(
+    "device-access",
+    contracts.RESOURCE_DEVICE_ACCESS,
+    contracts.DEVICE_ACCESS_SOCKET,
+    4,
+    config.ALLOCATION_DEVICE_SPEC,
+    workload_env=False,
+    inventory_only=True,
+)
 # Devices come from the dra_devices setting; a claim always gets the CDI device (the runtime applies
 # it, so no DeviceSpec and no environment of ours).
-DRA = Mode("dra", contracts.DRA_DRIVER, "", None, config.ALLOCATION_CDI, workload_env=False,
-           inventory_only=False, protocol=Protocol.DRA)
+DRA = Mode(
+    "dra",
+    contracts.DRA_DRIVER,
+    "",
+    None,
+    config.ALLOCATION_CDI,
+    workload_env=False,
+    inventory_only=False,
+    protocol=Protocol.DRA,
+)
 
 MODES = (PLUGIN, DEVICE_ACCESS, DRA)
 

@@ -28,18 +28,28 @@ if TYPE_CHECKING:
 
 def check_target(settings: Settings, mode: modes.Mode, read_only: bool = False) -> CheckTarget:
     """Where the checker looks and what the CDI spec must say; `read_only` for --check."""
-    return CheckTarget(settings.device_dir, settings.host_device_dir, settings.cdi_dir,
-                       settings.device_uid, settings.device_gid, inventory_only=mode.inventory_only,
-                       read_only=read_only)
+    return CheckTarget(
+        settings.device_dir,
+        settings.host_device_dir,
+        settings.cdi_dir,
+        settings.device_uid,
+        settings.device_gid,
+        inventory_only=mode.inventory_only,
+        read_only=read_only,
+    )
 
 
 def profile(settings: Settings, mode: modes.Mode) -> Profile:
     """What the device plugin advertises: the mode's fixed columns win over the settings."""
     from hyperlight_agent.deviceplugin.servicer import Profile
 
-    return Profile(mode.resource, instance_socket_name(mode.socket, settings.instance),
-                   mode.slots if mode.slots is not None else settings.device_count,
-                   mode.allocation or settings.allocation, workload_env=mode.workload_env)
+    return Profile(
+        mode.resource,
+        instance_socket_name(mode.socket, settings.instance),
+        mode.slots if mode.slots is not None else settings.device_count,
+        mode.allocation or settings.allocation,
+        workload_env=mode.workload_env,
+    )
 
 
 def device_plugin_target(settings: Settings, mode: modes.Mode) -> DevicePluginTarget:
@@ -52,9 +62,16 @@ def dra_target(settings: Settings, mode: modes.Mode) -> DraTarget:
     """Without node_name, the host name as the kubelet registers it (lower case)."""
     from hyperlight_agent.dra.side import DraTarget
 
-    return DraTarget(settings.node_name or socket.gethostname().lower(), modes.dra_instance(settings.instance),
-                     settings.dra_devices, settings.kubeconfig, settings.dra_registry_dir, settings.dra_plugins_dir,
-                     mode.resource, shared=settings.dra_shared_device == "auto")
+    return DraTarget(
+        settings.node_name or socket.gethostname().lower(),
+        modes.dra_instance(settings.instance),
+        settings.dra_devices,
+        settings.kubeconfig,
+        settings.dra_registry_dir,
+        settings.dra_plugins_dir,
+        mode.resource,
+        shared=settings.dra_shared_device == "auto",
+    )
 
 
 def _device_plugin_side(target: Any, shared: Shared) -> KubeletSide:

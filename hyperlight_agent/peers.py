@@ -94,9 +94,11 @@ class Description:
     upgrade: Optional[Mapping[str, Any]] = None
 
 
-def describe_handler(identity: Identity, ready: Callable[[], bool],
-                     more: Callable[[], Mapping[str, Any]] = dict) -> grpc.GenericRpcHandler[Any, Any]:
+def describe_handler(
+    identity: Identity, ready: Callable[[], bool], more: Callable[[], Mapping[str, Any]] = dict
+) -> grpc.GenericRpcHandler[Any, Any]:
     """The Describe method, for a server that serves one of our sockets (`more`: further fields)."""
+
     async def describe(request: bytes, context: Any) -> bytes:
         return json.dumps({**asdict(identity), "ready": bool(ready()), **more()}).encode()
 
@@ -130,9 +132,15 @@ def _parse(answer: Any, path: str) -> Optional[Description]:
         return None
     try:
         doc = json.loads(answer)
-        identity = Identity(instance=str(doc["instance"]), protocol=str(doc["protocol"]),
-                            resource=str(doc["resource"]), started=int(doc["started"]), pid=int(doc["pid"]),
-                            version=str(doc["version"]), agent=str(doc["agent"]))
+        identity = Identity(
+            instance=str(doc["instance"]),
+            protocol=str(doc["protocol"]),
+            resource=str(doc["resource"]),
+            started=int(doc["started"]),
+            pid=int(doc["pid"]),
+            version=str(doc["version"]),
+            agent=str(doc["agent"]),
+        )
         upgrade = doc.get("upgrade")
         return Description(identity, doc["ready"] is True, path, upgrade if isinstance(upgrade, dict) else None)
     except (ValueError, KeyError, TypeError):
@@ -160,9 +168,15 @@ async def _ask(path: str, budget: float, resolve: Resolve) -> tuple[Optional[str
     return target, await describe(target, budget)
 
 
-async def successor(me: Identity, candidates: Callable[[], Iterable[str]], deadline: float,
-                    resolve: Resolve = _same, legacy_ready: Optional[LegacyReady] = None,
-                    pid: Optional[int] = None, require_ready: bool = True) -> Optional[str]:
+async def successor(
+    me: Identity,
+    candidates: Callable[[], Iterable[str]],
+    deadline: float,
+    resolve: Resolve = _same,
+    legacy_ready: Optional[LegacyReady] = None,
+    pid: Optional[int] = None,
+    require_ready: bool = True,
+) -> Optional[str]:
     """The socket of a ready instance of ours for our resource, looked for until the loop's clock
     reaches `deadline`; None then. `candidates()` lists sockets that may be one (never ours); the
     socket returned is the one the successor answered on (resolved from its candidate). With
@@ -176,8 +190,12 @@ async def successor(me: Identity, candidates: Callable[[], Iterable[str]], deadl
         except _Legacy as legacy:
             ok = pid is None and legacy_ready is not None and await legacy_ready(legacy.target, budget)
             return legacy.target if ok else None
-        ours = (found is not None and (found.ready or not require_ready) and me.same_kind(found.identity)
-                and found.identity != me)
+        ours = (
+            found is not None
+            and (found.ready or not require_ready)
+            and me.same_kind(found.identity)
+            and found.identity != me
+        )
         if ours and pid is not None:
             ours = found is not None and found.identity.pid == pid
         return target if ours else None
@@ -192,8 +210,9 @@ async def successor(me: Identity, candidates: Callable[[], Iterable[str]], deadl
         await asyncio.sleep(min(POLL_S, remaining))
 
 
-async def newer(me: Identity, candidates: Iterable[str], resolve: Resolve = _same,
-                timeout: float = PEER_TIMEOUT_S) -> Optional[Description]:
+async def newer(
+    me: Identity, candidates: Iterable[str], resolve: Resolve = _same, timeout: float = PEER_TIMEOUT_S
+) -> Optional[Description]:
     """A live instance of ours for our resource that started after us, if there is one. An
     earlier release (no Describe) does not yield, so it is not yielded to either."""
     deadline = asyncio.get_running_loop().time() + timeout
@@ -213,8 +232,9 @@ async def newer(me: Identity, candidates: Iterable[str], resolve: Resolve = _sam
     return newest[0] if newest else None
 
 
-async def _first(paths: Iterable[str], test: Callable[[str, float], Awaitable[Optional[str]]],
-                 deadline: float) -> Optional[str]:
+async def _first(
+    paths: Iterable[str], test: Callable[[str, float], Awaitable[Optional[str]]], deadline: float
+) -> Optional[str]:
     """The first answer (not None) of test(path, budget) for `paths`, asking all at once (at most
     MAX_CONCURRENT at a time), each within PEER_TIMEOUT_S and all before `deadline`."""
     loop = asyncio.get_running_loop()

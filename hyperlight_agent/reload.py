@@ -30,9 +30,14 @@ def kept_restart_only(running: Settings, new: Settings) -> tuple[Settings, list[
 
 
 class Reloader:
-    def __init__(self, read: Optional[Callable[[], Settings]], running: Callable[[], Settings],
-                 apply: Callable[[Settings], None], notifier: Notifier,
-                 on_refused: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        read: Optional[Callable[[], Settings]],
+        running: Callable[[], Settings],
+        apply: Callable[[Settings], None],
+        notifier: Notifier,
+        on_refused: Callable[[], None] = lambda: None,
+    ) -> None:
         self._read = read  # raises config.ConfigError; None: reloads re-apply the running settings
         self._running = running
         self._apply = apply

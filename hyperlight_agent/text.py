@@ -28,7 +28,7 @@ def quote(value: Any, limit: int = 60) -> str:
         size, whole = len(text), len(text) <= limit
         text = text[:limit]
     if len(text) > 2 * limit:
-        text, whole = text[:2 * limit], False
+        text, whole = text[: 2 * limit], False
     return text if whole else f"{text}… ({size} characters)"
 
 
@@ -45,4 +45,4 @@ def shown(text: str, limit: int = 120) -> str:
         text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     if len(text) <= limit:
         return text
-    return f"{text[:limit * 2 // 3]}…{text[-(limit // 3):]} ({len(text)} characters)"
+    return f"{text[: limit * 2 // 3]}…{text[-(limit // 3) :]} ({len(text)} characters)"

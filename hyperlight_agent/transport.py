@@ -49,6 +49,7 @@ class Unparsable:
 
 def parser(request_type: Any) -> Callable[[bytes], Any]:
     """A deserializer for request_type that returns an Unparsable instead of raising."""
+
     def parse(data: bytes) -> Any:
         try:
             return request_type.FromString(data)
@@ -83,6 +84,7 @@ def _refusing_unparsable(method: Callable[..., Any], streaming: bool, bound: tup
     # grpc.aio tells the kinds of handler apart by what they are: a stream stays an async
     # generator function, a unary method a coroutine function.
     if streaming:
+
         async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
             if isinstance(request, Unparsable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
@@ -109,11 +111,15 @@ class Stub:
     def __init__(self, channel: Any, service: str, methods: Methods) -> None:
         for name, (request, response, streaming) in methods.items():
             factory = channel.unary_stream if streaming else channel.unary_unary
-            setattr(self, name, factory(
-                f"/{service}/{name}",
-                request_serializer=request.SerializeToString,
-                response_deserializer=response.FromString,
-            ))
+            setattr(
+                self,
+                name,
+                factory(
+                    f"/{service}/{name}",
+                    request_serializer=request.SerializeToString,
+                    response_deserializer=response.FromString,
+                ),
+            )
 
     def __getattr__(self, name: str) -> Any:  # for type checkers: methods are set in __init__
         raise AttributeError(name)
@@ -151,8 +157,9 @@ def private_name(prefix: str) -> re.Pattern[str]:
     return re.compile(re.escape(prefix) + rf"[0-9]+\.[0-9a-f]{{{2 * PRIVATE_TOKEN_BYTES}}}")
 
 
-async def serve_in_place(path: str, configure: Callable[[grpc.aio.Server], None], private_prefix: str,
-                         setting: str) -> Serving:
+async def serve_in_place(
+    path: str, configure: Callable[[grpc.aio.Server], None], private_prefix: str, setting: str
+) -> Serving:
     """A started server with configure()'s services, at `path` (in `setting`'s directory).
     Raises Taken or NotServing; nothing of ours is left behind then, nor when cancelled."""
     directory = os.path.dirname(path)

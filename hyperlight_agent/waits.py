@@ -65,8 +65,9 @@ async def in_thread(fn: Callable[[], T], name: str) -> T:
     return await future
 
 
-def _post(loop: asyncio.AbstractEventLoop, future: asyncio.Future[T], result: Optional[T],
-          error: Optional[BaseException]) -> None:
+def _post(
+    loop: asyncio.AbstractEventLoop, future: asyncio.Future[T], result: Optional[T], error: Optional[BaseException]
+) -> None:
     with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
         loop.call_soon_threadsafe(_settle, future, result, error)
 

@@ -1,6 +1,6 @@
 """Render hyperlight-agent(8) from the same parser and settings table as `--help`.
 
-    python packaging/manpage.py > hyperlight-agent.8
+python packaging/manpage.py > hyperlight-agent.8
 """
 
 from __future__ import annotations
@@ -42,24 +42,40 @@ def render() -> str:
         elif action.metavar:
             flag += " " + str(action.metavar)
         out += [".TP", f"\\fB{esc(flag)}\\fR", esc(action.help or "")]
-    out += [".SH SETTINGS", "Each setting is a TOML key, an environment variable and a flag; a flag beats the "
-            "environment, which beats the file, which beats the default."]
+    out += [
+        ".SH SETTINGS",
+        "Each setting is a TOML key, an environment variable and a flag; a flag beats the "
+        "environment, which beats the file, which beats the default.",
+    ]
     for s in config.SETTINGS:
-        out += [".TP", f"\\fB{esc(s.key)}\\fR (\\fB{esc(s.env)}\\fR, \\fB{esc(s.flag)}\\fR; default "
-                f"{esc(s.default_text)})", esc(s.help)]
+        out += [
+            ".TP",
+            f"\\fB{esc(s.key)}\\fR (\\fB{esc(s.env)}\\fR, \\fB{esc(s.flag)}\\fR; default {esc(s.default_text)})",
+            esc(s.help),
+        ]
     out += [
         ".SH FILES",
-        ".TP", f"\\fI{esc(config.DEFAULT_CONFIG_FILE)}\\fR", "Settings (TOML); a missing file is fine.",
-        ".TP", f"\\fI{esc(contracts.KUBELET_PLUGIN_DIR)}/{esc(contracts.PLUGIN_SOCKET)}\\fR",
+        ".TP",
+        f"\\fI{esc(config.DEFAULT_CONFIG_FILE)}\\fR",
+        "Settings (TOML); a missing file is fine.",
+        ".TP",
+        f"\\fI{esc(contracts.KUBELET_PLUGIN_DIR)}/{esc(contracts.PLUGIN_SOCKET)}\\fR",
         "The plugin's socket, registered with the kubelet.",
-        ".TP", f"\\fI{esc(contracts.CDI_DIR)}/{esc(contracts.CDI_SPEC_FILE)}\\fR",
+        ".TP",
+        f"\\fI{esc(contracts.CDI_DIR)}/{esc(contracts.CDI_SPEC_FILE)}\\fR",
         "The CDI spec the agent owns and keeps exact. It is kept when the agent stops; remove it by hand "
         "after uninstalling.",
         ".SH SIGNALS",
-        ".TP", "\\fBSIGTERM\\fR, \\fBSIGINT\\fR", "Stop gracefully within a bounded grace; the socket is removed.",
-        ".TP", "\\fBSIGHUP\\fR", "Re-read the settings file; an invalid file is refused and the running settings kept "
+        ".TP",
+        "\\fBSIGTERM\\fR, \\fBSIGINT\\fR",
+        "Stop gracefully within a bounded grace; the socket is removed.",
+        ".TP",
+        "\\fBSIGHUP\\fR",
+        "Re-read the settings file; an invalid file is refused and the running settings kept "
         "(settings that change only on a restart keep their running value).",
-        ".TP", "\\fBSIGUSR2\\fR", "Under systemd: upgrade in place. Start the code and settings installed now as a "
+        ".TP",
+        "\\fBSIGUSR2\\fR",
+        "Under systemd: upgrade in place. Start the code and settings installed now as a "
         "new process, hand the kubelet and the unit over to it once it is registered and ready "
         "(MAINPID=), and exit; if it fails, serve on. \\fB--upgrade-in-place\\fR sends it and waits for the "
         "outcome; the unit's reload and the package upgrades use that.",

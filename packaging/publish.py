@@ -55,8 +55,15 @@ def verify_release(out: str) -> dict[str, object]:
         raise PublishError(f"{out}: no release here (make release VERSION=...)")
     with tempfile.TemporaryDirectory() as home:
         env = {**os.environ, "GNUPGHOME": home}
-        run("gpg", "--batch", "--quiet", "--import", os.path.join(out, "hyperlight-agent.asc"), env=env,
-            what="gpg --import")
+        run(
+            "gpg",
+            "--batch",
+            "--quiet",
+            "--import",
+            os.path.join(out, "hyperlight-agent.asc"),
+            env=env,
+            what="gpg --import",
+        )
         run("gpg", "--batch", "--verify", sums + ".asc", sums, env=env, what="SHA256SUMS signature")
     listed = set()
     with open(sums) as f:
@@ -93,22 +100,45 @@ def publish() -> None:
     digest = str(image["digest"])
     repository = f"{registry}/{IMAGE_NAME}"
     if repository != image["repository"]:
-        print(f"make publish: the chart names {image['repository']}; {repository} serves only as its mirror",
-              file=sys.stderr)
+        print(
+            f"make publish: the chart names {image['repository']}; {repository} serves only as its mirror",
+            file=sys.stderr,
+        )
 
     # The archive as it is: its manifest (and so its digest) unchanged.
     tls = ["--dest-tls-verify=false"] if insecure else []
     archive = os.path.join(out, str(image["archive"]))
-    run("skopeo", "copy", "--quiet", "--preserve-digests", *tls, f"oci-archive:{archive}",
-        f"docker://{repository}:{version}", what="skopeo copy (the image)")
-    served = run("skopeo", "inspect", "--format", "{{.Digest}}", *(["--tls-verify=false"] if insecure else []),
-                 f"docker://{repository}:{version}", what="skopeo inspect (the pushed image)").strip()
+    run(
+        "skopeo",
+        "copy",
+        "--quiet",
+        "--preserve-digests",
+        *tls,
+        f"oci-archive:{archive}",
+        f"docker://{repository}:{version}",
+        what="skopeo copy (the image)",
+    )
+    served = run(
+        "skopeo",
+        "inspect",
+        "--format",
+        "{{.Digest}}",
+        *(["--tls-verify=false"] if insecure else []),
+        f"docker://{repository}:{version}",
+        what="skopeo inspect (the pushed image)",
+    ).strip()
     if served != digest:
         raise PublishError(f"{repository}:{version} is {served}, not the chart's {digest}")
 
     plain = ["--plain-http"] if insecure else []
-    run(helm, "push", os.path.join(out, str(manifest["chart"])), f"oci://{registry}/{CHARTS}", *plain,
-        what="helm push (the chart)")
+    run(
+        helm,
+        "push",
+        os.path.join(out, str(manifest["chart"])),
+        f"oci://{registry}/{CHARTS}",
+        *plain,
+        what="helm push (the chart)",
+    )
 
     key = os.environ.get("COSIGN_KEY", "")
     signing = ["--key", key, "--tlog-upload=false", "--use-signing-config=false"] if key else []
@@ -117,8 +147,19 @@ def publish() -> None:
     run(cosign, "sign", "--yes", *signing, *http, reference, what="cosign sign")
     sboms = manifest["sboms"]
     assert isinstance(sboms, dict)
-    run(cosign, "attest", "--yes", *signing, *http, "--type", "cyclonedx",
-        "--predicate", os.path.join(out, str(sboms["image"])), reference, what="cosign attest (the SBOM)")
+    run(
+        cosign,
+        "attest",
+        "--yes",
+        *signing,
+        *http,
+        "--type",
+        "cyclonedx",
+        "--predicate",
+        os.path.join(out, str(sboms["image"])),
+        reference,
+        what="cosign attest (the SBOM)",
+    )
 
     site = os.environ.get("SITE", "")
     if site:
@@ -128,8 +169,10 @@ def publish() -> None:
             shutil.rmtree(os.path.join(site, name), ignore_errors=True)
             shutil.copytree(os.path.join(out, name), os.path.join(site, name), copy_function=shutil.copy)
         shutil.copy(os.path.join(out, "hyperlight-agent.asc"), site)
-    print(f"published {version}: {reference}, oci://{registry}/{CHARTS}/hyperlight-agent --version {version}"
-          + (f", repositories in {site}" if site else ""))
+    print(
+        f"published {version}: {reference}, oci://{registry}/{CHARTS}/hyperlight-agent --version {version}"
+        + (f", repositories in {site}" if site else "")
+    )
 
 
 def main() -> int:

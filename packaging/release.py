@@ -54,8 +54,7 @@ class ReleaseError(Exception):
     """One line saying what failed."""
 
 
-def run(*argv: str, cwd: Optional[str] = None, env: Optional[dict[str, str]] = None,
-        what: Optional[str] = None) -> str:
+def run(*argv: str, cwd: Optional[str] = None, env: Optional[dict[str, str]] = None, what: Optional[str] = None) -> str:
     done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or [""]
@@ -79,8 +78,13 @@ def tree_version() -> str:
 
 
 def tags_at_head() -> list[str]:
-    return subprocess.run(["git", "tag", "--points-at", "HEAD", "--list", "v[0-9]*"], cwd=ROOT, capture_output=True,
-                          text=True, check=False).stdout.split()
+    return subprocess.run(
+        ["git", "tag", "--points-at", "HEAD", "--list", "v[0-9]*"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.split()
 
 
 def check_version(version: str, tags: list[str]) -> None:
@@ -103,22 +107,57 @@ class Signer:
             home = os.path.join(work, "gnupg")
             os.makedirs(home, mode=0o700)
             self.env["GNUPGHOME"] = home
-            run("gpg", "--batch", "--passphrase", "", "--quick-gen-key",
-                "hyperlight-agent release (made for one build, not for publishing)", "rsa3072", "sign", "never",
-                env=self.env, what="gpg --quick-gen-key")
-            self.key = run("gpg", "--batch", "--list-secret-keys", "--with-colons", env=self.env).split(
-                "fpr:::::::::", 1)[1].split(":", 1)[0]
-            print("make release: WARNING: no RELEASE_GPG_KEY: signed with a key made for this build only "
-                  "(for testing; never publish it)", file=sys.stderr)
+            run(
+                "gpg",
+                "--batch",
+                "--passphrase",
+                "",
+                "--quick-gen-key",
+                "hyperlight-agent release (made for one build, not for publishing)",
+                "rsa3072",
+                "sign",
+                "never",
+                env=self.env,
+                what="gpg --quick-gen-key",
+            )
+            self.key = (
+                run("gpg", "--batch", "--list-secret-keys", "--with-colons", env=self.env)
+                .split("fpr:::::::::", 1)[1]
+                .split(":", 1)[0]
+            )
+            print(
+                "make release: WARNING: no RELEASE_GPG_KEY: signed with a key made for this build only "
+                "(for testing; never publish it)",
+                file=sys.stderr,
+            )
             self.ephemeral = True
         else:
             self.ephemeral = False
-        self.fingerprint = run("gpg", "--batch", "--with-colons", "--list-secret-keys", self.key,
-                               env=self.env, what=f"gpg: secret key {self.key}").split("fpr:::::::::", 1)[1][:40]
+        self.fingerprint = run(
+            "gpg",
+            "--batch",
+            "--with-colons",
+            "--list-secret-keys",
+            self.key,
+            env=self.env,
+            what=f"gpg: secret key {self.key}",
+        ).split("fpr:::::::::", 1)[1][:40]
 
     def gpg(self, *args: str) -> str:
-        return run("gpg", "--batch", "--yes", "--pinentry-mode", "loopback", "--passphrase", "",
-                   "--local-user", self.fingerprint, *args, env=self.env, what=f"gpg {args[0]}")
+        return run(
+            "gpg",
+            "--batch",
+            "--yes",
+            "--pinentry-mode",
+            "loopback",
+            "--passphrase",
+            "",
+            "--local-user",
+            self.fingerprint,
+            *args,
+            env=self.env,
+            what=f"gpg {args[0]}",
+        )
 
     def detach(self, path: str) -> str:
         self.gpg("--armor", "--detach-sign", "--output", path + ".asc", path)
@@ -130,11 +169,21 @@ class Signer:
 
     def sign_rpm(self, path: str) -> None:
         # Debian's rpm names gpg2, which Debian no longer ships under that name.
-        run("rpmsign", "--addsign", "--define", f"__gpg {shutil.which('gpg') or 'gpg'}",
-            "--define", f"_gpg_name {self.fingerprint}",
-            "--define", f"_gpg_path {self.env.get('GNUPGHOME', os.path.expanduser('~/.gnupg'))}",
-            "--define", "_gpg_sign_cmd_extra_args --pinentry-mode loopback --passphrase ''",
-            path, env=self.env, what=f"rpmsign {os.path.basename(path)}")
+        run(
+            "rpmsign",
+            "--addsign",
+            "--define",
+            f"__gpg {shutil.which('gpg') or 'gpg'}",
+            "--define",
+            f"_gpg_name {self.fingerprint}",
+            "--define",
+            f"_gpg_path {self.env.get('GNUPGHOME', os.path.expanduser('~/.gnupg'))}",
+            "--define",
+            "_gpg_sign_cmd_extra_args --pinentry-mode loopback --passphrase ''",
+            path,
+            env=self.env,
+            what=f"rpmsign {os.path.basename(path)}",
+        )
 
 
 def make(*args: str) -> None:
@@ -148,8 +197,9 @@ def build_packages(version: str, out: str, signer: Signer) -> dict[str, str]:
     found = {"deb": shutil.copy2(deb, out)}
     make("rpm", f"VERSION={version}")
     for dist in ("el9", "azl3"):
-        (rpm,) = glob.glob(os.path.join(ROOT, "build", "rpm", "top", "RPMS", "*",
-                                        f"hyperlight-agent-{version}-*.{dist}.*.rpm"))
+        (rpm,) = glob.glob(
+            os.path.join(ROOT, "build", "rpm", "top", "RPMS", "*", f"hyperlight-agent-{version}-*.{dist}.*.rpm")
+        )
         found[dist] = shutil.copy2(rpm, out)
         signer.sign_rpm(found[dist])
     return found
@@ -160,11 +210,23 @@ def apt_repository(out: str, deb: str, signer: Signer, work: str) -> None:
     base = os.path.join(work, "reprepro")
     os.makedirs(os.path.join(base, "conf"))
     with open(os.path.join(base, "conf", "distributions"), "w") as f:
-        f.write(f"Origin: hyperlight-agent\nLabel: hyperlight-agent\nCodename: {APT_CODENAME}\n"
-                f"Architectures: amd64\nComponents: {APT_COMPONENT}\n"
-                f"Description: hyperlight-agent for Debian 12\nSignWith: {signer.fingerprint}\n")
-    run("reprepro", "--basedir", base, "--outdir", os.path.join(out, "apt"), "includedeb", APT_CODENAME, deb,
-        env=signer.env, what="reprepro includedeb")
+        f.write(
+            f"Origin: hyperlight-agent\nLabel: hyperlight-agent\nCodename: {APT_CODENAME}\n"
+            f"Architectures: amd64\nComponents: {APT_COMPONENT}\n"
+            f"Description: hyperlight-agent for Debian 12\nSignWith: {signer.fingerprint}\n"
+        )
+    run(
+        "reprepro",
+        "--basedir",
+        base,
+        "--outdir",
+        os.path.join(out, "apt"),
+        "includedeb",
+        APT_CODENAME,
+        deb,
+        env=signer.env,
+        what="reprepro includedeb",
+    )
 
 
 def yum_repositories(out: str, rpms: dict[str, str], signer: Signer, epoch: str) -> None:
@@ -173,8 +235,15 @@ def yum_repositories(out: str, rpms: dict[str, str], signer: Signer, epoch: str)
         repo = os.path.join(out, "yum", dist, "x86_64")
         os.makedirs(os.path.join(repo, "Packages"))
         shutil.copy2(rpms[dist], os.path.join(repo, "Packages"))
-        run("createrepo_c", "--quiet", "--revision", epoch, "--set-timestamp-to-revision", repo,
-            what=f"createrepo_c {dist}")
+        run(
+            "createrepo_c",
+            "--quiet",
+            "--revision",
+            epoch,
+            "--set-timestamp-to-revision",
+            repo,
+            what=f"createrepo_c {dist}",
+        )
         signer.detach(os.path.join(repo, "repodata", "repomd.xml"))
 
 
@@ -182,8 +251,13 @@ def image_archive(version: str, out: str, repository: str) -> tuple[str, str]:
     """`make image` as this version, saved as an OCI archive; (path, manifest digest)."""
     image = f"{repository}:{version}"
     engine = os.environ.get("ENGINE") or "podman"
-    make("image", f"VERSION={version}", f"IMAGE={image}", f"ENGINE={engine}",
-         f"BASE_IMAGE={os.environ.get('BASE_IMAGE', '')}")
+    make(
+        "image",
+        f"VERSION={version}",
+        f"IMAGE={image}",
+        f"ENGINE={engine}",
+        f"BASE_IMAGE={os.environ.get('BASE_IMAGE', '')}",
+    )
     path = os.path.join(out, f"hyperlight-agent-{version}.oci.tar")
     run(*engine.split(), "save", "--format", "oci-archive", "-o", path, image, what="saving the image")
     with tarfile.open(path) as archive:
@@ -197,11 +271,17 @@ def chart_package(version: str, out: str, repository: str, digest: str, work: st
     """The chart as this version, whose default image is this release's, by digest."""
     chart = os.path.join(work, "chart", "hyperlight-agent")
     shutil.copytree(CHART, chart)
-    for name, edits in (("Chart.yaml", [(r"^version: .*$", f"version: {version}"),
-                                        (r"^appVersion: .*$", f'appVersion: "{version}"')]),
-                        ("values.yaml", [(r"^  repository: .*$", f"  repository: {repository}"),
-                                         (r"^  digest: .*$", f'  digest: "{digest}"'),
-                                         (r"^  tag: .*$", '  tag: ""')])):
+    for name, edits in (
+        ("Chart.yaml", [(r"^version: .*$", f"version: {version}"), (r"^appVersion: .*$", f'appVersion: "{version}"')]),
+        (
+            "values.yaml",
+            [
+                (r"^  repository: .*$", f"  repository: {repository}"),
+                (r"^  digest: .*$", f'  digest: "{digest}"'),
+                (r"^  tag: .*$", '  tag: ""'),
+            ],
+        ),
+    ):
         path = os.path.join(chart, name)
         with open(path) as f:
             text = f.read()
@@ -225,9 +305,20 @@ def sbom(version: str, lock: str, path: str, epoch: str, work: str) -> None:
     with open(project, "w") as f:
         f.write(text)
     tool = os.environ.get("CYCLONEDX") or os.path.join(ROOT, "build", "release-tools", "bin", "cyclonedx-py")
-    run(tool, "requirements", "--output-reproducible", "--of", "JSON", "--pyproject", project, "-o", path,
-        os.path.join(ROOT, "pins", f"runtime-py{lock}.txt"), env={**os.environ, "SOURCE_DATE_EPOCH": epoch},
-        what=f"cyclonedx-py for {os.path.basename(path)}")
+    run(
+        tool,
+        "requirements",
+        "--output-reproducible",
+        "--of",
+        "JSON",
+        "--pyproject",
+        project,
+        "-o",
+        path,
+        os.path.join(ROOT, "pins", f"runtime-py{lock}.txt"),
+        env={**os.environ, "SOURCE_DATE_EPOCH": epoch},
+        what=f"cyclonedx-py for {os.path.basename(path)}",
+    )
 
 
 def placeholders(out: str) -> list[str]:
@@ -295,13 +386,16 @@ def release() -> str:
             sbom(version, LOCKS[kind], sboms[kind], epoch, work)
         signer.export(os.path.join(partial, PUBLIC_KEY))
         manifest = {
-            "version": version, "commit": os.environ.get("GIT_COMMIT", "unknown"), "source_date_epoch": int(epoch),
+            "version": version,
+            "commit": os.environ.get("GIT_COMMIT", "unknown"),
+            "source_date_epoch": int(epoch),
             "image": {"repository": repository, "digest": digest, "archive": os.path.basename(archive)},
             "chart": os.path.basename(chart),
             "packages": {kind: os.path.basename(path) for kind, path in packages.items()},
             "sboms": {kind: os.path.basename(path) for kind, path in sboms.items()},
             "locks": {kind: f"pins/runtime-py{LOCKS[kind]}.txt" for kind in artefacts},
-            "signing_key": signer.fingerprint, "signing_key_ephemeral": signer.ephemeral,
+            "signing_key": signer.fingerprint,
+            "signing_key_ephemeral": signer.ephemeral,
         }
         with open(os.path.join(partial, "release.json"), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
@@ -315,8 +409,11 @@ def release() -> str:
         raise
     finally:
         # The agent gpg started for a key made here ends with the build.
-        subprocess.run(["gpgconf", "--homedir", os.path.join(work, "gnupg"), "--kill", "gpg-agent"], check=False,
-                       capture_output=True)
+        subprocess.run(
+            ["gpgconf", "--homedir", os.path.join(work, "gnupg"), "--kill", "gpg-agent"],
+            check=False,
+            capture_output=True,
+        )
         shutil.rmtree(work, ignore_errors=True)
     return out
 

@@ -170,8 +170,9 @@ class FakeApiServer:
                     return
                 url = urlsplit(target)
                 body = json.loads(raw) if raw else None
-                request = Request(method, unquote(url.path), dict(parse_qsl(url.query)), body,
-                                  asyncio.get_running_loop().time())
+                request = Request(
+                    method, unquote(url.path), dict(parse_qsl(url.query)), body, asyncio.get_running_loop().time()
+                )
                 self.requests.append(request)
                 if request.verb == "watch" and not self._fault(request.verb, remove=False):
                     await self._watch(request, writer)
@@ -179,8 +180,11 @@ class FakeApiServer:
                 code, body = self._answer(request)
                 await self._notify()  # the watches send what this changed
                 data = json.dumps(body).encode()
-                writer.write(f"HTTP/1.1 {code} {'OK' if code < 300 else 'Error'}\r\nContent-Type: application/json\r\n"
-                             f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+                writer.write(
+                    f"HTTP/1.1 {code} {'OK' if code < 300 else 'Error'}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(data)}\r\n\r\n".encode()
+                    + data
+                )
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             # Cancelled: the loop closing at the test's end; asyncio would log it as an error.
@@ -206,16 +210,18 @@ class FakeApiServer:
         if request.path == ACCESS_REVIEWS_PATH:
             return self._review(request)
         assert request.path.startswith(SLICES_PATH), request
-        name = request.path[len(SLICES_PATH) + 1:]
+        name = request.path[len(SLICES_PATH) + 1 :]
         if request.verb == "list":
             # The field selectors ResourceSlices offer, each "field=value", all of them ANDed.
             wanted = dict(part.split("=", 1) for part in request.query.get("fieldSelector", "").split(",") if part)
             assert set(wanted) <= {"spec.nodeName", "spec.driver"}, request
             answer = recorded("resourceslice-list.json")
             answer["metadata"]["resourceVersion"] = str(self.version)
-            answer["items"] = [{k: v for k, v in s.items() if k not in ("kind", "apiVersion")}
-                               for s in self.slices.values()
-                               if all(s["spec"].get(field.split(".")[1]) == value for field, value in wanted.items())]
+            answer["items"] = [
+                {k: v for k, v in s.items() if k not in ("kind", "apiVersion")}
+                for s in self.slices.values()
+                if all(s["spec"].get(field.split(".")[1]) == value for field, value in wanted.items())
+            ]
             return 200, answer
         if request.verb == "create":
             return self._create(request)
@@ -274,9 +280,13 @@ class FakeApiServer:
         self.names += 1
         self.version += 1
         name = f"node1-hypervisor.hyperlight.dev-{self.names:05d}"
-        metadata = dict(template["metadata"], name=name, resourceVersion=str(self.version),
-                        uid=f"00000000-0000-4000-8000-{self.names:012d}",
-                        creationTimestamp=f"2026-11-30T10:15:{self.names:02d}Z")
+        metadata = dict(
+            template["metadata"],
+            name=name,
+            resourceVersion=str(self.version),
+            uid=f"00000000-0000-4000-8000-{self.names:012d}",
+            creationTimestamp=f"2026-11-30T10:15:{self.names:02d}Z",
+        )
         body = dict(body, spec=self._drop_disabled(body["spec"], None))  # the request stays as sent
         if self.mutate is not None:
             self.mutate(body["spec"])
@@ -358,9 +368,17 @@ class FakeApiServer:
             now = loop.time()
             if look is not None and now >= look:
                 if self.version > since:  # compared with where the watch started, as the cacher does
-                    self._chunk(writer, {"type": "BOOKMARK", "object": {
-                        "kind": "ResourceSlice", "apiVersion": "resource.k8s.io/v1",
-                        "metadata": {"resourceVersion": str(self.version)}}})
+                    self._chunk(
+                        writer,
+                        {
+                            "type": "BOOKMARK",
+                            "object": {
+                                "kind": "ResourceSlice",
+                                "apiVersion": "resource.k8s.io/v1",
+                                "metadata": {"resourceVersion": str(self.version)},
+                            },
+                        },
+                    )
                 look = self._next_look(now, ends)
             if ends is not None and now >= ends:
                 writer.write(b"0\r\n\r\n")  # the end of a watch whose time is up
@@ -384,8 +402,15 @@ class FakeApiServer:
 def kubeconfig(tmp_path: Any, server: str) -> str:
     path = os.path.join(str(tmp_path), "kubeconfig")
     with open(path, "w") as f:
-        json.dump({"apiVersion": "v1", "kind": "Config", "current-context": "test",
-                   "clusters": [{"name": "test", "cluster": {"server": server}}],
-                   "users": [{"name": "test", "user": {"token": "test-token"}}],
-                   "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}]}, f)
+        json.dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "test",
+                "clusters": [{"name": "test", "cluster": {"server": server}}],
+                "users": [{"name": "test", "user": {"token": "test-token"}}],
+                "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+            },
+            f,
+        )
     return path

@@ -29,11 +29,21 @@ def main() -> int:
     try:
         with StandinThread(os.path.join(top, "device-plugins")) as kubelet:
             print(f"== kubelet stand-in serving {kubelet.kubelet.socket_path}")
-            agent = subprocess.Popen([
-                sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null",
-                "--kubelet-dir", kubelet.kubelet.directory, "--cdi-dir", os.path.join(top, "cdi"),
-                "--device-count", str(SLOTS),
-            ])
+            agent = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "hyperlight_agent",
+                    "--config",
+                    "/dev/null",
+                    "--kubelet-dir",
+                    kubelet.kubelet.directory,
+                    "--cdi-dir",
+                    os.path.join(top, "cdi"),
+                    "--device-count",
+                    str(SLOTS),
+                ]
+            )
             try:
                 _narrate(kubelet, os.path.join(top, "cdi"))
             finally:
@@ -47,11 +57,12 @@ def main() -> int:
 
 def _narrate(kubelet: StandinThread, cdi_dir: str) -> None:
     started = time.monotonic()
-    plugin = kubelet.wait_until(
-        lambda k: k.plugins.get(contracts.RESOURCE_HYPERVISOR), timeout=15, what="registration")
+    plugin = kubelet.wait_until(lambda k: k.plugins.get(contracts.RESOURCE_HYPERVISOR), timeout=15, what="registration")
     request = kubelet.kubelet.register_calls[-1][1]
-    print(f"== registered after {time.monotonic() - started:.2f} s: version={request.version} "
-          f"endpoint={request.endpoint} resource={request.resource_name}")
+    print(
+        f"== registered after {time.monotonic() - started:.2f} s: version={request.version} "
+        f"endpoint={request.endpoint} resource={request.resource_name}"
+    )
     kubelet.wait_until(lambda k: plugin.lists, timeout=15, what="the first device list")
     devices = plugin.devices
     print(f"== advertised {len(devices)} slots: " + ", ".join(f"{i}={h}" for i, h in devices))

@@ -132,12 +132,18 @@ class DraKubeletStandin:
             instance = await self._validate(info, path)
         except RegistrationRefused as exc:
             with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
-                await waits.within(registration.NotifyRegistrationStatus(
-                    reg.RegistrationStatus(plugin_registered=False, error=str(exc))), contracts.DRA_NOTIFY_TIMEOUT_S)
+                await waits.within(
+                    registration.NotifyRegistrationStatus(
+                        reg.RegistrationStatus(plugin_registered=False, error=str(exc))
+                    ),
+                    contracts.DRA_NOTIFY_TIMEOUT_S,
+                )
             await channel.close(None)
             raise
-        await waits.within(registration.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True)),
-                           contracts.DRA_NOTIFY_TIMEOUT_S)
+        await waits.within(
+            registration.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True)),
+            contracts.DRA_NOTIFY_TIMEOUT_S,
+        )
         await channel.close(None)
         self.instances.setdefault(instance.driver, []).append(instance)
         return instance
@@ -152,15 +158,23 @@ class DraKubeletStandin:
             raise RegistrationRefused("empty list of supported gRPC services (aka supported versions)")
         chosen = next((v for v in versions if v in self.known_versions), None)
         if chosen is None:
-            raise RegistrationRefused(f"none of services supported by the plugin ({versions}) "
-                                      f"are supported by the kubelet ({list(self.known_versions)})")
+            raise RegistrationRefused(
+                f"none of services supported by the plugin ({versions}) "
+                f"are supported by the kubelet ({list(self.known_versions)})"
+            )
         endpoint = info.endpoint or path
         if any(i.endpoint == endpoint for i in self.instances.get(info.name, [])):
             raise RegistrationRefused(f"endpoint {endpoint} already registered for DRA driver plugin {info.name}")
         channel = grpc.aio.insecure_channel(transport.unix_target(endpoint))
         channel.get_state(try_to_connect=True)  # the kubelet connects at once and stays connected
-        return Instance(driver=info.name, endpoint=endpoint, version=chosen, registration_socket=path,
-                        channel=channel, stub=api.dra_stub(channel, chosen))
+        return Instance(
+            driver=info.name,
+            endpoint=endpoint,
+            version=chosen,
+            registration_socket=path,
+            channel=channel,
+            stub=api.dra_stub(channel, chosen),
+        )
 
     async def _deregister(self, path: str) -> None:
         for driver, instances in list(self.instances.items()):
@@ -187,7 +201,8 @@ class DraKubeletStandin:
         instance = self.instance(driver)
         _, messages = api.VERSIONS[instance.version]
         request = messages.NodePrepareResourcesRequest(
-            claims=[messages.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims])
+            claims=[messages.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
+        )
         response = await waits.within(instance.stub.NodePrepareResources(request), contracts.DRA_CALL_TIMEOUT_S)
         return _entries("NodePrepareResources", claims, response)
 
@@ -195,7 +210,8 @@ class DraKubeletStandin:
         instance = self.instance(driver)
         _, messages = api.VERSIONS[instance.version]
         request = messages.NodeUnprepareResourcesRequest(
-            claims=[messages.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims])
+            claims=[messages.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
+        )
         response = await waits.within(instance.stub.NodeUnprepareResources(request), contracts.DRA_CALL_TIMEOUT_S)
         return _entries("NodeUnprepareResources", claims, response)
 

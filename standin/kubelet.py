@@ -46,7 +46,8 @@ from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 
 T = TypeVar("T")
 _EXTENDED_RESOURCE = re.compile(
-    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+)/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+)/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
 
 
 @dataclass
@@ -70,7 +71,6 @@ class Plugin:
     @property
     def devices(self) -> list[tuple[str, str]]:
         return self.lists[-1][1] if self.lists else []
-
 
 
 class NotAllocatable(Exception):
@@ -183,10 +183,12 @@ class KubeletStandin:
         if self.mode == "reject":
             await context.abort(grpc.StatusCode.INTERNAL, "stand-in rejects registrations")
         if request.version != contracts.KUBELET_API_VERSION:
-            await context.abort(grpc.StatusCode.UNKNOWN,
-                                f"requested device plugin API version {request.version!r} is not supported")
-        if not _EXTENDED_RESOURCE.match(request.resource_name) or \
-                request.resource_name.split("/")[0].endswith("kubernetes.io"):
+            await context.abort(
+                grpc.StatusCode.UNKNOWN, f"requested device plugin API version {request.version!r} is not supported"
+            )
+        if not _EXTENDED_RESOURCE.match(request.resource_name) or request.resource_name.split("/")[0].endswith(
+            "kubernetes.io"
+        ):
             await context.abort(grpc.StatusCode.UNKNOWN, f"invalid resource name {request.resource_name!r}")
         if not request.endpoint or "/" in request.endpoint:
             await context.abort(grpc.StatusCode.UNKNOWN, f"invalid endpoint {request.endpoint!r}")
@@ -200,11 +202,16 @@ class KubeletStandin:
             await channel.close(None)
             await context.abort(grpc.StatusCode.UNKNOWN, f"cannot reach plugin endpoint: {exc}")
         old = self.plugins.get(request.resource_name)
-        if self.flavor == "1.35" and any(p.endpoint == request.endpoint and p.stream_open
-                                         for p in (old, *self.replaced) if p and p.resource == request.resource_name):
+        if self.flavor == "1.35" and any(
+            p.endpoint == request.endpoint and p.stream_open
+            for p in (old, *self.replaced)
+            if p and p.resource == request.resource_name
+        ):
             await channel.close(None)
-            await context.abort(grpc.StatusCode.UNKNOWN, "device plugin already connected: "
-                                + os.path.join(self.directory, request.endpoint))
+            await context.abort(
+                grpc.StatusCode.UNKNOWN,
+                "device plugin already connected: " + os.path.join(self.directory, request.endpoint),
+            )
         if old is not None and old.stream_task is not None and not old.stream_task.done():
             self.replaced.append(old)  # it lives on until its stream ends
         plugin = Plugin(request.resource_name, request.endpoint, options, time.monotonic(), channel)
@@ -291,15 +298,16 @@ class KubeletStandin:
             raise NotAllocatable(f"{resource}: Allocate returned no container response")
         return response
 
-    async def raw_allocate(self, resource: str, *containers: list[str],
-                           timeout: Optional[float] = None) -> pb.AllocateResponse:
+    async def raw_allocate(
+        self, resource: str, *containers: list[str], timeout: Optional[float] = None
+    ) -> pb.AllocateResponse:
         """Any client's Allocate on the plugin's channel: whatever IDs, whatever health (not
         kubelet behaviour; for testing the plugin's own checks)."""
         plugin = self.plugins[resource]
-        request = pb.AllocateRequest(container_requests=[
-            pb.ContainerAllocateRequest(devices_ids=ids) for ids in containers])
-        response: pb.AllocateResponse = await api.device_plugin_stub(plugin.channel).Allocate(
-            request, timeout=timeout)
+        request = pb.AllocateRequest(
+            container_requests=[pb.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
+        )
+        response: pb.AllocateResponse = await api.device_plugin_stub(plugin.channel).Allocate(request, timeout=timeout)
         return response
 
     def _changed(self) -> None:
@@ -340,8 +348,9 @@ class StandinThread:
 
         return self.call(wrap())
 
-    def wait_until(self, predicate: Callable[[KubeletStandin], Any], timeout: float = 10,
-                   what: str = "condition") -> Any:
+    def wait_until(
+        self, predicate: Callable[[KubeletStandin], Any], timeout: float = 10, what: str = "condition"
+    ) -> Any:
         """Wait, without polling, until predicate(kubelet) is truthy; returns its value."""
 
         async def wait() -> Any:

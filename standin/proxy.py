@@ -51,8 +51,9 @@ class FreezingProxy:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, frozen: asyncio.Event,
-                    up: bool) -> None:
+    async def _pump(
+        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, frozen: asyncio.Event, up: bool
+    ) -> None:
         with contextlib.suppress(ConnectionError, asyncio.CancelledError):
             while not frozen.is_set():
                 data = await source.read(65536)

@@ -28,9 +28,18 @@ HOST_KVM = "/dev/kvm"
 # the work tree, no per-example deadline (the machine is shared), budgets set per test and
 # multiplied by HYPERLIGHT_FUZZ_SCALE (e.g. 10) for a longer search.
 settings.register_profile(
-    "hyperlight", derandomize=True, database=None, deadline=None, print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,
-                           HealthCheck.large_base_example])
+    "hyperlight",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+        HealthCheck.data_too_large,
+        HealthCheck.large_base_example,
+    ],
+)
 settings.load_profile("hyperlight")
 # A fraction (`make check` uses 0.1) shortens the search; every surface still gets some inputs.
 FUZZ_SCALE = max(0.01, float(os.environ.get("HYPERLIGHT_FUZZ_SCALE", "1") or "1"))
@@ -76,8 +85,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.root)
 
 
-def wait_for(condition: Callable[[], Any], timeout: float = 10, what: str = "condition",
-             interval: float = 0.005) -> Any:
+def wait_for(
+    condition: Callable[[], Any], timeout: float = 10, what: str = "condition", interval: float = 0.005
+) -> Any:
     """Poll condition() until truthy or the deadline passes; returns its value."""
     deadline = time.monotonic() + timeout
     while True:
@@ -133,8 +143,10 @@ print(reads, bad)
 def json_readers(path: str, stop: str, count: int = 2) -> list[subprocess.Popen[str]]:
     """`count` JSON_READER processes on `path`, each past its first read: writes that follow are
     read concurrently (a reader still starting would see none of them)."""
-    readers = [subprocess.Popen([sys.executable, "-c", JSON_READER, path, stop], stdout=subprocess.PIPE, text=True)
-               for _ in range(count)]
+    readers = [
+        subprocess.Popen([sys.executable, "-c", JSON_READER, path, stop], stdout=subprocess.PIPE, text=True)
+        for _ in range(count)
+    ]
     for reader in readers:
         assert reader.stdout is not None and reader.stdout.readline() == "reading\n", "a reader started"
     return readers
@@ -168,16 +180,33 @@ def neighbour_agent() -> Iterator[None]:
         yield
         return
     top = tempfile.mkdtemp(prefix="hl-neighbour-")
-    shutil.copytree(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hyperlight_agent"),
-                    os.path.join(top, "copy", "hyperlight_agent"),
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hyperlight_agent"),
+        os.path.join(top, "copy", "hyperlight_agent"),
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
     standin = StandinThread(os.path.join(top, "kubelet"))
     log = open(os.path.join(top, "agent.log"), "wb")  # noqa: SIM115 - closed below
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYPERLIGHT_", "DEVICE_", "NOTIFY_SOCKET"))}
-    agent = subprocess.Popen([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--device-count", "3",
-                              "--kubelet-dir", os.path.join(top, "kubelet"), "--cdi-dir", os.path.join(top, "cdi")],
-                             cwd=os.path.join(top, "copy"), env={**env, "PYTHONPATH": os.path.join(top, "copy")},
-                             stdout=log, stderr=subprocess.STDOUT)
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hyperlight_agent",
+            "--config",
+            "/dev/null",
+            "--device-count",
+            "3",
+            "--kubelet-dir",
+            os.path.join(top, "kubelet"),
+            "--cdi-dir",
+            os.path.join(top, "cdi"),
+        ],
+        cwd=os.path.join(top, "copy"),
+        env={**env, "PYTHONPATH": os.path.join(top, "copy")},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         standin.wait_until(lambda k: k.allocatable() == 3, 30, "the neighbour agent to be Healthy")
         assert procs.children(agent.pid), "the neighbour runs its own probe helper"
@@ -258,8 +287,7 @@ def kvm_dir(tmp: str) -> str:
 class AgentProcess:
     """The real agent as a child process, with its stderr kept for assertions."""
 
-    def __init__(self, tmp: str, *args: str, env: Optional[dict[str, str]] = None,
-                 prefix: Sequence[str] = ()) -> None:
+    def __init__(self, tmp: str, *args: str, env: Optional[dict[str, str]] = None, prefix: Sequence[str] = ()) -> None:
         self.log_path = os.path.join(tmp, f"agent-{time.monotonic_ns()}.log")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         full_env = {k: v for k, v in os.environ.items() if not k.startswith(("HYPERLIGHT_", "DEVICE_"))}
@@ -269,7 +297,10 @@ class AgentProcess:
         # prefix: a wrapper that execs the agent (the PID stays the agent's), e.g. unshare.
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+        )
         # Helpers seen as this agent's children before it was told to stop: after it is gone
         # they are orphans (no longer its children), and must still exit.
         self.last_helpers: list[int] = []
@@ -315,8 +346,9 @@ def start_agent(tmp: str) -> Iterator[StartAgent]:
     """start_agent(*flags, env={...}): runs the agent with temp kubelet and CDI dirs by default."""
     agents: list[AgentProcess] = []
 
-    def start(*args: str, env: Optional[dict[str, str]] = None, defaults: bool = True,
-              prefix: Sequence[str] = ()) -> AgentProcess:
+    def start(
+        *args: str, env: Optional[dict[str, str]] = None, defaults: bool = True, prefix: Sequence[str] = ()
+    ) -> AgentProcess:
         base = ["--kubelet-dir", os.path.join(tmp, "kubelet"), "--cdi-dir", os.path.join(tmp, "cdi")]
         agent = AgentProcess(tmp, *(base if defaults else []), *args, env=env, prefix=prefix)
         agents.append(agent)
@@ -333,8 +365,12 @@ def assert_ships_the_agent_only(paths: list[str]) -> None:
     (standin/: the kubelet stand-in and the demo)."""
     modules = [p for p in paths if p.endswith(".py")]
     package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hyperlight_agent")
-    every = sorted(os.path.relpath(os.path.join(d, f), os.path.dirname(package)) for d, _, files in os.walk(package)
-                   for f in files if f.endswith(".py"))
+    every = sorted(
+        os.path.relpath(os.path.join(d, f), os.path.dirname(package))
+        for d, _, files in os.walk(package)
+        for f in files
+        if f.endswith(".py")
+    )
     assert "hyperlight_agent/dra/side.py" in every
     missing = [m for m in every if not any(p.endswith(m) for p in modules)]
     assert not missing, f"not shipped: {missing}"
@@ -344,9 +380,11 @@ def assert_ships_the_agent_only(paths: list[str]) -> None:
 
 # ---- Releases as users get them (tests/releases.py): built, published and served once a session ----
 
+
 @pytest.fixture(scope="session")
 def release_builder() -> Iterator[Any]:
     from tests.releases import Builder
+
     builder = Builder(tempfile.mkdtemp(prefix="hl-rel-"))
     try:
         yield builder
@@ -359,6 +397,7 @@ def release_builder() -> Iterator[Any]:
 def release_previous(release_builder: Any) -> str:
     """`make release` of N-1: this commit as the tree's own version."""
     from tests.releases import PREVIOUS
+
     return str(release_builder.release(PREVIOUS))
 
 
@@ -367,6 +406,7 @@ def release_current(release_builder: Any, release_previous: str) -> str:
     """`make release VERSION=N`: this commit as the next patch version, built after N-1 as a real
     N is (apt refuses a repository whose Release is dated before the one it has: a rollback)."""
     from tests.releases import CURRENT
+
     return str(release_builder.release(CURRENT))
 
 
@@ -376,5 +416,6 @@ def published(release_builder: Any, release_previous: str, release_current: str)
     with a cosign key pair made for the session; each release's package repositories in a site
     directory of its own, served over HTTP from `served`, a link the tests point at either."""
     from tests.releases import Published
+
     with Published(release_builder, release_previous, release_current) as found:
         yield found

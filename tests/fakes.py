@@ -55,6 +55,7 @@ class FakeHelper:
 
 def files_as_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     """A regular file at a row's path is that row's node, for hypervisors.present."""
+
     def present(device_dir: str) -> list[hypervisors.Hypervisor]:
         return [h for h in hypervisors.HYPERVISORS if os.path.isfile(h.device_path(device_dir))]
 
@@ -124,16 +125,21 @@ class RecordingNotifier(Notifier):
     @property
     def statuses(self) -> list[str]:
         """The status lines, without the version each ends with."""
-        return [line[len("STATUS="):].removesuffix(VERSION_SUFFIX)
-                for m in self.messages for line in m if line.startswith("STATUS=")]
+        return [
+            line[len("STATUS=") :].removesuffix(VERSION_SUFFIX)
+            for m in self.messages
+            for line in m
+            if line.startswith("STATUS=")
+        ]
 
 
 # What Notifier appends to every status line of ours.
 VERSION_SUFFIX = f"; version {__version__}"
 
 
-def shared(checker: Optional[FakeChecker] = None, identity: Optional[Any] = None,
-           on_change: Callable[[], None] = lambda: None) -> Any:
+def shared(
+    checker: Optional[FakeChecker] = None, identity: Optional[Any] = None, on_change: Callable[[], None] = lambda: None
+) -> Any:
     """What an agent gives its kubelet side (kubelet_side.Shared), with a FakeChecker, metrics
     off and a watcher nobody runs: for building a side on its own."""
     from hyperlight_agent import peers
@@ -142,10 +148,16 @@ def shared(checker: Optional[FakeChecker] = None, identity: Optional[Any] = None
     from hyperlight_agent.host.metrics import Metrics
     from hyperlight_agent.kubelet_side import Shared
 
-    return Shared(observation=SharedObservation(), checker=checker or FakeChecker(),  # type: ignore[arg-type]
-                  identity=identity or peers.Identity.of("test", "dra", "hypervisor.hyperlight.dev"),
-                  serve_ours=lambda server: None, metrics=Metrics(enabled=False), watcher=DirectoryWatcher(),
-                  on_change=on_change, environ={})
+    return Shared(
+        observation=SharedObservation(),
+        checker=checker or FakeChecker(),  # type: ignore[arg-type]
+        identity=identity or peers.Identity.of("test", "dra", "hypervisor.hyperlight.dev"),
+        serve_ours=lambda server: None,
+        metrics=Metrics(enabled=False),
+        watcher=DirectoryWatcher(),
+        on_change=on_change,
+        environ={},
+    )
 
 
 def dp_side(agent: Any) -> Any:
@@ -178,8 +190,11 @@ def registrar(kubelet_dir: str, on_stream_seen: Optional[Callable[[int], None]] 
 
     state = SharedObservation()
     state.publish(HEALTHY_KVM)
-    servicer = DevicePluginServicer(Profile(contracts.RESOURCE_HYPERVISOR, contracts.PLUGIN_SOCKET, 2, "cdi"), state,
-                                    FakeChecker())  # type: ignore[arg-type]
+    servicer = DevicePluginServicer(
+        Profile(contracts.RESOURCE_HYPERVISOR, contracts.PLUGIN_SOCKET, 2, "cdi"),
+        state,
+        FakeChecker(),  # type: ignore[arg-type]
+    )
 
     def configure(server: grpc.aio.Server, on_stream: Callable[[int, object], None]) -> Callable[[], None]:
         def counted(delta: int, stream: object) -> None:

@@ -42,8 +42,12 @@ def rootfs() -> str:
             current = False
         if not current:
             shutil.rmtree(ROOTFS, ignore_errors=True)
-            subprocess.run(["debootstrap", "--variant=minbase", f"--include={PACKAGES}", "bookworm", ROOTFS],
-                           check=True, timeout=900, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                ["debootstrap", "--variant=minbase", f"--include={PACKAGES}", "bookworm", ROOTFS],
+                check=True,
+                timeout=900,
+                stdout=subprocess.DEVNULL,
+            )
             with open(done, "w") as f:
                 f.write(PACKAGES)
     return ROOTFS
@@ -51,8 +55,12 @@ def rootfs() -> str:
 
 def stage(dest: str) -> str:
     """The installed file tree (packaging/stage.sh), as the packages ship it."""
-    subprocess.run([os.path.join(ROOT, "packaging", "stage.sh"), dest], check=True, timeout=600,
-                   env={**os.environ, "PYTHON": os.environ.get("PYTHON", "python3")})
+    subprocess.run(
+        [os.path.join(ROOT, "packaging", "stage.sh"), dest],
+        check=True,
+        timeout=600,
+        env={**os.environ, "PYTHON": os.environ.get("PYTHON", "python3")},
+    )
     return dest
 
 
@@ -66,26 +74,40 @@ def build_deb() -> str:
 class Guest:
     """One booted container. Use as a context manager; it powers off and is reaped on exit."""
 
-    def __init__(self, directory: str, binds: Sequence[str] = (), ephemeral: bool = True,
-                 private_network: bool = True) -> None:
+    def __init__(
+        self, directory: str, binds: Sequence[str] = (), ephemeral: bool = True, private_network: bool = True
+    ) -> None:
         """private_network=False: the host's network (a guest that must reach a server on the
         host's loopback, as the DRA mode's API server on the e2e cluster)."""
-        args = ["systemd-nspawn", "-D", directory, "--boot", "--register=no", "--keep-unit",
-                "--console=read-only", *(["--private-network"] if private_network else []),
-                "--system-call-filter=bpf", "--capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN"]
+        args = [
+            "systemd-nspawn",
+            "-D",
+            directory,
+            "--boot",
+            "--register=no",
+            "--keep-unit",
+            "--console=read-only",
+            *(["--private-network"] if private_network else []),
+            "--system-call-filter=bpf",
+            "--capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN",
+        ]
         if ephemeral:
             args.append("--ephemeral")
         args += [f"--bind={b}" for b in binds]
         env = {**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"}
-        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
         self.pid1 = 0
         try:
             self.pid1 = wait_for(self._find_pid1, 30, "the guest's systemd")
             # multi-user.target, not is-system-running: an activating Type=notify unit (ours,
             # waiting for a kubelet) keeps the system "starting", by design.
-            wait_for(lambda: self.run("systemctl", "is-active", "multi-user.target", check=False).stdout.strip()
-                     == "active", 60, "the guest to boot")
+            wait_for(
+                lambda: self.run("systemctl", "is-active", "multi-user.target", check=False).stdout.strip() == "active",
+                60,
+                "the guest to boot",
+            )
         except BaseException:
             self.close()
             raise
@@ -108,8 +130,13 @@ class Guest:
         return None
 
     def run(self, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["nsenter", "-t", str(self.pid1), "-m", "-u", "-i", "-n", "-p", "--", *cmd],
-                              capture_output=True, text=True, timeout=timeout, check=check)
+        return subprocess.run(
+            ["nsenter", "-t", str(self.pid1), "-m", "-u", "-i", "-n", "-p", "--", *cmd],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=check,
+        )
 
     def is_active(self, unit: str) -> str:
         return self.run("systemctl", "is-active", unit, check=False).stdout.strip()
@@ -142,12 +169,25 @@ class Guest:
         self.close()
 
 
-def pipe(directory: str, *cmd: str, binds: Sequence[str] = (),
-         timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def pipe(
+    directory: str, *cmd: str, binds: Sequence[str] = (), timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
     """One command in the root filesystem without booting, with the host's network."""
-    return subprocess.run(["systemd-nspawn", "-q", "-D", directory, "--register=no", "--keep-unit", "--pipe",
-                           *(f"--bind-ro={b}" for b in binds), *cmd],
-                          capture_output=True, text=True, timeout=timeout, check=False,
-                          env={**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"})
-
-
+    return subprocess.run(
+        [
+            "systemd-nspawn",
+            "-q",
+            "-D",
+            directory,
+            "--register=no",
+            "--keep-unit",
+            "--pipe",
+            *(f"--bind-ro={b}" for b in binds),
+            *cmd,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"},
+    )

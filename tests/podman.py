@@ -45,13 +45,21 @@ class Podman:
         conf = os.path.join(directory, "containers.conf")
         with open(conf, "w") as f:
             f.write(CONTAINERS_CONF)
-        self.argv = ["podman", "--root", os.path.join(directory, "storage"), "--runroot",
-                     os.path.join(directory, "run"), "--storage-driver", "vfs"]
+        self.argv = [
+            "podman",
+            "--root",
+            os.path.join(directory, "storage"),
+            "--runroot",
+            os.path.join(directory, "run"),
+            "--storage-driver",
+            "vfs",
+        ]
         self.env = {**os.environ, "CONTAINERS_CONF": conf}
 
     def __call__(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*self.argv, *args], capture_output=True, text=True, env=self.env, timeout=timeout,
-                              check=check)
+        return subprocess.run(
+            [*self.argv, *args], capture_output=True, text=True, env=self.env, timeout=timeout, check=check
+        )
 
     def close(self) -> None:
         """Remove every container and image this storage holds, then the storage itself."""

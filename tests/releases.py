@@ -48,11 +48,31 @@ class Keyring:
         self.home = os.path.join(directory, "gnupg")
         os.makedirs(self.home, mode=0o700)
         self.env = {**os.environ, "GNUPGHOME": self.home}
-        subprocess.run(["gpg", "--batch", "--passphrase", "", "--quick-gen-key",
-                        "hyperlight-agent test release <release@hyperlight.invalid>", "rsa3072", "sign", "never"],
-                       env=self.env, check=True, capture_output=True, timeout=120)
-        listing = subprocess.run(["gpg", "--batch", "--with-colons", "--list-secret-keys"], env=self.env, check=True,
-                                 capture_output=True, text=True, timeout=30).stdout
+        subprocess.run(
+            [
+                "gpg",
+                "--batch",
+                "--passphrase",
+                "",
+                "--quick-gen-key",
+                "hyperlight-agent test release <release@hyperlight.invalid>",
+                "rsa3072",
+                "sign",
+                "never",
+            ],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        listing = subprocess.run(
+            ["gpg", "--batch", "--with-colons", "--list-secret-keys"],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         self.fingerprint = listing.split("fpr:::::::::", 1)[1][:40]
 
 
@@ -64,13 +84,23 @@ class Builder:
         self.keyring = Keyring(directory)
         os.makedirs(os.path.join(directory, "podman"))
         self.engine = Podman(os.path.join(directory, "podman"))
-        self.env = {**self.engine.env, **{k: v for k, v in self.keyring.env.items() if k == "GNUPGHOME"},
-                    "RELEASE_GPG_KEY": self.keyring.fingerprint, "MAKEFLAGS": ""}
+        self.env = {
+            **self.engine.env,
+            **{k: v for k, v in self.keyring.env.items() if k == "GNUPGHOME"},
+            "RELEASE_GPG_KEY": self.keyring.fingerprint,
+            "MAKEFLAGS": "",
+        }
         self._base = False
 
     def make(self, *args: str, timeout: float = 3600) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(["make", "-s", "-C", ROOT, *args, f"ENGINE={' '.join(self.engine.argv)}"],
-                              capture_output=True, text=True, env=self.env, timeout=timeout, check=False)
+        done = subprocess.run(
+            ["make", "-s", "-C", ROOT, *args, f"ENGINE={' '.join(self.engine.argv)}"],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+            check=False,
+        )
         assert done.returncode == 0, f"make {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done
 
@@ -85,8 +115,12 @@ class Builder:
     def close(self) -> None:
         self.engine.close()
         # gpg started an agent for the key's home: it ends with us, not minutes after the directory.
-        subprocess.run(["gpgconf", "--homedir", self.keyring.home, "--kill", "gpg-agent"], check=False,
-                       capture_output=True, timeout=30)
+        subprocess.run(
+            ["gpgconf", "--homedir", self.keyring.home, "--kill", "gpg-agent"],
+            check=False,
+            capture_output=True,
+            timeout=30,
+        )
 
 
 def manifest(release: str) -> dict[str, Any]:
@@ -140,12 +174,19 @@ class Registry:
         self.host = f"127.0.0.1:{self.port}"
         config = os.path.join(self.directory, "config.yml")
         with open(config, "w") as f:
-            f.write(f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: "
-                    f"{self.directory}/data\n  delete:\n    enabled: true\nhttp:\n  addr: {self.host}\n")
+            f.write(
+                f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: "
+                f"{self.directory}/data\n  delete:\n    enabled: true\nhttp:\n  addr: {self.host}\n"
+            )
         self._log = open(os.path.join(self.directory, "registry.log"), "wb")  # noqa: SIM115 (closed in close())
-        self.process = subprocess.Popen([os.path.join(TOOLS, "registry"), "serve", config], stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            [os.path.join(TOOLS, "registry"), "serve", config],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         from tests.conftest import wait_for
+
         wait_for(self._up, 30, "the registry to listen")
 
     def _up(self) -> bool:
@@ -185,8 +226,14 @@ class Published:
         try:
             keys = os.path.join(self.directory, "cosign")
             os.makedirs(keys)
-            subprocess.run([os.path.join(TOOLS, "cosign"), "generate-key-pair"], cwd=keys, check=True,
-                           capture_output=True, env={**os.environ, "COSIGN_PASSWORD": ""}, timeout=60)
+            subprocess.run(
+                [os.path.join(TOOLS, "cosign"), "generate-key-pair"],
+                cwd=keys,
+                check=True,
+                capture_output=True,
+                env={**os.environ, "COSIGN_PASSWORD": ""},
+                timeout=60,
+            )
             self.cosign_key, self.cosign_pub = os.path.join(keys, "cosign.key"), os.path.join(keys, "cosign.pub")
             self.registry = Registry()
             self.host = self.registry.host
@@ -201,9 +248,15 @@ class Published:
 
     def publish(self, release: str, site: str) -> None:
         self.builder.env["COSIGN_PASSWORD"] = ""
-        self.builder.make("publish", f"VERSION={manifest(release)['version']}", f"DIST={os.path.dirname(release)}",
-                          f"REGISTRY={self.host}/hyperlight-dev", "INSECURE_REGISTRY=1",
-                          f"COSIGN_KEY={self.cosign_key}", f"SITE={site}")
+        self.builder.make(
+            "publish",
+            f"VERSION={manifest(release)['version']}",
+            f"DIST={os.path.dirname(release)}",
+            f"REGISTRY={self.host}/hyperlight-dev",
+            "INSECURE_REGISTRY=1",
+            f"COSIGN_KEY={self.cosign_key}",
+            f"SITE={site}",
+        )
 
     def serve(self, version: str) -> None:
         """Point the site at this release's repositories (a link swapped atomically)."""

@@ -34,7 +34,6 @@ from tests.fakes import VERSION_SUFFIX, FakeHelper, RecordingNotifier, device_di
 R = contracts.RESOURCE_HYPERVISOR
 
 
-
 def serving(agent: Agent, service: str) -> Optional[int]:
     status = agent.health_service._server_status.get(service)  # the value the exec probes read
     return int(status) if status is not None else None
@@ -44,8 +43,9 @@ async def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) 
     kubelet_dir = os.path.join(tmp, "kubelet")
 
     notifier = RecordingNotifier()
-    settings = Settings.defaults(kubelet_dir=kubelet_dir, cdi_dir=os.path.join(tmp, "cdi"),
-                                 device_dir=kvm_dir, device_count=3)
+    settings = Settings.defaults(
+        kubelet_dir=kubelet_dir, cdi_dir=os.path.join(tmp, "cdi"), device_dir=kvm_dir, device_count=3
+    )
     agent = Agent(settings, notifier=notifier)
     await agent.start()
     try:
@@ -67,14 +67,15 @@ async def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) 
         # first loss registers again at once, so "lost" is seen in what was said).
         said = len(notifier.messages)
         await kubelet.drop_stream(R)
-        await until(lambda: len(kubelet.register_calls) == 2 and agent.ready and kubelet.allocatable() == 3,
-                    what="registered again")
+        await until(
+            lambda: len(kubelet.register_calls) == 2 and agent.ready and kubelet.allocatable() == 3,
+            what="registered again",
+        )
         lost = [m for m in notifier.messages[said:] if m[0].startswith("STATUS=")]
         assert ("STATUS=the kubelet's ListAndWatch stream ended; registering again" + VERSION_SUFFIX,) in lost, lost
         assert len(kubelet.register_calls) == 2
         ready = ("READY=1", "STATUS=ready: kvm, 3 slots, 1 stream" + VERSION_SUFFIX)
-        assert sum(m == ready for m in notifier.messages) == 1, \
-            "READY=1 is sent once"
+        assert sum(m == ready for m in notifier.messages) == 1, "READY=1 is sent once"
 
         # An unusable device: not ready, live; the reason is the status.
         node = os.path.join(kvm_dir, "kvm")
@@ -82,8 +83,7 @@ async def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) 
         os.mknod(node, 0o600 | 0o020000, os.makedev(1, 3))
         await until(lambda: agent.status().startswith("unhealthy: "), what="unhealthy")
         assert "KVM_GET_API_VERSION failed" in agent.status()
-        await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING,
-                    what="NOT_SERVING")
+        await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING, what="NOT_SERVING")
     finally:
         agent.stop()
         await agent.wait()
@@ -103,16 +103,17 @@ def test_status_lines_are_pure_functions_of_state() -> None:
     base = Snap(ok, True, State.STREAMED, "", "/k/kubelet.sock", 2, 1)
     cases = {
         base: "ready: kvm, 1 slot, 2 streams",
-        Snap(ok, True, State.REGISTERED, "", "/k/kubelet.sock", 0, 4):
-            "registered; waiting for the kubelet's ListAndWatch stream",
-        Snap(ok, False, State.WAITING, "Register with /k/kubelet.sock: UNAVAILABLE: x",
-                           "/k/kubelet.sock", 0, 4):
-            "waiting for kubelet at /k/kubelet.sock: Register with /k/kubelet.sock: UNAVAILABLE: x",
+        Snap(
+            ok, True, State.REGISTERED, "", "/k/kubelet.sock", 0, 4
+        ): "registered; waiting for the kubelet's ListAndWatch stream",
+        Snap(
+            ok, False, State.WAITING, "Register with /k/kubelet.sock: UNAVAILABLE: x", "/k/kubelet.sock", 0, 4
+        ): "waiting for kubelet at /k/kubelet.sock: Register with /k/kubelet.sock: UNAVAILABLE: x",
         Snap(ok, False, State.STREAMED, "", "/k/kubelet.sock", 1, 4): "checking the device",
-        Snap(Observation(False, "gone", None), True, State.STREAMED, "", "/k", 1, 4):
-            "unhealthy: gone",
-        Snap(ok, True, State.LOST, "no ListAndWatch stream within 3 s of registering",
-                           "/k", 0, 4): "no ListAndWatch stream within 3 s of registering; registering again",
+        Snap(Observation(False, "gone", None), True, State.STREAMED, "", "/k", 1, 4): "unhealthy: gone",
+        Snap(
+            ok, True, State.LOST, "no ListAndWatch stream within 3 s of registering", "/k", 0, 4
+        ): "no ListAndWatch stream within 3 s of registering; registering again",
     }
     for snapshot, text in cases.items():
         assert snapshot.status() == text
@@ -120,7 +121,8 @@ def test_status_lines_are_pure_functions_of_state() -> None:
 
 
 def test_nothing_is_said_after_stopping_when_the_first_check_ends_during_the_stop(
-        tmp: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A SIGTERM early in startup: the first check is cancelled before the registrar stops, so no
     "device healthy" or "CDI spec written" follows "stopping" (issue 19, item 8)."""
     gate: list[asyncio.Event] = []
@@ -145,8 +147,9 @@ def test_nothing_is_said_after_stopping_when_the_first_check_ends_during_the_sto
 
     async def run() -> None:
         gate.append(asyncio.Event())
-        settings = Settings.defaults(kubelet_dir=os.path.join(tmp, "kubelet"), cdi_dir=os.path.join(tmp, "cdi"),
-                                     device_dir=tmp, device_count=1)
+        settings = Settings.defaults(
+            kubelet_dir=os.path.join(tmp, "kubelet"), cdi_dir=os.path.join(tmp, "cdi"), device_dir=tmp, device_count=1
+        )
         agent = Agent(settings, notifier=RecordingNotifier())
         await agent.start()
         agent.stop()
@@ -156,15 +159,20 @@ def test_nothing_is_said_after_stopping_when_the_first_check_ends_during_the_sto
     asyncio.run(run())
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("hyperlight_agent")]
     assert "stopping" in messages
-    assert messages[messages.index("stopping") + 1:] == []
+    assert messages[messages.index("stopping") + 1 :] == []
 
 
 # --- the fast loop: a fake helper, a regular file for the node --------------------------------
 
 
 def settings_in(tmp: str, **kw: Any) -> Settings:
-    return Settings.defaults(kubelet_dir=os.path.join(tmp, "kubelet"), cdi_dir=os.path.join(tmp, "cdi"),
-                             device_dir=device_dir(tmp, "kvm"), device_count=3, **kw)
+    return Settings.defaults(
+        kubelet_dir=os.path.join(tmp, "kubelet"),
+        cdi_dir=os.path.join(tmp, "cdi"),
+        device_dir=device_dir(tmp, "kvm"),
+        device_count=3,
+        **kw,
+    )
 
 
 def with_kubelet(tmp: str, body: Callable[[KubeletStandin], Awaitable[None]]) -> None:
@@ -197,8 +205,7 @@ def test_start_register_allocate_unhealthy_and_stop_in_process(tmp: str, helpers
             agent.checker.request()
             await until(lambda: kubelet.allocatable() == 0 and kubelet.plugins[R].devices, what="unhealthy slots")
             assert agent.status() == "unhealthy: KVM_CREATE_VM failed" and not agent.ready
-            await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING,
-                        what="NOT_SERVING")
+            await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING, what="NOT_SERVING")
             helpers[0].answers.clear()
             agent.checker.request()
             await until(lambda: agent.ready and kubelet.allocatable() == 3, what="recovered")
@@ -238,8 +245,9 @@ def test_a_second_agent_on_the_same_socket_fails_from_wait(tmp: str, helpers: li
             with pytest.raises(AlreadyServed, match="another agent is serving it"):
                 await second.wait()
             await second.close()
-            assert first.ready and os.path.exists(dp_side(first).registrar.socket_path), \
+            assert first.ready and os.path.exists(dp_side(first).registrar.socket_path), (
                 "the first agent's socket stays"
+            )
         finally:
             await shut(first)
 
@@ -247,7 +255,8 @@ def test_a_second_agent_on_the_same_socket_fails_from_wait(tmp: str, helpers: li
 
 
 def test_reload_applies_settings_keeps_restart_only_ones_and_refuses_invalid_files(
-        tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture) -> None:
+    tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, "hyperlight_agent")
     base = settings_in(tmp)
     new: list[Any] = []
@@ -271,13 +280,23 @@ def test_reload_applies_settings_keeps_restart_only_ones_and_refuses_invalid_fil
         try:
             await until(lambda: agent.ready and kubelet.allocatable() == 3, what="ready")
             # More slots and another owner apply at once; a new kubelet_dir only on restart.
-            new.append(Settings.defaults(**{**base.__dict__, "device_count": 5, "device_uid": 1000,
-                                            "kubelet_dir": os.path.join(tmp, "elsewhere"),
-                                            "check_interval_seconds": 60.0}))
+            new.append(
+                Settings.defaults(
+                    **{
+                        **base.__dict__,
+                        "device_count": 5,
+                        "device_uid": 1000,
+                        "kubelet_dir": os.path.join(tmp, "elsewhere"),
+                        "check_interval_seconds": 60.0,
+                    }
+                )
+            )
             agent.reload()
             await until(lambda: kubelet.allocatable() == 5, what="5 slots after the reload")
-            await until(lambda: b'"uid": 1000' in (read_bytes(cdi.spec_path(base.cdi_dir)) or b""),
-                        what="the spec following the new uid")
+            await until(
+                lambda: b'"uid": 1000' in (read_bytes(cdi.spec_path(base.cdi_dir)) or b""),
+                what="the spec following the new uid",
+            )
             assert agent.settings.kubelet_dir == base.kubelet_dir
             assert agent.settings.check_interval_seconds == 60.0
             assert "reload: kubelet_dir change only on restart; kept" in caplog.text
@@ -288,13 +307,18 @@ def test_reload_applies_settings_keeps_restart_only_ones_and_refuses_invalid_fil
             new.append(config.ConfigError("device_count: 'x' is not a number"))
             agent.reload()
             await until(lambda: any("reload failed" in s for s in notifier.statuses), what="the refusal")
-            assert {s for s in notifier.statuses if "reload failed" in s} == \
-                {"reload failed, kept running configuration: device_count: 'x' is not a number"}
+            assert {s for s in notifier.statuses if "reload failed" in s} == {
+                "reload failed, kept running configuration: device_count: 'x' is not a number"
+            }
             assert agent.settings.device_count == 5
             await until(lambda: not agent.reloader.busy, what="the reload to end")
             # A reload asked for while a read is in progress reads the file once more after it.
-            new.extend([(gate, Settings.defaults(**{**base.__dict__, "device_count": 4})),
-                        Settings.defaults(**{**base.__dict__, "device_count": 2})])
+            new.extend(
+                [
+                    (gate, Settings.defaults(**{**base.__dict__, "device_count": 4})),
+                    Settings.defaults(**{**base.__dict__, "device_count": 2}),
+                ]
+            )
             reading.clear()
             agent.reload()
             await until(reading.is_set, what="the first read to begin")
@@ -319,7 +343,8 @@ async def test_periodic_checks_follow_the_interval(tmp: str, helpers: list[FakeH
 
 
 async def test_the_watchdog_pings_and_extends_the_start_timeout_until_ready(
-        tmp: str, helpers: list[FakeHelper]) -> None:
+    tmp: str, helpers: list[FakeHelper]
+) -> None:
     notifier = RecordingNotifier(watchdog_interval=0.01)
     agent = Agent(settings_in(tmp), notifier=notifier)
     await agent.start()
@@ -331,8 +356,9 @@ async def test_the_watchdog_pings_and_extends_the_start_timeout_until_ready(
         await shut(agent)
 
 
-async def test_node_labels_follow_the_device_and_are_repaired(tmp: str, helpers: list[FakeHelper],
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+async def test_node_labels_follow_the_device_and_are_repaired(
+    tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture
+) -> None:
     features = os.path.join(tmp, "features.d")
     os.mkdir(features)
     path = os.path.join(features, labels.FEATURE_FILE)
@@ -357,8 +383,9 @@ async def test_node_labels_follow_the_device_and_are_repaired(tmp: str, helpers:
         await shut(agent)
 
 
-def test_a_stop_with_handover_time_and_no_successor_stops_after_it(tmp: str, helpers: list[FakeHelper],
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_a_stop_with_handover_time_and_no_successor_stops_after_it(
+    tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, "hyperlight_agent")
 
     async def body(kubelet: KubeletStandin) -> None:
@@ -374,8 +401,9 @@ def test_a_stop_with_handover_time_and_no_successor_stops_after_it(tmp: str, hel
     with_kubelet(tmp, body)
 
 
-def test_an_unready_agent_hands_nothing_over(tmp: str, helpers: list[FakeHelper],
-                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unready_agent_hands_nothing_over(
+    tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture
+) -> None:
     """A DaemonSet replaces an unavailable pod only once it is gone: waiting for a successor then
     would only hold the replacement back for handover_seconds."""
     caplog.set_level(logging.INFO, "hyperlight_agent")
@@ -411,8 +439,9 @@ def test_device_access_mode_lists_its_one_slot_without_cdi(tmp: str, helpers: li
     with_kubelet(tmp, body)
 
 
-async def test_the_environment_comes_from_the_caller(tmp: str, helpers: list[FakeHelper],
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+async def test_the_environment_comes_from_the_caller(
+    tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture
+) -> None:
     """What the image baked in (the commit) is read from the environ the entry point handed over."""
     caplog.set_level(logging.INFO, "hyperlight_agent")
     agent = Agent(settings_in(tmp), notifier=RecordingNotifier(), environ={COMMIT_ENV: "0123abc"})
@@ -428,7 +457,8 @@ async def test_the_environment_comes_from_the_caller(tmp: str, helpers: list[Fak
 # Issue 26, 10: two agents on one CDI directory with other settings (a surge update that changes
 # device_uid): the newer one's spec stands, and the older one does not rewrite it.
 def test_the_newest_instance_keeps_the_cdi_spec_and_the_older_does_not_fight(
-        tmp: str, helpers: list[FakeHelper], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp: str, helpers: list[FakeHelper], monkeypatch: pytest.MonkeyPatch
+) -> None:
     spec_path = cdi.spec_path(os.path.join(tmp, "cdi"))
     writes: list[bytes] = []
     repair = cdi.repair

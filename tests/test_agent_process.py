@@ -39,12 +39,11 @@ def listed(k: KubeletStandin) -> list[tuple[str, str]]:
     return p.devices if p and p.stream_open else []
 
 
-
 def test_serves_before_registering_and_advertises_device_count(kubelet: StandinThread, start_agent: StartAgent) -> None:
     agent = start_agent("--device-count", "7")
     kubelet.wait_until(lambda k: k.allocatable() == 7, 15, "7 healthy slots")
     # The stand-in dials back inside Register; success proves the agent served first.
-    (_t, request), = kubelet.kubelet.register_calls
+    ((_t, request),) = kubelet.kubelet.register_calls
     assert (request.version, request.endpoint, request.resource_name) == ("v1beta1", "hyperlight.sock", R)
     assert not request.options.pre_start_required
     assert not request.options.get_preferred_allocation_available
@@ -57,8 +56,9 @@ def test_default_device_count_is_2000(kubelet: StandinThread, start_agent: Start
     kubelet.wait_until(lambda k: k.allocatable() == 2000, 15, "2000 healthy slots")
 
 
-def test_default_allocation_returns_cdi_name_device_spec_and_env(kubelet: StandinThread,
-                                                                 start_agent: StartAgent, tmp: str) -> None:
+def test_default_allocation_returns_cdi_name_device_spec_and_env(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str
+) -> None:
     start_agent("--device-count", "4")
     kubelet.wait_until(lambda k: k.allocatable() == 4, 15)
     (c,) = kubelet.call(kubelet.kubelet.allocate(R, ["kvm-1", "kvm-2"])).container_responses
@@ -71,8 +71,9 @@ def test_default_allocation_returns_cdi_name_device_spec_and_env(kubelet: Standi
 
 
 @pytest.mark.parametrize(("mode", "cdi_devices", "specs"), [("device-spec", 0, 1), ("cdi", 1, 0), ("both", 1, 1)])
-def test_allocation_setting_chooses_cdi_device_spec_or_both(kubelet: StandinThread, start_agent: StartAgent,
-                                                            mode: str, cdi_devices: int, specs: int) -> None:
+def test_allocation_setting_chooses_cdi_device_spec_or_both(
+    kubelet: StandinThread, start_agent: StartAgent, mode: str, cdi_devices: int, specs: int
+) -> None:
     start_agent("--device-count", "2", env={"HYPERLIGHT_ALLOCATION": mode})
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     (c,) = kubelet.call(kubelet.kubelet.allocate(R, ["kvm-1"])).container_responses
@@ -84,15 +85,19 @@ def test_allocation_setting_chooses_cdi_device_spec_or_both(kubelet: StandinThre
     assert dict(c.envs) == ({"HYPERLIGHT_HYPERVISOR": "kvm", "HYPERLIGHT_DEVICE_PATH": "/dev/kvm"} if specs else {})
 
 
-@pytest.mark.parametrize(("ids", "message"), [
-    (["kvm-2"], "unknown device ID 'kvm-2'"),
-    (["mshv-0"], "unknown device ID 'mshv-0'"),
-    (["kvm-01"], "malformed device ID 'kvm-01'"),
-    (["gpu"], "malformed device ID 'gpu'"),
-    ([], "names no device IDs"),
-])
-def test_allocate_rejects_unknown_ids(kubelet: StandinThread, start_agent: StartAgent, ids: list[str],
-                                      message: str) -> None:
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        (["kvm-2"], "unknown device ID 'kvm-2'"),
+        (["mshv-0"], "unknown device ID 'mshv-0'"),
+        (["kvm-01"], "malformed device ID 'kvm-01'"),
+        (["gpu"], "malformed device ID 'gpu'"),
+        ([], "names no device IDs"),
+    ],
+)
+def test_allocate_rejects_unknown_ids(
+    kubelet: StandinThread, start_agent: StartAgent, ids: list[str], message: str
+) -> None:
     start_agent("--device-count", "2")
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -101,8 +106,9 @@ def test_allocate_rejects_unknown_ids(kubelet: StandinThread, start_agent: Start
     assert message in str(info.value.details())
 
 
-def test_plugin_options_preferred_allocation_and_prestart(kubelet: StandinThread, start_agent: StartAgent,
-                                                         tmp: str) -> None:
+def test_plugin_options_preferred_allocation_and_prestart(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str
+) -> None:
     start_agent("--device-count", "3")
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
 
@@ -111,10 +117,18 @@ def test_plugin_options_preferred_allocation_and_prestart(kubelet: StandinThread
         async with grpc.aio.insecure_channel(plugin) as ch:
             stub = api.device_plugin_stub(ch)
             options = await stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
-            preferred = await stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
-                pb.ContainerPreferredAllocationRequest(available_deviceIDs=["kvm-0", "kvm-1", "kvm-2"],
-                                                       must_include_deviceIDs=["kvm-2"], allocation_size=2)]),
-                timeout=5)
+            preferred = await stub.GetPreferredAllocation(
+                pb.PreferredAllocationRequest(
+                    container_requests=[
+                        pb.ContainerPreferredAllocationRequest(
+                            available_deviceIDs=["kvm-0", "kvm-1", "kvm-2"],
+                            must_include_deviceIDs=["kvm-2"],
+                            allocation_size=2,
+                        )
+                    ]
+                ),
+                timeout=5,
+            )
             prestart = await stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=["kvm-0"]), timeout=5)
             return options, preferred, prestart
 
@@ -137,8 +151,9 @@ def test_reregisters_after_kubelet_restart(kubelet: StandinThread, start_agent: 
     assert os.path.exists(kubelet.kubelet.checkpoint)
 
 
-def test_reregisters_when_only_kubelet_sock_is_created_anew(kubelet: StandinThread, start_agent: StartAgent,
-                                                            tmp: str) -> None:
+def test_reregisters_when_only_kubelet_sock_is_created_anew(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str
+) -> None:
     start_agent("--device-count", "3")
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
     sock = os.path.join(tmp, "kubelet", "hyperlight.sock")
@@ -164,8 +179,9 @@ def test_never_touches_other_files_in_kubelet_dir(kubelet: StandinThread, start_
     agent = start_agent("--device-count", "1")
     kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     assert agent.stop() == 0
-    assert sorted(os.listdir(kdir)) == sorted([contracts.KUBELET_SOCKET, contracts.KUBELET_CHECKPOINT,
-                                               "someone-else.sock"])
+    assert sorted(os.listdir(kdir)) == sorted(
+        [contracts.KUBELET_SOCKET, contracts.KUBELET_CHECKPOINT, "someone-else.sock"]
+    )
 
 
 def test_hung_register_is_bounded_and_retried(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
@@ -174,8 +190,11 @@ def test_hung_register_is_bounded_and_retried(kubelet: StandinThread, start_agen
     kubelet.wait_until(lambda k: len(k.register_calls) >= 1, 15)
     # The agent gives up after its 5 s deadline, stops serving, and retries with backoff.
     wait_for(lambda: "DEADLINE_EXCEEDED" in agent.log, 10, "the Register deadline")
-    wait_for(lambda: not os.path.exists(os.path.join(tmp, "kubelet", "hyperlight.sock")), 5,
-             "the socket to be removed after a failed registration")
+    wait_for(
+        lambda: not os.path.exists(os.path.join(tmp, "kubelet", "hyperlight.sock")),
+        5,
+        "the socket to be removed after a failed registration",
+    )
     kubelet.run(lambda k: setattr(k, "mode", "normal"))
     kubelet.run(lambda k: k.release())
     kubelet.wait_until(lambda k: k.allocatable() == 2, 20, "registration after the kubelet recovers")
@@ -206,8 +225,9 @@ def test_no_kubelet_yet_then_kubelet_appears(tmp: str, start_agent: StartAgent) 
     assert not [line for line in agent.log.splitlines() if "add_port.cc" in line or "chttp2" in line], agent.log
 
 
-def test_every_open_stream_gets_each_health_change(kubelet: StandinThread, start_agent: StartAgent, tmp: str,
-                                                  kvm_dir: str) -> None:
+def test_every_open_stream_gets_each_health_change(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str, kvm_dir: str
+) -> None:
     start_agent("--device-count", "3", "--device-dir", kvm_dir)
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
     sock = os.path.join(tmp, "kubelet", "hyperlight.sock")
@@ -219,6 +239,7 @@ def test_every_open_stream_gets_each_health_change(kubelet: StandinThread, start
                 seen[i].append([(d.ID, d.health) for d in response.devices])
 
     import asyncio
+
     tasks = [asyncio.run_coroutine_threadsafe(watch(i), kubelet.loop) for i in range(5)]
     try:
         wait_for(lambda: all(s for s in seen), 10, "first lists on all streams")
@@ -237,8 +258,9 @@ def test_every_open_stream_gets_each_health_change(kubelet: StandinThread, start
             t.cancel()
 
 
-def test_allocate_on_unhealthy_device_is_unavailable_with_reason(kubelet: StandinThread, start_agent: StartAgent,
-                                                                 kvm_dir: str) -> None:
+def test_allocate_on_unhealthy_device_is_unavailable_with_reason(
+    kubelet: StandinThread, start_agent: StartAgent, kvm_dir: str
+) -> None:
     start_agent("--device-count", "2", "--device-dir", kvm_dir)
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     node = os.path.join(kvm_dir, "kvm")
@@ -255,8 +277,9 @@ def test_allocate_on_unhealthy_device_is_unavailable_with_reason(kubelet: Standi
     assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"])).container_responses
 
 
-def test_no_device_advertises_nothing_then_notices_one(kubelet: StandinThread, start_agent: StartAgent,
-                                                       tmp: str) -> None:
+def test_no_device_advertises_nothing_then_notices_one(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str
+) -> None:
     device_dir = os.path.join(tmp, "dev")
     os.mkdir(device_dir)
     agent = start_agent("--device-count", "2", "--device-dir", device_dir)
@@ -269,8 +292,9 @@ def test_no_device_advertises_nothing_then_notices_one(kubelet: StandinThread, s
     kubelet.wait_until(lambda k: plugin(k) and plugin(k).lists[-1][1] == [], 5, "capacity withdrawn")  # type: ignore[union-attr]
 
 
-def test_host_identity_loss_makes_slots_unhealthy(kubelet: StandinThread, start_agent: StartAgent, tmp: str,
-                                                  kvm_dir: str) -> None:
+def test_host_identity_loss_makes_slots_unhealthy(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str, kvm_dir: str
+) -> None:
     host = os.path.join(tmp, "host-dev")
     os.mkdir(host)
     make_node(os.path.join(host, "kvm"), 10, 232)
@@ -354,8 +378,9 @@ def socket_identity(path: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("flavor", standin.FLAVORS)
-def test_stream_dropped_by_the_kubelet_is_registered_again(kubelet: StandinThread, start_agent: StartAgent,
-                                                            flavor: str) -> None:
+def test_stream_dropped_by_the_kubelet_is_registered_again(
+    kubelet: StandinThread, start_agent: StartAgent, flavor: str
+) -> None:
     kubelet.run(lambda k: setattr(k, "flavor", flavor))
     start_agent("--device-count", "3")
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
@@ -366,8 +391,11 @@ def test_stream_dropped_by_the_kubelet_is_registered_again(kubelet: StandinThrea
         kubelet.call(kubelet.kubelet.drop_stream(R))
         started = time.monotonic()
         assert kubelet.kubelet.allocatable() == 0, "a dropped stream leaves nothing allocatable"
-        kubelet.wait_until(lambda k, first=first: plugin(k) is not first and k.allocatable() == 3, 5,  # type: ignore[misc]
-                           "Healthy again")
+        kubelet.wait_until(
+            lambda k, first=first: plugin(k) is not first and k.allocatable() == 3,  # type: ignore[misc]
+            5,
+            "Healthy again",
+        )
         seconds.append(time.monotonic() - started)
         assert len(kubelet.kubelet.register_calls) == calls + 1
     print(f"stream dropped → Healthy again: {', '.join(f'{s * 1000:.0f} ms' for s in seconds)}")
@@ -379,15 +407,17 @@ def test_no_stream_after_register_is_registered_again(kubelet: StandinThread, st
     agent = start_agent("--device-count", "2")
     kubelet.wait_until(lambda k: k.plugins.get(R), 15, "the first registration")
     kubelet.run(lambda k: setattr(k, "open_streams", True))
-    kubelet.wait_until(lambda k: k.allocatable() == 2, registration.STREAM_OPEN_TIMEOUT_S + 5,
-                       "a second Register, this time streamed")
+    kubelet.wait_until(
+        lambda k: k.allocatable() == 2, registration.STREAM_OPEN_TIMEOUT_S + 5, "a second Register, this time streamed"
+    )
     assert len(kubelet.kubelet.register_calls) == 2
     wait_for(lambda: "no ListAndWatch stream within" in agent.log, 5)
 
 
 @pytest.mark.parametrize("flavor", standin.FLAVORS)
-def test_old_stream_ends_before_the_next_register(kubelet: StandinThread, start_agent: StartAgent, tmp: str,
-                                                  flavor: str) -> None:
+def test_old_stream_ends_before_the_next_register(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str, flavor: str
+) -> None:
     """Our socket deleted under a live stream (no kubelet restart): the agent serves anew. The old
     stream must end before the new Register, or the kubelet disconnects the new registration
     (1.34) or refuses a Register at a socket path still connected (1.35+)."""
@@ -406,8 +436,9 @@ def test_old_stream_ends_before_the_next_register(kubelet: StandinThread, start_
     assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"])).container_responses
 
 
-def test_shutdown_ends_the_stream_and_removes_the_socket(kubelet: StandinThread, start_agent: StartAgent,
-                                                         tmp: str) -> None:
+def test_shutdown_ends_the_stream_and_removes_the_socket(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str
+) -> None:
     """(The order — stream first, then socket — is checked in-process in test_registration.py.)"""
     agent = start_agent("--device-count", "2")
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
@@ -551,15 +582,25 @@ def test_handover_to_a_successor(kubelet: StandinThread, start_agent: StartAgent
     old = start_agent("--device-count", "3", "--instance", "agent-old", "--handover-seconds", "30")
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15, "the first agent serving")
     new = start_agent("--device-count", "3", "--instance", "agent-new", "--handover-seconds", "0.5")
-    kubelet.wait_until(lambda k: plugin(k) is not None and plugin(k).endpoint == "hyperlight.agent-new.sock"  # type: ignore[union-attr]
-                       and k.allocatable() == 3, 15, "the successor registered beside it")
+    kubelet.wait_until(
+        lambda k: (
+            plugin(k) is not None
+            and plugin(k).endpoint == "hyperlight.agent-new.sock"  # type: ignore[union-attr]
+            and k.allocatable() == 3
+        ),
+        15,
+        "the successor registered beside it",
+    )
     since = time.monotonic()
     assert zero_after_healthy(kubelet.kubelet, since) == []
     assert old.stop(timeout=10) == 0, old.log
     assert "handing over to " + os.path.join(tmp, "kubelet", "hyperlight.agent-new.sock") in old.log
     assert not os.path.exists(os.path.join(tmp, "kubelet", "hyperlight.agent-old.sock"))
-    kubelet.wait_until(lambda k: k.allocatable() == 3 and plugin(k).endpoint == "hyperlight.agent-new.sock",  # type: ignore[union-attr]
-                       10, "the successor serving alone")
+    kubelet.wait_until(
+        lambda k: k.allocatable() == 3 and plugin(k).endpoint == "hyperlight.agent-new.sock",  # type: ignore[union-attr]
+        10,
+        "the successor serving alone",
+    )
     zeros = zero_after_healthy(kubelet.kubelet, since)
     registers = [r.endpoint for _, r in kubelet.kubelet.register_calls]
     if flavor == "1.35":
@@ -583,8 +624,9 @@ def test_handover_without_a_successor_stops_after_the_bound(kubelet: StandinThre
     assert p.stream_ended_at is not None
 
 
-def test_a_successor_that_is_not_ready_is_not_handed_over_to(kubelet: StandinThread, start_agent: StartAgent,
-                                                             tmp: str) -> None:
+def test_a_successor_that_is_not_ready_is_not_handed_over_to(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str
+) -> None:
     """A peer socket that answers but is not ready (no kubelet stream) is no successor."""
     agent = start_agent("--device-count", "2", "--instance", "one", "--handover-seconds", "0.5")
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
@@ -596,8 +638,9 @@ def test_a_successor_that_is_not_ready_is_not_handed_over_to(kubelet: StandinThr
     second.stop()
 
 
-def test_a_kubelet_that_is_down_a_while_is_served_anew_when_it_returns(kubelet: StandinThread,
-                                                                        start_agent: StartAgent) -> None:
+def test_a_kubelet_that_is_down_a_while_is_served_anew_when_it_returns(
+    kubelet: StandinThread, start_agent: StartAgent
+) -> None:
     """The stream ends because the kubelet stops; registering again on the same server fails
     while it is down, and when it comes back (having removed every socket) the agent must serve
     anew, not register the server whose socket is gone (the kubelet would fail to dial it)."""

@@ -53,8 +53,7 @@ DASHBOARD = os.path.join(CHART, "dashboards", "hyperlight-agent.json")
 
 
 def promtool(*args: str, cwd: Optional[str] = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([tool("promtool"), *args], capture_output=True, text=True, timeout=120, check=False,
-                          cwd=cwd)
+    return subprocess.run([tool("promtool"), *args], capture_output=True, text=True, timeout=120, check=False, cwd=cwd)
 
 
 def rule_groups(mode: str) -> list[dict[str, Any]]:
@@ -77,7 +76,7 @@ def test_promtool_accepts_the_rendered_rules(tmp_path: Any, mode: str) -> None:
     # Each mode alerts on what it runs: the DRA driver's alerts only where it runs.
     dra = {"HyperlightDRADriverNotReady", "HyperlightDRAPrepareErrors"}
     assert (dra <= set(alert_names(groups))) == (mode != "devicePlugin")
-    assert ("HyperlightNotRegisteredWithKubelet" in alert_names(groups)), "the bootstrap agent runs in every mode"
+    assert "HyperlightNotRegisteredWithKubelet" in alert_names(groups), "the bootstrap agent runs in every mode"
 
 
 # ---- recording ---------------------------------------------------------------------------
@@ -97,8 +96,11 @@ class Target:
 
 
 def parse(text: str) -> list[Sample]:
-    return [(s.name, dict(s.labels), float(s.value)) for family in text_string_to_metric_families(text)
-            for s in family.samples]
+    return [
+        (s.name, dict(s.labels), float(s.value))
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
 
 
 def record(address: str) -> Optional[list[Sample]]:
@@ -116,8 +118,9 @@ class Timeline:
 
     minutes: list[dict[str, Any]] = field(default_factory=list)
 
-    def add(self, scrapes: Mapping[Target, Optional[list[Sample]]], times: int = 1,
-            extra: Optional[list[Sample]] = None) -> None:
+    def add(
+        self, scrapes: Mapping[Target, Optional[list[Sample]]], times: int = 1, extra: Optional[list[Sample]] = None
+    ) -> None:
         for _ in range(times):
             self.minutes.append({"scrapes": scrapes, "extra": extra or []})
 
@@ -183,8 +186,9 @@ def scrape_until(address: str, condition: Callable[[list[Sample]], bool], what: 
 def record_device_plugin(kubelet: StandinThread, start_agent: StartAgent, kvm_dir: str, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     plugin_address, access_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    plugin = start_agent("--device-count", "2", "--device-dir", kvm_dir, "--metrics-address", plugin_address,
-                         "--check-interval", "1")
+    plugin = start_agent(
+        "--device-count", "2", "--device-dir", kvm_dir, "--metrics-address", plugin_address, "--check-interval", "1"
+    )
     access = start_agent("--device-access", "--device-dir", kvm_dir, "--metrics-address", access_address)
     kubelet.wait_until(lambda k: k.allocatable() == 2 and k.allocatable(contracts.RESOURCE_DEVICE_ACCESS) > 0, 15)
     streaming = "hyperlight_listandwatch_streams"
@@ -199,14 +203,16 @@ def record_device_plugin(kubelet: StandinThread, start_agent: StartAgent, kvm_di
         with open(spec + ".theirs", "w") as f:
             f.write('{"cdiVersion": "0.3.0", "kind": "someone.else/device", "devices": []}\n')
         os.rename(spec + ".theirs", spec)
+
         def repaired(samples: list[Sample], before: float = before) -> bool:
             return value(samples, "hyperlight_cdi_repairs_total") > before
 
         out["cdi_tampered"].append(scrape_until(plugin_address, repaired, f"repair {n + 1}"))
     # The device goes away.
     os.unlink(os.path.join(kvm_dir, "kvm"))
-    out["device_gone"] = scrape_until(plugin_address, lambda s: value(s, "hyperlight_device_healthy") == 0,
-                                      "the device counted unhealthy")
+    out["device_gone"] = scrape_until(
+        plugin_address, lambda s: value(s, "hyperlight_device_healthy") == 0, "the device counted unhealthy"
+    )
     # The kubelet goes away: no stream, registrations retried.
     kubelet.call(kubelet.kubelet.stop())
     out["kubelet_gone"] = scrape_until(plugin_address, lambda s: value(s, streaming) == 0, "no stream")
@@ -256,8 +262,9 @@ def value(samples: list[Sample], name: str, **labels: str) -> float:
 
 
 @pytest.fixture
-def recorded_series(kubelet: StandinThread, start_agent: StartAgent, kvm_dir: str, tmp: str,
-                    helpers: list[FakeHelper]) -> Recorded:
+def recorded_series(
+    kubelet: StandinThread, start_agent: StartAgent, kvm_dir: str, tmp: str, helpers: list[FakeHelper]
+) -> Recorded:
     dra_tmp = os.path.join(tmp, "dra")
     os.mkdir(dra_tmp)
     return Recorded(**record_device_plugin(kubelet, start_agent, kvm_dir, tmp), **record_dra(dra_tmp, helpers))
@@ -265,8 +272,11 @@ def recorded_series(kubelet: StandinThread, start_agent: StartAgent, kvm_dir: st
 
 def ready(pod: str, flag: bool) -> Sample:
     """kube-state-metrics' series for the pod's Ready condition."""
-    return ("kube_pod_status_ready", {"namespace": NAMESPACE, "pod": pod, "condition": "true", "uid": "u-1",
-                                      "job": "kube-state-metrics"}, 1.0 if flag else 0.0)
+    return (
+        "kube_pod_status_ready",
+        {"namespace": NAMESPACE, "pod": pod, "condition": "true", "uid": "u-1", "job": "kube-state-metrics"},
+        1.0 if flag else 0.0,
+    )
 
 
 def expected(target: Target, **labels: str) -> dict[str, str]:
@@ -298,8 +308,13 @@ def test_the_alerts_fire_for_faults_recorded_from_real_agents(tmp_path: Any, rec
     timeline = Timeline()
     timeline.add(repaired, 10, [ready(DRA.pod, True)])
     timeline.add({**healthy, PLUGIN: r.kubelet_gone}, 20, [ready(DRA.pod, True)])
-    scenarios.append(("kubelet gone", timeline, {"HyperlightNotRegisteredWithKubelet": [expected(PLUGIN)],
-                                                 "HyperlightDeviceUnusable": [expected(PLUGIN)]}))
+    scenarios.append(
+        (
+            "kubelet gone",
+            timeline,
+            {"HyperlightNotRegisteredWithKubelet": [expected(PLUGIN)], "HyperlightDeviceUnusable": [expected(PLUGIN)]},
+        )
+    )
 
     # The plugin's pod stops answering.
     timeline = Timeline()
@@ -319,17 +334,37 @@ def test_the_alerts_fire_for_faults_recorded_from_real_agents(tmp_path: Any, rec
     timeline = Timeline()
     timeline.add(healthy, 25, [ready(DRA.pod, True)])
     timeline.add({**healthy, DRA: r.dra_prepare_failed}, 5, [ready(DRA.pod, True)])
-    scenarios.append(("DRA prepare error", timeline, {"HyperlightDRAPrepareErrors": [
-        expected(DRA, operation="prepare", result="error")]}))
+    scenarios.append(
+        (
+            "DRA prepare error",
+            timeline,
+            {"HyperlightDRAPrepareErrors": [expected(DRA, operation="prepare", result="error")]},
+        )
+    )
 
     # The DRA driver's device fails: unusable, and the driver not ready.
     timeline = Timeline()
     timeline.add(healthy, 10, [ready(DRA.pod, True)])
     timeline.add({**healthy, DRA: r.dra_unready}, 20, [ready(DRA.pod, False)])
-    scenarios.append(("DRA driver unready", timeline, {
-        "HyperlightDeviceUnusable": [expected(DRA)],
-        "HyperlightDRADriverNotReady": [{"namespace": NAMESPACE, "pod": DRA.pod, "condition": "true", "uid": "u-1",
-                                         "job": "kube-state-metrics", "severity": "warning"}]}))
+    scenarios.append(
+        (
+            "DRA driver unready",
+            timeline,
+            {
+                "HyperlightDeviceUnusable": [expected(DRA)],
+                "HyperlightDRADriverNotReady": [
+                    {
+                        "namespace": NAMESPACE,
+                        "pod": DRA.pod,
+                        "condition": "true",
+                        "uid": "u-1",
+                        "job": "kube-state-metrics",
+                        "severity": "warning",
+                    }
+                ],
+            },
+        )
+    )
 
     groups = rule_groups("both")
     # promtool compares annotations too; their templates are checked by `promtool check rules`.
@@ -341,12 +376,24 @@ def test_the_alerts_fire_for_faults_recorded_from_real_agents(tmp_path: Any, rec
     tests = []
     for name, timeline, fires in scenarios:
         assert set(fires) <= set(names), name
-        tests.append({"name": name, "interval": "1m", "input_series": timeline.input_series(),
-                      "alert_rule_test": [{"eval_time": f"{len(timeline.minutes) - 1}m", "alertname": alert,
-                                           "exp_alerts": [{"exp_labels": labels} for labels in fires.get(alert, [])]}
-                                          for alert in names]})
-    (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "evaluation_interval": "1m",
-                                                         "tests": tests}))
+        tests.append(
+            {
+                "name": name,
+                "interval": "1m",
+                "input_series": timeline.input_series(),
+                "alert_rule_test": [
+                    {
+                        "eval_time": f"{len(timeline.minutes) - 1}m",
+                        "alertname": alert,
+                        "exp_alerts": [{"exp_labels": labels} for labels in fires.get(alert, [])],
+                    }
+                    for alert in names
+                ],
+            }
+        )
+    (tmp_path / "tests.yaml").write_text(
+        yaml.safe_dump({"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": tests})
+    )
     result = promtool("test", "rules", "tests.yaml", cwd=str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout, result.stdout

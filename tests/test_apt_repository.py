@@ -54,8 +54,11 @@ def test_readme_commands_add_the_signed_source_and_install(published: Published,
     done = operator_install(root, site.url)
     assert done.returncode == 0, done.stdout + done.stderr
     sources = nspawn.pipe(root, "cat", "/etc/apt/sources.list.d/hyperlight-agent.list").stdout
-    assert re.fullmatch(rf"deb \[signed-by=/etc/apt/keyrings/hyperlight-agent\.asc\] {re.escape(site.url)}/apt "
-                        r"bookworm main\n", sources), sources
+    assert re.fullmatch(
+        rf"deb \[signed-by=/etc/apt/keyrings/hyperlight-agent\.asc\] {re.escape(site.url)}/apt "
+        r"bookworm main\n",
+        sources,
+    ), sources
     version = nspawn.pipe(root, "dpkg-query", "-W", "-f=${Version}", "hyperlight-agent").stdout
     assert version == CURRENT
     policy = nspawn.pipe(root, "apt-cache", "policy", "hyperlight-agent").stdout
@@ -79,8 +82,10 @@ def test_a_tampered_release_is_refused(release_current: str, tmp: str) -> None:
         root = fresh_root(tmp)
         done = operator_install(root, served.url)
         assert done.returncode != 0, done.stdout
-        assert "The following signatures were invalid" in done.stdout + done.stderr or \
-            "BADSIG" in done.stdout + done.stderr, done.stdout + done.stderr
+        assert (
+            "The following signatures were invalid" in done.stdout + done.stderr
+            or "BADSIG" in done.stdout + done.stderr
+        ), done.stdout + done.stderr
         assert nspawn.pipe(root, "dpkg-query", "-W", "hyperlight-agent").returncode != 0, "installed anyway"
         candidate = nspawn.pipe(root, "apt-cache", "policy", "hyperlight-agent").stdout
         assert "Candidate" not in candidate or "Candidate: (none)" in candidate, candidate
@@ -97,14 +102,22 @@ def test_apt_get_upgrade_takes_a_running_host_from_n_minus_1_to_n(published: Pub
     os.makedirs(os.path.join(tmp, "kubelet"))
     kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
     binds = [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins"]
-    with StandinThread(os.path.join(tmp, "kubelet")) as kubelet, \
-            nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest:
+    with (
+        StandinThread(os.path.join(tmp, "kubelet")) as kubelet,
+        nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest,
+    ):
         kubelet.wait_until(lambda k: k.allocatable() == 2000, 60, "release N-1 registered")
         assert guest.run("hyperlight-agent", "--version").stdout.strip() == f"hyperlight-agent {PREVIOUS}"
 
         published.serve(CURRENT)
-        upgrade = guest.run("sh", "-c", "DEBIAN_FRONTEND=noninteractive apt-get update -q && "
-                            "DEBIAN_FRONTEND=noninteractive apt-get upgrade -y -q </dev/null", check=False, timeout=600)
+        upgrade = guest.run(
+            "sh",
+            "-c",
+            "DEBIAN_FRONTEND=noninteractive apt-get update -q && "
+            "DEBIAN_FRONTEND=noninteractive apt-get upgrade -y -q </dev/null",
+            check=False,
+            timeout=600,
+        )
         assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
         assert "hyperlight-agent" in upgrade.stdout
         wait_for(lambda: guest.is_active(UNIT) == "active", 60, "the unit active after the upgrade")

@@ -29,7 +29,8 @@ def plant_during_write(monkeypatch: pytest.MonkeyPatch, plant: Callable[[], None
 
 @pytest.mark.parametrize("obstruction", ["symlink", "directory", "regular file"])
 def test_creating_a_missing_spec_never_replaces_what_appeared_meanwhile(
-        tmp: str, monkeypatch: pytest.MonkeyPatch, obstruction: str) -> None:
+    tmp: str, monkeypatch: pytest.MonkeyPatch, obstruction: str
+) -> None:
     path = cdi.spec_path(tmp)
     target = os.path.join(tmp, "sentinel.json")
     with open(target, "wb") as sentinel:
@@ -57,7 +58,8 @@ def test_creating_a_missing_spec_never_replaces_what_appeared_meanwhile(
 
 @pytest.mark.parametrize("obstruction", ["symlink", "directory"])
 def test_replacing_a_drifted_spec_never_replaces_an_obstruction_planted_meanwhile(
-        tmp: str, monkeypatch: pytest.MonkeyPatch, obstruction: str) -> None:
+    tmp: str, monkeypatch: pytest.MonkeyPatch, obstruction: str
+) -> None:
     path = cdi.spec_path(tmp)
     with open(path, "wb") as f:
         f.write(b"{stale")
@@ -80,7 +82,8 @@ def test_replacing_a_drifted_spec_never_replaces_an_obstruction_planted_meanwhil
 
 
 def test_a_drifted_spec_replaced_by_another_regular_file_meanwhile_is_left_alone(
-        tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = cdi.spec_path(tmp)
     with open(path, "wb") as f:
         f.write(b"{stale")

@@ -32,8 +32,7 @@ def test_spec_content() -> None:
     (device,) = s["devices"]
     assert device["name"] == "kvm"
     (node,) = device["containerEdits"]["deviceNodes"]
-    assert node == {"path": "/dev/kvm", "type": "c", "permissions": "rw", "fileMode": 0o660,
-                    "uid": 65534, "gid": 65534}
+    assert node == {"path": "/dev/kvm", "type": "c", "permissions": "rw", "fileMode": 0o660, "uid": 65534, "gid": 65534}
     assert device["containerEdits"]["env"] == ["HYPERLIGHT_HYPERVISOR=kvm", "HYPERLIGHT_DEVICE_PATH=/dev/kvm"]
     assert set(device["containerEdits"]) == {"env", "deviceNodes"}
 
@@ -49,7 +48,8 @@ def test_devices_the_spec_lists_are_kept_and_nothing_else() -> None:
     both = cdi.Spec("kvm", "/dev/kvm", 65534, 65534, others=(("kvm", "/dev/kvm"), ("mshv", "/dev/mshv")))
     assert both.wanted(None) == WANTED
     assert both.wanted(cdi.render("mshv", "/dev/mshv", 1, 1)) == cdi.render(
-        "kvm", "/dev/kvm", 65534, 65534, kept=[("mshv", "/dev/mshv")])
+        "kvm", "/dev/kvm", 65534, 65534, kept=[("mshv", "/dev/mshv")]
+    )
     # A name no row of ours has is never carried over, nor is a name from a file too big to be ours.
     assert both.wanted(cdi.render("gpu", "/dev/gpu", 1, 1)) == WANTED
     huge = cdi.render("mshv", "/dev/mshv", 1, 1)[:-2] + b" " * cdi.MAX_SPEC_BYTES + b"}\n"
@@ -96,13 +96,12 @@ DRIFT = {
     "wrong gid": _edit(lambda s: s["devices"][0]["containerEdits"]["deviceNodes"][0].update(gid=0)),
     "wrong mode": _edit(lambda s: s["devices"][0]["containerEdits"]["deviceNodes"][0].update(fileMode=0o666)),
     "no mode": _edit(lambda s: s["devices"][0]["containerEdits"]["deviceNodes"][0].pop("fileMode")),
-    "wrong permissions": _edit(
-        lambda s: s["devices"][0]["containerEdits"]["deviceNodes"][0].update(permissions="rwm")),
+    "wrong permissions": _edit(lambda s: s["devices"][0]["containerEdits"]["deviceNodes"][0].update(permissions="rwm")),
     "wrong env": _edit(lambda s: s["devices"][0]["containerEdits"].update(env=["HYPERLIGHT_HYPERVISOR=mshv"])),
-    "extra edits": _edit(lambda s: s["devices"][0]["containerEdits"].update(
-        mounts=[{"hostPath": "/", "containerPath": "/host"}])),
-    "extra device": _edit(lambda s: s["devices"].append(
-        {"name": "extra", "containerEdits": {"env": ["A=b"]}})),
+    "extra edits": _edit(
+        lambda s: s["devices"][0]["containerEdits"].update(mounts=[{"hostPath": "/", "containerPath": "/host"}])
+    ),
+    "extra device": _edit(lambda s: s["devices"].append({"name": "extra", "containerEdits": {"env": ["A=b"]}})),
 }
 
 
@@ -244,11 +243,15 @@ except cdi.CdiError as exc:
 
 def run_read_only(cdi_dir: str) -> subprocess.CompletedProcess[str]:
     """Reconcile inside a private mount namespace where cdi_dir is a read-only bind mount."""
-    shell = (f'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && '
-             f'exec "{sys.executable}" -c "$2" "$1"')
-    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", shell, "sh",
-                           cdi_dir, RO_SCRIPT], capture_output=True, text=True, timeout=60,
-                          check=False, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    shell = f'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && exec "{sys.executable}" -c "$2" "$1"'
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell, "sh", cdi_dir, RO_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
 
 
 @pytest.mark.root

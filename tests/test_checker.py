@@ -26,8 +26,14 @@ from tests.fakes import FakeHelper, device_dir, files_as_devices
 
 
 def target(tmp: str, device_dir: str, **kw: object) -> CheckTarget:
-    return CheckTarget(device_dir=device_dir, host_device_dir=None,
-                       cdi_dir=os.path.join(tmp, "cdi"), uid=65534, gid=65534, **kw)  # type: ignore[arg-type]
+    return CheckTarget(
+        device_dir=device_dir,
+        host_device_dir=None,
+        cdi_dir=os.path.join(tmp, "cdi"),
+        uid=65534,
+        gid=65534,
+        **kw,  # type: ignore[arg-type]
+    )
 
 
 async def test_initial_state_is_unhealthy_until_a_check_completes() -> None:
@@ -80,12 +86,18 @@ async def test_check_after_arrival_never_a_cached_result(tmp: str, kvm_dir: str)
 async def test_caller_that_gives_up_does_not_change_shared_health(tmp: str, kvm_dir: str) -> None:
     marker = os.path.join(tmp, "slow")
     open(marker, "w").close()
-    slow = [sys.executable, "-I", "-S", "-c",
-            "import os, sys, time, json\n"
-            "print(json.dumps({'ready': True}), flush=True)\n"
-            "for line in sys.stdin:\n"
-            "    while os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
-            "    print(json.dumps({'ok': True, 'reason': ''}), flush=True)\n", marker]
+    slow = [
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        "import os, sys, time, json\n"
+        "print(json.dumps({'ready': True}), flush=True)\n"
+        "for line in sys.stdin:\n"
+        "    while os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+        "    print(json.dumps({'ok': True, 'reason': ''}), flush=True)\n",
+        marker,
+    ]
 
     state = SharedObservation()
     helper = ProbeHelper(argv=slow, deadline=5)
@@ -219,8 +231,9 @@ async def test_a_failed_spec_write_is_retried_promptly_without_any_event(tmp: st
 
     helper = ProbeHelper()
     state = SharedObservation()
-    t = CheckTarget(device_dir=kvm_dir, host_device_dir=None, cdi_dir=os.path.join(blocker, "cdi"),
-                    uid=65534, gid=65534)
+    t = CheckTarget(
+        device_dir=kvm_dir, host_device_dir=None, cdi_dir=os.path.join(blocker, "cdi"), uid=65534, gid=65534
+    )
     checker = Checker(t, helper, state)
     first = await checker.check()
     assert not first.healthy and first.cause == "cdi" and "Not a directory" in first.reason
@@ -231,8 +244,9 @@ async def test_a_failed_spec_write_is_retried_promptly_without_any_event(tmp: st
     await helper.close()
 
 
-async def test_running_out_of_descriptors_is_no_device_failure(tmp: str, kvm_dir: str,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_running_out_of_descriptors_is_no_device_failure(
+    tmp: str, kvm_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """EMFILE while checking (idle connections ate the descriptors) is not the device's fault: the
     last result stands and the check is repeated (issue 19, item 1)."""
 
@@ -267,8 +281,12 @@ def make(tmp: str, helper: FakeHelper, *nodes: str, **kw: Any) -> tuple[Checker,
     results: list[Any] = []
     state = SharedObservation()
     target = CheckTarget(device_dir(tmp, *nodes), None, os.path.join(tmp, "cdi"), 65534, 65534, **kw)
-    checker = Checker(target, helper, state,  # type: ignore[arg-type]
-                      on_result=lambda o, s, repaired: results.append((o, repaired)))
+    checker = Checker(
+        target,
+        helper,  # type: ignore[arg-type]
+        state,
+        on_result=lambda o, s, repaired: results.append((o, repaired)),
+    )
     return checker, state, results
 
 
@@ -346,8 +364,9 @@ async def test_a_recovered_device_is_healthy_again(tmp: str) -> None:
     assert state.version == 2
 
 
-def gated(tmp: str, answers: Optional[dict[str, Any]] = None
-          ) -> tuple[FakeHelper, asyncio.Event, Checker, SharedObservation]:
+def gated(
+    tmp: str, answers: Optional[dict[str, Any]] = None
+) -> tuple[FakeHelper, asyncio.Event, Checker, SharedObservation]:
     """A checker on kvm whose probes wait for the gate."""
     helper = FakeHelper(answers)
     helper.gate = gate = asyncio.Event()
@@ -409,7 +428,8 @@ async def test_close_cancels_the_running_check_and_refuses_new_ones(tmp: str) ->
 
 @pytest.mark.usefixtures("files_are_devices")
 async def test_a_helper_fault_is_checked_again_promptly_once_per_streak(
-        tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(checker_module, "HELPER_RECHECK_S", 0.01)
 
     helper = FakeHelper({"kvm": ProbeResult(False, "probe helper exited unexpectedly", helper_fault=True)})
@@ -425,15 +445,17 @@ async def test_a_helper_fault_is_checked_again_promptly_once_per_streak(
 
 @pytest.mark.usefixtures("files_are_devices")
 async def test_out_of_descriptors_keeps_the_last_result_and_looks_again(
-        tmp: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(checker_module, "EXHAUSTED_RETRY_S", 0.01)
     caplog.set_level(logging.INFO, "hyperlight_agent")
 
     helper = FakeHelper()
     checker, state, _ = make(tmp, helper, "kvm")
     assert (await checker.check()).healthy
-    helper.answers["kvm"] = ProbeResult(False, "cannot run the probe helper: Too many open files",
-                                        helper_fault=True, exhausted=True)
+    helper.answers["kvm"] = ProbeResult(
+        False, "cannot run the probe helper: Too many open files", helper_fault=True, exhausted=True
+    )
     assert (await checker.check()).healthy, "inconclusive: the last result stands"
     assert state.version == 1
     done = checker.completed
@@ -447,7 +469,8 @@ async def test_out_of_descriptors_keeps_the_last_result_and_looks_again(
 
 @pytest.mark.usefixtures("files_are_devices")
 async def test_a_failed_spec_write_is_unhealthy_and_retried_with_growing_delays(
-        tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(checker_module, "CDI_RETRY_INITIAL_S", 0.01)
     monkeypatch.setattr(checker_module, "CDI_RETRY_CAP_S", 0.02)
     real_write = atomic.write
@@ -472,7 +495,8 @@ async def test_a_failed_spec_write_is_unhealthy_and_retried_with_growing_delays(
 
 @pytest.mark.usefixtures("files_are_devices")
 async def test_a_refused_spec_path_is_unhealthy_and_not_retried_on_a_timer(
-        tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(checker_module, "CDI_RETRY_INITIAL_S", 0.01)
 
     checker, _, _ = make(tmp, FakeHelper(), "kvm")
@@ -484,8 +508,9 @@ async def test_a_refused_spec_path_is_unhealthy_and_not_retried_on_a_timer(
 
 @pytest.mark.usefixtures("files_are_devices")
 @pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE])
-async def test_a_spec_read_out_of_descriptors_is_inconclusive(tmp: str, monkeypatch: pytest.MonkeyPatch,
-                                                         code: int) -> None:
+async def test_a_spec_read_out_of_descriptors_is_inconclusive(
+    tmp: str, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
     def read_regular(path: str, limit: int) -> Optional[atomic.Current]:
         raise OSError(code, os.strerror(code))
 

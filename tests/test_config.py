@@ -58,8 +58,9 @@ def test_missing_default_file_is_fine() -> None:
 
 @pytest.mark.parametrize("variable", ["DEVICE_COUNT", "DEVICE_UID", "DEVICE_GID"])
 @pytest.mark.parametrize("value", ["abc", "-1", "4294967296", "1.5"])
-def test_invalid_original_env_keeps_default_with_warning(variable: str, value: str,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_invalid_original_env_keeps_default_with_warning(
+    variable: str, value: str, caplog: pytest.LogCaptureFixture
+) -> None:
     s = load([], {variable: value})
     key = variable.lower()
     assert getattr(s, key) == config.BY_KEY[key].default
@@ -71,42 +72,51 @@ def test_uid_gid_are_unsigned_32_bit() -> None:
     assert (s.device_uid, s.device_gid) == (2**32 - 1, 0)
 
 
-@pytest.mark.parametrize(("argv", "env", "toml", "expected"), [
-    (["--device-count", "0"], {}, "", "--device-count = '0'"),
-    (["--device-count", "-5"], {}, "", "--device-count = '-5'"),
-    (["--device-count", "100001"], {}, "", "--device-count = '100001'"),
-    (["--device-uid", "x"], {}, "", "--device-uid = 'x'"),
-    (["--allocation", "magic"], {}, "", "--allocation = 'magic'"),
-    (["--check-interval", "0"], {}, "", "--check-interval = '0'"),
-    (["--cdi-dir", "relative/dir"], {}, "", "--cdi-dir = 'relative/dir'"),
-    (["--no-such-flag"], {}, "", "--no-such-flag"),
-    ([], {"HYPERLIGHT_ALLOCATION": "nope"}, "", "HYPERLIGHT_ALLOCATION='nope'"),
-    ([], {"HYPERLIGHT_CHECK_INTERVAL": "soon"}, "", "HYPERLIGHT_CHECK_INTERVAL='soon'"),
-    ([], {"HYPERLIGHT_KUBELET_DIR": "kubelet"}, "", "HYPERLIGHT_KUBELET_DIR='kubelet'"),
-    ([], {}, "device_count = 0\n", "device_count in"),
-    ([], {}, 'device_count = "5"\n', "device_count in"),
-    ([], {}, "device_count = true\n", "device_count in"),
-    ([], {}, "check_interval_seconds = \"30\"\n", "check_interval_seconds in"),
-    ([], {}, "device_cont = 5\n", "unknown setting 'device_cont'"),
-    ([], {}, "device_count = \n", "invalid TOML"),
-    # Caught before anything starts (they used to fail after startup, or with a traceback):
-    (["--metrics-address", "not a host:9464"], {}, "", "--metrics-address = 'not a host:9464'"),
-    (["--metrics-address", "127.0.0.1:99999"], {}, "", "--metrics-address = '127.0.0.1:99999'"),
-    (["--kubelet-dir", "/" + "k" * 90], {}, "", "kubelet_dir = '/kkk"),
-    ([], {"WATCHDOG_USEC": "3\u00b2"}, "", "WATCHDOG_USEC='3\u00b2'"),
-    ([], {"HYPERLIGHT_CHECK_INTERVAL": "\u0661\u0660"}, "", "HYPERLIGHT_CHECK_INTERVAL="),
-    (["--device-count", "\u0663"], {}, "", "--device-count = '\u0663'"),
-    ([], {}, "device_count = " + "1" * 5000 + "\n", "invalid TOML"),
-    ([], {}, "a = " + "[" * 5000 + "]" * 5000 + "\n", "invalid TOML: nested too deeply"),
-    (["--device-uid", "1" * 5000], {}, "", "characters): must be"),
-])
-def test_bad_input_exits_2_with_one_line(tmp: str, argv: list[str], env: dict[str, str],
-                                         toml: str, expected: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "env", "toml", "expected"),
+    [
+        (["--device-count", "0"], {}, "", "--device-count = '0'"),
+        (["--device-count", "-5"], {}, "", "--device-count = '-5'"),
+        (["--device-count", "100001"], {}, "", "--device-count = '100001'"),
+        (["--device-uid", "x"], {}, "", "--device-uid = 'x'"),
+        (["--allocation", "magic"], {}, "", "--allocation = 'magic'"),
+        (["--check-interval", "0"], {}, "", "--check-interval = '0'"),
+        (["--cdi-dir", "relative/dir"], {}, "", "--cdi-dir = 'relative/dir'"),
+        (["--no-such-flag"], {}, "", "--no-such-flag"),
+        ([], {"HYPERLIGHT_ALLOCATION": "nope"}, "", "HYPERLIGHT_ALLOCATION='nope'"),
+        ([], {"HYPERLIGHT_CHECK_INTERVAL": "soon"}, "", "HYPERLIGHT_CHECK_INTERVAL='soon'"),
+        ([], {"HYPERLIGHT_KUBELET_DIR": "kubelet"}, "", "HYPERLIGHT_KUBELET_DIR='kubelet'"),
+        ([], {}, "device_count = 0\n", "device_count in"),
+        ([], {}, 'device_count = "5"\n', "device_count in"),
+        ([], {}, "device_count = true\n", "device_count in"),
+        ([], {}, 'check_interval_seconds = "30"\n', "check_interval_seconds in"),
+        ([], {}, "device_cont = 5\n", "unknown setting 'device_cont'"),
+        ([], {}, "device_count = \n", "invalid TOML"),
+        # Caught before anything starts (they used to fail after startup, or with a traceback):
+        (["--metrics-address", "not a host:9464"], {}, "", "--metrics-address = 'not a host:9464'"),
+        (["--metrics-address", "127.0.0.1:99999"], {}, "", "--metrics-address = '127.0.0.1:99999'"),
+        (["--kubelet-dir", "/" + "k" * 90], {}, "", "kubelet_dir = '/kkk"),
+        ([], {"WATCHDOG_USEC": "3\u00b2"}, "", "WATCHDOG_USEC='3\u00b2'"),
+        ([], {"HYPERLIGHT_CHECK_INTERVAL": "\u0661\u0660"}, "", "HYPERLIGHT_CHECK_INTERVAL="),
+        (["--device-count", "\u0663"], {}, "", "--device-count = '\u0663'"),
+        ([], {}, "device_count = " + "1" * 5000 + "\n", "invalid TOML"),
+        ([], {}, "a = " + "[" * 5000 + "]" * 5000 + "\n", "invalid TOML: nested too deeply"),
+        (["--device-uid", "1" * 5000], {}, "", "characters): must be"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(
+    tmp: str, argv: list[str], env: dict[str, str], toml: str, expected: str
+) -> None:
     cdi_dir = os.path.join(tmp, "cdi")
     full_env = {**os.environ, **env, "HYPERLIGHT_CDI_DIR": cdi_dir}
     result = subprocess.run(
         [sys.executable, "-m", "hyperlight_agent", "--config", write(tmp, toml), *argv],
-        env=full_env, capture_output=True, text=True, timeout=30, check=False)
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -118,7 +128,11 @@ def test_bad_input_exits_2_with_one_line(tmp: str, argv: list[str], env: dict[st
 def test_explicit_missing_config_file_exits_2(tmp: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "hyperlight_agent", "--config", os.path.join(tmp, "nope.toml")],
-        capture_output=True, text=True, timeout=30, check=False)
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert result.returncode == 2
     assert "nope.toml: does not exist" in result.stderr
 
@@ -126,8 +140,13 @@ def test_explicit_missing_config_file_exits_2(tmp: str) -> None:
 def test_unreadable_config_file_exits_2(tmp: str) -> None:
     path = os.path.join(tmp, "dir.toml")
     os.mkdir(path)  # reading a directory fails even as root
-    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", path],
-                            capture_output=True, text=True, timeout=30, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperlight_agent", "--config", path],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("hyperlight-agent: error: config file ") and "dir.toml: not a regular file" in line
@@ -137,21 +156,29 @@ def test_config_file_that_is_not_utf8_exits_2(tmp: str) -> None:
     path = os.path.join(tmp, "latin1.toml")
     with open(path, "wb") as f:
         f.write(b"# caf\xe9\ndevice_count = 3\n")
-    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", path],
-                            capture_output=True, text=True, timeout=30, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperlight_agent", "--config", path],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1
     assert "latin1.toml: invalid TOML" in result.stderr
 
 
-@pytest.mark.parametrize(("argv", "toml", "expected"), [
-    # Found by tests/test_fuzz.py: a float() overflow escaped as a traceback...
-    ([], "check_interval_seconds = 1" + "0" * 400 + "\n", "check_interval_seconds in"),
-    # ...and arguments, the config file's own path and kubelet_dir were echoed raw and whole.
-    (["x\x1ey" * 1000], "", "unrecognized arguments: x\\x1ey"),
-    (["--kubelet-dir", "/" + "k" * 4000], "", "kubelet_dir = '/kkk"),
-    (["--config", "PATH\nwith a newline" + "n" * 4000], "", "\\nwith a newline"),
-])
+@pytest.mark.parametrize(
+    ("argv", "toml", "expected"),
+    [
+        # Found by tests/test_fuzz.py: a float() overflow escaped as a traceback...
+        ([], "check_interval_seconds = 1" + "0" * 400 + "\n", "check_interval_seconds in"),
+        # ...and arguments, the config file's own path and kubelet_dir were echoed raw and whole.
+        (["x\x1ey" * 1000], "", "unrecognized arguments: x\\x1ey"),
+        (["--kubelet-dir", "/" + "k" * 4000], "", "kubelet_dir = '/kkk"),
+        (["--config", "PATH\nwith a newline" + "n" * 4000], "", "\\nwith a newline"),
+    ],
+)
 def test_every_error_is_one_bounded_line(tmp: str, argv: list[str], toml: str, expected: str) -> None:
     path = write(tmp, toml)
     argv = [a.replace("PATH", path) for a in argv]
@@ -174,25 +201,44 @@ def test_a_dra_directory_too_long_for_our_sockets_is_refused_by_name(key: str) -
     flag = "--" + key.replace("_", "-")
     settings = load(["--config", "/dev/null", flag, longest, "--instance", "x" * 20], {})
     # At the limit the registrar still finds names that fit, private names included.
-    registrar = registration.Registrar(object(), contracts.DRA_DRIVER, settings.instance or "",
-                                       settings.dra_registry_dir, settings.dra_plugins_dir)
+    registrar = registration.Registrar(
+        object(), contracts.DRA_DRIVER, settings.instance or "", settings.dra_registry_dir, settings.dra_plugins_dir
+    )
     for path in (registrar.registration_socket, registrar.service_socket):
         private = os.path.join(os.path.dirname(path), f"{names.PRIVATE_PREFIX}{contracts.PID_MAX}.{'0' * 8}")
         assert len(os.fsencode(path)) <= contracts.UNIX_PATH_MAX and len(private) <= contracts.UNIX_PATH_MAX
     with pytest.raises(config.ConfigError, match=f"^{key} = '/ddd.*: socket paths in it would be at least 108 bytes"):
         load(["--config", "/dev/null", flag, longest + "d"], {})
-    done = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--dra", flag,
-                           longest + "d", "--health-check", "readiness"], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hyperlight_agent",
+            "--config",
+            "/dev/null",
+            "--dra",
+            flag,
+            longest + "d",
+            "--health-check",
+            "readiness",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 2 and done.stderr.startswith(f"hyperlight-agent: error: {key} = "), done.stderr
     assert "Traceback" not in done.stderr
 
 
 def test_a_bad_legacy_variable_is_ignored_in_one_line_saying_what_is_used_and_what_will_change(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """The original plugin's variables keep their leniency, said in one line (issue 31: 7)."""
     caplog.set_level(logging.WARNING, "hyperlight_agent")
     settings = load([], {"DEVICE_COUNT": "lots"})
     assert settings.device_count == 2000
     (line,) = [r.getMessage() for r in caplog.records]
-    assert line == ("ignoring DEVICE_COUNT='lots' (must be an integer from 1 to 100000); using the default 2000 "
-                    "instead; a later release will refuse it and not start")
+    assert line == (
+        "ignoring DEVICE_COUNT='lots' (must be an integer from 1 to 100000); using the default 2000 "
+        "instead; a later release will refuse it and not start"
+    )

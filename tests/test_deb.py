@@ -52,19 +52,29 @@ def guest(tmp: str, deb: str) -> Iterator[nspawn.Guest]:
         yield g
 
 
-
 def install(guest: nspawn.Guest) -> None:
     # --private-network: nothing can be downloaded; everything must come from the package.
-    result = guest.run("env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-q",
-                       "/root/agent.deb", check=False, timeout=300)
+    result = guest.run(
+        "env",
+        "DEBIAN_FRONTEND=noninteractive",
+        "apt-get",
+        "install",
+        "-y",
+        "-q",
+        "/root/agent.deb",
+        check=False,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.root
 def test_install_run_reload_remove_purge(guest: nspawn.Guest, tmp: str) -> None:
     # Installed before boot (fixture): enabled, so the boot started it.
-    assert guest.run("dpkg-query", "-W", "-f=${Status}", "procps", "python3-systemd").stdout.count(
-        "install ok installed") == 2
+    assert (
+        guest.run("dpkg-query", "-W", "-f=${Status}", "procps", "python3-systemd").stdout.count("install ok installed")
+        == 2
+    )
     assert guest.run("systemctl", "is-enabled", UNIT).stdout.strip() == "enabled"
     wait_for(lambda: "waiting for kubelet at" in guest.status(UNIT), 30, "the waiting STATUS")
     assert guest.is_active(UNIT) == "activating"
@@ -89,8 +99,14 @@ def test_install_run_reload_remove_purge(guest: nspawn.Guest, tmp: str) -> None:
         conffiles = {"/etc/hyperlight-agent/agent.toml"}
         guest.run("env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "remove", "-y", "-q", "hyperlight-agent")
         # Files and file symlinks only: directories such as /lib (a symlink under usrmerge) are shared.
-        left = guest.run("sh", "-c", 'for f in "$@"; do [ -d "$f" ] || { [ -e "$f" ] || [ -L "$f" ]; } && '
-                         '[ ! -d "$f" ] && echo "$f"; done; true', "sh", *owned).stdout.split()
+        left = guest.run(
+            "sh",
+            "-c",
+            'for f in "$@"; do [ -d "$f" ] || { [ -e "$f" ] || [ -L "$f" ]; } && '
+            '[ ! -d "$f" ] && echo "$f"; done; true',
+            "sh",
+            *owned,
+        ).stdout.split()
         assert set(left) <= conffiles, f"files left behind: {sorted(set(left) - conffiles)[:5]}"
         assert guest.is_active(UNIT) in ("inactive", "unknown")
         assert our_sockets(tmp) == []
@@ -122,26 +138,29 @@ def deb_next(deb: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     work = str(tmp_path_factory.mktemp("next"))
     tree = os.path.join(work, "tree")
     subprocess.run(["dpkg-deb", "-R", deb, tree], check=True, timeout=120)
-    current = subprocess.run(["dpkg-deb", "-f", deb, "Version"], capture_output=True, text=True, check=True,
-                             timeout=30).stdout.strip()
+    current = subprocess.run(
+        ["dpkg-deb", "-f", deb, "Version"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout.strip()
     module = "usr/lib/hyperlight-agent/hyperlight_agent/__init__.py"
-    for name, old, new in (("DEBIAN/control", f"Version: {current}\n", f"Version: {NEXT_VERSION}\n"),
-                           (module, f'__version__ = "{current}"', f'__version__ = "{NEXT_VERSION}"')):
+    for name, old, new in (
+        ("DEBIAN/control", f"Version: {current}\n", f"Version: {NEXT_VERSION}\n"),
+        (module, f'__version__ = "{current}"', f'__version__ = "{NEXT_VERSION}"'),
+    ):
         path = os.path.join(tree, name)
         with open(path) as f:
             text = f.read()
         assert old in text, (name, old)
         with open(path, "w") as f:
             f.write(text.replace(old, new))
-    digest = subprocess.run(["md5sum", module], cwd=tree, capture_output=True, text=True, check=True,
-                            timeout=30).stdout
+    digest = subprocess.run(["md5sum", module], cwd=tree, capture_output=True, text=True, check=True, timeout=30).stdout
     with open(os.path.join(tree, "DEBIAN", "md5sums")) as f:
         sums = [line for line in f.read().splitlines() if not line.endswith(f"  {module}")]
     with open(os.path.join(tree, "DEBIAN", "md5sums"), "w") as f:
         f.write("\n".join([*sums, digest.strip()]) + "\n")
     path = os.path.join(work, f"hyperlight-agent_{NEXT_VERSION}_amd64.deb")
-    subprocess.run(["dpkg-deb", "--root-owner-group", "-b", tree, path], check=True, timeout=300,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        ["dpkg-deb", "--root-owner-group", "-b", tree, path], check=True, timeout=300, stdout=subprocess.DEVNULL
+    )
     return path
 
 
@@ -153,8 +172,12 @@ def bare_guest(tmp: str, deb: str, deb_next: str) -> Iterator[nspawn.Guest]:
     subprocess.run(["cp", "-a", "--reflink=auto", nspawn.rootfs(), root], check=True, timeout=300)
     os.makedirs(os.path.join(tmp, "kubelet"))
     kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
-    binds = [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins",
-             f"{deb}:/root/agent-n.deb", f"{deb_next}:/root/agent-n1.deb"]
+    binds = [
+        f"{kvm}:/dev/kvm",
+        f"{tmp}/kubelet:/var/lib/kubelet/device-plugins",
+        f"{deb}:/root/agent-n.deb",
+        f"{deb_next}:/root/agent-n1.deb",
+    ]
     with nspawn.Guest(root, binds, ephemeral=False) as g:
         yield g
 
@@ -162,14 +185,16 @@ def bare_guest(tmp: str, deb: str, deb_next: str) -> Iterator[nspawn.Guest]:
 # What the guest's root holds, as paths: the persistent tree and /run (a tmpfs of its own).
 # /proc, /sys, /dev and /tmp are other file systems (-xdev), and the kubelet directory is the
 # host's, bind-mounted: the test checks the socket there from the host.
-LISTING = ("find / /run -xdev -path /var/lib/kubelet/device-plugins -prune -o -print | sort -u")
+LISTING = "find / /run -xdev -path /var/lib/kubelet/device-plugins -prune -o -print | sort -u"
 # Paths that changed between the two listings here, none of them ours (the test prints them).
 NOT_OURS = (
-    "/var/log/apt/", "/var/log/journal/", "/run/log/",  # apt's history and the journal: logs, not state
-    "/var/cache/apt/",                # apt's package caches
-    "/var/cache/man/",                # man-db's index (its trigger ran when our man page came and went)
-    "/var/lib/apt/",                  # apt's extended_states (auto-installed marks) and list bookkeeping
-    "/run/agetty.reload",             # agetty's reload flag, touched by the console getty
+    "/var/log/apt/",
+    "/var/log/journal/",
+    "/run/log/",  # apt's history and the journal: logs, not state
+    "/var/cache/apt/",  # apt's package caches
+    "/var/cache/man/",  # man-db's index (its trigger ran when our man page came and went)
+    "/var/lib/apt/",  # apt's extended_states (auto-installed marks) and list bookkeeping
+    "/run/agetty.reload",  # agetty's reload flag, touched by the console getty
 )
 # Documented to stay after purge (README, "On hosts"): /run/cdi, which several CDI producers
 # share (created by our tmpfiles entry if missing), and the CDI spec the agent kept on shutdown.
@@ -182,8 +207,11 @@ def listing(guest: nspawn.Guest) -> set[str]:
 
 def our_sockets(tmp: str) -> list[str]:
     """The agent's sockets in the kubelet directory (hyperlight.sock, or an in-place upgrade's)."""
-    return sorted(n for n in os.listdir(os.path.join(tmp, "kubelet"))
-                  if contracts.is_instance_socket_name(n, contracts.PLUGIN_SOCKET))
+    return sorted(
+        n
+        for n in os.listdir(os.path.join(tmp, "kubelet"))
+        if contracts.is_instance_socket_name(n, contracts.PLUGIN_SOCKET)
+    )
 
 
 def agent_starts(guest: nspawn.Guest) -> list[str]:
@@ -194,8 +222,15 @@ def agent_starts(guest: nspawn.Guest) -> list[str]:
 
 def apt_get(guest: nspawn.Guest, *args: str) -> subprocess.CompletedProcess[str]:
     # stdin is /dev/null: a conffile prompt would fail the command instead of waiting for an answer.
-    return guest.run("sh", "-c", 'DEBIAN_FRONTEND=noninteractive apt-get -y -q "$@" </dev/null', "sh", *args,
-                     check=False, timeout=300)
+    return guest.run(
+        "sh",
+        "-c",
+        'DEBIAN_FRONTEND=noninteractive apt-get -y -q "$@" </dev/null',
+        "sh",
+        *args,
+        check=False,
+        timeout=300,
+    )
 
 
 def lib_listing(guest: nspawn.Guest) -> str:
@@ -205,7 +240,8 @@ def lib_listing(guest: nspawn.Guest) -> str:
 
 @pytest.mark.root
 def test_upgrade_keeps_the_edited_config_hands_over_in_place_and_purge_leaves_nothing(
-        bare_guest: nspawn.Guest, tmp: str) -> None:
+    bare_guest: nspawn.Guest, tmp: str
+) -> None:
     guest = bare_guest
     before = listing(guest)
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
@@ -221,8 +257,11 @@ def test_upgrade_keeps_the_edited_config_hands_over_in_place_and_purge_leaves_no
         assert any("hyperlight_agent/__pycache__/agent." in p for p in compiled), "compiled at install"
         tree = lib_listing(guest)
         assert guest.run("hyperlight-agent", "--check", check=False).returncode == 0
-        wait_for(lambda: guest.run("hyperlight-agent", "--health-check=readiness", check=False).returncode == 0,
-                 15, "readiness")
+        wait_for(
+            lambda: guest.run("hyperlight-agent", "--health-check=readiness", check=False).returncode == 0,
+            15,
+            "readiness",
+        )
         assert lib_listing(guest) == tree, "running the agent wrote into /usr/lib"
 
         guest.run("sh", "-c", "echo 'device_count = 7' >> /etc/hyperlight-agent/agent.toml")

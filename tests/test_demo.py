@@ -15,11 +15,13 @@ from tests.test_docs import ROOT
 # Real agents on real device nodes (mknod) and the host's /dev/kvm.
 pytestmark = pytest.mark.root
 
+
 def test_make_run_shows_registration_slots_allocation_and_spec() -> None:
     with open(os.path.join(ROOT, "Makefile")) as f:
         assert re.search(r"^run: .*\n\t\$\(PY\) -m standin\.demo$", f.read(), re.M)
-    result = subprocess.run([sys.executable, "-m", "standin.demo"], capture_output=True, text=True,
-                            timeout=120, check=False, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "standin.demo"], capture_output=True, text=True, timeout=120, check=False, cwd=ROOT
+    )
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "== registered after" in out and "resource=hyperlight.dev/hypervisor" in out

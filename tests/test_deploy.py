@@ -45,8 +45,7 @@ def tool(name: str) -> str:
 def render(path: str) -> str:
     kubectl = tool("kubectl") if os.path.exists(os.path.join(TOOLS, "kubectl")) else shutil.which("kubectl")
     assert kubectl, "kubectl is missing: `make tools` installs it into build/tools"
-    return subprocess.run([kubectl, "kustomize", path], capture_output=True, text=True, check=True,
-                          timeout=60).stdout
+    return subprocess.run([kubectl, "kustomize", path], capture_output=True, text=True, check=True, timeout=60).stdout
 
 
 def documents(text: str) -> list[dict[str, Any]]:
@@ -84,9 +83,24 @@ def checkov_many(directories: list[str]) -> dict[str, Any]:
 
 
 def _checkov(directory: str) -> dict[str, Any]:
-    result = subprocess.run([judge("checkov"), "-d", directory, "--framework", "kubernetes", "--skip-download",
-                             "--quiet", "--compact", "-o", "json"], capture_output=True, text=True, timeout=300,
-                            check=False)
+    result = subprocess.run(
+        [
+            judge("checkov"),
+            "-d",
+            directory,
+            "--framework",
+            "kubernetes",
+            "--skip-download",
+            "--quiet",
+            "--compact",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     report = json.loads(result.stdout)
     # One framework's report is an object; nothing to judge gives the bare summary.
     summaries = [report] if isinstance(report, dict) else report
@@ -114,8 +128,13 @@ def test_checkov_passes_every_rendering(rendered: dict[str, str], overlay: str) 
 
 @pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
 def test_kubernetes_validate_strict(rendered: dict[str, str], overlay: str) -> None:
-    result = subprocess.run([judge("kubernetes-validate"), "--strict", os.path.join(rendered[overlay], "all.yaml")],
-                            capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [judge("kubernetes-validate"), "--strict", os.path.join(rendered[overlay], "all.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     with open(os.path.join(rendered[overlay], "all.yaml")) as f:
         assert result.stdout.count("passed for resource") == len(documents(f.read()))
@@ -126,8 +145,12 @@ def _daemonsets(text: str) -> dict[str, dict[str, Any]]:
 
 
 SECURE_CONTAINER = {
-    "privileged": False, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-    "runAsNonRoot": False, "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+    "privileged": False,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
 }
 
 
@@ -193,8 +216,10 @@ def test_overlays_change_only_what_varies() -> None:
             assert o["containers"][0]["securityContext"] == b["containers"][0]["securityContext"]
 
 
-@pytest.mark.parametrize(("overlay", "count", "metrics"), [
-    ("base", "2000", False), ("kind", "100", False), ("aks-kvm", "5000", True), ("aks-mshv", "2000", True)])
+@pytest.mark.parametrize(
+    ("overlay", "count", "metrics"),
+    [("base", "2000", False), ("kind", "100", False), ("aks-kvm", "5000", True), ("aks-mshv", "2000", True)],
+)
 def test_overlay_settings(overlay: str, count: str, metrics: bool) -> None:
     path = os.path.join(DEPLOY, overlay) if overlay == "base" else os.path.join(DEPLOY, "overlays", overlay)
     main = _daemonsets(render(path))["hyperlight-device-plugin"]["spec"]["template"]["spec"]["containers"][0]
@@ -207,8 +232,12 @@ def test_overlay_settings(overlay: str, count: str, metrics: bool) -> None:
         assert [p["containerPort"] for p in main["ports"]] == [9464]
         # Only the scraper docs/deploy.md names, only on the metrics port.
         (rule,) = policy["spec"]["ingress"]
-        assert rule["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
-                                 "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+        assert rule["from"] == [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+            }
+        ]
         assert rule["ports"] == [{"protocol": "TCP", "port": 9464}]
     else:
         assert "ingress" not in policy["spec"] and "ports" not in main
@@ -234,8 +263,10 @@ def test_workload_example_matches_the_defaults() -> None:
     assert pod["nodeSelector"] == {"hyperlight.dev/enabled": "true"}
     assert {"key": "hyperlight.dev/hypervisor", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     # The device node is DEVICE_UID:DEVICE_GID 0660 (CDI): the workload runs as exactly that.
-    assert (str(pod["securityContext"]["runAsUser"]), str(pod["securityContext"]["runAsGroup"])) \
-        == (env["DEVICE_UID"], env["DEVICE_GID"])
+    assert (str(pod["securityContext"]["runAsUser"]), str(pod["securityContext"]["runAsGroup"])) == (
+        env["DEVICE_UID"],
+        env["DEVICE_GID"],
+    )
     assert pod["securityContext"]["runAsNonRoot"] is True
     (container,) = pod["containers"]
     assert container["resources"]["limits"]["hyperlight.dev/hypervisor"] == "1"
@@ -258,8 +289,10 @@ def test_dra_workload_example_asks_for_the_device_class_and_matches_the_defaults
     assert container["resources"]["claims"] == [{"name": "hypervisor"}]
     driver = _daemonsets(render(os.path.join(DEPLOY, "overlays", "dra")))["hyperlight-dra-driver"]
     env = {e["name"]: e.get("value") for e in driver["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert (str(pod["securityContext"]["runAsUser"]), str(pod["securityContext"]["runAsGroup"])) \
-        == (env["DEVICE_UID"], env["DEVICE_GID"])
+    assert (str(pod["securityContext"]["runAsUser"]), str(pod["securityContext"]["runAsGroup"])) == (
+        env["DEVICE_UID"],
+        env["DEVICE_GID"],
+    )
 
 
 def test_dra_names_come_from_one_home() -> None:
@@ -286,8 +319,13 @@ def test_workload_examples_pass_the_judges(tmp_path: Any, judge_name: str, examp
         summary = checkov(str(directory))
         assert summary["failed"] == 0 and summary["passed"] > 50, summary
     else:
-        result = subprocess.run([judge("kubernetes-validate"), "--strict", example], capture_output=True, text=True,
-                                timeout=120, check=False)
+        result = subprocess.run(
+            [judge("kubernetes-validate"), "--strict", example],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert result.returncode == 0 and "passed for resource" in result.stdout, result.stdout + result.stderr
 
 

@@ -20,8 +20,9 @@ def plugin_slots(k: KubeletStandin) -> list[tuple[str, str]]:
     return p.devices if p and p.lists else []
 
 
-def test_its_slots_are_devicespec_only_no_cdi_never_opened(kubelet: StandinThread, start_agent: StartAgent,
-                                                      tmp: str) -> None:
+def test_its_slots_are_devicespec_only_no_cdi_never_opened(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str
+) -> None:
     host_dev = os.path.join(tmp, "host-dev")
     os.mkdir(host_dev)
     # Numbers of no existing device: any open() would fail, so a Healthy slot proves none happened.
@@ -38,8 +39,9 @@ def test_its_slots_are_devicespec_only_no_cdi_never_opened(kubelet: StandinThrea
     assert agent.helpers() == [], "bootstrap mode never starts the probe helper"
 
     (container,) = kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"])).container_responses
-    assert [(d.container_path, d.host_path, d.permissions) for d in container.devices] == \
-        [("/dev/kvm", "/dev/kvm", "rw")]
+    assert [(d.container_path, d.host_path, d.permissions) for d in container.devices] == [
+        ("/dev/kvm", "/dev/kvm", "rw")
+    ]
     assert list(container.cdi_devices) == [] and not container.envs and not container.mounts
     with pytest.raises(grpc.aio.AioRpcError) as info:
         kubelet.call(kubelet.kubelet.raw_allocate(R, [f"kvm-{slots}"]))
@@ -49,8 +51,9 @@ def test_its_slots_are_devicespec_only_no_cdi_never_opened(kubelet: StandinThrea
 
 
 @pytest.mark.parametrize("kind", ["regular file", "symlink"])
-def test_non_device_at_the_path_is_no_device(kubelet: StandinThread, start_agent: StartAgent, tmp: str,
-                                             kind: str) -> None:
+def test_non_device_at_the_path_is_no_device(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str, kind: str
+) -> None:
     host_dev = os.path.join(tmp, "host-dev")
     os.mkdir(host_dev)
     path = os.path.join(host_dev, "kvm")

@@ -27,9 +27,11 @@ def test_ci_runs_the_readme_test_command() -> None:
     # The fast loop first, with every capability dropped (it must need no root), then exactly
     # the README's test command.
     lines = [line for line in read(".ci/run").splitlines() if line and not line.startswith(("#", "set ", "cd "))]
-    assert lines == ["make .venv/.installed",
-                     "setpriv --inh-caps=-all --ambient-caps=-all --bounding-set=-all -- make check",
-                     "make test"]
+    assert lines == [
+        "make .venv/.installed",
+        "setpriv --inh-caps=-all --ambient-caps=-all --bounding-set=-all -- make check",
+        "make test",
+    ]
 
 
 def test_readme_settings_table_is_the_real_one() -> None:
@@ -40,8 +42,14 @@ def test_readme_settings_table_is_the_real_one() -> None:
 
 
 def test_help_lists_every_setting_with_env_and_default() -> None:
-    out = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--help"], capture_output=True,
-                         text=True, check=True, timeout=30, env={**os.environ, "COLUMNS": "1000"}).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "hyperlight_agent", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+        env={**os.environ, "COLUMNS": "1000"},
+    ).stdout
     flags = set(re.findall(r"(--[a-z][a-z-]+)", out))
     documented = {s.flag for s in config.SETTINGS} | {"--config"}
     assert documented <= flags
@@ -68,4 +76,3 @@ def test_parser_description_matches_readme_summary() -> None:
     assert named == {"/dev/mshv", "/dev/kvm", "hyperlight.dev/hypervisor", "hyperlight.json"}
     missing = [name for name in sorted(named) if name not in summary]
     assert not missing, f"README's summary does not mention {missing}"
-

@@ -22,13 +22,24 @@ WITH_EXAMPLES = [m for m in MODULES if has_examples(m)]
 
 
 def test_the_examples_are_found() -> None:
-    assert {"files.cdi", "text", "device.hypervisors", "files.labels", "host.metrics", "deviceplugin.side",
-            "files.watcher", "dra.side"} <= set(WITH_EXAMPLES)
+    assert {
+        "files.cdi",
+        "text",
+        "device.hypervisors",
+        "files.labels",
+        "host.metrics",
+        "deviceplugin.side",
+        "files.watcher",
+        "dra.side",
+    } <= set(WITH_EXAMPLES)
 
 
 @pytest.mark.parametrize("module", WITH_EXAMPLES)
 def test_docstring_examples_hold(module: str) -> None:
-    result = doctest.testmod(importlib.import_module(f"hyperlight_agent.{module}"), report=True,
-                             optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(
+        importlib.import_module(f"hyperlight_agent.{module}"),
+        report=True,
+        optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+    )
     assert result.attempted > 0, f"{module}: no example ran"
     assert result.failed == 0, f"{module}: {result.failed} of {result.attempted} examples failed (output above)"

@@ -32,6 +32,7 @@ def read(tmp_path: Any, claim: Any, uid: str = UID) -> list[AllocatedDevice]:
             found.append(await ClaimReader(api).allocation(*CLAIM, uid))
         finally:
             assert [(r.method, r.path) for r in fake.requests] == [("GET", PATH)]
+
     run(tmp_path, body)
     return found[0]
 
@@ -50,8 +51,9 @@ def test_a_claim_not_allocated_is_an_error(tmp_path: Any) -> None:
 
 
 def test_a_replaced_claim_is_an_error_naming_both_uids(tmp_path: Any) -> None:
-    with pytest.raises(ClaimError, match=f"^claim default/pod-hv-9x2lq was replaced \\(uid {UID}, the kubelet "
-                                         "asked for 0000\\)$"):
+    with pytest.raises(
+        ClaimError, match=f"^claim default/pod-hv-9x2lq was replaced \\(uid {UID}, the kubelet asked for 0000\\)$"
+    ):
         read(tmp_path, recorded("resourceclaim-allocated.json"), uid="0000")
 
 
@@ -61,9 +63,14 @@ def test_a_missing_claim_is_an_error(tmp_path: Any) -> None:
 
 
 def test_forbidden_names_the_missing_permission(tmp_path: Any) -> None:
-    with pytest.raises(ClaimError, match="^" + re.escape(
+    with pytest.raises(
+        ClaimError,
+        match="^"
+        + re.escape(
             "claim default/pod-hv-9x2lq: forbidden: RBAC needs verb 'get' on 'resourceclaims' in API group "
-            "'resource.k8s.io' (")):
+            "'resource.k8s.io' ("
+        ),
+    ):
         read(tmp_path, status("status-403-get-claim.json"))
 
 
@@ -75,8 +82,12 @@ def test_an_api_server_without_resource_v1_is_said_plainly(tmp_path: Any) -> Non
 def test_an_unreachable_server_is_one_line(tmp_path: Any) -> None:
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         await fake.go_down()
-        with pytest.raises(ClaimError, match="^" + re.escape(
-                "claim default/pod-hv-9x2lq: get resourceclaims.resource.k8s.io: API server unreachable: ")) as raised:
+        with pytest.raises(
+            ClaimError,
+            match="^"
+            + re.escape("claim default/pod-hv-9x2lq: get resourceclaims.resource.k8s.io: API server unreachable: "),
+        ) as raised:
             await ClaimReader(api).allocation(*CLAIM, UID)
         assert "\n" not in str(raised.value)
+
     run(tmp_path, body)

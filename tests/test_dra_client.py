@@ -24,10 +24,17 @@ from tests.conftest import until
 def write_kubeconfig(tmp_path: Any, server: str, user: dict[str, Any]) -> str:
     path = os.path.join(str(tmp_path), "kubeconfig")
     with open(path, "w") as f:
-        json.dump({"apiVersion": "v1", "kind": "Config", "current-context": "test",
-                   "clusters": [{"name": "test", "cluster": {"server": server}}],
-                   "users": [{"name": "test", "user": user}],
-                   "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}]}, f)
+        json.dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "test",
+                "clusters": [{"name": "test", "cluster": {"server": server}}],
+                "users": [{"name": "test", "user": user}],
+                "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+            },
+            f,
+        )
     return path
 
 
@@ -40,15 +47,21 @@ def exec_plugin(tmp_path: Any, body: str) -> str:
 
 
 # 1: a credential problem inside a request is an ApiError naming the kubeconfig, never an escape.
-@pytest.mark.parametrize(("user", "cause"), [
-    ({"tokenFile": "/nonexistent/token"}, "Token file /nonexistent/token not found"),
-    ({"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": "PLUGIN"}}, "returned 1"),
-    ({"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": "GARBAGE"}}, "JSONDecodeError"),
-    ({"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": "/nonexistent/plugin"}},
-     "FileNotFoundError"),
-])
-async def test_a_credential_failure_is_an_api_error_naming_the_kubeconfig(tmp_path: Any, user: dict[str, Any],
-                                                                          cause: str) -> None:
+@pytest.mark.parametrize(
+    ("user", "cause"),
+    [
+        ({"tokenFile": "/nonexistent/token"}, "Token file /nonexistent/token not found"),
+        ({"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": "PLUGIN"}}, "returned 1"),
+        ({"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": "GARBAGE"}}, "JSONDecodeError"),
+        (
+            {"exec": {"apiVersion": "client.authentication.k8s.io/v1beta1", "command": "/nonexistent/plugin"}},
+            "FileNotFoundError",
+        ),
+    ],
+)
+async def test_a_credential_failure_is_an_api_error_naming_the_kubeconfig(
+    tmp_path: Any, user: dict[str, Any], cause: str
+) -> None:
     fake = FakeApiServer()
     url = await fake.start()
     if user.get("exec", {}).get("command") == "PLUGIN":
@@ -58,8 +71,11 @@ async def test_a_credential_failure_is_an_api_error_naming_the_kubeconfig(tmp_pa
     path = write_kubeconfig(tmp_path, url, user)
     api = dra_client.connect(path, environ={})
     try:
-        for call in (lambda: api.list_slices(NODE, DRIVER), lambda: api.get_claim("ns", "c"),
-                     lambda: api.delete_slice("x")):
+        for call in (
+            lambda: api.list_slices(NODE, DRIVER),
+            lambda: api.get_claim("ns", "c"),
+            lambda: api.delete_slice("x"),
+        ):
             with pytest.raises(ApiError) as caught:
                 await call()
             error = caught.value
@@ -76,26 +92,30 @@ async def test_a_credential_failure_is_an_api_error_naming_the_kubeconfig(tmp_pa
 
 
 # 13: every wrong shape of kubeconfig is one line naming the file and what is wrong.
-@pytest.mark.parametrize(("content", "problem"), [
-    ("", "empty"),
-    ("[]", r"not a mapping \(a list\)"),
-    ("42", r"not a mapping \(a number\)"),
-    ("'text'", r"not a mapping \(a string\)"),
-    ("clusters: {}\ncontexts: []", "'clusters' is not a list"),
-    ("clusters: []", "no 'contexts'"),
-    ("clusters: [1]\ncontexts: []", r"clusters\[0\] is not a mapping with a name"),
-    ("clusters: []\ncontexts: [{name: a, context: x}]", r"contexts\[0\] \('a'\): 'context' is not a mapping"),
-    ("clusters: []\ncontexts: [{name: a, context: {}}]\nusers: [{name: u, user: [1]}]",
-     r"users\[0\] \('u'\): 'user' is not a mapping"),
-    ("clusters: []\ncontexts: [{name: a, context: {}}]", "no current-context"),
-    ("clusters: []\ncontexts: [{name: a, context: {}}]\ncurrent-context: b", "current-context 'b' is not among"),
-    ("clusters: []\ncontexts: [{name: a, context: {cluster: c}}]\ncurrent-context: a", "KeyError"),
-    ("clusters: [" * 100000, "nested too deeply|not YAML"),
-    ("a: " + "[" * 5000 + "]" * 5000, "nested too deeply|clusters"),
-    ("clusters: [\n", "not YAML"),
-])
-def test_a_kubeconfig_of_the_wrong_shape_is_one_line_naming_the_file(tmp_path: Any, content: str,
-                                                                     problem: str) -> None:
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("", "empty"),
+        ("[]", r"not a mapping \(a list\)"),
+        ("42", r"not a mapping \(a number\)"),
+        ("'text'", r"not a mapping \(a string\)"),
+        ("clusters: {}\ncontexts: []", "'clusters' is not a list"),
+        ("clusters: []", "no 'contexts'"),
+        ("clusters: [1]\ncontexts: []", r"clusters\[0\] is not a mapping with a name"),
+        ("clusters: []\ncontexts: [{name: a, context: x}]", r"contexts\[0\] \('a'\): 'context' is not a mapping"),
+        (
+            "clusters: []\ncontexts: [{name: a, context: {}}]\nusers: [{name: u, user: [1]}]",
+            r"users\[0\] \('u'\): 'user' is not a mapping",
+        ),
+        ("clusters: []\ncontexts: [{name: a, context: {}}]", "no current-context"),
+        ("clusters: []\ncontexts: [{name: a, context: {}}]\ncurrent-context: b", "current-context 'b' is not among"),
+        ("clusters: []\ncontexts: [{name: a, context: {cluster: c}}]\ncurrent-context: a", "KeyError"),
+        ("clusters: [" * 100000, "nested too deeply|not YAML"),
+        ("a: " + "[" * 5000 + "]" * 5000, "nested too deeply|clusters"),
+        ("clusters: [\n", "not YAML"),
+    ],
+)
+def test_a_kubeconfig_of_the_wrong_shape_is_one_line_naming_the_file(tmp_path: Any, content: str, problem: str) -> None:
     path = os.path.join(str(tmp_path), "kubeconfig")
     with open(path, "w") as f:
         f.write(content)
@@ -115,13 +135,17 @@ def test_a_kubeconfig_larger_than_any_real_one_is_not_parsed(tmp_path: Any) -> N
 
 
 # 16: an event the client cannot read ends the watch with an ApiError, not a KeyError.
-@pytest.mark.parametrize("event", [
-    {"type": "MODIFIED", "object": {"metadata": {"name": "x"}, "spec": {"nodeName": NODE, "driver": DRIVER}}},
-    {"type": "SURPRISE", "object": {"metadata": {"resourceVersion": "9"}, "spec": {"nodeName": NODE,
-                                                                                    "driver": DRIVER}}},
-])
-async def test_an_unreadable_watch_event_ends_the_watch_with_an_api_error(tmp_path: Any,
-                                                                          event: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"type": "MODIFIED", "object": {"metadata": {"name": "x"}, "spec": {"nodeName": NODE, "driver": DRIVER}}},
+        {
+            "type": "SURPRISE",
+            "object": {"metadata": {"resourceVersion": "9"}, "spec": {"nodeName": NODE, "driver": DRIVER}},
+        },
+    ],
+)
+async def test_an_unreadable_watch_event_ends_the_watch_with_an_api_error(tmp_path: Any, event: dict[str, Any]) -> None:
     fake = FakeApiServer()
     url = await fake.start()
     api = dra_client.connect(kubeconfig(tmp_path, url), environ={})
@@ -147,8 +171,13 @@ async def test_an_unreadable_watch_event_ends_the_watch_with_an_api_error(tmp_pa
 def test_watch_event_lines_are_read_strictly() -> None:
     good = b'{"type": "ADDED", "object": {"metadata": {"resourceVersion": "5"}}}'
     assert dra_client._event(good) == ("ADDED", {"metadata": {"resourceVersion": "5"}})
-    for line in (b"not json", b"[]", b'{"type": "ADDED"}', b'{"type": "ADDED", "object": []}',
-                 b'{"type": "ADDED", "object": {"metadata": {"resourceVersion": 5}}}'):
+    for line in (
+        b"not json",
+        b"[]",
+        b'{"type": "ADDED"}',
+        b'{"type": "ADDED", "object": []}',
+        b'{"type": "ADDED", "object": {"metadata": {"resourceVersion": 5}}}',
+    ):
         with pytest.raises(ApiError, match="unreadable watch event"):
             dra_client._event(line)
     with pytest.raises(ApiError) as caught:

@@ -47,23 +47,33 @@ def against_fake(tmp: str, setup: Any = None) -> list[tuple[bool, str]]:
 def test_everything_the_driver_needs_is_ok(tmp: str) -> None:
     found = against_fake(tmp)
     assert all(ok for ok, _ in found), found
-    assert [line for _, line in found][2:] == [f"ok   permission: {verb} {resource}.resource.k8s.io"
-                                               for verb, resource in preflight.NEEDED]
+    assert [line for _, line in found][2:] == [
+        f"ok   permission: {verb} {resource}.resource.k8s.io" for verb, resource in preflight.NEEDED
+    ]
     assert preflight.directories(dirs(settings(tmp))) == [
-        (True, f"ok   dra_registry_dir: {tmp}/plugins_registry"), (True, f"ok   dra_plugins_dir: {tmp}/plugins")]
+        (True, f"ok   dra_registry_dir: {tmp}/plugins_registry"),
+        (True, f"ok   dra_plugins_dir: {tmp}/plugins"),
+    ]
 
 
 def test_a_missing_permission_is_a_fail_line_naming_it(tmp: str) -> None:
     found = against_fake(tmp, lambda fake: fake.denied.add(("delete", "resourceslices")))
     fails = [line for ok, line in found if not ok]
-    assert fails == ["FAIL permission: cannot delete resourceslices.resource.k8s.io (the ClusterRole "
-                     "hyperlight-dra-driver grants it)"]
+    assert fails == [
+        "FAIL permission: cannot delete resourceslices.resource.k8s.io (the ClusterRole "
+        "hyperlight-dra-driver grants it)"
+    ]
 
 
 def test_no_kubeconfig_and_not_in_a_cluster_is_one_fail_line(tmp: str) -> None:
     found = asyncio.run(preflight.api(None, "node1", {}))
-    assert found == [(False, "FAIL API credentials: no kubeconfig setting and not in a cluster "
-                             "(KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT unset)")]
+    assert found == [
+        (
+            False,
+            "FAIL API credentials: no kubeconfig setting and not in a cluster "
+            "(KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT unset)",
+        )
+    ]
 
 
 def test_an_unreachable_api_server_is_one_fail_line(tmp: str) -> None:
@@ -79,8 +89,11 @@ def test_an_unreachable_api_server_is_one_fail_line(tmp: str) -> None:
 @pytest.mark.parametrize("key", ["dra_registry_dir", "dra_plugins_dir"])
 def test_a_missing_plugin_directory_is_a_fail_line_naming_the_setting(tmp: str, key: str) -> None:
     found = preflight.directories(dirs(settings(tmp, **{key: os.path.join(tmp, "elsewhere")})))
-    assert (False, f"FAIL {key}: {tmp}/elsewhere: No such file or directory (is the kubelet's root directory "
-                   f"/var/lib/kubelet? set {key})") in found
+    assert (
+        False,
+        f"FAIL {key}: {tmp}/elsewhere: No such file or directory (is the kubelet's root directory "
+        f"/var/lib/kubelet? set {key})",
+    ) in found
 
 
 def test_the_chart_grants_exactly_what_the_check_asks(tmp: str) -> None:
@@ -94,14 +107,37 @@ def test_the_chart_grants_exactly_what_the_check_asks(tmp: str) -> None:
 
 def test_dra_check_from_the_command_line_says_what_fails(tmp: str) -> None:
     """No kubeconfig and no cluster, a missing plugin directory: FAIL lines, exit 1."""
-    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--dra", "--check",
-                             "--device-dir", tmp, "--dra-registry-dir", tmp, "--dra-plugins-dir",
-                             os.path.join(tmp, "none"), "--node-name", "node1"], capture_output=True, text=True,
-                            timeout=60, check=False, env={"PATH": os.environ["PATH"]}, cwd=ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hyperlight_agent",
+            "--config",
+            "/dev/null",
+            "--dra",
+            "--check",
+            "--device-dir",
+            tmp,
+            "--dra-registry-dir",
+            tmp,
+            "--dra-plugins-dir",
+            os.path.join(tmp, "none"),
+            "--node-name",
+            "node1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={"PATH": os.environ["PATH"]},
+        cwd=ROOT,
+    )
     assert result.returncode == 1, result
     lines = result.stdout.splitlines()
     assert f"ok   dra_registry_dir: {tmp}" in lines, lines
     assert any(line.startswith(f"FAIL dra_plugins_dir: {tmp}/none: No such file or directory") for line in lines)
-    assert "FAIL API credentials: no kubeconfig setting and not in a cluster (KUBERNETES_SERVICE_HOST and " \
-           "KUBERNETES_SERVICE_PORT unset)" in lines
+    assert (
+        "FAIL API credentials: no kubeconfig setting and not in a cluster (KUBERNETES_SERVICE_HOST and "
+        "KUBERNETES_SERVICE_PORT unset)" in lines
+    )
     assert lines[-1] == "this node cannot serve Hyperlight"

@@ -55,7 +55,8 @@ def test_a_held_lock_delays_the_writer_not_the_loop(tmp: str, monkeypatch: pytes
 
 @pytest.mark.parametrize("content", [b"{not json", b"[]", b'{"claims": {"u": {"name": 1}}}', b"\xff\xfe"])
 def test_a_corrupt_file_is_reported_with_its_path_and_read_as_empty(
-        tmp: str, content: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    tmp: str, content: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
     path = os.path.join(tmp, prepared.RECORD_FILE)
     with open(path, "wb") as f:
         f.write(content)
@@ -94,9 +95,14 @@ def test_encode_and_decode_round_trip() -> None:
 # Issue 30, 3: two releases share the file during a rolling update.
 def test_a_newer_release_s_fields_and_entries_survive_our_writes(tmp: str) -> None:
     path = os.path.join(tmp, prepared.RECORD_FILE)
-    newer: dict[str, Any] = {"version": 3, "shards": ["a"], "claims": {
-        "u-new": {"namespace": "ns", "name": "n", "preparedAt": 1e12, "devices": [], "owner": "pod-b"},
-        "u-shape": {"namespace": "ns", "name": "m", "preparedAt": 1e12, "resources": {"kvm": 1}}}}
+    newer: dict[str, Any] = {
+        "version": 3,
+        "shards": ["a"],
+        "claims": {
+            "u-new": {"namespace": "ns", "name": "n", "preparedAt": 1e12, "devices": [], "owner": "pod-b"},
+            "u-shape": {"namespace": "ns", "name": "m", "preparedAt": 1e12, "resources": {"kvm": 1}},
+        },
+    }
     with open(path, "w") as f:
         json.dump(newer, f)
     record = Prepared(tmp, clock=lambda: 1e12 + 10)
@@ -111,8 +117,17 @@ def test_a_newer_release_s_fields_and_entries_survive_our_writes(tmp: str) -> No
 
 def test_a_file_of_version_1_is_migrated_on_the_next_write(tmp: str) -> None:
     path = os.path.join(tmp, prepared.RECORD_FILE)
-    v1 = {"claims": {"u-old": {"namespace": "ns", "name": "c", "devices": [
-        {"request": "hv", "pool": "node1", "device": "kvm-0", "cdi_device_ids": ["x"], "share_id": None}]}}}
+    v1 = {
+        "claims": {
+            "u-old": {
+                "namespace": "ns",
+                "name": "c",
+                "devices": [
+                    {"request": "hv", "pool": "node1", "device": "kvm-0", "cdi_device_ids": ["x"], "share_id": None}
+                ],
+            }
+        }
+    }
     with open(path, "w") as f:
         json.dump(v1, f)
     record = Prepared(tmp, clock=lambda: 5000.0)

@@ -74,8 +74,11 @@ class Node:
         return registrar
 
 
-def run(tmp: str, body: Callable[[Node, DraKubeletStandin], Awaitable[None]],
-        known_versions: tuple[str, ...] = (contracts.DRA_VERSION_V1, contracts.DRA_VERSION_V1BETA1)) -> None:
+def run(
+    tmp: str,
+    body: Callable[[Node, DraKubeletStandin], Awaitable[None]],
+    known_versions: tuple[str, ...] = (contracts.DRA_VERSION_V1, contracts.DRA_VERSION_V1BETA1),
+) -> None:
     async def main() -> None:
         node = Node(tmp, FakeClaims())
         try:
@@ -89,11 +92,14 @@ def run(tmp: str, body: Callable[[Node, DraKubeletStandin], Awaitable[None]],
 
 
 async def registered(kubelet: DraKubeletStandin, registrar: Registrar, count: int = 1) -> None:
-    await until(lambda: registrar.registered and len(kubelet.instances.get(DRIVER, [])) >= count,
-                what="the kubelet registering the instance")
+    await until(
+        lambda: registrar.registered and len(kubelet.instances.get(DRIVER, [])) >= count,
+        what="the kubelet registering the instance",
+    )
 
 
 # --- registration --------------------------------------------------------------------------------
+
 
 def test_registers_and_the_kubelet_chooses_v1(tmp: str) -> None:
     async def body(node: Node, kubelet: DraKubeletStandin) -> None:
@@ -178,18 +184,25 @@ def _accepts(path: str) -> bool:
 
 # --- prepare and unprepare -------------------------------------------------------------------------
 
+
 def test_prepare_answers_our_devices_with_our_cdi_id_and_records_them(tmp: str) -> None:
     async def body(node: Node, kubelet: DraKubeletStandin) -> None:
         node.claims.claims[CLAIM.uid] = [
             ours("kvm-3", share_id="s-1"),
-            AllocatedDevice(request="gpu", driver="gpu.example.com", pool="p", device="gpu-0", share_id=None)]
+            AllocatedDevice(request="gpu", driver="gpu.example.com", pool="p", device="gpu-0", share_id=None),
+        ]
         registrar = await node.start("pod-a")
         await registered(kubelet, registrar)
         entries = await kubelet.prepare(DRIVER, [CLAIM])
         assert entries[CLAIM.uid].error == ""
         [device] = entries[CLAIM.uid].devices  # the other driver's result is not ours to answer
-        assert (list(device.request_names), device.pool_name, device.device_name, list(device.cdi_device_ids),
-                device.share_id) == (["hv"], "node1", "kvm-3", [CDI_KVM], "s-1")
+        assert (
+            list(device.request_names),
+            device.pool_name,
+            device.device_name,
+            list(device.cdi_device_ids),
+            device.share_id,
+        ) == (["hv"], "node1", "kvm-3", [CDI_KVM], "s-1")
         assert Prepared(node.data).get(CLAIM.uid) is not None
         entries = await kubelet.unprepare(DRIVER, [CLAIM])
         assert entries[CLAIM.uid].error == ""
@@ -280,8 +293,10 @@ def test_a_slow_claim_read_waits_for_no_other_claim(tmp: str) -> None:
 
         service = Service(DRIVER, Slow(), lambda: HEALTHY, Prepared(tmp), claim_read_timeout=0.05)
         from hyperlight_agent.dra import dra_v1_pb2 as v1
-        request = v1.NodePrepareResourcesRequest(claims=[v1.Claim(namespace="ns", name="s", uid="slow"),
-                                                         v1.Claim(namespace="ns", name="c1", uid=CLAIM.uid)])
+
+        request = v1.NodePrepareResourcesRequest(
+            claims=[v1.Claim(namespace="ns", name="s", uid="slow"), v1.Claim(namespace="ns", name="c1", uid=CLAIM.uid)]
+        )
         response = await service.NodePrepareResources(request, None, v1)  # type: ignore[arg-type]
         assert response.claims[CLAIM.uid].error == ""
         assert response.claims["slow"].error == "claim ns/s: reading its allocation took longer than 0.05 s"
@@ -290,6 +305,7 @@ def test_a_slow_claim_read_waits_for_no_other_claim(tmp: str) -> None:
 
 
 # --- two instances (rolling update) ------------------------------------------------------------------
+
 
 def test_two_instances_register_beside_each_other_and_share_the_record(tmp: str) -> None:
     async def body(node: Node, kubelet: DraKubeletStandin) -> None:
@@ -316,6 +332,7 @@ def test_two_instances_register_beside_each_other_and_share_the_record(tmp: str)
 
 # --- our sockets and nobody else's ---------------------------------------------------------------------
 
+
 def test_close_removes_our_sockets_and_deregisters(tmp: str) -> None:
     async def body(node: Node, kubelet: DraKubeletStandin) -> None:
         registrar = await node.start("pod-a")
@@ -333,6 +350,7 @@ def test_close_removes_our_sockets_and_deregisters(tmp: str) -> None:
 def test_claims_are_answered_until_the_kubelet_has_deregistered_us(tmp: str) -> None:
     """Between our registration socket going and the kubelet's reconciler noticing, the kubelet
     may still send us a claim: it is answered, not refused with "Server shutdown"."""
+
     async def body(node: Node, kubelet: DraKubeletStandin) -> None:
         service = Service(DRIVER, node.claims, lambda: node.observation, Prepared(node.data))
         registrar = Registrar(service, DRIVER, "pod-a", node.registry, node.plugins, deregister_grace=1.0)
@@ -343,8 +361,10 @@ def test_claims_are_answered_until_the_kubelet_has_deregistered_us(tmp: str) -> 
         _, messages = api.VERSIONS[contracts.DRA_VERSION_V1]
         async with grpc.aio.insecure_channel(transport.unix_target(registrar.service_socket)) as channel:
             stub = api.dra_stub(channel, contracts.DRA_VERSION_V1)
-            answer = await stub.NodePrepareResources(messages.NodePrepareResourcesRequest(
-                claims=[messages.Claim(namespace="ns", uid="u-1", name="c")]), timeout=5)
+            answer = await stub.NodePrepareResources(
+                messages.NodePrepareResourcesRequest(claims=[messages.Claim(namespace="ns", uid="u-1", name="c")]),
+                timeout=5,
+            )
         assert answer.claims["u-1"].error == "claim ns/c not found"
         assert not closing.done(), "answered while still closing"
         await closing
@@ -440,6 +460,7 @@ def test_a_symlinked_driver_directory_is_refused_and_nothing_is_written_through(
 
 # --- hostile neighbours (issue 26) -------------------------------------------------------------------
 
+
 def v1_request(kind: str, *claims: Claim) -> Any:
     from hyperlight_agent.dra import dra_v1_pb2 as v1
 
@@ -449,8 +470,9 @@ def v1_request(kind: str, *claims: Claim) -> Any:
 
 # 11: a held record lock costs one bounded wait per request, names the lock and its holder, and
 # an Unprepare of a claim never prepared succeeds without it.
-async def test_a_held_record_lock_costs_one_wait_per_request_and_is_named(tmp: str,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_held_record_lock_costs_one_wait_per_request_and_is_named(
+    tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import fcntl
 
     from hyperlight_agent.dra import dra_v1_pb2 as v1
@@ -506,9 +528,12 @@ async def test_hanging_claim_reads_do_not_delay_work_that_needs_no_api(tmp: str)
     service = Service(DRIVER, Hanging(), lambda: HEALTHY, Prepared(tmp), max_concurrent=16)
     first = await service.NodePrepareResources(v1_request("prepare", CLAIM), None, v1)  # type: ignore[arg-type]
     assert first.claims[CLAIM.uid].error == ""
-    hanging = [asyncio.ensure_future(service.NodePrepareResources(
-        v1_request("prepare", Claim("ns", f"h{i}", f"hang-{i}")), None, v1))  # type: ignore[arg-type]
-        for i in range(20)]
+    hanging = [
+        asyncio.ensure_future(
+            service.NodePrepareResources(v1_request("prepare", Claim("ns", f"h{i}", f"hang-{i}")), None, v1)  # type: ignore[arg-type]
+        )
+        for i in range(20)
+    ]
     try:
         await asyncio.sleep(0.05)  # the reads are under way (the variable here, not synchronisation)
         prepare = service.NodePrepareResources(v1_request("prepare", CLAIM), None, v1)  # type: ignore[arg-type]

@@ -35,10 +35,17 @@ pytestmark = pytest.mark.usefixtures("quick_deregistration")
 
 def settings_in(tmp: str, config: str, **kw: Any) -> Settings:
     registry, plugins = dirs(tmp)
-    return Settings.defaults(kubelet_dir=os.path.join(tmp, "kubelet"), cdi_dir=os.path.join(tmp, "cdi"),
-                             device_dir=device_dir(tmp, "kvm"), kubeconfig=config, node_name="node1",
-                             dra_devices=4, dra_registry_dir=registry, dra_plugins_dir=plugins,
-                             **{"instance": "pod-a", **kw})
+    return Settings.defaults(
+        kubelet_dir=os.path.join(tmp, "kubelet"),
+        cdi_dir=os.path.join(tmp, "cdi"),
+        device_dir=device_dir(tmp, "kvm"),
+        kubeconfig=config,
+        node_name="node1",
+        dra_devices=4,
+        dra_registry_dir=registry,
+        dra_plugins_dir=plugins,
+        **{"instance": "pod-a", **kw},
+    )
 
 
 def dirs(tmp: str) -> tuple[str, str]:
@@ -53,6 +60,7 @@ Body = Callable[[FakeApiServer, DraKubeletStandin, str], Awaitable[None]]
 
 def with_cluster(tmp: str, body: Body) -> None:
     """A fake API server, the DRA stand-in on our registry dir, and a kubeconfig for the first."""
+
     async def main() -> None:
         fake = FakeApiServer()
         url = await fake.start()
@@ -80,14 +88,22 @@ def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: st
         await agent.start()
         try:
             # Ready once the kubelet's NotifyRegistrationStatus came; the stand-in records us just after.
-            await until(lambda: agent.ready and bool(kubelet.instances.get(DRIVER)),
-                        what="registered, published and healthy")
+            await until(
+                lambda: agent.ready and bool(kubelet.instances.get(DRIVER)), what="registered, published and healthy"
+            )
             assert agent.status() == "ready: kvm, one device in the ResourceSlice, shared by every claim"
             (published,) = fake.ours()
             assert published["spec"]["nodeName"] == "node1" and published["spec"]["driver"] == DRIVER
             (shared,) = published["spec"]["devices"]
-            assert shared == {"name": "kvm", "allowMultipleAllocations": True, "attributes": {
-                "hypervisor": {"string": "kvm"}, "apiVersion": {"int": 12}, "devicePath": {"string": "/dev/kvm"}}}
+            assert shared == {
+                "name": "kvm",
+                "allowMultipleAllocations": True,
+                "attributes": {
+                    "hypervisor": {"string": "kvm"},
+                    "apiVersion": {"int": 12},
+                    "devicePath": {"string": "/dev/kvm"},
+                },
+            }
             # The CDI spec is the device plugin's, and a claim gets its device.
             assert os.path.exists(cdi.spec_path(os.path.join(tmp, "cdi")))
             fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
@@ -119,7 +135,8 @@ def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: st
 
 @pytest.mark.parametrize(("setting", "capacity"), [("auto", False), ("off", True)])
 def test_identical_devices_where_the_api_server_drops_sharing_or_it_is_off(
-        tmp: str, helpers: list[FakeHelper], setting: str, capacity: bool, caplog: pytest.LogCaptureFixture) -> None:
+    tmp: str, helpers: list[FakeHelper], setting: str, capacity: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     """A server without DRAConsumableCapacity drops allowMultipleAllocations: the agent finds out from
     the answer and publishes dra_devices identical devices; dra_shared_device=off never tries."""
     caplog.set_level(logging.INFO, "hyperlight_agent")
@@ -132,8 +149,11 @@ def test_identical_devices_where_the_api_server_drops_sharing_or_it_is_off(
             await until(lambda: agent.ready and devices_published(fake) == 4, what="four identical devices")
             assert agent.status() == "ready: kvm, 4 devices in the ResourceSlice"
             assert [d["name"] for d in fake.ours()[0]["spec"]["devices"]] == ["kvm-0", "kvm-1", "kvm-2", "kvm-3"]
-            tried = [r for r in fake.requests if r.body and any(
-                "allowMultipleAllocations" in d for d in r.body.get("spec", {}).get("devices", []))]
+            tried = [
+                r
+                for r in fake.requests
+                if r.body and any("allowMultipleAllocations" in d for d in r.body.get("spec", {}).get("devices", []))
+            ]
             assert len(tried) == (1 if setting == "auto" else 0)
             said = "does not keep allowMultipleAllocations (Kubernetes before 1.36, or DRAConsumableCapacity off)"
             assert (said in caplog.text) == (setting == "auto")
@@ -166,20 +186,23 @@ def test_dra_metrics_count_calls_claims_writes_and_watches(tmp: str, helpers: li
             text = generate_latest(agent.metrics.registry).decode()
         finally:
             await shut(agent)
-        for line in ('hyperlight_dra_calls_total{operation="prepare"} 1.0',
-                     'hyperlight_dra_calls_total{operation="unprepare"} 1.0',
-                     'hyperlight_dra_claims_total{operation="prepare",result="ok"} 1.0',
-                     'hyperlight_dra_claims_total{operation="prepare",result="error"} 1.0',
-                     'hyperlight_dra_claims_total{operation="unprepare",result="ok"} 1.0',
-                     'hyperlight_dra_call_duration_seconds_count{operation="prepare"} 1.0',
-                     'hyperlight_dra_slice_writes_total{verb="create"} 1.0'):
+        for line in (
+            'hyperlight_dra_calls_total{operation="prepare"} 1.0',
+            'hyperlight_dra_calls_total{operation="unprepare"} 1.0',
+            'hyperlight_dra_claims_total{operation="prepare",result="ok"} 1.0',
+            'hyperlight_dra_claims_total{operation="prepare",result="error"} 1.0',
+            'hyperlight_dra_claims_total{operation="unprepare",result="ok"} 1.0',
+            'hyperlight_dra_call_duration_seconds_count{operation="prepare"} 1.0',
+            'hyperlight_dra_slice_writes_total{verb="create"} 1.0',
+        ):
             assert line in text, (line, [t for t in text.splitlines() if "hyperlight_dra" in t])
 
     with_cluster(tmp, body)
 
 
-def test_a_stopped_dra_agent_hands_over_to_a_ready_successor(tmp: str, helpers: list[FakeHelper],
-                                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_a_stopped_dra_agent_hands_over_to_a_ready_successor(
+    tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, "hyperlight_agent")
 
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
@@ -203,6 +226,7 @@ def test_a_stopped_dra_agent_hands_over_to_a_ready_successor(tmp: str, helpers: 
 def test_an_in_place_upgrade_waits_for_the_child_it_started(tmp: str, helpers: list[FakeHelper]) -> None:
     """The in-place upgrade's hand-over (host/successor.py) names the child's pid: another ready
     instance of the driver is no successor; the child, once ready, is."""
+
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         old = Agent(settings_in(tmp, config), modes.DRA)
         child = Agent(settings_in(tmp, config, instance="host-g0123abcd"), modes.DRA)
@@ -221,9 +245,9 @@ def test_an_in_place_upgrade_waits_for_the_child_it_started(tmp: str, helpers: l
     with_cluster(tmp, body)
 
 
-def test_no_api_access_is_said_once_and_retried_without_stopping(tmp: str, helpers: list[FakeHelper],
-                                                                 monkeypatch: pytest.MonkeyPatch,
-                                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_no_api_access_is_said_once_and_retried_without_stopping(
+    tmp: str, helpers: list[FakeHelper], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(dra_side_module, "RETRY_INITIAL_S", 0.01)
     monkeypatch.setattr(dra_side_module, "RETRY_CAP_S", 0.02)
     caplog.set_level(logging.INFO, "hyperlight_agent")
@@ -234,14 +258,17 @@ def test_no_api_access_is_said_once_and_retried_without_stopping(tmp: str, helpe
     def counted(path: Any, **kw: Any) -> Any:
         attempts.append(path)
         return connect(path, **kw)
+
     monkeypatch.setattr(dra_client, "connect", counted)
 
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         agent = Agent(settings_in(tmp, os.path.join(tmp, "missing-kubeconfig")), modes.DRA)
         await agent.start()
         try:
-            await until(lambda: len(attempts) >= 5 and dra_side(agent).registrar.registered,
-                        what="retries, and registered meanwhile")
+            await until(
+                lambda: len(attempts) >= 5 and dra_side(agent).registrar.registered,
+                what="retries, and registered meanwhile",
+            )
             lines = [r.getMessage() for r in caplog.records if "API client" in r.getMessage()]
             assert len(lines) == 1 and "missing-kubeconfig" in lines[0], lines
             assert not agent.ready and agent.status().startswith("ResourceSlice not published: kubeconfig ")
@@ -278,7 +305,8 @@ def test_device_info_comes_from_the_table() -> None:
 # Issue 26, 2: a removed registration socket is put back, the kubelet registers us again, and we
 # are not ready meanwhile; a removed service socket is served again too.
 def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration(
-        tmp: str, helpers: list[FakeHelper]) -> None:
+    tmp: str, helpers: list[FakeHelper]
+) -> None:
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         notifier = RecordingNotifier()
         agent = Agent(settings_in(tmp, config), modes.DRA, notifier=notifier)
@@ -288,8 +316,10 @@ def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration
             registrar = dra_side(agent).registrar
             said = len(notifier.messages)
             os.unlink(registrar.registration_socket)  # a cleanup tool, an administrator
-            await until(lambda: registrar.served_again == 1 and os.path.exists(registrar.registration_socket),
-                        what="the socket back")
+            await until(
+                lambda: registrar.served_again == 1 and os.path.exists(registrar.registration_socket),
+                what="the socket back",
+            )
             await until(lambda: agent.ready and len(kubelet.instances.get(DRIVER, [])) == 1, what="registered again")
             statuses = [m[0] for m in notifier.messages[said:] if m[0].startswith("STATUS=")]
             assert any("our registration socket was removed" in m for m in statuses), statuses
@@ -309,16 +339,20 @@ def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration
 
 # Issue 26, 17: a stop at any moment of the start leaves none of our private sockets behind.
 @pytest.mark.parametrize("delay", [0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12])
-def test_a_stop_during_the_start_leaves_nothing_behind(tmp: str, helpers: list[FakeHelper],
-                                                        delay: float) -> None:
+def test_a_stop_during_the_start_leaves_nothing_behind(tmp: str, helpers: list[FakeHelper], delay: float) -> None:
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         agent = Agent(settings_in(tmp, config), modes.DRA)
         await agent.start()
         await asyncio.sleep(delay)  # the moment of the stop is the variable here
         await shut(agent)
         registry, plugins = dirs(tmp)
-        left = [os.path.join(d, n) for d in (registry, plugins, os.path.join(plugins, DRIVER)) if os.path.isdir(d)
-                for n in os.listdir(d) if n.endswith(".sock") or n.startswith(".hl-dra.")]
+        left = [
+            os.path.join(d, n)
+            for d in (registry, plugins, os.path.join(plugins, DRIVER))
+            if os.path.isdir(d)
+            for n in os.listdir(d)
+            if n.endswith(".sock") or n.startswith(".hl-dra.")
+        ]
         assert left == [], left
 
     with_cluster(tmp, body)

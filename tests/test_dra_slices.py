@@ -46,9 +46,15 @@ def run(tmp_path: Any, body: Body, setup: Optional[Callable[[FakeApiServer], Awa
     asyncio.run(main())
 
 
-async def publishing(fake: FakeApiServer, api: KubeApi, check: Callable[[SlicePublisher], Awaitable[None]],
-                     device: Optional[DeviceInfo] = KVM, count: int = 4, leaves_slice: bool = True,
-                     shared: bool = False) -> None:
+async def publishing(
+    fake: FakeApiServer,
+    api: KubeApi,
+    check: Callable[[SlicePublisher], Awaitable[None]],
+    device: Optional[DeviceInfo] = KVM,
+    count: int = 4,
+    leaves_slice: bool = True,
+    shared: bool = False,
+) -> None:
     """A publisher of `count` identical devices (of one shared device with `shared`)."""
     publisher = SlicePublisher(api, NODE, DRIVER, count, backoff_initial_s=0.01, backoff_cap_s=0.05, shared=shared)
     publisher.set_device(device)
@@ -75,21 +81,32 @@ def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 # --- the slice ---
 
 
-def test_slices_under_the_drivers_earlier_name_are_deleted_once(tmp_path: Any,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_slices_under_the_drivers_earlier_name_are_deleted_once(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     """This node's slices of the driver's name before the first release go before our first write;
     another node's, and anyone else's driver's, stay (issue 29: 4)."""
     caplog.set_level(logging.INFO, "hyperlight_agent")
 
     def old(name: str, node: str, driver: str) -> Json:
-        return {"metadata": {"name": name, "resourceVersion": "5", "creationTimestamp": "t"},
-                "spec": {"driver": driver, "nodeName": node, "pool": {"name": node, "generation": 1,
-                                                                       "resourceSliceCount": 1}, "devices": []}}
+        return {
+            "metadata": {"name": name, "resourceVersion": "5", "creationTimestamp": "t"},
+            "spec": {
+                "driver": driver,
+                "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                "devices": [],
+            },
+        }
 
     async def setup(fake: FakeApiServer) -> None:
-        fake.slices.update({"ours-before": old("ours-before", NODE, "hyperlight.dev"),
-                            "elsewhere": old("elsewhere", "node2", "hyperlight.dev"),
-                            "someone": old("someone", NODE, "gpu.example.com")})
+        fake.slices.update(
+            {
+                "ours-before": old("ours-before", NODE, "hyperlight.dev"),
+                "elsewhere": old("elsewhere", "node2", "hyperlight.dev"),
+                "someone": old("someone", NODE, "gpu.example.com"),
+            }
+        )
 
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def check(publisher: SlicePublisher) -> None:
@@ -97,8 +114,10 @@ def test_slices_under_the_drivers_earlier_name_are_deleted_once(tmp_path: Any,
             assert sorted(fake.slices) == sorted(["elsewhere", "someone", publisher.slice_name])
             deletes = [r for r in fake.requests if r.method == "DELETE"]
             assert [r.path.rsplit("/", 1)[1] for r in deletes] == ["ours-before"]
-            assert "ResourceSlice ours-before: published under driver hyperlight.dev, our name before " \
-                   f"{DRIVER}; deleting it" in caplog.text
+            assert (
+                "ResourceSlice ours-before: published under driver hyperlight.dev, our name before "
+                f"{DRIVER}; deleting it" in caplog.text
+            )
 
         await publishing(fake, api, check)
 
@@ -108,10 +127,15 @@ def test_slices_under_the_drivers_earlier_name_are_deleted_once(tmp_path: Any,
 def test_nothing_is_written_before_the_first_check_says_what_the_device_is(tmp_path: Any) -> None:
     """A successor starting beside its predecessor (whose slice stands) must not publish an empty
     slice while its first check runs: the scheduler would see the node's devices go (issue 29: 6)."""
+
     async def setup(fake: FakeApiServer) -> None:
-        fake.slices["kept"] = {"metadata": {"name": "kept", "resourceVersion": "7", "creationTimestamp": "t"},
-                               "spec": {**desired_spec(NODE, DRIVER, 4, KVM), "pool": {
-                                   "name": NODE, "generation": 3, "resourceSliceCount": 1}}}
+        fake.slices["kept"] = {
+            "metadata": {"name": "kept", "resourceVersion": "7", "creationTimestamp": "t"},
+            "spec": {
+                **desired_spec(NODE, DRIVER, 4, KVM),
+                "pool": {"name": NODE, "generation": 3, "resourceSliceCount": 1},
+            },
+        }
 
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         publisher = SlicePublisher(api, NODE, DRIVER, 4, backoff_initial_s=0.01, backoff_cap_s=0.05)
@@ -134,8 +158,11 @@ def test_nothing_is_written_before_the_first_check_says_what_the_device_is(tmp_p
 def test_desired_spec_names_n_identical_devices_with_qualified_attributes() -> None:
     spec = desired_spec(NODE, DRIVER, 3, KVM)
     assert [d["name"] for d in spec["devices"]] == ["kvm-0", "kvm-1", "kvm-2"]
-    assert spec["devices"][0]["attributes"] == {"hypervisor": {"string": "kvm"}, "apiVersion": {"int": 12},
-                                                "devicePath": {"string": "/dev/kvm"}}
+    assert spec["devices"][0]["attributes"] == {
+        "hypervisor": {"string": "kvm"},
+        "apiVersion": {"int": 12},
+        "devicePath": {"string": "/dev/kvm"},
+    }
     assert spec["pool"] == {"name": NODE, "resourceSliceCount": 1}
     assert desired_spec(NODE, DRIVER, 3, None)["devices"] == []
 
@@ -145,8 +172,17 @@ def test_the_publisher_reports_writes_api_errors_and_watch_restarts(tmp_path: An
     events: list[tuple[str, ...]] = []
 
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
-        publisher = SlicePublisher(api, NODE, DRIVER, 4, backoff_initial_s=0.01, backoff_cap_s=0.05, shared=False,
-                                   watch_timeout_s=(2.0, 2.0), on_event=lambda *e: events.append(e))
+        publisher = SlicePublisher(
+            api,
+            NODE,
+            DRIVER,
+            4,
+            backoff_initial_s=0.01,
+            backoff_cap_s=0.05,
+            shared=False,
+            watch_timeout_s=(2.0, 2.0),
+            on_event=lambda *e: events.append(e),
+        )
         publisher.set_device(KVM)
         task = asyncio.ensure_future(publisher.run())
         try:
@@ -165,8 +201,17 @@ def test_the_publisher_reports_writes_api_errors_and_watch_restarts(tmp_path: An
 
 def test_desired_spec_with_sharing_is_one_device_every_claim_may_share() -> None:
     spec = desired_spec(NODE, DRIVER, 3, KVM, shared=True)
-    assert spec["devices"] == [{"name": "kvm", "allowMultipleAllocations": True, "attributes": {
-        "hypervisor": {"string": "kvm"}, "apiVersion": {"int": 12}, "devicePath": {"string": "/dev/kvm"}}}]
+    assert spec["devices"] == [
+        {
+            "name": "kvm",
+            "allowMultipleAllocations": True,
+            "attributes": {
+                "hypervisor": {"string": "kvm"},
+                "apiVersion": {"int": 12},
+                "devicePath": {"string": "/dev/kvm"},
+            },
+        }
+    ]
     assert owned(spec) == spec, "the field is ours to compare"
     assert desired_spec(NODE, DRIVER, 3, None, shared=True)["devices"] == []
 
@@ -213,8 +258,9 @@ def test_every_watch_ends_in_time_for_a_dead_connection_to_be_found_within_a_min
 def test_the_server_omitting_an_empty_device_list_is_no_difference() -> None:
     recorded_slice = recorded("resourceslice.json")
     assert owned(recorded_slice["spec"]) == desired_spec(NODE, DRIVER, 1, KVM)
-    assert owned({k: v for k, v in desired_spec(NODE, DRIVER, 1, None).items() if k != "devices"}) == \
-        desired_spec(NODE, DRIVER, 1, None)
+    assert owned({k: v for k, v in desired_spec(NODE, DRIVER, 1, None).items() if k != "devices"}) == desired_spec(
+        NODE, DRIVER, 1, None
+    )
 
 
 def test_first_publish_creates_the_slice_with_generate_name(tmp_path: Any) -> None:
@@ -230,7 +276,9 @@ def test_first_publish_creates_the_slice_with_generate_name(tmp_path: Any) -> No
             assert publisher.slice_name == fake.ours()[0]["metadata"]["name"]
             await until(lambda: fake.of("watch"), what="a watch")
             assert fake.of("watch")[0].query["resourceVersion"] == "1042"  # from the list
+
         await publishing(fake, api, check)
+
     run(tmp_path, body)
 
 
@@ -244,7 +292,9 @@ def test_a_deleted_slice_is_created_again(tmp_path: Any) -> None:
             (again,) = fake.ours()
             assert again["metadata"]["name"] != first and again["spec"]["pool"]["generation"] == 2
             await until(lambda: publisher.published and publisher.slice_name == again["metadata"]["name"])
+
         await publishing(fake, api, check)
+
     run(tmp_path, body)
 
 
@@ -261,7 +311,9 @@ def test_an_edited_slice_is_restored_with_one_line(tmp_path: Any, caplog: pytest
             (restored,) = fake.ours()
             assert restored["spec"]["pool"]["generation"] == 8  # past the editor's
             assert warnings(caplog) == [f"ResourceSlice {mine['metadata']['name']} edited by someone else; restoring"]
+
         await publishing(fake, api, check)
+
     run(tmp_path, body)
 
 
@@ -281,7 +333,9 @@ def test_an_unusable_device_leaves_the_slice_and_comes_back(tmp_path: Any) -> No
             (back,) = fake.ours()
             assert [d["name"] for d in back["spec"]["devices"]][:1] == ["mshv-0"]
             assert back["spec"]["pool"]["generation"] == 3 and len(fake.of("create")) == 1
+
         await publishing(fake, api, check)
+
     run(tmp_path, body)
 
 
@@ -304,12 +358,15 @@ def test_duplicates_are_deleted_and_other_slices_left_alone(tmp_path: Any) -> No
             assert sorted(fake.slices) == ["s0", "s2", "s3"]  # the oldest of ours stays, updated
             assert fake.slices["s0"]["spec"]["pool"]["generation"] == 6
             assert equal_to_desired(fake, publisher) and not fake.of("create")
+
         await publishing(fake, api, check)
+
     run(tmp_path, body, setup)
 
 
-def test_a_conflict_is_read_again_and_retried_without_a_warning(tmp_path: Any,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_a_conflict_is_read_again_and_retried_without_a_warning(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def check(publisher: SlicePublisher) -> None:
             await until(lambda: publisher.published, what="published")
@@ -318,7 +375,9 @@ def test_a_conflict_is_read_again_and_retried_without_a_warning(tmp_path: Any,
             await until(lambda: publisher.published, what="published after the conflict")
             assert len(fake.of("update")) == 2 and "devices" not in fake.ours()[0]["spec"]
             assert warnings(caplog) == []
+
         await publishing(fake, api, check)
+
     run(tmp_path, body)
 
 
@@ -329,7 +388,9 @@ def test_an_expired_watch_is_listed_again(tmp_path: Any) -> None:
         async def check(publisher: SlicePublisher) -> None:
             await until(lambda: len(fake.of("watch")) >= 2, what="a second watch")
             assert len(fake.of("list")) >= 2 and publisher.published and publisher.last_error == ""
+
         await publishing(fake, api, check)
+
     run(tmp_path, body)
 
 
@@ -347,11 +408,15 @@ def test_a_server_that_goes_away_is_said_once_and_backed_off(tmp_path: Any, capl
             fake.down = False
             # A connection the server dropped while down may still fail one request (a pooled one):
             # that is said, and the next look clears it.
-            await until(lambda: publisher.published and publisher.last_error == "",
-                        what="published, and no error left, after the server came back")
+            await until(
+                lambda: publisher.published and publisher.last_error == "",
+                what="published, and no error left, after the server came back",
+            )
             assert "devices" not in fake.ours()[0]["spec"]
             assert any("published again" in r.getMessage() for r in caplog.records)
+
         await publishing(fake, api, check)
+
     run(tmp_path, body)
 
 
@@ -362,12 +427,16 @@ def test_forbidden_names_the_verb_and_resource_once(tmp_path: Any, caplog: pytes
         async def check(publisher: SlicePublisher) -> None:
             await until(lambda: len(fake.of("list")) >= 4, what="retries")
             (line,) = warnings(caplog)
-            assert line.startswith("list resourceslices.resource.k8s.io: forbidden (RBAC needs verb 'list' on "
-                                   "'resourceslices' in API group 'resource.k8s.io')"), line
+            assert line.startswith(
+                "list resourceslices.resource.k8s.io: forbidden (RBAC needs verb 'list' on "
+                "'resourceslices' in API group 'resource.k8s.io')"
+            ), line
             assert "\n" not in line and publisher.last_error in line and not publisher.published
             del fake.stuck["list"]
             await until(lambda: publisher.published, what="published once allowed")
+
         await publishing(fake, api, check)
+
     run(tmp_path, body)
 
 
@@ -378,7 +447,9 @@ def test_an_api_server_without_resource_v1_is_said_plainly(tmp_path: Any) -> Non
         async def check(publisher: SlicePublisher) -> None:
             await until(lambda: publisher.last_error, what="an error")
             assert "does not serve resource.k8s.io/v1" in publisher.last_error
+
         await publishing(fake, api, check, leaves_slice=False)
+
     run(tmp_path, body)
 
 
@@ -402,15 +473,21 @@ def test_client_errors_name_the_path_or_setting(tmp_path: Any) -> None:
 
 
 def test_api_errors_are_one_line() -> None:
-    assert str(ApiError("create", "resourceslices", 0, "", "ConnectError: refused")) == \
-        "create resourceslices.resource.k8s.io: API server unreachable: ConnectError: refused"
-    assert str(ApiError("update", "resourceslices", 422, "Invalid", "spec.devices: Too many")) == \
-        "update resourceslices.resource.k8s.io: 422 Invalid: spec.devices: Too many"
+    assert (
+        str(ApiError("create", "resourceslices", 0, "", "ConnectError: refused"))
+        == "create resourceslices.resource.k8s.io: API server unreachable: ConnectError: refused"
+    )
+    assert (
+        str(ApiError("update", "resourceslices", 422, "Invalid", "spec.devices: Too many"))
+        == "update resourceslices.resource.k8s.io: 422 Invalid: spec.devices: Too many"
+    )
 
 
 def test_the_device_plugin_modes_never_load_the_api_client() -> None:
-    code = ("import sys, hyperlight_agent.agent, hyperlight_agent.dra.slices, hyperlight_agent.dra.claims; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightkube', 'httpx', 'httpcore', 'anyio')))")
+    code = (
+        "import sys, hyperlight_agent.agent, hyperlight_agent.dra.slices, hyperlight_agent.dra.claims; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightkube', 'httpx', 'httpcore', 'anyio')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"
 
@@ -419,8 +496,9 @@ def test_the_device_plugin_modes_never_load_the_api_client() -> None:
 
 
 async def publisher_on(api: KubeApi, count: int = 4, **kw: Any) -> tuple[SlicePublisher, asyncio.Task[None]]:
-    publisher = SlicePublisher(api, NODE, DRIVER, count, backoff_initial_s=0.05, backoff_cap_s=0.4,
-                               **{"shared": False, **kw})
+    publisher = SlicePublisher(
+        api, NODE, DRIVER, count, backoff_initial_s=0.05, backoff_cap_s=0.4, **{"shared": False, **kw}
+    )
     publisher.set_device(KVM)
     return publisher, asyncio.ensure_future(publisher.run())
 
@@ -438,8 +516,13 @@ class Publishing(NamedTuple):
 
 
 @contextlib.asynccontextmanager
-async def running_publisher(tmp_path: Any, fake: Optional[FakeApiServer] = None, proxied: bool = False,
-                     client: Optional[dict[str, Any]] = None, **kw: Any) -> AsyncIterator[Publishing]:
+async def running_publisher(
+    tmp_path: Any,
+    fake: Optional[FakeApiServer] = None,
+    proxied: bool = False,
+    client: Optional[dict[str, Any]] = None,
+    **kw: Any,
+) -> AsyncIterator[Publishing]:
     """A fake API server (`fake`, set up by the test, or a new one), a client to it (through a
     FreezingProxy when `proxied`; `client`: connect()'s options) and a publisher running on it
     (`kw`: publisher_on's); all stopped at the end."""
@@ -465,9 +548,13 @@ async def running_publisher(tmp_path: Any, fake: Optional[FakeApiServer] = None,
 # 3: a deleted slice comes back whatever the network does to the watch's connection.
 async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_the_watch_timeout(tmp_path: Any) -> None:
     events: list[tuple[str, ...]] = []
-    async with running_publisher(tmp_path, proxied=True, client={"watch_grace_s": 0.5},
-                                 watch_timeout_s=(1.0, 1.0),
-                                 on_event=lambda *e: events.append(e)) as (fake, publisher, proxy):
+    async with running_publisher(
+        tmp_path,
+        proxied=True,
+        client={"watch_grace_s": 0.5},
+        watch_timeout_s=(1.0, 1.0),
+        on_event=lambda *e: events.append(e),
+    ) as (fake, publisher, proxy):
         await until(lambda: publisher.published and fake.of("watch"), what="published")
         proxy.freeze()  # the watch's connection stops forwarding: no FIN, no RST
         await fake.remove(publisher.slice_name)  # as a starting kubelet does
@@ -484,9 +571,14 @@ async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_a_heartbeat(
     events: list[tuple[str, ...]] = []
     fake = FakeApiServer()
     fake.bookmark_interval_s = 0.2
-    async with running_publisher(tmp_path, fake, proxied=True, client={"watch_heartbeat_s": 0.6},
-                                 watch_timeout_s=(60.0, 60.0), on_event=lambda *e: events.append(e)) \
-            as (_, publisher, proxy):
+    async with running_publisher(
+        tmp_path,
+        fake,
+        proxied=True,
+        client={"watch_heartbeat_s": 0.6},
+        watch_timeout_s=(60.0, 60.0),
+        on_event=lambda *e: events.append(e),
+    ) as (_, publisher, proxy):
         await until(lambda: publisher.published and fake.of("watch"), what="published")
         await fake.advance()  # the cluster moves on: the server's bookmarks start
         await until(lambda: publisher._listed_version == str(fake.version), what="a bookmark")
@@ -505,8 +597,7 @@ async def test_publishers_failing_together_retry_apart(tmp_path: Any) -> None:
     for i, fake in enumerate(fakes):
         fake.stuck["list"] = status("status-403-list.json")
         os.mkdir(os.path.join(str(tmp_path), str(i)))
-        apis.append(dra_client.connect(kubeconfig(os.path.join(str(tmp_path), str(i)), await fake.start()),
-                                       environ={}))
+        apis.append(dra_client.connect(kubeconfig(os.path.join(str(tmp_path), str(i)), await fake.start()), environ={}))
     publishers = [SlicePublisher(api, NODE, DRIVER, 4, backoff_initial_s=0.8, backoff_cap_s=1.6) for api in apis]
     for publisher in publishers:
         publisher.set_device(KVM)
@@ -527,8 +618,9 @@ async def test_publishers_failing_together_retry_apart(tmp_path: Any) -> None:
 
 # 5: a watch that ends at once, or is refused with 410 every time, is retried with backoff.
 @pytest.mark.parametrize("fault", ["ends at once", "410 every time"])
-async def test_a_watch_that_keeps_ending_is_backed_off_not_a_hot_loop(tmp_path: Any, fault: str,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_watch_that_keeps_ending_is_backed_off_not_a_hot_loop(
+    tmp_path: Any, fault: str, caplog: pytest.LogCaptureFixture
+) -> None:
     fake = FakeApiServer()
     if fault == "ends at once":
         fake.end_watches = True
@@ -586,7 +678,8 @@ async def test_two_publishers_for_one_node_do_not_fight(tmp_path: Any, caplog: p
 # accepted once, not fought.
 @pytest.mark.parametrize("webhook", ["adds an attribute", "changes ours"])
 async def test_a_mutating_webhook_neither_starves_readiness_nor_causes_rewrites(
-        tmp_path: Any, webhook: str, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Any, webhook: str, caplog: pytest.LogCaptureFixture
+) -> None:
     fake = FakeApiServer()
 
     def mutate(spec: dict[str, Any]) -> None:
@@ -621,6 +714,7 @@ async def test_an_unreadable_event_is_followed_by_a_new_watch_that_still_repairs
 async def test_repeated_edits_are_restored_and_said_once(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     async with running_publisher(tmp_path) as (fake, publisher, _):
         await until(lambda: publisher.published and fake.of("watch"), what="published")
+
         def restored(edits: int) -> bool:
             return len(fake.of("update")) == edits and equal_to_desired(fake, publisher)
 

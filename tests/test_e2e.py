@@ -81,8 +81,10 @@ def images() -> Iterator[dict[str, str]]:
     from the registry)."""
     directory = tempfile.mkdtemp(prefix="hl-e2e-img-")
     try:
-        yield {"pause": pause_image(directory, "localhost/hyperlight-e2e/pause:1"),
-               "workload": workload_image(directory, WORKLOAD_IMAGE)}
+        yield {
+            "pause": pause_image(directory, "localhost/hyperlight-e2e/pause:1"),
+            "workload": workload_image(directory, WORKLOAD_IMAGE),
+        }
     finally:
         subprocess.run(["rm", "-rf", directory], check=False)
 
@@ -112,8 +114,13 @@ def cluster(images: dict[str, str], published: Published) -> Iterator[Cluster]:
 
 
 def helm(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([os.path.join(TOOLS, "helm"), "--kubeconfig", cluster.admin_kubeconfig, *args],
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [os.path.join(TOOLS, "helm"), "--kubeconfig", cluster.admin_kubeconfig, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     return done
 
@@ -144,8 +151,9 @@ def other_release(version: str) -> str:
 
 
 def daemonset_pods(cluster: Cluster, name: str) -> list[dict[str, Any]]:
-    pods = cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods",
-                           labelSelector=f"app.kubernetes.io/name={name}")["items"]
+    pods = cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods", labelSelector=f"app.kubernetes.io/name={name}")[
+        "items"
+    ]
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
@@ -179,8 +187,10 @@ def installed(cluster: Cluster, published: Published) -> Cluster:
 def test_install_runs_on_the_labelled_node_only(installed: Cluster, published: Published) -> None:
     release = manifest(published.releases[PREVIOUS])
     for name in ("hyperlight-device-access", "hyperlight-device-plugin"):
+
         def ready(name: str = name) -> list[dict[str, Any]]:
             return [p for p in daemonset_pods(installed, name) if pod_ready(p)]
+
         pods = wait_until(ready, 120, f"{name} Ready")
         assert [p["spec"]["nodeName"] for p in pods] == ["a"], pods
         assert all(s["restartCount"] == 0 for p in pods for s in p["status"]["containerStatuses"])
@@ -209,14 +219,19 @@ def test_pod_security_refuses_the_agents_pod_outside_the_charts_namespace(instal
     (agent,) = daemonset_pods(installed, "hyperlight-device-plugin")
     # As the DaemonSet would ask for it, less what the scheduler, the service account and priority
     # admission added or allow only elsewhere (Pod Security is what is asked here).
-    spec = {k: v for k, v in agent["spec"].items() if k not in ("nodeName", "serviceAccountName", "serviceAccount",
-                                                                "priority", "priorityClassName")}
+    spec = {
+        k: v
+        for k, v in agent["spec"].items()
+        if k not in ("nodeName", "serviceAccountName", "serviceAccount", "priority", "priorityClassName")
+    }
     ns = "pod-security-default"
     ensure_namespace(installed, ns)
     try:
         with pytest.raises(ApiError) as refused:
-            installed.api.create(f"/api/v1/namespaces/{ns}/pods", {
-                "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "agent-elsewhere"}, "spec": spec})
+            installed.api.create(
+                f"/api/v1/namespaces/{ns}/pods",
+                {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "agent-elsewhere"}, "spec": spec},
+            )
         assert refused.value.status == 403, refused.value
         message = json.loads(refused.value.body)["message"]
         assert 'violates PodSecurity "restricted:latest"' in message, message
@@ -230,8 +245,9 @@ def test_helm_test_gets_the_device_as_a_restricted_workload(installed: Cluster) 
     --check in its container, as 65534 with no capabilities; it passes (and is deleted)."""
     assert helm_test(installed) == {"hyperlight-test-device-plugin": "Succeeded"}
     # Passed tests' pods are deleted.
-    assert not installed.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods",
-                                 labelSelector="app.kubernetes.io/name=hyperlight-test")["items"]
+    assert not installed.api.get(
+        f"/api/v1/namespaces/{NAMESPACE}/pods", labelSelector="app.kubernetes.io/name=hyperlight-test"
+    )["items"]
 
 
 def helm_test(cluster: Cluster) -> dict[str, str]:
@@ -239,14 +255,28 @@ def helm_test(cluster: Cluster) -> dict[str, str]:
     server has no address for its kubelets; `--check` exits 0 only when the probe created a VM, and
     a failed pod's status carries its output, as terminationMessagePolicy FallbackToLogsOnError
     makes it, shown here.)"""
-    done = subprocess.run([os.path.join(TOOLS, "helm"), "--kubeconfig", cluster.admin_kubeconfig, "test",
-                           "hyperlight", "--namespace", NAMESPACE, "--timeout", "180s"],
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [
+            os.path.join(TOOLS, "helm"),
+            "--kubeconfig",
+            cluster.admin_kubeconfig,
+            "test",
+            "hyperlight",
+            "--namespace",
+            NAMESPACE,
+            "--timeout",
+            "180s",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     if done.returncode != 0:
-        pods = cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods",
-                               labelSelector="app.kubernetes.io/name=hyperlight-test")["items"]
-        said = {p["metadata"]["name"]: [s.get("state") for s in p["status"].get("containerStatuses", [])]
-                for p in pods}
+        pods = cluster.api.get(
+            f"/api/v1/namespaces/{NAMESPACE}/pods", labelSelector="app.kubernetes.io/name=hyperlight-test"
+        )["items"]
+        said = {p["metadata"]["name"]: [s.get("state") for s in p["status"].get("containerStatuses", [])] for p in pods}
         raise AssertionError(f"helm test failed: {done.stderr}\n{done.stdout}\n{said}")
     return dict(re.findall(r"^TEST SUITE:\s+(\S+)\n(?:.*\n)*?Phase:\s+(\S+)", done.stdout, re.M))
 
@@ -263,19 +293,20 @@ def workload_pod(name: str, command: list[str], node: Optional[str] = None) -> d
     spec["terminationGracePeriodSeconds"] = 0
     if node:
         spec["nodeSelector"] = {"kubernetes.io/hostname": node}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"e2e": "workload"}},
-            "spec": spec}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"e2e": "workload"}}, "spec": spec}
 
 
 def ensure_namespace(cluster: Cluster, name: str) -> None:
     try:
-        cluster.api.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
-                                                  "metadata": {"name": name}})
+        cluster.api.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
     except ApiError as exc:
         if exc.status != 409:  # it exists already: fine
             raise
-    wait_until(lambda: cluster.api.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"), 60,
-               f"namespace {name}'s default service account")
+    wait_until(
+        lambda: cluster.api.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"),
+        60,
+        f"namespace {name}'s default service account",
+    )
 
 
 def use_kubelet(cluster: Cluster, version: str) -> Node:
@@ -301,11 +332,20 @@ def test_workload_gets_the_device_through_cdi(installed: Cluster, kubelet: str) 
     name = f"workload-{kubelet}"
     # The output comes back as the termination message: the nodes' only address is loopback, which
     # the kubelet does not report, so the API server cannot fetch logs.
-    installed.api.create(f"/api/v1/namespaces/{ns}/pods", workload_pod(
-        name, ["/bin/sh", "-c", "{ /kvmcheck && env | grep ^HYPERLIGHT_ | sort; } >/dev/termination-log"]))
+    installed.api.create(
+        f"/api/v1/namespaces/{ns}/pods",
+        workload_pod(name, ["/bin/sh", "-c", "{ /kvmcheck && env | grep ^HYPERLIGHT_ | sort; } >/dev/termination-log"]),
+    )
     try:
-        pod = wait_until(lambda: (p := installed.api.get(f"/api/v1/namespaces/{ns}/pods/{name}"))["status"]
-                         .get("phase") in ("Succeeded", "Failed") and p, 120, f"{name} finished")
+        pod = wait_until(
+            lambda: (
+                (p := installed.api.get(f"/api/v1/namespaces/{ns}/pods/{name}"))["status"].get("phase")
+                in ("Succeeded", "Failed")
+                and p
+            ),
+            120,
+            f"{name} finished",
+        )
         (status,) = pod["status"]["containerStatuses"]
         log = status["state"]["terminated"].get("message", "")
         assert pod["status"]["phase"] == "Succeeded", (pod["status"], log)
@@ -323,10 +363,13 @@ def test_workload_pinned_to_the_node_without_agent_stays_pending(installed: Clus
     name = "workload-on-b"
     installed.api.create(f"/api/v1/namespaces/{ns}/pods", workload_pod(name, ["/kvmcheck"], node="b"))
     try:
+
         def insufficient() -> bool:
-            events = installed.api.get(f"/api/v1/namespaces/{ns}/events",
-                                       fieldSelector=f"involvedObject.name={name}")["items"]
+            events = installed.api.get(f"/api/v1/namespaces/{ns}/events", fieldSelector=f"involvedObject.name={name}")[
+                "items"
+            ]
             return any(f"Insufficient {HYPERVISOR}" in e.get("message", "") for e in events)
+
         wait_until(insufficient, 60, "a FailedScheduling event naming the resource")
         assert installed.api.get(f"/api/v1/namespaces/{ns}/pods/{name}")["status"]["phase"] == "Pending"
     finally:
@@ -337,8 +380,7 @@ class Load:
     """While an event happens: a pod requesting the resource every LOAD_INTERVAL_S (placed by the
     scheduler), and the kubelet's own count of healthy devices every VIEW_INTERVAL_S."""
 
-    def __init__(self, cluster: Cluster, node: Node, namespace: str, command: list[str],
-                 pin: bool = False) -> None:
+    def __init__(self, cluster: Cluster, node: Node, namespace: str, command: list[str], pin: bool = False) -> None:
         self.cluster, self.node, self.namespace = cluster, node, namespace
         self.command, self.pin = command, pin
         self.created: list[str] = []
@@ -360,8 +402,10 @@ class Load:
         n = 0
         while not self._stop.is_set():
             name = f"load-{n}"
-            self.cluster.api.create(f"/api/v1/namespaces/{self.namespace}/pods",
-                                    workload_pod(name, self.command, self.node.name if self.pin else None))
+            self.cluster.api.create(
+                f"/api/v1/namespaces/{self.namespace}/pods",
+                workload_pod(name, self.command, self.node.name if self.pin else None),
+            )
             self.created.append(name)
             n += 1
             self._stop.wait(LOAD_INTERVAL_S)
@@ -397,6 +441,7 @@ class Load:
 
     def outcomes(self) -> dict[str, int]:
         """How the pods ended: rejected at admission, ran (Succeeded), or failed otherwise."""
+
         def settled() -> Optional[dict[str, int]]:
             counts = {"rejected": 0, "succeeded": 0, "failed": 0}
             pods = self.cluster.api.get(f"/api/v1/namespaces/{self.namespace}/pods")["items"]
@@ -405,18 +450,27 @@ class Load:
                 if status.get("phase") == "Succeeded":
                     counts["succeeded"] += 1
                 elif status.get("phase") == "Failed":
-                    admission = status.get("reason", "") == "UnexpectedAdmissionError" or \
-                        status.get("reason", "").startswith("OutOf")
+                    admission = status.get("reason", "") == "UnexpectedAdmissionError" or status.get(
+                        "reason", ""
+                    ).startswith("OutOf")
                     counts["rejected" if admission else "failed"] += 1
                 else:
                     return None
             return counts if sum(counts.values()) == len(self.created) else None
+
         result: dict[str, int] = wait_until(settled, 300, "every load pod finished", interval=1)
         return result
 
 
-def run_event(cluster: Cluster, node: Node, label: str, event: Any, back: Any,
-              command: Optional[list[str]] = None, pin: bool = False) -> dict[str, Any]:
+def run_event(
+    cluster: Cluster,
+    node: Node,
+    label: str,
+    event: Any,
+    back: Any,
+    command: Optional[list[str]] = None,
+    pin: bool = False,
+) -> dict[str, Any]:
     namespace = f"load-{label}".replace("_", "-").replace(".", "-")
     ensure_namespace(cluster, namespace)
     with Load(cluster, node, namespace, command or ["/kvmcheck"], pin) as load:
@@ -428,10 +482,15 @@ def run_event(cluster: Cluster, node: Node, label: str, event: Any, back: Any,
         wait_until(lambda: len(load.created) >= 5 + 10, 60, "load after the event")  # a tail after recovery
     outcomes = load.outcomes()
     windows, down = load.windows(down=False), load.windows(down=True)
-    figure = {"pods": len(load.created), **outcomes, "recovered_s": round(recovered, 2),
-              "kubelet_zero_windows_s": [round(w, 3) for w in windows],
-              "kubelet_zero_total_s": round(sum(windows), 3), "kubelet_down_s": round(sum(down), 3),
-              "view_samples": len(load.view)}
+    figure = {
+        "pods": len(load.created),
+        **outcomes,
+        "recovered_s": round(recovered, 2),
+        "kubelet_zero_windows_s": [round(w, 3) for w in windows],
+        "kubelet_zero_total_s": round(sum(windows), 3),
+        "kubelet_down_s": round(sum(down), 3),
+        "view_samples": len(load.view),
+    }
     cluster.api.delete(f"/api/v1/namespaces/{namespace}")
     return figure
 
@@ -441,6 +500,7 @@ def run_event(cluster: Cluster, node: Node, label: str, event: Any, back: Any,
 def test_lifecycle_under_load(installed: Cluster, published: Published, kubelet: str, event: str) -> None:
     version = installed.versions[kubelet]
     a = use_kubelet(installed, version)
+
     def healthy() -> bool:
         return kubelet_view(a).get(HYPERVISOR) == SLOTS
 
@@ -452,12 +512,15 @@ def test_lifecycle_under_load(installed: Cluster, published: Published, kubelet:
 
     back: Callable[[], bool] = replaced_and_healthy
     if event == "kubelet_restart":
+
         def act() -> None:
             a.stop_kubelet()
             a.start_kubelet(version)
+
         def back() -> bool:
             return a.ready() and healthy()
     elif event == "agent_pod_deleted":
+
         def act() -> None:
             for pod in daemonset_pods(installed, "hyperlight-device-plugin"):
                 installed.api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}", grace=None)
@@ -470,6 +533,7 @@ def test_lifecycle_under_load(installed: Cluster, published: Published, kubelet:
 
         def act() -> None:
             helm(installed, "upgrade", "hyperlight", *release_chart(published, target), "--namespace", NAMESPACE)
+
     figure = run_event(installed, a, f"{kubelet}-{event}", act, back)
     record(f"lifecycle.{kubelet}.{version}.{event}", figure)
     assert figure["failed"] == 0, figure
@@ -505,8 +569,13 @@ DRA_SHAPE = {"draSharedDevice": "auto"}
 
 
 def dra_values(published: Published, version: str, mode: str = "both") -> list[str]:
-    return [*release_chart(published, version), "--set", f"mode={mode}",
-            "--set", f"draSharedDevice={DRA_SHAPE['draSharedDevice']}"]
+    return [
+        *release_chart(published, version),
+        "--set",
+        f"mode={mode}",
+        "--set",
+        f"draSharedDevice={DRA_SHAPE['draSharedDevice']}",
+    ]
 
 
 def dra_expected_devices() -> int:
@@ -516,8 +585,9 @@ def dra_expected_devices() -> int:
 
 def node_slices(cluster: Cluster, node: str) -> list[dict[str, Any]]:
     selector = f"spec.nodeName={node},spec.driver={DRA_DRIVER}"
-    items: list[dict[str, Any]] = cluster.api.get("/apis/resource.k8s.io/v1/resourceslices",
-                                                  fieldSelector=selector)["items"]
+    items: list[dict[str, Any]] = cluster.api.get("/apis/resource.k8s.io/v1/resourceslices", fieldSelector=selector)[
+        "items"
+    ]
     return items
 
 
@@ -533,10 +603,23 @@ def give_the_driver_api_access(cluster: Cluster) -> None:
     forwarder on node A's gateway) in the two variables in-cluster clients read. Nothing of the
     chart's own changes, so helm upgrades leave these alone."""
     a = cluster.nodes["a"]
-    patch = {"spec": {"template": {"spec": {
-        "containers": [{"name": "agent", "env": [
-            {"name": "KUBERNETES_SERVICE_HOST", "value": a.gateway},
-            {"name": "KUBERNETES_SERVICE_PORT", "value": str(cluster.api_for_pods(a))}]}]}}}}
+    patch = {
+        "spec": {
+            "template": {
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "agent",
+                            "env": [
+                                {"name": "KUBERNETES_SERVICE_HOST", "value": a.gateway},
+                                {"name": "KUBERNETES_SERVICE_PORT", "value": str(cluster.api_for_pods(a))},
+                            ],
+                        }
+                    ]
+                }
+            }
+        }
+    }
     cluster.api.strategic_patch(f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{DRA_DAEMONSET}", patch)
 
 
@@ -544,9 +627,12 @@ def rolled_out(cluster: Cluster, name: str) -> bool:
     ds = cluster.api.get(f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{name}")
     status = ds["status"]
     pods = daemonset_pods(cluster, name)
-    return (status.get("observedGeneration") == ds["metadata"]["generation"]
-            and status.get("updatedNumberScheduled") == status.get("desiredNumberScheduled") == len(pods)
-            and status.get("numberReady") == len(pods) and all(pod_ready(p) for p in pods))
+    return (
+        status.get("observedGeneration") == ds["metadata"]["generation"]
+        and status.get("updatedNumberScheduled") == status.get("desiredNumberScheduled") == len(pods)
+        and status.get("numberReady") == len(pods)
+        and all(pod_ready(p) for p in pods)
+    )
 
 
 def dra_ready(cluster: Cluster) -> bool:
@@ -573,13 +659,15 @@ def dra_installed(installed: Cluster, published: Published) -> Cluster:
     mshv = json.loads(json.dumps(template))
     mshv["metadata"]["name"] = "mshv-only"
     mshv["spec"]["spec"]["devices"]["requests"][0]["exactly"]["selectors"] = [
-        {"cel": {"expression": f'device.attributes["{DRA_DRIVER}"].hypervisor == "mshv"'}}]
+        {"cel": {"expression": f'device.attributes["{DRA_DRIVER}"].hypervisor == "mshv"'}}
+    ]
     installed.api.create(f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaimtemplates", mshv)
     return installed
 
 
-def dra_pod(name: str, command: list[str], template: str = "hypervisor", node: Optional[str] = None,
-            claims: int = 1) -> dict[str, Any]:
+def dra_pod(
+    name: str, command: list[str], template: str = "hypervisor", node: Optional[str] = None, claims: int = 1
+) -> dict[str, Any]:
     """The DRA example's pod template (deploy/examples/dra-workload.yaml), with our image; pinned to
     `node` by a node selector; with `claims` claims from the template, all used by the container."""
     with open(DRA_WORKLOAD) as f:
@@ -595,8 +683,9 @@ def dra_pod(name: str, command: list[str], template: str = "hypervisor", node: O
     spec["terminationGracePeriodSeconds"] = 0
     spec["resourceClaims"][0]["resourceClaimTemplateName"] = template
     if claims > 1:
-        spec["resourceClaims"] = [{"name": f"hypervisor-{i}", "resourceClaimTemplateName": template}
-                                  for i in range(claims)]
+        spec["resourceClaims"] = [
+            {"name": f"hypervisor-{i}", "resourceClaimTemplateName": template} for i in range(claims)
+        ]
         container["resources"]["claims"] = [{"name": f"hypervisor-{i}"} for i in range(claims)]
     if node:
         spec["nodeSelector"] = {**spec.get("nodeSelector", {}), "kubernetes.io/hostname": node}
@@ -605,8 +694,14 @@ def dra_pod(name: str, command: list[str], template: str = "hypervisor", node: O
 
 def finished(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
     pod: dict[str, Any] = wait_until(
-        lambda: (p := cluster.api.get(f"/api/v1/namespaces/{ns}/pods/{name}"))["status"].get("phase")
-        in ("Succeeded", "Failed") and p, 180, f"{name} finished")
+        lambda: (
+            (p := cluster.api.get(f"/api/v1/namespaces/{ns}/pods/{name}"))["status"].get("phase")
+            in ("Succeeded", "Failed")
+            and p
+        ),
+        180,
+        f"{name} finished",
+    )
     return pod
 
 
@@ -627,8 +722,11 @@ def failed_prepares(cluster: Cluster, ns: str) -> tuple[list[str], list[str]]:
     ResourceClaim … no relationship found between node": the Node authorizer's graph not yet
     showing the pod's claim, a race inside Kubernetes; the kubelet retries and the pod runs)."""
     events = cluster.api.get(f"/api/v1/namespaces/{ns}/events")["items"]
-    failed = [f"{e['involvedObject']['name']}: {e.get('message', '')}" for e in events
-              if e.get("reason") == "FailedPrepareDynamicResources"]
+    failed = [
+        f"{e['involvedObject']['name']}: {e.get('message', '')}"
+        for e in events
+        if e.get("reason") == "FailedPrepareDynamicResources"
+    ]
     kubelets_own = [f for f in failed if "fetch ResourceClaim" in f]
     return [f for f in failed if f not in kubelets_own], kubelets_own
 
@@ -677,8 +775,14 @@ class DraLoad:
     """A DRA pod every interval while an event happens (placed by the scheduler, on `node` when
     given), running `command`."""
 
-    def __init__(self, cluster: Cluster, namespace: str, interval: float = 0.3, node: Optional[str] = None,
-                 command: Optional[list[str]] = None) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        namespace: str,
+        interval: float = 0.3,
+        node: Optional[str] = None,
+        command: Optional[list[str]] = None,
+    ) -> None:
         self.cluster, self.namespace, self.interval = cluster, namespace, interval
         self.node, self.command = node, command or ["/kvmcheck"]
         self.created: list[str] = []
@@ -696,24 +800,34 @@ class DraLoad:
     def _pods(self) -> None:
         while not self._stop.is_set():
             name = f"load-{len(self.created)}"
-            self.cluster.api.create(f"/api/v1/namespaces/{self.namespace}/pods",
-                                    dra_pod(name, self.command, node=self.node))
+            self.cluster.api.create(
+                f"/api/v1/namespaces/{self.namespace}/pods", dra_pod(name, self.command, node=self.node)
+            )
             self.created.append(name)
             self._stop.wait(self.interval)
 
     def outcomes(self) -> dict[str, Any]:
         """How the pods ended, and how long each took from creation to its container's start
         ("late": more than LATE_S)."""
+
         def settled() -> Optional[dict[str, Any]]:
-            pods = {p["metadata"]["name"]: p for p in
-                    self.cluster.api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector="e2e=dra")["items"]}
+            pods = {
+                p["metadata"]["name"]: p
+                for p in self.cluster.api.get(f"/api/v1/namespaces/{self.namespace}/pods", labelSelector="e2e=dra")[
+                    "items"
+                ]
+            }
             phases = [pods[n]["status"].get("phase") for n in self.created if n in pods]
             if len(phases) < len(self.created) or any(p not in ("Succeeded", "Failed") for p in phases):
                 return None
             waits = sorted(w for n in self.created if (w := start_delay(pods[n])) is not None)
-            return {"succeeded": phases.count("Succeeded"), "failed": phases.count("Failed"),
-                    "late": sum(1 for w in waits if w > LATE_S),
-                    "start_s_p50_max": [waits[len(waits) // 2], waits[-1]] if waits else []}
+            return {
+                "succeeded": phases.count("Succeeded"),
+                "failed": phases.count("Failed"),
+                "late": sum(1 for w in waits if w > LATE_S),
+                "start_s_p50_max": [waits[len(waits) // 2], waits[-1]] if waits else [],
+            }
+
         result: dict[str, Any] = wait_until(settled, 300, "every DRA load pod finished", interval=1)
         return result
 
@@ -768,8 +882,14 @@ class SliceWatch:
             self._stop.wait(0.1)
 
 
-def dra_event(cluster: Cluster, label: str, act: Callable[[], None], back: Callable[[], bool],
-              node: str = "a", command: Optional[list[str]] = None) -> dict[str, Any]:
+def dra_event(
+    cluster: Cluster,
+    label: str,
+    act: Callable[[], None],
+    back: Callable[[], bool],
+    node: str = "a",
+    command: Optional[list[str]] = None,
+) -> dict[str, Any]:
     """Under a DRA pod every 0.3 s on `node`, with one long-running pod holding the device: act(),
     wait for back(), a tail of pods; how every pod ended (and how late), whether the running one
     was touched, and the fewest devices the node's slice held meanwhile."""
@@ -784,8 +904,13 @@ def dra_event(cluster: Cluster, label: str, act: Callable[[], None], back: Calla
     runner = dra_pod("running", ["/bin/sh", "-c", hold], node=node)
     runner["metadata"]["labels"] = {"e2e": "dra-running"}
     cluster.api.create(f"/api/v1/namespaces/{ns}/pods", runner)
-    before = wait_until(lambda: (p := cluster.api.get(f"/api/v1/namespaces/{ns}/pods/running"))["status"]
-                        .get("phase") == "Running" and p, 120, "the long-running pod running")
+    before = wait_until(
+        lambda: (
+            (p := cluster.api.get(f"/api/v1/namespaces/{ns}/pods/running"))["status"].get("phase") == "Running" and p
+        ),
+        120,
+        "the long-running pod running",
+    )
     with DraLoad(cluster, ns, node=node, command=command) as load:
         wait_until(lambda: len(load.created) >= 5, 30, "load started")
         with SliceWatch(cluster, node) as slices:
@@ -799,11 +924,18 @@ def dra_event(cluster: Cluster, label: str, act: Callable[[], None], back: Calla
     after = cluster.api.get(f"/api/v1/namespaces/{ns}/pods/running")
     (status,) = after["status"]["containerStatuses"]
     failed, kubelets_own = failed_prepares(cluster, ns)
-    figure = {"pods": len(load.created), **outcomes, "recovered_s": round(recovered, 2),
-              "failed_prepares": failed, "kubelet_claim_reads_refused": len(kubelets_own),
-              "running_pod_untouched": after["metadata"]["uid"] == before["metadata"]["uid"]
-              and after["status"]["phase"] == "Running" and status["restartCount"] == 0,
-              "slice_fewest_devices": slices.fewest, "slice_looks": slices.looks}
+    figure = {
+        "pods": len(load.created),
+        **outcomes,
+        "recovered_s": round(recovered, 2),
+        "failed_prepares": failed,
+        "kubelet_claim_reads_refused": len(kubelets_own),
+        "running_pod_untouched": after["metadata"]["uid"] == before["metadata"]["uid"]
+        and after["status"]["phase"] == "Running"
+        and status["restartCount"] == 0,
+        "slice_fewest_devices": slices.fewest,
+        "slice_looks": slices.looks,
+    }
     cluster.api.delete(f"/api/v1/namespaces/{ns}")
     return figure
 
@@ -827,14 +959,17 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
     else:
         assert [d["name"] for d in slice_["spec"]["devices"]] == [f"kvm-{i}" for i in range(DRA_DEVICES)]
     assert device["attributes"]["hypervisor"] == {"string": "kvm"}, device
-    assert device["attributes"]["apiVersion"] == {"int": 12} and device["attributes"]["devicePath"] == \
-        {"string": "/dev/kvm"}, device
+    assert device["attributes"]["apiVersion"] == {"int": 12} and device["attributes"]["devicePath"] == {
+        "string": "/dev/kvm"
+    }, device
     assert slice_devices(cluster, "b") is None, "an unlabelled node runs no driver and publishes no slice"
 
     # A workload: the device through the claim's CDI device, as a non-root user.
     name = f"dra-workload-{kubelet}"
-    cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods", dra_pod(
-        name, ["/bin/sh", "-c", "{ /kvmcheck && env | grep ^HYPERLIGHT_ | sort; } >/dev/termination-log"]))
+    cluster.api.create(
+        f"/api/v1/namespaces/{DRA_NS}/pods",
+        dra_pod(name, ["/bin/sh", "-c", "{ /kvmcheck && env | grep ^HYPERLIGHT_ | sort; } >/dev/termination-log"]),
+    )
     pod = finished(cluster, DRA_NS, name)
     log = termination_message(pod)
     assert pod["status"]["phase"] == "Succeeded", (pod["status"], log)
@@ -847,14 +982,21 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
     sharers = [f"share-{kubelet}-{i}" for i in range(SHARERS)]
     started = time.monotonic()
     for sharer in sharers:
-        cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods",
-                           dra_pod(sharer, ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"]))
+        cluster.api.create(
+            f"/api/v1/namespaces/{DRA_NS}/pods", dra_pod(sharer, ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"])
+        )
 
     def all_running() -> bool:
         pods = cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods", labelSelector="e2e=dra")["items"]
-        running = [p for p in pods if p["metadata"]["name"] in sharers and p["status"].get("phase") == "Running"
-                   and all("running" in s["state"] for s in p["status"].get("containerStatuses", [{"state": {}}]))]
+        running = [
+            p
+            for p in pods
+            if p["metadata"]["name"] in sharers
+            and p["status"].get("phase") == "Running"
+            and all("running" in s["state"] for s in p["status"].get("containerStatuses", [{"state": {}}]))
+        ]
         return len(running) == SHARERS
+
     wait_until(all_running, 240, f"{SHARERS} pods running at once", interval=0.5)
     record(f"dra.{kubelet}.{version}.{SHARERS}_pods_running_s", round(time.monotonic() - started, 1))
     # Each claim names node a's pool and a device of its own, or the one shared device with a
@@ -908,6 +1050,7 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
         def back(old: set[str] = old) -> bool:
             pods = daemonset_pods(cluster, DRA_DAEMONSET)
             return bool(pods) and all(p["metadata"]["uid"] not in old for p in pods) and dra_ready(cluster)
+
         target = other_release(running_release(published, daemonset_pods(cluster, DRA_DAEMONSET)))
 
         def act(event: str = event, target: str = target) -> None:
@@ -916,6 +1059,7 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
                     cluster.api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}", grace=None)
             else:
                 helm(cluster, "upgrade", "hyperlight", *dra_values(published, target), "--namespace", NAMESPACE)
+
         figure = dra_event(cluster, f"{kubelet}-{event}", act, back)
         record(f"dra.{kubelet}.{version}.{event}", figure)
         assert figure["failed"] == 0 and figure["failed_prepares"] == [], figure
@@ -951,8 +1095,9 @@ def claim_result(cluster: Cluster, pod_name: str) -> dict[str, Any]:
     """The allocation result of the one claim of a DRA pod."""
     pod = cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods/{pod_name}")
     (claim_status,) = pod["status"]["resourceClaimStatuses"]
-    claim = cluster.api.get(f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaims/"
-                            f"{claim_status['resourceClaimName']}")
+    claim = cluster.api.get(
+        f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaims/{claim_status['resourceClaimName']}"
+    )
     (result,) = claim["status"]["allocation"]["devices"]["results"]
     return dict(result)
 
@@ -963,21 +1108,28 @@ def claims_at_once(cluster: Cluster, kubelet: str, version: str) -> None:
     names = [f"claims-{kubelet}-{i}" for i in range(CLAIM_PODS)]
     started = time.monotonic()
     for name in names:
-        cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods",
-                           dra_pod(name, ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"], claims=CLAIMS_PER_POD))
+        cluster.api.create(
+            f"/api/v1/namespaces/{DRA_NS}/pods",
+            dra_pod(name, ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"], claims=CLAIMS_PER_POD),
+        )
 
     def running() -> bool:
         pods = [cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods/{n}") for n in names]
         return all(p["status"].get("phase") == "Running" for p in pods)
+
     wait_until(running, 300, f"{CLAIM_PODS} pods with {CLAIMS_PER_POD} claims each running", interval=1)
-    claims = [c for c in cluster.api.get(f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaims")["items"]
-              if any(ref.get("name", "").startswith(f"claims-{kubelet}-")
-                     for ref in c["metadata"].get("ownerReferences", []))]
+    claims = [
+        c
+        for c in cluster.api.get(f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaims")["items"]
+        if any(ref.get("name", "").startswith(f"claims-{kubelet}-") for ref in c["metadata"].get("ownerReferences", []))
+    ]
     results = [r for c in claims for r in c["status"]["allocation"]["devices"]["results"]]
     assert len(results) == CLAIM_PODS * CLAIMS_PER_POD > DRA_DEVICES, len(results)
     assert {r["device"] for r in results} == {"kvm"} and len({r["shareID"] for r in results}) == len(results)
-    record(f"dra.{kubelet}.{version}.claims_on_one_device_running_s",
-           {"claims": len(results), "pods": CLAIM_PODS, "s": round(time.monotonic() - started, 1)})
+    record(
+        f"dra.{kubelet}.{version}.claims_on_one_device_running_s",
+        {"claims": len(results), "pods": CLAIM_PODS, "s": round(time.monotonic() - started, 1)},
+    )
     for name in names:
         cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")
 
@@ -988,8 +1140,9 @@ def load_namespace(label: str) -> str:
 
 
 def pods_on(cluster: Cluster, namespace: str, node: str) -> list[dict[str, Any]]:
-    return [p for p in cluster.api.get(f"/api/v1/namespaces/{namespace}/pods")["items"]
-            if p["spec"].get("nodeName") == node]
+    return [
+        p for p in cluster.api.get(f"/api/v1/namespaces/{namespace}/pods")["items"] if p["spec"].get("nodeName") == node
+    ]
 
 
 def through_dra(pod: dict[str, Any]) -> bool:
@@ -1001,14 +1154,17 @@ def through_dra(pod: dict[str, Any]) -> bool:
 def test_helm_test_gets_the_device_through_a_claim_too(dra_installed: Cluster) -> None:
     """`helm test` in mode both: the device plugin's test pod and the DRA one (a claim from the
     chart's test template) each run the agent's --check on the device they got, and pass."""
-    assert helm_test(dra_installed) == {"hyperlight-test-device-plugin": "Succeeded",
-                                        "hyperlight-test-dra": "Succeeded"}
+    assert helm_test(dra_installed) == {
+        "hyperlight-test-device-plugin": "Succeeded",
+        "hyperlight-test-dra": "Succeeded",
+    }
     # The test's claim template and its claims go with the pods that passed.
     assert not dra_installed.api.get(f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/resourceclaimtemplates")["items"]
 
 
-def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(dra_installed: Cluster, published: Published,
-                                                                     tmp: str) -> None:
+def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(
+    dra_installed: Cluster, published: Published, tmp: str
+) -> None:
     """Issue 29: 1, 2. Pods asking for resources.limits hyperlight.dev/hypervisor, unchanged, one
     every 0.2 s pinned to node a by a node selector, while node a moves from the device plugin to
     DRA in the documented order (the DRA driver beside the plugin; cordon; the pods already bound
@@ -1033,8 +1189,10 @@ def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(dra_installe
     def to_dra() -> None:
         cordon(True)
         cordoned["at"] = time.monotonic()
+
         def bound_started() -> bool:
             return all(p["status"].get("phase") != "Pending" for p in pods_on(cluster, load_namespace(label), "a"))
+
         wait_until(bound_started, 120, "every pod bound before the cordon started")
         helm(cluster, "upgrade", "hyperlight", *dra_values(published, release, mode="dra"), "--namespace", NAMESPACE)
         wait_until(lambda: allocatable(a, HYPERVISOR) == 0, 120, "node a's allocatable without the device plugin")
@@ -1042,8 +1200,10 @@ def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(dra_installe
         cordoned["for"] = time.monotonic() - cordoned["at"]
 
     def on_dra() -> bool:
-        return any(through_dra(p) and p["status"].get("phase") == "Succeeded"
-                   for p in pods_on(cluster, load_namespace(label), "a"))
+        return any(
+            through_dra(p) and p["status"].get("phase") == "Succeeded"
+            for p in pods_on(cluster, load_namespace(label), "a")
+        )
 
     try:
         figure = run_event(cluster, a, label, to_dra, on_dra, pin=True)
@@ -1056,8 +1216,11 @@ def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(dra_installe
     # The mixed cluster: the same pod spec on node a (DRA) and node b (the .deb's device plugin).
     root = install_from_the_apt_repository(published, tmp)
     kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
-    binds = [f"{kvm}:/dev/kvm", f"{b.device_plugin_dir}:/var/lib/kubelet/device-plugins",
-             f"{b.path('cdi')}:/var/run/cdi"]
+    binds = [
+        f"{kvm}:/dev/kvm",
+        f"{b.device_plugin_dir}:/var/lib/kubelet/device-plugins",
+        f"{b.path('cdi')}:/var/run/cdi",
+    ]
     with nspawn.Guest(root, binds, ephemeral=False) as guest:
         wait_until(lambda: kubelet_view(b).get(HYPERVISOR) == SLOTS, 120, "node b's kubelet counting the host agent")
         wait_until(lambda: allocatable(b, HYPERVISOR) == SLOTS, 60, "node b's allocatable")
@@ -1065,8 +1228,9 @@ def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(dra_installe
         ensure_namespace(cluster, ns)
         # B's /dev/kvm is /dev/null for containerd: that pod proves admission and the device plugin's path.
         cluster.api.create(f"/api/v1/namespaces/{ns}/pods", workload_pod("same-spec-a", ["/kvmcheck"], "a"))
-        cluster.api.create(f"/api/v1/namespaces/{ns}/pods",
-                           workload_pod("same-spec-b", ["/bin/sh", "-c", "exit 0"], "b"))
+        cluster.api.create(
+            f"/api/v1/namespaces/{ns}/pods", workload_pod("same-spec-b", ["/bin/sh", "-c", "exit 0"], "b")
+        )
         on_a, on_b = finished(cluster, ns, "same-spec-a"), finished(cluster, ns, "same-spec-b")
         assert on_a["status"]["phase"] == on_b["status"]["phase"] == "Succeeded", (on_a["status"], on_b["status"])
         assert through_dra(on_a) and not through_dra(on_b), (on_a["status"], on_b["status"])
@@ -1087,8 +1251,11 @@ def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(dra_installe
         cordoned["at"] = time.monotonic()
 
         def dra_pods_ended() -> bool:
-            return not any(through_dra(p) and p["status"].get("phase") in ("Pending", "Running")
-                           for p in pods_on(cluster, load_namespace(label), "a"))
+            return not any(
+                through_dra(p) and p["status"].get("phase") in ("Pending", "Running")
+                for p in pods_on(cluster, load_namespace(label), "a")
+            )
+
         wait_until(dra_pods_ended, 300, "every pod placed through DRA ended")
         helm(cluster, "upgrade", "hyperlight", *dra_values(published, release), "--namespace", NAMESPACE)
         wait_until(lambda: allocatable(a, HYPERVISOR) == SLOTS, 120, "node a's allocatable from the device plugin")
@@ -1096,8 +1263,10 @@ def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(dra_installe
         cordoned["for"] = time.monotonic() - cordoned["at"]
 
     def on_plugin() -> bool:
-        return any(p["status"].get("phase") == "Succeeded" and not through_dra(p)
-                   for p in pods_on(cluster, load_namespace(label), "a"))
+        return any(
+            p["status"].get("phase") == "Succeeded" and not through_dra(p)
+            for p in pods_on(cluster, load_namespace(label), "a")
+        )
 
     try:
         figure = run_event(cluster, a, label, to_plugin, on_plugin, pin=True)
@@ -1114,20 +1283,38 @@ def test_dra_driver_may_change_only_its_own_nodes_slices(dra_installed: Cluster)
     own node's slices yes, another node's no (admission policy), anything else no (RBAC)."""
     cluster = dra_installed
     (pod,) = daemonset_pods(cluster, DRA_DAEMONSET)
-    request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {
-        "expirationSeconds": 600, "boundObjectRef": {"apiVersion": "v1", "kind": "Pod",
-                                                     "name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}}}
-    token = cluster.api.create(f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{DRA_DAEMONSET}/token",
-                               request)["status"]["token"]
+    request = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {
+            "expirationSeconds": 600,
+            "boundObjectRef": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": pod["metadata"]["name"],
+                "uid": pod["metadata"]["uid"],
+            },
+        },
+    }
+    token = cluster.api.create(f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{DRA_DAEMONSET}/token", request)[
+        "status"
+    ]["token"]
     driver = Api("127.0.0.1", cluster.api_port, cluster.pki.ca.cert, None, token=token)
     try:
-        assert driver.get("/apis/resource.k8s.io/v1/resourceslices",
-                          fieldSelector=f"spec.nodeName=a,spec.driver={DRA_DRIVER}")["items"]
-        foreign = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-                   "metadata": {"generateName": "b-forged-"},
-                   "spec": {"driver": DRA_DRIVER, "nodeName": "b", "pool": {"name": "b", "generation": 1,
-                                                                               "resourceSliceCount": 1},
-                            "devices": [{"name": "kvm-0"}]}}
+        assert driver.get(
+            "/apis/resource.k8s.io/v1/resourceslices", fieldSelector=f"spec.nodeName=a,spec.driver={DRA_DRIVER}"
+        )["items"]
+        foreign = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"generateName": "b-forged-"},
+            "spec": {
+                "driver": DRA_DRIVER,
+                "nodeName": "b",
+                "pool": {"name": "b", "generation": 1, "resourceSliceCount": 1},
+                "devices": [{"name": "kvm-0"}],
+            },
+        }
         with pytest.raises(ApiError) as refused:
             driver.create("/apis/resource.k8s.io/v1/resourceslices", foreign)
         assert refused.value.status in (403, 422), refused.value
@@ -1156,8 +1343,13 @@ def main_pid(guest: nspawn.Guest) -> int:
 
 def apt_upgrade(guest: nspawn.Guest) -> subprocess.CompletedProcess[str]:
     """The agent upgraded from the repository the host's sources name, as an operator would."""
-    return guest.run("sh", "-c", "apt-get update -q && DEBIAN_FRONTEND=noninteractive "
-                     "apt-get install -y -q hyperlight-agent </dev/null", check=False, timeout=300)
+    return guest.run(
+        "sh",
+        "-c",
+        "apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q hyperlight-agent </dev/null",
+        check=False,
+        timeout=300,
+    )
 
 
 BROKEN = "\nraise RuntimeError('the next release, broken on purpose')\n"
@@ -1173,8 +1365,11 @@ def test_host_mode_on_a_real_kubelet(installed: Cluster, published: Published, t
     b = installed.nodes["b"]
     root = install_from_the_apt_repository(published, tmp)
     kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)  # the guest's own /dev/kvm: B's is /dev/null
-    binds = [f"{kvm}:/dev/kvm", f"{b.device_plugin_dir}:/var/lib/kubelet/device-plugins",
-             f"{b.path('cdi')}:/var/run/cdi"]
+    binds = [
+        f"{kvm}:/dev/kvm",
+        f"{b.device_plugin_dir}:/var/lib/kubelet/device-plugins",
+        f"{b.path('cdi')}:/var/run/cdi",
+    ]
     started = time.monotonic()
     # The host's network: apt reaches the release site on the host's loopback.
     with nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest:
@@ -1204,8 +1399,15 @@ def test_host_mode_on_a_real_kubelet(installed: Cluster, published: Published, t
 UnderLoad = Callable[[str, Callable[[], None], Callable[[], bool]], dict[str, Any]]
 
 
-def host_upgrades_in_place(cluster: Cluster, published: Published, guest: nspawn.Guest, root: str,
-                           serving: Callable[[], bool], label: str, under: Optional[UnderLoad] = None) -> None:
+def host_upgrades_in_place(
+    cluster: Cluster,
+    published: Published,
+    guest: nspawn.Guest,
+    root: str,
+    serving: Callable[[], bool],
+    label: str,
+    under: Optional[UnderLoad] = None,
+) -> None:
     """Issue 28 on node B's real kubelet: `systemctl reload`, then `apt-get install` of the next
     release from the repository, each under load with no pod rejected or failed and no moment
     without the device; then (the device plugin's run) a next release that fails before it is
@@ -1295,21 +1497,39 @@ def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, published: Publ
     # A user of its own with the chart's DRA role (RBAC only: the admission policy is for the pods'
     # service account), in a kubeconfig with everything inline.
     user = cluster.pki.issue("host-b-dra", "/CN=hyperlight-host-b")
-    cluster.api.create("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-        "metadata": {"name": "hyperlight-host-b"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": DRA_DAEMONSET},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "hyperlight-host-b"}]})
+    cluster.api.create(
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "hyperlight-host-b"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": DRA_DAEMONSET},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "hyperlight-host-b"}],
+        },
+    )
 
     def inline(path: str) -> str:
         with open(path, "rb") as f:
             return base64.b64encode(f.read()).decode()
-    kubeconfig = {"apiVersion": "v1", "kind": "Config", "current-context": "e2e",
-                  "clusters": [{"name": "e2e", "cluster": {"server": cluster.server,
-                                                           "certificate-authority-data": inline(cluster.pki.ca.cert)}}],
-                  "users": [{"name": "host", "user": {"client-certificate-data": inline(user.cert),
-                                                      "client-key-data": inline(user.key)}}],
-                  "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": "host"}}]}
+
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "e2e",
+        "clusters": [
+            {
+                "name": "e2e",
+                "cluster": {"server": cluster.server, "certificate-authority-data": inline(cluster.pki.ca.cert)},
+            }
+        ],
+        "users": [
+            {
+                "name": "host",
+                "user": {"client-certificate-data": inline(user.cert), "client-key-data": inline(user.key)},
+            }
+        ],
+        "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": "host"}}],
+    }
     etc = os.path.join(root, "etc", "hyperlight-agent")
     with open(os.path.join(etc, "kubeconfig"), "w") as f:
         json.dump(kubeconfig, f)
@@ -1320,8 +1540,12 @@ def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, published: Publ
     with open(os.path.join(drop_in, "dra.conf"), "w") as f:
         f.write(readme_dra_drop_in())
     kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)  # the guest's own /dev/kvm: B's is /dev/null
-    binds = [f"{kvm}:/dev/kvm", f"{b.path('kubelet', 'plugins_registry')}:/var/lib/kubelet/plugins_registry",
-             f"{b.path('kubelet', 'plugins')}:/var/lib/kubelet/plugins", f"{b.path('cdi')}:/var/run/cdi"]
+    binds = [
+        f"{kvm}:/dev/kvm",
+        f"{b.path('kubelet', 'plugins_registry')}:/var/lib/kubelet/plugins_registry",
+        f"{b.path('kubelet', 'plugins')}:/var/lib/kubelet/plugins",
+        f"{b.path('cdi')}:/var/run/cdi",
+    ]
     started = time.monotonic()
     try:
         with nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest:
@@ -1345,6 +1569,7 @@ def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, published: Publ
 
             def under(name: str, act: Callable[[], None], back: Callable[[], bool]) -> dict[str, Any]:
                 return dra_event(cluster, f"host-b-{name}", act, back, node="b", command=["/bin/sh", "-c", "exit 0"])
+
             host_upgrades_in_place(cluster, published, guest, root, serving, "host.dra", under)
     finally:
         cluster.api.delete("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/hyperlight-host-b")
@@ -1356,13 +1581,21 @@ def test_labelled_node_without_a_usable_device_admits_nothing(installed: Cluster
     b = installed.nodes["b"]
     installed.api.merge_patch("/api/v1/nodes/b", {"metadata": {"labels": {"hyperlight.dev/enabled": "true"}}})
     try:
+
         def access_agent_running() -> list[dict[str, Any]]:
-            return [p for p in daemonset_pods(installed, "hyperlight-device-access")
-                    if p["spec"].get("nodeName") == "b" and p["status"].get("phase") == "Running"]
+            return [
+                p
+                for p in daemonset_pods(installed, "hyperlight-device-access")
+                if p["spec"].get("nodeName") == "b" and p["status"].get("phase") == "Running"
+            ]
+
         wait_until(access_agent_running, 120, "the device-access agent running on node b")
         # Registered, with nothing healthy: the kubelet counts the resource but none allocatable.
-        wait_until(lambda: DEVICE_ACCESS in kubelet_view(b) or b.allocatable().get(DEVICE_ACCESS) == "0", 60,
-                   "node b's kubelet knows the device-access resource")
+        wait_until(
+            lambda: DEVICE_ACCESS in kubelet_view(b) or b.allocatable().get(DEVICE_ACCESS) == "0",
+            60,
+            "node b's kubelet knows the device-access resource",
+        )
         ns = "hyperlight-apps"
         ensure_namespace(installed, ns)
         installed.api.create(f"/api/v1/namespaces/{ns}/pods", workload_pod("workload-unusable", ["/kvmcheck"], "b"))
@@ -1395,23 +1628,32 @@ def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
     directory = os.path.join(tmp, "cluster")
     os.makedirs(directory)
     state = State(state_path)
-    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "1000"],
-                              start_new_session=True)
+    holder = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sleep", "1000"], start_new_session=True
+    )
     shim: Optional[subprocess.Popen[bytes]] = None
     container: Optional[subprocess.Popen[bytes]] = None
     stranger: Optional[subprocess.Popen[bytes]] = None
     try:
         state.add("pids", [holder.pid, cluster_module._start_time(holder.pid)])
-        namespace = wait_until(lambda: (ns := cluster_module._mount_ns(holder.pid)) != os.readlink("/proc/self/ns/mnt")
-                               and ns, 10, "the holder's own mount namespace")
+        namespace = wait_until(
+            lambda: (ns := cluster_module._mount_ns(holder.pid)) != os.readlink("/proc/self/ns/mnt") and ns,
+            10,
+            "the holder's own mount namespace",
+        )
         state.add("namespaces", namespace)
         # Not recorded by PID: found only through its mount namespace, as a shim would be.
-        shim = subprocess.Popen(["nsenter", "-t", str(holder.pid), "-m", "--", "sleep", "1000"],
-                                start_new_session=True, env={**os.environ, cluster_module.RUN_ENV: str(state.run)})
+        shim = subprocess.Popen(
+            ["nsenter", "-t", str(holder.pid), "-m", "--", "sleep", "1000"],
+            start_new_session=True,
+            env={**os.environ, cluster_module.RUN_ENV: str(state.run)},
+        )
         # Someone else's process that lives in a namespace of that number (a reused number).
-        stranger = subprocess.Popen(["nsenter", "-t", str(holder.pid), "-m", "--", "sleep", "1000"],
-                                    start_new_session=True, env={k: v for k, v in os.environ.items()
-                                                                 if k != cluster_module.RUN_ENV})
+        stranger = subprocess.Popen(
+            ["nsenter", "-t", str(holder.pid), "-m", "--", "sleep", "1000"],
+            start_new_session=True,
+            env={k: v for k, v in os.environ.items() if k != cluster_module.RUN_ENV},
+        )
         wait_until(lambda: cluster_module._mount_ns(shim.pid) == namespace, 10, "the shim in the namespace")  # type: ignore[union-attr]
         group = f"/hl-e2e-leftover-{os.getpid()}"
         state.add("cgroups", group)
@@ -1419,11 +1661,21 @@ def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
             os.makedirs(os.path.join(cluster_module.CGROUP_ROOT, hierarchy, group.lstrip("/"), "kubepods"))
         # A container: a mount namespace of its own, found only through its cgroup.
         container = subprocess.Popen(["unshare", "--mount", "sleep", "1000"], start_new_session=True)
-        wait_until(lambda: cluster_module._mount_ns(container.pid) not in (None, namespace,  # type: ignore[union-attr]
-                                                                          os.readlink("/proc/self/ns/mnt")),
-                   10, "the container's own mount namespace")
-        with open(os.path.join(cluster_module.CGROUP_ROOT, "pids", group.lstrip("/"), "kubepods",
-                               "cgroup.procs"), "w") as f:
+        wait_until(
+            lambda: (
+                cluster_module._mount_ns(container.pid)
+                not in (
+                    None,
+                    namespace,  # type: ignore[union-attr]
+                    os.readlink("/proc/self/ns/mnt"),
+                )
+            ),
+            10,
+            "the container's own mount namespace",
+        )
+        with open(
+            os.path.join(cluster_module.CGROUP_ROOT, "pids", group.lstrip("/"), "kubepods", "cgroup.procs"), "w"
+        ) as f:
             f.write(str(container.pid))
         bridge = f"hlleft{os.getpid() % 10000}"
         subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True)
@@ -1436,8 +1688,10 @@ def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
 
         assert holder.wait(10) == -9 and shim.wait(10) == -9 and container.wait(10) == -9
         assert stranger.poll() is None, "an unrelated process in a recorded namespace survives"
-        assert not any(os.path.exists(os.path.join(cluster_module.CGROUP_ROOT, h, group.lstrip("/")))
-                       for h in cluster_module._hierarchies())
+        assert not any(
+            os.path.exists(os.path.join(cluster_module.CGROUP_ROOT, h, group.lstrip("/")))
+            for h in cluster_module._hierarchies()
+        )
         assert subprocess.run(["ip", "link", "show", bridge], capture_output=True, check=False).returncode != 0
         assert not os.path.exists(mountpoint) and not os.path.exists(directory) and not os.path.exists(state_path)
     finally:

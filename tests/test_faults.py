@@ -34,7 +34,6 @@ WANTED = cdi.render("kvm", "/dev/kvm", 65534, 65534)
 SENTINEL = b'{"cdiVersion": "0.5.0", "kind": "example.com/sentinel", "devices": []}\n'
 
 
-
 def listed_unhealthy(k: KubeletStandin) -> bool:
     p = k.plugins.get(R)
     return bool(p and p.stream_open and p.devices and all(h == "Unhealthy" for _, h in p.devices))
@@ -57,9 +56,21 @@ class Node:
         return cdi.spec_path(self.cdi_dir)
 
     def probe(self, which: str) -> int:
-        return subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null",
-                               "--kubelet-dir", self.kubelet_dir, f"--health-check={which}"],
-                              capture_output=True, timeout=30, check=False).returncode
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hyperlight_agent",
+                "--config",
+                "/dev/null",
+                "--kubelet-dir",
+                self.kubelet_dir,
+                f"--health-check={which}",
+            ],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        ).returncode
 
     def allocate(self, raw: bool = False) -> grpc.StatusCode:
         """As the kubelet would (raw=False), or as any client could (the agent's own refusal)."""
@@ -100,11 +111,33 @@ def node(tmp: str, kubelet: StandinThread) -> Iterator[Node]:
     # The agent runs in a private mount namespace where dev/ and cdi/ are bind mounts of
     # themselves, so a row can make them read-only or bind /dev/null over the device for the
     # agent alone.
-    wrapper = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-               'mount --bind "$1" "$1" && mount --bind "$2" "$2" && shift 2 && exec "$@"', "sh", dev, cdi_dir]
-    agent = AgentProcess(tmp, "--kubelet-dir", kubelet_dir, "--cdi-dir", cdi_dir, "--device-dir", dev,
-                         "--device-count", str(SLOTS), "--check-interval", "1",
-                         env={"HOST_DEVICE_DIR": host_dev}, prefix=wrapper)
+    wrapper = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        'mount --bind "$1" "$1" && mount --bind "$2" "$2" && shift 2 && exec "$@"',
+        "sh",
+        dev,
+        cdi_dir,
+    ]
+    agent = AgentProcess(
+        tmp,
+        "--kubelet-dir",
+        kubelet_dir,
+        "--cdi-dir",
+        cdi_dir,
+        "--device-dir",
+        dev,
+        "--device-count",
+        str(SLOTS),
+        "--check-interval",
+        "1",
+        env={"HOST_DEVICE_DIR": host_dev},
+        prefix=wrapper,
+    )
     n = Node(tmp, kubelet, agent, dev, host_dev, cdi_dir, kubelet_dir)
     n.healthy(15)
     pid = agent.proc.pid
@@ -189,8 +222,11 @@ def test_row5_existing_unusable_device(node: Node) -> None:
 def test_row6_registration_failure(node: Node) -> None:
     node.kubelet.run(lambda k: setattr(k, "mode", "hang"))
     node.kubelet.call(node.kubelet.kubelet.restart())
-    wait_for(lambda: "Register with" in node.agent.log and "DEADLINE_EXCEEDED" in node.agent.log, 15,
-             "a bounded Register timeout")
+    wait_for(
+        lambda: "Register with" in node.agent.log and "DEADLINE_EXCEEDED" in node.agent.log,
+        15,
+        "a bounded Register timeout",
+    )
     assert node.probe("readiness") == 1
     node.kubelet.run(lambda k: setattr(k, "mode", "normal"))
     node.kubelet.run(lambda k: k.release())
@@ -204,8 +240,21 @@ def test_row6_empty_socket_directory(tmp: str, start_agent: StartAgent) -> None:
     os.mkdir(kubelet_dir)
     agent = start_agent("--device-count", str(SLOTS))
     wait_for(lambda: agent.log.count("retrying in") >= 3, 20, "three backed-off attempts")
-    probe = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--kubelet-dir",
-                            kubelet_dir, "--health-check=readiness"], capture_output=True, timeout=30, check=False)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hyperlight_agent",
+            "--config",
+            "/dev/null",
+            "--kubelet-dir",
+            kubelet_dir,
+            "--health-check=readiness",
+        ],
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
     assert probe.returncode == 1
     delays = [float(d) for d in re.findall(r"retrying in ([0-9.]+) s", agent.log)][:3]
     assert delays[2] > delays[0], f"no backoff: {delays}"
@@ -278,8 +327,7 @@ def test_hung_probe_helper_is_killed_and_replaced(node: Node) -> None:
     assert len(node.agent.helpers()) == 1
 
 
-def test_sigkill_mid_repair_leaves_a_complete_file(tmp: str, kubelet: StandinThread,
-                                                   start_agent: StartAgent) -> None:
+def test_sigkill_mid_repair_leaves_a_complete_file(tmp: str, kubelet: StandinThread, start_agent: StartAgent) -> None:
     spec = cdi.spec_path(os.path.join(tmp, "cdi"))
     broken = b'{"cdiVersion": "0.3.0", "kind": '
     outcomes = {"old": 0, "new": 0}

@@ -53,8 +53,11 @@ def test_an_api_server_restart_under_200_publishers_is_no_relist_storm() -> None
         fleet = Fleet(plane.kubeconfig("fleet"), nodes)
         fleets.append(fleet)
         runner.call(fleet.start())
-        wait_until(lambda: fleet.published() and len(watching(plane.requests(), nodes, 0)) == PUBLISHERS, 300,
-                   "200 slices published and watched")
+        wait_until(
+            lambda: fleet.published() and len(watching(plane.requests(), nodes, 0)) == PUBLISHERS,
+            300,
+            "200 slices published and watched",
+        )
 
         # SIGTERM: the API server stops listening at once, keeps the watches it serves until it
         # exits (its own shutdown timeout is 60 s; the harness kills it after 20), and a new one
@@ -66,8 +69,14 @@ def test_an_api_server_restart_under_200_publishers_is_no_relist_storm() -> None
         ready = time.time()
         time.sleep(max(0.0, ready + WINDOW_S - time.time()))  # the minute counted, not synchronisation
         counted = [r for r in plane.requests() if stopping <= r.received <= ready + WINDOW_S]
-        wait_until(lambda: len(watching(plane.requests(), nodes, stopping)) == PUBLISHERS
-                   and not any(p.last_error for p in fleet.publishers), 120, "every publisher watching again")
+        wait_until(
+            lambda: (
+                len(watching(plane.requests(), nodes, stopping)) == PUBLISHERS
+                and not any(p.last_error for p in fleet.publishers)
+            ),
+            120,
+            "every publisher watching again",
+        )
     finally:
         for started in fleets:
             runner.call(started.stop())
@@ -79,12 +88,15 @@ def test_an_api_server_restart_under_200_publishers_is_no_relist_storm() -> None
     window = ready + WINDOW_S - stopping
     bound = PUBLISHERS * sessions_within(window) * REQUESTS_PER_SESSION
     verbs = per_node(counted, "fleet", PUBLISHERS, stopping, ready + WINDOW_S)
-    firsts = sorted(min(r.received for r in counted if r.node == node) for node in nodes
-                    if any(r.node == node for r in counted))
-    figure = (f"{len(counted)} requests ({', '.join(f'{v} {n:.2f}' for v, n in sorted(verbs.items()))} per node) "
-              f"from SIGTERM to {WINDOW_S:g} s after ready ({window:.0f} s: {stopped - stopping:.1f} s to stop, "
-              f"{ready - stopped:.1f} s to ready); bound {bound}; the first requests to the new server came over "
-              f"{firsts[-1] - firsts[0]:.1f} s")
+    firsts = sorted(
+        min(r.received for r in counted if r.node == node) for node in nodes if any(r.node == node for r in counted)
+    )
+    figure = (
+        f"{len(counted)} requests ({', '.join(f'{v} {n:.2f}' for v, n in sorted(verbs.items()))} per node) "
+        f"from SIGTERM to {WINDOW_S:g} s after ready ({window:.0f} s: {stopped - stopping:.1f} s to stop, "
+        f"{ready - stopped:.1f} s to ready); bound {bound}; the first requests to the new server came over "
+        f"{firsts[-1] - firsts[0]:.1f} s"
+    )
     E2E_FIGURES["fleet_api_server_restart_200"] = figure
     print(f"\nfigure fleet_api_server_restart_200: {figure}")
     assert len(counted) <= bound, figure

@@ -42,8 +42,31 @@ MAX_DETAILS_CHARS = 500
 
 
 # Characters that break parsers and log lines, spliced in by text mutations.
-SPICE = ("\n", "\r", "\0", "\x1e", "\x85", "\u2028", "-", "0", "9", "\u0663", "\u00b2", "\U000e0041", " ", "kvm",
-         "/", "..", "=", "'", '"', "\\", "{", "[", "1" * 70)
+SPICE = (
+    "\n",
+    "\r",
+    "\0",
+    "\x1e",
+    "\x85",
+    "\u2028",
+    "-",
+    "0",
+    "9",
+    "\u0663",
+    "\u00b2",
+    "\U000e0041",
+    " ",
+    "kvm",
+    "/",
+    "..",
+    "=",
+    "'",
+    '"',
+    "\\",
+    "{",
+    "[",
+    "1" * 70,
+)
 
 
 def mutate_text(rng: random.Random, text: str) -> str:
@@ -85,6 +108,7 @@ def one_line(message: str, limit: int) -> None:
 
 # --- settings -----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def scratch() -> Iterator[str]:
     """A module-wide temp dir on tmpfs where there is one (fsync is cheap there)."""
@@ -99,10 +123,13 @@ def missing_default(scratch: str) -> str:
 
 
 SMALL_INTS = st.one_of(st.integers(-3, 3), st.integers(0, 200_000), st.integers(2**32 - 3, 2**32 + 3))
-BIG_INTS = st.one_of(st.integers(), st.integers(-(10**40), 10**40),
-                     st.integers(0, 4000).map(lambda n: int("9" * n) if n else 0))
+BIG_INTS = st.one_of(
+    st.integers(), st.integers(-(10**40), 10**40), st.integers(0, 4000).map(lambda n: int("9" * n) if n else 0)
+)
 NUMBER_TEXT = st.one_of(
-    SMALL_INTS.map(str), BIG_INTS.map(str), st.floats().map(repr),
+    SMALL_INTS.map(str),
+    BIG_INTS.map(str),
+    st.floats().map(repr),
     st.from_regex(r"\s?[+-]?[0-9\u0660-\u0669\u00b2]{0,25}(\.[0-9]*)?([eE][+-]?[0-9]{1,4})?\s?", fullmatch=True),
     st.sampled_from(["nan", "inf", "-inf", "1e400", "0x10", "1_000", "0.1", "86400", "86400.0001", "0.09999"]),
     st.integers(0, 6000).map(lambda n: "1" * n),
@@ -119,15 +146,23 @@ WORD_TEXT = st.one_of(
     st.text(max_size=12),
 )
 ADDRESS_TEXT = st.one_of(
-    st.builds(lambda h, p: f"{h}:{p}",
-              st.sampled_from(["127.0.0.1", "[::1]", "::1", "localhost", "a.b", "-x", "[zz]", "", "a" * 70]),
-              st.one_of(st.integers(-1, 70_000).map(str), st.text(max_size=6))),
+    st.builds(
+        lambda h, p: f"{h}:{p}",
+        st.sampled_from(["127.0.0.1", "[::1]", "::1", "localhost", "a.b", "-x", "[zz]", "", "a" * 70]),
+        st.one_of(st.integers(-1, 70_000).map(str), st.text(max_size=6)),
+    ),
     st.text(max_size=30),
 )
 ANY_TEXT = st.one_of(st.text(max_size=80), st.integers(0, 20_000).map(lambda n: "x\n" * n))
-BY_KIND = {"device_count": NUMBER_TEXT, "device_uid": NUMBER_TEXT, "device_gid": NUMBER_TEXT,
-           "check_interval_seconds": NUMBER_TEXT, "allocation": WORD_TEXT, "log_level": WORD_TEXT,
-           "metrics_address": ADDRESS_TEXT}
+BY_KIND = {
+    "device_count": NUMBER_TEXT,
+    "device_uid": NUMBER_TEXT,
+    "device_gid": NUMBER_TEXT,
+    "check_interval_seconds": NUMBER_TEXT,
+    "allocation": WORD_TEXT,
+    "log_level": WORD_TEXT,
+    "metrics_address": ADDRESS_TEXT,
+}
 
 
 def setting_text(key: str) -> st.SearchStrategy[str]:
@@ -153,8 +188,10 @@ def assert_in_range(s: config.Settings) -> None:
         assert len(path.encode("utf-8", "surrogateescape")) <= config.PATH_MAX
     socket_bytes = len(s.kubelet_dir.encode("utf-8", "surrogateescape")) + 1 + config.longest_socket_name(s.instance)
     assert socket_bytes <= contracts.UNIX_PATH_MAX
-    assert len(s.dra_registry_dir.encode("utf-8", "surrogateescape")) + 1 + \
-        config.DRA_SHORTEST_NAMES["dra_registry_dir"] <= contracts.UNIX_PATH_MAX
+    assert (
+        len(s.dra_registry_dir.encode("utf-8", "surrogateescape")) + 1 + config.DRA_SHORTEST_NAMES["dra_registry_dir"]
+        <= contracts.UNIX_PATH_MAX
+    )
     assert isinstance(s.check_interval_seconds, (int, float)) and math.isfinite(s.check_interval_seconds)
     assert 0.1 <= s.check_interval_seconds <= 86400
     assert s.allocation in config.ALLOCATION_MODES and s.log_level in config.LOG_LEVELS
@@ -171,8 +208,9 @@ def all_names(keys: Any) -> set[str]:
     return {n for k in keys for n in (config.BY_KEY[k].flag, config.BY_KEY[k].env, k)}
 
 
-SETTING_VALUES = st.dictionaries(st.sampled_from([s.key for s in config.SETTINGS]), st.just(None), max_size=5) \
-    .flatmap(lambda d: st.fixed_dictionaries({k: setting_text(k) for k in d}))
+SETTING_VALUES = st.dictionaries(st.sampled_from([s.key for s in config.SETTINGS]), st.just(None), max_size=5).flatmap(
+    lambda d: st.fixed_dictionaries({k: setting_text(k) for k in d})
+)
 
 
 def mutated(seed: int, values: dict[str, str], n: int) -> list[dict[str, str]]:
@@ -182,11 +220,21 @@ def mutated(seed: int, values: dict[str, str], n: int) -> list[dict[str, str]]:
 
 
 @settings(max_examples=fuzz_budget(400))
-@given(seed=SEEDS, values=SETTING_VALUES, equals=st.booleans(), extra=st.lists(st.one_of(
-    st.text(max_size=30).filter(lambda t: not t.startswith("-")),
-    st.sampled_from(["--no-such-flag", "-x", "--device-count", "--", "-", "--device-count=", "--config"])), max_size=2))
+@given(
+    seed=SEEDS,
+    values=SETTING_VALUES,
+    equals=st.booleans(),
+    extra=st.lists(
+        st.one_of(
+            st.text(max_size=30).filter(lambda t: not t.startswith("-")),
+            st.sampled_from(["--no-such-flag", "-x", "--device-count", "--", "-", "--device-count=", "--config"]),
+        ),
+        max_size=2,
+    ),
+)
 def test_fuzz_flags_give_settings_in_range_or_one_line_naming_the_flag(
-        scratch: str, seed: int, values: dict[str, str], equals: bool, extra: list[str]) -> None:
+    scratch: str, seed: int, values: dict[str, str], equals: bool, extra: list[str]
+) -> None:
     for each in mutated(seed, values, 5):
         check_flags(scratch, each, equals, extra)
 
@@ -212,14 +260,16 @@ def check_flags(scratch: str, values: dict[str, str], equals: bool, extra: list[
                 assert getattr(s, key) == config.BY_KEY[key].parse(value), "the flag's value is the one used"
 
 
-ENV_VALUES = st.dictionaries(st.sampled_from([s.key for s in config.SETTINGS]), st.just(None), max_size=5) \
-    .flatmap(lambda d: st.fixed_dictionaries({k: setting_text(k).filter(lambda v: "\0" not in v) for k in d}))
+ENV_VALUES = st.dictionaries(st.sampled_from([s.key for s in config.SETTINGS]), st.just(None), max_size=5).flatmap(
+    lambda d: st.fixed_dictionaries({k: setting_text(k).filter(lambda v: "\0" not in v) for k in d})
+)
 
 
 @settings(max_examples=fuzz_budget(400))
 @given(seed=SEEDS, values=ENV_VALUES)
 def test_fuzz_environment_gives_settings_in_range_or_one_line_naming_the_variable(
-        scratch: str, seed: int, values: dict[str, str]) -> None:
+    scratch: str, seed: int, values: dict[str, str]
+) -> None:
     for each in mutated(seed, values, 5):
         check_environment(scratch, {k: v.replace("\0", "") for k, v in each.items()})
 
@@ -245,11 +295,33 @@ def toml_string(text: str) -> str:
 
 
 TOML_VALUE = st.one_of(
-    SMALL_INTS.map(str), BIG_INTS.map(str), NUMBER_TEXT.map(toml_string), PATH_TEXT.map(toml_string),
-    WORD_TEXT.map(toml_string), ADDRESS_TEXT.map(toml_string),
+    SMALL_INTS.map(str),
+    BIG_INTS.map(str),
+    NUMBER_TEXT.map(toml_string),
+    PATH_TEXT.map(toml_string),
+    WORD_TEXT.map(toml_string),
+    ADDRESS_TEXT.map(toml_string),
     st.floats().map(lambda f: "nan" if math.isnan(f) else ("inf" if f > 0 else "-inf") if math.isinf(f) else repr(f)),
-    st.sampled_from(["true", "false", "[]", "{}", "1979-05-27T07:32:00Z", "07:32:00", "0x7f", "0o17", "1e400",
-                     "'literal'", "'''multi\nline'''", '"\\ud800"', "[1, [2, [3]]]", "{a = 1}", "inf", "-nan"]),
+    st.sampled_from(
+        [
+            "true",
+            "false",
+            "[]",
+            "{}",
+            "1979-05-27T07:32:00Z",
+            "07:32:00",
+            "0x7f",
+            "0o17",
+            "1e400",
+            "'literal'",
+            "'''multi\nline'''",
+            '"\\ud800"',
+            "[1, [2, [3]]]",
+            "{a = 1}",
+            "inf",
+            "-nan",
+        ]
+    ),
     st.integers(0, 3000).map(lambda n: "[" * n + "]" * n),
     st.integers(0, 3000).map(lambda n: "{a=" * n + "1" + "}" * n),
 )
@@ -281,19 +353,28 @@ def mutate(data: bytes, edits: list[tuple[int, int, int]]) -> bytes:
 EDITS = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1 << 20), st.integers(0, 255)), max_size=6)
 TOML_BYTES = st.one_of(
     st.lists(TOML_LINE, max_size=8).map(lambda lines: "\n".join(lines).encode("utf-8", "surrogatepass")),
-    st.builds(mutate, st.lists(TOML_LINE, max_size=6).map(lambda ls: "\n".join(ls).encode("utf-8", "surrogatepass")),
-              EDITS),
+    st.builds(
+        mutate, st.lists(TOML_LINE, max_size=6).map(lambda ls: "\n".join(ls).encode("utf-8", "surrogatepass")), EDITS
+    ),
     st.binary(max_size=200),
-    st.sampled_from([b"check_interval_seconds = 1" + b"0" * 400,
-                     b"device_count = 3 # \xff\n", b"\xef\xbb\xbfdevice_count = 3\n", b"device_count = 3\0\n",
-                     b"a = " + b"[" * 5000 + b"]" * 5000, b"device_count = " + b"7" * 5000]),
+    st.sampled_from(
+        [
+            b"check_interval_seconds = 1" + b"0" * 400,
+            b"device_count = 3 # \xff\n",
+            b"\xef\xbb\xbfdevice_count = 3\n",
+            b"device_count = 3\0\n",
+            b"a = " + b"[" * 5000 + b"]" * 5000,
+            b"device_count = " + b"7" * 5000,
+        ]
+    ),
 )
 
 
 @settings(max_examples=fuzz_budget(700))
 @given(seed=SEEDS, data=TOML_BYTES)
 def test_fuzz_toml_file_gives_settings_in_range_or_one_line_naming_the_key(
-        scratch: str, seed: int, data: bytes) -> None:
+    scratch: str, seed: int, data: bytes
+) -> None:
     rng = random.Random(seed)
     for k in range(8):
         edits = [(rng.randrange(4), rng.randrange(1 << 20), rng.randrange(256)) for _ in range(rng.randrange(1, 4))]
@@ -306,21 +387,27 @@ def check_toml(scratch: str, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
     try:
-        s = config.load(cli.build_parser().parse_args(["--config", path]), {},
-                        default_file_path=missing_default(scratch))
+        s = config.load(
+            cli.build_parser().parse_args(["--config", path]), {}, default_file_path=missing_default(scratch)
+        )
     except config.ConfigError as exc:
         one_line(str(exc), MAX_ERROR_CHARS)
         message = str(exc)
-        assert message.startswith(f"config file {path}: ") or any(
-            message.startswith(f"{key} in {path} = ") for key in config.BY_KEY) or message.startswith(
-            tuple(f"{key} = " for key in CHECKED_TOGETHER)), message
+        assert (
+            message.startswith(f"config file {path}: ")
+            or any(message.startswith(f"{key} in {path} = ") for key in config.BY_KEY)
+            or message.startswith(tuple(f"{key} = " for key in CHECKED_TOGETHER))
+        ), message
         return
     assert_in_range(s)
     assert s.config_file == path
 
 
-CONFIG_NAMES = st.one_of(st.text(max_size=30).map(lambda t: t.replace("/", "_")),
-                         st.integers(0, 5000).map(lambda n: "n" * n), st.sampled_from(["a\nb", "x\r", "\x85", ""]))
+CONFIG_NAMES = st.one_of(
+    st.text(max_size=30).map(lambda t: t.replace("/", "_")),
+    st.integers(0, 5000).map(lambda n: "n" * n),
+    st.sampled_from(["a\nb", "x\r", "\x85", ""]),
+)
 
 
 @settings(max_examples=fuzz_budget(200))
@@ -343,8 +430,9 @@ def test_fuzz_config_file_paths_give_one_line(scratch: str, name: str, kind: str
             pass  # e.g. a name too long for the filesystem, or with a NUL: it is simply missing
         argv, environ = ([], {config.CONFIG_ENV: path}) if via_env else (["--config", path], {})
         try:
-            assert_in_range(config.load(cli.build_parser().parse_args(argv), environ,
-                                        default_file_path=missing_default(scratch)))
+            assert_in_range(
+                config.load(cli.build_parser().parse_args(argv), environ, default_file_path=missing_default(scratch))
+            )
         except config.ConfigError as exc:
             one_line(str(exc), MAX_ERROR_CHARS)
             names_one_of(str(exc), {"config file", "device_count in"})
@@ -353,8 +441,11 @@ def test_fuzz_config_file_paths_give_one_line(scratch: str, name: str, kind: str
 
 
 BAD_TOML_FOR_A_RUN = st.one_of(
-    st.builds(lambda k, v: f"{k} = {v}\n".encode("utf-8", "surrogatepass"),
-              st.sampled_from([s.key for s in config.SETTINGS]), TOML_VALUE),
+    st.builds(
+        lambda k, v: f"{k} = {v}\n".encode("utf-8", "surrogatepass"),
+        st.sampled_from([s.key for s in config.SETTINGS]),
+        TOML_VALUE,
+    ),
     st.binary(max_size=60),
 )
 
@@ -362,15 +453,24 @@ BAD_TOML_FOR_A_RUN = st.one_of(
 @settings(max_examples=fuzz_budget(6))
 @given(data=BAD_TOML_FOR_A_RUN, flag=st.sampled_from([None, *config.SETTINGS]), value=ANY_TEXT)
 def test_fuzz_bad_settings_stop_the_real_agent_with_exit_2_and_one_line(
-        scratch: str, data: bytes, flag: Optional[config.Setting], value: str) -> None:
+    scratch: str, data: bytes, flag: Optional[config.Setting], value: str
+) -> None:
     """The whole program: exit 2, one stderr line, and nothing written (the CDI dir stays absent)."""
     value = value.replace("\0", "")
     directory = tempfile.mkdtemp(dir=scratch)
     path = os.path.join(directory, "agent.toml")
     with open(path, "wb") as f:
         f.write(data)
-    argv = ["--config", path, "--kubelet-dir", os.path.join(directory, "kubelet"),
-            "--cdi-dir", os.path.join(directory, "cdi"), "--device-dir", os.path.join(directory, "dev")]
+    argv = [
+        "--config",
+        path,
+        "--kubelet-dir",
+        os.path.join(directory, "kubelet"),
+        "--cdi-dir",
+        os.path.join(directory, "cdi"),
+        "--device-dir",
+        os.path.join(directory, "dev"),
+    ]
     if flag is not None and flag.key not in ("cdi_dir", "kubelet_dir", "device_dir"):
         argv.append(f"{flag.flag}={value}")
     try:
@@ -382,8 +482,9 @@ def test_fuzz_bad_settings_stop_the_real_agent_with_exit_2_and_one_line(
             assume(False)  # only bad settings are worth a process
         count_inputs("settings: agent runs")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HYPERLIGHT_", "DEVICE_", "HOST_DEVICE"))}
-        result = subprocess.run([sys.executable, "-m", "hyperlight_agent", *argv], env=env,
-                                capture_output=True, timeout=60, check=False)
+        result = subprocess.run(
+            [sys.executable, "-m", "hyperlight_agent", *argv], env=env, capture_output=True, timeout=60, check=False
+        )
         stderr = result.stderr.decode("utf-8", "replace")
         assert result.returncode == 2, stderr
         lines = stderr.splitlines()
@@ -395,6 +496,7 @@ def test_fuzz_bad_settings_stop_the_real_agent_with_exit_2_and_one_line(
 
 
 # --- device IDs and the DevicePlugin methods, in-process ----------------------------------------
+
 
 class Aborted(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
@@ -444,17 +546,22 @@ DEVICE_ID = st.one_of(
 )
 
 
-def servicer(slots: int, allocation: str = "both", healthy: bool = True,
-             hypervisor: Optional[str] = "kvm") -> DevicePluginServicer:
+def servicer(
+    slots: int, allocation: str = "both", healthy: bool = True, hypervisor: Optional[str] = "kvm"
+) -> DevicePluginServicer:
     observation = Observation(healthy, "" if healthy else "fuzz says no", hypervisor)
-    return DevicePluginServicer(Profile(contracts.RESOURCE_HYPERVISOR, "x.sock", slots, allocation),
-                                SharedObservation(), FixedChecker(observation))  # type: ignore[arg-type]
+    return DevicePluginServicer(
+        Profile(contracts.RESOURCE_HYPERVISOR, "x.sock", slots, allocation),
+        SharedObservation(),
+        FixedChecker(observation),  # type: ignore[arg-type]
+    )
 
 
 @settings(max_examples=fuzz_budget(400))
 @given(seed=SEEDS, slots=st.sampled_from(SLOT_COUNTS), ids=st.lists(DEVICE_ID, min_size=1, max_size=20))
 def test_fuzz_device_ids_valid_accepted_anything_else_a_short_quoted_problem(
-        seed: int, slots: int, ids: list[str]) -> None:
+    seed: int, slots: int, ids: list[str]
+) -> None:
     ids = [v for i, device_id in enumerate(ids) for v in variants(seed + i, device_id, 24)]
     count_inputs("device IDs", len(ids))
     s = servicer(slots)
@@ -474,19 +581,30 @@ CONTAINERS = st.lists(st.lists(DEVICE_ID, max_size=4), max_size=4)
 
 
 @settings(max_examples=fuzz_budget(400))
-@given(seed=SEEDS, slots=st.sampled_from(SLOT_COUNTS), batch=st.lists(CONTAINERS, min_size=1, max_size=6),
-       allocation=st.sampled_from(config.ALLOCATION_MODES), healthy=st.booleans())
+@given(
+    seed=SEEDS,
+    slots=st.sampled_from(SLOT_COUNTS),
+    batch=st.lists(CONTAINERS, min_size=1, max_size=6),
+    allocation=st.sampled_from(config.ALLOCATION_MODES),
+    healthy=st.booleans(),
+)
 def test_fuzz_allocate_answers_or_aborts_with_a_precise_code(
-        seed: int, slots: int, batch: list[list[list[str]]], allocation: str, healthy: bool) -> None:
+    seed: int, slots: int, batch: list[list[list[str]]], allocation: str, healthy: bool
+) -> None:
     rng = random.Random(seed)
     batch += [[[mutate_text(rng, i) for i in ids] for ids in containers] for containers in batch for _ in range(4)]
     count_inputs("Allocate (in-process)", len(batch))
     s = servicer(slots, allocation, healthy)
     for containers in batch:
-        request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)
-                                                         for ids in containers])
-        valid = (containers and all(containers) and sum(map(len, containers)) <= slots
-                 and all(i in VALID_IDS[slots] for ids in containers for i in ids))
+        request = pb.AllocateRequest(
+            container_requests=[pb.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
+        )
+        valid = (
+            containers
+            and all(containers)
+            and sum(map(len, containers)) <= slots
+            and all(i in VALID_IDS[slots] for ids in containers for i in ids)
+        )
         refused: Optional[Aborted]
         try:
             response = run_now(s.Allocate(request, Context()))
@@ -508,26 +626,38 @@ def test_fuzz_allocate_answers_or_aborts_with_a_precise_code(
             assert bool(answer.devices) == (allocation != "cdi")
 
 
-PREFERRED = st.lists(st.tuples(st.lists(DEVICE_ID, max_size=6), st.lists(DEVICE_ID, max_size=3),
-                               st.integers(-(2**31), 2**31 - 1) | st.integers(-2, 10)), max_size=4)
+PREFERRED = st.lists(
+    st.tuples(
+        st.lists(DEVICE_ID, max_size=6),
+        st.lists(DEVICE_ID, max_size=3),
+        st.integers(-(2**31), 2**31 - 1) | st.integers(-2, 10),
+    ),
+    max_size=4,
+)
 
 
 @settings(max_examples=fuzz_budget(300))
 @given(batch=st.lists(PREFERRED, min_size=1, max_size=4))
 def test_fuzz_preferred_allocation_honours_must_include_and_the_size(
-        batch: list[list[tuple[list[str], list[str], int]]]) -> None:
+    batch: list[list[tuple[list[str], list[str], int]]],
+) -> None:
     count_inputs("GetPreferredAllocation (in-process)", len(batch))
     s = servicer(4)
     for containers in batch:
-        request = pb.PreferredAllocationRequest(container_requests=[
-            pb.ContainerPreferredAllocationRequest(available_deviceIDs=a, must_include_deviceIDs=m, allocation_size=n)
-            for a, m, n in containers])
+        request = pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=a, must_include_deviceIDs=m, allocation_size=n
+                )
+                for a, m, n in containers
+            ]
+        )
         response = run_now(s.GetPreferredAllocation(request, Context()))
         assert len(response.container_responses) == len(containers)
         for (available, must, size), answer in zip(containers, response.container_responses):
             chosen = list(answer.deviceIDs)
             assert len(chosen) == len(set(chosen)), "no ID twice"
-            assert chosen[:len(set(must))] == list(dict.fromkeys(must))
+            assert chosen[: len(set(must))] == list(dict.fromkeys(must))
             assert set(chosen) <= set(available) | set(must)
             assert len(chosen) <= max(size, len(set(must)))
 
@@ -552,14 +682,25 @@ def test_fuzz_wire_bytes_parse_or_fail_cleanly_for_every_request_type(raw: list[
 SPEC = cdi.Spec("kvm", "/dev/kvm", 65534, 65534)
 WANTED = SPEC.wanted(None)
 NEAR_TEMP_NAMES = st.one_of(
-    st.builds(lambda pid, hx, tail: f".hyperlight.json.hlagent-{pid}-{hx}{tail}", st.integers(0, 99999),
-              st.from_regex(r"[0-9a-fA-Fz]{10,13}", fullmatch=True), st.sampled_from([".tmp", ".tmp~", "", ".TMP"])),
-    st.sampled_from([".hyperlight.json.x.tmp", ".hyperlight.json.hlagent-1-zz.tmp", "hyperlight.json.tmp",
-                     ".hyperlight.json.hlagent--abcdefabcdef.tmp", ".hyperlight.json.hlagent-1-abcdefabcdef.tmp.x"]),
+    st.builds(
+        lambda pid, hx, tail: f".hyperlight.json.hlagent-{pid}-{hx}{tail}",
+        st.integers(0, 99999),
+        st.from_regex(r"[0-9a-fA-Fz]{10,13}", fullmatch=True),
+        st.sampled_from([".tmp", ".tmp~", "", ".TMP"]),
+    ),
+    st.sampled_from(
+        [
+            ".hyperlight.json.x.tmp",
+            ".hyperlight.json.hlagent-1-zz.tmp",
+            "hyperlight.json.tmp",
+            ".hyperlight.json.hlagent--abcdefabcdef.tmp",
+            ".hyperlight.json.hlagent-1-abcdefabcdef.tmp.x",
+        ]
+    ),
 )
 NEIGHBOUR_NAMES = st.one_of(
-    NEAR_TEMP_NAMES, st.sampled_from(["vendor.json", "nvidia.yaml", "hyperlight.yaml", "Hyperlight.json",
-                                      "hyperlight.json.bak", "sub"]),
+    NEAR_TEMP_NAMES,
+    st.sampled_from(["vendor.json", "nvidia.yaml", "hyperlight.yaml", "Hyperlight.json", "hyperlight.json.bak", "sub"]),
     st.text(st.characters(codec="utf-8", exclude_characters="/\0"), min_size=1, max_size=20),
 ).filter(lambda n: n not in (".", "..", contracts.CDI_SPEC_FILE))
 KINDS = ("missing", "regular", "regular", "regular", "symlink", "dir", "fifo", "socket", "null device", "hardlink")
@@ -570,9 +711,10 @@ def ours_temp(name: str) -> bool:
     prefix, suffix = contracts.CDI_TEMP_PREFIX + "hlagent-", contracts.CDI_TEMP_SUFFIX
     if not (name.startswith(prefix) and name.endswith(suffix)):
         return False
-    pid, sep, token = name[len(prefix):len(name) - len(suffix)].partition("-")
-    return bool(sep and pid.isascii() and pid.isdigit() and len(token) == 12
-                and all(c in "0123456789abcdef" for c in token))
+    pid, sep, token = name[len(prefix) : len(name) - len(suffix)].partition("-")
+    return bool(
+        sep and pid.isascii() and pid.isdigit() and len(token) == 12 and all(c in "0123456789abcdef" for c in token)
+    )
 
 
 def snapshot(directory: str) -> dict[str, Any]:
@@ -581,8 +723,14 @@ def snapshot(directory: str) -> dict[str, Any]:
     for name in sorted(os.listdir(directory)):
         path = os.path.join(directory, name)
         st_ = os.lstat(path)
-        entry: tuple[Any, ...] = (stat.S_IFMT(st_.st_mode), stat.S_IMODE(st_.st_mode), st_.st_uid, st_.st_gid,
-                                  st_.st_ino, st_.st_mtime_ns)
+        entry: tuple[Any, ...] = (
+            stat.S_IFMT(st_.st_mode),
+            stat.S_IMODE(st_.st_mode),
+            st_.st_uid,
+            st_.st_gid,
+            st_.st_ino,
+            st_.st_mtime_ns,
+        )
         if stat.S_ISLNK(st_.st_mode):
             entry += (os.readlink(path),)
         elif stat.S_ISREG(st_.st_mode):
@@ -594,15 +742,30 @@ def snapshot(directory: str) -> dict[str, Any]:
     return out
 
 
-SPEC_BYTES = st.one_of(st.binary(max_size=300), st.just(WANTED), st.builds(mutate, st.just(WANTED), EDITS),
-                       st.just(WANTED + b" "), st.just(WANTED[:-1]), st.integers(0, 200_000).map(lambda n: b"{" * n))
-PLANT = st.fixed_dictionaries({
-    "kind": st.sampled_from(KINDS), "data": SPEC_BYTES, "mode": st.integers(0, 0o7777),
-    "owner": st.sampled_from([None, (1234, 1234), (0, 1234), (1234, 0)]),
-    "link": st.sampled_from(["vendor.json", "missing.json", "sub", "/etc/passwd", "canonical.json", "hyperlight.json"]),
-    "neighbours": st.lists(st.tuples(NEIGHBOUR_NAMES, st.sampled_from(["file", "link", "dir"]),
-                                     st.booleans()), max_size=4, unique_by=lambda t: t[0]),
-})
+SPEC_BYTES = st.one_of(
+    st.binary(max_size=300),
+    st.just(WANTED),
+    st.builds(mutate, st.just(WANTED), EDITS),
+    st.just(WANTED + b" "),
+    st.just(WANTED[:-1]),
+    st.integers(0, 200_000).map(lambda n: b"{" * n),
+)
+PLANT = st.fixed_dictionaries(
+    {
+        "kind": st.sampled_from(KINDS),
+        "data": SPEC_BYTES,
+        "mode": st.integers(0, 0o7777),
+        "owner": st.sampled_from([None, (1234, 1234), (0, 1234), (1234, 0)]),
+        "link": st.sampled_from(
+            ["vendor.json", "missing.json", "sub", "/etc/passwd", "canonical.json", "hyperlight.json"]
+        ),
+        "neighbours": st.lists(
+            st.tuples(NEIGHBOUR_NAMES, st.sampled_from(["file", "link", "dir"]), st.booleans()),
+            max_size=4,
+            unique_by=lambda t: t[0],
+        ),
+    }
+)
 
 
 def plant(directory: str, p: dict[str, Any]) -> None:  # noqa: PLR0912 - one branch per kind of thing
@@ -659,8 +822,12 @@ def exact(directory: str) -> bool:
     st_ = os.lstat(path)
     with open(path, "rb") as f:
         data = f.read()
-    return (stat.S_ISREG(st_.st_mode) and data == WANTED and stat.S_IMODE(st_.st_mode) == cdi.SPEC_MODE
-            and (st_.st_uid, st_.st_gid) == (os.geteuid(), os.getegid()))
+    return (
+        stat.S_ISREG(st_.st_mode)
+        and data == WANTED
+        and stat.S_IMODE(st_.st_mode) == cdi.SPEC_MODE
+        and (st_.st_uid, st_.st_gid) == (os.geteuid(), os.getegid())
+    )
 
 
 @pytest.mark.root
@@ -677,8 +844,12 @@ def test_fuzz_cdi_inspect_never_raises_and_changes_nothing(scratch: str, p: dict
         if problem is not None:
             one_line(problem, 300 + len(directory))
         assert snapshot(directory) == before
-        assert (problem is None) == (os.path.lexists(cdi.spec_path(directory)) and not os.path.islink(
-            cdi.spec_path(directory)) and os.path.isfile(cdi.spec_path(directory)) and exact(directory))
+        assert (problem is None) == (
+            os.path.lexists(cdi.spec_path(directory))
+            and not os.path.islink(cdi.spec_path(directory))
+            and os.path.isfile(cdi.spec_path(directory))
+            and exact(directory)
+        )
         if problem is None:
             assert cdi.listed_devices(read_bytes(cdi.spec_path(directory)) or b"") == {"kvm"}
     finally:
@@ -689,7 +860,8 @@ def test_fuzz_cdi_inspect_never_raises_and_changes_nothing(scratch: str, p: dict
 @settings(max_examples=fuzz_budget(600))
 @given(p=PLANT)
 def test_fuzz_cdi_reconcile_leaves_exactly_ours_or_the_obstruction_and_nothing_else(
-        scratch: str, p: dict[str, Any]) -> None:
+    scratch: str, p: dict[str, Any]
+) -> None:
     count_inputs("CDI reconcile")
     directory = tempfile.mkdtemp(dir=scratch)
     try:
@@ -706,22 +878,27 @@ def test_fuzz_cdi_reconcile_leaves_exactly_ours_or_the_obstruction_and_nothing_e
             one_line(refusal, 300 + len(directory))
             assert obstruction is not None and not stat.S_ISREG(obstruction[0]), f"refused a regular file: {refusal}"
             after = snapshot(directory)
-            assert after == {k: v for k, v in before.items()
-                             if not (ours_temp(k) and stat.S_ISREG(v[0]) and v[5] < 2e9)}, "nothing else changed"
+            assert after == {
+                k: v for k, v in before.items() if not (ours_temp(k) and stat.S_ISREG(v[0]) and v[5] < 2e9)
+            }, "nothing else changed"
         else:
             assert exact(directory)
             assert cdi.inspect(directory, SPEC) is None
             after = snapshot(directory)
             del after[contracts.CDI_SPEC_FILE]
             # Only an abandoned temp file of exactly our pattern may go; everything else stays as it was.
-            kept = {k: v for k, v in before.items() if k != contracts.CDI_SPEC_FILE
-                    and not (ours_temp(k) and stat.S_ISREG(v[0]) and v[5] < 2e9)}
+            kept = {
+                k: v
+                for k, v in before.items()
+                if k != contracts.CDI_SPEC_FILE and not (ours_temp(k) and stat.S_ISREG(v[0]) and v[5] < 2e9)
+            }
             assert after == kept, "only our own spec (and our abandoned temp files) may change"
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
 
 # --- the probe helper's requests ----------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def nodes(scratch: str) -> Iterator[str]:
@@ -740,14 +917,25 @@ def nodes(scratch: str) -> Iterator[str]:
 
 NODE_NAMES = ("kvm", "null", "file", "dir", "fifo", "link", "missing", "dir/", "kvm/", "x" * 300, "../missing")
 JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=20))
-JSON_ANY = st.recursive(JSON_LEAF, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-    st.text(max_size=8), inner, max_size=3), max_leaves=10)
-PATH_VALUE = st.one_of(st.sampled_from(NODE_NAMES).map(lambda n: ("node", n)), JSON_ANY.map(lambda v: ("raw", v)),
-                       st.text(max_size=20).map(lambda t: ("raw", "rel/" + t)), st.just(("raw", "/a\0b")))
+JSON_ANY = st.recursive(
+    JSON_LEAF,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=10,
+)
+PATH_VALUE = st.one_of(
+    st.sampled_from(NODE_NAMES).map(lambda n: ("node", n)),
+    JSON_ANY.map(lambda v: ("raw", v)),
+    st.text(max_size=20).map(lambda t: ("raw", "rel/" + t)),
+    st.just(("raw", "/a\0b")),
+)
 REQUEST = st.fixed_dictionaries(
-    {"hypervisor": st.one_of(st.sampled_from(["kvm", "mshv", "KVM", ""]), JSON_ANY),
-     "device": PATH_VALUE, "host": st.one_of(st.just(("raw", None)), PATH_VALUE)},
-    optional={"extra": JSON_ANY})
+    {
+        "hypervisor": st.one_of(st.sampled_from(["kvm", "mshv", "KVM", ""]), JSON_ANY),
+        "device": PATH_VALUE,
+        "host": st.one_of(st.just(("raw", None)), PATH_VALUE),
+    },
+    optional={"extra": JSON_ANY},
+)
 
 
 def resolve(nodes: str, value: tuple[str, Any]) -> Any:
@@ -790,18 +978,29 @@ def test_fuzz_helper_requests_always_one_json_reply(nodes: str, requests: list[d
         if not safe(nodes, request):
             continue  # a generated absolute path outside our node dir: never handed to the helper
         reply = check_reply(helper_process.handle_line(json.dumps(request)))
-        good = (set(request) == {"hypervisor", "device", "host"} and request["hypervisor"] == "kvm"
-                and request["device"] in (os.path.join(nodes, "kvm"),) and request["host"] in (
-                    None, os.path.join(nodes, "kvm")))
+        good = (
+            set(request) == {"hypervisor", "device", "host"}
+            and request["hypervisor"] == "kvm"
+            and request["device"] in (os.path.join(nodes, "kvm"),)
+            and request["host"] in (None, os.path.join(nodes, "kvm"))
+        )
         assert reply["ok"] == good, (request, reply)
 
 
 LINE_TEXT = st.one_of(
     st.text(max_size=120),
-    st.builds(mutate, st.sampled_from([b'{"hypervisor": "kvm", "device": "/x/kvm", "host": null}',
-                                       b'{"hypervisor": "mshv", "device": "/x/null", "host": "/x/kvm"}']),
-              EDITS).map(lambda b: b.decode("utf-8", "replace")),
-    st.integers(0, 3000).map(lambda n: "[" * n), st.integers(0, 3000).map(lambda n: '{"a":' * n),
+    st.builds(
+        mutate,
+        st.sampled_from(
+            [
+                b'{"hypervisor": "kvm", "device": "/x/kvm", "host": null}',
+                b'{"hypervisor": "mshv", "device": "/x/null", "host": "/x/kvm"}',
+            ]
+        ),
+        EDITS,
+    ).map(lambda b: b.decode("utf-8", "replace")),
+    st.integers(0, 3000).map(lambda n: "[" * n),
+    st.integers(0, 3000).map(lambda n: '{"a":' * n),
     st.sampled_from(["", "null", "1e999", "NaN", '"\\ud800"', "[]", "{}", '{"hypervisor":1}', "\x00"]),
 )
 
@@ -826,8 +1025,14 @@ def test_fuzz_helper_lines_always_one_json_reply(nodes: str, seed: int, lines: l
 @pytest.mark.root
 def test_fuzz_helper_serve_answers_every_line_once(nodes: str) -> None:
     """The loop itself: one reply line per request line, in order, whatever the lines hold."""
-    lines = [json.dumps({"hypervisor": "kvm", "device": os.path.join(nodes, "kvm"), "host": None}),
-             "garbage", "", "[" * 5000, '{"hypervisor": "kvm"}', json.dumps({"device": 1})] * 200
+    lines = [
+        json.dumps({"hypervisor": "kvm", "device": os.path.join(nodes, "kvm"), "host": None}),
+        "garbage",
+        "",
+        "[" * 5000,
+        '{"hypervisor": "kvm"}',
+        json.dumps({"device": 1}),
+    ] * 200
     out = io.StringIO()
     helper_process.serve(io.StringIO("".join(line + "\n" for line in lines)), out)
     ready, *replies = out.getvalue().splitlines()
@@ -848,8 +1053,14 @@ def test_fuzz_the_real_helper_process_answers_garbage_line_by_line(nodes: str) -
         if i % 10 == 0:
             lines.append(json.dumps({"hypervisor": "kvm", "device": os.path.join(nodes, "kvm"), "host": None}))
         else:
-            lines.append("".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x3000)]))
-                                 for _ in range(rng.randrange(0, 60))).replace("\n", " ").replace("\r", " "))
+            lines.append(
+                "".join(
+                    chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x3000)]))
+                    for _ in range(rng.randrange(0, 60))
+                )
+                .replace("\n", " ")
+                .replace("\r", " ")
+            )
     data = "".join(line + "\n" for line in lines).encode()
     result = subprocess.run(default_argv(), input=data, capture_output=True, timeout=120, check=False)
     assert result.returncode == 0 and result.stderr == b"", result.stderr[-2000:]

@@ -31,25 +31,40 @@ CHECK_EVERY = 100  # inputs between liveness checks
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # What a refused or unparsable request may end in. UNKNOWN would mean an exception escaped a
 # servicer method; anything else is a bug in our handling.
-ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL,
-           grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+ALLOWED = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+}
 
 
 def seeds(rng: random.Random) -> dict[str, bytes]:
     """One valid serialized request per method, varied."""
+
     def ids() -> list[str]:
-        return [rng.choice([f"kvm-{rng.randrange(SLOTS + 2)}", "mshv-0", "kvm-01", "", "x" * rng.randrange(100)])
-                for _ in range(rng.randrange(4))]
+        return [
+            rng.choice([f"kvm-{rng.randrange(SLOTS + 2)}", "mshv-0", "kvm-01", "", "x" * rng.randrange(100)])
+            for _ in range(rng.randrange(4))
+        ]
 
     return {
         "GetDevicePluginOptions": b"",
         "ListAndWatch": b"",
-        "GetPreferredAllocation": pb.PreferredAllocationRequest(container_requests=[
-            pb.ContainerPreferredAllocationRequest(available_deviceIDs=ids(), must_include_deviceIDs=ids(),
-                                                   allocation_size=rng.randrange(-3, 2**31 - 1))
-            for _ in range(rng.randrange(3))]).SerializeToString(),
-        "Allocate": pb.AllocateRequest(container_requests=[
-            pb.ContainerAllocateRequest(devices_ids=ids()) for _ in range(rng.randrange(3))]).SerializeToString(),
+        "GetPreferredAllocation": pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=ids(),
+                    must_include_deviceIDs=ids(),
+                    allocation_size=rng.randrange(-3, 2**31 - 1),
+                )
+                for _ in range(rng.randrange(3))
+            ]
+        ).SerializeToString(),
+        "Allocate": pb.AllocateRequest(
+            container_requests=[pb.ContainerAllocateRequest(devices_ids=ids()) for _ in range(rng.randrange(3))]
+        ).SerializeToString(),
         "PreStartContainer": pb.PreStartContainerRequest(devices_ids=ids()).SerializeToString(),
     }
 
@@ -91,9 +106,9 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
         elif kind == 1:
             out[i:i] = rng.randbytes(rng.randrange(1, 8))
         elif kind == 2:
-            del out[i:i + rng.randrange(1, 8)]
+            del out[i : i + rng.randrange(1, 8)]
         elif kind == 3:
-            out[i:i] = out[i:i + rng.randrange(1, 16)] * rng.randrange(2, 8)
+            out[i:i] = out[i : i + rng.randrange(1, 16)] * rng.randrange(2, 8)
         else:
             out = out[:i]
     return bytes(out)
@@ -134,7 +149,8 @@ def check_refusal(name: str, data: bytes, exc: grpc.aio.AioRpcError) -> None:
 
 
 def test_fuzz_grpc_methods_and_raw_socket_garbage_never_hurt_the_agent(
-        kubelet: StandinThread, start_agent: StartAgent, tmp: str, kvm_dir: str) -> None:
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str, kvm_dir: str
+) -> None:
     agent = start_agent("--device-count", str(SLOTS), "--device-dir", kvm_dir)
     kubelet.wait_until(lambda k: k.allocatable() == SLOTS, 15)
     pid = agent.proc.pid
@@ -197,7 +213,8 @@ def test_fuzz_grpc_methods_and_raw_socket_garbage_never_hurt_the_agent(
 
 
 def test_unparsable_request_bytes_are_invalid_arguments_without_a_traceback(
-        kubelet: StandinThread, start_agent: StartAgent, tmp: str, kvm_dir: str) -> None:
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str, kvm_dir: str
+) -> None:
     """Found by the fuzzer: grpc made a deserializer's DecodeError an UNKNOWN "Unexpected …" and
     logged its traceback, once per garbage request."""
     agent = start_agent("--device-count", str(SLOTS), "--device-dir", kvm_dir)

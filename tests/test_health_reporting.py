@@ -23,13 +23,25 @@ R = contracts.RESOURCE_HYPERVISOR
 
 def probe(tmp: str, which: str, *extra: str) -> tuple[int, str]:
     result = subprocess.run(
-        [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--kubelet-dir",
-         os.path.join(tmp, "kubelet"), f"--health-check={which}", *extra],
-        capture_output=True, text=True, timeout=30, check=False)
+        [
+            sys.executable,
+            "-m",
+            "hyperlight_agent",
+            "--config",
+            "/dev/null",
+            "--kubelet-dir",
+            os.path.join(tmp, "kubelet"),
+            f"--health-check={which}",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1, result.stdout + result.stderr
     return result.returncode, lines[0]
-
 
 
 def test_probes_with_no_agent_fail_with_a_reason(tmp: str) -> None:
@@ -80,18 +92,25 @@ def test_probes_in_every_state(kubelet: StandinThread, start_agent: StartAgent, 
     wait_for(lambda: probe(tmp, "readiness")[0] == 0, 15, "ready with a stream again")
 
 
-def test_device_access_probe_uses_its_own_socket(kubelet: StandinThread, start_agent: StartAgent,
-                                                 tmp: str, kvm_dir: str) -> None:
+def test_device_access_probe_uses_its_own_socket(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str, kvm_dir: str
+) -> None:
     start_agent("--device-access", "--device-dir", kvm_dir)
-    kubelet.wait_until(lambda k: k.plugins.get(contracts.RESOURCE_DEVICE_ACCESS) and
-                       k.allocatable(contracts.RESOURCE_DEVICE_ACCESS) == modes.DEVICE_ACCESS.slots, 15)
+    kubelet.wait_until(
+        lambda k: (
+            k.plugins.get(contracts.RESOURCE_DEVICE_ACCESS)
+            and k.allocatable(contracts.RESOURCE_DEVICE_ACCESS) == modes.DEVICE_ACCESS.slots
+        ),
+        15,
+    )
     wait_for(lambda: probe(tmp, "readiness", "--device-access")[0] == 0, 10)
     assert "hyperlight-access.sock" in probe(tmp, "liveness", "--device-access")[1]
     assert probe(tmp, "liveness")[1].startswith("liveness: not serving: no socket")
 
 
-def test_a_named_instance_is_probed_at_its_own_socket(kubelet: StandinThread, start_agent: StartAgent,
-                                                      tmp: str, kvm_dir: str) -> None:
+def test_a_named_instance_is_probed_at_its_own_socket(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str, kvm_dir: str
+) -> None:
     """In a pod the agent serves hyperlight.<pod>.sock: the exec probe, with the same settings,
     checks that socket, not another agent's."""
     start_agent("--device-dir", kvm_dir, "--device-count", "2", "--instance", "pod-a")
@@ -139,12 +158,18 @@ def test_sd_notify_sequence(tmp: str, start_agent: StartAgent, notify_socket: No
     config = os.path.join(tmp, "agent.toml")
     with open(config, "w") as f:
         f.write("device_count = 3\n")
-    agent = start_agent("--config", config, "--device-dir", kvm_dir,
-                        env={"NOTIFY_SOCKET": notify_socket.path, "WATCHDOG_USEC": "200000"})
+    agent = start_agent(
+        "--config",
+        config,
+        "--device-dir",
+        kvm_dir,
+        env={"NOTIFY_SOCKET": notify_socket.path, "WATCHDOG_USEC": "200000"},
+    )
     wait_for(lambda: any(line.startswith("STATUS=waiting for kubelet at ") for line in notify_socket.lines()), 10)
     wait_for(lambda: notify_socket.lines().count("WATCHDOG=1") >= 3, 10, "watchdog pings at WATCHDOG_USEC/2")
-    assert any(line.startswith("EXTEND_TIMEOUT_USEC=") for line in notify_socket.lines()), \
+    assert any(line.startswith("EXTEND_TIMEOUT_USEC=") for line in notify_socket.lines()), (
         "until ready, pings also extend systemd's start timeout"
+    )
     assert "READY=1" not in notify_socket.lines(), "no kubelet yet: not ready"
     # A reload while still activating must not send READY=1 (it would make the unit active).
     agent.proc.send_signal(signal.SIGHUP)
@@ -186,8 +211,9 @@ def test_sd_notify_sequence(tmp: str, start_agent: StartAgent, notify_socket: No
     assert "STOPPING=1" in notify_socket.lines()
 
 
-def test_without_notify_socket_nothing_is_sent_and_nothing_fails(kubelet: StandinThread,
-                                                                 start_agent: StartAgent) -> None:
+def test_without_notify_socket_nothing_is_sent_and_nothing_fails(
+    kubelet: StandinThread, start_agent: StartAgent
+) -> None:
     agent = start_agent("--device-count", "1")
     kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     assert agent.stop() == 0
@@ -196,9 +222,24 @@ def test_without_notify_socket_nothing_is_sent_and_nothing_fails(kubelet: Standi
 
 def test_check_reports_a_usable_node(tmp: str, kvm_dir: str) -> None:
     cdi_dir = os.path.join(tmp, "cdi")
-    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--check",
-                             "--device-dir", kvm_dir, "--cdi-dir", cdi_dir],
-                            capture_output=True, text=True, timeout=30, check=False)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hyperlight_agent",
+            "--config",
+            "/dev/null",
+            "--check",
+            "--device-dir",
+            kvm_dir,
+            "--cdi-dir",
+            cdi_dir,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ok   runtime: the agent imports and its gRPC server binds a unix socket" in result.stdout
     assert f"ok   device: kvm at {kvm_dir}/kvm" in result.stdout
@@ -212,13 +253,23 @@ def test_check_reports_an_unusable_node(tmp: str) -> None:
     dev = os.path.join(tmp, "dev")
     os.mkdir(dev)
     make_node(os.path.join(dev, "kvm"), 1, 3)
-    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--check",
-                             "--device-dir", dev], capture_output=True, text=True, timeout=30, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--check", "--device-dir", dev],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert result.returncode == 1
     assert "FAIL probe:" in result.stdout and "KVM_GET_API_VERSION failed" in result.stdout
     os.unlink(os.path.join(dev, "kvm"))
-    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--check",
-                             "--device-dir", dev], capture_output=True, text=True, timeout=30, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--check", "--device-dir", dev],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert result.returncode == 1 and "FAIL device: no hypervisor device in" in result.stdout
     assert result.stderr == "", "the report is the output; no log lines besides it"
     lines = result.stdout.splitlines()
@@ -247,6 +298,7 @@ def test_journal_only_when_stderr_is_the_journal(tmp: str) -> None:
     # stderr is the journal: python-systemd's handler if it is installed, else stderr, no error.
     try:
         import systemd.journal  # noqa: F401
+
         expected = "journal"
     except ImportError:
         expected = "stderr"
@@ -255,18 +307,22 @@ def test_journal_only_when_stderr_is_the_journal(tmp: str) -> None:
 
 
 def test_health_check_starts_fast_without_agent_modules(tmp: str) -> None:
-    code = ("import sys, runpy; sys.argv=['x','--config','/dev/null','--kubelet-dir',sys.argv[1],"
-            "'--health-check=liveness']\n"
-            "from hyperlight_agent import cli\ncli.main()\n"
-            "heavy=[m for m in ('hyperlight_agent.agent','hyperlight_agent.deviceplugin.servicer',"
-            "'hyperlight_agent.deviceplugin.registration') if m in sys.modules]\nprint('HEAVY', heavy)")
-    out = subprocess.run([sys.executable, "-c", code, tmp], capture_output=True, text=True, timeout=30,
-                         check=False).stdout
+    code = (
+        "import sys, runpy; sys.argv=['x','--config','/dev/null','--kubelet-dir',sys.argv[1],"
+        "'--health-check=liveness']\n"
+        "from hyperlight_agent import cli\ncli.main()\n"
+        "heavy=[m for m in ('hyperlight_agent.agent','hyperlight_agent.deviceplugin.servicer',"
+        "'hyperlight_agent.deviceplugin.registration') if m in sys.modules]\nprint('HEAVY', heavy)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, tmp], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
     assert "HEAVY []" in out
 
 
-def test_a_notify_reader_that_never_reads_cannot_wedge_the_agent(kubelet: StandinThread, start_agent: StartAgent,
-                                                                  tmp: str) -> None:
+def test_a_notify_reader_that_never_reads_cannot_wedge_the_agent(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str
+) -> None:
     path = os.path.join(tmp, "deaf")
     deaf = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     deaf.bind(path)  # the queue fills after a few datagrams; sends would then block
@@ -280,8 +336,9 @@ def test_a_notify_reader_that_never_reads_cannot_wedge_the_agent(kubelet: Standi
         deaf.close()
 
 
-def test_no_ready_while_unhealthy_and_status_says_why(tmp: str, start_agent: StartAgent,
-                                                      notify_socket: NotifySocket) -> None:
+def test_no_ready_while_unhealthy_and_status_says_why(
+    tmp: str, start_agent: StartAgent, notify_socket: NotifySocket
+) -> None:
     cdi_dir = os.path.join(tmp, "cdi")
     os.mkdir(cdi_dir)
     os.symlink("/etc/hostname", os.path.join(cdi_dir, "hyperlight.json"))
@@ -289,8 +346,10 @@ def test_no_ready_while_unhealthy_and_status_says_why(tmp: str, start_agent: Sta
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
         # Registered, streamed, but unhealthy: never READY=1.
         kubelet.wait_until(lambda k: k.plugins.get(R) and k.plugins[R].stream_open and k.plugins[R].lists, 15)
-        wanted = (f"STATUS=unhealthy: {cdi_dir}/hyperlight.json is a symlink; refusing to follow or replace it"
-                  f"; version {__version__}")
+        wanted = (
+            f"STATUS=unhealthy: {cdi_dir}/hyperlight.json is a symlink; refusing to follow or replace it"
+            f"; version {__version__}"
+        )
         wait_for(lambda: wanted in notify_socket.lines(), 10, "the unhealthy STATUS")
         assert "READY=1" not in notify_socket.lines()
         os.unlink(os.path.join(cdi_dir, "hyperlight.json"))
@@ -302,7 +361,9 @@ def test_no_ready_while_unhealthy_and_status_says_why(tmp: str, start_agent: Sta
 def test_the_diagnosis_loads_without_grpc() -> None:
     """`--check` reports a grpc that cannot be imported (a tree built for another Python) as a
     FAIL line, so nothing it imports before that point may import grpc itself."""
-    code = ("import sys\nfrom hyperlight_agent import diagnose, parts\n"
-            "print('GRPC', sorted(m for m in sys.modules if m.split('.')[0] == 'grpc'))")
+    code = (
+        "import sys\nfrom hyperlight_agent import diagnose, parts\n"
+        "print('GRPC', sorted(m for m in sys.modules if m.split('.')[0] == 'grpc'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True).stdout
     assert "GRPC []" in out, out

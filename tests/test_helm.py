@@ -23,13 +23,29 @@ CHART = os.path.join(DEPLOY, "helm", "hyperlight-agent")
 VALUES = os.path.join(DEPLOY, "helm", "values")
 NAMESPACE = "hyperlight-system"
 # Labels only Helm can know (release, chart version); everything else must match the base.
-HELM_ONLY_LABELS = {"app.kubernetes.io/managed-by", "app.kubernetes.io/instance", "app.kubernetes.io/version",
-                    "helm.sh/chart"}
+HELM_ONLY_LABELS = {
+    "app.kubernetes.io/managed-by",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "helm.sh/chart",
+}
 # Every monitoring object, where the API server serves prometheus-operator's API.
 MONITORING_API = ["--api-versions", "monitoring.coreos.com/v1"]
-MONITORS = ["--set", "metrics.enabled=true", "--set", "metrics.podMonitor.enabled=true",
-            "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.prometheusRule.enabled=true",
-            "--set", "metrics.dashboard.enabled=true", "--set", "mode=both", *MONITORING_API]
+MONITORS = [
+    "--set",
+    "metrics.enabled=true",
+    "--set",
+    "metrics.podMonitor.enabled=true",
+    "--set",
+    "metrics.serviceMonitor.enabled=true",
+    "--set",
+    "metrics.prometheusRule.enabled=true",
+    "--set",
+    "metrics.dashboard.enabled=true",
+    "--set",
+    "mode=both",
+    *MONITORING_API,
+]
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -62,31 +78,37 @@ def test_values_files_match_the_overlays() -> None:
     assert sorted(f.removesuffix(".yaml") for f in os.listdir(VALUES)) == OVERLAYS
 
 
-@pytest.mark.parametrize(("setting", "message"), [
-    ("deviceCount=-1", "at '/deviceCount': minimum: got -1, want 1"),
-    ("deviceCount=100001", "at '/deviceCount': maximum: got 100,001, want 100,000"),
-    ("allocation=cdi-only", "at '/allocation': value must be one of 'both', 'cdi', 'device-spec'"),
-    ("deviceUid=-5", "at '/deviceUid': minimum: got -5, want 0"),
-    ("image.digest=sha256:abc", "at '/image/digest'"),
-    ("metrics.port=70000", "at '/metrics/port': maximum"),
-    ("devicecount=5", "additional properties 'devicecount' not allowed"),
-    ("mode=deviceplugin", "at '/mode': value must be one of 'devicePlugin', 'dra', 'both'"),
-    ("draDevices=129", "at '/draDevices': maximum: got 129, want 128"),
-    # Unknown keys are refused at every depth, with Helm's own words.
-    ("serviceAccount.automount=true", "at '/serviceAccount': additional properties 'automount' not allowed"),
-    ("fullnameOverride=hyperlight-agents", "at '/fullnameOverride': maxLength: got 17, want 14"),
-    ("namespaceOverride=Hyperlight", "at '/namespaceOverride'"),
-    ("kubeletRootDir=var/lib/kubelet", "at '/kubeletRootDir': 'var/lib/kubelet' does not match pattern"),
-    ("kubeletRootDir=/" + "k" * 47, "at '/kubeletRootDir': maxLength: got 48, want 47"),
-    ("serviceAccount.create=false", "at '/serviceAccount/name': minLength: got 0, want 1"),
-    ("logLevel=verbose", "at '/logLevel': value must be one of 'debug', 'info', 'warning', 'error'"),
-    ("updateStrategy.type=Recreate", "at '/updateStrategy/type': value must be one of 'RollingUpdate', 'OnDelete'"),
-    ("updateStrategy.rollingUpdate.maxSurge=one", "at '/updateStrategy/rollingUpdate/maxSurge'"),
-    ("podSecurityContext.runAsUser=1000", "at '/podSecurityContext': additional properties 'runAsUser' not allowed"),
-    ("imagePullSecrets[0].secret=x", "at '/imagePullSecrets/0'"),
-    ("namespace.name=x", "at '/namespace': additional properties 'name' not allowed"),
-    ("tests.image=x", "at '/tests': additional properties 'image' not allowed"),
-])
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("deviceCount=-1", "at '/deviceCount': minimum: got -1, want 1"),
+        ("deviceCount=100001", "at '/deviceCount': maximum: got 100,001, want 100,000"),
+        ("allocation=cdi-only", "at '/allocation': value must be one of 'both', 'cdi', 'device-spec'"),
+        ("deviceUid=-5", "at '/deviceUid': minimum: got -5, want 0"),
+        ("image.digest=sha256:abc", "at '/image/digest'"),
+        ("metrics.port=70000", "at '/metrics/port': maximum"),
+        ("devicecount=5", "additional properties 'devicecount' not allowed"),
+        ("mode=deviceplugin", "at '/mode': value must be one of 'devicePlugin', 'dra', 'both'"),
+        ("draDevices=129", "at '/draDevices': maximum: got 129, want 128"),
+        # Unknown keys are refused at every depth, with Helm's own words.
+        ("serviceAccount.automount=true", "at '/serviceAccount': additional properties 'automount' not allowed"),
+        ("fullnameOverride=hyperlight-agents", "at '/fullnameOverride': maxLength: got 17, want 14"),
+        ("namespaceOverride=Hyperlight", "at '/namespaceOverride'"),
+        ("kubeletRootDir=var/lib/kubelet", "at '/kubeletRootDir': 'var/lib/kubelet' does not match pattern"),
+        ("kubeletRootDir=/" + "k" * 47, "at '/kubeletRootDir': maxLength: got 48, want 47"),
+        ("serviceAccount.create=false", "at '/serviceAccount/name': minLength: got 0, want 1"),
+        ("logLevel=verbose", "at '/logLevel': value must be one of 'debug', 'info', 'warning', 'error'"),
+        ("updateStrategy.type=Recreate", "at '/updateStrategy/type': value must be one of 'RollingUpdate', 'OnDelete'"),
+        ("updateStrategy.rollingUpdate.maxSurge=one", "at '/updateStrategy/rollingUpdate/maxSurge'"),
+        (
+            "podSecurityContext.runAsUser=1000",
+            "at '/podSecurityContext': additional properties 'runAsUser' not allowed",
+        ),
+        ("imagePullSecrets[0].secret=x", "at '/imagePullSecrets/0'"),
+        ("namespace.name=x", "at '/namespace': additional properties 'name' not allowed"),
+        ("tests.image=x", "at '/tests': additional properties 'image' not allowed"),
+    ],
+)
 def test_schema_refuses_bad_values_with_a_clear_message(setting: str, message: str) -> None:
     result = template("--set", setting, check=False)
     assert result.returncode != 0, f"{setting} was accepted"
@@ -104,8 +126,12 @@ def test_schema_wants_a_digest_or_a_tag() -> None:
     result = template("--set", "image.digest=", check=False)
     assert result.returncode != 0 and "at '/image'" in result.stderr, result.stderr
     tagged = template("--set", "image.digest=", "--set", "image.tag=dev").stdout
-    images = {c["image"] for d in documents(tagged) if d["kind"] == "DaemonSet"
-              for c in d["spec"]["template"]["spec"]["containers"]}
+    images = {
+        c["image"]
+        for d in documents(tagged)
+        if d["kind"] == "DaemonSet"
+        for c in d["spec"]["template"]["spec"]["containers"]
+    }
     assert images == {"ghcr.io/hyperlight-dev/hyperlight-agent:dev"}
 
 
@@ -115,9 +141,19 @@ EVERY_VALUE: dict[str, Any] = {
     "fullnameOverride": "hl-production1",  # 14 characters, the most
     "nameOverride": "hl",
     "namespaceOverride": "sandboxes-system",
-    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "node.kubernetes.io/instance-type", "operator": "In",
-                               "values": ["Standard_D4s_v5"]}]}]}}},
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {
+                        "matchExpressions": [
+                            {"key": "node.kubernetes.io/instance-type", "operator": "In", "values": ["Standard_D4s_v5"]}
+                        ]
+                    }
+                ]
+            }
+        }
+    },
     "imagePullSecrets": [{"name": "registry-credentials"}],
     "podAnnotations": {"example.com/owner": "sandbox-team"},
     "podLabels": {"example.com/cost-centre": "hypervisors"},
@@ -184,13 +220,19 @@ def test_kubernetes_validate_strict(renderings: dict[str, str], name: str) -> No
     core_path = os.path.join(renderings[name], "core.yaml.txt")
     with open(core_path, "w") as f:
         yaml.safe_dump_all(core, f)
-    result = subprocess.run([judge("kubernetes-validate"), "--strict", core_path], capture_output=True, text=True,
-                            timeout=120, check=False)
+    result = subprocess.run(
+        [judge("kubernetes-validate"), "--strict", core_path], capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("passed for resource") == len(core)
     custom = {d["kind"] for d in docs if d not in core}
-    assert custom == ({"PodMonitor", "ServiceMonitor", "PrometheusRule"} if name == "monitors" else
-                      {"NodeFeatureRule"} if name.startswith("every-value-") else set())
+    assert custom == (
+        {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
+        if name == "monitors"
+        else {"NodeFeatureRule"}
+        if name.startswith("every-value-")
+        else set()
+    )
 
 
 def _normal(value: Any, key: Optional[str] = None) -> Any:
@@ -230,10 +272,19 @@ def test_the_charts_namespace_is_the_bases() -> None:
     namespace.labels cannot lower; it is the release's namespace unless namespaceOverride says."""
     base = _objects(render(os.path.join(DEPLOY, "base")))[("Namespace", NAMESPACE)]
     for where in (["--namespace", NAMESPACE], ["--namespace", "default", "--set", f"namespaceOverride={NAMESPACE}"]):
-        created = [d for d in documents(template(
-            *where, "--set", "namespace.create=true",
-            "--set", "namespace.labels.pod-security\\.kubernetes\\.io/enforce=restricted").stdout)
-            if d["kind"] == "Namespace"]
+        created = [
+            d
+            for d in documents(
+                template(
+                    *where,
+                    "--set",
+                    "namespace.create=true",
+                    "--set",
+                    "namespace.labels.pod-security\\.kubernetes\\.io/enforce=restricted",
+                ).stdout
+            )
+            if d["kind"] == "Namespace"
+        ]
         (namespace,) = created
         # Helm never deletes it (an upgrade without namespace.create would delete every pod in it).
         assert namespace["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
@@ -251,19 +302,29 @@ def test_helm_test_asks_for_the_device_as_a_restricted_workload(mode: str) -> No
     running the agent's --check as deviceUid:deviceGid within the restricted Pod Security level,
     all of them `helm test` hooks: a plain install creates none of them."""
     objects = documents(template("--set", f"mode={mode}", "--set", "deviceUid=1234", "--set", "deviceGid=5678").stdout)
-    hooks = {(d["kind"], d["metadata"]["name"]): d for d in objects
-             if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"}
+    hooks = {
+        (d["kind"], d["metadata"]["name"]): d
+        for d in objects
+        if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"
+    }
     pods = {name: d for (kind, name), d in hooks.items() if kind == "Pod"}
     assert sorted(pods) == [f"hyperlight-test-{way}" for way in ways(mode)]
     for name, pod in pods.items():
         spec = pod["spec"]
         assert spec["restartPolicy"] == "Never" and spec["automountServiceAccountToken"] is False
-        assert spec["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1234, "runAsGroup": 5678,
-                                           "seccompProfile": {"type": "RuntimeDefault"}}
+        assert spec["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": 1234,
+            "runAsGroup": 5678,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
         (container,) = spec["containers"]
         assert container["args"] == ["--check"] and container["image"].startswith("ghcr.io/hyperlight-dev/")
-        assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                                "capabilities": {"drop": ["ALL"]}}
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
         if name.endswith("device-plugin"):
             assert container["resources"]["limits"][contracts.RESOURCE_HYPERVISOR] == "1"
         else:
@@ -273,8 +334,9 @@ def test_helm_test_asks_for_the_device_as_a_restricted_workload(mode: str) -> No
             (request,) = template_["spec"]["spec"]["devices"]["requests"]
             assert request["exactly"]["deviceClassName"] == contracts.DRA_DEVICE_CLASS
             # Helm creates hooks by weight: the template first.
-            assert int(template_["metadata"]["annotations"]["helm.sh/hook-weight"]) < \
-                int(pod["metadata"]["annotations"].get("helm.sh/hook-weight", "0"))
+            assert int(template_["metadata"]["annotations"]["helm.sh/hook-weight"]) < int(
+                pod["metadata"]["annotations"].get("helm.sh/hook-weight", "0")
+            )
     without = documents(template("--set", f"mode={mode}", "--set", "tests.enabled=false").stdout)
     assert not [d for d in without if "helm.sh/hook" in d["metadata"].get("annotations", {})]
 
@@ -287,10 +349,20 @@ def test_every_value_lands_where_it_says(renderings: dict[str, str], mode: str) 
     for obj in objects:
         # The DeviceClass's name is the API's contract; the service account's and the namespace's
         # are values of their own.
-        assert obj["metadata"]["name"].startswith("hl-production1-") or \
-            obj["kind"] in {"DeviceClass", "ServiceAccount", "Namespace"}
-        if obj["kind"] not in {"DeviceClass", "ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
-                               "ValidatingAdmissionPolicyBinding", "Namespace", "NodeFeatureRule"}:
+        assert obj["metadata"]["name"].startswith("hl-production1-") or obj["kind"] in {
+            "DeviceClass",
+            "ServiceAccount",
+            "Namespace",
+        }
+        if obj["kind"] not in {
+            "DeviceClass",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
+            "Namespace",
+            "NodeFeatureRule",
+        }:
             assert obj["metadata"]["namespace"] == "sandboxes-system", obj["metadata"]
         assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "hl"
     (namespace,) = [d for d in objects if d["kind"] == "Namespace"]
@@ -302,21 +374,32 @@ def test_every_value_lands_where_it_says(renderings: dict[str, str], mode: str) 
     for pod in tests.values():
         assert pod["spec"]["imagePullSecrets"] == EVERY_VALUE["imagePullSecrets"]
     sets = {d["metadata"]["name"]: d for d in objects if d["kind"] == "DaemonSet"}
-    expected = {"hl-production1-device-access"} | ({"hl-production1-device-plugin"} if mode != "dra" else set()) \
+    expected = (
+        {"hl-production1-device-access"}
+        | ({"hl-production1-device-plugin"} if mode != "dra" else set())
         | ({"hl-production1-dra-driver"} if mode != "devicePlugin" else set())
+    )
     assert set(sets) == expected
     for name, ds in sets.items():
         assert ds["spec"]["selector"] == {"matchLabels": {"app.kubernetes.io/name": name}}
         assert ds["spec"]["updateStrategy"] == EVERY_VALUE["updateStrategy"]
         meta, pod = ds["spec"]["template"]["metadata"], ds["spec"]["template"]["spec"]
-        assert meta["labels"] == {**EVERY_VALUE["podLabels"], "app.kubernetes.io/name": name,
-                                  "app.kubernetes.io/part-of": "hl"}
+        assert meta["labels"] == {
+            **EVERY_VALUE["podLabels"],
+            "app.kubernetes.io/name": name,
+            "app.kubernetes.io/part-of": "hl",
+        }
         assert meta["annotations"] == EVERY_VALUE["podAnnotations"]
         for key in ("affinity", "imagePullSecrets", "runtimeClassName"):
             assert pod[key] == EVERY_VALUE[key], key
         # Added to the fixed pod security context, which stays as it is.
-        assert pod["securityContext"] == {**EVERY_VALUE["podSecurityContext"], "runAsUser": 0, "runAsGroup": 0,
-                                          "runAsNonRoot": False, "seccompProfile": {"type": "RuntimeDefault"}}
+        assert pod["securityContext"] == {
+            **EVERY_VALUE["podSecurityContext"],
+            "runAsUser": 0,
+            "runAsGroup": 0,
+            "runAsNonRoot": False,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
         (container,) = pod["containers"]
         env = [e["name"] for e in container["env"]]
         assert env[-1] == "HYPERLIGHT_CHECK_INTERVAL", "extraEnv comes after the chart's own settings"
@@ -333,15 +416,20 @@ def test_every_value_lands_where_it_says(renderings: dict[str, str], mode: str) 
         (binding,) = [d for d in objects if d["kind"] == "ClusterRoleBinding"]
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "hl-dra", "namespace": "sandboxes-system"}]
         (policy,) = [d for d in objects if d["kind"] == "ValidatingAdmissionPolicy"]
-        assert policy["spec"]["matchConditions"][0]["expression"] == \
-            'request.userInfo.username == "system:serviceaccount:sandboxes-system:hl-dra"'
+        assert (
+            policy["spec"]["matchConditions"][0]["expression"]
+            == 'request.userInfo.username == "system:serviceaccount:sandboxes-system:hl-dra"'
+        )
         (policy_binding,) = [d for d in objects if d["kind"] == "ValidatingAdmissionPolicyBinding"]
         assert policy_binding["spec"]["policyName"] == policy["metadata"]["name"]
 
 
 def test_an_existing_service_account_is_used_not_created() -> None:
-    objects = documents(template("--set", "mode=dra", "--set", "serviceAccount.create=false",
-                                 "--set", "serviceAccount.name=platform-dra").stdout)
+    objects = documents(
+        template(
+            "--set", "mode=dra", "--set", "serviceAccount.create=false", "--set", "serviceAccount.name=platform-dra"
+        ).stdout
+    )
     assert not [d for d in objects if d["kind"] == "ServiceAccount"]
     (driver,) = [d for d in objects if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "hyperlight-dra-driver"]
     assert driver["spec"]["template"]["spec"]["serviceAccountName"] == "platform-dra"

@@ -54,7 +54,8 @@ def test_helper_argv_isolates_from_site_packages_and_writes_no_bytecode() -> Non
     argv = default_argv()
     argv[argv.index("-c") + 1] = (
         "import sys, importlib.util; "
-        "print(importlib.util.find_spec('grpc') is None, sys.flags.isolated, sys.dont_write_bytecode)")
+        "print(importlib.util.find_spec('grpc') is None, sys.flags.isolated, sys.dont_write_bytecode)"
+    )
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout
     assert out.split() == ["True", "1", "True"], out
 
@@ -65,8 +66,7 @@ def test_deadline_kills_and_replaces_the_helper(tmp: str, kvm_dir: str) -> None:
     timeouts = []
 
     async def run() -> None:
-        helper = ProbeHelper(argv=hanging_helper(marker), deadline=0.3,
-                             on_timeout=lambda: timeouts.append(1))
+        helper = ProbeHelper(argv=hanging_helper(marker), deadline=0.3, on_timeout=lambda: timeouts.append(1))
         reply = await helper.run(request(kvm_dir))
         assert reply == ProbeResult(False, "probe did not finish within 0.3 s (helper killed)", helper_fault=True)
         assert helper.pid is None
@@ -88,8 +88,7 @@ def test_unreaped_helper_blocks_new_checks_until_it_exits(tmp: str, kvm_dir: str
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        helper = ProbeHelper(argv=hanging_helper(marker), deadline=1.0,
-                             kill=lambda pid, sig: killed.append(pid))
+        helper = ProbeHelper(argv=hanging_helper(marker), deadline=1.0, kill=lambda pid, sig: killed.append(pid))
         assert "did not finish" in (await helper.run(request(kvm_dir))).reason
         stuck_pid = helper.dying_pid
         assert stuck_pid is not None and killed == [stuck_pid]
@@ -142,8 +141,15 @@ def test_cancelled_request_abandons_the_helper(tmp: str, kvm_dir: str) -> None:
 
 
 async def test_helper_that_dies_is_reported_and_replaced(kvm_dir: str) -> None:
-    helper = ProbeHelper(argv=[sys.executable, "-I", "-S", "-c",
-                               "import sys; print('{\"ready\": true}', flush=True); sys.stdin.readline()"])
+    helper = ProbeHelper(
+        argv=[
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            "import sys; print('{\"ready\": true}', flush=True); sys.stdin.readline()",
+        ]
+    )
     reply = await helper.run(request(kvm_dir))
     assert reply == ProbeResult(False, "probe helper exited unexpectedly", helper_fault=True)
     await helper.close()
@@ -181,8 +187,8 @@ def slow_start(seconds: float, ready: bool = True) -> list[str]:
     code = (
         "import sys, time, json\n"
         f"time.sleep({seconds})\n"
-        + ("print(json.dumps({'ready': True}), flush=True)\n" if ready else "sys.stdin.readline()\n") +
-        "for line in sys.stdin:\n"
+        + ("print(json.dumps({'ready': True}), flush=True)\n" if ready else "sys.stdin.readline()\n")
+        + "for line in sys.stdin:\n"
         "    print(json.dumps({'ok': True, 'reason': ''}), flush=True)\n"
     )
     return [sys.executable, "-I", "-S", "-c", code]
@@ -200,7 +206,8 @@ async def test_a_slow_helper_start_is_not_counted_against_the_probe(kvm_dir: str
 
 
 async def test_a_helper_that_never_says_ready_is_killed_after_the_start_bound(
-        kvm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    kvm_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(helper_module, "HELPER_START_S", 0.3)
     helper = ProbeHelper(argv=slow_start(0, ready=False))
     try:

@@ -30,18 +30,35 @@ pytestmark = pytest.mark.root
 R = contracts.RESOURCE_HYPERVISOR
 
 
-
 def health_check(tmp: str, which: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--kubelet-dir",
-                           os.path.join(tmp, "kubelet"), f"--health-check={which}"],
-                          capture_output=True, text=True, timeout=30, check=False)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hyperlight_agent",
+            "--config",
+            "/dev/null",
+            "--kubelet-dir",
+            os.path.join(tmp, "kubelet"),
+            f"--health-check={which}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
 
 
 def test_a_fifo_for_a_config_file_is_refused_at_startup(tmp: str) -> None:
     fifo = os.path.join(tmp, "agent.toml")
     os.mkfifo(fifo)
-    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", fifo, "--cdi-dir",
-                             os.path.join(tmp, "cdi")], capture_output=True, text=True, timeout=30, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperlight_agent", "--config", fifo, "--cdi-dir", os.path.join(tmp, "cdi")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == f"hyperlight-agent: error: config file {fifo}: not a regular file"
     assert not os.path.exists(os.path.join(tmp, "cdi"))
@@ -53,8 +70,9 @@ def test_a_bad_file_on_reload_never_stalls_and_is_refused(kubelet: StandinThread
     with open(config, "w") as f:
         f.write("device_count = 3\n")
     # The last --config wins over AgentProcess's own --config /dev/null.
-    agent = AgentProcess(tmp, "--kubelet-dir", os.path.join(tmp, "kubelet"), "--cdi-dir", os.path.join(tmp, "cdi"),
-                         "--config", config)
+    agent = AgentProcess(
+        tmp, "--kubelet-dir", os.path.join(tmp, "kubelet"), "--cdi-dir", os.path.join(tmp, "cdi"), "--config", config
+    )
     try:
         kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
         os.unlink(config)
@@ -62,9 +80,13 @@ def test_a_bad_file_on_reload_never_stalls_and_is_refused(kubelet: StandinThread
             os.mkfifo(config)  # nobody ever writes: a blocking read would wedge the agent
         else:
             with open(config, "wb") as f:
-                f.write({"huge integer": b"device_count = " + b"7" * 5000 + b"\n",
-                         "deep nesting": b"a = " + b"[" * 5000 + b"]" * 5000 + b"\n",
-                         "not utf-8": b"device_count = 3 # \xff\n"}[bad])
+                f.write(
+                    {
+                        "huge integer": b"device_count = " + b"7" * 5000 + b"\n",
+                        "deep nesting": b"a = " + b"[" * 5000 + b"]" * 5000 + b"\n",
+                        "not utf-8": b"device_count = 3 # \xff\n",
+                    }[bad]
+                )
         agent.proc.send_signal(signal.SIGHUP)
         wait_for(lambda: "reload failed, keeping the running configuration" in agent.log, 10, "the refusal")
         assert "Traceback" not in agent.log
@@ -83,21 +105,26 @@ def test_a_bad_file_on_reload_never_stalls_and_is_refused(kubelet: StandinThread
 
 def raw_call(tmp: str, method: str, request: Any, timeout: float = 10) -> Any:
     async def call() -> Any:
-        async with grpc.aio.insecure_channel(transport.unix_target(os.path.join(tmp, "kubelet",
-                                                                          contracts.PLUGIN_SOCKET))) as ch:
+        async with grpc.aio.insecure_channel(
+            transport.unix_target(os.path.join(tmp, "kubelet", contracts.PLUGIN_SOCKET))
+        ) as ch:
             return await getattr(api.device_plugin_stub(ch), method)(request, timeout=timeout)
 
     return asyncio.run(call())
 
 
-@pytest.mark.parametrize(("device_id", "message"), [
-    ("kvm-" + "1" * 5000, "malformed device ID 'kvm-111111111111111111111111111111111111'… (5004 characters)"),
-    ("kvm-0\n", "malformed device ID 'kvm-0\\n'"),
-    ("k" * (1 << 20), "(1048576 characters): longer than 63 characters"),
-    ("kvm-" + "9" * 59, "unknown device ID"),
-])
-def test_hostile_device_ids_are_invalid_arguments_quoted_short(kubelet: StandinThread, start_agent: StartAgent,
-                                                               tmp: str, device_id: str, message: str) -> None:
+@pytest.mark.parametrize(
+    ("device_id", "message"),
+    [
+        ("kvm-" + "1" * 5000, "malformed device ID 'kvm-111111111111111111111111111111111111'… (5004 characters)"),
+        ("kvm-0\n", "malformed device ID 'kvm-0\\n'"),
+        ("k" * (1 << 20), "(1048576 characters): longer than 63 characters"),
+        ("kvm-" + "9" * 59, "unknown device ID"),
+    ],
+)
+def test_hostile_device_ids_are_invalid_arguments_quoted_short(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str, device_id: str, message: str
+) -> None:
     agent = start_agent("--device-count", "2")
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[device_id])])
@@ -110,20 +137,27 @@ def test_hostile_device_ids_are_invalid_arguments_quoted_short(kubelet: StandinT
     assert "Traceback" not in agent.log and len(agent.log) < 10_000
 
 
-def test_preferred_allocation_is_linear_and_bounded(kubelet: StandinThread, start_agent: StartAgent,
-                                                    tmp: str) -> None:
+def test_preferred_allocation_is_linear_and_bounded(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
     start_agent("--device-count", "2")
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     ids = [f"kvm-{i}" for i in range(20_000)]
-    request = pb.PreferredAllocationRequest(container_requests=[pb.ContainerPreferredAllocationRequest(
-        available_deviceIDs=ids, must_include_deviceIDs=list(reversed(ids)), allocation_size=20_000)])
+    request = pb.PreferredAllocationRequest(
+        container_requests=[
+            pb.ContainerPreferredAllocationRequest(
+                available_deviceIDs=ids, must_include_deviceIDs=list(reversed(ids)), allocation_size=20_000
+            )
+        ]
+    )
     started = time.monotonic()
     # Quadratic, this took 7 s and stalled every other call; the generous bound leaves CI room.
     response = raw_call(tmp, "GetPreferredAllocation", request, timeout=3)
     print(f"GetPreferredAllocation 20k × 20k: {(time.monotonic() - started) * 1000:.0f} ms")
     assert list(response.container_responses[0].deviceIDs) == list(reversed(ids))
-    too_many = pb.PreferredAllocationRequest(container_requests=[pb.ContainerPreferredAllocationRequest(
-        available_deviceIDs=["kvm-0"] * 200_001, allocation_size=1)])
+    too_many = pb.PreferredAllocationRequest(
+        container_requests=[
+            pb.ContainerPreferredAllocationRequest(available_deviceIDs=["kvm-0"] * 200_001, allocation_size=1)
+        ]
+    )
     with pytest.raises(grpc.aio.AioRpcError) as info:
         raw_call(tmp, "GetPreferredAllocation", too_many)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -135,8 +169,16 @@ def test_a_filesystem_mounted_over_the_cdi_dir_is_watched_anew(kubelet: StandinT
     cdi_dir = os.path.join(tmp, "cdi")
     os.mkdir(cdi_dir)
     wrapper = ["unshare", "--mount", "--propagation", "private"]
-    agent = AgentProcess(tmp, "--kubelet-dir", os.path.join(tmp, "kubelet"), "--cdi-dir", cdi_dir,
-                         "--check-interval", "3600", prefix=wrapper)
+    agent = AgentProcess(
+        tmp,
+        "--kubelet-dir",
+        os.path.join(tmp, "kubelet"),
+        "--cdi-dir",
+        cdi_dir,
+        "--check-interval",
+        "3600",
+        prefix=wrapper,
+    )
     try:
         kubelet.wait_until(lambda k: k.allocatable() == 2000, 15)
         in_agent = ["nsenter", "-t", str(agent.proc.pid), "-m"]
@@ -155,8 +197,9 @@ def test_a_filesystem_mounted_over_the_cdi_dir_is_watched_anew(kubelet: StandinT
         wait_for(lambda: not agent.helpers_left(), 5, "no helper left")
 
 
-def test_a_watch_that_cannot_be_added_is_said_once(tmp: str, caplog: pytest.LogCaptureFixture,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_watch_that_cannot_be_added_is_said_once(
+    tmp: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import errno
 
     from asyncinotify import Inotify
@@ -185,8 +228,9 @@ def test_a_watch_that_cannot_be_added_is_said_once(tmp: str, caplog: pytest.LogC
 
 
 @pytest.mark.parametrize("drift", ["chmod 600", "chown 1234:1234"])
-def test_the_spec_mode_and_owner_are_repaired(kubelet: StandinThread, start_agent: StartAgent, tmp: str,
-                                              drift: str) -> None:
+def test_the_spec_mode_and_owner_are_repaired(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str, drift: str
+) -> None:
     start_agent("--device-count", "1")
     kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     spec = cdi.spec_path(os.path.join(tmp, "cdi"))
@@ -207,9 +251,9 @@ def listed_unhealthy(k: KubeletStandin) -> bool:
     return bool(p and p.stream_open and p.devices and all(h == contracts.UNHEALTHY for _, h in p.devices))
 
 
-def test_a_cdi_dir_that_is_a_symlink_is_refused_and_its_removal_seen_at_once(kubelet: StandinThread,
-                                                                               start_agent: StartAgent,
-                                                                               tmp: str) -> None:
+def test_a_cdi_dir_that_is_a_symlink_is_refused_and_its_removal_seen_at_once(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str
+) -> None:
     """The spec never goes where a symlink at cdi_dir points; when the symlink goes, the real
     directory and the spec are made at once, not a check interval later (issue 19, item 5)."""
     elsewhere, cdi_dir = os.path.join(tmp, "elsewhere"), os.path.join(tmp, "cdi")

@@ -71,8 +71,14 @@ def image(engine: Podman) -> dict[str, Any]:
     env = {**engine.env, "MAKEFLAGS": ""}
     engine_cmd = " ".join(engine.argv)
     for target in (["image-base"], ["image", f"BASE_IMAGE={BASE}", f"IMAGE={IMAGE}"]):
-        made = subprocess.run(["make", "-s", "-C", ROOT, *target, f"ENGINE={engine_cmd}"], capture_output=True,
-                              text=True, env=env, timeout=1800, check=False)
+        made = subprocess.run(
+            ["make", "-s", "-C", ROOT, *target, f"ENGINE={engine_cmd}"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1800,
+            check=False,
+        )
         assert made.returncode == 0, made.stdout + made.stderr
     printed = re.search(r"^id: (sha256:[0-9a-f]{64}) \((\d+) MB\)$", made.stdout, re.M)
     assert printed, made.stdout
@@ -87,8 +93,14 @@ def test_make_image_says_what_is_missing_in_one_line(tmp: str) -> None:
     os.mkdir(bin_dir)
     for tool in ("sh", "dirname", "sed", "ls", "cat"):  # what build.sh needs, but no engine
         os.symlink(shutil.which(tool) or tool, os.path.join(bin_dir, tool))
-    made = subprocess.run(["sh", os.path.join(ROOT, "deploy", "image", "build.sh")], capture_output=True, text=True,
-                          env={"PATH": bin_dir, "HOME": tmp}, timeout=60, check=False)
+    made = subprocess.run(
+        ["sh", os.path.join(ROOT, "deploy", "image", "build.sh")],
+        capture_output=True,
+        text=True,
+        env={"PATH": bin_dir, "HOME": tmp},
+        timeout=60,
+        check=False,
+    )
     assert made.returncode == 1
     assert made.stderr == "make image: needs podman or docker (e.g. apt-get install podman)\n"
 
@@ -107,7 +119,8 @@ def test_image_labels_and_contents(engine: Podman, image: dict[str, Any]) -> Non
         "import hyperlight_agent.cli as c\n"
         "print(os.path.exists(u.cache_from_source(c.__file__)), os.path.exists('/wheels'))\n"
         "print(sorted(os.path.join(d, n) for d, _, ns in os.walk(os.path.dirname(os.path.dirname(c.__file__)))\n"
-        "             for n in ns))\n")
+        "             for n in ns))\n"
+    )
     ran = engine("run", "--rm", "--network", "none", "--read-only", "--entrypoint", "python3", IMAGE, "-c", script)
     assert ran.stdout.split("\n")[:2] == ["[]", "True False"], ran.stdout + ran.stderr
     assert_ships_the_agent_only(ast.literal_eval(ran.stdout.split("\n")[2]))
@@ -115,9 +128,11 @@ def test_image_labels_and_contents(engine: Podman, image: dict[str, Any]) -> Non
 
 # ---- both DaemonSets, run as deploy/ runs them -------------------------------------------------
 
+
 def daemonsets() -> dict[str, dict[str, Any]]:
-    return {d["metadata"]["name"]: d for d in documents(render(os.path.join(DEPLOY, "base")))
-            if d["kind"] == "DaemonSet"}
+    return {
+        d["metadata"]["name"]: d for d in documents(render(os.path.join(DEPLOY, "base"))) if d["kind"] == "DaemonSet"
+    }
 
 
 def run_args(ds: dict[str, Any], name: str, host_paths: dict[str, str]) -> list[str]:
@@ -128,8 +143,17 @@ def run_args(ds: dict[str, Any], name: str, host_paths: dict[str, str]) -> list[
     (container,) = pod["containers"]
     pod_sc, sc = pod["securityContext"], container["securityContext"]
     user, group = sc.get("runAsUser", pod_sc["runAsUser"]), sc.get("runAsGroup", pod_sc["runAsGroup"])
-    args = ["--name", name, "--detach", "--user", f"{user}:{group}", "--network", "none",
-            "--stop-timeout", str(pod["terminationGracePeriodSeconds"])]
+    args = [
+        "--name",
+        name,
+        "--detach",
+        "--user",
+        f"{user}:{group}",
+        "--network",
+        "none",
+        "--stop-timeout",
+        str(pod["terminationGracePeriodSeconds"]),
+    ]
     assert sc["privileged"] is False and pod["hostNetwork"] is False
     if sc["readOnlyRootFilesystem"]:
         args.append("--read-only")
@@ -167,15 +191,20 @@ def test_both_daemonsets_run_from_the_image(engine: Podman, image: dict[str, Any
     kubelet_dir, cdi_dir, nfd_dir = (os.path.join(tmp, d) for d in ("kubelet", "cdi", "nfd"))
     for d in (cdi_dir, nfd_dir):
         os.mkdir(d)
-    host_paths = {"/var/lib/kubelet/device-plugins": kubelet_dir, "/var/run/cdi": cdi_dir, "/dev": "/dev",
-                  "/etc/kubernetes/node-feature-discovery/features.d": nfd_dir}
+    host_paths = {
+        "/var/lib/kubelet/device-plugins": kubelet_dir,
+        "/var/run/cdi": cdi_dir,
+        "/dev": "/dev",
+        "/etc/kubernetes/node-feature-discovery/features.d": nfd_dir,
+    }
     names = {ds: f"hl-{os.getpid()}-{ds.removeprefix('hyperlight-')}" for ds in sets}
     with StandinThread(kubelet_dir) as kubelet:
         try:
             for ds_name, ds in sets.items():
                 engine("run", *run_args(ds, names[ds_name], host_paths))
-            kubelet.wait_until(lambda k: k.allocatable(contracts.RESOURCE_DEVICE_ACCESS) == modes.DEVICE_ACCESS.slots,
-                               60)
+            kubelet.wait_until(
+                lambda k: k.allocatable(contracts.RESOURCE_DEVICE_ACCESS) == modes.DEVICE_ACCESS.slots, 60
+            )
             plugin = sets["hyperlight-device-plugin"]
             env = {e["name"]: e.get("value") for e in plugin["spec"]["template"]["spec"]["containers"][0]["env"]}
             count = int(env["DEVICE_COUNT"])
@@ -184,9 +213,13 @@ def test_both_daemonsets_run_from_the_image(engine: Podman, image: dict[str, Any
             # The manifests' exec probes pass inside the containers.
             for ds_name, ds in sets.items():
                 for which in ("liveness", "readiness"):
-                    wait_for(lambda ds_name=ds_name, ds=ds, which=which:  # type: ignore[misc]
-                             probe(engine, names[ds_name], ds, which).returncode == 0, 30,
-                             f"the {which} probe of {ds_name} to pass")
+                    wait_for(
+                        lambda ds_name=ds_name, ds=ds, which=which: (  # type: ignore[misc]
+                            probe(engine, names[ds_name], ds, which).returncode == 0
+                        ),
+                        30,
+                        f"the {which} probe of {ds_name} to pass",
+                    )
 
             # The CDI spec is exact: bytes, mode, owner.
             wanted = cdi.render("kvm", "/dev/kvm", int(env["DEVICE_UID"]), int(env["DEVICE_GID"]))
@@ -203,12 +236,16 @@ def test_both_daemonsets_run_from_the_image(engine: Podman, image: dict[str, Any
             response = kubelet.call(kubelet.kubelet.allocate(contracts.RESOURCE_HYPERVISOR, ["kvm-0"]))
             (answer,) = response.container_responses
             assert [d.name for d in answer.cdi_devices] == ["hyperlight.dev/hypervisor=kvm"]
-            assert [(d.container_path, d.host_path, d.permissions) for d in answer.devices] == \
-                [("/dev/kvm", "/dev/kvm", "rw")]
+            assert [(d.container_path, d.host_path, d.permissions) for d in answer.devices] == [
+                ("/dev/kvm", "/dev/kvm", "rw")
+            ]
             assert dict(answer.envs) == {"HYPERLIGHT_HYPERVISOR": "kvm", "HYPERLIGHT_DEVICE_PATH": "/dev/kvm"}
-            granted = kubelet.call(kubelet.kubelet.allocate(contracts.RESOURCE_DEVICE_ACCESS,
-                                                            [kubelet.run(lambda k: k.plugins[
-                                                                contracts.RESOURCE_DEVICE_ACCESS].devices[0][0])]))
+            granted = kubelet.call(
+                kubelet.kubelet.allocate(
+                    contracts.RESOURCE_DEVICE_ACCESS,
+                    [kubelet.run(lambda k: k.plugins[contracts.RESOURCE_DEVICE_ACCESS].devices[0][0])],
+                )
+            )
             assert [d.host_path for d in granted.container_responses[0].devices] == ["/dev/kvm"]
 
             # A clean stop within the pod's termination grace: exit status 0, socket removed.

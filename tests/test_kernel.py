@@ -86,13 +86,20 @@ def test_kvm_probe_creates_and_closes_one_vm() -> None:
     assert r.closed == [99]
 
 
-@pytest.mark.parametrize(("results", "message"), [
-    ({hypervisors.KVM_GET_API_VERSION: OSError(25, "Inappropriate ioctl for device")},
-     "KVM_GET_API_VERSION failed: Inappropriate ioctl"),
-    ({hypervisors.KVM_GET_API_VERSION: 11}, "KVM API version is 11, expected 12"),
-    ({hypervisors.KVM_GET_API_VERSION: 12, hypervisors.KVM_CREATE_VM: OSError(24, "Too many open files")},
-     "KVM_CREATE_VM failed: Too many open files"),
-])
+@pytest.mark.parametrize(
+    ("results", "message"),
+    [
+        (
+            {hypervisors.KVM_GET_API_VERSION: OSError(25, "Inappropriate ioctl for device")},
+            "KVM_GET_API_VERSION failed: Inappropriate ioctl",
+        ),
+        ({hypervisors.KVM_GET_API_VERSION: 11}, "KVM API version is 11, expected 12"),
+        (
+            {hypervisors.KVM_GET_API_VERSION: 12, hypervisors.KVM_CREATE_VM: OSError(24, "Too many open files")},
+            "KVM_CREATE_VM failed: Too many open files",
+        ),
+    ],
+)
 def test_kvm_probe_errors(results: dict[int, Any], message: str) -> None:
     r = Recorder(results)
     with pytest.raises(kernel.ProbeError, match=message):
@@ -107,11 +114,14 @@ def test_mshv_probe_creates_and_closes_one_partition() -> None:
     assert r.closed == [42]
 
 
-@pytest.mark.parametrize(("result", "message"), [
-    (OSError(22, "Invalid argument"), "MSHV_CREATE_PARTITION failed: Invalid argument"),
-    (OSError(25, "Inappropriate ioctl for device"), "MSHV_CREATE_PARTITION failed: Inappropriate"),
-    (-1, "returned -1, not a descriptor"),
-])
+@pytest.mark.parametrize(
+    ("result", "message"),
+    [
+        (OSError(22, "Invalid argument"), "MSHV_CREATE_PARTITION failed: Invalid argument"),
+        (OSError(25, "Inappropriate ioctl for device"), "MSHV_CREATE_PARTITION failed: Inappropriate"),
+        (-1, "returned -1, not a descriptor"),
+    ],
+)
 def test_mshv_probe_errors(result: Any, message: str) -> None:
     r = Recorder({hypervisors.MSHV_CREATE_PARTITION: result})
     with pytest.raises(kernel.ProbeError, match=message):
@@ -189,12 +199,16 @@ def test_device_path_symlink_or_file_is_refused(tmp: str, kvm_dir: str) -> None:
 
 
 def test_helper_protocol_reports_reasons(kvm_dir: str, tmp: str) -> None:
-    assert helper_process.run_request({"hypervisor": "kvm", "device": os.path.join(kvm_dir, "kvm"), "host": None}) \
-        == {"ok": True, "reason": ""}
+    assert helper_process.run_request({"hypervisor": "kvm", "device": os.path.join(kvm_dir, "kvm"), "host": None}) == {
+        "ok": True,
+        "reason": "",
+    }
     bad = helper_process.run_request({"hypervisor": "kvm", "device": os.path.join(tmp, "none"), "host": None})
     assert not bad["ok"] and "missing" in bad["reason"]
-    assert helper_process.run_request({"hypervisor": "xen", "device": "/dev/xen", "host": None})["reason"] == \
-        "unknown hypervisor 'xen'"
+    assert (
+        helper_process.run_request({"hypervisor": "xen", "device": "/dev/xen", "host": None})["reason"]
+        == "unknown hypervisor 'xen'"
+    )
     assert helper_process.run_request({"hypervisor": "kvm"})["reason"].startswith("bad probe request")
 
 
@@ -207,21 +221,30 @@ def test_mshv_live_partition_creation() -> None:
 
 def test_probe_modules_import_without_site_packages() -> None:
     # The helper runs under `python -I -S`: the probe and its imports must need nothing else.
-    code = ("import io, sys; sys.path.insert(0, sys.argv[1]); "
-            "from hyperlight_agent.device.helper_process import serve; "
-            "serve(io.StringIO(sys.argv[2] + '\\n'), io.StringIO()); "
-            "print(sorted(m for m in sys.modules if 'grpc' in m or m.startswith(('google', 'hyperlight')) "
-            "or m in ('typing', 'dataclasses', 'asyncio')))")
+    code = (
+        "import io, sys; sys.path.insert(0, sys.argv[1]); "
+        "from hyperlight_agent.device.helper_process import serve; "
+        "serve(io.StringIO(sys.argv[2] + '\\n'), io.StringIO()); "
+        "print(sorted(m for m in sys.modules if 'grpc' in m or m.startswith(('google', 'hyperlight')) "
+        "or m in ('typing', 'dataclasses', 'asyncio')))"
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(kernel.__file__))))
     request = '{"hypervisor": "kvm", "device": "/dev/null", "host": null}'
-    out = subprocess.run([sys.executable, "-I", "-S", "-c", code, root, request], capture_output=True,
-                         text=True, check=True, timeout=30)
+    out = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code, root, request], capture_output=True, text=True, check=True, timeout=30
+    )
     # After serving a request the helper holds exactly these agent modules (standard library
     # only), and none of grpc, typing, dataclasses or asyncio: it stays small.
-    assert out.stdout.strip() == str(["hyperlight_agent",
-                                      "hyperlight_agent.device", "hyperlight_agent.device.helper_process",
-                                      "hyperlight_agent.device.hypervisors",
-                                      "hyperlight_agent.device.kernel", "hyperlight_agent.text"])
+    assert out.stdout.strip() == str(
+        [
+            "hyperlight_agent",
+            "hyperlight_agent.device",
+            "hyperlight_agent.device.helper_process",
+            "hyperlight_agent.device.hypervisors",
+            "hyperlight_agent.device.kernel",
+            "hyperlight_agent.text",
+        ]
+    )
 
 
 def test_a_long_path_in_a_request_gives_a_short_reason(tmp: str) -> None:

@@ -61,21 +61,31 @@ def test_readers_never_see_a_partial_file(tmp: str) -> None:
     labels.sync(features, "kvm")
     path = os.path.join(features, labels.FEATURE_FILE)
     stop = os.path.join(tmp, "stop")
-    reader = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys\nbad = reads = 0\n"
-        "while not os.path.exists(sys.argv[2]):\n"
-        "    data = open(sys.argv[1], 'rb').read()\n    reads += 1\n"
-        "    bad += data not in (b'hyperlight.dev/enabled=true\\nhyperlight.dev/hypervisor=kvm\\n',"
-        " b'hyperlight.dev/enabled=true\\nhyperlight.dev/hypervisor=mshv\\n')\n"
-        "    if reads == 1:\n        print('reading', flush=True)\n"
-        "print(reads, bad)\n"), path, stop], stdout=subprocess.PIPE, text=True)
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import os, sys\nbad = reads = 0\n"
+                "while not os.path.exists(sys.argv[2]):\n"
+                "    data = open(sys.argv[1], 'rb').read()\n    reads += 1\n"
+                "    bad += data not in (b'hyperlight.dev/enabled=true\\nhyperlight.dev/hypervisor=kvm\\n',"
+                " b'hyperlight.dev/enabled=true\\nhyperlight.dev/hypervisor=mshv\\n')\n"
+                "    if reads == 1:\n        print('reading', flush=True)\n"
+                "print(reads, bad)\n"
+            ),
+            path,
+            stop,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert reader.stdout is not None and reader.stdout.readline() == "reading\n", "the reader started"
     for i in range(300):
         labels.sync(features, "mshv" if i % 2 == 0 else "kvm")
     open(stop, "w").close()
     reads, bad = map(int, reader.communicate(timeout=30)[0].split())
     assert reads > 0 and bad == 0
-
 
 
 def test_agent_labels_follow_the_device(kubelet: StandinThread, start_agent: StartAgent, tmp: str) -> None:
@@ -92,8 +102,9 @@ def test_agent_labels_follow_the_device(kubelet: StandinThread, start_agent: Sta
     wait_for(lambda: read(path) is None, 5, "labels removed with the device")
 
 
-def test_agent_repairs_the_feature_file_like_the_spec(kubelet: StandinThread, start_agent: StartAgent,
-                                                      tmp: str) -> None:
+def test_agent_repairs_the_feature_file_like_the_spec(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str
+) -> None:
     """Deleted, edited or chmod-ed, the feature file is put right at once (no device check is
     due for an hour); something else at its path is left alone (issue 19, item 10)."""
     features = os.path.join(tmp, "features.d")

@@ -50,13 +50,13 @@ def imports_of(module: str) -> set[str]:
         if isinstance(node, ast.ImportFrom) and node.module:
             assert node.level == 0, f"{module}: our modules import ours absolutely"
             if node.module == "hyperlight_agent" or node.module.startswith("hyperlight_agent."):
-                base = node.module[len("hyperlight_agent."):]
+                base = node.module[len("hyperlight_agent.") :]
                 for alias in node.names:
                     name = f"{base}.{alias.name}" if base else alias.name
                     found.add(name if name in MODULES else base)
         elif isinstance(node, ast.Import):
             prefix = "hyperlight_agent."
-            found.update(a.name[len(prefix):] for a in node.names if a.name.startswith(prefix))
+            found.update(a.name[len(prefix) :] for a in node.names if a.name.startswith(prefix))
     return found & set(MODULES)
 
 
@@ -83,8 +83,9 @@ def layers() -> list[set[str]]:
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         contracts = tomllib.load(f)["tool"]["importlinter"]["contracts"]
     (layered,) = [c for c in contracts if c["type"] == "layers"]
-    return [{m.strip().removeprefix("hyperlight_agent.") for m in re.split(r"[|:]", layer)}
-            for layer in layered["layers"]]
+    return [
+        {m.strip().removeprefix("hyperlight_agent.") for m in re.split(r"[|:]", layer)} for layer in layered["layers"]
+    ]
 
 
 def test_every_module_is_in_one_layer_of_the_import_contract() -> None:
@@ -127,8 +128,14 @@ for module in sys.argv[1:]:
 def test_each_module_imports_alone() -> None:
     """Every module imports with none of ours loaded before it (one interpreter: ours are dropped
     from sys.modules between imports), so none relies on another having been imported first."""
-    done = subprocess.run([sys.executable, "-c", IMPORT_EACH_ALONE, *MODULES], cwd=ROOT, timeout=120,
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_EACH_ALONE, *MODULES],
+        cwd=ROOT,
+        timeout=120,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -149,9 +156,15 @@ def _modules_imported(path: str) -> set[str]:
 HARNESS = "tests.e2e"
 
 
-@pytest.mark.parametrize(("tree", "forbidden", "allowed"), [
-    ("hyperlight_agent", {"tests", "standin", "bench"}, ()), ("standin", {"tests", "bench"}, ()),
-    ("bench", {"tests"}, (HARNESS,)), (os.path.join("tests", "e2e"), {"tests", "bench"}, (HARNESS,))])
+@pytest.mark.parametrize(
+    ("tree", "forbidden", "allowed"),
+    [
+        ("hyperlight_agent", {"tests", "standin", "bench"}, ()),
+        ("standin", {"tests", "bench"}, ()),
+        ("bench", {"tests"}, (HARNESS,)),
+        (os.path.join("tests", "e2e"), {"tests", "bench"}, (HARNESS,)),
+    ],
+)
 def test_development_trees_stand_on_their_own(tree: str, forbidden: set[str], allowed: tuple[str, ...]) -> None:
     """The shipped package needs none of the development trees; the stand-ins, the benchmarks and
     the real-component harness need no test module (a test's rename or fixture must never break
@@ -160,6 +173,9 @@ def test_development_trees_stand_on_their_own(tree: str, forbidden: set[str], al
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(directory, name)
-                wrong = {m for m in _modules_imported(path) if m.split(".")[0] in forbidden
-                         and not any(m == a or m.startswith(a + ".") for a in allowed)}
+                wrong = {
+                    m
+                    for m in _modules_imported(path)
+                    if m.split(".")[0] in forbidden and not any(m == a or m.startswith(a + ".") for a in allowed)
+                }
                 assert not wrong, f"{os.path.relpath(path, ROOT)} imports {sorted(wrong)}"

@@ -32,7 +32,6 @@ def scrape(address: str) -> str:
         return body.decode()
 
 
-
 def test_metrics_count_what_happened(kubelet: StandinThread, start_agent: StartAgent) -> None:
     address = f"127.0.0.1:{free_port()}"
     start_agent("--device-count", "2", "--metrics-address", address)
@@ -42,12 +41,20 @@ def test_metrics_count_what_happened(kubelet: StandinThread, start_agent: StartA
         kubelet.call(kubelet.kubelet.raw_allocate(R, ["kvm-9"]))
     kubelet.call(kubelet.kubelet.restart())
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
-    text = wait_for(lambda: (t := scrape(address)) and "hyperlight_kubelet_restarts_total 1.0" in t and t,
-                    10, "the restart to be counted")
-    for line in ("hyperlight_device_healthy 1.0", 'hyperlight_allocations_total{outcome="ok"} 1.0',
-                 'hyperlight_allocations_total{outcome="invalid"} 1.0', "hyperlight_registrations_total 2.0",
-                 "hyperlight_listandwatch_streams 1.0", "hyperlight_cdi_repairs_total 1.0",
-                 "hyperlight_probe_helper_timeouts_total 0.0"):
+    text = wait_for(
+        lambda: (t := scrape(address)) and "hyperlight_kubelet_restarts_total 1.0" in t and t,
+        10,
+        "the restart to be counted",
+    )
+    for line in (
+        "hyperlight_device_healthy 1.0",
+        'hyperlight_allocations_total{outcome="ok"} 1.0',
+        'hyperlight_allocations_total{outcome="invalid"} 1.0',
+        "hyperlight_registrations_total 2.0",
+        "hyperlight_listandwatch_streams 1.0",
+        "hyperlight_cdi_repairs_total 1.0",
+        "hyperlight_probe_helper_timeouts_total 0.0",
+    ):
         assert line in text, line
     assert 'hyperlight_checks_total{result="ok"}' in text
     assert "hyperlight_check_duration_seconds_bucket" in text
@@ -60,11 +67,13 @@ def test_metrics_are_off_by_default(kubelet: StandinThread, start_agent: StartAg
     assert "metrics on" not in agent.log
 
 
-def test_metrics_count_failures_by_cause_and_helper_timeouts(kubelet: StandinThread, start_agent: StartAgent,
-                                                             kvm_dir: str) -> None:
+def test_metrics_count_failures_by_cause_and_helper_timeouts(
+    kubelet: StandinThread, start_agent: StartAgent, kvm_dir: str
+) -> None:
     address = f"127.0.0.1:{free_port()}"
-    agent = start_agent("--device-count", "1", "--device-dir", kvm_dir, "--metrics-address", address,
-                        "--check-interval", "1")
+    agent = start_agent(
+        "--device-count", "1", "--device-dir", kvm_dir, "--metrics-address", address, "--check-interval", "1"
+    )
     kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     (helper,) = agent.helpers()
     os.kill(helper, signal.SIGSTOP)  # the next check times out and kills it
@@ -94,15 +103,15 @@ def fds(pid: int) -> int:
 FD_LIMIT = 128
 
 
-def test_idle_connections_to_the_metrics_port_never_cost_a_slot(kubelet: StandinThread, start_agent: StartAgent,
-                                                               tmp: str) -> None:
+def test_idle_connections_to_the_metrics_port_never_cost_a_slot(
+    kubelet: StandinThread, start_agent: StartAgent, tmp: str
+) -> None:
     """Three times the descriptor limit in half-sent requests: the metrics server caps its
     connections, so the device check, Allocate and the kubelet's stream never run short, and a
     scrape still gets through (issue 19, item 1)."""
     address = f"127.0.0.1:{free_port()}"
     port = int(address.rsplit(":", 1)[1])
-    agent = start_agent("--device-count", "2", "--metrics-address", address,
-                        prefix=["prlimit", f"--nofile={FD_LIMIT}"])
+    agent = start_agent("--device-count", "2", "--metrics-address", address, prefix=["prlimit", f"--nofile={FD_LIMIT}"])
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     wait_for(lambda: "hyperlight_device_healthy 1.0" in scrape(address), 10, "metrics served")
     idle: list[socket.socket] = []
@@ -134,17 +143,22 @@ def test_idle_connections_to_the_metrics_port_never_cost_a_slot(kubelet: Standin
     assert "Too many open files" not in agent.log
 
 
-def test_garbage_to_the_metrics_port_is_answered_without_a_traceback(kubelet: StandinThread,
-                                                                    start_agent: StartAgent) -> None:
+def test_garbage_to_the_metrics_port_is_answered_without_a_traceback(
+    kubelet: StandinThread, start_agent: StartAgent
+) -> None:
     address = f"127.0.0.1:{free_port()}"
     port = int(address.rsplit(":", 1)[1])
     agent = start_agent("--device-count", "1", "--metrics-address", address)
     kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
     wait_for(lambda: "hyperlight_device_healthy" in scrape(address), 10, "metrics served")
     answers = {}
-    for name, request in {"garbage": b"\x00\xff\x16\x03\x01 junk\r\n\r\n", "not http": b"HELLO\r\n\r\n",
-                          "post": b"POST /metrics HTTP/1.1\r\n\r\n", "elsewhere": b"GET /x HTTP/1.1\r\n\r\n",
-                          "too long": b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 100_000 + b"\r\n\r\n"}.items():
+    for name, request in {
+        "garbage": b"\x00\xff\x16\x03\x01 junk\r\n\r\n",
+        "not http": b"HELLO\r\n\r\n",
+        "post": b"POST /metrics HTTP/1.1\r\n\r\n",
+        "elsewhere": b"GET /x HTTP/1.1\r\n\r\n",
+        "too long": b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 100_000 + b"\r\n\r\n",
+    }.items():
         with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
             with contextlib.suppress(OSError):
                 client.sendall(request)
@@ -152,9 +166,13 @@ def test_garbage_to_the_metrics_port_is_answered_without_a_traceback(kubelet: St
                 answers[name] = client.recv(64).split(b"\r\n", 1)[0]
             except OSError:
                 answers[name] = b""
-    assert answers == {"garbage": b"HTTP/1.1 400 Bad Request", "not http": b"HTTP/1.1 400 Bad Request",
-                       "post": b"HTTP/1.1 405 Method Not Allowed", "elsewhere": b"HTTP/1.1 404 Not Found",
-                       "too long": b""}
+    assert answers == {
+        "garbage": b"HTTP/1.1 400 Bad Request",
+        "not http": b"HTTP/1.1 400 Bad Request",
+        "post": b"HTTP/1.1 405 Method Not Allowed",
+        "elsewhere": b"HTTP/1.1 404 Not Found",
+        "too long": b"",
+    }
     assert "hyperlight_device_healthy 1.0" in scrape(address)
     assert agent.stop() == 0
     assert "Traceback" not in agent.log and len(agent.log.splitlines()) < 30, agent.log
@@ -204,8 +222,11 @@ def test_every_series_is_documented_with_its_type_and_labels() -> None:
     docs = documented()
     assert {name: kind for name, (kind, _) in docs.items()} == registered
     # prometheus_client has no public way to read a metric's label names.
-    labelled = {m._name + ("_total" if m._type == "counter" else ""): m._labelnames
-                for m in vars(metrics).values() if hasattr(m, "_labelnames")}
+    labelled = {
+        m._name + ("_total" if m._type == "counter" else ""): m._labelnames
+        for m in vars(metrics).values()
+        if hasattr(m, "_labelnames")
+    }
     for name, labels in labelled.items():
         said = docs[name][1]
         assert all(f"`{label}`" in said for label in labels) and (said == "") == (labels == ()), (name, said)

@@ -99,13 +99,13 @@ def populate_cdi(cdi_dir: str) -> None:
     os.mkdir(os.path.join(cdi_dir, "hyperlight.json.d"))
 
 
-
 def wait_slots(kubelet: StandinThread, n: int, what: str) -> None:
     kubelet.wait_until(lambda k: k.allocatable() == n, 15, what)
 
 
 def test_a_fault_heavy_run_leaves_every_neighbour_exactly_as_it_was(
-        kubelet: StandinThread, tmp: str, kvm_dir: str) -> None:
+    kubelet: StandinThread, tmp: str, kvm_dir: str
+) -> None:
     cdi_dir = os.path.join(tmp, "cdi")
     kubelet_dir = os.path.join(tmp, "kubelet")
     populate_cdi(cdi_dir)

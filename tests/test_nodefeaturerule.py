@@ -49,16 +49,22 @@ def validator() -> jsonschema.Draft7Validator:
     (version,) = crd()["spec"]["versions"]
     schema = strict(version["schema"]["openAPIV3Schema"])
     # metadata is the API server's ObjectMeta, which the CRD leaves open: only what a manifest sets.
-    schema["properties"]["metadata"] = {"type": "object", "additionalProperties": False, "required": ["name"],
-                                        "properties": {"name": {"type": "string"},
-                                                       "labels": {"type": "object",
-                                                                  "additionalProperties": {"type": "string"}}}}
+    schema["properties"]["metadata"] = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string"},
+            "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        },
+    }
     return jsonschema.Draft7Validator(schema)
 
 
 def rendered_rule() -> dict[str, Any]:
-    (rule,) = [d for d in documents(template("--set", "nodeFeatureRule.enabled=true").stdout)
-               if d["kind"] == "NodeFeatureRule"]
+    (rule,) = [
+        d for d in documents(template("--set", "nodeFeatureRule.enabled=true").stdout) if d["kind"] == "NodeFeatureRule"
+    ]
     return rule
 
 
@@ -76,13 +82,22 @@ def test_the_rule_is_valid_for_nfds_crd() -> None:
     assert not errors, errors
 
 
-@pytest.mark.parametrize(("path", "bad", "said"), [
-    (("spec", "rules", 0, "matchAny", 0, "matchFeatures", 0, "matchExpressions", "kvm_intel", "op"), "Exist",
-     "'Exist' is not one of"),
-    (("spec", "rules", 0, "lables"), {"a": "b"}, "'lables' was unexpected"),
-    (("spec", "rules", 1, "matchAny", 0, "matchFeatures", 0, "matchExpressions", "mshv_root", "value"), "x",
-     "'x' is not of type"),
-])
+@pytest.mark.parametrize(
+    ("path", "bad", "said"),
+    [
+        (
+            ("spec", "rules", 0, "matchAny", 0, "matchFeatures", 0, "matchExpressions", "kvm_intel", "op"),
+            "Exist",
+            "'Exist' is not one of",
+        ),
+        (("spec", "rules", 0, "lables"), {"a": "b"}, "'lables' was unexpected"),
+        (
+            ("spec", "rules", 1, "matchAny", 0, "matchFeatures", 0, "matchExpressions", "mshv_root", "value"),
+            "x",
+            "'x' is not of type",
+        ),
+    ],
+)
 def test_the_validation_refuses_what_the_api_server_would(path: tuple[Any, ...], bad: Any, said: str) -> None:
     rule = copy.deepcopy(rendered_rule())
     target = rule
@@ -110,6 +125,7 @@ def test_labelled_nodes_are_the_ones_the_agents_select() -> None:
 def matches(rule: dict[str, Any], modules: set[str]) -> bool:
     """NFD's evaluation of the rules this chart writes, against kernel.loadedmodule (the names in
     /proc/modules): Exists over it, all of a matchFeatures list, any of matchAny."""
+
     def all_of(terms: list[dict[str, Any]]) -> bool:
         for term in terms:
             assert term["feature"] == "kernel.loadedmodule"
@@ -130,15 +146,18 @@ def labels(rules: list[dict[str, Any]], modules: set[str]) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize(("modules", "expected"), [
-    ({"kvm", "kvm_intel", "irqbypass"}, "kvm"),  # Intel VT-x: kvm_intel loaded
-    ({"kvm", "kvm_amd", "ccp"}, "kvm"),  # AMD-V
-    ({"kvm"}, None),  # only the core: its vendor module failed to load, there is no /dev/kvm
-    ({"mshv_root", "mshv_vtl"}, "mshv"),
-    ({"mshv_root", "kvm_intel"}, "mshv"),  # both: the agent prefers /dev/mshv, and so do the labels
-    ({"hv_vmbus", "hv_netvsc"}, None),  # a Hyper-V guest without nested virtualisation
-    (set(), None),  # KVM built into the kernel, as on this test machine: the rule cannot see it
-])
+@pytest.mark.parametrize(
+    ("modules", "expected"),
+    [
+        ({"kvm", "kvm_intel", "irqbypass"}, "kvm"),  # Intel VT-x: kvm_intel loaded
+        ({"kvm", "kvm_amd", "ccp"}, "kvm"),  # AMD-V
+        ({"kvm"}, None),  # only the core: its vendor module failed to load, there is no /dev/kvm
+        ({"mshv_root", "mshv_vtl"}, "mshv"),
+        ({"mshv_root", "kvm_intel"}, "mshv"),  # both: the agent prefers /dev/mshv, and so do the labels
+        ({"hv_vmbus", "hv_netvsc"}, None),  # a Hyper-V guest without nested virtualisation
+        (set(), None),  # KVM built into the kernel, as on this test machine: the rule cannot see it
+    ],
+)
 def test_which_nodes_the_rules_label(modules: set[str], expected: str) -> None:
     got = labels(rendered_rule()["spec"]["rules"], modules)
     if expected is None:
@@ -148,13 +167,27 @@ def test_which_nodes_the_rules_label(modules: set[str], expected: str) -> None:
 
 
 def test_more_modules_where_a_kernel_has_others() -> None:
-    rule = documents(template("--set", "nodeFeatureRule.enabled=true",
-                              "--set", "nodeFeatureRule.modules.kvm={kvm_intel,kvm_amd,kvm_pvm}",
-                              "--set", "nodeFeatureRule.modules.mshv=null").stdout)
+    rule = documents(
+        template(
+            "--set",
+            "nodeFeatureRule.enabled=true",
+            "--set",
+            "nodeFeatureRule.modules.kvm={kvm_intel,kvm_amd,kvm_pvm}",
+            "--set",
+            "nodeFeatureRule.modules.mshv=null",
+        ).stdout
+    )
     (rendered,) = [d for d in rule if d["kind"] == "NodeFeatureRule"]
     assert not [e.message for e in validator().iter_errors(rendered)]
     assert labels(rendered["spec"]["rules"], {"kvm", "kvm_pvm"})["hyperlight.dev/hypervisor"] == "kvm"
     assert labels(rendered["spec"]["rules"], {"mshv_root"}) == {}
-    empty = template("--set", "nodeFeatureRule.enabled=true", "--set", "nodeFeatureRule.modules.kvm=null",
-                     "--set", "nodeFeatureRule.modules.mshv=null", check=False)
+    empty = template(
+        "--set",
+        "nodeFeatureRule.enabled=true",
+        "--set",
+        "nodeFeatureRule.modules.kvm=null",
+        "--set",
+        "nodeFeatureRule.modules.mshv=null",
+        check=False,
+    )
     assert empty.returncode != 0 and "nodeFeatureRule.modules: both lists are empty" in empty.stderr

@@ -30,8 +30,11 @@ def trees() -> dict[str, ast.Module]:
 
 def homes_of_string(value: str) -> set[str]:
     """The modules holding `value` as a whole string literal."""
-    return {m for m, tree in trees().items()
-            if any(isinstance(n, ast.Constant) and n.value == value for n in ast.walk(tree))}
+    return {
+        m
+        for m, tree in trees().items()
+        if any(isinstance(n, ast.Constant) and n.value == value for n in ast.walk(tree))
+    }
 
 
 # Each copy of the version a packaging file or doc must spell out: file → pattern capturing it.
@@ -53,17 +56,22 @@ def test_every_copy_of_the_version_is_the_package_version(path: str) -> None:
 
 
 def test_chart_app_version_is_the_package_version() -> None:
-    assert re.findall(r'^appVersion: "([^"]+)"$', read("deploy/helm/hyperlight-agent/Chart.yaml"),
-                      re.MULTILINE) == [__version__]
+    assert re.findall(r'^appVersion: "([^"]+)"$', read("deploy/helm/hyperlight-agent/Chart.yaml"), re.MULTILINE) == [
+        __version__
+    ]
 
 
 def test_device_plugin_options_are_built_only_by_api() -> None:
-    builders = {m for m, tree in trees().items() for n in ast.walk(tree)
-                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                and n.func.attr == "DevicePluginOptions"}
+    builders = {
+        m
+        for m, tree in trees().items()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "DevicePluginOptions"
+    }
     assert builders == {"deviceplugin.api"}  # Register and GetDevicePluginOptions both send api.plugin_options()
-    assert api.plugin_options() == pb.DevicePluginOptions(pre_start_required=False,
-                                                          get_preferred_allocation_available=False)
+    assert api.plugin_options() == pb.DevicePluginOptions(
+        pre_start_required=False, get_preferred_allocation_available=False
+    )
 
 
 def test_the_spec_file_name_lives_in_contracts() -> None:
@@ -71,8 +79,12 @@ def test_the_spec_file_name_lives_in_contracts() -> None:
 
 
 def test_unix_targets_are_built_by_transport() -> None:
-    built = {m for m, tree in trees().items() for n in ast.walk(tree)
-             if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("unix:")}
+    built = {
+        m
+        for m, tree in trees().items()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("unix:")
+    }
     assert built == {"transport"}
     assert transport.unix_target("/k/p.sock") == "unix:///k/p.sock"
 
@@ -86,9 +98,15 @@ def test_allocation_modes_are_named_in_config_only() -> None:
 def _settings_readers() -> set[str]:
     """Modules that read a field of a Settings object by name (`settings.x`, `s.x`, `new.x`...)."""
     fields = {f.key for f in config.SETTINGS}
-    return {m for m, tree in trees().items() for n in ast.walk(tree)
-            if isinstance(n, ast.Attribute) and n.attr in fields and isinstance(n.value, ast.Name)
-            and n.value.id in ("settings", "s", "new", "running")}
+    return {
+        m
+        for m, tree in trees().items()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and n.attr in fields
+        and isinstance(n.value, ast.Name)
+        and n.value.id in ("settings", "s", "new", "running")
+    }
 
 
 def test_settings_become_parts_in_parts_only() -> None:
@@ -96,19 +114,29 @@ def test_settings_become_parts_in_parts_only() -> None:
     what it wires itself (directories to watch, intervals), config owns the table, the entry points
     (cli, diagnose) read what they act on, and a mode names the socket its exec probe asks."""
     assert _settings_readers() <= {"parts", "agent", "config", "cli", "diagnose", "modes"}, _settings_readers()
-    takers = {m for m, tree in trees().items() for n in ast.walk(tree)
-              if isinstance(n, ast.ImportFrom) and n.module == "hyperlight_agent.config"
-              and any(a.name == "Settings" for a in n.names)}
+    takers = {
+        m
+        for m, tree in trees().items()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom)
+        and n.module == "hyperlight_agent.config"
+        and any(a.name == "Settings" for a in n.names)
+    }
     assert takers <= {"parts", "agent", "reload", "cli", "diagnose"}, takers
 
 
 def _constant_names(module: str) -> set[str]:
-    return {t.id for n in ast.walk(trees()[module]) if isinstance(n, ast.Assign)
-            for t in n.targets if isinstance(t, ast.Name) and t.id.isupper()}
+    return {
+        t.id
+        for n in ast.walk(trees()[module])
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name) and t.id.isupper()
+    }
 
 
 def test_probe_names_only_the_device_probe() -> None:
-    """"Probe" is the kernel-level part of the device check, run in the helper; the exec health
+    """ "Probe" is the kernel-level part of the device check, run in the helper; the exec health
     probe's RPC and the socket liveness test have names of their own."""
     named = {m for m in trees() if any("PROBE" in c for c in _constant_names(m))}
     # (device.observation: Cause.PROBE, a failed probe)
@@ -119,9 +147,13 @@ def _instance_attributes(module: str, cls: str) -> set[str]:
     """The attributes a class's __init__ sets on self."""
     (node,) = [n for n in trees()[module].body if isinstance(n, ast.ClassDef) and n.name == cls]
     (init,) = [n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
-    return {t.attr for n in ast.walk(init) if isinstance(n, (ast.Assign, ast.AnnAssign))
-            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
-            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    return {
+        t.attr
+        for n in ast.walk(init)
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
 
 
 def test_one_name_per_stream_count() -> None:
@@ -140,18 +172,29 @@ def test_one_name_per_stream_count() -> None:
 def test_only_the_entry_point_reads_the_process_environment() -> None:
     """cli.main(argv, environ) hands its environ to everything (settings, journal, sd_notify, the
     commit line, the DRA client's in-cluster address), so a caller's environ is the whole truth."""
-    readers = {m for m, tree in trees().items() for n in ast.walk(tree)
-               if isinstance(n, ast.Attribute) and n.attr in ("environ", "getenv")
-               and isinstance(n.value, ast.Name) and n.value.id == "os"}
+    readers = {
+        m
+        for m, tree in trees().items()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and n.attr in ("environ", "getenv")
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "os"
+    }
     assert readers == {"cli"}, readers
 
 
 def test_servers_are_put_in_place_and_stopped_by_transport_only() -> None:
     """One home for serving at a socket path and for the stop grace: no protocol builds its own
     grpc server, renames its own socket into place or defines its own stop grace."""
-    builders = {m for m, tree in trees().items() for n in ast.walk(tree)
-                if isinstance(n, ast.Call) and ast.unparse(n.func) in ("grpc.aio.server", "sockets.put_in_place")
-                and m != "diagnose"}  # --check binds a throwaway server to prove grpc loads
+    builders = {
+        m
+        for m, tree in trees().items()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and ast.unparse(n.func) in ("grpc.aio.server", "sockets.put_in_place")
+        and m != "diagnose"
+    }  # --check binds a throwaway server to prove grpc loads
     assert builders <= {"transport"}, builders
     graces = {m for m in trees() if "STOP_GRACE_S" in _constant_names(m)}
     assert graces == {"transport"}, graces
@@ -160,9 +203,16 @@ def test_servers_are_put_in_place_and_stopped_by_transport_only() -> None:
 def test_no_constant_is_another_constant_under_a_second_name() -> None:
     """One name per value: a module-level constant that only repeats another (X = contracts.Y)
     gives one fact two names; use the one."""
-    aliases = [f"{m}: {t.id} = {ast.unparse(n.value)}" for m, tree in trees().items() for n in tree.body
-               if isinstance(n, ast.Assign) and (
-                   (isinstance(n.value, ast.Name) and n.value.id.isupper())
-                   or (isinstance(n.value, ast.Attribute) and n.value.attr.isupper()))
-               for t in n.targets if isinstance(t, ast.Name) and t.id.isupper()]
+    aliases = [
+        f"{m}: {t.id} = {ast.unparse(n.value)}"
+        for m, tree in trees().items()
+        for n in tree.body
+        if isinstance(n, ast.Assign)
+        and (
+            (isinstance(n.value, ast.Name) and n.value.id.isupper())
+            or (isinstance(n.value, ast.Attribute) and n.value.attr.isupper())
+        )
+        for t in n.targets
+        if isinstance(t, ast.Name) and t.id.isupper()
+    ]
     assert not aliases, aliases

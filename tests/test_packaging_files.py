@@ -18,8 +18,10 @@ else:  # pragma: no cover
 
 def test_shipped_agent_toml_is_the_generated_one() -> None:
     with open(os.path.join(ROOT, "packaging", "agent.toml")) as f:
-        assert f.read() == config.default_file(), "run: python -c 'from hyperlight_agent import config; " \
-            "print(config.default_file(), end=\"\")' > packaging/agent.toml"
+        assert f.read() == config.default_file(), (
+            "run: python -c 'from hyperlight_agent import config; "
+            'print(config.default_file(), end="")\' > packaging/agent.toml'
+        )
 
 
 def test_shipped_agent_toml_documents_every_setting_with_its_default(tmp: str) -> None:
@@ -40,8 +42,13 @@ def test_shipped_agent_toml_documents_every_setting_with_its_default(tmp: str) -
 
 
 def test_man_page_is_generated_from_the_parser() -> None:
-    page = subprocess.run([sys.executable, os.path.join(ROOT, "packaging", "manpage.py")], capture_output=True,
-                          text=True, check=True, timeout=30).stdout
+    page = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "packaging", "manpage.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
     assert page.startswith(".TH HYPERLIGHT-AGENT 8")
     for action in cli.build_parser()._actions:
         for flag in action.option_strings:
@@ -49,16 +56,25 @@ def test_man_page_is_generated_from_the_parser() -> None:
                 assert flag.replace("-", "\\-") in page, flag
     for s in config.SETTINGS:
         assert s.env.replace("-", "\\-") in page
-    lint = subprocess.run(["man", "--warnings", "-l", "-"], input=page, capture_output=True, text=True,
-                          timeout=30, check=False, env={**os.environ, "MANWIDTH": "80"})
+    lint = subprocess.run(
+        ["man", "--warnings", "-l", "-"],
+        input=page,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env={**os.environ, "MANWIDTH": "80"},
+    )
     assert lint.returncode == 0 and not lint.stderr.strip(), lint.stderr
 
 
 def test_package_builds_install_build_dependencies_only() -> None:
     """`make deb`/`make rpm` on a fresh machine: what they would install, read from make's own plan."""
+
     def plan(*targets: str) -> str:
-        return subprocess.run(["make", "-n", "--always-make", *targets], cwd=ROOT, capture_output=True, text=True,
-                              check=True, timeout=60).stdout
+        return subprocess.run(
+            ["make", "-n", "--always-make", *targets], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
+        ).stdout
 
     packaging = plan("deb", "rpm")
     for build_dependency in ("debhelper", "lintian", "rpmlint", "binutils", "python3-venv"):
@@ -94,5 +110,5 @@ def test_the_deployments_name_every_row_of_the_table() -> None:
             assert f"/host-dev/{nodes}" in f.read(), path
     for path in ("deploy/components/dra/deviceclass.yaml", "deploy/helm/hyperlight-agent/templates/deviceclass.yaml"):
         with open(os.path.join(ROOT, path)) as f:
-            named = re.search(r'hypervisor \(([^)]*)\)', f.read())
+            named = re.search(r"hypervisor \(([^)]*)\)", f.read())
         assert named and set(re.findall(r'"(\w+)"', named.group(1))) == set(hypervisors.BY_NAME), path

@@ -60,8 +60,12 @@ class Server:
     def with_registration(self, name: str, endpoint: str) -> Server:
         class Registration:
             async def GetInfo(self, request: Any, context: Any) -> reg.PluginInfo:
-                return reg.PluginInfo(type=contracts.DRA_PLUGIN_TYPE, name=name, endpoint=endpoint,
-                                      supported_versions=[contracts.DRA_VERSION_V1])
+                return reg.PluginInfo(
+                    type=contracts.DRA_PLUGIN_TYPE,
+                    name=name,
+                    endpoint=endpoint,
+                    supported_versions=[contracts.DRA_VERSION_V1],
+                )
 
             async def NotifyRegistrationStatus(self, request: Any, context: Any) -> reg.RegistrationStatusResponse:
                 return reg.RegistrationStatusResponse()
@@ -91,8 +95,14 @@ def silent_sockets(directory: str, names: list[str]) -> list[socket.socket]:
 
 
 def test_candidates_are_sockets_named_like_ours_for_the_same_resource(tmp: str) -> None:
-    names = ["hyperlight.sock", "hyperlight.pod-a.sock", "hyperlight.pod-b.sock", "hyperlight-access.pod-a.sock",
-             "kubelet.sock", ".hyperlight.pod-a.sock.12.abcd"]
+    names = [
+        "hyperlight.sock",
+        "hyperlight.pod-a.sock",
+        "hyperlight.pod-b.sock",
+        "hyperlight-access.pod-a.sock",
+        "kubelet.sock",
+        ".hyperlight.pod-a.sock.12.abcd",
+    ]
     sockets = silent_sockets(tmp, names)
     with open(os.path.join(tmp, "hyperlight.file.sock"), "w"):
         pass  # a regular file with a matching name is no candidate
@@ -124,10 +134,16 @@ async def test_a_health_server_at_a_name_like_ours_is_no_successor(tmp: str) -> 
 
 
 async def test_a_ready_agent_of_ours_is_the_successor_and_one_for_another_resource_is_not(tmp: str) -> None:
-    other = await Server(os.path.join(tmp, "hyperlight.other.sock")).with_describe(
-        me(resource=contracts.RESOURCE_DEVICE_ACCESS, instance="other")).start()
-    unready = await Server(os.path.join(tmp, "hyperlight.unready.sock")).with_describe(
-        me(instance="unready"), ready=False).start()
+    other = (
+        await Server(os.path.join(tmp, "hyperlight.other.sock"))
+        .with_describe(me(resource=contracts.RESOURCE_DEVICE_ACCESS, instance="other"))
+        .start()
+    )
+    unready = (
+        await Server(os.path.join(tmp, "hyperlight.unready.sock"))
+        .with_describe(me(instance="unready"), ready=False)
+        .start()
+    )
     try:
         assert await handover.wait_for_successor(me(), tmp, contracts.PLUGIN_SOCKET, "hyperlight.old.sock", 0.3) is None
         new = await Server(os.path.join(tmp, "hyperlight.new.sock")).with_describe(me(instance="new")).start()
@@ -172,8 +188,10 @@ async def test_the_successor_search_ends_by_its_deadline_whatever_the_sockets_do
 def dra_driver(tmp: str, instance: str = "old") -> DraSide:
     registry, plugins = os.path.join(tmp, "registry"), os.path.join(tmp, "plugins")
     os.makedirs(registry, exist_ok=True)
-    return DraSide(DraTarget("node1", instance, 4, None, registry, plugins),
-                   fakes.shared(identity=peers.Identity.of(instance, "dra", DRIVER)))
+    return DraSide(
+        DraTarget("node1", instance, 4, None, registry, plugins),
+        fakes.shared(identity=peers.Identity.of(instance, "dra", DRIVER)),
+    )
 
 
 async def registered_driver(tmp: str, name: str, sock: str, identity: Optional[peers.Identity]) -> list[Server]:
@@ -192,8 +210,9 @@ async def test_a_foreign_dra_driver_is_no_successor(tmp: str) -> None:
     driver = dra_driver(tmp)
     await driver.registrar.start()
     servers = await registered_driver(tmp, "gpu.other-vendor.example", "dra-0a1b2c", None)
-    servers += await registered_driver(tmp, "gpu.other-vendor.example", "dra-3d4e5f",
-                                       peers.Identity.of("x", "dra", "gpu.other-vendor.example"))
+    servers += await registered_driver(
+        tmp, "gpu.other-vendor.example", "dra-3d4e5f", peers.Identity.of("x", "dra", "gpu.other-vendor.example")
+    )
     try:
         assert len(candidates(driver._registry_dir, DRIVER, driver.registrar.registration_socket)) == 2
         assert await driver.hand_over(0.5) is None

@@ -34,8 +34,11 @@ def pins(name: str) -> dict[str, str]:
 
 def extra_requirements() -> list[Requirement]:
     # The extra as pip sees it (the installed project's metadata), not re-parsed from the toml.
-    return [Requirement(r.split(";")[0]) for r in importlib.metadata.requires("hyperlight-agent") or []
-            if re.search(r"""extra\s*==\s*["']test["']""", r)]
+    return [
+        Requirement(r.split(";")[0])
+        for r in importlib.metadata.requires("hyperlight-agent") or []
+        if re.search(r"""extra\s*==\s*["']test["']""", r)
+    ]
 
 
 def test_every_tool_of_the_test_extra_is_pinned_within_its_range() -> None:
@@ -72,15 +75,18 @@ def test_pin_tools_writes_what_a_venv_has_installed() -> None:
     spec.loader.exec_module(update)
     path = os.path.join(PINS, "dev.txt")
     with open(path) as f:
-        assert update.render(path, sys.executable, update.dev_tools(update.names(os.path.join(PINS, "dra.txt")))) \
+        assert (
+            update.render(path, sys.executable, update.dev_tools(update.names(os.path.join(PINS, "dra.txt"))))
             == f.read()
+        )
 
 
 def test_the_dra_client_is_pinned_within_its_range_and_installed() -> None:
     pinned = pins("dra.txt")
     assert not set(pinned) & set(pins("dev.txt")), "one pin per package"
-    lightkube = next(Requirement(r) for r in importlib.metadata.requires("hyperlight-agent") or []
-                     if r.startswith("lightkube"))
+    lightkube = next(
+        Requirement(r) for r in importlib.metadata.requires("hyperlight-agent") or [] if r.startswith("lightkube")
+    )
     assert lightkube.specifier.contains(pinned["lightkube"])
     for name, version in pinned.items():
         assert importlib.metadata.version(name) == version, f"{name}: `make` reinstalls from pins/dra.txt"

@@ -24,13 +24,29 @@ def podman(tmp: str) -> Iterator[Podman]:
     """podman with private storage under tmp, and a one-binary image holding kvmcheck."""
     rootfs = os.path.join(tmp, "rootfs")
     os.makedirs(os.path.join(rootfs, "dev"))
-    subprocess.run(["gcc", "-static", "-O2", "-o", os.path.join(rootfs, "kvmcheck"),
-                    os.path.join(ROOT, "tests", "data", "kvmcheck.c")], check=True, timeout=120)
+    subprocess.run(
+        [
+            "gcc",
+            "-static",
+            "-O2",
+            "-o",
+            os.path.join(rootfs, "kvmcheck"),
+            os.path.join(ROOT, "tests", "data", "kvmcheck.c"),
+        ],
+        check=True,
+        timeout=120,
+    )
     engine = Podman(tmp)
     try:
         with subprocess.Popen(["tar", "-C", rootfs, "-cf", "-", "."], stdout=subprocess.PIPE) as tar:
-            subprocess.run([*engine.argv, "import", "-", "localhost/kvmcheck:1"], stdin=tar.stdout, check=True,
-                           env=engine.env, timeout=120, capture_output=True)
+            subprocess.run(
+                [*engine.argv, "import", "-", "localhost/kvmcheck:1"],
+                stdin=tar.stdout,
+                check=True,
+                env=engine.env,
+                timeout=120,
+                capture_output=True,
+            )
         yield engine
     finally:
         engine.close()
@@ -60,20 +76,31 @@ def _system_cdi_dir() -> Iterator[str]:
     else:
         with open(path, "wb") as f:
             f.write(before)
-    assert (set(os.listdir(directory)) if os.path.isdir(directory) else set()) - {contracts.CDI_SPEC_FILE} \
-        == others - {contracts.CDI_SPEC_FILE}
+    assert (set(os.listdir(directory)) if os.path.isdir(directory) else set()) - {contracts.CDI_SPEC_FILE} == others - {
+        contracts.CDI_SPEC_FILE
+    }
     if created_dir:
         os.rmdir(directory)
 
 
 def run(podman: Podman, user: str) -> subprocess.CompletedProcess[str]:
-    return podman("run", "--rm", "--user", user, "--device", "hyperlight.dev/hypervisor=kvm",
-                  "localhost/kvmcheck:1", "/kvmcheck", check=False)
+    return podman(
+        "run",
+        "--rm",
+        "--user",
+        user,
+        "--device",
+        "hyperlight.dev/hypervisor=kvm",
+        "localhost/kvmcheck:1",
+        "/kvmcheck",
+        check=False,
+    )
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="this machine has no /dev/kvm")
 def test_podman_resolves_our_spec_and_a_non_root_user_creates_a_vm(
-        podman: Podman, system_cdi_dir: str, kubelet: StandinThread, start_agent: StartAgent) -> None:
+    podman: Podman, system_cdi_dir: str, kubelet: StandinThread, start_agent: StartAgent
+) -> None:
     start_agent("--device-count", "2", "--cdi-dir", system_cdi_dir)
     kubelet.wait_until(lambda k: k.allocatable(contracts.RESOURCE_HYPERVISOR) == 2, 15)
     response = kubelet.call(kubelet.kubelet.allocate(contracts.RESOURCE_HYPERVISOR, ["kvm-0"]))

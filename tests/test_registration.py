@@ -29,7 +29,6 @@ from tests.fakes import registrar
 R = contracts.RESOURCE_HYPERVISOR
 
 
-
 def make(kubelet_dir: str, on_stream_seen: Callable[[int], None] | None = None, **kw: object) -> Registrar:
     return registrar(kubelet_dir, on_stream_seen, **kw)  # type: ignore[no-any-return]
 
@@ -115,7 +114,6 @@ def test_a_live_socket_at_our_path_is_another_agents(tmp: str) -> None:
     run(tmp, body)
 
 
-
 def test_another_clients_stream_never_hides_the_loss_of_the_kubelets(tmp: str) -> None:
     """A monitoring sidecar or an operator's grpcurl holds a ListAndWatch stream of its own: when
     the kubelet's stream ends, we still register again at once (issue 19, item 2)."""
@@ -130,8 +128,10 @@ def test_another_clients_stream_never_hides_the_loss_of_the_kubelets(tmp: str) -
             assert len((await observer.read()).devices) == 2  # its stream is open
             assert registrar.current_streams == 2
             await kubelet.drop_stream(R)
-            await until(lambda: len(kubelet.register_calls) == 2 and kubelet.allocatable() == 2,
-                        what="registered again although another client's stream is open")
+            await until(
+                lambda: len(kubelet.register_calls) == 2 and kubelet.allocatable() == 2,
+                what="registered again although another client's stream is open",
+            )
         assert registrar.streams_lost == 1 and registrar.kubelet_restarts == 0
         assert registrar.state == registration.State.STREAMED
         await shut_down(task, registrar)
@@ -200,7 +200,8 @@ def test_our_socket_replaced_by_a_live_one_is_no_kubelet_restart(tmp: str, caplo
 
 
 def test_a_stale_socket_that_vanishes_before_the_exchange_is_a_changed_path(
-        tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Between probing a stale socket and swapping ours in, it is unlinked (the kubelet's startup
     cleanup): we look again and serve, never exit (issue 19, item 6)."""
 
@@ -224,7 +225,8 @@ def test_a_stale_socket_that_vanishes_before_the_exchange_is_a_changed_path(
 
 
 def test_our_private_socket_removed_before_its_rename_is_served_anew(
-        tmp: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """The kubelet's startup removes every socket in its directory, our private one too, maybe
     just before we rename it into place: we bind anew, and say which file went."""
     real = atomic.rename_noreplace
@@ -266,10 +268,14 @@ def test_only_our_abandoned_private_sockets_are_swept(tmp: str) -> None:
             os.utime(os.path.join(kdir, name), (age, age))
         return sock
 
-    keep = [bound(".hyperlight.sock.42.0a1b2c3d", age=None),  # young: maybe a start in progress
-            bound(".hyperlight.sock.43.0a1b2c3d", live=True),  # someone serves it
-            bound(".hyperlight.sock.44.0A1B2C3D"), bound(".hyperlight.sock.45.0a1b2c3"),  # not our pattern
-            bound(".hyperlight-access.sock.46.0a1b2c3d"), bound("hyperlight.sock.47.0a1b2c3d")]
+    keep = [
+        bound(".hyperlight.sock.42.0a1b2c3d", age=None),  # young: maybe a start in progress
+        bound(".hyperlight.sock.43.0a1b2c3d", live=True),  # someone serves it
+        bound(".hyperlight.sock.44.0A1B2C3D"),
+        bound(".hyperlight.sock.45.0a1b2c3"),  # not our pattern
+        bound(".hyperlight-access.sock.46.0a1b2c3d"),
+        bound("hyperlight.sock.47.0a1b2c3d"),
+    ]
     gone = bound(".hyperlight.sock.48.0a1b2c3d")
     with open(os.path.join(kdir, ".hyperlight.sock.49.0a1b2c3d"), "w"):
         pass  # a regular file: not a socket
@@ -291,8 +297,9 @@ def test_only_our_abandoned_private_sockets_are_swept(tmp: str) -> None:
     assert left == before - {".hyperlight.sock.48.0a1b2c3d"}
 
 
-@pytest.mark.parametrize("case", ["missing kubelet dir", "kubelet.sock is a regular file",
-                                  "kubelet.sock is a directory"])
+@pytest.mark.parametrize(
+    "case", ["missing kubelet dir", "kubelet.sock is a regular file", "kubelet.sock is a directory"]
+)
 def test_why_we_cannot_register_is_one_stable_line_naming_the_path_and_cause(tmp: str, case: str) -> None:
     """Not "cannot listen on …/.hyperlight.sock.<pid>.<hex>" (a new name at every retry) with the
     cause only in grpc's own log, nor "no kubelet socket" for a file that is there (issue 19,
@@ -307,7 +314,7 @@ def test_why_we_cannot_register_is_one_stable_line_naming_the_path_and_cause(tmp
             os.mkdir(kubelet_sock)
     expected = {
         "missing kubelet dir": f"cannot listen in {kdir} (kubelet_dir): the directory does not exist "
-                               "(no kubelet installed or started yet?)",
+        "(no kubelet installed or started yet?)",
         "kubelet.sock is a regular file": f"{kubelet_sock} is a regular file, not the kubelet's socket",
         "kubelet.sock is a directory": f"{kubelet_sock} is a directory, not the kubelet's socket",
     }[case]
@@ -315,8 +322,11 @@ def test_why_we_cannot_register_is_one_stable_line_naming_the_path_and_cause(tmp
 
     async def main() -> None:
         made: list[Registrar] = []
-        registrar = make(kdir, backoff=Backoff(initial=0.001, cap=0.002, rand=lambda: 1.0),
-                         on_change=lambda: errors.append(made[0].last_error))
+        registrar = make(
+            kdir,
+            backoff=Backoff(initial=0.001, cap=0.002, rand=lambda: 1.0),
+            on_change=lambda: errors.append(made[0].last_error),
+        )
         made.append(registrar)
         task = asyncio.ensure_future(registrar.run())
         await until(lambda: len(errors) >= 3, what="three attempts")
@@ -365,8 +375,9 @@ def fast_backoff() -> Backoff:
     return Backoff(initial=0.01, cap=0.05)
 
 
-def with_registrar(tmp: str, body: Callable[[KubeletStandin, Registrar], Awaitable[None]], start_kubelet: bool = True,
-        **kw: Any) -> None:
+def with_registrar(
+    tmp: str, body: Callable[[KubeletStandin, Registrar], Awaitable[None]], start_kubelet: bool = True, **kw: Any
+) -> None:
     async def main() -> None:
         kubelet = KubeletStandin(os.path.join(tmp, "kubelet"))
         os.makedirs(kubelet.directory, exist_ok=True)
@@ -438,8 +449,15 @@ def test_nothing_is_served_while_backing_off(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
         kubelet.mode = "reject"
         await kubelet.start()
-        await until(lambda: kubelet.register_calls and reg.state == registration.State.WAITING and reg.last_error
-                    and not os.path.exists(reg.socket_path), what="our socket gone after the refusal")
+        await until(
+            lambda: (
+                kubelet.register_calls
+                and reg.state == registration.State.WAITING
+                and reg.last_error
+                and not os.path.exists(reg.socket_path)
+            ),
+            what="our socket gone after the refusal",
+        )
         assert len(kubelet.register_calls) == 1, "a 30 s backoff: no second attempt yet"
 
     with_registrar(tmp, body, start_kubelet=False, backoff=Backoff(initial=30, cap=30))
@@ -475,8 +493,9 @@ def test_a_kubelet_restart_registers_again_at_once(tmp: str) -> None:
         await until(lambda: streamed(kubelet, reg), what="streamed")
         await kubelet.restart()
         reg.wake()  # as the agent's watcher does when the new kubelet.sock appears
-        await until(lambda: streamed(kubelet, reg) and reg.kubelet_restarts == 1,
-                    what="registered with the new kubelet")
+        await until(
+            lambda: streamed(kubelet, reg) and reg.kubelet_restarts == 1, what="registered with the new kubelet"
+        )
         assert reg.registrations == 2 and os.path.exists(reg.socket_path)
 
     with_registrar(tmp, body, loss_backoff=Backoff(initial=30, cap=30))  # a restart must not wait for a backoff
@@ -522,7 +541,8 @@ def test_a_stale_socket_at_our_path_is_replaced(tmp: str) -> None:
 
 
 def test_a_kubelet_restart_seen_before_its_stream_end_registers_at_once(
-        tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The watcher's wake (our socket removed, a new kubelet.sock) may reach us before the old
     stream's end does: that stream was the old kubelet's, gone with it, so there is nothing to
     settle before registering with the new one (issue 30: 8)."""
@@ -542,8 +562,11 @@ def test_a_kubelet_restart_seen_before_its_stream_end_registers_at_once(
         monkeypatch.setattr(reg, "_on_stream", late)
         await kubelet.restart()
         reg.wake()  # as the watcher does: our socket removed, a new kubelet.sock
-        await until(lambda: streamed(kubelet, reg) and reg.kubelet_restarts == 1, timeout=5,
-                    what="registered with the new kubelet")
+        await until(
+            lambda: streamed(kubelet, reg) and reg.kubelet_restarts == 1,
+            timeout=5,
+            what="registered with the new kubelet",
+        )
         assert held, "the old stream's end was still undelivered when the restart was seen"
 
     with_registrar(tmp, body, loss_backoff=Backoff(initial=30, cap=30))
@@ -552,6 +575,7 @@ def test_a_kubelet_restart_seen_before_its_stream_end_registers_at_once(
 def test_our_socket_removed_during_register_serves_again_at_once(tmp: str) -> None:
     """A kubelet starting removes every socket in its directory: a Register in flight then dials
     back to nothing and would hang until its deadline. It is given up at once (issue 30: 8)."""
+
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
         kubelet.mode = "hang"
         await kubelet.start()

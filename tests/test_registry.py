@@ -23,16 +23,25 @@ INSECURE = ["--allow-http-registry", "--allow-insecure-registry"]
 
 
 def cosign(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([os.path.join(TOOLS, "cosign"), *args], capture_output=True, text=True, timeout=120,
-                          check=False)
+    done = subprocess.run(
+        [os.path.join(TOOLS, "cosign"), *args], capture_output=True, text=True, timeout=120, check=False
+    )
     if check:
         assert done.returncode == 0, done.stdout + done.stderr
     return done
 
 
 def verify(published: Published, reference: str, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return cosign("verify", "--key", published.cosign_pub, "--insecure-ignore-tlog=true", *INSECURE, *extra,
-                  reference, check=check)
+    return cosign(
+        "verify",
+        "--key",
+        published.cosign_pub,
+        "--insecure-ignore-tlog=true",
+        *INSECURE,
+        *extra,
+        reference,
+        check=check,
+    )
 
 
 def skopeo(*args: str) -> str:
@@ -43,13 +52,23 @@ def skopeo(*args: str) -> str:
 def test_the_registry_serves_the_image_the_chart_names(published: Published, version: str) -> None:
     m = manifest(published.releases[version])
     repository = f"{published.host}/hyperlight-dev/hyperlight-agent"
-    assert skopeo("inspect", "--tls-verify=false", "--format", "{{.Digest}}",
-                  f"docker://{repository}:{version}").strip() == m["image"]["digest"]
-    chart = subprocess.run([os.path.join(TOOLS, "helm"), "show", "values", published.chart(), "--version", version,
-                            "--plain-http"], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert (
+        skopeo("inspect", "--tls-verify=false", "--format", "{{.Digest}}", f"docker://{repository}:{version}").strip()
+        == m["image"]["digest"]
+    )
+    chart = subprocess.run(
+        [os.path.join(TOOLS, "helm"), "show", "values", published.chart(), "--version", version, "--plain-http"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     image = yaml.safe_load(chart)["image"]
-    assert (image["repository"], image["digest"], image["tag"]) == \
-        ("ghcr.io/hyperlight-dev/hyperlight-agent", m["image"]["digest"], "")
+    assert (image["repository"], image["digest"], image["tag"]) == (
+        "ghcr.io/hyperlight-dev/hyperlight-agent",
+        m["image"]["digest"],
+        "",
+    )
 
 
 def test_cosign_verifies_the_release_image_by_digest_and_by_tag(published: Published) -> None:
@@ -60,8 +79,16 @@ def test_cosign_verifies_the_release_image_by_digest_and_by_tag(published: Publi
 
 
 def test_the_sbom_is_attached_as_a_verified_attestation(published: Published) -> None:
-    done = cosign("verify-attestation", "--key", published.cosign_pub, "--insecure-ignore-tlog=true", *INSECURE,
-                  "--type", "cyclonedx", published.image(CURRENT))
+    done = cosign(
+        "verify-attestation",
+        "--key",
+        published.cosign_pub,
+        "--insecure-ignore-tlog=true",
+        *INSECURE,
+        "--type",
+        "cyclonedx",
+        published.image(CURRENT),
+    )
     (envelope,) = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
     statement = json.loads(base64.b64decode(envelope["payload"]))
     release = published.releases[CURRENT]
@@ -127,21 +154,48 @@ def test_an_unsigned_or_retagged_image_fails_verification(published: Published, 
         assert refused.returncode != 0 and "no signatures found" in refused.stderr, refused.stderr
         verify(published, published.image(CURRENT))
     finally:
-        skopeo("copy", "--quiet", "--preserve-digests", "--dest-tls-verify=false", "--src-tls-verify=false",
-               f"docker://{published.image(CURRENT)}", f"docker://{tag}")
+        skopeo(
+            "copy",
+            "--quiet",
+            "--preserve-digests",
+            "--dest-tls-verify=false",
+            "--src-tls-verify=false",
+            f"docker://{published.image(CURRENT)}",
+            f"docker://{tag}",
+        )
     verify(published, tag)
 
     # A signed image copied to another repository carries no signature there.
     moved = f"{published.host}/elsewhere/hyperlight-agent:{CURRENT}"
-    skopeo("copy", "--quiet", "--preserve-digests", "--dest-tls-verify=false", "--src-tls-verify=false",
-           f"docker://{published.image(CURRENT)}", f"docker://{moved}")
+    skopeo(
+        "copy",
+        "--quiet",
+        "--preserve-digests",
+        "--dest-tls-verify=false",
+        "--src-tls-verify=false",
+        f"docker://{published.image(CURRENT)}",
+        f"docker://{moved}",
+    )
     refused = verify(published, moved, check=False)
     assert refused.returncode != 0 and "no signatures found" in refused.stderr, refused.stderr
 
 
 def test_another_key_does_not_verify_the_release_image(published: Published, tmp: str) -> None:
-    subprocess.run([os.path.join(TOOLS, "cosign"), "generate-key-pair"], cwd=tmp, check=True, capture_output=True,
-                   env={**os.environ, "COSIGN_PASSWORD": ""}, timeout=60)
-    refused = cosign("verify", "--key", os.path.join(tmp, "cosign.pub"), "--insecure-ignore-tlog=true", *INSECURE,
-                     published.image(CURRENT), check=False)
+    subprocess.run(
+        [os.path.join(TOOLS, "cosign"), "generate-key-pair"],
+        cwd=tmp,
+        check=True,
+        capture_output=True,
+        env={**os.environ, "COSIGN_PASSWORD": ""},
+        timeout=60,
+    )
+    refused = cosign(
+        "verify",
+        "--key",
+        os.path.join(tmp, "cosign.pub"),
+        "--insecure-ignore-tlog=true",
+        *INSECURE,
+        published.image(CURRENT),
+        check=False,
+    )
     assert refused.returncode != 0, refused.stdout

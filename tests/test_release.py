@@ -45,13 +45,20 @@ def lock(kind: str) -> dict[str, tuple[str, set[str]]]:
 
 
 def manifest_locks() -> dict[str, str]:
-    return {"deb": "pins/runtime-py3.11.txt", "el9": "pins/runtime-py3.9.txt", "azl3": "pins/runtime-py3.12.txt",
-            "image": "pins/runtime-py3.11.txt"}
+    return {
+        "deb": "pins/runtime-py3.11.txt",
+        "el9": "pins/runtime-py3.9.txt",
+        "azl3": "pins/runtime-py3.12.txt",
+        "image": "pins/runtime-py3.11.txt",
+    }
 
 
 def files(release: str) -> dict[str, int]:
-    return {os.path.relpath(os.path.join(d, n), release): os.path.getsize(os.path.join(d, n))
-            for d, _, names in os.walk(release) for n in names}
+    return {
+        os.path.relpath(os.path.join(d, n), release): os.path.getsize(os.path.join(d, n))
+        for d, _, names in os.walk(release)
+        for n in names
+    }
 
 
 def vendored(release: str, kind: str) -> dict[str, str]:
@@ -60,10 +67,12 @@ def vendored(release: str, kind: str) -> dict[str, str]:
     found: dict[str, str] = {}
     if kind == "image":
         with tarfile.open(os.path.join(release, m["image"]["archive"])) as archive:
+
             def blob(digest: str) -> bytes:
                 member = archive.extractfile(f"blobs/sha256/{digest.removeprefix('sha256:')}")
                 assert member is not None
                 return member.read()
+
             (entry,) = json.loads(blob_index(archive))["manifests"]
             image = json.loads(blob(entry["digest"]))
             for layer in image["layers"]:
@@ -72,8 +81,9 @@ def vendored(release: str, kind: str) -> dict[str, str]:
                         if member.isfile() and member.name.startswith("opt/hyperlight-agent/"):
                             data = tree.extractfile(member)
                             assert data is not None
-                            found[member.name.removeprefix("opt/hyperlight-agent/")] = \
-                                hashlib.sha256(data.read()).hexdigest()
+                            found[member.name.removeprefix("opt/hyperlight-agent/")] = hashlib.sha256(
+                                data.read()
+                            ).hexdigest()
     else:
         with tempfile.TemporaryDirectory() as scratch:
             package = os.path.join(release, m["packages"][kind])
@@ -81,8 +91,9 @@ def vendored(release: str, kind: str) -> dict[str, str]:
                 subprocess.run(["dpkg-deb", "-x", package, scratch], check=True, timeout=120)
             else:
                 with subprocess.Popen(["rpm2cpio", package], stdout=subprocess.PIPE) as rpm2cpio:
-                    subprocess.run(["cpio", "-idm", "--quiet"], stdin=rpm2cpio.stdout, cwd=scratch, check=True,
-                                   timeout=120)
+                    subprocess.run(
+                        ["cpio", "-idm", "--quiet"], stdin=rpm2cpio.stdout, cwd=scratch, check=True, timeout=120
+                    )
             lib = os.path.join(scratch, "usr", "lib", "hyperlight-agent")
             for directory, _, names in os.walk(lib):
                 for name in names:
@@ -116,13 +127,23 @@ def test_make_release_holds_everything_a_release_publishes(release_current: str)
         print(f"{size:>12}  {path}")
     m = manifest(release_current)
     v = CURRENT
-    expected = {f"hyperlight-agent_{v}_amd64.deb", f"hyperlight-agent-{v}-1.el9.x86_64.rpm",
-                f"hyperlight-agent-{v}-1.azl3.x86_64.rpm", f"hyperlight-agent-{v}.oci.tar", f"hyperlight-agent-{v}.tgz",
-                "hyperlight-agent.asc", "release.json", "SHA256SUMS", "SHA256SUMS.asc",
-                "apt/dists/bookworm/InRelease", "apt/dists/bookworm/Release", "apt/dists/bookworm/Release.gpg",
-                f"apt/pool/main/h/hyperlight-agent/hyperlight-agent_{v}_amd64.deb",
-                *(f"yum/{d}/x86_64/repodata/repomd.xml{s}" for d in ("el9", "azl3") for s in ("", ".asc")),
-                *(f"yum/{d}/x86_64/Packages/hyperlight-agent-{v}-1.{d}.x86_64.rpm" for d in ("el9", "azl3"))}
+    expected = {
+        f"hyperlight-agent_{v}_amd64.deb",
+        f"hyperlight-agent-{v}-1.el9.x86_64.rpm",
+        f"hyperlight-agent-{v}-1.azl3.x86_64.rpm",
+        f"hyperlight-agent-{v}.oci.tar",
+        f"hyperlight-agent-{v}.tgz",
+        "hyperlight-agent.asc",
+        "release.json",
+        "SHA256SUMS",
+        "SHA256SUMS.asc",
+        "apt/dists/bookworm/InRelease",
+        "apt/dists/bookworm/Release",
+        "apt/dists/bookworm/Release.gpg",
+        f"apt/pool/main/h/hyperlight-agent/hyperlight-agent_{v}_amd64.deb",
+        *(f"yum/{d}/x86_64/repodata/repomd.xml{s}" for d in ("el9", "azl3") for s in ("", ".asc")),
+        *(f"yum/{d}/x86_64/Packages/hyperlight-agent-{v}-1.{d}.x86_64.rpm" for d in ("el9", "azl3")),
+    }
     assert expected <= set(listed), sorted(expected - set(listed))
     assert set(m["sboms"]) == set(KINDS)
     for kind in KINDS:
@@ -135,13 +156,31 @@ def test_make_release_holds_everything_a_release_publishes(release_current: str)
 def test_sha256sums_lists_every_file_and_is_signed(release_current: str, tmp: str) -> None:
     env = {**os.environ, "GNUPGHOME": os.path.join(tmp, "gnupg")}
     os.makedirs(env["GNUPGHOME"], mode=0o700)
-    subprocess.run(["gpg", "--batch", "--import", os.path.join(release_current, "hyperlight-agent.asc")], env=env,
-                   check=True, capture_output=True, timeout=60)
-    verified = subprocess.run(["gpg", "--batch", "--verify", "SHA256SUMS.asc", "SHA256SUMS"], cwd=release_current,
-                              env=env, capture_output=True, text=True, timeout=60, check=False)
+    subprocess.run(
+        ["gpg", "--batch", "--import", os.path.join(release_current, "hyperlight-agent.asc")],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    verified = subprocess.run(
+        ["gpg", "--batch", "--verify", "SHA256SUMS.asc", "SHA256SUMS"],
+        cwd=release_current,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert verified.returncode == 0 and "Good signature" in verified.stderr, verified.stderr
-    checked = subprocess.run(["sha256sum", "--strict", "-c", "SHA256SUMS"], cwd=release_current, capture_output=True,
-                             text=True, timeout=300, check=False)
+    checked = subprocess.run(
+        ["sha256sum", "--strict", "-c", "SHA256SUMS"],
+        cwd=release_current,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     with open(os.path.join(release_current, "SHA256SUMS")) as f:
         listed = {line.split("  ", 1)[1].rstrip("\n") for line in f}
@@ -151,9 +190,20 @@ def test_sha256sums_lists_every_file_and_is_signed(release_current: str, tmp: st
         tampered = f.read().replace(manifest(release_current)["chart"], "x" + manifest(release_current)["chart"])
     with open(os.path.join(tmp, "SHA256SUMS"), "w") as f:
         f.write(tampered)
-    refused = subprocess.run(["gpg", "--batch", "--verify", os.path.join(release_current, "SHA256SUMS.asc"),
-                              os.path.join(tmp, "SHA256SUMS")], env=env, capture_output=True, text=True, timeout=60,
-                             check=False)
+    refused = subprocess.run(
+        [
+            "gpg",
+            "--batch",
+            "--verify",
+            os.path.join(release_current, "SHA256SUMS.asc"),
+            os.path.join(tmp, "SHA256SUMS"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert refused.returncode != 0 and "BAD signature" in refused.stderr, refused.stderr
 
 
@@ -164,17 +214,32 @@ def test_the_charts_default_image_is_the_release_image_by_digest(release_current
     assert entry["digest"] == m["image"]["digest"]
     chart = os.path.join(release_current, m["chart"])
     with tarfile.open(chart) as package:
+
         def read(name: str) -> Any:
             member = package.extractfile(f"hyperlight-agent/{name}")
             assert member is not None
             return yaml.safe_load(member)
+
         assert read("Chart.yaml")["version"] == CURRENT and read("Chart.yaml")["appVersion"] == CURRENT
-        assert read("values.yaml")["image"] == {**read("values.yaml")["image"], "repository": IMAGE_REPOSITORY,
-                                                 "digest": entry["digest"], "tag": ""}
-    rendered = subprocess.run([os.path.join(TOOLS, "helm"), "template", "hyperlight", chart], capture_output=True,
-                              text=True, timeout=120, check=True).stdout
-    images = {c["image"] for d in yaml.safe_load_all(rendered) if d and d["kind"] == "DaemonSet"
-              for c in d["spec"]["template"]["spec"]["containers"]}
+        assert read("values.yaml")["image"] == {
+            **read("values.yaml")["image"],
+            "repository": IMAGE_REPOSITORY,
+            "digest": entry["digest"],
+            "tag": "",
+        }
+    rendered = subprocess.run(
+        [os.path.join(TOOLS, "helm"), "template", "hyperlight", chart],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    images = {
+        c["image"]
+        for d in yaml.safe_load_all(rendered)
+        if d and d["kind"] == "DaemonSet"
+        for c in d["spec"]["template"]["spec"]["containers"]
+    }
     assert images == {f"{IMAGE_REPOSITORY}@{entry['digest']}"}
 
 
@@ -210,9 +275,13 @@ def test_each_sbom_lists_exactly_its_lock(release_current: str, kind: str) -> No
     assert bom["bomFormat"] == "CycloneDX"
     assert bom["metadata"]["component"]["name"] == "hyperlight-agent"
     assert bom["metadata"]["component"]["version"] == CURRENT
-    listed = {canonicalize_name(c["name"]): (c["version"], {h["content"] for r in c.get("externalReferences", [])
-                                                             for h in r.get("hashes", [])})
-              for c in bom["components"]}
+    listed = {
+        canonicalize_name(c["name"]): (
+            c["version"],
+            {h["content"] for r in c.get("externalReferences", []) for h in r.get("hashes", [])},
+        )
+        for c in bom["components"]
+    }
     assert listed == lock(kind)
 
 
@@ -223,8 +292,9 @@ def test_each_artefact_installs_exactly_its_lock(release_current: str, kind: str
     assert installed == {name: version for name, (version, _) in lock(kind).items()}
 
 
-def test_a_second_release_of_the_same_commit_has_the_same_dependency_set(release_builder: Any,
-                                                                         release_current: str) -> None:
+def test_a_second_release_of_the_same_commit_has_the_same_dependency_set(
+    release_builder: Any, release_current: str
+) -> None:
     again = release_builder.release(CURRENT, dist=os.path.join(release_builder.directory, "dist-again"))
     compared = 0
     for kind in KINDS:
@@ -235,8 +305,10 @@ def test_a_second_release_of_the_same_commit_has_the_same_dependency_set(release
         assert distributions(first) == distributions(second), kind
         assert deps_first == deps_second, f"{kind}: {sorted(set(deps_first.items()) ^ set(deps_second.items()))[:5]}"
         compared += len(deps_first)
-        with open(os.path.join(release_current, manifest(release_current)["sboms"][kind])) as f, \
-                open(os.path.join(again, manifest(again)["sboms"][kind])) as g:
+        with (
+            open(os.path.join(release_current, manifest(release_current)["sboms"][kind])) as f,
+            open(os.path.join(again, manifest(again)["sboms"][kind])) as g,
+        ):
             assert json.load(f) == json.load(g), kind
     print(f"\ntwo builds of {CURRENT}: {compared} dependency files in 4 artefacts, byte-identical; SBOMs equal")
     for release in (release_current, again):

@@ -27,8 +27,7 @@ def setup(tmp: str, kvm_dir: str) -> tuple[SharedObservation, ProbeHelper, Devic
     state = SharedObservation()
     helper = ProbeHelper()
     checker = Checker(CheckTarget(kvm_dir, None, os.path.join(tmp, "cdi"), 65534, 65534), helper, state)
-    return state, helper, DevicePluginServicer(Profile("hyperlight.dev/hypervisor", "x.sock", 3, "cdi"),
-                                               state, checker)
+    return state, helper, DevicePluginServicer(Profile("hyperlight.dev/hypervisor", "x.sock", 3, "cdi"), state, checker)
 
 
 async def test_first_list_only_after_the_first_check(tmp: str, kvm_dir: str) -> None:
@@ -82,20 +81,26 @@ R = contracts.RESOURCE_HYPERVISOR
 HEALTHY = Observation(True, "", "kvm")
 
 
-def make(allocation: str = "both", slots: int = 3, workload_env: bool = True,
-         observation: Observation = HEALTHY) -> tuple[DevicePluginServicer, FakeChecker, list[str], list[int]]:
+def make(
+    allocation: str = "both", slots: int = 3, workload_env: bool = True, observation: Observation = HEALTHY
+) -> tuple[DevicePluginServicer, FakeChecker, list[str], list[int]]:
     outcomes: list[str] = []
     streams: list[int] = []
     checker = FakeChecker(observation)
-    servicer = DevicePluginServicer(Profile(R, "hyperlight.sock", slots, allocation, workload_env=workload_env),
-                                    SharedObservation(), checker,  # type: ignore[arg-type]
-                                    on_streams_changed=streams.append, on_allocate=outcomes.append)
+    servicer = DevicePluginServicer(
+        Profile(R, "hyperlight.sock", slots, allocation, workload_env=workload_env),
+        SharedObservation(),
+        checker,  # type: ignore[arg-type]
+        on_streams_changed=streams.append,
+        on_allocate=outcomes.append,
+    )
     return servicer, checker, outcomes, streams
 
 
 def allocate(servicer: DevicePluginServicer, *containers: list[str], remaining: Any = None) -> pb.AllocateResponse:
-    request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)
-                                                     for ids in containers])
+    request = pb.AllocateRequest(
+        container_requests=[pb.ContainerAllocateRequest(devices_ids=ids) for ids in containers]
+    )
     return asyncio.run(servicer.Allocate(request, Context(remaining)))
 
 
@@ -111,18 +116,22 @@ def test_allocate_both_gives_the_cdi_name_the_device_spec_and_the_environment() 
     assert len(response.container_responses) == 2
     for container in response.container_responses:
         assert [d.name for d in container.cdi_devices] == ["hyperlight.dev/hypervisor=kvm"]
-        assert [(d.container_path, d.host_path, d.permissions) for d in container.devices] == \
-            [("/dev/kvm", "/dev/kvm", "rw")]
+        assert [(d.container_path, d.host_path, d.permissions) for d in container.devices] == [
+            ("/dev/kvm", "/dev/kvm", "rw")
+        ]
         assert dict(container.envs) == {contracts.ENV_HYPERVISOR: "kvm", contracts.ENV_DEVICE_PATH: "/dev/kvm"}
     assert outcomes == ["ok"] and checker.timeouts == [None]
     assert servicer.allocating == 0
 
 
-@pytest.mark.parametrize(("allocation", "workload_env", "cdi", "spec", "env"), [
-    ("cdi", True, True, False, False),
-    ("device-spec", True, False, True, True),
-    ("device-spec", False, False, True, False),  # the bootstrap grant: no workload environment
-])
+@pytest.mark.parametrize(
+    ("allocation", "workload_env", "cdi", "spec", "env"),
+    [
+        ("cdi", True, True, False, False),
+        ("device-spec", True, False, True, True),
+        ("device-spec", False, False, True, False),  # the bootstrap grant: no workload environment
+    ],
+)
 def test_allocation_modes(allocation: str, workload_env: bool, cdi: bool, spec: bool, env: bool) -> None:
     servicer, _, _, _ = make(allocation, workload_env=workload_env)
     container = allocate(servicer, ["kvm-1"]).container_responses[0]
@@ -141,8 +150,13 @@ def test_allocate_answers_from_a_check_honouring_the_callers_deadline() -> None:
     assert "deadline passed while waiting for the device check" in refused.message
 
 
-@pytest.mark.parametrize("observation", [Observation(False, "KVM_CREATE_VM failed", "kvm", Cause.PROBE),
-                                         Observation(False, "no hypervisor device in /dev", None, Cause.NO_DEVICE)])
+@pytest.mark.parametrize(
+    "observation",
+    [
+        Observation(False, "KVM_CREATE_VM failed", "kvm", Cause.PROBE),
+        Observation(False, "no hypervisor device in /dev", None, Cause.NO_DEVICE),
+    ],
+)
 def test_allocate_on_an_unhealthy_device_is_unavailable_with_the_reason(observation: Observation) -> None:
     servicer, _, outcomes, _ = make(observation=observation)
     refused = refusal(servicer, ["kvm-0"])
@@ -151,15 +165,18 @@ def test_allocate_on_an_unhealthy_device_is_unavailable_with_the_reason(observat
     assert outcomes == ["unavailable"]
 
 
-@pytest.mark.parametrize(("containers", "message"), [
-    ((), "no container requests"),
-    ((["kvm-0"], []), "container request 1 names no device IDs"),
-    ((["kvm-0", "kvm-1", "kvm-2", "kvm-0"],), "4 device IDs requested; this node has 3 slots"),
-    ((["kvm-3"],), "unknown device ID 'kvm-3'"),
-    ((["mshv-0"],), "unknown device ID 'mshv-0'"),
-    ((["kvm-01"],), "malformed device ID 'kvm-01'"),
-    ((["kvm-" + "1" * 300],), "longer than"),
-])
+@pytest.mark.parametrize(
+    ("containers", "message"),
+    [
+        ((), "no container requests"),
+        ((["kvm-0"], []), "container request 1 names no device IDs"),
+        ((["kvm-0", "kvm-1", "kvm-2", "kvm-0"],), "4 device IDs requested; this node has 3 slots"),
+        ((["kvm-3"],), "unknown device ID 'kvm-3'"),
+        ((["mshv-0"],), "unknown device ID 'mshv-0'"),
+        ((["kvm-01"],), "malformed device ID 'kvm-01'"),
+        ((["kvm-" + "1" * 300],), "longer than"),
+    ],
+)
 def test_allocate_refuses_what_this_node_never_advertised(containers: tuple[list[str], ...], message: str) -> None:
     servicer, _, outcomes, _ = make()
     refused = refusal(servicer, *containers)
@@ -219,11 +236,16 @@ async def test_an_endpoint_ends_its_streams_at_once_when_closed() -> None:
 
 def test_preferred_allocation_honours_must_include_then_takes_the_first_available() -> None:
     servicer, _, _, _ = make()
-    request = pb.PreferredAllocationRequest(container_requests=[
-        pb.ContainerPreferredAllocationRequest(available_deviceIDs=["kvm-2", "kvm-0", "kvm-1"],
-                                               must_include_deviceIDs=["kvm-1", "kvm-1"], allocation_size=2),
-        pb.ContainerPreferredAllocationRequest(available_deviceIDs=["kvm-0", "kvm-1"], allocation_size=0),
-    ])
+    request = pb.PreferredAllocationRequest(
+        container_requests=[
+            pb.ContainerPreferredAllocationRequest(
+                available_deviceIDs=["kvm-2", "kvm-0", "kvm-1"],
+                must_include_deviceIDs=["kvm-1", "kvm-1"],
+                allocation_size=2,
+            ),
+            pb.ContainerPreferredAllocationRequest(available_deviceIDs=["kvm-0", "kvm-1"], allocation_size=0),
+        ]
+    )
     response = asyncio.run(servicer.GetPreferredAllocation(request, Context()))
     assert [list(r.deviceIDs) for r in response.container_responses] == [["kvm-1", "kvm-2"], []]
 
@@ -231,8 +253,9 @@ def test_preferred_allocation_honours_must_include_then_takes_the_first_availabl
 def test_preferred_allocation_refuses_an_oversized_request() -> None:
     servicer, _, _, _ = make()
     ids = [f"kvm-{i}" for i in range(100_001)]
-    request = pb.PreferredAllocationRequest(container_requests=[
-        pb.ContainerPreferredAllocationRequest(available_deviceIDs=ids, must_include_deviceIDs=ids)])
+    request = pb.PreferredAllocationRequest(
+        container_requests=[pb.ContainerPreferredAllocationRequest(available_deviceIDs=ids, must_include_deviceIDs=ids)]
+    )
     with pytest.raises(Aborted) as info:
         asyncio.run(servicer.GetPreferredAllocation(request, Context()))
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "device IDs in one request" in info.value.message
@@ -242,5 +265,7 @@ def test_options_and_prestart() -> None:
     servicer, _, _, _ = make()
     options = asyncio.run(servicer.GetDevicePluginOptions(pb.Empty(), Context()))
     assert not options.pre_start_required and not options.get_preferred_allocation_available
-    assert asyncio.run(servicer.PreStartContainer(pb.PreStartContainerRequest(), Context())) == \
-        pb.PreStartContainerResponse()
+    assert (
+        asyncio.run(servicer.PreStartContainer(pb.PreStartContainerRequest(), Context()))
+        == pb.PreStartContainerResponse()
+    )

@@ -48,7 +48,7 @@ ENTRIES = {
     "console script": console_script(),
     "python -m": "import runpy; runpy.run_module('hyperlight_agent', run_name='__main__')",
     "package launcher": f"import runpy; runpy.run_path({os.path.join(ROOT, 'packaging', 'hyperlight-agent')!r}, "
-                        "run_name='__main__')",
+    "run_name='__main__')",
 }
 
 
@@ -56,8 +56,14 @@ ENTRIES = {
 def test_every_entry_point_handles_signals_before_any_heavy_import(entry: str) -> None:
     """A SIGTERM or SIGHUP during the imports used to kill the agent by the default action
     (issue 19, item 8)."""
-    result = subprocess.run([sys.executable, "-I", "-c", PROBE.format(heavy=HEAVY, entry=ENTRIES[entry])],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", PROBE.format(heavy=HEAVY, entry=ENTRIES[entry])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0 and result.stdout.startswith("hyperlight-agent "), result.stderr
     first = [line for line in result.stderr.splitlines() if line.startswith("first heavy import: ")]
     assert first and first[0].endswith("SIGTERM: _remember"), result.stderr
@@ -74,8 +80,9 @@ def handlers() -> Iterator[None]:
         signals._early.clear()
 
 
-@pytest.mark.parametrize(("early", "acted"), [((signal.SIGHUP,), ["reload"]),
-                                              ((signal.SIGHUP, signal.SIGTERM), ["stop"]), ((), [])])
+@pytest.mark.parametrize(
+    ("early", "acted"), [((signal.SIGHUP,), ["reload"]), ((signal.SIGHUP, signal.SIGTERM), ["stop"]), ((), [])]
+)
 @pytest.mark.usefixtures("handlers")
 def test_a_signal_before_the_loop_took_over_is_acted_on(early: tuple[int, ...], acted: list[str]) -> None:
     """A HUP that arrived after the settings were read but before the loop took the signals over

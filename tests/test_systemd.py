@@ -38,12 +38,15 @@ def boot(tmp: str, staged: str, unit: str, tree: Optional[str] = None) -> nspawn
     kvm = os.path.join(tmp, "kvm")
     if not os.path.exists(kvm):
         make_node(kvm, 10, 232)
-    binds = [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins",
-             f"{tree or staged + '/usr/lib/hyperlight-agent'}:/usr/lib/hyperlight-agent",
-             f"{staged}/usr/bin/hyperlight-agent:/usr/bin/hyperlight-agent",
-             f"{unit}:/etc/systemd/system/{UNIT}",
-             f"{staged}/usr/share/man/man8/hyperlight-agent.8.gz:/usr/share/man/man8/hyperlight-agent.8.gz",
-             f"{staged}/usr/lib/tmpfiles.d/hyperlight-agent.conf:/etc/tmpfiles.d/hyperlight-agent.conf"]
+    binds = [
+        f"{kvm}:/dev/kvm",
+        f"{tmp}/kubelet:/var/lib/kubelet/device-plugins",
+        f"{tree or staged + '/usr/lib/hyperlight-agent'}:/usr/lib/hyperlight-agent",
+        f"{staged}/usr/bin/hyperlight-agent:/usr/bin/hyperlight-agent",
+        f"{unit}:/etc/systemd/system/{UNIT}",
+        f"{staged}/usr/share/man/man8/hyperlight-agent.8.gz:/usr/share/man/man8/hyperlight-agent.8.gz",
+        f"{staged}/usr/lib/tmpfiles.d/hyperlight-agent.conf:/etc/tmpfiles.d/hyperlight-agent.conf",
+    ]
     return nspawn.Guest(nspawn.rootfs(), binds)
 
 
@@ -60,8 +63,11 @@ def slots(k: KubeletStandin) -> int:
 @pytest.mark.root
 def test_notify_unit_is_active_only_when_ready(guest: nspawn.Guest, tmp: str) -> None:
     guest.run("systemctl", "start", "--no-block", UNIT)
-    wait_for(lambda: "waiting for kubelet at /var/lib/kubelet/device-plugins/kubelet.sock" in guest.status(UNIT),
-             30, "the waiting STATUS")
+    wait_for(
+        lambda: "waiting for kubelet at /var/lib/kubelet/device-plugins/kubelet.sock" in guest.status(UNIT),
+        30,
+        "the waiting STATUS",
+    )
     assert guest.is_active(UNIT) == "activating", "no kubelet yet: not ready"
 
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
@@ -75,8 +81,10 @@ def test_notify_unit_is_active_only_when_ready(guest: nspawn.Guest, tmp: str) ->
         kubelet.run(lambda k: setattr(k, "open_streams", False))
         kubelet.call(kubelet.kubelet.drop_stream(R))
         wait_for(lambda: "waiting for the kubelet's ListAndWatch stream" in guest.status(UNIT), 10)
-        assert "the kubelet's ListAndWatch stream ended; serving and registering again" in guest.run(
-            "journalctl", "-u", UNIT, "--no-pager").stdout
+        assert (
+            "the kubelet's ListAndWatch stream ended; serving and registering again"
+            in guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
+        )
         kubelet.run(lambda k: setattr(k, "open_streams", True))
         kubelet.wait_until(lambda k: slots(k) == 2000 and len(k.register_calls) >= 3, 15, "registered again")
         wait_for(lambda: READY_STATUS in guest.status(UNIT), 10)
@@ -92,8 +100,10 @@ def test_notify_unit_is_active_only_when_ready(guest: nspawn.Guest, tmp: str) ->
         print(f"systemctl restart: zero-healthy window {(healthy_at - old.stream_ended_at) * 1000:.0f} ms")
 
         # The journal has our structured fields (python3-systemd is in the guest).
-        entries = [json.loads(line) for line in guest.run(
-            "journalctl", "-u", UNIT, "-o", "json", "--no-pager").stdout.splitlines()]
+        entries = [
+            json.loads(line)
+            for line in guest.run("journalctl", "-u", UNIT, "-o", "json", "--no-pager").stdout.splitlines()
+        ]
         ours = [e for e in entries if e.get("SYSLOG_IDENTIFIER") == "hyperlight-agent"]
         assert ours and ours[-1].get("RESOURCE") == R
         assert ours[-1].get("CDI_PATH") == "/var/run/cdi/hyperlight.json"
@@ -129,8 +139,10 @@ def test_reload_upgrades_in_place_and_a_failing_new_agent_leaves_the_old_one_ser
     reload failed."""
     tree = os.path.join(tmp, "tree")
     shutil.copytree(os.path.join(staged, "usr", "lib", "hyperlight-agent"), tree, symlinks=True)
-    with StandinThread(os.path.join(tmp, "kubelet")) as kubelet, \
-            boot(tmp, staged, os.path.join(staged, "lib", "systemd", "system", UNIT), tree) as guest:
+    with (
+        StandinThread(os.path.join(tmp, "kubelet")) as kubelet,
+        boot(tmp, staged, os.path.join(staged, "lib", "systemd", "system", UNIT), tree) as guest,
+    ):
         kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
         guest.run("systemctl", "start", "--no-block", UNIT)
         kubelet.wait_until(lambda k: slots(k) == 2000, 30, "registration from inside the guest")
@@ -152,7 +164,8 @@ def test_reload_upgrades_in_place_and_a_failing_new_agent_leaves_the_old_one_ser
         kubelet.wait_until(lambda k: k.plugins[R].endpoint.startswith("hyperlight.host-g"), 10)
         assert [at for at, counts in kubelet.kubelet.timeline if at >= since and counts.get(R, 0) == 0] == []
         assert sorted(os.listdir(os.path.join(tmp, "kubelet"))) == sorted(
-            ["kubelet.sock", "kubelet_internal_checkpoint", kubelet.kubelet.plugins[R].endpoint])
+            ["kubelet.sock", "kubelet_internal_checkpoint", kubelet.kubelet.plugins[R].endpoint]
+        )
 
         # The code installed next fails at its start: the reload fails, the old agent serves on.
         with open(os.path.join(tree, "hyperlight_agent", "agent.py"), "a") as f:
@@ -180,21 +193,30 @@ def test_device_rules_are_enforced(tmp: str, staged: str) -> None:
         f.write("".join(line for line in text.splitlines(keepends=True) if not line.startswith("DeviceAllow=")))
     with boot(tmp, staged, closed) as guest:
         guest.run("systemctl", "start", "--no-block", UNIT)
-        wait_for(lambda: "cannot open read/write: Operation not permitted" in guest.status(UNIT), 30,
-                 "the device to be refused by the cgroup device rules")
+        wait_for(
+            lambda: "cannot open read/write: Operation not permitted" in guest.status(UNIT),
+            30,
+            "the device to be refused by the cgroup device rules",
+        )
 
 
 @pytest.mark.root
 def test_unit_verifies_inside_a_system_that_has_the_agent(guest: nspawn.Guest) -> None:
     result = guest.run("systemd-analyze", "verify", f"/etc/systemd/system/{UNIT}", check=False)
-    assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), \
+    assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), (
         result.stdout + result.stderr
+    )
 
 
 def test_unit_passes_systemd_analyze(staged: str) -> None:
     unit = os.path.join(staged, "lib", "systemd", "system", UNIT)
-    result = subprocess.run(["systemd-analyze", "security", "--offline=yes", "--threshold=15", unit],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", "--threshold=15", unit],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     score = result.stdout.strip().splitlines()[-1]
     print(score)
     assert result.returncode == 0, score

@@ -38,17 +38,37 @@ class Unit:
         self.events_path = os.path.join(tmp, "events.jsonl")
         self.launcher = os.path.join(tmp, "launcher.py")
         self.install(LAUNCHER)
-        self.args = ["--config", "/dev/null", "--kubelet-dir", os.path.join(tmp, "kubelet"),
-                     "--cdi-dir", os.path.join(tmp, "cdi"), *args]
+        self.args = [
+            "--config",
+            "/dev/null",
+            "--kubelet-dir",
+            os.path.join(tmp, "kubelet"),
+            "--cdi-dir",
+            os.path.join(tmp, "cdi"),
+            *args,
+        ]
         self.log_path = os.path.join(tmp, "unit.log")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HYPERLIGHT_", "NOTIFY_", "WATCHDOG_"))}
         env["PYTHONPATH"] = ROOT
         self.env = env
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "standin.manager", self.events_path, os.path.join(tmp, "notify"), "--",
-             sys.executable, self.launcher, *self.args],
-            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "standin.manager",
+                self.events_path,
+                os.path.join(tmp, "notify"),
+                "--",
+                sys.executable,
+                self.launcher,
+                *self.args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
     def install(self, text: str) -> None:
         """Replace the launcher (the "installed code") atomically, as a package manager does."""
@@ -69,8 +89,9 @@ class Unit:
         return mains[-1] if mains else 0
 
     def accepted(self) -> list[tuple[int, str]]:
-        return [(e["pid"], line) for e in self.events() if e["event"] == "notify" and e["accepted"]
-                for line in e["lines"]]
+        return [
+            (e["pid"], line) for e in self.events() if e["event"] == "notify" and e["accepted"] for line in e["lines"]
+        ]
 
     def rejected(self) -> list[dict[str, Any]]:
         return [e for e in self.events() if e["event"] == "notify" and not e["accepted"]]
@@ -82,9 +103,15 @@ class Unit:
         wait_for(lambda: any(line == "READY=1" for _, line in self.accepted()), 20, "READY=1 from the main process")
 
     def upgrade(self, pid: Optional[int] = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "hyperlight_agent", *self.args, "--upgrade-in-place",
-                               str(pid or self.main)], cwd=ROOT, env=self.env, capture_output=True, text=True,
-                              timeout=90, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "hyperlight_agent", *self.args, "--upgrade-in-place", str(pid or self.main)],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+            check=False,
+        )
 
     def processes(self) -> list[int]:
         """The manager's children: the unit's processes (orphans below it are reparented to it)."""
@@ -148,13 +175,17 @@ def upgrade_once(u: Unit, kubelet: StandinThread) -> int:
     assert new != old
     assert f"pid {old} handed over to pid {new} (hyperlight-agent {__version__}) and left" in result.stdout
     assert u.exited(old), "the old agent has left by the time the command returns"
-    kubelet.wait_until(lambda k: served_by(k).startswith("hyperlight.host-g") and k.allocatable() == 3, 15,
-                       "the new agent serving the kubelet")
+    kubelet.wait_until(
+        lambda k: served_by(k).startswith("hyperlight.host-g") and k.allocatable() == 3,
+        15,
+        "the new agent serving the kubelet",
+    )
     return new
 
 
 def test_an_in_place_upgrade_hands_the_kubelet_and_the_unit_to_the_installed_code(
-        unit: Any, kubelet: StandinThread, tmp: str) -> None:
+    unit: Any, kubelet: StandinThread, tmp: str
+) -> None:
     kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
     u = unit("--device-count", "3")
     u.wait_ready()
@@ -172,22 +203,31 @@ def test_an_in_place_upgrade_hands_the_kubelet_and_the_unit_to_the_installed_cod
     assert not any(e["event"] == "alien" for e in u.events()), "the new main process is the manager's child"
     said = u.accepted()
     assert (first, f"MAINPID={new}") in said
-    wait_for(lambda: any(pid == new and line.startswith("STATUS=") for pid, line in u.accepted()), 10,
-             "the new main process speaks once its predecessor is gone")
+    wait_for(
+        lambda: any(pid == new and line.startswith("STATUS=") for pid, line in u.accepted()),
+        10,
+        "the new main process speaks once its predecessor is gone",
+    )
     last_status = [line for pid, line in u.accepted() if line.startswith("STATUS=")][-1]
     assert last_status.endswith(f"; version {__version__}"), last_status
     assert u.processes() == [new]
     assert sockets(tmp) == sorted(["kubelet.sock", served_by(kubelet.kubelet)])
     # The renamed instance still answers the exec probe without --instance.
-    probe = subprocess.run([sys.executable, "-m", "hyperlight_agent", *u.args, "--health-check=readiness"],
-                           cwd=ROOT, env=u.env, capture_output=True, text=True, timeout=30, check=False)
+    probe = subprocess.run(
+        [sys.executable, "-m", "hyperlight_agent", *u.args, "--health-check=readiness"],
+        cwd=ROOT,
+        env=u.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert probe.returncode == 0 and served_by(kubelet.kubelet) in probe.stdout, probe.stdout
     assert u.stop() == 0, u.log
     assert not any(e["event"] == "left" for e in u.events()), "a stop leaves no process for the manager to kill"
 
 
-def test_ten_upgrades_in_a_row_leave_one_agent_and_no_stray_socket(unit: Any, kubelet: StandinThread,
-                                                                   tmp: str) -> None:
+def test_ten_upgrades_in_a_row_leave_one_agent_and_no_stray_socket(unit: Any, kubelet: StandinThread, tmp: str) -> None:
     kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
     u = unit("--device-count", "3")
     u.wait_ready()
@@ -204,12 +244,16 @@ def test_ten_upgrades_in_a_row_leave_one_agent_and_no_stray_socket(unit: Any, ku
     assert u.stop() == 0, u.log
 
 
-@pytest.mark.parametrize("installed", [
-    pytest.param("import sys\nsys.exit(1)\n", id="crashes"),
-    pytest.param("import sys\nsys.argv.append('--device-count=nope')\n" + LAUNCHER, id="refuses-its-config"),
-])
+@pytest.mark.parametrize(
+    "installed",
+    [
+        pytest.param("import sys\nsys.exit(1)\n", id="crashes"),
+        pytest.param("import sys\nsys.argv.append('--device-count=nope')\n" + LAUNCHER, id="refuses-its-config"),
+    ],
+)
 def test_a_new_agent_that_fails_before_it_is_ready_leaves_the_old_one_serving(
-        unit: Any, kubelet: StandinThread, tmp: str, installed: str) -> None:
+    unit: Any, kubelet: StandinThread, tmp: str, installed: str
+) -> None:
     kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
     u = unit("--device-count", "3")
     u.wait_ready()
@@ -226,7 +270,7 @@ def test_a_new_agent_that_fails_before_it_is_ready_leaves_the_old_one_serving(
     assert zeros_since(kubelet.kubelet, since) == []
     assert served_by(kubelet.kubelet) == "hyperlight.sock"
     assert sockets(tmp) == ["hyperlight.sock", "kubelet.sock"]
-    assert ("READY=1" in [line for pid, line in u.accepted()[-3:] if pid == old]), "the reload is over"
+    assert "READY=1" in [line for pid, line in u.accepted()[-3:] if pid == old], "the reload is over"
     # The installed code fixed: the next upgrade succeeds.
     u.install(LAUNCHER)
     upgrade_once(u, kubelet)
@@ -236,9 +280,24 @@ def test_a_new_agent_that_fails_before_it_is_ready_leaves_the_old_one_serving(
 def test_upgrade_in_place_of_a_process_that_is_no_agent_of_ours_does_nothing(tmp: str) -> None:
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
-        result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--kubelet-dir",
-                                 tmp, "--upgrade-in-place", str(sleeper.pid)], cwd=ROOT, capture_output=True,
-                                text=True, timeout=30, check=False)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hyperlight_agent",
+                "--config",
+                "/dev/null",
+                "--kubelet-dir",
+                tmp,
+                "--upgrade-in-place",
+                str(sleeper.pid),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
         assert result.returncode == 3, result
         assert result.stdout.strip() == f"pid {sleeper.pid}: no hyperlight-agent answers as this process"
         assert sleeper.poll() is None, "no signal was sent"
@@ -249,21 +308,43 @@ def test_upgrade_in_place_of_a_process_that_is_no_agent_of_ours_does_nothing(tmp
 
 @pytest.mark.parametrize("value", ["0", "-1", "12ab", "99999999999"])
 def test_upgrade_in_place_needs_a_process_id(value: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null",
-                             f"--upgrade-in-place={value}"], cwd=ROOT, capture_output=True, text=True, timeout=30,
-                            check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", f"--upgrade-in-place={value}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert result.returncode == 2
-    assert result.stderr.strip() == (f"hyperlight-agent: error: argument --upgrade-in-place: not a process id: "
-                                     f"'{value}'"), result.stderr
+    assert result.stderr.strip() == (
+        f"hyperlight-agent: error: argument --upgrade-in-place: not a process id: '{value}'"
+    ), result.stderr
 
 
-def test_an_agent_not_under_systemd_refuses_to_upgrade_in_place(kubelet: StandinThread, start_agent: Any,
-                                                                kvm_dir: str, tmp: str) -> None:
+def test_an_agent_not_under_systemd_refuses_to_upgrade_in_place(
+    kubelet: StandinThread, start_agent: Any, kvm_dir: str, tmp: str
+) -> None:
     agent = start_agent("--device-dir", kvm_dir, "--device-count", "2")
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
-    result = subprocess.run([sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--kubelet-dir",
-                             os.path.join(tmp, "kubelet"), "--upgrade-in-place", str(agent.proc.pid)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=30, check=False)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hyperlight_agent",
+            "--config",
+            "/dev/null",
+            "--kubelet-dir",
+            os.path.join(tmp, "kubelet"),
+            "--upgrade-in-place",
+            str(agent.proc.pid),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert result.returncode == 1, result
     assert "in-place upgrades need systemd's notify socket (not under systemd); it serves on" in result.stdout
     assert agent.proc.poll() is None and kubelet.kubelet.allocatable() == 2
@@ -288,8 +369,9 @@ def test_a_child_that_never_becomes_ready_is_stopped(tmp: str, monkeypatch: pyte
             seen.append(pid)
             return await never(pid)
 
-        pid, why = await successor.replace_self(None, dict(os.environ), hand_over,
-                                                cmdline=["sh", "-c", "exec sleep 600"])
+        pid, why = await successor.replace_self(
+            None, dict(os.environ), hand_over, cmdline=["sh", "-c", "exec sleep 600"]
+        )
         return pid, why, seen
 
     pid, why, seen = asyncio.run(run())

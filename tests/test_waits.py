@@ -55,12 +55,22 @@ async def test_within_times_out_and_returns_results() -> None:
 def wait_for_uses(source: str) -> list[int]:
     """Lines of `source` that call or import asyncio.wait_for (under any alias of asyncio)."""
     tree = ast.parse(source)
-    aliases = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
-               if a.name == "asyncio"}
-    lines = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "wait_for"
-             and isinstance(n.value, ast.Name) and n.value.id in aliases]
-    lines += [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "asyncio"
-              and any(a.name == "wait_for" for a in n.names)]
+    aliases = {
+        a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names if a.name == "asyncio"
+    }
+    lines = [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and n.attr == "wait_for"
+        and isinstance(n.value, ast.Name)
+        and n.value.id in aliases
+    ]
+    lines += [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == "asyncio" and any(a.name == "wait_for" for a in n.names)
+    ]
     return sorted(lines)
 
 

@@ -114,7 +114,8 @@ def test_no_timer_runs_while_every_directory_is_watched(tmp: str, monkeypatch: p
 
 
 def test_without_the_mount_table_the_directories_are_looked_at_every_second(
-        tmp: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    tmp: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """Where /proc/self/mountinfo cannot be polled (here: a regular file, which epoll refuses),
     the watcher says so once and falls back to comparing each directory on a timer. A symlink
     retargeted raises no event in the directory we watch through it: only that look sees it."""
@@ -165,7 +166,9 @@ async def until(condition):
         assert loop.time() < deadline, seen
         await asyncio.sleep(0.005)
 """
-MOUNT_OVER = IN_PRIVATE_MOUNTS + """
+MOUNT_OVER = (
+    IN_PRIVATE_MOUNTS
+    + """
 async def main():
     w = watcher.DirectoryWatcher()
     w.watch(directory, seen.append)
@@ -184,6 +187,7 @@ async def main():
 asyncio.run(main())
 print(seen)
 """
+)
 
 
 @pytest.mark.root
@@ -193,9 +197,13 @@ def test_a_filesystem_mounted_over_a_directory_is_seen_through_the_mount_table(t
     directory again after the unmount)."""
     directory = os.path.join(tmp, "cdi")
     os.mkdir(directory)
-    done = subprocess.run(["unshare", "--mount", "--propagation", "private",
-                           sys.executable, "-c", MOUNT_OVER, directory],
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", MOUNT_OVER, directory],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert "on-tmpfs" in done.stdout and "underneath" in done.stdout
     assert os.listdir(directory) == ["underneath"], "the tmpfs and its file stayed in the private namespace"
@@ -203,7 +211,9 @@ def test_a_filesystem_mounted_over_a_directory_is_seen_through_the_mount_table(t
 
 # Run in a private mount namespace: /dev/null bound over an entry of a watched directory, then
 # unbound. Neither raises an inotify event; the mount table's change names the entry.
-MOUNT_ON_ENTRY = IN_PRIVATE_MOUNTS + """
+MOUNT_ON_ENTRY = (
+    IN_PRIVATE_MOUNTS
+    + """
 async def main():
     w = watcher.DirectoryWatcher()
     w.watch(directory, seen.append, {"kvm"})
@@ -219,6 +229,7 @@ async def main():
 asyncio.run(main())
 print(seen)
 """
+)
 
 
 @pytest.mark.root
@@ -229,9 +240,13 @@ def test_a_mount_over_an_entry_is_a_change_of_that_entry(tmp: str) -> None:
     os.mkdir(directory)
     for name in ("kvm", "other"):
         open(os.path.join(directory, name), "w").close()
-    done = subprocess.run(["unshare", "--mount", "--propagation", "private",
-                           sys.executable, "-c", MOUNT_ON_ENTRY, directory],
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", MOUNT_ON_ENTRY, directory],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "['', 'kvm', 'kvm']"
 
@@ -263,7 +278,9 @@ async def test_a_lost_watch_or_lost_events_call_every_callback_at_once(tmp: str)
 # Run in a private mount namespace: a storm of mounts and unmounts outside every watched directory
 # (pod volumes on a busy node) while the table holds a few hundred mounts, then a change that
 # matters. The table is read at most every MOUNT_INTERVAL_S, and the change is still seen.
-MOUNT_STORM = IN_PRIVATE_MOUNTS + """
+MOUNT_STORM = (
+    IN_PRIVATE_MOUNTS
+    + """
 import ctypes, threading, time
 libc = ctypes.CDLL(None, use_errno=True)
 outside = os.path.join(os.path.dirname(directory), "volumes")
@@ -296,6 +313,7 @@ async def main():
     print(storm_reads, lasted, watcher.MOUNT_INTERVAL_S)
 asyncio.run(main())
 """
+)
 
 
 @pytest.mark.root
@@ -306,9 +324,13 @@ def test_a_mount_storm_elsewhere_costs_a_bounded_number_of_reads(tmp: str) -> No
     directory = os.path.join(tmp, "dev")
     os.mkdir(directory)
     open(os.path.join(directory, "kvm"), "w").close()
-    done = subprocess.run(["unshare", "--mount", "--propagation", "private",
-                           sys.executable, "-c", MOUNT_STORM, directory],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", MOUNT_STORM, directory],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     reads, lasted, interval = done.stdout.split()
     assert int(reads) <= float(lasted) / float(interval) + 2, (reads, lasted)

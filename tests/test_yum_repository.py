@@ -33,12 +33,33 @@ def repo_file(url: str, dist: str) -> str:
 
 def dnf(root: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     # Everything dnf keeps (its cache, the keyrings repo_gpgcheck imports) inside the scratch root.
-    done = subprocess.run(["dnf", "-y", "--installroot", root, "--releasever", "9", "--forcearch", "x86_64",
-                           "--setopt", f"reposdir={root}/etc/yum.repos.d", "--setopt", f"cachedir={root}/var/cache/dnf",
-                           "--setopt", "install_weak_deps=False", "--noplugins",
-                           # EL9's default (Debian's dnf skips a repository it cannot verify, with a warning).
-                           "--setopt", "skip_if_unavailable=False", *args],
-                          capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        [
+            "dnf",
+            "-y",
+            "--installroot",
+            root,
+            "--releasever",
+            "9",
+            "--forcearch",
+            "x86_64",
+            "--setopt",
+            f"reposdir={root}/etc/yum.repos.d",
+            "--setopt",
+            f"cachedir={root}/var/cache/dnf",
+            "--setopt",
+            "install_weak_deps=False",
+            "--noplugins",
+            # EL9's default (Debian's dnf skips a repository it cannot verify, with a warning).
+            "--setopt",
+            "skip_if_unavailable=False",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     if check:
         assert done.returncode == 0, done.stdout + done.stderr
     return done
@@ -55,16 +76,22 @@ def scratch_root(directory: str, url: str, dist: str) -> str:
 def stand_in_for_the_distribution(rpm: str, directory: str) -> str:
     """An RPM providing every capability the package requires (but rpm's own): what EL9's base
     packages would provide, so dnf's solver has them installed."""
-    requires = subprocess.run(["rpm", "-qp", "--requires", rpm], capture_output=True, text=True, check=True,
-                              timeout=60).stdout.splitlines()
+    requires = subprocess.run(
+        ["rpm", "-qp", "--requires", rpm], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.splitlines()
     provides = sorted({r for r in requires if not r.startswith("rpmlib(")})
     spec = os.path.join(directory, "base.spec")
     with open(spec, "w") as f:
-        f.write("Name: el9-base-stand-in\nVersion: 1\nRelease: 1\nSummary: stand-in\nLicense: none\n"
-                "BuildArch: noarch\n" + "".join(f"Provides: {p}\n" for p in provides)
-                + "%description\nstand-in\n%files\n")
-    subprocess.run(["rpmbuild", "-bb", "--quiet", "--define", f"_topdir {directory}/top", spec], check=True,
-                   capture_output=True, timeout=120)
+        f.write(
+            "Name: el9-base-stand-in\nVersion: 1\nRelease: 1\nSummary: stand-in\nLicense: none\n"
+            "BuildArch: noarch\n" + "".join(f"Provides: {p}\n" for p in provides) + "%description\nstand-in\n%files\n"
+        )
+    subprocess.run(
+        ["rpmbuild", "-bb", "--quiet", "--define", f"_topdir {directory}/top", spec],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return os.path.join(directory, "top", "RPMS", "noarch", "el9-base-stand-in-1-1.noarch.rpm")
 
 
@@ -98,19 +125,26 @@ def test_rpms_pass_rpm_k_with_the_release_key(release_current: str, tmp: str) ->
     os.makedirs(db)
     for dist in ("el9", "azl3"):
         rpm = os.path.join(release_current, m["packages"][dist])
-        unknown = subprocess.run(["rpm", "--dbpath", db, "-K", rpm], capture_output=True, text=True, timeout=60,
-                                 check=False)
+        unknown = subprocess.run(
+            ["rpm", "--dbpath", db, "-K", rpm], capture_output=True, text=True, timeout=60, check=False
+        )
         # Signed, by a key this rpm database does not trust yet.
         assert unknown.returncode != 0 and "digests SIGNATURES NOT OK" in unknown.stdout, unknown.stdout
     subprocess.run(["rpm", "--dbpath", db, "--import", os.path.join(release_current, KEY)], check=True, timeout=60)
     for dist in ("el9", "azl3"):
         rpm = os.path.join(release_current, m["packages"][dist])
-        checked = subprocess.run(["rpm", "--dbpath", db, "-K", rpm], capture_output=True, text=True, timeout=60,
-                                 check=False)
+        checked = subprocess.run(
+            ["rpm", "--dbpath", db, "-K", rpm], capture_output=True, text=True, timeout=60, check=False
+        )
         assert checked.returncode == 0 and checked.stdout.strip().endswith("digests signatures OK"), checked.stdout
         key_id = m["signing_key"][-8:].lower()
-        info = subprocess.run(["rpm", "--dbpath", db, "-qp", "--qf", "%{RSAHEADER:pgpsig}", rpm], capture_output=True,
-                              text=True, timeout=60, check=True).stdout
+        info = subprocess.run(
+            ["rpm", "--dbpath", db, "-qp", "--qf", "%{RSAHEADER:pgpsig}", rpm],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
         assert key_id in info.lower(), info
 
 
@@ -130,8 +164,13 @@ def test_dnf_installs_the_el9_package_with_gpgcheck(release_current: str, site: 
     subprocess.run(["rpm", "--root", root, "-i", "--nodeps", base], check=True, capture_output=True, timeout=120)
     # No scriptlets: they run the distribution's systemctl, which this scratch root has not.
     dnf(root, "--setopt", "tsflags=noscripts", "install", "hyperlight-agent")
-    installed = subprocess.run(["rpm", "--root", root, "-q", "--qf", "%{version}-%{release} %{RSAHEADER:pgpsig}",
-                                "hyperlight-agent"], capture_output=True, text=True, timeout=60, check=True).stdout
+    installed = subprocess.run(
+        ["rpm", "--root", root, "-q", "--qf", "%{version}-%{release} %{RSAHEADER:pgpsig}", "hyperlight-agent"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert re.match(rf"{re.escape(CURRENT)}-1\.el9 RSA/SHA(256|512), ", installed), installed
     assert os.path.exists(os.path.join(root, "usr", "bin", "hyperlight-agent"))
 
@@ -155,4 +194,3 @@ def test_a_tampered_repomd_xml_is_refused(release_current: str, tmp: str) -> Non
         assert f"hyperlight-agent-0:{CURRENT}" not in found.stdout
     finally:
         served.close()
-

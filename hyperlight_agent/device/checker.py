@@ -54,9 +54,14 @@ class CheckTarget:
 
 
 class Checker:
-    def __init__(self, target: CheckTarget, helper: ProbeHelper, observation: SharedObservation,
-                 on_result: Optional[Callable[[Observation, float, bool], None]] = None,
-                 keeper: Optional[Callable[[], Awaitable[Optional[str]]]] = None) -> None:
+    def __init__(
+        self,
+        target: CheckTarget,
+        helper: ProbeHelper,
+        observation: SharedObservation,
+        on_result: Optional[Callable[[Observation, float, bool], None]] = None,
+        keeper: Optional[Callable[[], Awaitable[Optional[str]]]] = None,
+    ) -> None:
         self.target = target
         # Asked before repairing a spec someone else wrote: the name of a newer instance of ours
         # that keeps the spec now (peers.py), or None. Its spec stands, if it resolves our device.
@@ -146,8 +151,11 @@ class Checker:
             # Inconclusive: the agent is out of descriptors or memory. That is no device failure:
             # the last result stands, and we look again soon.
             if not self._exhausted:
-                log.warning("device check inconclusive, keeping the last result (%s): %s",
-                            "healthy" if self._observation.current.healthy else "unhealthy", self._exhausted_reason)
+                log.warning(
+                    "device check inconclusive, keeping the last result (%s): %s",
+                    "healthy" if self._observation.current.healthy else "unhealthy",
+                    self._exhausted_reason,
+                )
             self._exhausted = True
             self._schedule(EXHAUSTED_RETRY_S)
             return self._observation.current
@@ -166,9 +174,13 @@ class Checker:
             self._cdi_retry.reset()
         if self._observation.publish(observation):
             # Structured fields for the journal (journal.py); plain stderr ignores them.
-            fields = {"HYPERVISOR": observation.hypervisor or "", "REASON": observation.reason,
-                      "DEVICE_PATH": hypervisors.BY_NAME[observation.hypervisor].device_path(self.target.device_dir)
-                      if observation.hypervisor else ""}
+            fields = {
+                "HYPERVISOR": observation.hypervisor or "",
+                "REASON": observation.reason,
+                "DEVICE_PATH": hypervisors.BY_NAME[observation.hypervisor].device_path(self.target.device_dir)
+                if observation.hypervisor
+                else "",
+            }
             if observation.healthy:
                 log.info("device healthy: %s", observation.hypervisor, extra=fields)
             else:
@@ -211,8 +223,9 @@ class Checker:
         # what the node reports.
         failure: Optional[Observation] = None
         for hypervisor in candidates:
-            result = await self._helper.run(ProbeRequest(hypervisor.name, hypervisor.device_path(t.device_dir),
-                                                          self._host_path(hypervisor)))
+            result = await self._helper.run(
+                ProbeRequest(hypervisor.name, hypervisor.device_path(t.device_dir), self._host_path(hypervisor))
+            )
             if result.exhausted:
                 self._exhausted_reason = result.reason
                 return None, False
@@ -252,8 +265,9 @@ class Checker:
         if keeper and keeper != self.kept_by:
             log.info("CDI spec %s is kept by newer instance %s; not rewriting it", cdi.spec_path(plan.cdi_dir), keeper)
         elif not keeper and self.kept_by:
-            log.info("instance %s no longer keeps CDI spec %s; keeping it again", self.kept_by,
-                     cdi.spec_path(plan.cdi_dir))
+            log.info(
+                "instance %s no longer keeps CDI spec %s; keeping it again", self.kept_by, cdi.spec_path(plan.cdi_dir)
+            )
         self.kept_by = keeper or ""
         return bool(keeper)
 
@@ -264,8 +278,13 @@ class Checker:
     def _spec(self, hypervisor: hypervisors.Hypervisor) -> cdi.Spec:
         """Our device; every other row stays while the spec lists it (cdi.Spec says why)."""
         t = self.target
-        return cdi.Spec(hypervisor.name, hypervisor.container_path, t.uid, t.gid,
-                        tuple((h.name, h.container_path) for h in hypervisors.HYPERVISORS))
+        return cdi.Spec(
+            hypervisor.name,
+            hypervisor.container_path,
+            t.uid,
+            t.gid,
+            tuple((h.name, h.container_path) for h in hypervisors.HYPERVISORS),
+        )
 
 
 def _forward(source: asyncio.Task[Observation], target: asyncio.Future[Observation]) -> None:

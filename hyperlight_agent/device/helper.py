@@ -149,8 +149,9 @@ class ProbeHelper:
         except OSError as exc:
             self._abandon()
             if exc.errno in EXHAUSTED:
-                return ProbeResult(False, f"cannot run the probe helper: {exc.strerror or exc}",
-                                   helper_fault=True, exhausted=True), False
+                return ProbeResult(
+                    False, f"cannot run the probe helper: {exc.strerror or exc}", helper_fault=True, exhausted=True
+                ), False
             return _failure(f"probe helper failed: {exc}"), True
         if not line:
             self._abandon()
@@ -191,8 +192,11 @@ class ProbeHelper:
         except asyncio.TimeoutError:
             raise _NotStarted(f"probe helper did not start within {HELPER_START_S:g} s (killed)") from None
         if said != READY_LINE:
-            raise _NotStarted("probe helper exited unexpectedly" if not said else
-                              f"probe helper sent {said[:80]!r} instead of saying it was ready")
+            raise _NotStarted(
+                "probe helper exited unexpectedly"
+                if not said
+                else f"probe helper sent {said[:80]!r} instead of saying it was ready"
+            )
         return self._proc, True
 
     def _abandon(self) -> None:

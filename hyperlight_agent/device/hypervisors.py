@@ -34,8 +34,15 @@ class Hypervisor:
 
     __slots__ = ("api_version", "missing_hint", "name", "node", "probe", "proved")
 
-    def __init__(self, name: str, node: str, probe: Callable[[int], None], api_version: Optional[int],
-                 proved: str, missing_hint: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        node: str,
+        probe: Callable[[int], None],
+        api_version: Optional[int],
+        proved: str,
+        missing_hint: str,
+    ) -> None:
         self.name = name
         # The node's name under the device directory and under /dev in containers.
         self.node = node
@@ -91,10 +98,15 @@ def probe_mshv(fd: int, ioctl: Ioctl = fcntl.ioctl, close: Callable[[int], None]
     close(partition_fd)
 
 
-MSHV = Hypervisor(name="mshv", node="mshv", probe=probe_mshv, api_version=None,
-                  proved="partition created and closed",
-                  missing_hint="/dev/mshv: an Azure Linux host running as the Microsoft Hypervisor's root partition "
-                               "with the mshv driver loaded")
+MSHV = Hypervisor(
+    name="mshv",
+    node="mshv",
+    probe=probe_mshv,
+    api_version=None,
+    proved="partition created and closed",
+    missing_hint="/dev/mshv: an Azure Linux host running as the Microsoft Hypervisor's root partition "
+    "with the mshv driver loaded",
+)
 
 
 # --- KVM (owner: the kernel, include/uapi/linux/kvm.h) ---
@@ -120,11 +132,16 @@ def probe_kvm(fd: int, ioctl: Ioctl = fcntl.ioctl, close: Callable[[int], None] 
     close(vm_fd)
 
 
-KVM = Hypervisor(name="kvm", node="kvm", probe=probe_kvm, api_version=KVM_API_VERSION,
-                 proved="empty VM created and closed",
-                 missing_hint="/dev/kvm: virtualisation switched on in the firmware and the kvm module loaded "
-                              "(modprobe kvm_intel or kvm_amd); on a VM, a size that offers nested virtualisation "
-                              "(e.g. Azure Dv3/Ev3 and newer, GCE with --enable-nested-virtualization)")
+KVM = Hypervisor(
+    name="kvm",
+    node="kvm",
+    probe=probe_kvm,
+    api_version=KVM_API_VERSION,
+    proved="empty VM created and closed",
+    missing_hint="/dev/kvm: virtualisation switched on in the firmware and the kvm module loaded "
+    "(modprobe kvm_intel or kvm_amd); on a VM, a size that offers nested virtualisation "
+    "(e.g. Azure Dv3/Ev3 and newer, GCE with --enable-nested-virtualization)",
+)
 
 
 # Detection order: the first row present wins (on hosts with both, mshv, as the original did).

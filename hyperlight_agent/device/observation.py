@@ -33,8 +33,7 @@ class Observation:
     cause: Cause = Cause.NONE
 
 
-INITIAL = Observation(healthy=False, reason="no device check has completed yet", hypervisor=None,
-                      cause=Cause.STARTING)
+INITIAL = Observation(healthy=False, reason="no device check has completed yet", hypervisor=None, cause=Cause.STARTING)
 
 
 class SharedObservation:

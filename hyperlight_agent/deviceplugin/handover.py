@@ -33,8 +33,9 @@ def candidates(kubelet_dir: str, base_socket: str, own: str) -> list[str]:
     """Sockets that may be other agents for the same resource: hyperlight.sock and
     hyperlight.<instance>.sock (for base hyperlight.sock), never our own. Whether one is an agent
     of ours is for peers.py to find out."""
-    return sockets.listing(kubelet_dir,
-                           lambda name: name != own and contracts.is_instance_socket_name(name, base_socket))
+    return sockets.listing(
+        kubelet_dir, lambda name: name != own and contracts.is_instance_socket_name(name, base_socket)
+    )
 
 
 async def legacy_ready(path: str, timeout: float) -> bool:
@@ -48,13 +49,26 @@ async def legacy_ready(path: str, timeout: float) -> bool:
     return await healthcheck.peer_ready(path, timeout)
 
 
-async def wait_for_successor(me: peers.Identity, kubelet_dir: str, base_socket: str, own: str,
-                             timeout: float, pid: Optional[int] = None, ready: bool = True) -> Optional[str]:
+async def wait_for_successor(
+    me: peers.Identity,
+    kubelet_dir: str,
+    base_socket: str,
+    own: str,
+    timeout: float,
+    pid: Optional[int] = None,
+    ready: bool = True,
+) -> Optional[str]:
     """The socket path of a ready successor (with `pid`, that process; without `ready`, one that
     answers), or None after `timeout` seconds without one."""
     deadline = asyncio.get_running_loop().time() + timeout
-    return await peers.successor(me, lambda: candidates(kubelet_dir, base_socket, own), deadline,
-                                 legacy_ready=legacy_ready, pid=pid, require_ready=ready)
+    return await peers.successor(
+        me,
+        lambda: candidates(kubelet_dir, base_socket, own),
+        deadline,
+        legacy_ready=legacy_ready,
+        pid=pid,
+        require_ready=ready,
+    )
 
 
 async def drained(in_flight: Callable[[], int], timeout: float) -> bool:

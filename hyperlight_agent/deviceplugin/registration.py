@@ -84,8 +84,15 @@ def _no_kubelet(path: str) -> str:
         return f"no kubelet socket at {path}"
     except OSError as exc:
         return f"cannot look at {path}: {exc.strerror or exc}"
-    kind = ("a directory" if stat.S_ISDIR(mode) else "a symlink" if stat.S_ISLNK(mode)
-            else "a regular file" if stat.S_ISREG(mode) else "not a socket")
+    kind = (
+        "a directory"
+        if stat.S_ISDIR(mode)
+        else "a symlink"
+        if stat.S_ISLNK(mode)
+        else "a regular file"
+        if stat.S_ISREG(mode)
+        else "not a socket"
+    )
     return f"{path} is {kind}, not the kubelet's socket"
 
 
@@ -97,8 +104,6 @@ class State(str, enum.Enum):
     REGISTERED = "registered"  # Register succeeded; no stream yet
     STREAMED = "streamed"  # the kubelet's ListAndWatch stream is open
     LOST = "lost"  # the stream ended, or never opened: serving and registering again
-
-
 
 
 class Ending(enum.Enum):
@@ -113,14 +118,19 @@ class Ending(enum.Enum):
 class Registrar:
     """Keeps one plugin server (a grpc.aio server with our handlers) registered and streamed."""
 
-    def __init__(self, kubelet_dir: str, socket_name: str, resource: str,
-                 configure: Callable[[grpc.aio.Server, Callable[[int, object], None]], Callable[[], None]],
-                 on_change: Optional[Callable[[], None]] = None,
-                 register_timeout: float = REGISTER_TIMEOUT_S,
-                 backoff: Optional[Backoff] = None,
-                 stream_open_timeout: float = STREAM_OPEN_TIMEOUT_S,
-                 loss_backoff: Optional[Backoff] = None,
-                 watched: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        kubelet_dir: str,
+        socket_name: str,
+        resource: str,
+        configure: Callable[[grpc.aio.Server, Callable[[int, object], None]], Callable[[], None]],
+        on_change: Optional[Callable[[], None]] = None,
+        register_timeout: float = REGISTER_TIMEOUT_S,
+        backoff: Optional[Backoff] = None,
+        stream_open_timeout: float = STREAM_OPEN_TIMEOUT_S,
+        loss_backoff: Optional[Backoff] = None,
+        watched: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.kubelet_dir = kubelet_dir
         self.socket_path = os.path.join(kubelet_dir, socket_name)
         self.kubelet_socket = os.path.join(kubelet_dir, contracts.KUBELET_SOCKET)
@@ -204,12 +214,14 @@ class Registrar:
             await self.stop(grace=0)
             self._set(State.WAITING)
             delay = 0.0 if isinstance(exc, Unserved) else self._backoff.next()
-            unanswered = isinstance(exc.__cause__, grpc.aio.AioRpcError) and \
-                exc.__cause__.code() == grpc.StatusCode.UNAVAILABLE
+            unanswered = (
+                isinstance(exc.__cause__, grpc.aio.AioRpcError) and exc.__cause__.code() == grpc.StatusCode.UNAVAILABLE
+            )
             if unanswered and self._kubelet_starting():  # a kubelet that refuses us is backed off
                 delay = min(delay, KUBELET_STARTING_RETRY_S)
-            log.warning("registration failed: %s; retrying in %.1f s or when %s appears",
-                        exc, delay, self.kubelet_socket)
+            log.warning(
+                "registration failed: %s; retrying in %.1f s or when %s appears", exc, delay, self.kubelet_socket
+            )
             await self._wait_for_kubelet(delay)
             return False
         self.registrations += 1
@@ -224,8 +236,7 @@ class Registrar:
         if outcome is Ending.REPLACED:
             # Not a kubelet restart: serving again either swaps out a stale socket or finds the
             # live one of another agent (and then we exit, never taking it over).
-            log.warning("%s is no longer our socket: another one was put there; serving again",
-                        self.socket_path)
+            log.warning("%s is no longer our socket: another one was put there; serving again", self.socket_path)
             self._set(State.WAITING)
             await self.stop(grace=0)
             return
@@ -293,8 +304,9 @@ class Registrar:
         replaces is closed unless another of them still holds it."""
         old = getattr(self, attr)
         setattr(self, attr, new)
-        if old is not None and all(old is not p for p in (self._kubelet_seen, self._kubelet_tried,
-                                                          self._stream_ended_with)):
+        if old is not None and all(
+            old is not p for p in (self._kubelet_seen, self._kubelet_tried, self._stream_ended_with)
+        ):
             old.close()
         return new
 
@@ -324,13 +336,15 @@ class Registrar:
         generation = self._generation
 
         def configure(server: grpc.aio.Server) -> None:
-            self._end_streams = self._configure(server, lambda delta, stream: self._on_stream(generation, delta,
-                                                                                            stream))
+            self._end_streams = self._configure(
+                server, lambda delta, stream: self._on_stream(generation, delta, stream)
+            )
 
         try:
             # Our private name: .<our socket>.<pid>.<8 hex> (contracts.private_socket_name).
-            self._serving = await transport.serve_in_place(self.socket_path, configure, f".{self._socket_name}.",
-                                                           "kubelet_dir")
+            self._serving = await transport.serve_in_place(
+                self.socket_path, configure, f".{self._socket_name}.", "kubelet_dir"
+            )
         except transport.Taken as exc:
             raise AlreadyServed(str(exc)) from None
 
@@ -347,7 +361,8 @@ class Registrar:
         self._register_sent = True
         async with grpc.aio.insecure_channel(transport.unix_target(self.kubelet_socket)) as channel:
             register = asyncio.ensure_future(
-                api.registration_stub(channel).Register(request, timeout=self._register_timeout))
+                api.registration_stub(channel).Register(request, timeout=self._register_timeout)
+            )
             unserved = asyncio.ensure_future(self._unserved())
             try:
                 await asyncio.wait({register, unserved}, return_when=asyncio.FIRST_COMPLETED)
@@ -356,14 +371,17 @@ class Registrar:
                 register.cancel()  # nothing once it is done; else the RPC is cancelled
             if not register.done():
                 await asyncio.wait({register})
-                raise Unserved(f"Register with {self.kubelet_socket}: {self.socket_path} was removed "
-                               "meanwhile (a kubelet starting?)")
+                raise Unserved(
+                    f"Register with {self.kubelet_socket}: {self.socket_path} was removed "
+                    "meanwhile (a kubelet starting?)"
+                )
             # Taken, not raised here: a traceback through this frame would keep the call, and
             # grpc's connection state for kubelet.sock with it, until the garbage collector ran.
             error = register.exception()
         if isinstance(error, grpc.aio.AioRpcError):
             raise RegistrationError(
-                f"Register with {self.kubelet_socket}: {error.code().name}: {error.details()}") from error
+                f"Register with {self.kubelet_socket}: {error.code().name}: {error.details()}"
+            ) from error
         if error is not None:
             raise error
         previous = self._kubelet_seen

@@ -52,9 +52,14 @@ def device_ids(hypervisor: str, slots: int) -> list[str]:
 
 
 class DevicePluginServicer:
-    def __init__(self, profile: Profile, observation: SharedObservation, checker: Checker,
-                 on_streams_changed: Optional[Callable[[int], None]] = None,
-                 on_allocate: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(
+        self,
+        profile: Profile,
+        observation: SharedObservation,
+        checker: Checker,
+        on_streams_changed: Optional[Callable[[int], None]] = None,
+        on_allocate: Optional[Callable[[str], None]] = None,
+    ) -> None:
         self.profile = profile
         self._observation = observation
         self._checker = checker
@@ -80,8 +85,11 @@ class DevicePluginServicer:
     async def GetDevicePluginOptions(self, request: pb.Empty, context: Any) -> pb.DevicePluginOptions:
         return api.plugin_options()
 
-    async def watch(self, closed: asyncio.Event, on_stream: Optional[Callable[[int], None]] = None,
-                    ) -> AsyncGenerator[pb.ListAndWatchResponse, None]:
+    async def watch(
+        self,
+        closed: asyncio.Event,
+        on_stream: Optional[Callable[[int], None]] = None,
+    ) -> AsyncGenerator[pb.ListAndWatchResponse, None]:
         """A ListAndWatch stream's lists, until `closed` is set (then the stream ends at once); the
         RPC itself is Endpoint's, which knows the server the stream belongs to.
         on_stream(+1) and on_stream(-1) are called as it opens and ends."""
@@ -106,16 +114,17 @@ class DevicePluginServicer:
             if on_stream:
                 on_stream(-1)
 
-    async def GetPreferredAllocation(self, request: pb.PreferredAllocationRequest,
-                                     context: Any) -> pb.PreferredAllocationResponse:
+    async def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: Any
+    ) -> pb.PreferredAllocationResponse:
         # Slots are interchangeable: honour must-include IDs, then take the first available.
         # Linear in the request's size, which is bounded: this runs on the event loop.
-        total = sum(len(r.available_deviceIDs) + len(r.must_include_deviceIDs)
-                    for r in request.container_requests)
+        total = sum(len(r.available_deviceIDs) + len(r.must_include_deviceIDs) for r in request.container_requests)
         # More than twice the most slots a node can advertise is no request the kubelet makes.
         if total > 2 * MAX_DEVICE_COUNT:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"{total} device IDs in one request; at most {2 * MAX_DEVICE_COUNT}")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{total} device IDs in one request; at most {2 * MAX_DEVICE_COUNT}"
+            )
         responses = []
         for req in request.container_requests:
             chosen = list(dict.fromkeys(req.must_include_deviceIDs))
@@ -131,8 +140,9 @@ class DevicePluginServicer:
             responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return pb.PreferredAllocationResponse(container_responses=responses)
 
-    async def PreStartContainer(self, request: pb.PreStartContainerRequest,
-                                context: Any) -> pb.PreStartContainerResponse:
+    async def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: Any
+    ) -> pb.PreStartContainerResponse:
         return pb.PreStartContainerResponse()
 
     async def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
@@ -152,21 +162,34 @@ class DevicePluginServicer:
         try:
             observation = await self._checker.check(timeout=context.time_remaining())
         except asyncio.TimeoutError:
-            await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline",
-                               "deadline passed while waiting for the device check")
+            await self._refuse(
+                context,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "deadline",
+                "deadline passed while waiting for the device check",
+            )
         if observation.hypervisor is None or not observation.healthy:
-            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "unavailable",
-                               f"{self.profile.resource} is unhealthy: {observation.reason}")
+            await self._refuse(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "unavailable",
+                f"{self.profile.resource} is unhealthy: {observation.reason}",
+            )
         hypervisor = hypervisors.BY_NAME[str(observation.hypervisor)]
         named = sum(len(req.devices_ids) for req in request.container_requests)
         if named > self.profile.slots:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid",
-                               f"{named} device IDs requested; this node has {self.profile.slots} slots")
+            await self._refuse(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "invalid",
+                f"{named} device IDs requested; this node has {self.profile.slots} slots",
+            )
         responses = []
         for n, req in enumerate(request.container_requests):
             if not req.devices_ids:
-                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid",
-                                   f"container request {n} names no device IDs")
+                await self._refuse(
+                    context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", f"container request {n} names no device IDs"
+                )
             for device_id in req.devices_ids:
                 problem = self._id_problem(device_id, hypervisor.name)
                 if problem:
@@ -194,11 +217,13 @@ class DevicePluginServicer:
         if self.profile.allocation in (ALLOCATION_CDI, ALLOCATION_BOTH):
             response.cdi_devices.append(pb.CDIDevice(name=cdi.device_name(hypervisor.name)))
         if self.profile.allocation in (ALLOCATION_DEVICE_SPEC, ALLOCATION_BOTH):
-            response.devices.append(pb.DeviceSpec(
-                container_path=hypervisor.container_path,
-                host_path=hypervisor.container_path,
-                permissions="rw",
-            ))
+            response.devices.append(
+                pb.DeviceSpec(
+                    container_path=hypervisor.container_path,
+                    host_path=hypervisor.container_path,
+                    permissions="rw",
+                )
+            )
             if self.profile.workload_env:
                 # What the CDI spec sets, for runtimes that ignore CDI (containerd 1.6). Where
                 # both arrive, the values are the same.

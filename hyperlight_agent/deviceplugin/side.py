@@ -46,8 +46,12 @@ class DevicePluginSnapshot:
 
     def ready(self) -> bool:
         """Registered, the kubelet's stream open, and the last device check passed."""
-        return (self.registration is State.STREAMED and self.current_streams > 0 and self.checked
-                and self.observation.healthy)
+        return (
+            self.registration is State.STREAMED
+            and self.current_streams > 0
+            and self.checked
+            and self.observation.healthy
+        )
 
     def status(self) -> str:  # noqa: PLR0911 - one return per state reads best
         """What the agent is doing or waiting for.
@@ -70,9 +74,7 @@ class DevicePluginSnapshot:
             return "checking the device"
         if self.registration is State.REGISTERED or self.current_streams == 0:
             return "registered; waiting for the kubelet's ListAndWatch stream"
-        return (f"ready: {obs.hypervisor}, {count(self.slots, 'slot')}, "
-                f"{count(self.current_streams, 'stream')}")
-
+        return f"ready: {obs.hypervisor}, {count(self.slots, 'slot')}, {count(self.current_streams, 'stream')}"
 
 
 class DevicePluginSide:
@@ -85,25 +87,35 @@ class DevicePluginSide:
         self.profile = target.profile
         metrics = shared.metrics
         self.servicer = DevicePluginServicer(
-            self.profile, shared.observation, shared.checker, on_streams_changed=metrics.open_streams.set,
-            on_allocate=lambda outcome: metrics.allocations.labels(outcome).inc())
-        self.registrar = Registrar(target.kubelet_dir, self.profile.socket, self.profile.resource, self._configure,
-                                   on_change=self._on_registrar,
-                                   watched=lambda: shared.watcher.watching(target.kubelet_dir))
+            self.profile,
+            shared.observation,
+            shared.checker,
+            on_streams_changed=metrics.open_streams.set,
+            on_allocate=lambda outcome: metrics.allocations.labels(outcome).inc(),
+        )
+        self.registrar = Registrar(
+            target.kubelet_dir,
+            self.profile.socket,
+            self.profile.resource,
+            self._configure,
+            on_change=self._on_registrar,
+            watched=lambda: shared.watcher.watching(target.kubelet_dir),
+        )
         registrar = self.registrar
-        shared.watcher.watch(target.kubelet_dir, lambda name: registrar.wake(),
-                             {contracts.KUBELET_SOCKET, self.profile.socket})
+        shared.watcher.watch(
+            target.kubelet_dir, lambda name: registrar.wake(), {contracts.KUBELET_SOCKET, self.profile.socket}
+        )
 
     def describe(self) -> str:
-        return (f"resource {self.profile.resource}, socket {self.registrar.socket_path}, "
-                f"{self.profile.slots} slot(s)")
+        return f"resource {self.profile.resource}, socket {self.registrar.socket_path}, {self.profile.slots} slot(s)"
 
     async def run(self) -> None:
         await self.registrar.run()
 
     async def hand_over(self, timeout: float, pid: Optional[int] = None, ready: bool = True) -> Optional[str]:
-        successor = await handover.wait_for_successor(self._shared.identity, self.kubelet_dir,
-                                                      self._base_socket, self.profile.socket, timeout, pid, ready)
+        successor = await handover.wait_for_successor(
+            self._shared.identity, self.kubelet_dir, self._base_socket, self.profile.socket, timeout, pid, ready
+        )
         if successor:
             # Its registration made the kubelet send new Allocates there; ours in flight must
             # finish before our stream ends (the kubelet then cancels them).
@@ -118,12 +130,14 @@ class DevicePluginSide:
 
     def snapshot(self, observation: Observation, checked: bool) -> DevicePluginSnapshot:
         r = self.registrar
-        return DevicePluginSnapshot(observation, checked, r.state, r.last_error, r.kubelet_socket,
-                                    r.current_streams, self.profile.slots)
+        return DevicePluginSnapshot(
+            observation, checked, r.state, r.last_error, r.kubelet_socket, r.current_streams, self.profile.slots
+        )
 
     async def newer_instance(self) -> Optional[str]:
-        found = await peers.newer(self._shared.identity,
-                                  handover.candidates(self.kubelet_dir, self._base_socket, self.profile.socket))
+        found = await peers.newer(
+            self._shared.identity, handover.candidates(self.kubelet_dir, self._base_socket, self.profile.socket)
+        )
         return found.identity.name if found else None
 
     def reconfigure(self, target: Any) -> None:

@@ -38,8 +38,11 @@ def dra_methods(messages: ModuleType) -> transport.Methods:
     """method name → (request type, response type, streaming?) in one version's message module."""
     return {
         "NodePrepareResources": (messages.NodePrepareResourcesRequest, messages.NodePrepareResourcesResponse, False),
-        "NodeUnprepareResources": (messages.NodeUnprepareResourcesRequest, messages.NodeUnprepareResourcesResponse,
-                                   False),
+        "NodeUnprepareResources": (
+            messages.NodeUnprepareResourcesRequest,
+            messages.NodeUnprepareResourcesResponse,
+            False,
+        ),
     }
 
 
@@ -57,8 +60,9 @@ def registration_handler(servicer: object) -> grpc.GenericRpcHandler[Any, Any]:
 def dra_handlers(servicer: object) -> list[grpc.GenericRpcHandler[Any, Any]]:
     """Both DRAPlugin versions, served by servicer.NodePrepareResources(request, context, messages)
     and .NodeUnprepareResources(request, context, messages)."""
-    return [transport.handler(service, dra_methods(messages), servicer, messages)
-            for service, messages in VERSIONS.values()]
+    return [
+        transport.handler(service, dra_methods(messages), servicer, messages) for service, messages in VERSIONS.values()
+    ]
 
 
 def registration_stub(channel: Any) -> transport.Stub:

@@ -30,8 +30,10 @@ class ClaimReader:
             if exc.code == 404 and exc.message.endswith("not found"):
                 raise ClaimError(f"claim {claim} not found (deleted?)") from exc
             if exc.code == 403:
-                raise ClaimError(f"claim {claim}: forbidden: RBAC needs verb 'get' on '{CLAIMS}' in API group "
-                                 f"'{contracts.RESOURCE_API_GROUP}' ({exc.message})") from exc
+                raise ClaimError(
+                    f"claim {claim}: forbidden: RBAC needs verb 'get' on '{CLAIMS}' in API group "
+                    f"'{contracts.RESOURCE_API_GROUP}' ({exc.message})"
+                ) from exc
             raise ClaimError(f"claim {claim}: {exc}") from exc
         found_uid = (obj.get("metadata") or {}).get("uid")
         if found_uid != uid:
@@ -47,5 +49,10 @@ class ClaimReader:
 
 def _result(result: Any) -> AllocatedDevice:
     share_id = result.get("shareID")
-    return AllocatedDevice(request=str(result["request"]), driver=str(result["driver"]), pool=str(result["pool"]),
-                           device=str(result["device"]), share_id=None if share_id is None else str(share_id))
+    return AllocatedDevice(
+        request=str(result["request"]),
+        driver=str(result["driver"]),
+        pool=str(result["pool"]),
+        device=str(result["device"]),
+        share_id=None if share_id is None else str(share_id),
+    )

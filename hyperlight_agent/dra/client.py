@@ -99,11 +99,15 @@ class ApiError(Exception):
             return f"{what}: API server unreachable: {self.message}"
         if self.code == 403:
             # The RBAC rule that is missing, in the words of a ClusterRole.
-            return (f"{what}: forbidden (RBAC needs verb {self.verb!r} on {self.resource!r} in API group "
-                    f"{contracts.RESOURCE_API_GROUP!r}): {self.message}")
+            return (
+                f"{what}: forbidden (RBAC needs verb {self.verb!r} on {self.resource!r} in API group "
+                f"{contracts.RESOURCE_API_GROUP!r}): {self.message}"
+            )
         if self.code == 404 and not self.message.endswith("not found"):
-            return (f"{what}: 404, the API server does not serve {contracts.RESOURCE_API_GROUP}/"
-                    f"{contracts.RESOURCE_API_VERSION} (Kubernetes 1.34 or newer needed)")
+            return (
+                f"{what}: 404, the API server does not serve {contracts.RESOURCE_API_GROUP}/"
+                f"{contracts.RESOURCE_API_VERSION} (Kubernetes 1.34 or newer needed)"
+            )
         return f"{what}: {self.code} {self.reason}: {self.message}".rstrip(": ")
 
 
@@ -117,8 +121,14 @@ class KubeApi:
     """The calls the DRA mode makes, on `http` (an httpx.AsyncClient with the server's address,
     TLS and credentials: `connect`). `source` names where the credentials came from."""
 
-    def __init__(self, http: Callable[[], httpx.AsyncClient], source: str, timeout_s: float = REQUEST_TIMEOUT_S,
-                 watch_grace_s: float = WATCH_GRACE_S, watch_heartbeat_s: float = WATCH_HEARTBEAT_S) -> None:
+    def __init__(
+        self,
+        http: Callable[[], httpx.AsyncClient],
+        source: str,
+        timeout_s: float = REQUEST_TIMEOUT_S,
+        watch_grace_s: float = WATCH_GRACE_S,
+        watch_heartbeat_s: float = WATCH_HEARTBEAT_S,
+    ) -> None:
         self._make_http = http
         self._http = http()
         self._stale = False  # a request's connection failed: the pool's others may be as dead
@@ -136,8 +146,9 @@ class KubeApi:
             raise ApiError("list", SLICES, 0, "unreadable", "unreadable answer: not a list with a resourceVersion")
         return items, version
 
-    async def watch_slices(self, node: str, driver: str, resource_version: str,
-                           timeout_s: float) -> AsyncIterator[tuple[str, Json]]:
+    async def watch_slices(
+        self, node: str, driver: str, resource_version: str, timeout_s: float
+    ) -> AsyncIterator[tuple[str, Json]]:
         """Events (ADDED, MODIFIED, DELETED, BOOKMARK) after `resource_version`, until the server
         ends the watch (after about `timeout_s`: a normal end). Raises ApiError for anything else:
         an ERROR event (410: the version is too old to watch from), an unreadable event, a
@@ -146,14 +157,20 @@ class KubeApi:
         come every minute from then on)."""
         import httpx
 
-        params = {**_selector(node, driver), "watch": "true", "resourceVersion": resource_version,
-                  "allowWatchBookmarks": "true", "timeoutSeconds": str(max(1, int(timeout_s)))}
+        params = {
+            **_selector(node, driver),
+            "watch": "true",
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(max(1, int(timeout_s))),
+        }
         limit = timeout_s + self._watch_grace_s
         loop = asyncio.get_running_loop()
         # Our deadlines decide, for the answer and the stream; httpx's read timeout, a second
         # later, never fires first.
-        request = self._http.build_request("GET", SLICES_PATH, params=params,
-                                           timeout=httpx.Timeout(self._timeout_s, read=limit + 1))
+        request = self._http.build_request(
+            "GET", SLICES_PATH, params=params, timeout=httpx.Timeout(self._timeout_s, read=limit + 1)
+        )
         answer_s = min(limit, WATCH_ANSWER_S)
         try:
             response = await waits.within(self._send("watch", SLICES, request, stream=True), answer_s)
@@ -175,20 +192,23 @@ class KubeApi:
                 # Silent past its end, or (once bookmarks come) past the next one's due: dead.
                 silent_until = min(ends, heard + self._watch_heartbeat_s) if bookmarked else ends
                 try:
-                    chunk = await waits.within(self._guarded("watch", SLICES, chunks.__anext__()),
-                                               silent_until - loop.time())
+                    chunk = await waits.within(
+                        self._guarded("watch", SLICES, chunks.__anext__()), silent_until - loop.time()
+                    )
                 except StopAsyncIteration:
                     return
                 except asyncio.TimeoutError:
                     self._stale = True
-                    raise ApiError("watch", SLICES, 0, "stalled",
-                                   self._silence(params, heartbeat=silent_until < ends)) from None
+                    raise ApiError(
+                        "watch", SLICES, 0, "stalled", self._silence(params, heartbeat=silent_until < ends)
+                    ) from None
                 heard = loop.time()
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
                 if len(pending) > MAX_EVENT_BYTES:
-                    raise ApiError("watch", SLICES, 0, "unreadable",
-                                   f"a watch event longer than {MAX_EVENT_BYTES} bytes")
+                    raise ApiError(
+                        "watch", SLICES, 0, "unreadable", f"a watch event longer than {MAX_EVENT_BYTES} bytes"
+                    )
                 for line in lines:
                     if line.strip():
                         kind, obj = _event(line)
@@ -200,8 +220,10 @@ class KubeApi:
     def _silence(self, params: dict[str, str], heartbeat: bool) -> str:
         """Why a watch was given up as dead: its bookmarks stopped, or it went on past its end."""
         if heartbeat:
-            return (f"the watch sent nothing for {self._watch_heartbeat_s:g} s after a bookmark (the API server "
-                    f"sends one every {BOOKMARK_INTERVAL_S:g} s once it has sent one)")
+            return (
+                f"the watch sent nothing for {self._watch_heartbeat_s:g} s after a bookmark (the API server "
+                f"sends one every {BOOKMARK_INTERVAL_S:g} s once it has sent one)"
+            )
         return f"the watch went on {self._watch_grace_s:g} s past its timeoutSeconds={params['timeoutSeconds']}"
 
     async def create_slice(self, body: Json) -> Json:
@@ -219,9 +241,11 @@ class KubeApi:
         """Whether our credentials may `verb` `resource` of resource.k8s.io in every namespace, as
         the API server's authorizers say (a SelfSubjectAccessReview, which any authenticated user
         may create); (allowed, the authorizer's reason)."""
-        body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
-                "spec": {"resourceAttributes": {"verb": verb, "group": contracts.RESOURCE_API_GROUP,
-                                                "resource": resource}}}
+        body = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": {"verb": verb, "group": contracts.RESOURCE_API_GROUP, "resource": resource}},
+        }
         answer = await self._call("create", ACCESS_REVIEWS, "POST", ACCESS_REVIEWS_PATH, body=body)
         status = answer.get("status")
         if not isinstance(status, dict):
@@ -237,8 +261,16 @@ class KubeApi:
 
     # --- one request ----------------------------------------------------------------------------
 
-    async def _call(self, verb: str, resource: str, method: str, path: str, *,
-                    params: Optional[dict[str, str]] = None, body: Optional[Json] = None) -> Json:
+    async def _call(
+        self,
+        verb: str,
+        resource: str,
+        method: str,
+        path: str,
+        *,
+        params: Optional[dict[str, str]] = None,
+        body: Optional[Json] = None,
+    ) -> Json:
         request = self._http.build_request(method, path, params=params, json=body)
         response = await self._send(verb, resource, request)
         if response.status_code >= 400:
@@ -292,8 +324,13 @@ def _status_error(verb: str, resource: str, response: httpx.Response) -> ApiErro
         status = None
     if isinstance(status, dict) and status.get("kind") == "Status":
         code = status.get("code")
-        return ApiError(verb, resource, code if isinstance(code, int) and code else response.status_code,
-                        str(status.get("reason") or ""), " ".join(str(status.get("message") or "").split()))
+        return ApiError(
+            verb,
+            resource,
+            code if isinstance(code, int) and code else response.status_code,
+            str(status.get("reason") or ""),
+            " ".join(str(status.get("message") or "").split()),
+        )
     return ApiError(verb, resource, response.status_code, response.reason_phrase, "")
 
 
@@ -307,18 +344,34 @@ def _event(line: bytes) -> tuple[str, Json]:
     obj = event.get("object") if isinstance(event, dict) else None
     if kind == "ERROR" and isinstance(obj, dict):
         code = obj.get("code")
-        raise ApiError("watch", SLICES, code if isinstance(code, int) else 0, str(obj.get("reason") or "unreadable"),
-                       " ".join(str(obj.get("message") or "").split()))
+        raise ApiError(
+            "watch",
+            SLICES,
+            code if isinstance(code, int) else 0,
+            str(obj.get("reason") or "unreadable"),
+            " ".join(str(obj.get("message") or "").split()),
+        )
     version = (obj.get("metadata") or {}).get("resourceVersion") if isinstance(obj, dict) else None
     if kind not in WATCH_EVENTS or not isinstance(version, str) or not isinstance(obj, dict):
-        raise ApiError("watch", SLICES, 0, "unreadable",
-                       f"an unreadable watch event (type {text.quote(str(kind))}, no object with a resourceVersion)")
+        raise ApiError(
+            "watch",
+            SLICES,
+            0,
+            "unreadable",
+            f"an unreadable watch event (type {text.quote(str(kind))}, no object with a resourceVersion)",
+        )
     return str(kind), obj
 
 
-def connect(kubeconfig: Optional[str], *, service_account_dir: str = contracts.SERVICE_ACCOUNT_DIR,
-            environ: Mapping[str, str], timeout_s: float = REQUEST_TIMEOUT_S,
-            watch_grace_s: float = WATCH_GRACE_S, watch_heartbeat_s: float = WATCH_HEARTBEAT_S) -> KubeApi:
+def connect(
+    kubeconfig: Optional[str],
+    *,
+    service_account_dir: str = contracts.SERVICE_ACCOUNT_DIR,
+    environ: Mapping[str, str],
+    timeout_s: float = REQUEST_TIMEOUT_S,
+    watch_grace_s: float = WATCH_GRACE_S,
+    watch_heartbeat_s: float = WATCH_HEARTBEAT_S,
+) -> KubeApi:
     """A client from the kubeconfig at `kubeconfig` (the `kubeconfig` setting), else from the pod's
     service account and the in-cluster address in `environ` (the process environment, handed over
     by the entry point). Raises ClientConfigError naming the path and what is wrong with it."""
@@ -327,8 +380,7 @@ def connect(kubeconfig: Optional[str], *, service_account_dir: str = contracts.S
         raise ClientConfigError(f"no kubeconfig setting and not in a cluster ({' and '.join(missing)} unset)")
     source = f"kubeconfig {kubeconfig}" if kubeconfig else f"service account {service_account_dir}"
     try:
-        return _connect(kubeconfig, service_account_dir, environ, timeout_s, source, watch_grace_s,
-                        watch_heartbeat_s)
+        return _connect(kubeconfig, service_account_dir, environ, timeout_s, source, watch_grace_s, watch_heartbeat_s)
     except ClientConfigError as exc:
         raise ClientConfigError(f"{source}: {exc}") from exc
     except OSError as exc:
@@ -340,8 +392,15 @@ def connect(kubeconfig: Optional[str], *, service_account_dir: str = contracts.S
         raise ClientConfigError(f"{source}: {_detail(exc)}") from exc
 
 
-def _connect(kubeconfig: Optional[str], service_account_dir: str, environ: Mapping[str, str], timeout_s: float,
-             source: str, watch_grace_s: float, watch_heartbeat_s: float) -> KubeApi:
+def _connect(
+    kubeconfig: Optional[str],
+    service_account_dir: str,
+    environ: Mapping[str, str],
+    timeout_s: float,
+    source: str,
+    watch_grace_s: float,
+    watch_heartbeat_s: float,
+) -> KubeApi:
     import httpx
 
     # httpx logs every request at INFO: our own lines say what matters (a change, a problem).
@@ -388,8 +447,11 @@ def kubeconfig_problem(doc: Any) -> str:  # noqa: PLR0911 - one return per probl
     """
     if not isinstance(doc, dict):
         return "empty" if doc is None else f"not a mapping (a {_kind(doc)})"
-    for key, inner, required in (("clusters", "cluster", True), ("contexts", "context", True),
-                                 ("users", "user", False)):
+    for key, inner, required in (
+        ("clusters", "cluster", True),
+        ("contexts", "context", True),
+        ("users", "user", False),
+    ):
         entries = doc.get(key)
         if entries is None and not required:
             continue
@@ -412,8 +474,9 @@ def kubeconfig_problem(doc: Any) -> str:  # noqa: PLR0911 - one return per probl
 
 
 def _kind(value: Any) -> str:
-    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value),
-                                                                                               type(value).__name__)
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(
+        type(value), type(value).__name__
+    )
 
 
 def _service_account_config(directory: str, host: str, port: str) -> Any:

@@ -18,8 +18,14 @@ from hyperlight_agent.dra.client import CLAIMS, SLICES, ApiError, ClientConfigEr
 
 # What the driver does with the API (dra/slices.py, dra/claims.py); the chart's ClusterRole grants
 # exactly these (tests/test_deploy.py keeps the two equal).
-NEEDED = (("list", SLICES), ("watch", SLICES), ("create", SLICES), ("update", SLICES), ("delete", SLICES),
-          ("get", CLAIMS))
+NEEDED = (
+    ("list", SLICES),
+    ("watch", SLICES),
+    ("create", SLICES),
+    ("update", SLICES),
+    ("delete", SLICES),
+    ("get", CLAIMS),
+)
 
 
 def directories(paths: Mapping[str, str]) -> list[tuple[bool, str]]:
@@ -31,8 +37,13 @@ def directories(paths: Mapping[str, str]) -> list[tuple[bool, str]]:
         try:
             mode = os.stat(path).st_mode
         except OSError as exc:
-            found.append((False, f"FAIL {key}: {path}: {exc.strerror} (is the kubelet's root directory "
-                                 f"{os.path.dirname(contracts.DRA_REGISTRY_DIR)}? set {key})"))
+            found.append(
+                (
+                    False,
+                    f"FAIL {key}: {path}: {exc.strerror} (is the kubelet's root directory "
+                    f"{os.path.dirname(contracts.DRA_REGISTRY_DIR)}? set {key})",
+                )
+            )
             continue
         if not stat.S_ISDIR(mode):
             found.append((False, f"FAIL {key}: {path} is not a directory"))
@@ -62,9 +73,15 @@ async def api(kubeconfig: Optional[str], node_name: str, environ: Mapping[str, s
             except ApiError as exc:
                 return [*found, (False, f"FAIL API server: {exc}")]
             where = f"{verb} {resource}.{contracts.RESOURCE_API_GROUP}"
-            found.append((True, f"ok   permission: {where}") if allowed else
-                         (False, f"FAIL permission: cannot {where} (the ClusterRole hyperlight-dra-driver grants "
-                                 f"it){': ' + reason if reason else ''}"))
+            found.append(
+                (True, f"ok   permission: {where}")
+                if allowed
+                else (
+                    False,
+                    f"FAIL permission: cannot {where} (the ClusterRole hyperlight-dra-driver grants "
+                    f"it){': ' + reason if reason else ''}",
+                )
+            )
         return found
     finally:
         await client.close()

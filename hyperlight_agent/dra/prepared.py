@@ -96,9 +96,21 @@ class Record:
 
 
 def encode_claim(claim: PreparedClaim, prepared_at: float) -> dict[str, Any]:
-    return {"namespace": claim.namespace, "name": claim.name, "preparedAt": round(prepared_at, 3),
-            "devices": [{"request": d.request, "pool": d.pool, "device": d.device,
-                         "cdi_device_ids": list(d.cdi_device_ids), "share_id": d.share_id} for d in claim.devices]}
+    return {
+        "namespace": claim.namespace,
+        "name": claim.name,
+        "preparedAt": round(prepared_at, 3),
+        "devices": [
+            {
+                "request": d.request,
+                "pool": d.pool,
+                "device": d.device,
+                "cdi_device_ids": list(d.cdi_device_ids),
+                "share_id": d.share_id,
+            }
+            for d in claim.devices
+        ],
+    }
 
 
 def encode(raw: dict[str, Any]) -> bytes:
@@ -134,13 +146,18 @@ def decode(data: bytes, now: float) -> Record:
 
 def _claim(uid: str, entry: Any) -> PreparedClaim:
     devices = tuple(
-        PreparedDevice(request=_field(d, "request", str, uid), pool=_field(d, "pool", str, uid),
-                       device=_field(d, "device", str, uid),
-                       cdi_device_ids=tuple(_strings(_field(d, "cdi_device_ids", list, uid), uid)),
-                       share_id=_field(d, "share_id", (str, type(None)), uid))
-        for d in _field(entry, "devices", list, uid))
-    return PreparedClaim(namespace=_field(entry, "namespace", str, uid), name=_field(entry, "name", str, uid),
-                         devices=devices)
+        PreparedDevice(
+            request=_field(d, "request", str, uid),
+            pool=_field(d, "pool", str, uid),
+            device=_field(d, "device", str, uid),
+            cdi_device_ids=tuple(_strings(_field(d, "cdi_device_ids", list, uid), uid)),
+            share_id=_field(d, "share_id", (str, type(None)), uid),
+        )
+        for d in _field(entry, "devices", list, uid)
+    )
+    return PreparedClaim(
+        namespace=_field(entry, "namespace", str, uid), name=_field(entry, "name", str, uid), devices=devices
+    )
 
 
 def _field(doc: Any, key: str, kind: Any, where: str) -> Any:
@@ -168,7 +185,7 @@ def expire(raw: dict[str, Any], now: float) -> list[str]:
     for uid in gone:
         del entries[uid]
     if len(entries) > limit:
-        extra = sorted(entries, key=when)[:len(entries) - limit]
+        extra = sorted(entries, key=when)[: len(entries) - limit]
         for uid in extra:
             del entries[uid]
         gone += extra
@@ -229,20 +246,33 @@ class Prepared:
         raw = {**record.raw, "claims": dict(record.raw["claims"])}
         now = self._clock()
         removed = {uid for uid in remove if raw["claims"].pop(uid, None) is not None}
-        added = {uid for uid, claim in add.items()
-                 if record.claims.get(uid) != claim or not isinstance(raw["claims"].get(uid), dict)}
+        added = {
+            uid
+            for uid, claim in add.items()
+            if record.claims.get(uid) != claim or not isinstance(raw["claims"].get(uid), dict)
+        }
         for uid in added:
             raw["claims"][uid] = encode_claim(add[uid], now)
         expired = expire(raw, now)
         if expired:
-            log.info("prepared claims: %d entries expired (older than %g days, or beyond %d)", len(expired),
-                     ENTRY_TTL_S / 86400, MAX_ENTRIES)
+            log.info(
+                "prepared claims: %d entries expired (older than %g days, or beyond %d)",
+                len(expired),
+                ENTRY_TTL_S / 86400,
+                MAX_ENTRIES,
+            )
         if not (removed or added or expired):
             return removed
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
-            atomic.write(self.directory, RECORD_FILE, encode(raw), TEMP_PREFIX, mode=FILE_MODE,
-                         replace=current.identity if current is not None else None)
+            atomic.write(
+                self.directory,
+                RECORD_FILE,
+                encode(raw),
+                TEMP_PREFIX,
+                mode=FILE_MODE,
+                replace=current.identity if current is not None else None,
+            )
         except (OSError, atomic.Refused) as exc:
             raise PreparedError(f"cannot write {self.path}: {_why(exc)}") from exc
         # What we wrote is what the next read would parse: keep it rather than parse it again.

@@ -54,15 +54,24 @@ VERIFY_INTERVAL_S = 5.0
 # reconciler (a 1 s loop) sees it; until then it may still route a claim to us, which must be
 # answered rather than refused with "Server shutdown" (seen on the e2e cluster's 1.34 kubelet).
 DEREGISTER_GRACE_S = 1.5
+
+
 class Registrar:
     """Owns both gRPC servers of one agent instance: start() → (kubelet registers us) → close()."""
 
-    def __init__(self, service: object, driver: str = contracts.DRA_DRIVER, instance: str = "",
-                 registry_dir: str = contracts.DRA_REGISTRY_DIR, plugins_dir: str = contracts.DRA_PLUGINS_DIR,
-                 on_change: Optional[Callable[[], None]] = None, stop_grace: float = transport.STOP_GRACE_S,
-                 deregister_grace: Optional[float] = None,
-                 configure: Optional[Callable[[grpc.aio.Server], None]] = None,
-                 watched: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        service: object,
+        driver: str = contracts.DRA_DRIVER,
+        instance: str = "",
+        registry_dir: str = contracts.DRA_REGISTRY_DIR,
+        plugins_dir: str = contracts.DRA_PLUGINS_DIR,
+        on_change: Optional[Callable[[], None]] = None,
+        stop_grace: float = transport.STOP_GRACE_S,
+        deregister_grace: Optional[float] = None,
+        configure: Optional[Callable[[grpc.aio.Server], None]] = None,
+        watched: Callable[[], bool] = lambda: False,
+    ) -> None:
         if not instance:
             raise ValueError("a DRA plugin instance needs a name unique on the node (the pod name or uid)")
         self.driver = driver
@@ -105,8 +114,9 @@ class Registrar:
         except BaseException:
             await self.close()
             raise
-        log.info("DRA driver %s serving %s, registering at %s", self.driver, self.service_socket,
-                 self.registration_socket)
+        log.info(
+            "DRA driver %s serving %s, registering at %s", self.driver, self.service_socket, self.registration_socket
+        )
 
     def wake(self) -> None:
         """One of our sockets' directories changed: look at our sockets."""
@@ -132,8 +142,10 @@ class Registrar:
             await dra.stop(self._stop_grace)  # calls in flight finish on the old server
         if registration is not None and not registration.pin.is_at(registration.path):
             # The kubelet has deregistered us (or will in a moment): not registered until it says so.
-            log.warning("our registration socket %s was removed or replaced; serving it again for the kubelet "
-                        "to register us", registration.path)
+            log.warning(
+                "our registration socket %s was removed or replaced; serving it again for the kubelet to register us",
+                registration.path,
+            )
             self._set(False, "our registration socket was removed; registering again")
             await registration.stop(0)
             self._registration = await self._serve(registration.path, [api.registration_handler(self)])
@@ -158,11 +170,16 @@ class Registrar:
     # --- the Registration service ---------------------------------------------------------------
 
     async def GetInfo(self, request: reg.InfoRequest, context: grpc.aio.ServicerContext[Any, Any]) -> reg.PluginInfo:
-        return reg.PluginInfo(type=contracts.DRA_PLUGIN_TYPE, name=self.driver, endpoint=self.service_socket,
-                              supported_versions=list(contracts.DRA_SUPPORTED_VERSIONS))
+        return reg.PluginInfo(
+            type=contracts.DRA_PLUGIN_TYPE,
+            name=self.driver,
+            endpoint=self.service_socket,
+            supported_versions=list(contracts.DRA_SUPPORTED_VERSIONS),
+        )
 
-    async def NotifyRegistrationStatus(self, request: reg.RegistrationStatus,
-                                       context: grpc.aio.ServicerContext[Any, Any]) -> reg.RegistrationStatusResponse:
+    async def NotifyRegistrationStatus(
+        self, request: reg.RegistrationStatus, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> reg.RegistrationStatusResponse:
         self.notifications += 1
         if request.plugin_registered:
             if not self.registered:
@@ -182,8 +199,12 @@ class Registrar:
         if changed and self._on_change:
             self._on_change()
 
-    async def _serve(self, path: str, handlers: list[grpc.GenericRpcHandler[Any, Any]],
-                     configure: Optional[Callable[[grpc.aio.Server], None]] = None) -> transport.Serving:
+    async def _serve(
+        self,
+        path: str,
+        handlers: list[grpc.GenericRpcHandler[Any, Any]],
+        configure: Optional[Callable[[grpc.aio.Server], None]] = None,
+    ) -> transport.Serving:
         def add(server: grpc.aio.Server) -> None:
             server.add_generic_rpc_handlers(handlers)
             if configure is not None:
@@ -208,7 +229,9 @@ def driver_dir(directory: str) -> None:
     except OSError as exc:
         raise transport.NotServing(f"cannot look at {directory}: {exc.strerror}") from exc
     if stat.S_ISLNK(st.st_mode):
-        raise transport.NotServing(f"{directory} is a symlink; refusing to follow it "
-                                f"(dra_plugins_dir/{os.path.basename(directory)} must be a directory)")
+        raise transport.NotServing(
+            f"{directory} is a symlink; refusing to follow it "
+            f"(dra_plugins_dir/{os.path.basename(directory)} must be a directory)"
+        )
     if not stat.S_ISDIR(st.st_mode):
         raise transport.NotServing(f"{directory} is not a directory; refusing to replace it")

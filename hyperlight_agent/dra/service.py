@@ -61,12 +61,17 @@ class Service:
     names the CDI device the runtime injects; the default is the device plugin's own
     (files.cdi.device_name: hyperlight.dev/hypervisor=kvm)."""
 
-    def __init__(self, driver: str, claims: ClaimReader, observe: Observe, prepared: Prepared,
-                 cdi_id: Callable[[str], str] = cdi.device_name,
-                 max_concurrent: int = MAX_CONCURRENT_READS,
-                 claim_read_timeout: float = CLAIM_READ_TIMEOUT_S,
-                 on_call: Callable[[str, float, int, int], None] = lambda operation, seconds, ok, failed: None,
-                 ) -> None:
+    def __init__(
+        self,
+        driver: str,
+        claims: ClaimReader,
+        observe: Observe,
+        prepared: Prepared,
+        cdi_id: Callable[[str], str] = cdi.device_name,
+        max_concurrent: int = MAX_CONCURRENT_READS,
+        claim_read_timeout: float = CLAIM_READ_TIMEOUT_S,
+        on_call: Callable[[str, float, int, int], None] = lambda operation, seconds, ok, failed: None,
+    ) -> None:
         self.driver = driver
         self.claims = claims
         self._observe = observe
@@ -81,8 +86,9 @@ class Service:
 
     # --- the gRPC methods (api.dra_handlers passes the version's message module) ----------------
 
-    async def NodePrepareResources(self, request: Any, context: grpc.aio.ServicerContext[Any, Any],
-                                   messages: ModuleType) -> Any:
+    async def NodePrepareResources(
+        self, request: Any, context: grpc.aio.ServicerContext[Any, Any], messages: ModuleType
+    ) -> Any:
         claims = list(request.claims)
         started = time.monotonic()
         async with self._claims_locked(claims):
@@ -97,14 +103,19 @@ class Service:
                 entry.error = error
                 continue
             for device in devices:
-                out = entry.devices.add(request_names=[device.request], pool_name=device.pool,
-                                        device_name=device.device, cdi_device_ids=list(device.cdi_device_ids))
+                out = entry.devices.add(
+                    request_names=[device.request],
+                    pool_name=device.pool,
+                    device_name=device.device,
+                    cdi_device_ids=list(device.cdi_device_ids),
+                )
                 if device.share_id is not None and "share_id" in out.DESCRIPTOR.fields_by_name:
                     out.share_id = device.share_id  # v1 only: v1beta1 has no such field
         return response
 
-    async def NodeUnprepareResources(self, request: Any, context: grpc.aio.ServicerContext[Any, Any],
-                                     messages: ModuleType) -> Any:
+    async def NodeUnprepareResources(
+        self, request: Any, context: grpc.aio.ServicerContext[Any, Any], messages: ModuleType
+    ) -> Any:
         claims = list(request.claims)
         started = time.monotonic()
         async with self._claims_locked(claims):
@@ -163,8 +174,13 @@ class Service:
                 return answers
         for uid, claim in ready.items():
             answers[uid] = ("", claim.devices)
-            log.info("prepared claim %s/%s (%s): %s", claim.namespace, claim.name, uid,
-                     ", ".join(f"{d.pool}/{d.device}" for d in claim.devices))
+            log.info(
+                "prepared claim %s/%s (%s): %s",
+                claim.namespace,
+                claim.name,
+                uid,
+                ", ".join(f"{d.pool}/{d.device}" for d in claim.devices),
+            )
         return answers
 
     async def _read(self, namespace: str, name: str, uid: str) -> Union[str, tuple[PreparedDevice, ...]]:
@@ -182,21 +198,28 @@ class Service:
         try:
             allocated = await waits.within(self.claims.allocation(namespace, name, uid), self._claim_read_timeout)
         except asyncio.TimeoutError:
-            raise ClaimError(f"claim {namespace}/{name}: reading its allocation took longer than "
-                             f"{self._claim_read_timeout:g} s") from None
+            raise ClaimError(
+                f"claim {namespace}/{name}: reading its allocation took longer than {self._claim_read_timeout:g} s"
+            ) from None
         ours = [d for d in allocated if d.driver == self.driver]
         if not ours:
             raise ClaimError(f"claim {namespace}/{name} has no device of driver {self.driver}")
         observation = await self._observation()
         if not observation.healthy or observation.hypervisor is None:
-            where = (hypervisors.BY_NAME[observation.hypervisor].container_path
-                     if observation.hypervisor in hypervisors.BY_NAME else "no hypervisor device")
+            where = (
+                hypervisors.BY_NAME[observation.hypervisor].container_path
+                if observation.hypervisor in hypervisors.BY_NAME
+                else "no hypervisor device"
+            )
             names = ", ".join(sorted({d.device for d in ours}))
-            raise ClaimError(f"device {names} ({where}) failed its check: "
-                             f"{observation.reason or 'no device check has passed'}")
+            raise ClaimError(
+                f"device {names} ({where}) failed its check: {observation.reason or 'no device check has passed'}"
+            )
         cdi_ids = (self._cdi_id(observation.hypervisor),)
-        return tuple(PreparedDevice(request=d.request, pool=d.pool, device=d.device, cdi_device_ids=cdi_ids,
-                                    share_id=d.share_id) for d in ours)
+        return tuple(
+            PreparedDevice(request=d.request, pool=d.pool, device=d.device, cdi_device_ids=cdi_ids, share_id=d.share_id)
+            for d in ours
+        )
 
     async def _unprepare(self, claims: list[Any]) -> dict[str, str]:
         """The error per claim uid that could not be forgotten (none: all were, or were unknown)."""

@@ -132,7 +132,6 @@ class DraSnapshot:
         return f"ready: {obs.hypervisor}, {count(self.slots, 'device')} in the ResourceSlice"
 
 
-
 class DraSide:
     # Deregistration's wait for the kubelet, then the service's stop grace.
     close_bound_s = registration.DEREGISTER_GRACE_S + transport.STOP_GRACE_S
@@ -149,18 +148,29 @@ class DraSide:
         self._kube: Any = None  # the API client (client.KubeApi), once connected
         self.api_error = ""  # why there is no API client yet ("" once there is)
         self.publisher: Optional[SlicePublisher] = None
-        self.service = Service(target.driver, _NotConnected(lambda: self.api_error),
-                               lambda: shared.checker.check(timeout=PREPARE_CHECK_TIMEOUT_S),
-                               Prepared(os.path.join(target.plugins_dir, target.driver)),
-                               on_call=shared.metrics.dra_call)
+        self.service = Service(
+            target.driver,
+            _NotConnected(lambda: self.api_error),
+            lambda: shared.checker.check(timeout=PREPARE_CHECK_TIMEOUT_S),
+            Prepared(os.path.join(target.plugins_dir, target.driver)),
+            on_call=shared.metrics.dra_call,
+        )
         self._registry_dir = target.registry_dir
         watcher = shared.watcher
-        sockets = (names.registration_socket(target.registry_dir, target.driver, target.instance),
-                   names.service_socket(target.plugins_dir, target.driver, target.instance))
+        sockets = (
+            names.registration_socket(target.registry_dir, target.driver, target.instance),
+            names.service_socket(target.plugins_dir, target.driver, target.instance),
+        )
         self.registrar = registration.Registrar(
-            self.service, target.driver, target.instance, target.registry_dir, target.plugins_dir,
-            on_change=self._on_change, configure=shared.serve_ours,
-            watched=lambda: all(watcher.watching(os.path.dirname(p)) for p in sockets))
+            self.service,
+            target.driver,
+            target.instance,
+            target.registry_dir,
+            target.plugins_dir,
+            on_change=self._on_change,
+            configure=shared.serve_ours,
+            watched=lambda: all(watcher.watching(os.path.dirname(p)) for p in sockets),
+        )
         # Our two sockets (removed by a cleanup tool: served again), and other instances'
         # registration sockets coming and going (whether a newer one keeps the slice).
         for path in sockets:
@@ -168,18 +178,28 @@ class DraSide:
 
     def describe(self) -> str:
         shape = "one shared device (else " if self._shared_device else "("
-        return (f"DRA driver {self.registrar.driver}, node {self.node_name}, {shape}{self.devices} device(s)), "
-                f"socket {self.registrar.service_socket}")
+        return (
+            f"DRA driver {self.registrar.driver}, node {self.node_name}, {shape}{self.devices} device(s)), "
+            f"socket {self.registrar.service_socket}"
+        )
 
     def begin_stop(self) -> None:
         """Nothing the kubelet must see before close(): deregistration comes first there."""
 
     def snapshot(self, observation: Observation, checked: bool) -> DraSnapshot:
         p = self.publisher
-        return DraSnapshot(observation, checked, self.registrar.registered, self.registrar.error,
-                           self.registrar.registration_socket, p is not None and p.published,
-                           self.api_error if p is None else p.last_error, self.devices if p is None else p.devices,
-                           p.kept_by if p is not None else "", p is not None and p.shared)
+        return DraSnapshot(
+            observation,
+            checked,
+            self.registrar.registered,
+            self.registrar.error,
+            self.registrar.registration_socket,
+            p is not None and p.published,
+            self.api_error if p is None else p.last_error,
+            self.devices if p is None else p.devices,
+            p.kept_by if p is not None else "",
+            p is not None and p.shared,
+        )
 
     def reconfigure(self, target: Any) -> None:
         """Every DRA setting changes only on restart (the device check's follow on their own)."""
@@ -193,11 +213,20 @@ class DraSide:
         tasks = [asyncio.ensure_future(self._retrying("DRA registration", self._serve))]
         try:
             kube = await self._retrying("API client", self._make_client)
-            self.publisher = SlicePublisher(kube, self.node_name, self.registrar.driver, self.devices,
-                                            newer=self.newer_instance, on_change=self._on_change,
-                                            shared=self._shared_device, on_event=self._shared.metrics.dra_event)
-            tasks += [asyncio.ensure_future(self._follow_checks(self.publisher)),
-                      asyncio.ensure_future(self.publisher.run())]
+            self.publisher = SlicePublisher(
+                kube,
+                self.node_name,
+                self.registrar.driver,
+                self.devices,
+                newer=self.newer_instance,
+                on_change=self._on_change,
+                shared=self._shared_device,
+                on_event=self._shared.metrics.dra_event,
+            )
+            tasks += [
+                asyncio.ensure_future(self._follow_checks(self.publisher)),
+                asyncio.ensure_future(self.publisher.run()),
+            ]
             await asyncio.gather(*tasks)
         finally:
             for task in tasks:
@@ -212,8 +241,15 @@ class DraSide:
         if not self.registrar.serving:
             return None
         deadline = asyncio.get_running_loop().time() + timeout
-        return await peers.successor(self.identity, self._candidates, deadline, resolve=self._service_socket,
-                                     legacy_ready=healthcheck.peer_ready, pid=pid, require_ready=ready)
+        return await peers.successor(
+            self.identity,
+            self._candidates,
+            deadline,
+            resolve=self._service_socket,
+            legacy_ready=healthcheck.peer_ready,
+            pid=pid,
+            require_ready=ready,
+        )
 
     async def newer_instance(self) -> Optional[str]:
         """The name of a live instance of our driver on this node that started after us, if any:
@@ -294,8 +330,14 @@ def candidates(registry_dir: str, driver: str, own: str) -> list[str]:
     """Registration sockets in the registry that may be another instance of our driver: the
     names registration.registration_socket gives (<driver>-*-reg.sock, or the hashed dra-*), never
     ours. Whether one is an instance of ours is for GetInfo and peers.py to find out."""
-    return sockets.listing(registry_dir, lambda name: os.path.join(registry_dir, name) != own
-                           and name.endswith("-reg.sock") and name.startswith((f"{driver}-", "dra-")))
+    return sockets.listing(
+        registry_dir,
+        lambda name: (
+            os.path.join(registry_dir, name) != own
+            and name.endswith("-reg.sock")
+            and name.startswith((f"{driver}-", "dra-"))
+        ),
+    )
 
 
 class _Retry(Exception):

@@ -88,22 +88,28 @@ def device_names(hypervisor: str, count: int) -> list[str]:
     return [f"{hypervisor}-{i}" for i in range(count)]
 
 
-def desired_spec(node_name: str, driver: str, count: int, device: Optional[DeviceInfo],
-                 shared: bool = False) -> Json:
+def desired_spec(node_name: str, driver: str, count: int, device: Optional[DeviceInfo], shared: bool = False) -> Json:
     """The slice's spec without pool.generation (which only says how often it changed): one shared
     device, or `count` identical ones."""
     devices: list[Json] = []
     if device is not None:
         # Unprefixed attribute names are in the driver's domain:
         # device.attributes["hypervisor.hyperlight.dev"].hypervisor.
-        attributes = {"hypervisor": {"string": device.hypervisor}, "apiVersion": {"int": device.api_version},
-                      "devicePath": {"string": device.path}}
+        attributes = {
+            "hypervisor": {"string": device.hypervisor},
+            "apiVersion": {"int": device.api_version},
+            "devicePath": {"string": device.path},
+        }
         if shared:
             devices = [{"name": device.hypervisor, SHARED_FIELD: True, "attributes": attributes}]
         else:
             devices = [{"name": name, "attributes": attributes} for name in device_names(device.hypervisor, count)]
-    return {"driver": driver, "nodeName": node_name, "pool": {"name": node_name, "resourceSliceCount": 1},
-            "devices": devices}
+    return {
+        "driver": driver,
+        "nodeName": node_name,
+        "pool": {"name": node_name, "resourceSliceCount": 1},
+        "devices": devices,
+    }
 
 
 def owned(spec: Any) -> Json:
@@ -128,8 +134,12 @@ def owned(spec: Any) -> Json:
         mine["attributes"] = {k: attributes[k] for k in ATTRIBUTES if k in attributes}
         found.append(mine)
     pool = _mapping(spec.get("pool"))
-    return {"driver": spec.get("driver"), "nodeName": spec.get("nodeName"),
-            "pool": {k: pool.get(k) for k in ("name", "resourceSliceCount")}, "devices": found}
+    return {
+        "driver": spec.get("driver"),
+        "nodeName": spec.get("nodeName"),
+        "pool": {k: pool.get(k) for k in ("name", "resourceSliceCount")},
+        "devices": found,
+    }
 
 
 def _mapping(value: Any) -> Json:
@@ -171,17 +181,28 @@ class SlicePublisher:
     (clock() of the first such success).
     """
 
-    def __init__(self, api: KubeApi, node_name: str, driver: str = contracts.DRA_DRIVER,
-                 count: int = contracts.RESOURCE_SLICE_MAX_DEVICES, *,
-                 clock: Callable[[], float] = time.monotonic, backoff_initial_s: float = BACKOFF_INITIAL_S,
-                 backoff_cap_s: float = BACKOFF_CAP_S, watch_timeout_s: tuple[float, float] = WATCH_TIMEOUT_S,
-                 newer: Optional[Callable[[], Awaitable[Optional[str]]]] = None,
-                 on_change: Optional[Callable[[], None]] = None,
-                 drivers_before: tuple[str, ...] = contracts.DRA_DRIVERS_BEFORE, shared: bool = True,
-                 on_event: Callable[..., None] = lambda kind, *labels: None) -> None:
+    def __init__(
+        self,
+        api: KubeApi,
+        node_name: str,
+        driver: str = contracts.DRA_DRIVER,
+        count: int = contracts.RESOURCE_SLICE_MAX_DEVICES,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        backoff_initial_s: float = BACKOFF_INITIAL_S,
+        backoff_cap_s: float = BACKOFF_CAP_S,
+        watch_timeout_s: tuple[float, float] = WATCH_TIMEOUT_S,
+        newer: Optional[Callable[[], Awaitable[Optional[str]]]] = None,
+        on_change: Optional[Callable[[], None]] = None,
+        drivers_before: tuple[str, ...] = contracts.DRA_DRIVERS_BEFORE,
+        shared: bool = True,
+        on_event: Callable[..., None] = lambda kind, *labels: None,
+    ) -> None:
         if not 1 <= count <= contracts.RESOURCE_SLICE_MAX_DEVICES:
-            raise ValueError(f"DRA device count {count}: must be 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES} "
-                             f"(the devices of one ResourceSlice)")
+            raise ValueError(
+                f"DRA device count {count}: must be 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES} "
+                f"(the devices of one ResourceSlice)"
+            )
         self._api, self.node_name, self.driver, self.count = api, node_name, driver, count
         self._clock = clock
         self._backoff = Backoff(backoff_initial_s, backoff_cap_s, rand=backoff.JITTER, immediate_first=True)
@@ -299,8 +320,13 @@ class SlicePublisher:
             raise ended
         lasted = loop.time() - started
         if lasted < EARLY_END * timeout:
-            raise ApiError("watch", SLICES, 0, "early",
-                           f"the API server ended the watch after {lasted:.1f} s (asked for {timeout:.0f} s)")
+            raise ApiError(
+                "watch",
+                SLICES,
+                0,
+                "early",
+                f"the API server ended the watch after {lasted:.1f} s (asked for {timeout:.0f} s)",
+            )
         # A whole watch without trouble: the streak is over, and the next one starts afresh.
         self._backoff.reset()
         self._logged.clear()
@@ -333,8 +359,9 @@ class SlicePublisher:
             return  # set_device wakes us
         desired = self.desired()
         # Oldest first: of several slices of ours the oldest stays, unless another is already right.
-        ours = sorted(self._cache.values(), key=lambda o: (str((o.get("metadata") or {}).get("creationTimestamp", "")),
-                                                            _name(o)))
+        ours = sorted(
+            self._cache.values(), key=lambda o: (str((o.get("metadata") or {}).get("creationTimestamp", "")), _name(o))
+        )
         self._generation = max([self._generation, *(_generation(o) for o in ours)])
         keep = next((o for o in ours if self._right(o, desired)), ours[0] if ours else None)
         extras = [o for o in ours if o is not keep]
@@ -347,8 +374,9 @@ class SlicePublisher:
                 self._yield_to(newer, keep)
                 return
         if self.kept_by:
-            log.info("ResourceSlice for node %s: instance %s is gone; keeping the slice again", self.node_name,
-                     self.kept_by)
+            log.info(
+                "ResourceSlice for node %s: instance %s is gone; keeping the slice again", self.node_name, self.kept_by
+            )
             self.kept_by = ""
         if not self._swept:
             await self._sweep()
@@ -360,30 +388,42 @@ class SlicePublisher:
         if self.shared and desired["devices"] and not any(d.get(SHARED_FIELD) for d in kept):
             # The server dropped the field (a feature it does not have, or has switched off): the
             # scheduler would allocate our one device to one claim at a time.
-            log.info("ResourceSlice %s: the API server does not keep %s (Kubernetes before 1.36, or "
-                     "DRAConsumableCapacity off); publishing %d identical devices instead", _name(result),
-                     SHARED_FIELD, self.count)
+            log.info(
+                "ResourceSlice %s: the API server does not keep %s (Kubernetes before 1.36, or "
+                "DRAConsumableCapacity off); publishing %d identical devices instead",
+                _name(result),
+                SHARED_FIELD,
+                self.count,
+            )
             self.shared = False
             self._changed()
             self._dirty.set()
             return
         if owned(result.get("spec")) != desired:
             self._accepted = (desired, owned(result.get("spec")))
-            self._notice("mutated", f"ResourceSlice {_name(result)}: the API server changed what we wrote "
-                         "(a mutating webhook or policy?); keeping its version rather than writing it again")
+            self._notice(
+                "mutated",
+                f"ResourceSlice {_name(result)}: the API server changed what we wrote "
+                "(a mutating webhook or policy?); keeping its version rather than writing it again",
+            )
         self._settled(result, desired)
 
     async def _write(self, desired: Json, keep: Optional[Json], extras: list[Json]) -> Json:
         """Delete the duplicates, then create or update the slice; the server's answer."""
         try:
             for extra in extras:
-                self._notice(f"duplicate {_name(extra)}", f"ResourceSlice {_name(extra)} duplicates "
-                             f"{_name(keep or {})} for node {self.node_name}; deleting it")
+                self._notice(
+                    f"duplicate {_name(extra)}",
+                    f"ResourceSlice {_name(extra)} duplicates "
+                    f"{_name(keep or {})} for node {self.node_name}; deleting it",
+                )
                 await self._delete(_name(extra))
             if keep is None:
                 if self._written is not None:
-                    self._notice("deleted", f"ResourceSlice {self.slice_name} was deleted (a kubelet start wipes "
-                                 "them); creating it again")
+                    self._notice(
+                        "deleted",
+                        f"ResourceSlice {self.slice_name} was deleted (a kubelet start wipes them); creating it again",
+                    )
                 self.requests += 1
                 self._event("write", "create")
                 return await self._api.create_slice(self._object(desired, {"generateName": self._prefix()}))
@@ -458,8 +498,12 @@ class SlicePublisher:
             self.requests += 1
             old, _ = await self._api.list_slices(self.node_name, driver)
             for obj in old:
-                log.info("ResourceSlice %s: published under driver %s, our name before %s; deleting it",
-                         _name(obj), driver, self.driver)
+                log.info(
+                    "ResourceSlice %s: published under driver %s, our name before %s; deleting it",
+                    _name(obj),
+                    driver,
+                    self.driver,
+                )
                 await self._delete(_name(obj))
         self._swept = True
 

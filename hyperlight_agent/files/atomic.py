@@ -95,12 +95,18 @@ def is_exact(current: Optional[Current], data: bytes, mode: int) -> bool:
     if current is None or current.data != data:
         return False
     st = current.st
-    return (stat.S_IMODE(st.st_mode) == mode and st.st_uid == os.geteuid()
-            and st.st_gid == os.getegid())
+    return stat.S_IMODE(st.st_mode) == mode and st.st_uid == os.geteuid() and st.st_gid == os.getegid()
 
 
-def write(directory: str, name: str, data: bytes, temp_prefix: str, temp_suffix: str = ".tmp",
-          mode: int = 0o644, replace: Optional[tuple[int, int]] = None) -> None:
+def write(
+    directory: str,
+    name: str,
+    data: bytes,
+    temp_prefix: str,
+    temp_suffix: str = ".tmp",
+    mode: int = 0o644,
+    replace: Optional[tuple[int, int]] = None,
+) -> None:
     """Atomically make `directory/name` hold `data` with `mode`.
 
     replace=None: create the file only if nothing is at the path. replace=(st_dev, st_ino):
@@ -125,8 +131,9 @@ def write(directory: str, name: str, data: bytes, temp_prefix: str, temp_suffix:
             _replace(temp, target, replace)
     except _StuckSwap:
         ours = False  # an obstruction we swapped out sits at `temp`: it is not ours to delete
-        raise Refused(f"{target} changed while we were writing it, and could not be put back; "
-                      f"it is now at {temp}") from None
+        raise Refused(
+            f"{target} changed while we were writing it, and could not be put back; it is now at {temp}"
+        ) from None
     finally:
         if ours:
             with contextlib.suppress(FileNotFoundError):
@@ -141,7 +148,7 @@ def write(directory: str, name: str, data: bytes, temp_prefix: str, temp_suffix:
 def _fill(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _rename2(src: str, dst: str, flags: int) -> None:
@@ -223,19 +230,23 @@ class _StuckSwap(Exception):
 _TEMP_NAME = re.compile(_TEMP_TAG + r"-[0-9]+-[0-9a-f]{12}")
 
 
-def remove_temps(directory: str, temp_prefix: str, temp_suffix: str = ".tmp",
-                 now: Optional[float] = None) -> list[str]:
+def remove_temps(directory: str, temp_prefix: str, temp_suffix: str = ".tmp", now: Optional[float] = None) -> list[str]:
     """Delete temp files an earlier run of ours abandoned (a crash mid-write); returns their paths.
     Only our exact name pattern and regular files, by remove_abandoned's rules."""
+
     def ours(name: str) -> bool:
-        middle = name[len(temp_prefix):len(name) - len(temp_suffix)]
+        middle = name[len(temp_prefix) : len(name) - len(temp_suffix)]
         return name.startswith(temp_prefix) and name.endswith(temp_suffix) and bool(_TEMP_NAME.fullmatch(middle))
 
     return remove_abandoned(directory, ours, lambda st, path: stat.S_ISREG(st.st_mode), now)
 
 
-def remove_abandoned(directory: str, ours: Callable[[str], bool], kind: Callable[[os.stat_result, str], bool],
-                     now: Optional[float] = None) -> list[str]:
+def remove_abandoned(
+    directory: str,
+    ours: Callable[[str], bool],
+    kind: Callable[[os.stat_result, str], bool],
+    now: Optional[float] = None,
+) -> list[str]:
     """Delete what an earlier run of ours left behind in `directory`; returns the paths removed.
 
     Only names `ours` accepts, only files we own that `kind` accepts (given their lstat and

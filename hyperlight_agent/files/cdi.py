@@ -47,8 +47,7 @@ class CdiError(Exception):
         return self.errno in EXHAUSTED
 
 
-def render(hypervisor: str, device_path: str, uid: int, gid: int,
-           kept: Sequence[tuple[str, str]] = ()) -> bytes:
+def render(hypervisor: str, device_path: str, uid: int, gid: int, kept: Sequence[tuple[str, str]] = ()) -> bytes:
     """The canonical spec bytes; "exact" means byte-equal to this (and SPEC_MODE, owned by us).
 
     `kept` are (name, device path) of devices an earlier spec listed: a name handed out in an
@@ -169,8 +168,10 @@ def inspect(cdi_dir: str, spec: Spec) -> Optional[str]:
         return f"{path} differs from the expected spec"
     if not atomic.is_exact(current, wanted, SPEC_MODE):
         st = current.st
-        return (f"{path} has mode {stat.S_IMODE(st.st_mode):04o} and owner {st.st_uid}:{st.st_gid}, "
-                f"expected {SPEC_MODE:04o} and {os.geteuid()}:{os.getegid()}")
+        return (
+            f"{path} has mode {stat.S_IMODE(st.st_mode):04o} and owner {st.st_uid}:{st.st_gid}, "
+            f"expected {SPEC_MODE:04o} and {os.geteuid()}:{os.getegid()}"
+        )
     return None
 
 
@@ -211,9 +212,15 @@ def repair(plan: Plan) -> None:
     except OSError as exc:
         raise CdiError(f"{cdi_dir}: cannot create CDI directory: {exc.strerror or exc}", exc.errno) from exc
     try:
-        atomic.write(cdi_dir, contracts.CDI_SPEC_FILE, plan.wanted, contracts.CDI_TEMP_PREFIX,
-                     contracts.CDI_TEMP_SUFFIX, SPEC_MODE,
-                     replace=plan.current.identity if plan.current is not None else None)
+        atomic.write(
+            cdi_dir,
+            contracts.CDI_SPEC_FILE,
+            plan.wanted,
+            contracts.CDI_TEMP_PREFIX,
+            contracts.CDI_TEMP_SUFFIX,
+            SPEC_MODE,
+            replace=plan.current.identity if plan.current is not None else None,
+        )
     except atomic.Refused as exc:
         raise CdiError(str(exc)) from exc
     except OSError as exc:

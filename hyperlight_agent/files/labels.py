@@ -52,8 +52,14 @@ def sync(features_dir: str, hypervisor: Optional[str]) -> bool:
     if atomic.is_exact(current, wanted, FILE_MODE):
         return False
     os.makedirs(features_dir, mode=0o755, exist_ok=True)
-    atomic.write(features_dir, FEATURE_FILE, wanted, TEMP_PREFIX, mode=FILE_MODE,
-                 replace=current.identity if current is not None else None)
+    atomic.write(
+        features_dir,
+        FEATURE_FILE,
+        wanted,
+        TEMP_PREFIX,
+        mode=FILE_MODE,
+        replace=current.identity if current is not None else None,
+    )
     log.info("node labels %s=true, %s=%s written to %s", ENABLED_LABEL, HYPERVISOR_LABEL, hypervisor, path)
     return True
 

@@ -126,8 +126,9 @@ def put_in_place(private: str, path: str) -> Pin:
     mine = identity(private)
     for _ in range(3):  # each retry follows a concurrent change at our path
         if mine is None or identity(private) != mine:
-            raise NotPlaced(f"{private}: our socket was removed before it was put in place "
-                            "(a kubelet starting?); serving anew")
+            raise NotPlaced(
+                f"{private}: our socket was removed before it was put in place (a kubelet starting?); serving anew"
+            )
         existing = identity(path)
         if existing is None:
             if os.path.lexists(path):
@@ -184,6 +185,9 @@ def sweep(directory: str, private_name: re.Pattern[str]) -> None:
     """Remove private sockets an earlier run of ours abandoned between bind and rename, by the
     rules for temp files (atomic.remove_abandoned): our exact name pattern, a socket we own, older
     than atomic.ABANDONED_AFTER_S, and no one listening. A neighbour's similar name is never ours."""
-    for path in atomic.remove_abandoned(directory, lambda name: bool(private_name.fullmatch(name)),
-                                        lambda st, path: stat.S_ISSOCK(st.st_mode) and not is_live(path)):
+    for path in atomic.remove_abandoned(
+        directory,
+        lambda name: bool(private_name.fullmatch(name)),
+        lambda st, path: stat.S_ISSOCK(st.st_mode) and not is_live(path),
+    ):
         log.info("removed abandoned socket %s", path)

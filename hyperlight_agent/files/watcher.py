@@ -26,8 +26,16 @@ from asyncinotify import Inotify, Mask
 log = logging.getLogger(__name__)
 
 # Entries appearing, vanishing or changing owner/mode, and the directory itself going away.
-ENTRIES = (Mask.CREATE | Mask.DELETE | Mask.MOVED_FROM | Mask.MOVED_TO | Mask.ATTRIB
-           | Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.ONLYDIR)
+ENTRIES = (
+    Mask.CREATE
+    | Mask.DELETE
+    | Mask.MOVED_FROM
+    | Mask.MOVED_TO
+    | Mask.ATTRIB
+    | Mask.DELETE_SELF
+    | Mask.MOVE_SELF
+    | Mask.ONLYDIR
+)
 # ...and their content being written. Not for device directories: the probe's own
 # open(O_RDWR)/close of the device node raises CLOSE_WRITE, which would trigger the next check.
 CONTENT = ENTRIES | Mask.CLOSE_WRITE | Mask.MODIFY
@@ -61,8 +69,9 @@ class MountTable:
     nothing needs to be read. Between two calls the loop stops watching the descriptor, so the
     changes of a storm cost no wake-ups: the kernel keeps them pending until it watches again."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None],
-                 interval: float = MOUNT_INTERVAL_S) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None], interval: float = MOUNT_INTERVAL_S
+    ) -> None:
         self._loop = loop
         self._callback = callback
         self._interval = interval
@@ -117,8 +126,13 @@ class _MountWakes:
         try:
             self.table = MountTable(loop, self._event.set)
         except OSError as exc:
-            log.warning("cannot poll %s for mount changes (%s); looking for filesystems mounted over "
-                        "watched directories every %g s instead", MOUNTINFO, exc.strerror or exc, RETRY_S)
+            log.warning(
+                "cannot poll %s for mount changes (%s); looking for filesystems mounted over "
+                "watched directories every %g s instead",
+                MOUNTINFO,
+                exc.strerror or exc,
+                RETRY_S,
+            )
 
     def changed(self) -> bool:
         changed = self._event.is_set()
@@ -187,17 +201,21 @@ class DirectoryWatcher:
         self._failed: dict[str, Optional[int]] = {}  # directory → errno of its last failed watch
         self._mount_points: Optional[set[str]] = None  # as last read (from the start of run())
 
-    def watch(self, directory: str, callback: Callback,
-              names: Optional[set[str]] = None, mask: Mask = ENTRIES, follow: bool = True) -> None:
+    def watch(
+        self,
+        directory: str,
+        callback: Callback,
+        names: Optional[set[str]] = None,
+        mask: Mask = ENTRIES,
+        follow: bool = True,
+    ) -> None:
         """Call callback(name) when an entry in directory changes (only `names` if given).
 
         follow=False: a symlink at `directory` is never followed: it cannot be watched (it is
         retried like a missing directory), and its target is never watched in its place."""
         directory = os.path.normpath(directory)
-        self._wanted.setdefault(directory, []).append(
-            (frozenset(names) if names is not None else None, callback))
-        self._masks[directory] = self._masks.get(directory, Mask(0)) | mask | (
-            Mask(0) if follow else Mask.DONT_FOLLOW)
+        self._wanted.setdefault(directory, []).append((frozenset(names) if names is not None else None, callback))
+        self._masks[directory] = self._masks.get(directory, Mask(0)) | mask | (Mask(0) if follow else Mask.DONT_FOLLOW)
 
     async def run(self) -> None:
         """Watch until cancelled. Missing directories are retried; an unusable inotify
@@ -242,8 +260,7 @@ class DirectoryWatcher:
                 if not reading:
                     reading.append(asyncio.ensure_future(inotify.get()))
                 timeout = None if mounts.table is not None and not pending else max(0.0, next_look - loop.time())
-                await asyncio.wait([*reading, *mounts.waiting()], timeout=timeout,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait([*reading, *mounts.waiting()], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if reading[0].done():
                     self._handle(reading.pop().result(), pending)
         finally:
@@ -315,8 +332,13 @@ class DirectoryWatcher:
             level = logging.DEBUG if exc.errno == errno.ENOENT else logging.WARNING
             if self._failed.get(directory) != exc.errno:
                 self._failed[directory] = exc.errno
-                log.log(level, "cannot watch %s (%s); retrying every %g s, periodic checks go on",
-                        directory, exc.strerror or exc, RETRY_S)
+                log.log(
+                    level,
+                    "cannot watch %s (%s); retrying every %g s, periodic checks go on",
+                    directory,
+                    exc.strerror or exc,
+                    RETRY_S,
+                )
             return False
         if self._failed.pop(directory, None) is not None:
             log.info("watching %s", directory)

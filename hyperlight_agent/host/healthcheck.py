@@ -62,12 +62,15 @@ async def peer_ready(path: str, timeout: float) -> bool:
     from grpc_health.v1 import health_pb2
 
     async with grpc.aio.insecure_channel(transport.unix_target(path)) as channel:
-        check = channel.unary_unary("/grpc.health.v1.Health/Check",
-                                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
         try:
-            response = await check(health_pb2.HealthCheckRequest(service=contracts.HEALTH_SERVICES["readiness"]),
-                                   timeout=timeout)
+            response = await check(
+                health_pb2.HealthCheckRequest(service=contracts.HEALTH_SERVICES["readiness"]), timeout=timeout
+            )
         except grpc.aio.AioRpcError:
             return False
     return bool(response.status == health_pb2.HealthCheckResponse.SERVING)

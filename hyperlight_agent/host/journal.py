@@ -34,8 +34,9 @@ def setup(level: str, environ: Mapping[str, str], fields: Optional[Mapping[str, 
         try:
             from systemd.journal import JournalHandler
 
-            handler = JournalHandler(SYSLOG_IDENTIFIER="hyperlight-agent",
-                                     **{k.upper(): v for k, v in (fields or {}).items()})
+            handler = JournalHandler(
+                SYSLOG_IDENTIFIER="hyperlight-agent", **{k.upper(): v for k, v in (fields or {}).items()}
+            )
             kind = "journal"
         except ImportError:
             pass

@@ -61,8 +61,14 @@ def split_address(address: str) -> tuple[str, int]:
 class MetricsServer:
     """GET /metrics over HTTP/1.1, one request per connection, bounded in every dimension."""
 
-    def __init__(self, address: str, render: Callable[[], bytes], content_type: str,
-                 max_connections: int = MAX_CONNECTIONS, timeout: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        render: Callable[[], bytes],
+        content_type: str,
+        max_connections: int = MAX_CONNECTIONS,
+        timeout: float = REQUEST_TIMEOUT_S,
+    ) -> None:
         self.address = address
         self._render = render
         self._content_type = content_type
@@ -83,8 +89,11 @@ class MetricsServer:
             except OSError as exc:
                 error = f"metrics_address {self.address}: cannot listen: {exc.strerror or exc}"
                 if error != self.bind_error:
-                    log.warning("%s; retrying (up to every %g s), the device plugin carries on without metrics",
-                                error, BIND_RETRY_CAP_S)
+                    log.warning(
+                        "%s; retrying (up to every %g s), the device plugin carries on without metrics",
+                        error,
+                        BIND_RETRY_CAP_S,
+                    )
                     self.bind_error = error
                 await asyncio.sleep(backoff.next())
         if self.bind_error:
@@ -106,8 +115,9 @@ class MetricsServer:
     async def _listen(self) -> socket.socket:
         host, port = split_address(self.address)
         loop = asyncio.get_running_loop()
-        family, kind, proto, _, where = (await loop.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))[0]
+        family, kind, proto, _, where = (
+            await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        )[0]
         listener = socket.socket(family, kind, proto)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -136,8 +146,11 @@ class MetricsServer:
                 if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     continue  # ECONNABORTED and the like: that client is gone
                 if not short_of_fds:
-                    log.warning("metrics: cannot accept a connection: %s; trying again every %g s",
-                                exc.strerror or exc, ACCEPT_RETRY_S)
+                    log.warning(
+                        "metrics: cannot accept a connection: %s; trying again every %g s",
+                        exc.strerror or exc,
+                        ACCEPT_RETRY_S,
+                    )
                 short_of_fds = True
                 await asyncio.sleep(ACCEPT_RETRY_S)
                 continue
@@ -196,8 +209,10 @@ class MetricsServer:
         content_type = self._content_type if code == 200 else "text/plain; charset=utf-8"
         if code != 200:
             body = f"{code} {_REASONS[code]}\n".encode()
-        headers = (f"HTTP/1.1 {code} {_REASONS[code]}\r\nContent-Type: {content_type}\r\n"
-                   f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        headers = (
+            f"HTTP/1.1 {code} {_REASONS[code]}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        ).encode()
         return headers + (b"" if method == "HEAD" else body)
 
 
@@ -247,44 +262,67 @@ class Metrics:
         ProcessCollector(registry=r)
         Info("hyperlight_build", "the agent's version, commit and mode", registry=r).info(build or {})
         self.healthy = Gauge("hyperlight_device_healthy", "1 when the last device check passed", registry=r)
-        self.unhealthy_cause = Gauge("hyperlight_device_unhealthy_cause",
-                                     "1 for the cause of the current unhealthy state", ["cause"], registry=r)
+        self.unhealthy_cause = Gauge(
+            "hyperlight_device_unhealthy_cause", "1 for the cause of the current unhealthy state", ["cause"], registry=r
+        )
         self.check_seconds = Histogram(
-            "hyperlight_check_duration_seconds", "device check duration (probe, host identity, CDI)",
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 2, 5), registry=r)
+            "hyperlight_check_duration_seconds",
+            "device check duration (probe, host identity, CDI)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 2, 5),
+            registry=r,
+        )
         self.checks = Counter("hyperlight_checks_total", "device checks completed", ["result"], registry=r)
-        self.failures = Counter("hyperlight_check_failures_total", "failed device checks by cause", ["cause"],
-                                registry=r)
-        self.cdi_repairs = Counter("hyperlight_cdi_repairs_total", "times the CDI spec was (re)written",
-                                   registry=r)
-        self.registrations = Counter("hyperlight_registrations_total", "successful kubelet registrations",
-                                     registry=r)
-        self.kubelet_restarts = Counter("hyperlight_kubelet_restarts_total", "kubelet restarts detected",
-                                        registry=r)
-        self.allocations = Counter("hyperlight_allocations_total", "Allocate calls by outcome", ["outcome"],
-                                   registry=r)
+        self.failures = Counter(
+            "hyperlight_check_failures_total", "failed device checks by cause", ["cause"], registry=r
+        )
+        self.cdi_repairs = Counter("hyperlight_cdi_repairs_total", "times the CDI spec was (re)written", registry=r)
+        self.registrations = Counter("hyperlight_registrations_total", "successful kubelet registrations", registry=r)
+        self.kubelet_restarts = Counter("hyperlight_kubelet_restarts_total", "kubelet restarts detected", registry=r)
+        self.allocations = Counter("hyperlight_allocations_total", "Allocate calls by outcome", ["outcome"], registry=r)
         self.open_streams = Gauge("hyperlight_listandwatch_streams", "open ListAndWatch streams", registry=r)
-        self.streams_lost = Counter("hyperlight_streams_lost_total",
-                                    "kubelet streams that ended or never opened (each followed by a new Register)",
-                                    registry=r)
-        self.helper_timeouts = Counter("hyperlight_probe_helper_timeouts_total",
-                                       "probe helpers killed for missing their deadline", registry=r)
+        self.streams_lost = Counter(
+            "hyperlight_streams_lost_total",
+            "kubelet streams that ended or never opened (each followed by a new Register)",
+            registry=r,
+        )
+        self.helper_timeouts = Counter(
+            "hyperlight_probe_helper_timeouts_total", "probe helpers killed for missing their deadline", registry=r
+        )
         # The DRA mode (--dra). Labels are fixed words or HTTP status codes: bounded.
-        self.dra_calls = Counter("hyperlight_dra_calls_total", "NodePrepareResources and NodeUnprepareResources "
-                                 "calls from the kubelet", ["operation"], registry=r)
-        self.dra_claims = Counter("hyperlight_dra_claims_total", "claims in those calls by result (error: the "
-                                  "claim's answer carried an error)", ["operation", "result"], registry=r)
+        self.dra_calls = Counter(
+            "hyperlight_dra_calls_total",
+            "NodePrepareResources and NodeUnprepareResources calls from the kubelet",
+            ["operation"],
+            registry=r,
+        )
+        self.dra_claims = Counter(
+            "hyperlight_dra_claims_total",
+            "claims in those calls by result (error: the claim's answer carried an error)",
+            ["operation", "result"],
+            registry=r,
+        )
         self.dra_call_seconds = Histogram(
-            "hyperlight_dra_call_duration_seconds", "time to answer a NodePrepareResources or "
-            "NodeUnprepareResources call", ["operation"],
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 45), registry=r)
-        self.dra_slice_writes = Counter("hyperlight_dra_slice_writes_total", "writes of this node's "
-                                        "ResourceSlices by verb", ["verb"], registry=r)
-        self.dra_api_errors = Counter("hyperlight_dra_api_errors_total", "ResourceSlice requests the API server "
-                                      "refused or never answered (code 0)", ["verb", "code"], registry=r)
-        self.dra_watch_restarts = Counter("hyperlight_dra_watch_restarts_total", "ResourceSlice watches opened "
-                                          "again, by why the last one ended (ended: its timeout, as asked)",
-                                          ["reason"], registry=r)
+            "hyperlight_dra_call_duration_seconds",
+            "time to answer a NodePrepareResources or NodeUnprepareResources call",
+            ["operation"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 45),
+            registry=r,
+        )
+        self.dra_slice_writes = Counter(
+            "hyperlight_dra_slice_writes_total", "writes of this node's ResourceSlices by verb", ["verb"], registry=r
+        )
+        self.dra_api_errors = Counter(
+            "hyperlight_dra_api_errors_total",
+            "ResourceSlice requests the API server refused or never answered (code 0)",
+            ["verb", "code"],
+            registry=r,
+        )
+        self.dra_watch_restarts = Counter(
+            "hyperlight_dra_watch_restarts_total",
+            "ResourceSlice watches opened again, by why the last one ended (ended: its timeout, as asked)",
+            ["reason"],
+            registry=r,
+        )
         if (build or {}).get("mode") == "dra":
             # Each claim outcome is served from 0 before it first happens: a series born at 1
             # has no increase() for an alert on the first failed claim to see.
@@ -324,8 +362,9 @@ class Metrics:
 
     def dra_event(self, kind: str, *labels: str) -> None:
         """What the ResourceSlice publisher reports (dra/slices.py: on_event)."""
-        series = {"write": self.dra_slice_writes, "api_error": self.dra_api_errors,
-                  "watch": self.dra_watch_restarts}[kind]
+        series = {"write": self.dra_slice_writes, "api_error": self.dra_api_errors, "watch": self.dra_watch_restarts}[
+            kind
+        ]
         series.labels(*labels).inc()
 
     def registrar_totals(self, registrations: int, kubelet_restarts: int, streams_lost: int) -> None:

@@ -48,8 +48,12 @@ def restore_defaults() -> None:
         signal.raise_signal(early)
 
 
-def attach(loop: asyncio.AbstractEventLoop, stop: Callable[[], None], reload: Callable[[], None],
-           upgrade: Callable[[], None] = lambda: None) -> None:
+def attach(
+    loop: asyncio.AbstractEventLoop,
+    stop: Callable[[], None],
+    reload: Callable[[], None],
+    upgrade: Callable[[], None] = lambda: None,
+) -> None:
     """Hand the signals to the event loop; replay any that arrived early (a stop wins)."""
     for signum in STOP:
         loop.add_signal_handler(signum, stop)

@@ -108,8 +108,15 @@ class Child:
         # once (reparented to the service manager, or the nearest subreaper). Its stdout goes
         # where our stderr goes (the journal), never into the pipe that carries the pid.
         launcher = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", '"$@" >&2 </dev/null & echo $!', "sh", *argv,
-            env=dict(environ), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE)
+            "/bin/sh",
+            "-c",
+            '"$@" >&2 </dev/null & echo $!',
+            "sh",
+            *argv,
+            env=dict(environ),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+        )
         said, _ = await launcher.communicate()
         if launcher.returncode != 0 or not said.strip().isdigit():
             raise OSError(f"/bin/sh could not start {argv[0]} (status {launcher.returncode})")
@@ -162,9 +169,12 @@ class Record:
         return {"upgrade": asdict(self)}
 
 
-async def replace_self(instance: Optional[str], environ: Mapping[str, str],
-                       hand_over: Callable[[int], Awaitable[Optional[str]]],
-                       cmdline: Optional[Sequence[str]] = None) -> tuple[Optional[int], str]:
+async def replace_self(
+    instance: Optional[str],
+    environ: Mapping[str, str],
+    hand_over: Callable[[int], Awaitable[Optional[str]]],
+    cmdline: Optional[Sequence[str]] = None,
+) -> tuple[Optional[int], str]:
     """Start the installed agent as we were started, under a new instance name, and hand over to it:
     (its pid, the socket it serves on) once `hand_over(pid)` found it ready, or (None, why not) with
     the child gone again."""

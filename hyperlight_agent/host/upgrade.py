@@ -51,8 +51,12 @@ async def _answers(sockets: list[str]) -> list[peers.Description]:
 
 async def descendant(instance: Optional[str], protocol: str, resource: str, sockets: list[str]) -> Optional[str]:
     """The socket of the newest live instance that in-place upgrades of `instance` started, if any."""
-    found = [a for a in await _answers(sockets) if (a.identity.protocol, a.identity.resource) == (protocol, resource)
-             and successor.descends_from(instance, a.identity.instance)]
+    found = [
+        a
+        for a in await _answers(sockets)
+        if (a.identity.protocol, a.identity.resource) == (protocol, resource)
+        and successor.descends_from(instance, a.identity.instance)
+    ]
     return max(found, key=lambda d: d.identity.started).path if found else None
 
 
@@ -79,8 +83,10 @@ async def _upgrade(pid: int, sockets: Callable[[], list[str]]) -> tuple[int, str
     successor_found = await peers.newer(asked, sockets())
     if successor_found is None:
         return FAILED, f"pid {pid} exited during the in-place upgrade, and no new agent answers (see the journal)"
-    return DONE, (f"pid {pid} handed over to pid {successor_found.identity.pid} "
-                  f"(hyperlight-agent {successor_found.identity.version}) and left")
+    return DONE, (
+        f"pid {pid} handed over to pid {successor_found.identity.pid} "
+        f"(hyperlight-agent {successor_found.identity.version}) and left"
+    )
 
 
 async def _failed_or_gone(pidfd: int, path: str, before: int) -> Optional[str]:

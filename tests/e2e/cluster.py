@@ -42,12 +42,24 @@ COMPONENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "component
 POD_SECURITY = {
     "apiVersion": "apiserver.config.k8s.io/v1",
     "kind": "AdmissionConfiguration",
-    "plugins": [{"name": "PodSecurity", "configuration": {
-        "apiVersion": "pod-security.admission.config.k8s.io/v1",
-        "kind": "PodSecurityConfiguration",
-        "defaults": {"enforce": "restricted", "enforce-version": "latest", "audit": "restricted",
-                     "audit-version": "latest", "warn": "restricted", "warn-version": "latest"},
-        "exemptions": {"usernames": [], "runtimeClasses": [], "namespaces": []}}}],
+    "plugins": [
+        {
+            "name": "PodSecurity",
+            "configuration": {
+                "apiVersion": "pod-security.admission.config.k8s.io/v1",
+                "kind": "PodSecurityConfiguration",
+                "defaults": {
+                    "enforce": "restricted",
+                    "enforce-version": "latest",
+                    "audit": "restricted",
+                    "audit-version": "latest",
+                    "warn": "restricted",
+                    "warn-version": "latest",
+                },
+                "exemptions": {"usernames": [], "runtimeClasses": [], "namespaces": []},
+            },
+        }
+    ],
 }
 # Where containerd, runc and the CNI plugins come from.
 RUNC = "/usr/sbin/runc"
@@ -102,6 +114,7 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval
 
 def versions() -> dict[str, str]:
     """The pinned versions, read from the components' go.mod files."""
+
     def pinned(module: str, path: str) -> str:
         with open(os.path.join(COMPONENTS, module, "go.mod")) as f:
             for line in f:
@@ -111,6 +124,7 @@ def versions() -> dict[str, str]:
                 if len(words) >= 2 and words[0] == path and words[1].startswith("v"):
                     return words[1]
         raise LookupError(f"{module}/go.mod pins no {path}")
+
     return {
         "newest": pinned("k8s-v1.37", "k8s.io/kubernetes"),
         "oldest": pinned("k8s-v1.34", "k8s.io/kubernetes"),
@@ -120,6 +134,7 @@ def versions() -> dict[str, str]:
 
 
 # --- the state file: what a run started, so that whatever it left can be ended later ---
+
 
 def _start_time(pid: int) -> Optional[str]:
     try:
@@ -139,8 +154,14 @@ def _mount_ns(pid: int) -> Optional[str]:
 class State:
     def __init__(self, path: str) -> None:
         self.path = path
-        self.data: dict[str, Any] = {"run": uuid.uuid4().hex, "pids": [], "namespaces": [], "cgroups": [],
-                                     "bridges": [], "mountpoints": []}
+        self.data: dict[str, Any] = {
+            "run": uuid.uuid4().hex,
+            "pids": [],
+            "namespaces": [],
+            "cgroups": [],
+            "bridges": [],
+            "mountpoints": [],
+        }
         self.started: list[subprocess.Popen[bytes]] = []  # this run's children, to reap at the end
         if os.path.exists(path):
             with open(path) as f:
@@ -186,8 +207,10 @@ def _victims(state: State) -> list[int]:
     found = {pid for pid, started in state.data["pids"] if _start_time(pid) == started}
     if namespaces or roots:
         for entry in os.listdir("/proc"):
-            if entry.isdigit() and (_in_cgroups(int(entry), roots)
-                                    or (_mount_ns(int(entry)) in namespaces and _marked(int(entry), state.run))):
+            if entry.isdigit() and (
+                _in_cgroups(int(entry), roots)
+                or (_mount_ns(int(entry)) in namespaces and _marked(int(entry), state.run))
+            ):
                 found.add(int(entry))
     found.discard(os.getpid())
     return sorted(found)
@@ -226,7 +249,7 @@ def _hierarchies() -> list[str]:
             mountpoint = fields[4]
             fstype = fields[fields.index("-") + 1]
             if fstype in ("cgroup", "cgroup2") and mountpoint.startswith(CGROUP_ROOT + "/"):
-                names.append(mountpoint[len(CGROUP_ROOT) + 1:])
+                names.append(mountpoint[len(CGROUP_ROOT) + 1 :])
     return names
 
 
@@ -244,14 +267,16 @@ def _rmdir_tree(path: str) -> None:
 class Process:
     """A component process, its log, and its PID recorded before anything else can happen."""
 
-    def __init__(self, state: State, name: str, argv: list[str], log_dir: str,
-                 env: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self, state: State, name: str, argv: list[str], log_dir: str, env: Optional[dict[str, str]] = None
+    ) -> None:
         self.name = name
         self.log_path = os.path.join(log_dir, f"{name}.log")
         marked = {**(os.environ if env is None else env), RUN_ENV: state.run or ""}
         with open(self.log_path, "ab") as log:
-            self.popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          env=marked, start_new_session=True)
+            self.popen = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=marked, start_new_session=True
+            )
         state.started.append(self.popen)
         state.add("pids", [self.popen.pid, _start_time(self.popen.pid)])
 
@@ -279,8 +304,7 @@ class Process:
 
 
 class Node:
-    def __init__(self, cluster: Cluster, name: str, index: int, labels: dict[str, str],
-                 device_unusable: bool) -> None:
+    def __init__(self, cluster: Cluster, name: str, index: int, labels: dict[str, str], device_unusable: bool) -> None:
         self.cluster = cluster
         self.name = name
         self.labels = labels
@@ -332,9 +356,12 @@ class Node:
         if self.device_unusable:
             script.append("mount --bind /dev/null /dev/kvm")
         script += [f"touch {self.path('namespace-ready')}", "exec sleep infinity"]
-        self.holder = Process(state, f"{self.name}-namespace", ["unshare", "--mount", "--propagation", "private",
-                                                                "sh", "-c", "\n".join(script)],
-                              self.path("logs"))
+        self.holder = Process(
+            state,
+            f"{self.name}-namespace",
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(script)],
+            self.path("logs"),
+        )
         wait_until(lambda: os.path.exists(self.path("namespace-ready")), 10, f"node {self.name}'s mount namespace")
         state.add("namespaces", _mount_ns(self.holder.popen.pid))
         self._start_containerd()
@@ -346,22 +373,37 @@ class Node:
             os.makedirs(path, exist_ok=True)
             if hierarchy == "cpuset":  # a v1 cpuset takes no task until its cpus and mems are set
                 for knob in ("cpuset.cpus", "cpuset.mems"):
-                    with open(os.path.join(CGROUP_ROOT, hierarchy, knob)) as src, \
-                            open(os.path.join(path, knob), "w") as dst:
+                    with (
+                        open(os.path.join(CGROUP_ROOT, hierarchy, knob)) as src,
+                        open(os.path.join(path, knob), "w") as dst,
+                    ):
                         dst.write(src.read())
 
     def _start_containerd(self) -> None:
         with open(self.path("cni-conf", "10-bridge.conflist"), "w") as f:
-            json.dump({"cniVersion": "1.0.0", "name": f"hle2e-{self.name}", "plugins": [
-                # The gateway (the bridge's own .1 address) is how pods reach the host: the API
-                # server through Cluster.api_for_pods (there is no service network here).
-                {"type": "bridge", "bridge": self.bridge, "isGateway": True, "ipMasq": False,
-                 "ipam": {"type": "host-local", "ranges": [[{"subnet": self.subnet}]]}},
-                {"type": "loopback"}]}, f)
+            json.dump(
+                {
+                    "cniVersion": "1.0.0",
+                    "name": f"hle2e-{self.name}",
+                    "plugins": [
+                        # The gateway (the bridge's own .1 address) is how pods reach the host: the API
+                        # server through Cluster.api_for_pods (there is no service network here).
+                        {
+                            "type": "bridge",
+                            "bridge": self.bridge,
+                            "isGateway": True,
+                            "ipMasq": False,
+                            "ipam": {"type": "host-local", "ranges": [[{"subnet": self.subnet}]]},
+                        },
+                        {"type": "loopback"},
+                    ],
+                },
+                f,
+            )
         config = self.path("containerd.toml")
         with open(config, "w") as f:
             f.write(f"""version = 3
-root = "{self.path('containerd-root')}"
+root = "{self.path("containerd-root")}"
 state = "/run/containerd"
 [grpc]
   address = "{self.containerd_socket}"
@@ -387,16 +429,21 @@ state = "/run/containerd"
         SystemdCgroup = false
   [plugins.'io.containerd.cri.v1.runtime'.cni]
     bin_dirs = ["{CNI_BIN}"]
-    conf_dir = "{self.path('cni-conf')}"
+    conf_dir = "{self.path("cni-conf")}"
 """)
         binaries = self.cluster.binaries("containerd", self.cluster.versions["containerd"])
         env = {**os.environ, "PATH": f"{binaries}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
-        self.containerd = Process(self.cluster.state, f"{self.name}-containerd",
-                                  self.in_namespace([os.path.join(binaries, "containerd"), "--config", config]),
-                                  self.path("logs"), env=env)
+        self.containerd = Process(
+            self.cluster.state,
+            f"{self.name}-containerd",
+            self.in_namespace([os.path.join(binaries, "containerd"), "--config", config]),
+            self.path("logs"),
+            env=env,
+        )
         containerd = self.containerd
-        wait_until(lambda: containerd.check() and self.ctr("version").returncode == 0, 60,
-                   f"node {self.name}'s containerd")
+        wait_until(
+            lambda: containerd.check() and self.ctr("version").returncode == 0, 60, f"node {self.name}'s containerd"
+        )
 
     def _registry_hosts(self) -> str:
         """containerd's registry host configuration: each of the cluster's mirrors (registry →
@@ -410,8 +457,13 @@ state = "/run/containerd"
 
     def ctr(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         binaries = self.cluster.binaries("containerd", self.cluster.versions["containerd"])
-        return subprocess.run([os.path.join(binaries, "ctr"), "-a", self.containerd_socket, "-n", "k8s.io", *args],
-                              capture_output=True, text=True, timeout=timeout, check=False)
+        return subprocess.run(
+            [os.path.join(binaries, "ctr"), "-a", self.containerd_socket, "-n", "k8s.io", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
 
     def import_image(self, archive: str) -> None:
         done = self.ctr("images", "import", "--no-unpack", "--local", archive)
@@ -444,7 +496,7 @@ authentication:
   x509: {{clientCAFile: {self.cluster.pki.ca.cert}}}
 authorization: {{mode: Webhook}}
 failSwapOn: false
-volumePluginDir: {self.path('volume-plugins')}
+volumePluginDir: {self.path("volume-plugins")}
 evictionHard: {{memory.available: "0%", nodefs.available: "0%", imagefs.available: "0%"}}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
@@ -452,9 +504,22 @@ serializeImagePulls: false
 """)
         binaries = self.cluster.binaries("kubernetes", version)
         labels = ",".join(f"{k}={v}" for k, v in self.labels.items())
-        argv = [os.path.join(binaries, "kubelet"), "--config", config, "--kubeconfig", kubeconfig,
-                "--hostname-override", self.name, "--node-ip", "127.0.0.1", "--root-dir", "/var/lib/kubelet",
-                "--cert-dir", "/var/lib/kubelet/pki", "--v=2"]
+        argv = [
+            os.path.join(binaries, "kubelet"),
+            "--config",
+            config,
+            "--kubeconfig",
+            kubeconfig,
+            "--hostname-override",
+            self.name,
+            "--node-ip",
+            "127.0.0.1",
+            "--root-dir",
+            "/var/lib/kubelet",
+            "--cert-dir",
+            "/var/lib/kubelet/pki",
+            "--v=2",
+        ]
         if labels:
             argv.append(f"--node-labels={labels}")
         self.kubelet = Process(self.cluster.state, f"{self.name}-kubelet", self.in_namespace(argv), self.path("logs"))
@@ -564,8 +629,9 @@ class Cluster:
             os.unlink(state_path)
         shutil.rmtree(directory, ignore_errors=True)
 
-    def start(self, controllers: bool = True, etcd_args: tuple[str, ...] = (),
-              api_server_args: tuple[str, ...] = ()) -> None:
+    def start(
+        self, controllers: bool = True, etcd_args: tuple[str, ...] = (), api_server_args: tuple[str, ...] = ()
+    ) -> None:
         """etcd and the API server, then (`controllers`) the controller-manager and scheduler;
         the extra arguments are added to etcd's and the API server's command lines."""
         self.clean_leftovers(self.state_path, self.directory)
@@ -575,19 +641,47 @@ class Cluster:
         self.pki = Pki(os.path.join(self.directory, "pki"))
         etcd_client, etcd_peer, api_port = free_port(), free_port(), free_port()
         etcd = self.binaries("etcd", self.versions["etcd"])
-        self.processes.append(Process(self.state, "etcd", [
-            os.path.join(etcd, "etcd"), "--data-dir", os.path.join(self.directory, "etcd"),
-            "--listen-client-urls", f"http://127.0.0.1:{etcd_client}",
-            "--advertise-client-urls", f"http://127.0.0.1:{etcd_client}",
-            "--listen-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{etcd_peer}",
-            "--initial-cluster", f"default=http://127.0.0.1:{etcd_peer}",
-            "--unsafe-no-fsync", "--log-level", "warn", *etcd_args], self.logs))
-        serving = self.pki.issue("apiserver", "/CN=kube-apiserver",
-                                 ("IP:127.0.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
-                                  "IP:10.96.0.1", *(f"IP:10.250.{i}.1" for i in range(1, MAX_NODES + 1))))
-        kubelet_client = self.pki.issue("apiserver-kubelet-client",
-                                        "/O=system:masters/CN=kube-apiserver-kubelet-client")
+        self.processes.append(
+            Process(
+                self.state,
+                "etcd",
+                [
+                    os.path.join(etcd, "etcd"),
+                    "--data-dir",
+                    os.path.join(self.directory, "etcd"),
+                    "--listen-client-urls",
+                    f"http://127.0.0.1:{etcd_client}",
+                    "--advertise-client-urls",
+                    f"http://127.0.0.1:{etcd_client}",
+                    "--listen-peer-urls",
+                    f"http://127.0.0.1:{etcd_peer}",
+                    "--initial-advertise-peer-urls",
+                    f"http://127.0.0.1:{etcd_peer}",
+                    "--initial-cluster",
+                    f"default=http://127.0.0.1:{etcd_peer}",
+                    "--unsafe-no-fsync",
+                    "--log-level",
+                    "warn",
+                    *etcd_args,
+                ],
+                self.logs,
+            )
+        )
+        serving = self.pki.issue(
+            "apiserver",
+            "/CN=kube-apiserver",
+            (
+                "IP:127.0.0.1",
+                "DNS:localhost",
+                "DNS:kubernetes",
+                "DNS:kubernetes.default",
+                "IP:10.96.0.1",
+                *(f"IP:10.250.{i}.1" for i in range(1, MAX_NODES + 1)),
+            ),
+        )
+        kubelet_client = self.pki.issue(
+            "apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client"
+        )
         k8s = self.binaries("kubernetes", self.versions["newest"])
         admission = os.path.join(self.directory, "admission.json")
         with open(admission, "w") as f:
@@ -595,18 +689,45 @@ class Cluster:
         self.api_port = api_port
         self.server = f"https://127.0.0.1:{api_port}"
         self._api_server_argv = [
-            os.path.join(k8s, "kube-apiserver"), "--etcd-servers", f"http://127.0.0.1:{etcd_client}",
-            "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1", "--secure-port", str(api_port),
-            "--tls-cert-file", serving.cert, "--tls-private-key-file", serving.key,
-            "--client-ca-file", self.pki.ca.cert,
-            "--kubelet-client-certificate", kubelet_client.cert, "--kubelet-client-key", kubelet_client.key,
-            "--service-account-key-file", self.pki.service_account_pub,
-            "--service-account-signing-key-file", self.pki.service_account_key,
-            "--service-account-issuer", "https://kubernetes.default.svc",
-            "--authorization-mode", "Node,RBAC", "--enable-admission-plugins", "NodeRestriction,PodSecurity",
-            "--admission-control-config-file", admission,
-            "--service-cluster-ip-range", "10.96.0.0/24", "--endpoint-reconciler-type", "none",
-            "--allow-privileged=false", "--profiling=false", *api_server_args]
+            os.path.join(k8s, "kube-apiserver"),
+            "--etcd-servers",
+            f"http://127.0.0.1:{etcd_client}",
+            "--bind-address",
+            "127.0.0.1",
+            "--advertise-address",
+            "127.0.0.1",
+            "--secure-port",
+            str(api_port),
+            "--tls-cert-file",
+            serving.cert,
+            "--tls-private-key-file",
+            serving.key,
+            "--client-ca-file",
+            self.pki.ca.cert,
+            "--kubelet-client-certificate",
+            kubelet_client.cert,
+            "--kubelet-client-key",
+            kubelet_client.key,
+            "--service-account-key-file",
+            self.pki.service_account_pub,
+            "--service-account-signing-key-file",
+            self.pki.service_account_key,
+            "--service-account-issuer",
+            "https://kubernetes.default.svc",
+            "--authorization-mode",
+            "Node,RBAC",
+            "--enable-admission-plugins",
+            "NodeRestriction,PodSecurity",
+            "--admission-control-config-file",
+            admission,
+            "--service-cluster-ip-range",
+            "10.96.0.0/24",
+            "--endpoint-reconciler-type",
+            "none",
+            "--allow-privileged=false",
+            "--profiling=false",
+            *api_server_args,
+        ]
         admin = self.pki.issue("admin", "/O=system:masters/CN=hyperlight-e2e-admin")
         self.admin_kubeconfig = self.pki.kubeconfig("admin", self.server, admin)
         self.api = Api("127.0.0.1", api_port, self.pki.ca.cert, admin)
@@ -614,25 +735,64 @@ class Cluster:
         if not controllers:
             return
         controller = self.pki.issue("controller-manager", "/CN=system:kube-controller-manager")
-        self.processes.append(Process(self.state, "kube-controller-manager", [
-            os.path.join(k8s, "kube-controller-manager"),
-            "--kubeconfig", self.pki.kubeconfig("controller-manager", self.server, controller),
-            "--authentication-kubeconfig", self.pki.kubeconfig("controller-manager", self.server, controller),
-            "--authorization-kubeconfig", self.pki.kubeconfig("controller-manager", self.server, controller),
-            "--bind-address", "127.0.0.1", "--secure-port", str(free_port()), "--leader-elect=false",
-            "--use-service-account-credentials", "--service-account-private-key-file", self.pki.service_account_key,
-            "--root-ca-file", self.pki.ca.cert,
-            # No pod CIDRs to hand out (each node's CNI has its own range); the cloud controllers
-            # are not in a providerless build.
-            "--controllers", "*,-node-ipam-controller"], self.logs))
+        self.processes.append(
+            Process(
+                self.state,
+                "kube-controller-manager",
+                [
+                    os.path.join(k8s, "kube-controller-manager"),
+                    "--kubeconfig",
+                    self.pki.kubeconfig("controller-manager", self.server, controller),
+                    "--authentication-kubeconfig",
+                    self.pki.kubeconfig("controller-manager", self.server, controller),
+                    "--authorization-kubeconfig",
+                    self.pki.kubeconfig("controller-manager", self.server, controller),
+                    "--bind-address",
+                    "127.0.0.1",
+                    "--secure-port",
+                    str(free_port()),
+                    "--leader-elect=false",
+                    "--use-service-account-credentials",
+                    "--service-account-private-key-file",
+                    self.pki.service_account_key,
+                    "--root-ca-file",
+                    self.pki.ca.cert,
+                    # No pod CIDRs to hand out (each node's CNI has its own range); the cloud controllers
+                    # are not in a providerless build.
+                    "--controllers",
+                    "*,-node-ipam-controller",
+                ],
+                self.logs,
+            )
+        )
         scheduler = self.pki.issue("scheduler", "/CN=system:kube-scheduler")
         scheduler_kubeconfig = self.pki.kubeconfig("scheduler", self.server, scheduler)
-        self.processes.append(Process(self.state, "kube-scheduler", [
-            os.path.join(k8s, "kube-scheduler"), "--kubeconfig", scheduler_kubeconfig,
-            "--authentication-kubeconfig", scheduler_kubeconfig, "--authorization-kubeconfig", scheduler_kubeconfig,
-            "--bind-address", "127.0.0.1", "--secure-port", str(free_port()), "--leader-elect=false"], self.logs))
-        wait_until(lambda: self.check_alive() and self.api.get("/api/v1/namespaces/default/serviceaccounts/default"),
-                   120, "the default service account (controller-manager running)")
+        self.processes.append(
+            Process(
+                self.state,
+                "kube-scheduler",
+                [
+                    os.path.join(k8s, "kube-scheduler"),
+                    "--kubeconfig",
+                    scheduler_kubeconfig,
+                    "--authentication-kubeconfig",
+                    scheduler_kubeconfig,
+                    "--authorization-kubeconfig",
+                    scheduler_kubeconfig,
+                    "--bind-address",
+                    "127.0.0.1",
+                    "--secure-port",
+                    str(free_port()),
+                    "--leader-elect=false",
+                ],
+                self.logs,
+            )
+        )
+        wait_until(
+            lambda: self.check_alive() and self.api.get("/api/v1/namespaces/default/serviceaccounts/default"),
+            120,
+            "the default service account (controller-manager running)",
+        )
 
     def _start_api_server(self) -> None:
         self.api_server = Process(self.state, "kube-apiserver", self._api_server_argv, self.logs)
@@ -649,8 +809,9 @@ class Cluster:
         """The API server again, with the same command line (port, certificates, flags)."""
         self._start_api_server()
 
-    def add_node(self, name: str, version: str, labels: Optional[dict[str, str]] = None,
-                 device_unusable: bool = False) -> Node:
+    def add_node(
+        self, name: str, version: str, labels: Optional[dict[str, str]] = None, device_unusable: bool = False
+    ) -> Node:
         assert len(self.nodes) < MAX_NODES, "the API server's certificate names the gateways of MAX_NODES nodes"
         node = Node(self, name, len(self.nodes) + 1, labels or {}, device_unusable)
         self.nodes[name] = node
@@ -683,10 +844,17 @@ class Cluster:
             popen.wait(10)
         os.unlink(self.state_path)
 
-    def kubectl(self, *args: str, input: Optional[str] = None, check: bool = True,
-                tools: str = "") -> subprocess.CompletedProcess[str]:
-        done = subprocess.run([os.path.join(tools, "kubectl"), "--kubeconfig", self.admin_kubeconfig, *args],
-                              input=input, capture_output=True, text=True, timeout=120, check=False)
+    def kubectl(
+        self, *args: str, input: Optional[str] = None, check: bool = True, tools: str = ""
+    ) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [os.path.join(tools, "kubectl"), "--kubeconfig", self.admin_kubeconfig, *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         if check and done.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)}: {done.stderr}")
         return done

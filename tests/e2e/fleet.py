@@ -107,21 +107,43 @@ class ControlPlane:
         policy = os.path.join(self.audit_dir, "policy.yaml")
         with open(policy, "w") as f:
             f.write(AUDIT_POLICY)
-        self.cluster.start(controllers=False, etcd_args=ETCD_ARGS, api_server_args=(
-            "--audit-policy-file", policy, "--audit-log-path", self.audit_log, "--audit-log-maxsize", "0",
-            "--audit-log-mode", "blocking"))
+        self.cluster.start(
+            controllers=False,
+            etcd_args=ETCD_ARGS,
+            api_server_args=(
+                "--audit-policy-file",
+                policy,
+                "--audit-log-path",
+                self.audit_log,
+                "--audit-log-maxsize",
+                "0",
+                "--audit-log-mode",
+                "blocking",
+            ),
+        )
         with open(RBAC) as f:
             role = next(d for d in yaml.safe_load_all(f) if d and d.get("kind") == "ClusterRole")
         api = self.cluster.api
         name = role["metadata"]["name"]
-        api.create("/apis/rbac.authorization.k8s.io/v1/clusterroles",
-                   {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-                    "metadata": {"name": name}, "rules": role["rules"]})
-        api.create("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
-                   {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-                    "metadata": {"name": name},
-                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
-                    "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": GROUP}]})
+        api.create(
+            "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRole",
+                "metadata": {"name": name},
+                "rules": role["rules"],
+            },
+        )
+        api.create(
+            "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "ClusterRoleBinding",
+                "metadata": {"name": name},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+                "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": GROUP}],
+            },
+        )
 
     def stop(self) -> None:
         self.cluster.stop()
@@ -137,17 +159,22 @@ class ControlPlane:
         with open(self.audit_log, "rb") as f:
             f.seek(self._read)
             data = f.read()
-        complete = data[:data.rfind(b"\n") + 1]  # the server may be writing the last line
+        complete = data[: data.rfind(b"\n") + 1]  # the server may be writing the last line
         self._read += len(complete)
         for line in complete.splitlines():
             event = json.loads(line)
             user = event["user"]["username"]
             ended = event["stage"] == "ResponseComplete"
             self._requests[event["auditID"]] = Request(
-                user, event["verb"], str((event.get("objectRef") or {}).get("resource", "")), _node(event),
+                user,
+                event["verb"],
+                str((event.get("objectRef") or {}).get("resource", "")),
+                _node(event),
                 int((event.get("responseStatus") or {}).get("code", 0)) if ended else 0,
-                _epoch(event["requestReceivedTimestamp"]), _epoch(event["stageTimestamp"]) if ended else None,
-                event.get("requestURI", ""))
+                _epoch(event["requestReceivedTimestamp"]),
+                _epoch(event["stageTimestamp"]) if ended else None,
+                event.get("requestURI", ""),
+            )
         return sorted(self._requests.values(), key=lambda r: r.received)
 
     def metric(self, name: str, **labels: str) -> float:
@@ -164,14 +191,25 @@ class ControlPlane:
     def create_claim(self, node: str) -> tuple[str, str]:
         """A ResourceClaim allocated kvm-0 of `node`'s pool, as the scheduler leaves it: (name, uid)."""
         name = f"{node}-claim"
-        claim = self.cluster.api.create(CLAIMS_PATH, {
-            "apiVersion": f"{contracts.RESOURCE_API_GROUP}/{contracts.RESOURCE_API_VERSION}",
-            "kind": "ResourceClaim", "metadata": {"name": name, "namespace": "default"},
-            "spec": {"devices": {"requests": [{"name": "hv", "exactly": {"deviceClassName": "hyperlight-kvm"}}]}}})
-        claim["status"] = {"allocation": {
-            "devices": {"results": [{"request": "hv", "driver": DRIVER, "pool": node, "device": "kvm-0"}]},
-            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
-                {"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}
+        claim = self.cluster.api.create(
+            CLAIMS_PATH,
+            {
+                "apiVersion": f"{contracts.RESOURCE_API_GROUP}/{contracts.RESOURCE_API_VERSION}",
+                "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {"devices": {"requests": [{"name": "hv", "exactly": {"deviceClassName": "hyperlight-kvm"}}]}},
+            },
+        )
+        claim["status"] = {
+            "allocation": {
+                "devices": {"results": [{"request": "hv", "driver": DRIVER, "pool": node, "device": "kvm-0"}]},
+                "nodeSelector": {
+                    "nodeSelectorTerms": [
+                        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+                    ]
+                },
+            }
+        }
         self.cluster.api.request("PUT", f"{CLAIMS_PATH}/{name}/status", claim)
         return name, str(claim["metadata"]["uid"])
 
@@ -207,8 +245,9 @@ class Fleet:
     """A publisher per node of `nodes`, each with its own client from `kubeconfig`, on the event
     loop it is started on. `bookmarks` counts the bookmarks their watches received."""
 
-    def __init__(self, kubeconfig: str, nodes: list[str],
-                 watch_timeout_s: tuple[float, float] = WATCH_TIMEOUT_S) -> None:
+    def __init__(
+        self, kubeconfig: str, nodes: list[str], watch_timeout_s: tuple[float, float] = WATCH_TIMEOUT_S
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.nodes = nodes
         self.watch_timeout_s = watch_timeout_s

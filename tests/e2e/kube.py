@@ -47,8 +47,9 @@ class Api:
                 self._opened.append(conn)
         return conn
 
-    def request(self, method: str, path: str, body: Optional[Any] = None,
-                content_type: str = "application/json") -> Any:
+    def request(
+        self, method: str, path: str, body: Optional[Any] = None, content_type: str = "application/json"
+    ) -> Any:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Accept": "application/json"}
         if self._token:
@@ -81,12 +82,14 @@ class Api:
     def create(self, path: str, body: Any) -> Any:
         return self.request("POST", path, body)
 
-    def delete(self, path: str, missing_ok: bool = True, grace: Optional[int] = 0,
-               propagation: Optional[str] = None) -> None:
+    def delete(
+        self, path: str, missing_ok: bool = True, grace: Optional[int] = 0, propagation: Optional[str] = None
+    ) -> None:
         """DELETE; grace None keeps the object's own grace period (as `kubectl delete` does);
         propagation "Orphan" leaves the dependents (`kubectl delete --cascade=orphan`)."""
-        body: Optional[dict[str, Any]] = None if grace is None else {
-            "kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": grace}
+        body: Optional[dict[str, Any]] = (
+            None if grace is None else {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": grace}
+        )
         if propagation:
             body = {"kind": "DeleteOptions", "apiVersion": "v1", **(body or {}), "propagationPolicy": propagation}
         try:

@@ -19,8 +19,12 @@ BUSYBOX = "/bin/busybox"  # Debian's busybox-static
 
 
 def compile_static(source: str, output: str) -> str:
-    subprocess.run(["gcc", "-static", "-O2", "-o", output, os.path.join(DATA, source)], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        ["gcc", "-static", "-O2", "-o", output, os.path.join(DATA, source)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return output
 
 
@@ -32,8 +36,14 @@ def _blob(layout: tarfile.TarFile, data: bytes) -> dict[str, object]:
     return {"digest": f"sha256:{digest}", "size": len(data)}
 
 
-def write_image(archive: str, name: str, files: dict[str, str], links: dict[str, str],
-                entrypoint: list[str], user: Optional[str] = None) -> str:
+def write_image(
+    archive: str,
+    name: str,
+    files: dict[str, str],
+    links: dict[str, str],
+    entrypoint: list[str],
+    user: Optional[str] = None,
+) -> str:
     """An image whose one layer holds `files` (path in image → host file, mode kept) and
     `links` (path → symlink target)."""
     raw = io.BytesIO()
@@ -50,18 +60,32 @@ def write_image(archive: str, name: str, files: dict[str, str], links: dict[str,
             layer.addfile(info)
     diff_id = "sha256:" + hashlib.sha256(raw.getvalue()).hexdigest()
     compressed = gzip.compress(raw.getvalue(), mtime=0)
-    config = {"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-              "config": {"Entrypoint": entrypoint, "Env": ["PATH=/bin"], **({"User": user} if user else {})}}
+    config = {
+        "architecture": "amd64",
+        "os": "linux",
+        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+        "config": {"Entrypoint": entrypoint, "Env": ["PATH=/bin"], **({"User": user} if user else {})},
+    }
     with tarfile.open(archive, "w") as layout:
         layer_desc = _blob(layout, compressed)
         config_desc = _blob(layout, json.dumps(config).encode())
-        manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                    "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **config_desc},
-                    "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **layer_desc}]}
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **config_desc},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **layer_desc}],
+        }
         manifest_desc = _blob(layout, json.dumps(manifest).encode())
-        index = {"schemaVersion": 2, "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json", **manifest_desc,
-            "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": name}}]}
+        index = {
+            "schemaVersion": 2,
+            "manifests": [
+                {
+                    "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                    **manifest_desc,
+                    "annotations": {"io.containerd.image.name": name, "org.opencontainers.image.ref.name": name},
+                }
+            ],
+        }
         for member, content in (("oci-layout", {"imageLayoutVersion": "1.0.0"}), ("index.json", index)):
             data = json.dumps(content).encode()
             info = tarfile.TarInfo(member)
@@ -78,5 +102,10 @@ def pause_image(directory: str, name: str) -> str:
 def workload_image(directory: str, name: str) -> str:
     binary = compile_static("kvmcheck.c", os.path.join(directory, "kvmcheck"))
     links = {f"/bin/{tool}": "busybox" for tool in ("sh", "test", "sleep", "cat", "env", "ls", "stat")}
-    return write_image(os.path.join(directory, "workload.tar"), name,
-                       {"/bin/busybox": BUSYBOX, "/kvmcheck": binary}, links, ["/bin/sh"])
+    return write_image(
+        os.path.join(directory, "workload.tar"),
+        name,
+        {"/bin/busybox": BUSYBOX, "/kvmcheck": binary},
+        links,
+        ["/bin/sh"],
+    )

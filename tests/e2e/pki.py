@@ -23,8 +23,23 @@ class Pki:
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
         self.ca = Identity(self._path("ca.crt"), self._path("ca.key"))
-        _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                 "-keyout", self.ca.key, "-out", self.ca.cert, "-days", "2", "-subj", "/CN=hyperlight-e2e-ca")
+        _openssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            self.ca.key,
+            "-out",
+            self.ca.cert,
+            "-days",
+            "2",
+            "-subj",
+            "/CN=hyperlight-e2e-ca",
+        )
         self.service_account_key = self._path("sa.key")
         self.service_account_pub = self._path("sa.pub")
         _openssl("genrsa", "-out", self.service_account_key, "2048")
@@ -38,16 +53,44 @@ class Pki:
         subjectAltNames of a serving certificate."""
         identity = Identity(self._path(f"{name}.crt"), self._path(f"{name}.key"))
         csr = self._path(f"{name}.csr")
-        _openssl("req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                 "-keyout", identity.key, "-out", csr, "-subj", subject)
+        _openssl(
+            "req",
+            "-new",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            identity.key,
+            "-out",
+            csr,
+            "-subj",
+            subject,
+        )
         extensions = self._path(f"{name}.ext")
         with open(extensions, "w") as f:
             if server_names:
                 f.write("subjectAltName=" + ",".join(server_names) + "\nextendedKeyUsage=serverAuth,clientAuth\n")
             else:
                 f.write("extendedKeyUsage=clientAuth\n")
-        _openssl("x509", "-req", "-in", csr, "-CA", self.ca.cert, "-CAkey", self.ca.key, "-CAcreateserial",
-                 "-out", identity.cert, "-days", "2", "-extfile", extensions)
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            csr,
+            "-CA",
+            self.ca.cert,
+            "-CAkey",
+            self.ca.key,
+            "-CAcreateserial",
+            "-out",
+            identity.cert,
+            "-days",
+            "2",
+            "-extfile",
+            extensions,
+        )
         return identity
 
     def kubeconfig(self, name: str, server: str, identity: Identity) -> str:

@@ -33,7 +33,7 @@ def _fields(data: bytes) -> list[tuple[int, bytes]]:
         number, wire = key >> 3, key & 7
         if wire == 2:
             size, i = _varint(data, i)
-            out.append((number, data[i:i + size]))
+            out.append((number, data[i : i + size]))
             i += size
         elif wire == 0:
             _, i = _varint(data, i)
@@ -64,8 +64,9 @@ def allocatable_counts(response: bytes) -> dict[str, int]:
 class PodResources:
     def __init__(self, socket_path: str) -> None:
         self._channel = grpc.insecure_channel("unix://" + socket_path)
-        self._call = self._channel.unary_unary(METHOD, request_serializer=lambda b: b,
-                                               response_deserializer=lambda b: b)
+        self._call = self._channel.unary_unary(
+            METHOD, request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
 
     def allocatable(self, timeout: float = 2.0) -> dict[str, int]:
         return allocatable_counts(self._call(b"", timeout=timeout))
