@@ -76,6 +76,21 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 # test using one is marked `root`; every other test that needs root (mknod, chown, a mount
 # namespace) says so itself with @pytest.mark.root. (`make check` runs without capabilities, so a
 # test that needs root and says nothing fails there.)
+# The agent's command line without a settings file, as the tests run it.
+AGENT_ARGV = (sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_agent(
+    *args: str, timeout: float = 30, env: Optional[dict[str, str]] = None
+) -> subprocess.CompletedProcess[str]:
+    """The agent's CLI run to its end (`--check`, `--health-check`, `--upgrade-in-place`, a refused
+    setting) from the repository's root: its exit code and its output as text."""
+    return subprocess.run(
+        [*AGENT_ARGV, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
 ROOT_FIXTURES = {"kvm_dir", "start_agent", "node"}
 
 

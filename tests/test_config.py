@@ -12,6 +12,7 @@ import tempfile
 import pytest
 
 from hyperlight_agent import cli, config
+from tests.conftest import run_agent
 
 # Where the default file would be: never the host's real /etc path, which exists on a node where
 # the package is installed.
@@ -209,22 +210,12 @@ def test_a_dra_directory_too_long_for_our_sockets_is_refused_by_name(key: str) -
         assert len(os.fsencode(path)) <= contracts.UNIX_PATH_MAX and len(private) <= contracts.UNIX_PATH_MAX
     with pytest.raises(config.ConfigError, match=f"^{key} = '/ddd.*: socket paths in it would be at least 108 bytes"):
         load(["--config", "/dev/null", flag, longest + "d"], {})
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hyperlight_agent",
-            "--config",
-            "/dev/null",
-            "--dra",
-            flag,
-            longest + "d",
-            "--health-check",
-            "readiness",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
+    done = run_agent(
+        "--dra",
+        flag,
+        longest + "d",
+        "--health-check",
+        "readiness",
     )
     assert done.returncode == 2 and done.stderr.startswith(f"hyperlight-agent: error: {key} = "), done.stderr
     assert "Traceback" not in done.stderr

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -16,6 +14,7 @@ import yaml
 from hyperlight_agent.config import Settings
 from hyperlight_agent.dra import preflight
 from standin.apiserver import FakeApiServer, kubeconfig
+from tests.conftest import run_agent
 from tests.test_docs import ROOT
 
 
@@ -107,30 +106,19 @@ def test_the_chart_grants_exactly_what_the_check_asks(tmp: str) -> None:
 
 def test_dra_check_from_the_command_line_says_what_fails(tmp: str) -> None:
     """No kubeconfig and no cluster, a missing plugin directory: FAIL lines, exit 1."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hyperlight_agent",
-            "--config",
-            "/dev/null",
-            "--dra",
-            "--check",
-            "--device-dir",
-            tmp,
-            "--dra-registry-dir",
-            tmp,
-            "--dra-plugins-dir",
-            os.path.join(tmp, "none"),
-            "--node-name",
-            "node1",
-        ],
-        capture_output=True,
-        text=True,
+    result = run_agent(
+        "--dra",
+        "--check",
+        "--device-dir",
+        tmp,
+        "--dra-registry-dir",
+        tmp,
+        "--dra-plugins-dir",
+        os.path.join(tmp, "none"),
+        "--node-name",
+        "node1",
         timeout=60,
-        check=False,
         env={"PATH": os.environ["PATH"]},
-        cwd=ROOT,
     )
     assert result.returncode == 1, result
     lines = result.stdout.splitlines()

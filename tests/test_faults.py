@@ -11,7 +11,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import pytest
 from hyperlight_agent import contracts
 from hyperlight_agent.files import atomic, cdi
 from standin.kubelet import KubeletStandin, StandinThread
-from tests.conftest import AgentProcess, StartAgent, json_readers, kvm_metadata, make_node, wait_for
+from tests.conftest import AgentProcess, StartAgent, json_readers, kvm_metadata, make_node, run_agent, wait_for
 from tests.conftest import read_bytes as read
 
 # Real agents on real device nodes (mknod) and the host's /dev/kvm.
@@ -56,20 +55,10 @@ class Node:
         return cdi.spec_path(self.cdi_dir)
 
     def probe(self, which: str) -> int:
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "hyperlight_agent",
-                "--config",
-                "/dev/null",
-                "--kubelet-dir",
-                self.kubelet_dir,
-                f"--health-check={which}",
-            ],
-            capture_output=True,
-            timeout=30,
-            check=False,
+        return run_agent(
+            "--kubelet-dir",
+            self.kubelet_dir,
+            f"--health-check={which}",
         ).returncode
 
     def allocate(self, raw: bool = False) -> grpc.StatusCode:
@@ -240,20 +229,10 @@ def test_row6_empty_socket_directory(tmp: str, start_agent: StartAgent) -> None:
     os.mkdir(kubelet_dir)
     agent = start_agent("--device-count", str(SLOTS))
     wait_for(lambda: agent.log.count("retrying in") >= 3, 20, "three backed-off attempts")
-    probe = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hyperlight_agent",
-            "--config",
-            "/dev/null",
-            "--kubelet-dir",
-            kubelet_dir,
-            "--health-check=readiness",
-        ],
-        capture_output=True,
-        timeout=30,
-        check=False,
+    probe = run_agent(
+        "--kubelet-dir",
+        kubelet_dir,
+        "--health-check=readiness",
     )
     assert probe.returncode == 1
     delays = [float(d) for d in re.findall(r"retrying in ([0-9.]+) s", agent.log)][:3]

@@ -16,28 +16,17 @@ import pytest
 from hyperlight_agent import __version__, contracts, modes
 from hyperlight_agent.host import journal
 from standin.kubelet import StandinThread
-from tests.conftest import StartAgent, make_node, wait_for
+from tests.conftest import StartAgent, make_node, run_agent, wait_for
 
 R = contracts.RESOURCE_HYPERVISOR
 
 
 def probe(tmp: str, which: str, *extra: str) -> tuple[int, str]:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hyperlight_agent",
-            "--config",
-            "/dev/null",
-            "--kubelet-dir",
-            os.path.join(tmp, "kubelet"),
-            f"--health-check={which}",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
+    result = run_agent(
+        "--kubelet-dir",
+        os.path.join(tmp, "kubelet"),
+        f"--health-check={which}",
+        *extra,
     )
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1, result.stdout + result.stderr
@@ -222,23 +211,12 @@ def test_without_notify_socket_nothing_is_sent_and_nothing_fails(
 
 def test_check_reports_a_usable_node(tmp: str, kvm_dir: str) -> None:
     cdi_dir = os.path.join(tmp, "cdi")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hyperlight_agent",
-            "--config",
-            "/dev/null",
-            "--check",
-            "--device-dir",
-            kvm_dir,
-            "--cdi-dir",
-            cdi_dir,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
+    result = run_agent(
+        "--check",
+        "--device-dir",
+        kvm_dir,
+        "--cdi-dir",
+        cdi_dir,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ok   runtime: the agent imports and its gRPC server binds a unix socket" in result.stdout

@@ -22,7 +22,7 @@ from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.files import cdi, watcher
 from standin.kubelet import KubeletStandin, StandinThread
-from tests.conftest import AgentProcess, StartAgent, read_bytes, until, wait_for
+from tests.conftest import AgentProcess, StartAgent, read_bytes, run_agent, until, wait_for
 
 # Real agents on real device nodes (mknod) and the host's /dev/kvm.
 pytestmark = pytest.mark.root
@@ -31,21 +31,10 @@ R = contracts.RESOURCE_HYPERVISOR
 
 
 def health_check(tmp: str, which: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hyperlight_agent",
-            "--config",
-            "/dev/null",
-            "--kubelet-dir",
-            os.path.join(tmp, "kubelet"),
-            f"--health-check={which}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
+    return run_agent(
+        "--kubelet-dir",
+        os.path.join(tmp, "kubelet"),
+        f"--health-check={which}",
     )
 
 

@@ -18,7 +18,7 @@ import pytest
 from hyperlight_agent import __version__, contracts
 from standin import procs
 from standin.kubelet import KubeletStandin, StandinThread
-from tests.conftest import wait_for
+from tests.conftest import run_agent, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 R = contracts.RESOURCE_HYPERVISOR
@@ -280,23 +280,11 @@ def test_a_new_agent_that_fails_before_it_is_ready_leaves_the_old_one_serving(
 def test_upgrade_in_place_of_a_process_that_is_no_agent_of_ours_does_nothing(tmp: str) -> None:
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "hyperlight_agent",
-                "--config",
-                "/dev/null",
-                "--kubelet-dir",
-                tmp,
-                "--upgrade-in-place",
-                str(sleeper.pid),
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
+        result = run_agent(
+            "--kubelet-dir",
+            tmp,
+            "--upgrade-in-place",
+            str(sleeper.pid),
         )
         assert result.returncode == 3, result
         assert result.stdout.strip() == f"pid {sleeper.pid}: no hyperlight-agent answers as this process"
@@ -327,23 +315,11 @@ def test_an_agent_not_under_systemd_refuses_to_upgrade_in_place(
 ) -> None:
     agent = start_agent("--device-dir", kvm_dir, "--device-count", "2")
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hyperlight_agent",
-            "--config",
-            "/dev/null",
-            "--kubelet-dir",
-            os.path.join(tmp, "kubelet"),
-            "--upgrade-in-place",
-            str(agent.proc.pid),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
+    result = run_agent(
+        "--kubelet-dir",
+        os.path.join(tmp, "kubelet"),
+        "--upgrade-in-place",
+        str(agent.proc.pid),
     )
     assert result.returncode == 1, result
     assert "in-place upgrades need systemd's notify socket (not under systemd); it serves on" in result.stdout
