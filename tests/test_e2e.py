@@ -444,8 +444,10 @@ class Load:
 
         def settled() -> Optional[dict[str, int]]:
             counts = {"rejected": 0, "succeeded": 0, "failed": 0}
+            # Only the load's own pods: the namespace may hold the test's other pods too.
+            created = set(self.created)
             pods = self.cluster.api.get(f"/api/v1/namespaces/{self.namespace}/pods")["items"]
-            for pod in pods:
+            for pod in (p for p in pods if p["metadata"]["name"] in created):
                 status = pod["status"]
                 if status.get("phase") == "Succeeded":
                     counts["succeeded"] += 1
@@ -1616,6 +1618,218 @@ def test_labelled_node_without_a_usable_device_admits_nothing(installed: Cluster
             installed.api.delete(f"/api/v1/namespaces/{ns}/pods/workload-unusable")
     finally:
         installed.api.merge_patch("/api/v1/nodes/b", {"metadata": {"labels": {"hyperlight.dev/enabled": None}}})
+
+
+# The upstream Hyperlight device plugin (hyperlight-dev/hyperlight-on-kubernetes,
+# deploy/manifests/device-plugin.yaml), as far as a migration meets it: in namespace
+# hyperlight-system, a ServiceAccount and a DaemonSet both named hyperlight-device-plugin, selecting
+# app.kubernetes.io/name=hyperlight-device-plugin on nodes labelled hyperlight.dev/enabled=true; its
+# container runs as root with the kubelet's device-plugin directory, /var/run/cdi and the host's /dev
+# (read-only, at /dev) mounted, and takes DEVICE_COUNT, DEVICE_UID and DEVICE_GID. Its plugin writes
+# /var/run/cdi/hyperlight.json at start (kind hyperlight.dev/hypervisor), registers
+# hyperlight.dev/hypervisor on the socket hyperlight.sock, answers Allocate with the CDI name only,
+# and checks that the device node exists, never opening it. Its image cannot be fetched here, so our
+# image stands in for its binary, run as that: our agent's inventory-only mode (lstat, never open:
+# a container without the device's cgroup rule cannot open it) under the upstream's resource and
+# socket, answering with the CDI name, after writing the CDI spec as the upstream does. (Ours on
+# SIGTERM waits for a successor of the same resource where the upstream ends its stream at once;
+# either way our new agent is registered and Ready first.)
+UPSTREAM_NAME = "hyperlight-device-plugin"
+UPSTREAM_STAND_IN = f"""
+import os
+from hyperlight_agent import config, contracts, modes
+from hyperlight_agent.files import cdi
+with open(cdi.spec_path("/var/run/cdi"), "wb") as spec:
+    spec.write(cdi.render("kvm", "/dev/kvm", int(os.environ["DEVICE_UID"]), int(os.environ["DEVICE_GID"])))
+modes.of = lambda *args, **kwargs: modes.DEVICE_ACCESS._replace(
+    name="upstream", resource={HYPERVISOR!r}, socket="hyperlight.sock", slots=None, allocation=config.ALLOCATION_CDI)
+from hyperlight_agent.__main__ import main
+main()
+"""
+
+
+def gone(cluster: Cluster, path: str) -> bool:
+    try:
+        cluster.api.get(path)
+    except ApiError as exc:
+        if exc.status == 404:
+            return True
+        raise
+    return False
+
+
+def upstream_objects(image: str) -> list[tuple[str, dict[str, Any]]]:
+    labels = {"app.kubernetes.io/name": UPSTREAM_NAME, "app.kubernetes.io/part-of": "hyperlight"}
+    mounts = [
+        ("device-plugin", "/var/lib/kubelet/device-plugins", "Directory", False),
+        ("cdi", "/var/run/cdi", "DirectoryOrCreate", False),
+        ("dev", "/dev", "Directory", True),
+    ]
+    daemonset = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": UPSTREAM_NAME, "labels": labels},
+        "spec": {
+            "selector": {"matchLabels": {"app.kubernetes.io/name": UPSTREAM_NAME}},
+            "updateStrategy": {"type": "RollingUpdate"},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "serviceAccountName": UPSTREAM_NAME,
+                    "nodeSelector": {"hyperlight.dev/enabled": "true"},
+                    "priorityClassName": "system-node-critical",
+                    "containers": [
+                        {
+                            "name": "device-plugin",
+                            "image": image,
+                            "imagePullPolicy": "Always",
+                            "command": ["python3", "-c", UPSTREAM_STAND_IN],
+                            # Not the upstream's: with the host's /dev read-only at /dev, runc
+                            # here cannot mount the default /dev/termination-log (the pod never
+                            # starts: "error mounting … to rootfs at /dev/termination-log").
+                            "terminationMessagePath": "/termination-log",
+                            "env": [
+                                {"name": "DEVICE_COUNT", "value": str(SLOTS)},
+                                {"name": "DEVICE_UID", "value": "65534"},
+                                {"name": "DEVICE_GID", "value": "65534"},
+                            ],
+                            "securityContext": {
+                                "privileged": False,
+                                "readOnlyRootFilesystem": True,
+                                "allowPrivilegeEscalation": False,
+                                "runAsUser": 0,
+                            },
+                            "volumeMounts": [
+                                {"name": n, "mountPath": p, **({"readOnly": True} if ro else {})}
+                                for n, p, _, ro in mounts
+                            ],
+                            "resources": {
+                                "requests": {"memory": "32Mi", "cpu": "10m"},
+                                "limits": {"memory": "96Mi", "cpu": "500m"},
+                            },
+                        }
+                    ],
+                    "volumes": [{"name": n, "hostPath": {"path": p, "type": t}} for n, p, t, _ in mounts],
+                    "terminationGracePeriodSeconds": 30,
+                },
+            },
+        },
+    }
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": UPSTREAM_NAME, "labels": labels}}
+    return [
+        (f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts", account),
+        (f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets", daemonset),
+    ]
+
+
+def test_migration_from_the_upstream_plugin_fails_no_pod(installed: Cluster, published: Published) -> None:
+    """docs/operations.md's migration on node a: the upstream plugin's objects serving the node and a
+    workload running on its device; then its DaemonSet deleted with its pods orphaned, our chart
+    installed into its namespace (our DaemonSet adopts the upstream pod as current) and its rollout
+    restarted, which replaces the upstream pod with a surge: the running workload is untouched, and
+    none of the pods created every 0.2 s meanwhile fails."""
+    a = installed.nodes["a"]
+    release = manifest(published.releases[PREVIOUS])
+    image = f"{release['image']['repository']}@{release['image']['digest']}"
+    # The upstream install alone: ours uninstalled first (its namespace, which Helm keeps, stays:
+    # the upstream's is the same namespace, and on this cluster it must allow privileged pods).
+    helm(installed, "uninstall", "hyperlight", "--namespace", NAMESPACE, "--wait", "--timeout", "180s")
+    wait_until(
+        lambda: not installed.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"], 180, "our agents' pods gone"
+    )
+    for path, body in upstream_objects(image):
+        installed.api.create(path, body)
+    wait_until(lambda: kubelet_view(a).get(HYPERVISOR) == SLOTS, 180, "the upstream plugin serving node a")
+    (upstream_pod,) = daemonset_pods(installed, UPSTREAM_NAME)
+    ns = "migration"
+    ensure_namespace(installed, ns)
+    installed.api.create(
+        f"/api/v1/namespaces/{ns}/pods",
+        workload_pod("running", ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"], node="a"),
+    )
+    running = wait_until(
+        lambda: (
+            (p := installed.api.get(f"/api/v1/namespaces/{ns}/pods/running"))["status"].get("phase") == "Running" and p
+        ),
+        120,
+        "a workload running on the upstream plugin's device",
+    )
+    started = time.monotonic()
+    with Load(installed, a, ns, ["/kvmcheck"], pin=True) as load:
+        # 1. The upstream DaemonSet goes; its pod keeps serving.
+        installed.api.delete(f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{UPSTREAM_NAME}", propagation="Orphan")
+        wait_until(
+            lambda: gone(installed, f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{UPSTREAM_NAME}"),
+            60,
+            "the upstream DaemonSet gone (its pods orphaned)",
+        )
+        assert not gone(installed, f"/api/v1/namespaces/{NAMESPACE}/pods/{upstream_pod['metadata']['name']}")
+        # 2. Ours, into the existing namespace.
+        helm(installed, "install", "hyperlight", *release_chart(published, PREVIOUS), "--namespace", NAMESPACE)
+        # 3. Our DaemonSet adopts the upstream pod and counts it as up to date: both DaemonSets were
+        # created at template generation 1, the pod's pod-template-generation label is "1", and
+        # the DaemonSet controller takes a matching generation as current whatever the template
+        # (pkg/controller/daemon/util IsPodUpdated). Nothing would ever replace it.
+        ours_path = f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/hyperlight-device-plugin"
+
+        def adopted_as_current() -> bool:
+            pod = installed.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{upstream_pod['metadata']['name']}")
+            owners = [o["name"] for o in pod["metadata"].get("ownerReferences", []) if o.get("controller")]
+            status = installed.api.get(ours_path)["status"]
+            return owners == ["hyperlight-device-plugin"] and status.get("updatedNumberScheduled") == 1
+
+        wait_until(adopted_as_current, 120, "the upstream pod adopted by our DaemonSet and counted as current")
+        assert [p["metadata"]["name"] for p in daemonset_pods(installed, "hyperlight-device-plugin")] == [
+            upstream_pod["metadata"]["name"]
+        ]
+        # 4. So the migration restarts the rollout (kubectl rollout restart's patch): a new
+        # generation, the upstream pod outdated and replaced with a surge, ours ready first.
+        installed.api.merge_patch(
+            ours_path,
+            {
+                "spec": {
+                    "template": {
+                        "metadata": {
+                            "annotations": {
+                                "kubectl.kubernetes.io/restartedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                            }
+                        }
+                    }
+                }
+            },
+        )
+        wait_until(
+            lambda: (
+                rolled_out(installed, "hyperlight-device-plugin")
+                and not [
+                    p
+                    for p in daemonset_pods(installed, "hyperlight-device-plugin")
+                    if p["metadata"]["name"] == upstream_pod["metadata"]["name"]
+                ]
+            ),
+            240,
+            "our device plugin rolled out over the upstream pod",
+        )
+        wait_until(
+            lambda: gone(installed, f"/api/v1/namespaces/{NAMESPACE}/pods/{upstream_pod['metadata']['name']}"),
+            120,
+            "the upstream pod gone",
+        )
+        # And ten more pods on our plugin alone.
+        then = len(load.created)
+        wait_until(lambda: len(load.created) >= then + 10, 60, "ten pods created after the switch")
+    record("migration.upstream_to_ours_s", round(time.monotonic() - started, 1))
+    outcomes = load.outcomes()
+    record("migration.load_pods", outcomes)
+    assert outcomes["rejected"] == outcomes["failed"] == 0 and outcomes["succeeded"] == len(load.created), outcomes
+    after = installed.api.get(f"/api/v1/namespaces/{ns}/pods/running")
+    assert after["metadata"]["uid"] == running["metadata"]["uid"] and after["status"]["phase"] == "Running"
+    assert [s["restartCount"] for s in after["status"]["containerStatuses"]] == [0]
+    (ours,) = daemonset_pods(installed, "hyperlight-device-plugin")
+    assert ours["spec"]["containers"][0]["name"] == "agent"
+    assert kubelet_view(a)[HYPERVISOR] == SLOTS
+    installed.api.delete(f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{UPSTREAM_NAME}")
+    installed.api.delete(f"/api/v1/namespaces/{ns}")
 
 
 @pytest.mark.root
