@@ -130,13 +130,22 @@ class Guest:
         return None
 
     def run(self, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
+        """The command in the guest; with `check`, a failure is an AssertionError carrying its
+        output and the guest journal's last lines (what a failed systemctl explains only there)."""
+        result = subprocess.run(
             ["nsenter", "-t", str(self.pid1), "-m", "-u", "-i", "-n", "-p", "--", *cmd],
             capture_output=True,
             text=True,
             timeout=timeout,
-            check=check,
+            check=False,
         )
+        if check and result.returncode != 0:
+            journal = self.run("journalctl", "--no-pager", "-n", "60", check=False).stdout
+            raise AssertionError(
+                f"in the guest, {' '.join(cmd)} exited {result.returncode}\n"
+                f"stdout: {result.stdout}\nstderr: {result.stderr}\njournal:\n{journal}"
+            )
+        return result
 
     def is_active(self, unit: str) -> str:
         return self.run("systemctl", "is-active", unit, check=False).stdout.strip()

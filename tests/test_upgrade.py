@@ -13,12 +13,15 @@ import sys
 import time
 from typing import Any, Iterator, Optional
 
+import anyio
 import pytest
 
-from hyperlight_agent import __version__, contracts
+from hyperlight_agent import __version__, contracts, peers
+from hyperlight_agent.host import upgrade
 from standin import procs
 from standin.kubelet import KubeletStandin, StandinThread
 from tests.conftest import run_agent, wait_for
+from tests.test_peers import Server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 R = contracts.RESOURCE_HYPERVISOR
@@ -275,6 +278,46 @@ def test_a_new_agent_that_fails_before_it_is_ready_leaves_the_old_one_serving(
     u.install(LAUNCHER)
     upgrade_once(u, kubelet)
     assert u.stop() == 0, u.log
+
+
+async def test_a_successor_that_answers_only_after_the_old_agent_left_is_waited_for(tmp: str) -> None:
+    """A kubelet before 1.35 ends the new agent's stream when the old one's ends, and the new agent
+    then serves its socket anew: for a moment after the old agent has left nothing answers. The
+    command asks again rather than call the upgrade failed (it did, under load: the .deb's
+    `systemctl reload` failed in CI while the new agent served on)."""
+    old_agent = await anyio.open_process(["sleep", "60"])  # SIGUSR2 ends it: the old agent leaving
+    old = peers.Identity("", "deviceplugin", R, peers.boottime_ns(), old_agent.pid)
+    server = Server(os.path.join(tmp, contracts.PLUGIN_SOCKET))
+    server.server.add_generic_rpc_handlers(
+        [peers.describe_handler(old, lambda: True, lambda: {"upgrade": {"attempts": 0, "state": "idle"}})]
+    )
+    await server.start()
+    successor = Server(os.path.join(tmp, "hyperlight.host-g0123abcd.sock"))
+
+    async def take_over_late() -> int:
+        pid = await old_agent.wait()  # the old agent has left (and is reaped)
+        await server.stop()
+        await anyio.sleep(2 * peers.PEER_TIMEOUT_S)  # between two sockets, longer than one answer's bound
+        new = peers.Identity("host-g0123abcd", "deviceplugin", R, peers.boottime_ns(), os.getpid())
+        await successor.with_describe(new).start()
+        return pid
+
+    def ours() -> list[str]:
+        return sorted(os.path.join(tmp, n) for n in os.listdir(tmp) if n.endswith(".sock"))
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(take_over_late)
+            code, line = await anyio.to_thread.run_sync(upgrade.upgrade_in_place, old_agent.pid, ours)
+        assert (code, line) == (
+            upgrade.DONE,
+            f"pid {old_agent.pid} handed over to pid {os.getpid()} (hyperlight-agent {__version__}) and left",
+        )
+    finally:
+        if old_agent.returncode is None:
+            old_agent.kill()
+        await old_agent.wait()
+        await successor.stop()
 
 
 def test_upgrade_in_place_of_a_process_that_is_no_agent_of_ours_does_nothing(tmp: str) -> None:

@@ -29,6 +29,13 @@ DONE, FAILED, CANNOT = 0, 1, 3
 POLL_S = 0.1
 # Beyond the child's READY_TIMEOUT_S: the old agent's handover and shutdown.
 LEAVE_TIMEOUT_S = 20.0
+# This command is started cold, often on a busy host (a package upgrade): an instance gets this
+# long to answer it, not the handover's PEER_TIMEOUT_S, which bounds a search with a deadline.
+ANSWER_TIMEOUT_S = 5.0
+# Once the old agent has left, the new one may be between two sockets: a kubelet before 1.35
+# ends the new plugin's stream when the old one's ends, and the agent then serves and registers
+# anew. It is asked again for this long before the upgrade is called failed.
+SUCCESSOR_WAIT_S = 10.0
 
 
 def upgrade_in_place(pid: int, sockets: Callable[[], list[str]]) -> tuple[int, str]:
@@ -41,7 +48,7 @@ async def _answers(sockets: list[str]) -> list[peers.Description]:
     found = []
     for path in sockets:
         try:
-            answer = await peers.describe(path, peers.PEER_TIMEOUT_S)
+            answer = await peers.describe(path, ANSWER_TIMEOUT_S)
         except (OSError, grpc.RpcError):  # not an answer of ours
             continue
         if answer is not None:
@@ -80,9 +87,12 @@ async def _upgrade(pid: int, sockets: Callable[[], list[str]]) -> tuple[int, str
         os.close(pidfd)
     if failed is not None:
         return FAILED, f"in-place upgrade of pid {pid} failed: {failed}"
-    successor_found = await peers.newer(asked, sockets())
+    successor_found = await _successor(asked, sockets)
     if successor_found is None:
-        return FAILED, f"pid {pid} exited during the in-place upgrade, and no new agent answers (see the journal)"
+        return FAILED, (
+            f"pid {pid} exited during the in-place upgrade, and no new agent answered within "
+            f"{SUCCESSOR_WAIT_S:g} s (see the journal)"
+        )
     return DONE, (
         f"pid {pid} handed over to pid {successor_found.identity.pid} "
         f"(hyperlight-agent {successor_found.identity.version}) and left"
@@ -109,3 +119,14 @@ async def _failed_or_gone(pidfd: int, path: str, before: int) -> Optional[str]:
         return None
     finally:
         loop.remove_reader(pidfd)
+
+
+async def _successor(asked: peers.Identity, sockets: Callable[[], list[str]]) -> Optional[peers.Description]:
+    """The instance that took over, asked until it answers or SUCCESSOR_WAIT_S has passed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SUCCESSOR_WAIT_S
+    while True:
+        found = await peers.newer(asked, sockets())
+        if found is not None or loop.time() >= deadline:
+            return found
+        await asyncio.sleep(POLL_S)
