@@ -182,7 +182,6 @@ async def successor(
     socket returned is the one the successor answered on (resolved from its candidate). With
     `pid`, only that process counts (the child an in-place upgrade started), and without
     `require_ready` it need only answer (an unready agent has no readiness to hand over)."""
-    loop = asyncio.get_running_loop()
 
     async def ready(path: str, budget: float) -> Optional[str]:
         try:
@@ -200,23 +199,33 @@ async def successor(
             ours = found is not None and found.identity.pid == pid
         return target if ours else None
 
-    while True:
-        found = await _first(candidates(), ready, deadline)
-        if found is not None:
-            return found
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            return None
-        await asyncio.sleep(min(POLL_S, remaining))
+    return await _until(candidates, ready, deadline)
 
 
 async def newer(
     me: Identity, candidates: Iterable[str], resolve: Resolve = _same, timeout: float = PEER_TIMEOUT_S
 ) -> Optional[Description]:
-    """A live instance of ours for our resource that started after us, if there is one. An
-    earlier release (no Describe) does not yield, so it is not yielded to either."""
-    deadline = asyncio.get_running_loop().time() + timeout
+    """A live instance of ours for our resource that started after us, if there is one (asked
+    once). An earlier release (no Describe) does not yield, so it is not yielded to either."""
     newest: list[Description] = []
+    await _first(candidates, _newer_test(me, resolve, newest), asyncio.get_running_loop().time() + timeout)
+    return newest[0] if newest else None
+
+
+async def newer_until(
+    me: Identity, candidates: Callable[[], Iterable[str]], deadline: float, resolve: Resolve = _same
+) -> Optional[Description]:
+    """newer(), looked for until the loop's clock reaches `deadline` (an instance between two
+    sockets answers again a moment later)."""
+    newest: list[Description] = []
+    await _until(candidates, _newer_test(me, resolve, newest), deadline)
+    return newest[0] if newest else None
+
+
+def _newer_test(
+    me: Identity, resolve: Resolve, newest: list[Description]
+) -> Callable[[str, float], Awaitable[Optional[str]]]:
+    """The test for _first: a candidate newer than `me`, kept in `newest`."""
 
     async def is_newer(path: str, budget: float) -> Optional[str]:
         try:
@@ -228,8 +237,22 @@ async def newer(
             return target
         return None
 
-    await _first(candidates, is_newer, deadline)
-    return newest[0] if newest else None
+    return is_newer
+
+
+async def _until(
+    candidates: Callable[[], Iterable[str]], test: Callable[[str, float], Awaitable[Optional[str]]], deadline: float
+) -> Optional[str]:
+    """_first(), asked again every POLL_S over a fresh list of candidates until `deadline`."""
+    loop = asyncio.get_running_loop()
+    while True:
+        found = await _first(candidates(), test, deadline)
+        if found is not None:
+            return found
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            return None
+        await asyncio.sleep(min(POLL_S, remaining))
 
 
 async def _first(

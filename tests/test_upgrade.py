@@ -294,13 +294,12 @@ async def test_a_successor_that_answers_only_after_the_old_agent_left_is_waited_
     await server.start()
     successor = Server(os.path.join(tmp, "hyperlight.host-g0123abcd.sock"))
 
-    async def take_over_late() -> int:
-        pid = await old_agent.wait()  # the old agent has left (and is reaped)
+    async def take_over_late() -> None:
+        await old_agent.wait()  # the old agent has left (and is reaped)
         await server.stop()
         await anyio.sleep(2 * peers.PEER_TIMEOUT_S)  # between two sockets, longer than one answer's bound
         new = peers.Identity("host-g0123abcd", "deviceplugin", R, peers.boottime_ns(), os.getpid())
         await successor.with_describe(new).start()
-        return pid
 
     def ours() -> list[str]:
         return sorted(os.path.join(tmp, n) for n in os.listdir(tmp) if n.endswith(".sock"))

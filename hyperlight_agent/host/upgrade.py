@@ -87,7 +87,7 @@ async def _upgrade(pid: int, sockets: Callable[[], list[str]]) -> tuple[int, str
         os.close(pidfd)
     if failed is not None:
         return FAILED, f"in-place upgrade of pid {pid} failed: {failed}"
-    successor_found = await _successor(asked, sockets)
+    successor_found = await peers.newer_until(asked, sockets, asyncio.get_running_loop().time() + SUCCESSOR_WAIT_S)
     if successor_found is None:
         return FAILED, (
             f"pid {pid} exited during the in-place upgrade, and no new agent answered within "
@@ -119,14 +119,3 @@ async def _failed_or_gone(pidfd: int, path: str, before: int) -> Optional[str]:
         return None
     finally:
         loop.remove_reader(pidfd)
-
-
-async def _successor(asked: peers.Identity, sockets: Callable[[], list[str]]) -> Optional[peers.Description]:
-    """The instance that took over, asked until it answers or SUCCESSOR_WAIT_S has passed."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + SUCCESSOR_WAIT_S
-    while True:
-        found = await peers.newer(asked, sockets())
-        if found is not None or loop.time() >= deadline:
-            return found
-        await asyncio.sleep(POLL_S)
