@@ -112,3 +112,68 @@ def test_the_deployments_name_every_row_of_the_table() -> None:
         with open(os.path.join(ROOT, path)) as f:
             named = re.search(r"hypervisor \(([^)]*)\)", f.read())
         assert named and set(re.findall(r'"(\w+)"', named.group(1))) == set(hypervisors.BY_NAME), path
+
+
+def run_postinst(tmp: str, *args: str, policy: dict[str, int], upgrade: int = 0) -> list[str]:
+    """packaging/debian/postinst run with stand-ins for systemctl, deb-systemd-helper, policy-rc.d
+    and the agent (its absolute paths pointed into tmp); the commands it ran, in order."""
+    bin_dir = os.path.join(tmp, "bin")
+    os.makedirs(bin_dir, exist_ok=True)
+    os.makedirs(os.path.join(tmp, "run-systemd"), exist_ok=True)
+    log = os.path.join(tmp, "calls")
+    behaviour = {
+        # The unit is active, its main process 4242.
+        "systemctl": 'case "$1" in show) echo 4242;; esac\n',
+        "hyperlight-agent": f"exit {upgrade}\n",
+        "policy-rc.d": 'case "$2" in '
+        + " ".join(f"{action}) exit {rc};;" for action, rc in policy.items())
+        + " esac\nexit 0\n",
+    }
+    for tool in ("systemctl", "deb-systemd-helper", "python3", "hyperlight-agent", "policy-rc.d"):
+        with open(os.path.join(bin_dir, tool), "w") as f:
+            f.write(f'#!/bin/sh\necho "{tool} $*" >> {log}\n{behaviour.get(tool, "")}')
+        os.chmod(os.path.join(bin_dir, tool), 0o755)  # noqa: S103 - a command on PATH must be executable
+    with open(os.path.join(ROOT, "packaging", "debian", "postinst")) as f:
+        script = (
+            f.read()
+            .replace("#DEBHELPER#", "")
+            .replace("/usr/sbin/policy-rc.d", os.path.join(bin_dir, "policy-rc.d"))
+            .replace("/run/systemd/system", os.path.join(tmp, "run-systemd"))
+            .replace("/usr/bin/python3", os.path.join(bin_dir, "python3"))
+        )
+    if os.path.exists(log):
+        os.unlink(log)
+    subprocess.run(
+        ["sh", "-e", "-c", script, "postinst", *args],
+        check=True,
+        timeout=30,
+        capture_output=True,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
+    )
+    with open(log) as f:
+        return [line for line in f.read().splitlines() if not line.startswith("python3 ")]
+
+
+UNIT = "hyperlight-agent.service"
+
+
+def test_postinst_asks_policy_rc_d_about_the_restart_it_makes(tmp: str) -> None:
+    """An agent too old to hand over (exit 3) is restarted, and policy-rc.d is asked about
+    "restart" first: its 101 for restart holds even where reload is allowed."""
+    upgrade = [
+        f"policy-rc.d {UNIT} reload",
+        f"systemctl is-active --quiet {UNIT}",
+        f"systemctl show -P MainPID {UNIT}",
+        "hyperlight-agent --upgrade-in-place 4242",
+    ]
+    calls = run_postinst(tmp, "configure", "0.1.0", policy={"reload": 0, "restart": 101}, upgrade=3)
+    assert sorted(calls) == sorted([*upgrade, f"policy-rc.d {UNIT} restart"]), calls
+    calls = run_postinst(tmp, "configure", "0.1.0", policy={"reload": 0, "restart": 104}, upgrade=3)
+    assert calls[-2:] == [f"policy-rc.d {UNIT} restart", f"systemctl --no-block restart {UNIT}"], calls
+    # Handed over in place: nothing restarted, restart not even asked about.
+    calls = run_postinst(tmp, "configure", "0.1.0", policy={"reload": 0, "restart": 0}, upgrade=0)
+    assert sorted(calls) == sorted(upgrade), calls
+    # Reload forbidden: no upgrade in place, no restart.
+    calls = run_postinst(tmp, "configure", "0.1.0", policy={"reload": 101, "restart": 0}, upgrade=3)
+    assert "hyperlight-agent --upgrade-in-place 4242" not in calls
+    assert f"systemctl --no-block restart {UNIT}" not in calls
