@@ -245,13 +245,16 @@ release: release-deps $(BUILD_VENV)/.installed $(RELEASE_TOOLS)/.installed tools
 	@VERSION='$(VERSION)' DIST='$(DIST)' GIT_COMMIT='$(GIT_COMMIT)' SOURCE_DATE_EPOCH='$(SOURCE_DATE_EPOCH)' \
 	  ENGINE='$(ENGINE)' BASE_IMAGE='$(BASE_IMAGE)' $(PYTHON) packaging/release.py
 
-# Publish $(DIST)/$(VERSION)/ (packaging/publish.py): the image and the chart to REGISTRY (OCI), the
-# image signed with cosign and its SBOM attached as an attestation (COSIGN_KEY: a key pair's
-# private half; unset: keyless, through the CI's OIDC identity), and the package repositories
-# copied into SITE for hosting. INSECURE_REGISTRY=1: plain HTTP (a registry on this machine).
-publish: release-deps tools  ## push and sign a release: REGISTRY= (OCI), SITE= (the package repositories)
+# Publish $(DIST)/$(VERSION)/ (packaging/publish.py): only a release signed by the release key,
+# RELEASE_GPG_FINGERPRINT (the project's, configured where this runs: never read from the release;
+# a release signed with a key made for its build is refused). The image and the chart to REGISTRY
+# (OCI), both signed with cosign by digest and the image's SBOM attached as an attestation
+# (COSIGN_KEY: a key pair's private half; unset: keyless, through the CI's OIDC identity), and the
+# package repositories copied into SITE for hosting. INSECURE_REGISTRY=1: plain HTTP (a registry on
+# this machine).
+publish: release-deps tools  ## push and sign a release: REGISTRY= (OCI), SITE= (the package repositories), RELEASE_GPG_FINGERPRINT=
 	@VERSION='$(VERSION)' DIST='$(DIST)' REGISTRY='$(REGISTRY)' SITE='$(SITE)' INSECURE_REGISTRY='$(INSECURE_REGISTRY)' \
-	  COSIGN_KEY='$(COSIGN_KEY)' $(PYTHON) packaging/publish.py
+	  COSIGN_KEY='$(COSIGN_KEY)' RELEASE_GPG_FINGERPRINT='$(RELEASE_GPG_FINGERPRINT)' $(PYTHON) packaging/publish.py
 
 clean:  ## remove the venvs and build products
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

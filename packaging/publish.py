@@ -2,21 +2,30 @@
 
     python packaging/publish.py        (the Makefile passes its settings in the environment)
 
-1. The release is checked first: SHA256SUMS matches every file and its signature is good.
+1. The release is checked first, and refused unless: release.json does not say it was signed
+   with a key made for that build only (`signing_key_ephemeral`: a test build); SHA256SUMS.asc is a
+   good signature made by the project's release key, named by RELEASE_GPG_FINGERPRINT (configured
+   where the publishing runs, never taken from the release: a release re-signed with any other
+   key, the one it carries included, is refused); the public key the release carries (what users
+   import) is that key and only that; SHA256SUMS lists every file with its hash.
 2. The image archive is pushed unchanged (skopeo, --preserve-digests) to REGISTRY/hyperlight-agent
    as VERSION, and the registry must then serve the digest the chart names.
 3. The chart is pushed to oci://REGISTRY/charts (helm push): `helm install oci://REGISTRY/charts/
-   hyperlight-agent --version VERSION`.
-4. The image is signed with cosign and its SBOM attached as a CycloneDX attestation, both by
-   digest. COSIGN_KEY (a cosign key file; COSIGN_PASSWORD its password): signed with that key and
-   no transparency log (the tests: a key pair per run, no Sigstore reachable). Unset: keyless, the
-   release pipeline's way — cosign takes the CI's OIDC identity (GitHub Actions' `id-token: write`),
-   Fulcio certifies it and Rekor logs the signature; verify with --certificate-identity.
+   hyperlight-agent --version VERSION`; the registry must then serve the release's chart package
+   as the chart's one layer (its SHA-256 is in SHA256SUMS).
+4. The image and the chart are signed with cosign by digest (the chart decides which image digest
+   users run), and the image's SBOM attached as a CycloneDX attestation. COSIGN_KEY (a cosign
+   key file; COSIGN_PASSWORD its password): signed with that key and no transparency log (the
+   tests: a key pair per run, no Sigstore reachable). Unset: keyless, the release pipeline's
+   way — cosign takes the CI's OIDC identity (GitHub Actions' `id-token: write`), Fulcio
+   certifies it and Rekor logs the signature; verify with --certificate-identity.
 5. SITE, when set: the signed apt and yum repositories and the public key, copied there for a
    static web host (`deb [signed-by=…] SITE_URL/apt bookworm main`, `baseurl=SITE_URL/yum/el9/$basearch`).
 
 Settings (environment): VERSION, DIST, REGISTRY (required, e.g. ghcr.io/hyperlight-dev),
+RELEASE_GPG_FINGERPRINT (required: the release key's full fingerprint, 40 hex digits),
 INSECURE_REGISTRY=1 (plain HTTP: a registry on this machine), COSIGN_KEY, SITE, HELM, COSIGN.
+A setting missing or malformed exits 2; any other failure 1, with one line saying what failed.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,8 +46,17 @@ IMAGE_NAME = "hyperlight-agent"
 CHARTS = "charts"
 
 
+FINGERPRINT_RE = re.compile(r"[0-9A-F]{40}")
+# gpg --status-fd keywords of a signature that is not a good one (doc/DETAILS in GnuPG).
+NOT_GOOD = ("BADSIG", "ERRSIG", "EXPSIG", "EXPKEYSIG", "REVKEYSIG", "NO_PUBKEY")
+
+
 class PublishError(Exception):
     """One line saying what failed."""
+
+
+class ConfigError(PublishError):
+    """A setting missing or malformed: exit 2."""
 
 
 def run(*argv: str, what: Optional[str] = None, env: Optional[dict[str, str]] = None) -> str:
@@ -48,41 +67,115 @@ def run(*argv: str, what: Optional[str] = None, env: Optional[dict[str, str]] = 
     return done.stdout
 
 
-def verify_release(out: str) -> dict[str, object]:
-    """SHA256SUMS holds every file with its hash, signed by the key the release carries."""
+def release_fingerprint(value: str) -> str:
+    """RELEASE_GPG_FINGERPRINT as gpg prints it: 40 hex digits, upper case (spaces allowed between)."""
+    if not value:
+        raise ConfigError(
+            "RELEASE_GPG_FINGERPRINT is not set: the fingerprint of the project's release key, which "
+            "must have signed SHA256SUMS (e.g. RELEASE_GPG_FINGERPRINT=$(gpg --list-keys --with-colons KEY))"
+        )
+    fingerprint = value.replace(" ", "").upper()
+    if not FINGERPRINT_RE.fullmatch(fingerprint):
+        raise ConfigError(f"RELEASE_GPG_FINGERPRINT {value!r}: not a full OpenPGP v4 fingerprint (40 hex digits)")
+    return fingerprint
+
+
+def signers(status: str) -> list[str]:
+    """The primary-key fingerprints of the good signatures in `gpg --status-fd` output; any signature
+    that is not good (bad, unverifiable, expired or revoked key) is an error."""
+    found = []
+    for line in status.splitlines():
+        words = line.split()
+        if len(words) < 2 or words[0] != "[GNUPG:]":
+            continue
+        if words[1] in NOT_GOOD:
+            raise PublishError(f"SHA256SUMS.asc: {words[1]} {' '.join(words[2:3])}: not a good signature")
+        if words[1] == "VALIDSIG":
+            # VALIDSIG <signing key fpr> <date> <timestamp> <expiry> <version> <reserved> <pk algo>
+            # <hash algo> <class> <primary key fpr>: the key users hold is the primary one.
+            found.append(words[-1] if len(words) >= 12 else words[2])
+    return found
+
+
+def key_fingerprints(listing: str) -> list[str]:
+    """The primary keys' fingerprints in `gpg --show-keys --with-colons` output."""
+    fingerprints, primary = [], False
+    for line in listing.splitlines():
+        fields = line.split(":")
+        if fields[0] == "pub":
+            primary = True
+        elif fields[0] == "fpr" and primary:
+            fingerprints.append(fields[9])
+            primary = False
+        elif fields[0] == "sub":
+            primary = False
+    return fingerprints
+
+
+def verify_release(out: str, fingerprint: str) -> dict[str, object]:
+    """The release's checks (the module's docstring, step 1); release.json's content."""
     sums = os.path.join(out, "SHA256SUMS")
     if not os.path.exists(sums):
         raise PublishError(f"{out}: no release here (make release VERSION=...)")
+    with open(os.path.join(out, "release.json")) as f:
+        manifest: dict[str, object] = json.load(f)
+    # Said first and plainly: publishing a test build is the likely mistake (nothing of it is
+    # trusted yet; it can only refuse).
+    if manifest.get("signing_key_ephemeral") is not False:
+        raise PublishError(
+            f"{out}: signed with a key made for that build only (release.json: signing_key_ephemeral: "
+            f"{json.dumps(manifest.get('signing_key_ephemeral'))}); build it with RELEASE_GPG_KEY, the release key"
+        )
+    key = os.path.join(out, "hyperlight-agent.asc")
     with tempfile.TemporaryDirectory() as home:
         env = {**os.environ, "GNUPGHOME": home}
-        run(
-            "gpg",
-            "--batch",
-            "--quiet",
-            "--import",
-            os.path.join(out, "hyperlight-agent.asc"),
+        run("gpg", "--batch", "--quiet", "--import", key, env=env, what="gpg --import (hyperlight-agent.asc)")
+        done = subprocess.run(
+            ["gpg", "--batch", "--status-fd", "1", "--verify", sums + ".asc", sums],
+            capture_output=True,
+            text=True,
+            check=False,
             env=env,
-            what="gpg --import",
         )
-        run("gpg", "--batch", "--verify", sums + ".asc", sums, env=env, what="SHA256SUMS signature")
+        found = signers(done.stdout)
+        if done.returncode != 0 or not found:
+            tail = done.stderr.strip().splitlines()[-1:] or [""]
+            raise PublishError(f"SHA256SUMS signature: exit {done.returncode}: {tail[0]}")
+        others = sorted(set(found) - {fingerprint})
+        if others:
+            raise PublishError(f"SHA256SUMS.asc: signed by {others[0]}, not by the release key {fingerprint}")
+        # What users import to trust the repositories: the release key, and no other beside it.
+        carried = key_fingerprints(
+            run("gpg", "--batch", "--with-colons", "--show-keys", key, env=env, what="gpg --show-keys")
+        )
+        if carried != [fingerprint]:
+            raise PublishError(
+                f"hyperlight-agent.asc: holds {', '.join(carried)}, not only the release key {fingerprint}"
+            )
     listed = set()
     with open(sums) as f:
         for line in f:
             digest, name = line.rstrip("\n").split("  ", 1)
             listed.add(name)
-            h = hashlib.sha256()
-            with open(os.path.join(out, name), "rb") as g:
-                for block in iter(lambda: g.read(1 << 20), b""):
-                    h.update(block)
-            if h.hexdigest() != digest:
+            if sha256(os.path.join(out, name)) != digest:
                 raise PublishError(f"{name}: its SHA-256 is not the one SHA256SUMS lists")
     present = {os.path.relpath(os.path.join(d, n), out) for d, _, ns in os.walk(out) for n in ns}
     unlisted = sorted(present - listed - {"SHA256SUMS", "SHA256SUMS.asc"})
     if unlisted:
         raise PublishError(f"{unlisted[0]}: in the release but not in SHA256SUMS")
-    with open(os.path.join(out, "release.json")) as f:
-        manifest: dict[str, object] = json.load(f)
+    if str(manifest.get("signing_key", "")).upper() != fingerprint:
+        raise PublishError(
+            f"release.json: signing_key {manifest.get('signing_key')!r}, not the release key {fingerprint}"
+        )
     return manifest
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def publish() -> None:
@@ -90,11 +183,12 @@ def publish() -> None:
     out = os.path.join(os.path.abspath(os.environ.get("DIST") or os.path.join(ROOT, "dist")), version)
     registry = os.environ.get("REGISTRY", "").rstrip("/")
     if not registry:
-        raise PublishError("REGISTRY is not set (e.g. make publish REGISTRY=ghcr.io/hyperlight-dev)")
+        raise ConfigError("REGISTRY is not set (e.g. make publish REGISTRY=ghcr.io/hyperlight-dev)")
     insecure = os.environ.get("INSECURE_REGISTRY", "") not in ("", "0")
     helm = os.environ.get("HELM") or os.path.join(TOOLS, "helm")
     cosign = os.environ.get("COSIGN") or os.path.join(TOOLS, "cosign")
-    manifest = verify_release(out)
+    fingerprint = release_fingerprint(os.environ.get("RELEASE_GPG_FINGERPRINT", ""))
+    manifest = verify_release(out, fingerprint)
     image = manifest["image"]
     assert isinstance(image, dict)
     digest = str(image["digest"])
@@ -131,20 +225,28 @@ def publish() -> None:
         raise PublishError(f"{repository}:{version} is {served}, not the chart's {digest}")
 
     plain = ["--plain-http"] if insecure else []
-    run(
-        helm,
-        "push",
-        os.path.join(out, str(manifest["chart"])),
-        f"oci://{registry}/{CHARTS}",
-        *plain,
-        what="helm push (the chart)",
+    chart_package = os.path.join(out, str(manifest["chart"]))
+    run(helm, "push", chart_package, f"oci://{registry}/{CHARTS}", *plain, what="helm push (the chart)")
+    chart = f"{registry}/{CHARTS}/{IMAGE_NAME}"
+    raw = run(
+        "skopeo",
+        "inspect",
+        "--raw",
+        *(["--tls-verify=false"] if insecure else []),
+        f"docker://{chart}:{version}",
+        what="skopeo inspect (the pushed chart)",
     )
+    layers = [str(layer.get("digest")) for layer in json.loads(raw).get("layers", [])]
+    if layers != [f"sha256:{sha256(chart_package)}"]:
+        raise PublishError(f"{chart}:{version} holds {layers}, not the release's chart package")
+    chart_digest = "sha256:" + hashlib.sha256(raw.encode()).hexdigest()
 
     key = os.environ.get("COSIGN_KEY", "")
     signing = ["--key", key, "--tlog-upload=false", "--use-signing-config=false"] if key else []
     http = ["--allow-http-registry", "--allow-insecure-registry"] if insecure else []
     reference = f"{repository}@{digest}"
-    run(cosign, "sign", "--yes", *signing, *http, reference, what="cosign sign")
+    run(cosign, "sign", "--yes", *signing, *http, reference, what="cosign sign (the image)")
+    run(cosign, "sign", "--yes", *signing, *http, f"{chart}@{chart_digest}", what="cosign sign (the chart)")
     sboms = manifest["sboms"]
     assert isinstance(sboms, dict)
     run(
@@ -170,7 +272,7 @@ def publish() -> None:
             shutil.copytree(os.path.join(out, name), os.path.join(site, name), copy_function=shutil.copy)
         shutil.copy(os.path.join(out, "hyperlight-agent.asc"), site)
     print(
-        f"published {version}: {reference}, oci://{registry}/{CHARTS}/hyperlight-agent --version {version}"
+        f"published {version}: {reference}, oci://{chart} --version {version} ({chart_digest})"
         + (f", repositories in {site}" if site else "")
     )
 
@@ -180,7 +282,7 @@ def main() -> int:
         publish()
     except PublishError as exc:
         print(f"make publish: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, ConfigError) else 1
     return 0
 
 

@@ -10,6 +10,7 @@ distribution registry built from its pinned Go module)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import http.server
 import json
 import os
@@ -18,7 +19,8 @@ import socket
 import subprocess
 import tempfile
 import threading
-from typing import Any, Optional
+import urllib.request
+from typing import Any, Optional, Sequence
 
 from hyperlight_agent import __version__
 from tests.podman import Podman
@@ -42,9 +44,9 @@ CURRENT = next_version(__version__)
 
 class Keyring:
     """A GnuPG home with one signing key, made for a test session (as the release pipeline's
-    secret key would be imported)."""
+    secret key would be imported), or for a test (another key, a build's throwaway key)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, algorithm: str = "rsa3072", name: str = "test release") -> None:
         self.home = os.path.join(directory, "gnupg")
         os.makedirs(self.home, mode=0o700)
         self.env = {**os.environ, "GNUPGHOME": self.home}
@@ -55,8 +57,8 @@ class Keyring:
                 "--passphrase",
                 "",
                 "--quick-gen-key",
-                "hyperlight-agent test release <release@hyperlight.invalid>",
-                "rsa3072",
+                f"hyperlight-agent {name} <release@hyperlight.invalid>",
+                algorithm,
                 "sign",
                 "never",
             ],
@@ -75,6 +77,50 @@ class Keyring:
         ).stdout
         self.fingerprint = listing.split("fpr:::::::::", 1)[1][:40]
 
+    def gpg(self, *args: str) -> bytes:
+        return subprocess.run(
+            ["gpg", "--batch", "--yes", "--pinentry-mode", "loopback", "--passphrase", "", *args],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            timeout=60,
+        ).stdout
+
+    def public_key(self) -> bytes:
+        return self.gpg("--armor", "--export", self.fingerprint)
+
+    def sign(self, path: str) -> None:
+        """A detached armored signature, path.asc, as `make release` signs SHA256SUMS."""
+        self.gpg("--local-user", self.fingerprint, "--armor", "--detach-sign", "--output", path + ".asc", path)
+
+    def close(self) -> None:
+        subprocess.run(
+            ["gpgconf", "--homedir", self.home, "--kill", "gpg-agent"], check=False, capture_output=True, timeout=30
+        )
+
+
+def resign(release: str, signer: Keyring, carried: Sequence[Keyring], ephemeral: bool) -> None:
+    """Make a release directory look signed by `signer` (release.json's signing_key and
+    signing_key_ephemeral) with hyperlight-agent.asc holding the keys of `carried`, its
+    SHA256SUMS computed anew and signed by `signer`: as `make release` would have made it."""
+    path = os.path.join(release, "release.json")
+    found = manifest(release)
+    found.update(signing_key=signer.fingerprint, signing_key_ephemeral=ephemeral)
+    with open(path, "w") as f:
+        json.dump(found, f, indent=1, sort_keys=True)
+    with open(os.path.join(release, "hyperlight-agent.asc"), "wb") as f:
+        f.write(b"".join(k.public_key() for k in carried))
+    lines = []
+    for directory, _, names in sorted(os.walk(release)):
+        for name in sorted(names):
+            rel = os.path.relpath(os.path.join(directory, name), release)
+            if rel not in ("SHA256SUMS", "SHA256SUMS.asc"):
+                with open(os.path.join(directory, name), "rb") as g:
+                    lines.append(f"{hashlib.sha256(g.read()).hexdigest()}  {rel}\n")
+    with open(os.path.join(release, "SHA256SUMS"), "w") as f:
+        f.writelines(lines)
+    signer.sign(os.path.join(release, "SHA256SUMS"))
+
 
 class Builder:
     """`make release` into a directory of the session's, with its key and podman storage."""
@@ -92,7 +138,7 @@ class Builder:
         }
         self._base = False
 
-    def make(self, *args: str, timeout: float = 3600) -> subprocess.CompletedProcess[str]:
+    def make(self, *args: str, timeout: float = 3600, check: bool = True) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
             ["make", "-s", "-C", ROOT, *args, f"ENGINE={' '.join(self.engine.argv)}"],
             capture_output=True,
@@ -101,7 +147,8 @@ class Builder:
             timeout=timeout,
             check=False,
         )
-        assert done.returncode == 0, f"make {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        if check:
+            assert done.returncode == 0, f"make {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done
 
     def release(self, version: str, dist: Optional[str] = None) -> str:
@@ -115,12 +162,7 @@ class Builder:
     def close(self) -> None:
         self.engine.close()
         # gpg started an agent for the key's home: it ends with us, not minutes after the directory.
-        subprocess.run(
-            ["gpgconf", "--homedir", self.keyring.home, "--kill", "gpg-agent"],
-            check=False,
-            capture_output=True,
-            timeout=30,
-        )
+        self.keyring.close()
 
 
 def manifest(release: str) -> dict[str, Any]:
@@ -246,17 +288,29 @@ class Published:
             self.close()
             raise
 
-    def publish(self, release: str, site: str) -> None:
+    def publish(
+        self, release: str, site: str, namespace: str = "hyperlight-dev", fingerprint: str = "", check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        """`make publish` of a release into REGISTRY=<the registry>/namespace, with the session's
+        release key (or `fingerprint`) as the configured one."""
         self.builder.env["COSIGN_PASSWORD"] = ""
-        self.builder.make(
+        return self.builder.make(
             "publish",
             f"VERSION={manifest(release)['version']}",
             f"DIST={os.path.dirname(release)}",
-            f"REGISTRY={self.host}/hyperlight-dev",
+            f"REGISTRY={self.host}/{namespace}",
             "INSECURE_REGISTRY=1",
             f"COSIGN_KEY={self.cosign_key}",
             f"SITE={site}",
+            f"RELEASE_GPG_FINGERPRINT={fingerprint or self.builder.keyring.fingerprint}",
+            check=check,
         )
+
+    def repositories(self) -> list[str]:
+        """Every repository the registry holds (its catalog)."""
+        with urllib.request.urlopen(f"http://{self.host}/v2/_catalog", timeout=30) as response:
+            found: list[str] = json.load(response)["repositories"]
+        return found
 
     def serve(self, version: str) -> None:
         """Point the site at this release's repositories (a link swapped atomically)."""

@@ -9,13 +9,15 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import tarfile
+from typing import Any
 
 import pytest
 import yaml
 
-from tests.releases import CURRENT, PREVIOUS, TOOLS, Published, manifest
+from tests.releases import CURRENT, PREVIOUS, TOOLS, Keyring, Published, manifest, resign
 
 pytestmark = pytest.mark.system
 
@@ -199,3 +201,100 @@ def test_another_key_does_not_verify_the_release_image(published: Published, tmp
         check=False,
     )
     assert refused.returncode != 0, refused.stdout
+
+
+def test_make_publish_refuses_a_throwaway_key_and_another_key(published: Published, tmp: str) -> None:
+    """A release signed with a key made for its build (`make release` without RELEASE_GPG_KEY), and
+    one re-signed by another key, are refused by `make publish` before anything is pushed, whatever
+    key they carry; the release key is configured, never taken from the release."""
+    project = published.builder.keyring
+    throwaway = Keyring(os.path.join(tmp, "throwaway"), "ed25519", "throwaway")
+    try:
+        cases = [
+            # (signed by, carried keys, release.json's ephemeral flag, configured fingerprint, refusal)
+            (throwaway, [throwaway], True, project.fingerprint, "signed with a key made for that build only"),
+            # The fingerprint taken from the release itself: still refused.
+            (throwaway, [throwaway], True, throwaway.fingerprint, "signed with a key made for that build only"),
+            (
+                throwaway,
+                [throwaway],
+                False,
+                project.fingerprint,
+                f"SHA256SUMS.asc: signed by {throwaway.fingerprint}, not by the release key {project.fingerprint}",
+            ),
+            (throwaway, [project], False, project.fingerprint, f"ERRSIG {throwaway.fingerprint[-16:]}"),
+        ]
+        for n, (signer, carried, ephemeral, fingerprint, refusal) in enumerate(cases):
+            dist = os.path.join(tmp, f"dist-{n}")
+            release = os.path.join(dist, CURRENT)
+            shutil.copytree(published.releases[CURRENT], release)
+            resign(release, signer, carried, ephemeral)
+            site = os.path.join(tmp, f"site-{n}")
+            done = published.publish(release, site, namespace=f"refused{n}", fingerprint=fingerprint, check=False)
+            assert done.returncode == 1 and refusal in done.stderr, (n, done.stdout, done.stderr)
+            assert done.stderr.startswith("make publish: "), done.stderr
+            assert not os.path.exists(site), "nothing for the web host"
+            assert not [r for r in published.repositories() if r.startswith(f"refused{n}/")], "nothing pushed"
+            shutil.rmtree(dist)
+        # The same copy re-signed by the release key is published (the refusals were the keys').
+        release = os.path.join(tmp, "dist", CURRENT)
+        shutil.copytree(published.releases[CURRENT], release)
+        resign(release, project, [project], False)
+        done = published.publish(release, os.path.join(tmp, "site"), namespace="accepted", check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "accepted/hyperlight-agent" in published.repositories()
+    finally:
+        throwaway.close()
+
+
+def chart_manifest(reference: str) -> tuple[str, dict[str, Any]]:
+    """The chart's OCI manifest as the registry serves it: (its digest, the manifest)."""
+    raw = skopeo("inspect", "--raw", "--tls-verify=false", f"docker://{reference}")
+    return "sha256:" + hashlib.sha256(raw.encode()).hexdigest(), json.loads(raw)
+
+
+def test_cosign_verifies_the_chart_by_digest_and_it_is_the_release_s(published: Published, tmp: str) -> None:
+    """The chart decides which image digest users run, so it is signed as the image is: its OCI
+    manifest, by digest, whose one layer is the release's chart package."""
+    chart = f"{published.host}/hyperlight-dev/charts/hyperlight-agent"
+    release = published.releases[CURRENT]
+    digest, served = chart_manifest(f"{chart}:{CURRENT}")
+    with open(os.path.join(release, manifest(release)["chart"]), "rb") as f:
+        package = "sha256:" + hashlib.sha256(f.read()).hexdigest()
+    assert [layer["digest"] for layer in served["layers"]] == [package]
+    claims = json.loads(verify(published, f"{chart}@{digest}").stdout)
+    assert {c["critical"]["image"]["docker-manifest-digest"] for c in claims} == {digest}
+    verify(published, f"{chart}:{CURRENT}")
+
+    # A changed chart (another default image) pushed as the same version elsewhere: nobody signed it.
+    layout = os.path.join(tmp, "chart")
+    with tarfile.open(os.path.join(release, manifest(release)["chart"])) as package_file:
+        package_file.extractall(layout)  # noqa: S202 (the release's own chart, just built)
+    values = os.path.join(layout, "hyperlight-agent", "values.yaml")
+    with open(values) as f:
+        text = f.read()
+    with open(values, "w") as f:
+        f.write(text.replace(manifest(release)["image"]["digest"], "sha256:" + "1" * 64))
+    helm = os.path.join(TOOLS, "helm")
+    subprocess.run(
+        [helm, "package", os.path.join(layout, "hyperlight-agent"), "--destination", tmp],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    for source, namespace in ((os.path.join(tmp, f"hyperlight-agent-{CURRENT}.tgz"), "tampered"), (None, "elsewhere")):
+        # (None: the release's own chart, copied to another repository: no signature there.)
+        subprocess.run(
+            [
+                helm,
+                "push",
+                source or os.path.join(release, manifest(release)["chart"]),
+                f"oci://{published.host}/{namespace}/charts",
+                "--plain-http",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        refused = verify(published, f"{published.host}/{namespace}/charts/hyperlight-agent:{CURRENT}", check=False)
+        assert refused.returncode != 0 and "no signatures found" in refused.stderr, refused.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import os
 import re
 import sys
@@ -133,6 +134,12 @@ def test_readme_gives_operators_the_public_channels_at_this_version() -> None:
     assert f"curl -fsSL {PUBLIC_SITE}/hyperlight-agent.asc" in apt
     yum = readme_commands("yum")
     assert "gpgcheck=1\n" in yum and "repo_gpgcheck=1\n" in yum and f"{PUBLIC_SITE}/yum/el9/$basearch" in yum
+    # The image and the chart are verified alike (tests/test_registry.py verifies both by tag).
+    verify = readme_commands("verify")
+    registry = PUBLIC_CHARTS.removeprefix("oci://").rsplit("/", 1)[0]
+    for artefact in (f"{registry}/hyperlight-agent", f"{registry}/charts/hyperlight-agent"):
+        command = verify.split(f"cosign verify {artefact}:{__version__} ", 1)[1].split("\ncosign", 1)[0]
+        assert "--certificate-identity-regexp '^https://github\\.com/hyperlight-dev/" in command, artefact
 
 
 def test_release_workflow_runs_exactly_make_release_and_make_publish_on_a_tag() -> None:
@@ -195,3 +202,86 @@ def test_a_release_holding_the_placeholder_digest_is_refused(tmp_path: Any) -> N
         package.addfile(member, io.BytesIO(data))
     with pytest.raises(release.ReleaseError, match=r"hyperlight-agent-9\.9\.9\.tgz:hyperlight-agent/values\.yaml"):
         release.refuse_placeholders(str(chart))
+
+
+def publish_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("publish", os.path.join(ROOT, "packaging", "publish.py"))
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FINGERPRINT = "0123456789ABCDEF0123456789ABCDEF01234567"
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("", "RELEASE_GPG_FINGERPRINT is not set: the fingerprint of the project's release key"),
+        ("89ABCDEF01234567", "RELEASE_GPG_FINGERPRINT '89ABCDEF01234567': not a full OpenPGP v4 fingerprint"),
+        (FINGERPRINT + "0", "not a full OpenPGP v4 fingerprint"),
+        ("release@hyperlight.dev", "RELEASE_GPG_FINGERPRINT 'release@hyperlight.dev': not a full"),
+    ],
+)
+def test_publish_needs_the_release_key_s_full_fingerprint_configured(value: str, error: str) -> None:
+    publish = publish_script()
+    with pytest.raises(publish.ConfigError) as refused:
+        publish.release_fingerprint(value)
+    assert error in str(refused.value)
+
+
+def test_publish_reads_a_fingerprint_as_gpg_prints_it() -> None:
+    publish = publish_script()
+    spaced = " ".join(FINGERPRINT.lower()[i : i + 4] for i in range(0, 40, 4))
+    assert publish.release_fingerprint(spaced) == FINGERPRINT
+
+
+@pytest.mark.parametrize("flag", [True, None, "false"])
+def test_publish_refuses_a_release_signed_with_a_key_made_for_its_build(tmp_path: Any, flag: object) -> None:
+    """Before any signature is looked at (nothing has to be trusted to refuse): a release whose
+    release.json does not say plainly that its key was the release key."""
+    publish = publish_script()
+    (tmp_path / "SHA256SUMS").write_text("")
+    manifest: dict[str, object] = {"version": "0.1.0", "signing_key": FINGERPRINT}
+    if flag is not None:
+        manifest["signing_key_ephemeral"] = flag
+    (tmp_path / "release.json").write_text(json.dumps(manifest))
+    with pytest.raises(publish.PublishError, match=r"signed with a key made for that build only"):
+        publish.verify_release(str(tmp_path), FINGERPRINT)
+
+
+def test_only_good_signatures_name_their_signer() -> None:
+    publish = publish_script()
+    other = "F" * 40
+    good = (
+        "[GNUPG:] NEWSIG\n[GNUPG:] KEY_CONSIDERED {f} 0\n[GNUPG:] SIG_ID x 2026-12-01 1796083200\n"
+        "[GNUPG:] GOODSIG {k} hyperlight-agent\n"
+        "[GNUPG:] VALIDSIG {s} 2026-12-01 1796083200 0 4 0 1 10 00 {f}\n[GNUPG:] TRUST_UNDEFINED 0 pgp\n"
+    )
+    # A signing subkey: the primary key's fingerprint (the last field) is the one users hold.
+    assert publish.signers(good.format(f=FINGERPRINT, s=other, k=FINGERPRINT[-16:])) == [FINGERPRINT]
+    assert publish.signers(good.format(f=other, s=other, k=other[-16:])) == [other]
+    for bad in (
+        f"[GNUPG:] BADSIG {FINGERPRINT[-16:]} hyperlight-agent\n",
+        f"[GNUPG:] ERRSIG {other[-16:]} 1 10 00 1796083200 9 -\n[GNUPG:] NO_PUBKEY {other[-16:]}\n",
+        f"[GNUPG:] EXPKEYSIG {FINGERPRINT[-16:]} hyperlight-agent\n",
+        f"[GNUPG:] REVKEYSIG {FINGERPRINT[-16:]} hyperlight-agent\n",
+    ):
+        with pytest.raises(publish.PublishError, match=r"^SHA256SUMS\.asc: [A-Z]+ [0-9A-F]{16}: not a good signature"):
+            publish.signers(good.format(f=FINGERPRINT, s=FINGERPRINT, k=FINGERPRINT[-16:]) + bad)
+
+
+def test_publish_settings_missing_exit_2_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    publish = publish_script()
+    monkeypatch.setenv("VERSION", "0.1.0")
+    monkeypatch.setenv("REGISTRY", "registry.invalid/x")
+    monkeypatch.delenv("RELEASE_GPG_FINGERPRINT", raising=False)
+    assert publish.main() == 2
+    err = capsys.readouterr().err
+    assert err.startswith("make publish: RELEASE_GPG_FINGERPRINT is not set") and err.count("\n") == 1, err
+    monkeypatch.setenv("REGISTRY", "")
+    assert publish.main() == 2
+    assert capsys.readouterr().err.startswith("make publish: REGISTRY is not set")
