@@ -147,13 +147,16 @@ rpm-deps:
 release-deps:
 	@$(call apt_install,$(RELEASE_PACKAGES))
 
-# Package builds need pip and the project's sources, not its test extra: a venv of their own.
+# Package builds need pip and the build backend, not the test extra: a venv of their own, the
+# build environment of every wheel we build (packaging/wheels.sh builds without isolation), installed
+# from pins/build.txt by hash: nothing unpinned runs in a build.
 BUILD_VENV := build/venv
-$(BUILD_VENV)/.installed:
+$(BUILD_VENV)/.installed: pins/build.txt
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 && $(PYTHON) -c 'import ensurepip' 2>/dev/null \
 	  || $(MAKE) --no-print-directory deb-deps
+	rm -rf $(BUILD_VENV)
 	$(PYTHON) -m venv $(BUILD_VENV)
-	$(BUILD_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BUILD_VENV)/bin/python -m pip install -q --disable-pip-version-check --require-hashes -r pins/build.txt
 	touch $@
 
 # A .deb for Debian 12 (its python3 3.11): debhelper runs packaging/stage.sh, lintian judges.
@@ -209,31 +212,37 @@ image: image-wheels  ## the container image (podman or docker)
 # Rebuilt when the sources, the locks, the version, the target Python or the CPUs change.
 image-wheels: $(IMAGE_WHEELS)/.stamp-$(VERSION)-$(IMAGE_PYTHON)-$(subst $(comma),_,$(IMAGE_ARCHES))
 $(IMAGE_WHEELS)/.stamp-%: pyproject.toml $(wildcard hyperlight_agent/*.py hyperlight_agent/*/*.py) $(wildcard pins/*.txt) \
-  deploy/image/wheels.sh packaging/wheels.sh
-	@mkdir -p build && VERSION=$(VERSION) PYTHON=$(PYTHON) deploy/image/wheels.sh $(IMAGE_WHEELS) $(IMAGE_PYTHON) '$(IMAGE_ARCHES)' \
+  deploy/image/wheels.sh packaging/wheels.sh $(BUILD_VENV)/.installed
+	@mkdir -p build && VERSION=$(VERSION) PYTHON=$(abspath $(BUILD_VENV)/bin/python) deploy/image/wheels.sh $(IMAGE_WHEELS) $(IMAGE_PYTHON) '$(IMAGE_ARCHES)' \
 	  >build/image-wheels.log 2>&1 || { echo "make image: preparing wheels failed: $$(tail -n 1 build/image-wheels.log)" >&2; exit 1; }
 	@touch $@
 image-base:  ## a Debian 12 base image built locally, for machines without a registry
 	@ENGINE='$(ENGINE)' deploy/image/base.sh
 
-# The release tools (pins/release.txt): uv writes the locks, cyclonedx-bom the SBOMs.
+# The release tools (pins/release.in, locked with every dependency and hash in pins/release.txt):
+# uv writes the locks, cyclonedx-bom the SBOMs.
 RELEASE_TOOLS := build/release-tools
 $(RELEASE_TOOLS)/.installed: pins/release.txt
+	rm -rf $(RELEASE_TOOLS)
 	$(PYTHON) -m venv $(RELEASE_TOOLS)
-	$(RELEASE_TOOLS)/bin/pip install -q -r pins/release.txt
+	$(RELEASE_TOOLS)/bin/pip install -q --disable-pip-version-check --require-hashes -r pins/release.txt
 	touch $@
 
 # The runtime dependencies of everything we ship, locked with hashes per target Python (3.9 EL9,
-# 3.11 Debian 12 and the image, 3.12 Azure Linux 3) in pins/runtime-py*.txt, and pip for the image
-# build: `make lock` resolves pyproject.toml's ranges anew at the newest releases (then run
+# 3.11 Debian 12 and the image, 3.12 Azure Linux 3) in pins/runtime-py*.txt, pip for the image
+# build, and the tools of the build and the release (pins/build.in, pins/release.in: every
+# dependency, hashed): `make lock` resolves the ranges anew at the newest releases (then run
 # `make test` before committing the locks). Packages and the image install exactly these.
 LOCK_PYTHONS := 3.9 3.11 3.12
 UV_COMPILE = $(RELEASE_TOOLS)/bin/uv pip compile --quiet --upgrade --generate-hashes --custom-compile-command 'make lock'
-lock: $(RELEASE_TOOLS)/.installed  ## re-resolve the runtime locks (pins/runtime-py*.txt) at the newest releases, with hashes
+lock: $(RELEASE_TOOLS)/.installed  ## re-resolve the locks (pins/runtime-py*.txt, build.txt, release.txt) at the newest releases, with hashes
 	set -e; for py in $(LOCK_PYTHONS); do \
 	  $(UV_COMPILE) --python-version $$py --python-platform x86_64-manylinux_2_28 -o pins/runtime-py$$py.txt pyproject.toml; \
 	done
 	echo pip | $(UV_COMPILE) --python-version 3.11 -o pins/image-pip.txt -
+	@# The tools of the build and the release, for whichever Python the build host runs (3.9 on).
+	$(UV_COMPILE) --universal --python-version 3.9 -o pins/build.txt pins/build.in
+	$(UV_COMPILE) --universal --python-version 3.9 -o pins/release.txt pins/release.in
 
 # A complete, signed release in $(DIST)/$(VERSION)/ (what it holds: packaging/release.py): the
 # .deb, the signed .rpm, signed apt and yum repositories, the image as an OCI archive, the chart

@@ -9,6 +9,9 @@
 #   - its dependencies exactly as pins/runtime-pyX.Y.txt locks them (`make lock`), downloaded for
 #     the target's Python and CPU(s) with --require-hashes;
 #   - sdnotify, published as source only: its hash-checked sdist built into a (pure-Python) wheel.
+# Both are built without pip's build isolation, which would fetch the build backend (setuptools)
+# unpinned and unhashed and run it: PYTHON must be the build environment, a venv installed from
+# pins/build.txt by hash (the Makefile's build/venv), and it is checked to be.
 # The lock is complete for its Python (markers already evaluated by uv for that version), so
 # nothing is resolved here: --no-deps everywhere.
 #   usage: packaging/wheels.sh OUTDIR [TARGET_PYTHON_VERSION] [ARCHES]   (defaults: 3.11, x86_64)
@@ -26,6 +29,13 @@ source_only=sdnotify
 if [ -n "${VERSION:-}" ] && ! echo "$VERSION" | grep -Eq '^[0-9]+\.[0-9]+\.[0-9]+$'; then
     echo "wheels.sh: VERSION $VERSION: not MAJOR.MINOR.PATCH" >&2; exit 2
 fi
+# The build backend the build environment has must be the one pins/build.txt locks.
+locked=$(sed -n 's/^setuptools==\([^ ;]*\).*/\1/p' "$here/pins/build.txt")
+found=$("$python" -c 'import importlib.metadata as m; print(m.version("setuptools"))' 2>/dev/null || echo none)
+if [ "$found" != "$locked" ]; then
+    echo "wheels.sh: $python has setuptools $found, not pins/build.txt's $locked: PYTHON must be the build environment (make build/venv/.installed)" >&2
+    exit 2
+fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$out"
@@ -36,7 +46,7 @@ find "$work" -name '__pycache__' -type d -prune -exec rm -rf {} +
 if [ -n "${VERSION:-}" ]; then
     sed -i "s/^__version__ = \".*\"$/__version__ = \"$VERSION\"/" "$work/hyperlight_agent/__init__.py"
 fi
-"$python" -m pip wheel --no-deps --quiet --disable-pip-version-check --wheel-dir "$out" "$work"
+"$python" -m pip wheel --no-deps --no-build-isolation --quiet --disable-pip-version-check --wheel-dir "$out" "$work"
 
 # The lock split in two: packages with wheels, and those published as source only.
 split() {  # split LOCK NAME-PATTERN KEEP(1: those matching, 0: the others)
@@ -52,7 +62,7 @@ for arch in $(echo "$arches" | tr , ' '); do
 done
 "$python" -m pip download --quiet --disable-pip-version-check --no-deps --require-hashes --no-binary=:all: \
     --dest "$work/sdists" -r "$work/source.txt"
-"$python" -m pip wheel --quiet --disable-pip-version-check --no-deps --wheel-dir "$out" "$work"/sdists/*
+"$python" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation --wheel-dir "$out" "$work"/sdists/*
 
 # What installs exactly these: the lock's lines (hashes of the files on the package index), and
 # for the wheels built here, their own hashes.

@@ -54,12 +54,14 @@ def rootfs() -> str:
 
 
 def stage(dest: str) -> str:
-    """The installed file tree (packaging/stage.sh), as the packages ship it."""
+    """The installed file tree (packaging/stage.sh), as the packages ship it, built in the build
+    environment the packages are built in (the Makefile's build/venv)."""
+    subprocess.run(["make", "-s", "build/venv/.installed"], cwd=ROOT, check=True, timeout=600, capture_output=True)
     subprocess.run(
         [os.path.join(ROOT, "packaging", "stage.sh"), dest],
         check=True,
         timeout=600,
-        env={**os.environ, "PYTHON": os.environ.get("PYTHON", "python3")},
+        env={**os.environ, "PYTHON": os.path.join(BUILD, "venv", "bin", "python")},
     )
     return dest
 

@@ -6,6 +6,9 @@ import os
 import re
 import subprocess
 import sys
+import zipfile
+
+import pytest
 
 from hyperlight_agent import cli, config
 from tests.test_docs import ROOT
@@ -177,3 +180,72 @@ def test_postinst_asks_policy_rc_d_about_the_restart_it_makes(tmp: str) -> None:
     calls = run_postinst(tmp, "configure", "0.1.0", policy={"reload": 101, "restart": 0}, upgrade=3)
     assert "hyperlight-agent --upgrade-in-place 4242" not in calls
     assert f"systemctl --no-block restart {UNIT}" not in calls
+
+
+def stand_in_setuptools(directory: str, marker: str) -> str:
+    """A wheel claiming to be setuptools 80.99.0 (inside pyproject.toml's build-system range, above
+    every real 80.x) whose build backend, when run, leaves `marker` and fails: what an index or
+    mirror could serve to a build that fetches its backend unpinned."""
+    name = "setuptools-80.99.0"
+    files = {
+        "setuptools/__init__.py": "",
+        "setuptools/build_meta.py": f"open({marker!r}, 'w').close()\nraise SystemExit('the stand-in backend ran')\n",
+        f"{name}.dist-info/METADATA": "Metadata-Version: 2.1\nName: setuptools\nVersion: 80.99.0\n",
+        f"{name}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    path = os.path.join(directory, f"{name}-py3-none-any.whl")
+    with zipfile.ZipFile(path, "w") as wheel:
+        for member, text in files.items():
+            wheel.writestr(member, text)
+        wheel.writestr(f"{name}.dist-info/RECORD", "".join(f"{m},,\n" for m in [*files, f"{name}.dist-info/RECORD"]))
+    return path
+
+
+@pytest.mark.system
+def test_shipped_wheels_are_built_by_the_hashed_build_environment_only(tmp: str) -> None:
+    """packaging/wheels.sh with a stand-in setuptools on offer (PIP_FIND_LINKS): the agent's wheel
+    and sdnotify's are built by build/venv's setuptools (pins/build.txt, by hash); the stand-in never
+    runs. Under pip's build isolation it was fetched and run."""
+    subprocess.run(["make", "-s", "build/venv/.installed"], cwd=ROOT, check=True, timeout=600, capture_output=True)
+    links = os.path.join(tmp, "links")
+    os.makedirs(links)
+    marker = os.path.join(tmp, "stand-in-ran")
+    stand_in_setuptools(links, marker)
+    out = os.path.join(tmp, "wheels")
+    done = subprocess.run(
+        [os.path.join(ROOT, "packaging", "wheels.sh"), out, "3.11"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        env={**os.environ, "PYTHON": os.path.join(ROOT, "build", "venv", "bin", "python"), "PIP_FIND_LINKS": links},
+    )
+    assert not os.path.exists(marker), "the stand-in build backend ran"
+    assert done.returncode == 0, done.stderr
+    built = sorted(n for n in os.listdir(out) if n.startswith(("hyperlight_agent-", "sdnotify-")))
+    assert [n.split("-")[0] for n in built] == ["hyperlight_agent", "sdnotify"], built
+
+
+def test_wheels_refuse_a_python_that_is_not_the_build_environment(tmp: str) -> None:
+    """Without build/venv's setuptools (here: this venv's, whatever it is, or none), nothing is built."""
+    with open(os.path.join(ROOT, "pins", "build.txt")) as f:
+        locked = re.search(r"^setuptools==([^ ;]+)", f.read(), re.M)
+    assert locked
+    python = os.path.join(tmp, "python")
+    with open(python, "w") as f:
+        f.write(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')  # -S: no site-packages, so no setuptools
+    os.chmod(python, 0o755)  # noqa: S103 - run as PYTHON
+    done = subprocess.run(
+        [os.path.join(ROOT, "packaging", "wheels.sh"), os.path.join(tmp, "out"), "3.11"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PYTHON": python},
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == (
+        f"wheels.sh: {python} has setuptools none, not pins/build.txt's {locked.group(1)}: "
+        "PYTHON must be the build environment (make build/venv/.installed)\n"
+    )
+    assert not os.path.exists(os.path.join(tmp, "out"))

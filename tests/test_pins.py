@@ -9,6 +9,11 @@ import os
 import re
 import sys
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -92,3 +97,52 @@ def test_the_dra_client_is_pinned_within_its_range_and_installed() -> None:
         assert importlib.metadata.version(name) == version, f"{name}: `make` reinstalls from pins/dra.txt"
     with open(os.path.join(ROOT, "Makefile")) as f:
         assert "-c pins/dev.txt -c pins/dra.txt" in f.read()
+
+
+def hashed_lock(name: str) -> dict[str, list[tuple[str, list[str]]]]:
+    """pins/<name> as uv writes a hashed lock: canonical name → [(version, sha256 hashes)], one entry
+    per marker (a universal lock may hold a package twice, for different Pythons)."""
+    found: dict[str, list[tuple[str, list[str]]]] = {}
+    current: list[str] = []
+    with open(os.path.join(PINS, name)) as f:
+        for line in f:
+            if match := re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^ ;]+)( ; [^\\]+)? \\$", line):
+                current = []
+                found.setdefault(canonicalize_name(match.group(1)), []).append((match.group(2), current))
+            elif match := re.match(r"^    --hash=sha256:([0-9a-f]{64})( \\)?$", line):
+                current.append(match.group(1))
+            else:
+                assert line.startswith(("#", "    #")), f"pins/{name}: not a hashed lock line: {line!r}"
+    return found
+
+
+def test_the_build_and_release_tools_are_locked_with_every_hash_and_installed_by_them() -> None:
+    """What runs in a release build (the build backend, uv, cyclonedx-bom and their dependencies) is
+    installed from a complete hashed lock with --require-hashes (pip then refuses anything unpinned)."""
+    for name in ("build.txt", "release.txt"):
+        lock = hashed_lock(name)
+        assert lock, name
+        for package, entries in lock.items():
+            for version, hashes in entries:
+                assert hashes, f"pins/{name}: {package}=={version} has no hash"
+    with open(os.path.join(PINS, "release.in")) as f:
+        tools = [Requirement(line.strip()) for line in f if line.strip() and not line.startswith("#")]
+    assert {canonicalize_name(t.name) for t in tools} == {"cyclonedx-bom", "uv"}
+    release = hashed_lock("release.txt")
+    for tool in tools:
+        (pinned,) = tool.specifier
+        assert pinned.operator == "==", f"pins/release.in: {tool} is not an exact pin"
+        assert [v for v, _ in release[canonicalize_name(tool.name)]] == [pinned.version]
+    assert len(release) > len(tools), "their dependencies are locked too"
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        (backend,) = [Requirement(r) for r in tomllib.load(f)["build-system"]["requires"]]
+    for version, _ in hashed_lock("build.txt")[canonicalize_name(backend.name)]:
+        assert backend.specifier.contains(version), f"pins/build.txt: {backend.name} {version} outside {backend}"
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        makefile = f.read()
+    for name in ("build.txt", "release.txt"):
+        assert f"--require-hashes -r pins/{name}" in makefile, name
+    with open(os.path.join(ROOT, "packaging", "wheels.sh")) as f:
+        wheels = f.read()
+    builds = [line for line in wheels.splitlines() if " -m pip wheel " in line]
+    assert len(builds) == 2 and all("--no-build-isolation" in b for b in builds), builds
