@@ -27,7 +27,7 @@ apt_install = missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $
 	fi
 
 .PHONY: help e2e e2e-components run test check lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
-  image-wheels tools pin-tools lock release publish release-deps
+  image-wheels tools pin-tools lock release publish resign release-deps
 # Package builds run in a copy of the sources under build/, never in the work tree.
 PKG_SOURCES := pyproject.toml README.md hyperlight_agent proto packaging systemd pins
 # The version everything is built as: hyperlight_agent/__init__.py is the one source of truth.
@@ -50,7 +50,7 @@ JUDGES := build/judges
 # The judges of the code, written once: every target that lints or type-checks runs these.
 RUFF := $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.py packaging/release.py \
-  packaging/publish.py pins/update.py
+  packaging/publish.py packaging/resign.py pins/update.py
 # The module layers and boundaries (pyproject.toml's [tool.importlinter]).
 IMPORTS := $(VENV)/bin/lint-imports --no-cache
 
@@ -264,6 +264,13 @@ release: release-deps $(BUILD_VENV)/.installed $(RELEASE_TOOLS)/.installed tools
 publish: release-deps tools  ## push and sign a release: REGISTRY= (OCI), SITE= (the package repositories), RELEASE_GPG_FINGERPRINT=
 	@VERSION='$(VERSION)' DIST='$(DIST)' REGISTRY='$(REGISTRY)' SITE='$(SITE)' INSECURE_REGISTRY='$(INSECURE_REGISTRY)' \
 	  COSIGN_KEY='$(COSIGN_KEY)' RELEASE_GPG_FINGERPRINT='$(RELEASE_GPG_FINGERPRINT)' $(PYTHON) packaging/publish.py
+
+# Re-date and re-sign the published apt repository in SITE (packaging/resign.py) before its
+# Release's Valid-Until (30 days): the release workflow's weekly `resign` job. RELEASE_GPG_KEY in
+# GNUPGHOME, as for `make release`; only a Release that key signed is signed again.
+resign:  ## re-sign the published apt repository in SITE= before it expires (weekly, from the release workflow)
+	@$(call apt_install,gnupg)
+	@SITE='$(SITE)' RELEASE_GPG_KEY='$(RELEASE_GPG_KEY)' $(PYTHON) packaging/resign.py
 
 clean:  ## remove the venvs and build products
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -80,16 +80,16 @@ def release_fingerprint(value: str) -> str:
     return fingerprint
 
 
-def signers(status: str) -> list[str]:
+def signers(status: str, signature: str = "SHA256SUMS.asc") -> list[str]:
     """The primary-key fingerprints of the good signatures in `gpg --status-fd` output; any signature
-    that is not good (bad, unverifiable, expired or revoked key) is an error."""
+    that is not good (bad, unverifiable, expired or revoked key) is an error naming `signature`."""
     found = []
     for line in status.splitlines():
         words = line.split()
         if len(words) < 2 or words[0] != "[GNUPG:]":
             continue
         if words[1] in NOT_GOOD:
-            raise PublishError(f"SHA256SUMS.asc: {words[1]} {' '.join(words[2:3])}: not a good signature")
+            raise PublishError(f"{signature}: {words[1]} {' '.join(words[2:3])}: not a good signature")
         if words[1] == "VALIDSIG":
             # VALIDSIG <signing key fpr> <date> <timestamp> <expiry> <version> <reserved> <pk algo>
             # <hash algo> <class> <primary key fpr>: the key users hold is the primary one.

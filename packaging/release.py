@@ -45,6 +45,10 @@ PLACEHOLDER = "sha256:" + "0" * 64
 LOCKS = {"deb": "3.11", "el9": "3.9", "azl3": "3.12", "image": "3.11"}
 APT_CODENAME = "bookworm"
 APT_COMPONENT = "main"
+# How long apt trusts the repository's signed Release (its Valid-Until): a mirror or proxy frozen
+# at an old release is refused after this. The release workflow's `resign` job re-dates and
+# re-signs the published Release weekly (`make resign`), well within it.
+APT_VALID_DAYS = 30
 PUBLIC_KEY = "hyperlight-agent.asc"
 SUMS = "SHA256SUMS"
 VERSION_RE = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+")
@@ -214,6 +218,7 @@ def apt_repository(out: str, deb: str, signer: Signer, work: str) -> None:
             f"Origin: hyperlight-agent\nLabel: hyperlight-agent\nCodename: {APT_CODENAME}\n"
             f"Architectures: amd64\nComponents: {APT_COMPONENT}\n"
             f"Description: hyperlight-agent for Debian 12\nSignWith: {signer.fingerprint}\n"
+            f"ValidFor: {APT_VALID_DAYS}d\n"
         )
     run(
         "reprepro",

@@ -9,6 +9,8 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -16,7 +18,7 @@ import pytest
 from standin.kubelet import StandinThread
 from tests import nspawn
 from tests.conftest import make_node, wait_for
-from tests.releases import CURRENT, PREVIOUS, PUBLIC_SITE, Published, Site, readme_commands
+from tests.releases import CURRENT, PREVIOUS, PUBLIC_SITE, ROOT, Published, Site, readme_commands
 from tests.test_deb import UNIT, agent_starts
 
 pytestmark = pytest.mark.system
@@ -124,3 +126,46 @@ def test_apt_get_upgrade_takes_a_running_host_from_n_minus_1_to_n(published: Pub
         kubelet.wait_until(lambda k: k.allocatable() == 2000, 60, "release N registered")
         assert guest.run("hyperlight-agent", "--version").stdout.strip() == f"hyperlight-agent {CURRENT}"
         assert agent_starts(guest)[-1] == CURRENT, agent_starts(guest)
+
+
+def test_an_expired_release_is_refused_and_make_resign_renews_it(
+    published: Published, release_current: str, tmp: str
+) -> None:
+    """The Release carries Valid-Until (30 days): a copy frozen past it is refused by apt, so a
+    mirror cannot hold hosts at an old release unnoticed; `make resign` (the release workflow's
+    weekly job) re-dates and re-signs it with the release key, and apt takes it again."""
+    copy = os.path.join(tmp, "site")
+    shutil.copytree(os.path.join(release_current, "apt"), os.path.join(copy, "apt"))
+    shutil.copy2(os.path.join(release_current, "hyperlight-agent.asc"), copy)
+    builder = published.builder
+    # As if last re-signed 40 days ago: expired 10 days ago.
+    stale = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "packaging", "resign.py")],
+        env={**builder.env, "SITE": copy, "SOURCE_DATE_EPOCH": str(int(time.time()) - 40 * 86400)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert stale.returncode == 0, stale.stderr
+    served = Site(copy)
+    try:
+        root = fresh_root(tmp)
+        done = operator_install(root, served.url)
+        assert done.returncode != 0, done.stdout
+        assert "is expired" in done.stdout + done.stderr, done.stdout + done.stderr
+        assert nspawn.pipe(root, "dpkg-query", "-W", "hyperlight-agent").returncode != 0, "installed anyway"
+
+        renewed = builder.make("resign", f"SITE={copy}")
+        assert re.fullmatch(r"re-signed \S+/apt/dists/bookworm: valid until .* UTC\n", renewed.stdout), renewed.stdout
+        done = operator_install(root, served.url)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert nspawn.pipe(root, "dpkg-query", "-W", "-f=${Version}", "hyperlight-agent").stdout == CURRENT
+    finally:
+        served.close()
+
+    # Only what the release key signed is signed again.
+    with open(os.path.join(copy, "apt", "dists", "bookworm", "Release"), "a") as f:
+        f.write("Suite: stable\n")
+    refused = builder.make("resign", f"SITE={copy}", check=False)
+    assert refused.returncode != 0 and "make resign: " in refused.stderr and "BADSIG" in refused.stderr, refused.stderr

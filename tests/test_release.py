@@ -4,6 +4,8 @@ SBOM lists; and a second build of the same commit has the same dependency set.""
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import glob
 import gzip
 import hashlib
@@ -151,6 +153,15 @@ def test_make_release_holds_everything_a_release_publishes(release_current: str)
     assert m["version"] == v and m["image"]["repository"] == IMAGE_REPOSITORY
     assert re.fullmatch(r"sha256:[0-9a-f]{64}", m["image"]["digest"])
     assert m["signing_key_ephemeral"] is False
+
+
+def test_the_apt_release_expires_and_says_when(release_current: str) -> None:
+    """Valid-Until: apt refuses the repository's metadata after it, so a mirror frozen at an old
+    release (withholding a fix) is noticed; the published copy is re-signed before then."""
+    with open(os.path.join(release_current, "apt", "dists", "bookworm", "Release")) as f:
+        fields = dict(line.split(": ", 1) for line in f.read().splitlines() if re.match(r"^[A-Z][\w-]*: ", line))
+    date = email.utils.parsedate_to_datetime(fields["Date"])
+    assert email.utils.parsedate_to_datetime(fields["Valid-Until"]) - date == datetime.timedelta(days=30)
 
 
 def test_sha256sums_lists_every_file_and_is_signed(release_current: str, tmp: str) -> None:

@@ -142,16 +142,101 @@ def test_readme_gives_operators_the_public_channels_at_this_version() -> None:
         assert "--certificate-identity-regexp '^https://github\\.com/hyperlight-dev/" in command, artefact
 
 
+def workflow_makes(job: dict[str, Any]) -> list[str]:
+    runs = [step["run"] for step in job["steps"] if "run" in step]
+    return [line for run in runs for line in run.splitlines() if re.match(r"\s*make\b", line)]
+
+
 def test_release_workflow_runs_exactly_make_release_and_make_publish_on_a_tag() -> None:
     with open(os.path.join(ROOT, ".github", "workflows", "release.yml")) as f:
         workflow = yaml.safe_load(f)
     assert workflow[True]["push"] == {"tags": ["v[0-9]+.[0-9]+.[0-9]+"]}  # YAML reads the key `on` as True
-    runs = [step["run"] for job in workflow["jobs"].values() for step in job["steps"] if "run" in step]
-    makes = [line for run in runs for line in run.splitlines() if re.match(r"\s*make\b", line)]
+    release = workflow["jobs"]["release"]
+    assert release["if"] == "github.event_name == 'push'"
+    makes = workflow_makes(release)
     assert [m.split()[1] for m in makes] == ["release", "publish"], makes
     assert all('VERSION="${GITHUB_REF_NAME#v}"' in m for m in makes)
     assert "REGISTRY=ghcr.io/hyperlight-dev" in makes[1] and "COSIGN_KEY" not in makes[1]  # keyless
     assert workflow["permissions"]["id-token"] == "write"
+    # publish checks the release against the release key the repository configures.
+    (step,) = [s for s in release["steps"] if s.get("run", "").startswith("make publish")]
+    assert step["env"] == {"RELEASE_GPG_FINGERPRINT": "${{ vars.RELEASE_GPG_FINGERPRINT }}"}
+
+
+def test_release_workflow_re_signs_the_apt_repository_well_before_it_expires() -> None:
+    """apt refuses a Release past its Valid-Until: the published one is re-signed weekly, by the
+    same key, with `make resign` (and only that) on the site the latest release attached."""
+    with open(os.path.join(ROOT, ".github", "workflows", "release.yml")) as f:
+        workflow = yaml.safe_load(f)
+    ((cron,),) = [[s["cron"] for s in workflow[True]["schedule"]]]
+    day, month, weekday = cron.split()[2:]
+    assert (day, month) == ("*", "*") and weekday.isdigit(), "once a week"
+    valid_days = release_script().APT_VALID_DAYS
+    assert valid_days >= 7 * 3, "three weekly runs may fail before apt refuses the repository"
+    resign = workflow["jobs"]["resign"]
+    assert resign["if"] == "github.event_name != 'push'"
+    assert [m.split()[1:] for m in workflow_makes(resign)] == [["resign", "SITE=site"]]
+    (step,) = [s for s in resign["steps"] if s.get("run", "").startswith("make resign")]
+    assert step["env"] == {"RELEASE_GPG_KEY": "${{ vars.RELEASE_GPG_FINGERPRINT }}"}
+    assert "site.tar" in workflow["jobs"]["release"]["steps"][-1]["with"]["files"]
+    assert set(workflow["jobs"]["pages"]["needs"]) == {"release", "resign"}
+
+
+def resign_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "packaging"))
+    spec = importlib.util.spec_from_file_location("resign", os.path.join(ROOT, "packaging", "resign.py"))
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RELEASE = """Origin: hyperlight-agent
+Label: hyperlight-agent
+Codename: bookworm
+Date: Tue, 01 Dec 2026 10:00:00 UTC
+Valid-Until: Thu, 31 Dec 2026 10:00:00 UTC
+Architectures: amd64
+Components: main
+Description: hyperlight-agent for Debian 12
+MD5Sum:
+ d41d8cd98f00b204e9800998ecf8427e 0 main/binary-amd64/Packages
+SHA256:
+ e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855 0 main/binary-amd64/Packages
+"""
+
+
+def test_resign_re_dates_a_release_and_changes_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime
+
+    resign = resign_script(monkeypatch)
+    now = datetime.datetime(2027, 1, 20, 5, 17, 3, tzinfo=datetime.timezone.utc)
+    text = resign.redate(RELEASE, now)
+    assert text == RELEASE.replace("Tue, 01 Dec 2026 10:00:00 UTC", "Wed, 20 Jan 2027 05:17:03 UTC").replace(
+        "Thu, 31 Dec 2026 10:00:00 UTC", "Fri, 19 Feb 2027 05:17:03 UTC"
+    )
+    # One without Valid-Until gets one, right after its Date.
+    bare = RELEASE.replace("Valid-Until: Thu, 31 Dec 2026 10:00:00 UTC\n", "")
+    assert resign.redate(bare, now) == text
+    with pytest.raises(resign.PublishError, match="Release: no Date field"):
+        resign.redate(bare.replace("Date:", "Dated:"), now)
+
+
+def test_resign_settings_missing_exit_2_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    resign = resign_script(monkeypatch)
+    monkeypatch.delenv("SITE", raising=False)
+    assert resign.main() == 2
+    assert capsys.readouterr().err.startswith("make resign: SITE is not set")
+    monkeypatch.setenv("SITE", "site")
+    monkeypatch.delenv("RELEASE_GPG_KEY", raising=False)
+    assert resign.main() == 2
+    assert capsys.readouterr().err.startswith("make resign: RELEASE_GPG_KEY is not set")
+    monkeypatch.setenv("RELEASE_GPG_KEY", "release@hyperlight.dev")
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "yesterday")
+    assert resign.main() == 2
+    assert capsys.readouterr().err == "make resign: SOURCE_DATE_EPOCH 'yesterday': not seconds since 1970\n"
 
 
 def release_script() -> ModuleType:
