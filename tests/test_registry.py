@@ -231,8 +231,9 @@ def test_make_publish_refuses_a_throwaway_key_and_another_key(published: Publish
             resign(release, signer, carried, ephemeral)
             site = os.path.join(tmp, f"site-{n}")
             done = published.publish(release, site, namespace=f"refused{n}", fingerprint=fingerprint, check=False)
-            assert done.returncode == 1 and refusal in done.stderr, (n, done.stdout, done.stderr)
-            assert done.stderr.startswith("make publish: "), done.stderr
+            assert done.returncode != 0, (n, done.stdout)
+            (line,) = [x for x in done.stderr.splitlines() if x.startswith("make publish: ")]
+            assert refusal in line, (n, done.stderr)
             assert not os.path.exists(site), "nothing for the web host"
             assert not [r for r in published.repositories() if r.startswith(f"refused{n}/")], "nothing pushed"
             shutil.rmtree(dist)
