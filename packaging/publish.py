@@ -38,7 +38,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Optional
+from typing import Callable, Optional
+
+from release import sha256
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "build", "tools")
@@ -170,14 +172,6 @@ def verify_release(out: str, fingerprint: str) -> dict[str, object]:
     return manifest
 
 
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def publish() -> None:
     version = os.environ.get("VERSION", "")
     out = os.path.join(os.path.abspath(os.environ.get("DIST") or os.path.join(ROOT, "dist")), version)
@@ -277,13 +271,18 @@ def publish() -> None:
     )
 
 
-def main() -> int:
+def command(name: str, action: Callable[[], None]) -> int:
+    """Run `action` as the command `name`: its failure is one line, exit 2 for a setting, else 1."""
     try:
-        publish()
+        action()
     except PublishError as exc:
-        print(f"make publish: {exc}", file=sys.stderr)
+        print(f"{name}: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     return 0
+
+
+def main() -> int:
+    return command("make publish", publish)
 
 
 if __name__ == "__main__":

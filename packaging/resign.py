@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-from publish import ConfigError, PublishError, run, signers
+from publish import ConfigError, PublishError, command, run, signers
 from release import APT_VALID_DAYS
 
 
@@ -107,12 +107,7 @@ def resign() -> None:
 
 
 def main() -> int:
-    try:
-        resign()
-    except PublishError as exc:
-        print(f"make resign: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, ConfigError) else 1
-    return 0
+    return command("make resign", resign)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,17 @@ from __future__ import annotations
 import functools
 import hashlib
 import http.server
+import importlib
 import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import urllib.request
+from types import ModuleType
 from typing import Any, Optional, Sequence
 
 from hyperlight_agent import __version__
@@ -31,6 +34,15 @@ BASE = "localhost/hyperlight-agent-base:bookworm"
 # Where the release's chart says its image lives; the tests' registry serves as its mirror.
 IMAGE_REPOSITORY = "ghcr.io/hyperlight-dev/hyperlight-agent"
 PUBLIC_REGISTRY = "ghcr.io/hyperlight-dev"
+
+
+def packaging_module(name: str) -> ModuleType:
+    """A script of packaging/ (release, publish, resign) as a module: they import one another by
+    name, as they do when run from there."""
+    directory = os.path.join(ROOT, "packaging")
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    return importlib.import_module(name)
 
 
 def next_version(version: str) -> str:

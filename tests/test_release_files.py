@@ -4,14 +4,12 @@ operator commands README gives, and a release workflow that runs exactly the tes
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
 import re
 import sys
 import tarfile
-from types import ModuleType
 from typing import Any, Optional
 
 import pytest
@@ -22,7 +20,7 @@ from packaging.utils import canonicalize_name
 
 from hyperlight_agent import __version__
 from tests.e2e.cluster import versions
-from tests.releases import PUBLIC_CHARTS, PUBLIC_SITE, readme_commands
+from tests.releases import PUBLIC_CHARTS, PUBLIC_SITE, packaging_module, readme_commands
 from tests.test_docs import ROOT, read
 
 if sys.version_info >= (3, 11):
@@ -171,7 +169,7 @@ def test_release_workflow_re_signs_the_apt_repository_well_before_it_expires() -
     ((cron,),) = [[s["cron"] for s in workflow[True]["schedule"]]]
     day, month, weekday = cron.split()[2:]
     assert (day, month) == ("*", "*") and weekday.isdigit(), "once a week"
-    valid_days = release_script().APT_VALID_DAYS
+    valid_days = packaging_module("release").APT_VALID_DAYS
     assert valid_days >= 7 * 3, "three weekly runs may fail before apt refuses the repository"
     resign = workflow["jobs"]["resign"]
     assert resign["if"] == "github.event_name != 'push'"
@@ -180,15 +178,6 @@ def test_release_workflow_re_signs_the_apt_repository_well_before_it_expires() -
     assert step["env"] == {"RELEASE_GPG_KEY": "${{ vars.RELEASE_GPG_FINGERPRINT }}"}
     assert "site.tar" in workflow["jobs"]["release"]["steps"][-1]["with"]["files"]
     assert set(workflow["jobs"]["pages"]["needs"]) == {"release", "resign"}
-
-
-def resign_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "packaging"))
-    spec = importlib.util.spec_from_file_location("resign", os.path.join(ROOT, "packaging", "resign.py"))
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 RELEASE = """Origin: hyperlight-agent
@@ -209,7 +198,7 @@ SHA256:
 def test_resign_re_dates_a_release_and_changes_nothing_else(monkeypatch: pytest.MonkeyPatch) -> None:
     import datetime
 
-    resign = resign_script(monkeypatch)
+    resign = packaging_module("resign")
     now = datetime.datetime(2027, 1, 20, 5, 17, 3, tzinfo=datetime.timezone.utc)
     text = resign.redate(RELEASE, now)
     assert text == RELEASE.replace("Tue, 01 Dec 2026 10:00:00 UTC", "Wed, 20 Jan 2027 05:17:03 UTC").replace(
@@ -225,7 +214,7 @@ def test_resign_re_dates_a_release_and_changes_nothing_else(monkeypatch: pytest.
 def test_resign_settings_missing_exit_2_with_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    resign = resign_script(monkeypatch)
+    resign = packaging_module("resign")
     monkeypatch.delenv("SITE", raising=False)
     assert resign.main() == 2
     assert capsys.readouterr().err.startswith("make resign: SITE is not set")
@@ -239,14 +228,6 @@ def test_resign_settings_missing_exit_2_with_one_line(
     assert capsys.readouterr().err == "make resign: SOURCE_DATE_EPOCH 'yesterday': not seconds since 1970\n"
 
 
-def release_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("release", os.path.join(ROOT, "packaging", "release.py"))
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     ("version", "tags", "error"),
     [
@@ -258,7 +239,7 @@ def release_script() -> ModuleType:
     ],
 )
 def test_a_tagged_commit_is_released_only_as_its_tag(version: str, tags: list[str], error: Optional[str]) -> None:
-    release = release_script()
+    release = packaging_module("release")
     if error is None:
         release.check_version(version, tags)
     else:
@@ -268,7 +249,7 @@ def test_a_tagged_commit_is_released_only_as_its_tag(version: str, tags: list[st
 
 
 def test_a_release_holding_the_placeholder_digest_is_refused(tmp_path: Any) -> None:
-    release = release_script()
+    release = packaging_module("release")
     clean = tmp_path / "clean"
     clean.mkdir()
     (clean / "values.yaml").write_text('digest: "sha256:' + "1" * 64 + '"\n')
@@ -289,14 +270,6 @@ def test_a_release_holding_the_placeholder_digest_is_refused(tmp_path: Any) -> N
         release.refuse_placeholders(str(chart))
 
 
-def publish_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("publish", os.path.join(ROOT, "packaging", "publish.py"))
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 FINGERPRINT = "0123456789ABCDEF0123456789ABCDEF01234567"
 
 
@@ -310,14 +283,14 @@ FINGERPRINT = "0123456789ABCDEF0123456789ABCDEF01234567"
     ],
 )
 def test_publish_needs_the_release_key_s_full_fingerprint_configured(value: str, error: str) -> None:
-    publish = publish_script()
+    publish = packaging_module("publish")
     with pytest.raises(publish.ConfigError) as refused:
         publish.release_fingerprint(value)
     assert error in str(refused.value)
 
 
 def test_publish_reads_a_fingerprint_as_gpg_prints_it() -> None:
-    publish = publish_script()
+    publish = packaging_module("publish")
     spaced = " ".join(FINGERPRINT.lower()[i : i + 4] for i in range(0, 40, 4))
     assert publish.release_fingerprint(spaced) == FINGERPRINT
 
@@ -326,7 +299,7 @@ def test_publish_reads_a_fingerprint_as_gpg_prints_it() -> None:
 def test_publish_refuses_a_release_signed_with_a_key_made_for_its_build(tmp_path: Any, flag: object) -> None:
     """Before any signature is looked at (nothing has to be trusted to refuse): a release whose
     release.json does not say plainly that its key was the release key."""
-    publish = publish_script()
+    publish = packaging_module("publish")
     (tmp_path / "SHA256SUMS").write_text("")
     manifest: dict[str, object] = {"version": "0.1.0", "signing_key": FINGERPRINT}
     if flag is not None:
@@ -337,7 +310,7 @@ def test_publish_refuses_a_release_signed_with_a_key_made_for_its_build(tmp_path
 
 
 def test_only_good_signatures_name_their_signer() -> None:
-    publish = publish_script()
+    publish = packaging_module("publish")
     other = "F" * 40
     good = (
         "[GNUPG:] NEWSIG\n[GNUPG:] KEY_CONSIDERED {f} 0\n[GNUPG:] SIG_ID x 2026-12-01 1796083200\n"
@@ -360,7 +333,7 @@ def test_only_good_signatures_name_their_signer() -> None:
 def test_publish_settings_missing_exit_2_with_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    publish = publish_script()
+    publish = packaging_module("publish")
     monkeypatch.setenv("VERSION", "0.1.0")
     monkeypatch.setenv("REGISTRY", "registry.invalid/x")
     monkeypatch.delenv("RELEASE_GPG_FINGERPRINT", raising=False)

@@ -4,29 +4,18 @@ a key made for its build, nor one re-signed by another key, whatever key it carr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from collections.abc import Iterator
-from types import ModuleType
 
 import pytest
 
-from tests.releases import Keyring, resign
-from tests.test_docs import ROOT
+from tests.releases import Keyring, packaging_module, resign
 
 pytestmark = pytest.mark.system
 
 
-def publish_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("publish", os.path.join(ROOT, "packaging", "publish.py"))
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-publish = publish_script()
+publish = packaging_module("publish")
 
 
 @pytest.fixture(scope="module")
