@@ -38,6 +38,16 @@ GIT_COMMIT := $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 # The commit's time: the date of a changelog entry written for VERSION, and of the release.
 SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || date +%s)
 
+# The host targets, one row each in packaging/targets (its header says the columns); `make deb`,
+# `make rpm`, `make lock` and `make release` read it. A format's rows, as TAG:PYTHON:UNITDIR:SUITE:
+# DISTRIBUTION:REQUIRES words:
+TARGETS_TABLE := packaging/targets
+target_rows = $(shell awk 'NF == 8 && substr($$1, 1, 1) != "\#" && $$2 == "$(1)" {print $$1 ":" $$6 ":" $$7 ":" $$5 ":" $$3 ":" $$8}' $(TARGETS_TABLE))
+DEB_TARGETS := $(call target_rows,deb)
+RPM_TARGETS := $(call target_rows,rpm)
+# The image's Python: its base's python3 (Debian 13's), with a lock of its own like every target's.
+IMAGE_PYTHON ?= 3.13
+
 help:  ## the targets a contributor runs, and what each does
 	@awk -F':.*## ' '/^[a-z][a-z0-9-]*:.*## / {printf "  %-11s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
@@ -159,40 +169,59 @@ $(BUILD_VENV)/.installed: pins/build.txt
 	$(BUILD_VENV)/bin/python -m pip install -q --disable-pip-version-check --require-hashes -r pins/build.txt
 	touch $@
 
-# A .deb for Debian 12 (its python3 3.11): debhelper runs packaging/stage.sh, lintian judges.
-deb: deb-deps $(BUILD_VENV)/.installed  ## the .deb for Debian 12, judged by lintian
-	rm -rf build/deb && mkdir -p build/deb/hyperlight-agent
-	cp -r $(PKG_SOURCES) build/deb/hyperlight-agent/
-	cp -r packaging/debian build/deb/hyperlight-agent/debian
-	@# Another version than the tree's (VERSION=...): an entry of its own on top of the changelog.
-	cd build/deb/hyperlight-agent && if [ "$$(dpkg-parsechangelog -S Version)" != "$(VERSION)" ]; then \
-	  { printf 'hyperlight-agent (%s) unstable; urgency=medium\n\n  * Built as %s from commit %s.\n\n -- %s  %s\n\n' \
-	      '$(VERSION)' '$(VERSION)' '$(GIT_COMMIT)' "$$(dpkg-parsechangelog -S Maintainer)" \
-	      "$$(date -R -u -d @$(SOURCE_DATE_EPOCH))"; cat debian/changelog; } >debian/changelog.new \
-	  && mv debian/changelog.new debian/changelog; fi
-	cd build/deb/hyperlight-agent && VERSION=$(VERSION) PYTHON=$(abspath $(BUILD_VENV)/bin/python) \
-	  dpkg-buildpackage -b -us -uc >../build.log 2>&1 \
-	  || { tail -30 ../build.log; exit 1; }
-	lintian --fail-on error,warning --suppress-tags-from-file /dev/null build/deb/*.deb
+# The wheels of one target Python at one VERSION (packaging/wheels.sh: the lock's files, kept
+# across builds by pip's cache; the agent's and sdnotify's built here), made once and shared by
+# every package for that Python (Ubuntu 24.04, EL10 and Azure Linux 3 share 3.12's).
+WHEELS := build/wheels/$(VERSION)
+$(WHEELS)/py%/.complete: pyproject.toml README.md $(wildcard hyperlight_agent/*.py hyperlight_agent/*/*.py) pins/runtime-py%.txt \
+  pins/build.txt packaging/wheels.sh $(BUILD_VENV)/.installed
+	@rm -rf $(@D) && start=$$(date +%s) \
+	  && VERSION=$(VERSION) PYTHON=$(abspath $(BUILD_VENV)/bin/python) packaging/wheels.sh $(@D) $* x86_64 \
+	  && echo "wheels for Python $*: $$(( $$(date +%s) - start )) s" && touch $@
+# One target's row as shell variables (tag py unitdir suite distribution requires), in a recipe.
+read_row = set -- $$(echo "$$row" | tr : ' '); tag=$$1 py=$$2 unitdir=$$3 suite=$$4 distribution=$$5 requires=$$6
+
+# A .deb per Debian and Ubuntu target (packaging/targets), for its python3: debhelper runs
+# packaging/stage.sh, lintian judges with the distribution's profile. The version carries the
+# target's tag (0.1.0+deb13): one apt pool holds them all, and a host moving to a newer release
+# upgrades to its package.
+deb: deb-deps $(BUILD_VENV)/.installed $(sort $(foreach row,$(DEB_TARGETS),$(WHEELS)/py$(word 2,$(subst :, ,$(row)))/.complete))  ## a .deb per Debian/Ubuntu target, judged by lintian
+	rm -rf build/deb && mkdir -p build/deb
+	@set -e; for row in $(DEB_TARGETS); do $(read_row); start=$$(date +%s); \
+	  tree=build/deb/$$tag/hyperlight-agent; mkdir -p $$tree; \
+	  cp -r $(PKG_SOURCES) $$tree/; cp -r packaging/debian $$tree/debian; \
+	  cd $$tree; \
+	  { printf 'hyperlight-agent (%s+%s) %s; urgency=medium\n\n  * Built for %s from commit %s.\n\n -- %s  %s\n\n' \
+	      '$(VERSION)' "$$tag" "$$suite" "$$suite" '$(GIT_COMMIT)' "$$(dpkg-parsechangelog -S Maintainer)" \
+	      "$$(date -R -u -d @$(SOURCE_DATE_EPOCH))"; cat debian/changelog; } >debian/changelog.new; \
+	  mv debian/changelog.new debian/changelog; \
+	  VERSION=$(VERSION) TARGET_PYTHON=$$py UNITDIR=$$unitdir TARGET_REQUIRES=$$requires \
+	    WHEELS=$(abspath $(WHEELS))/py$$py PYTHON=$(abspath $(BUILD_VENV)/bin/python) \
+	    dpkg-buildpackage -b -us -uc >../build.log 2>&1 || { tail -30 ../build.log; exit 1; }; \
+	  cd $(CURDIR); \
+	  lintian --profile $$distribution --fail-on error,warning --suppress-tags-from-file /dev/null build/deb/$$tag/*.deb; \
+	  mv build/deb/$$tag/*.deb build/deb/; \
+	  echo "deb $$tag: built and judged in $$(( $$(date +%s) - start )) s"; \
+	done
 	@ls -l build/deb/*.deb
 
-# RPMs for the RPM hosts that run Hyperlight, one per target Python: EL9 (3.9) and
-# Azure Linux 3 (3.12), the MSHV hosts. rpmlint judges with the project's config.
-RPM_TARGETS := el9:3.9 azl3:3.12
-rpm: rpm-deps $(BUILD_VENV)/.installed  ## the .rpm for EL9 and Azure Linux 3, judged by rpmlint
+# An .rpm per RPM target (packaging/targets: EL9, EL10, Azure Linux 3), for its Python, judged by
+# rpmlint with the project's config.
+rpm: rpm-deps $(BUILD_VENV)/.installed $(sort $(foreach row,$(RPM_TARGETS),$(WHEELS)/py$(word 2,$(subst :, ,$(row)))/.complete))  ## an .rpm per EL/Azure Linux target, judged by rpmlint
 	rm -rf build/rpm && mkdir -p build/rpm
 	sed 's/^Version:.*/Version:        $(VERSION)/' packaging/rpm/hyperlight-agent.spec >build/rpm/hyperlight-agent.spec
-	set -e; for target in $(RPM_TARGETS); do dist=$${target%%:*}; py=$${target#*:}; \
-	  VERSION=$(VERSION) UNITDIR=/usr/lib/systemd/system PYTHON=$(abspath $(BUILD_VENV)/bin/python) \
-	    packaging/stage.sh build/rpm/stage-$$dist $$py x86_64; \
-	  shlibs=$$(packaging/shlib-requires.sh build/rpm/stage-$$dist | tr '\n' ' '); \
+	@set -e; for row in $(RPM_TARGETS); do $(read_row); start=$$(date +%s); \
+	  VERSION=$(VERSION) UNITDIR=$$unitdir WHEELS=$(abspath $(WHEELS))/py$$py PYTHON=$(abspath $(BUILD_VENV)/bin/python) \
+	    packaging/stage.sh build/rpm/stage-$$tag $$py x86_64; \
+	  shlibs=$$(packaging/shlib-requires.sh build/rpm/stage-$$tag | tr '\n' ' '); \
 	  rpmbuild -bb --quiet --define "_topdir $(CURDIR)/build/rpm/top" \
-	    --define "stagedir $(CURDIR)/build/rpm/stage-$$dist" --define "target_python $$py" \
-	    --define "shlib_requires $$shlibs" \
-	    --define "dist .$$dist" --define "notice $(CURDIR)/packaging/debian/copyright" \
+	    --define "stagedir $(CURDIR)/build/rpm/stage-$$tag" --define "target_python $$py" \
+	    --define "shlib_requires $$shlibs" --define "target_requires $$(echo $$requires | tr , ' ')" \
+	    --define "dist .$$tag" --define "notice $(CURDIR)/packaging/debian/copyright" \
 	    build/rpm/hyperlight-agent.spec; \
+	  rpmlint --config packaging/rpm/rpmlint.toml build/rpm/top/RPMS/*/*.$$tag.*.rpm; \
+	  echo "rpm $$tag: built and judged in $$(( $$(date +%s) - start )) s"; \
 	done
-	rpmlint --config packaging/rpm/rpmlint.toml build/rpm/top/RPMS/*/*.rpm
 	@ls -l build/rpm/top/RPMS/*/*.rpm
 
 # The container image (deploy/image/build.sh): this CPU by default, PLATFORMS=linux/amd64,linux/arm64
@@ -201,7 +230,6 @@ rpm: rpm-deps $(BUILD_VENV)/.installed  ## the .rpm for EL9 and Azure Linux 3, j
 # python:3.11-slim; `make image-base` builds a Debian 12 base locally for machines without a
 # registry (then: make image BASE_IMAGE=localhost/hyperlight-agent-base:bookworm).
 IMAGE ?= ghcr.io/hyperlight-dev/hyperlight-agent:dev
-IMAGE_PYTHON ?= 3.11
 PLATFORMS ?=
 IMAGE_ARCHES = $(if $(PLATFORMS),$(subst linux/amd64,x86_64,$(subst linux/arm64,aarch64,$(PLATFORMS))),$(shell uname -m))
 IMAGE_WHEELS := build/image-wheels
@@ -228,12 +256,11 @@ $(RELEASE_TOOLS)/.installed: pins/release.txt
 	$(RELEASE_TOOLS)/bin/pip install -q --disable-pip-version-check --require-hashes -r pins/release.txt
 	touch $@
 
-# The runtime dependencies of everything we ship, locked with hashes per target Python (3.9 EL9,
-# 3.11 Debian 12 and the image, 3.12 Azure Linux 3) in pins/runtime-py*.txt, pip for the image
-# build, and the tools of the build and the release (pins/build.in, pins/release.in: every
+# The runtime dependencies of everything we ship, locked with hashes per target Python (each
+# Python of packaging/targets and the image's) in pins/runtime-py*.txt, pip for the image build, and the tools of the build and the release (pins/build.in, pins/release.in: every
 # dependency, hashed): `make lock` resolves the ranges anew at the newest releases (then run
 # `make test` before committing the locks). Packages and the image install exactly these.
-LOCK_PYTHONS := 3.9 3.11 3.12
+LOCK_PYTHONS := $(sort $(foreach row,$(DEB_TARGETS) $(RPM_TARGETS),$(word 2,$(subst :, ,$(row)))) $(IMAGE_PYTHON))
 UV_COMPILE = $(RELEASE_TOOLS)/bin/uv pip compile --quiet --upgrade --generate-hashes --custom-compile-command 'make lock'
 lock: $(RELEASE_TOOLS)/.installed  ## re-resolve the locks (pins/runtime-py*.txt, build.txt, release.txt) at the newest releases, with hashes
 	set -e; for py in $(LOCK_PYTHONS); do \

@@ -4,6 +4,8 @@
 # the *target* Python (packaging/wheels.sh), installed with --require-hashes at build time, so
 # nothing is downloaded at install time. VERSION (environment), when set, is the agent's version.
 #   usage: packaging/stage.sh DESTDIR [TARGET_PYTHON_VERSION] [ARCH]   (defaults: 3.11 x86_64)
+# WHEELS (environment), when set: a directory packaging/wheels.sh already filled for this Python
+# and VERSION (the Makefile builds one per Python and shares it between that Python's packages).
 set -eu
 dest=$1
 pyver=${2:-3.11}
@@ -11,11 +13,12 @@ arch=${3:-x86_64}
 python=${PYTHON:-python3}
 here=$(cd "$(dirname "$0")/.." && pwd)
 lib="$dest/usr/lib/hyperlight-agent"
-wheels=$(mktemp -d)
-trap 'rm -rf "$wheels"' EXIT
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
 
 rm -rf "$lib"
-PYTHON=$python "$here/packaging/wheels.sh" "$wheels" "$pyver" "$arch"
+wheels=${WHEELS:-$scratch}
+[ -n "${WHEELS:-}" ] || PYTHON=$python "$here/packaging/wheels.sh" "$wheels" "$pyver" "$arch"
 # Exactly the locked set for the target's Python: nothing resolved, every file's hash checked.
 "$python" -m pip install --quiet --disable-pip-version-check --no-compile --target "$lib" \
     --no-index --find-links "$wheels" --require-hashes --no-deps \
