@@ -59,8 +59,8 @@ JUDGES := build/judges
 
 # The judges of the code, written once: every target that lints or type-checks runs these.
 RUFF := $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
-MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.py packaging/release.py \
-  packaging/publish.py packaging/resign.py pins/update.py
+MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.py packaging/targets.py \
+  packaging/release.py packaging/publish.py packaging/resign.py pins/update.py
 # The module layers and boundaries (pyproject.toml's [tool.importlinter]).
 IMPORTS := $(VENV)/bin/lint-imports --no-cache
 
@@ -227,8 +227,9 @@ rpm: rpm-deps $(BUILD_VENV)/.installed $(sort $(foreach row,$(RPM_TARGETS),$(WHE
 # The container image (deploy/image/build.sh): this CPU by default, PLATFORMS=linux/amd64,linux/arm64
 # for a manifest list; podman or docker (ENGINE=...). Nothing in the build needs the network: the
 # wheels are prepared here first (image-wheels). BASE_IMAGE defaults to the Containerfile's pinned
-# python:3.11-slim; `make image-base` builds a Debian 12 base locally for machines without a
-# registry (then: make image BASE_IMAGE=localhost/hyperlight-agent-base:bookworm).
+# python:3.13-slim-trixie; `make image-base` builds a Debian 13 base locally for machines without a
+# registry (then: make image BASE_IMAGE=localhost/hyperlight-agent-base:trixie). IMAGE_PYTHON
+# (above) is the base's Python.
 IMAGE ?= ghcr.io/hyperlight-dev/hyperlight-agent:dev
 PLATFORMS ?=
 IMAGE_ARCHES = $(if $(PLATFORMS),$(subst linux/amd64,x86_64,$(subst linux/arm64,aarch64,$(PLATFORMS))),$(shell uname -m))
@@ -244,7 +245,7 @@ $(IMAGE_WHEELS)/.stamp-%: pyproject.toml $(wildcard hyperlight_agent/*.py hyperl
 	@mkdir -p build && VERSION=$(VERSION) PYTHON=$(abspath $(BUILD_VENV)/bin/python) deploy/image/wheels.sh $(IMAGE_WHEELS) $(IMAGE_PYTHON) '$(IMAGE_ARCHES)' \
 	  >build/image-wheels.log 2>&1 || { echo "make image: preparing wheels failed: $$(tail -n 1 build/image-wheels.log)" >&2; exit 1; }
 	@touch $@
-image-base:  ## a Debian 12 base image built locally, for machines without a registry
+image-base:  ## a Debian 13 base image built locally, for machines without a registry
 	@ENGINE='$(ENGINE)' deploy/image/base.sh
 
 # The release tools (pins/release.in, locked with every dependency and hash in pins/release.txt):
@@ -266,7 +267,7 @@ lock: $(RELEASE_TOOLS)/.installed  ## re-resolve the locks (pins/runtime-py*.txt
 	set -e; for py in $(LOCK_PYTHONS); do \
 	  $(UV_COMPILE) --python-version $$py --python-platform x86_64-manylinux_2_28 -o pins/runtime-py$$py.txt pyproject.toml; \
 	done
-	echo pip | $(UV_COMPILE) --python-version 3.11 -o pins/image-pip.txt -
+	echo pip | $(UV_COMPILE) --python-version $(IMAGE_PYTHON) -o pins/image-pip.txt -
 	@# The tools of the build and the release, for whichever Python the build host runs (3.9 on).
 	$(UV_COMPILE) --universal --python-version 3.9 -o pins/build.txt pins/build.in
 	$(UV_COMPILE) --universal --python-version 3.9 -o pins/release.txt pins/release.in
@@ -279,7 +280,7 @@ lock: $(RELEASE_TOOLS)/.installed  ## re-resolve the locks (pins/runtime-py*.txt
 DIST ?= dist
 release: release-deps $(BUILD_VENV)/.installed $(RELEASE_TOOLS)/.installed tools  ## a complete signed release in dist/<version>/ (VERSION= for another)
 	@VERSION='$(VERSION)' DIST='$(DIST)' GIT_COMMIT='$(GIT_COMMIT)' SOURCE_DATE_EPOCH='$(SOURCE_DATE_EPOCH)' \
-	  ENGINE='$(ENGINE)' BASE_IMAGE='$(BASE_IMAGE)' $(PYTHON) packaging/release.py
+	  ENGINE='$(ENGINE)' BASE_IMAGE='$(BASE_IMAGE)' IMAGE_PYTHON='$(IMAGE_PYTHON)' $(PYTHON) packaging/release.py
 
 # Publish $(DIST)/$(VERSION)/ (packaging/publish.py): only a release signed by the release key,
 # RELEASE_GPG_FINGERPRINT (the project's, configured where this runs: never read from the release;

@@ -590,7 +590,7 @@ def bench_idle(top: str) -> None:
 
 
 IMAGE_RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "image.json")
-SLIM_BASE = "python:3.11-slim"
+SLIM_BASE = "python:3.13-slim"
 
 
 # Run in another process (its sockets and its CPU are not the measuring process's): 1000 idle

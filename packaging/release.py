@@ -2,12 +2,13 @@
 
     python packaging/release.py        (the Makefile passes its settings in the environment)
 
-What it holds (names for version 0.1.0):
-    hyperlight-agent_0.1.0_amd64.deb                    Debian 12 (Python 3.11)
-    hyperlight-agent-0.1.0-1.el9.x86_64.rpm             EL9 (Python 3.9), signed with rpmsign
-    hyperlight-agent-0.1.0-1.azl3.x86_64.rpm            Azure Linux 3 (Python 3.12), signed
-    apt/                                                signed apt repository (reprepro): dists/bookworm/InRelease
-    yum/el9/x86_64/, yum/azl3/x86_64/                   signed yum repositories (createrepo_c): repodata/repomd.xml.asc
+What it holds (names for version 0.1.0), a package per row of packaging/targets:
+    hyperlight-agent_0.1.0+deb12_amd64.deb              Debian 12 (Python 3.11); +deb13, +ubuntu22.04, +ubuntu24.04
+    hyperlight-agent-0.1.0-1.el9.x86_64.rpm             EL9 (Python 3.9), signed with rpmsign; .el10, .azl3
+    apt/                                                signed apt repository (reprepro), one pool, a suite per
+                                                        Debian/Ubuntu target: dists/<codename>/InRelease
+    yum/<tag>/x86_64/                                   a signed yum repository per RPM target (createrepo_c):
+                                                        repodata/repomd.xml.asc
     hyperlight-agent-0.1.0.oci.tar                      the image, an OCI archive
     hyperlight-agent-0.1.0.tgz                          the Helm chart; its default image is the archive's, by digest
     <artefact>.cdx.json                                 a CycloneDX SBOM per artefact: exactly its lock in pins/
@@ -16,15 +17,15 @@ What it holds (names for version 0.1.0):
     SHA256SUMS, SHA256SUMS.asc                          every file's hash, signed
 
 Settings (environment): VERSION, DIST (default dist), GIT_COMMIT, SOURCE_DATE_EPOCH, ENGINE and
-BASE_IMAGE (as for `make image`), IMAGE_REPOSITORY (default ghcr.io/hyperlight-dev/hyperlight-agent),
-GNUPGHOME and RELEASE_GPG_KEY (the signing key; without one, a key made for this build only,
-said loudly: such a release is for testing, never for publishing), HELM, CYCLONEDX (tool paths).
+BASE_IMAGE (as for `make image`), IMAGE_PYTHON (the image's Python: which lock its SBOM lists),
+IMAGE_REPOSITORY (default ghcr.io/hyperlight-dev/hyperlight-agent), GNUPGHOME and RELEASE_GPG_KEY
+(the signing key; without one, a key made for this build only, said loudly: such a release is for
+testing, never for publishing), HELM, CYCLONEDX (tool paths).
 Any failure is one line naming what failed; a release half-built is removed.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -36,14 +37,13 @@ import tarfile
 import tempfile
 from typing import Optional
 
+from targets import TARGETS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE_REPOSITORY = "ghcr.io/hyperlight-dev/hyperlight-agent"
 CHART = os.path.join(ROOT, "deploy", "helm", "hyperlight-agent")
 # The placeholder the development chart and manifests carry; never in a release.
 PLACEHOLDER = "sha256:" + "0" * 64
-# Which lock each artefact's Python dependencies come from (its target Python).
-LOCKS = {"deb": "3.11", "el9": "3.9", "azl3": "3.12", "image": "3.11"}
-APT_CODENAME = "bookworm"
 APT_COMPONENT = "main"
 # How long apt trusts the repository's signed Release (its Valid-Until): a mirror or proxy frozen
 # at an old release is refused after this. The release workflow's `resign` job re-dates and
@@ -195,51 +195,62 @@ def make(*args: str) -> None:
 
 
 def build_packages(version: str, out: str, signer: Signer) -> dict[str, str]:
-    """The .deb and the signed RPMs, copied out of build/ at once (the next build replaces them)."""
+    """Every target's package (tag → path), copied out of build/ at once (the next build replaces
+    them); the RPMs signed."""
     make("deb", f"VERSION={version}")
-    (deb,) = glob.glob(os.path.join(ROOT, "build", "deb", f"hyperlight-agent_{version}_*.deb"))
-    found = {"deb": shutil.copy2(deb, out)}
     make("rpm", f"VERSION={version}")
-    for dist in ("el9", "azl3"):
-        (rpm,) = glob.glob(
-            os.path.join(ROOT, "build", "rpm", "top", "RPMS", "*", f"hyperlight-agent-{version}-*.{dist}.*.rpm")
-        )
-        found[dist] = shutil.copy2(rpm, out)
-        signer.sign_rpm(found[dist])
+    found = {}
+    for target in TARGETS:
+        built = "deb" if target.format == "deb" else os.path.join("rpm", "top", "RPMS", "x86_64")
+        path = os.path.join(ROOT, "build", built, target.package(version))
+        if not os.path.exists(path):
+            raise ReleaseError(f"make {target.format} built no {target.package(version)}")
+        found[target.tag] = shutil.copy2(path, out)
+        if target.format == "rpm":
+            signer.sign_rpm(found[target.tag])
     return found
 
 
-def apt_repository(out: str, deb: str, signer: Signer, work: str) -> None:
-    """reprepro's pool and dists, signed: InRelease and Release.gpg."""
+def apt_repository(out: str, packages: dict[str, str], signer: Signer, work: str) -> list[str]:
+    """reprepro's pool (one, every suite's packages) and dists (a suite per Debian and Ubuntu
+    target, named by its codename), each Release signed: InRelease and Release.gpg. The suites."""
     base = os.path.join(work, "reprepro")
     os.makedirs(os.path.join(base, "conf"))
+    debs = [t for t in TARGETS if t.format == "deb"]
     with open(os.path.join(base, "conf", "distributions"), "w") as f:
         f.write(
-            f"Origin: hyperlight-agent\nLabel: hyperlight-agent\nCodename: {APT_CODENAME}\n"
-            f"Architectures: amd64\nComponents: {APT_COMPONENT}\n"
-            f"Description: hyperlight-agent for Debian 12\nSignWith: {signer.fingerprint}\n"
-            f"ValidFor: {APT_VALID_DAYS}d\n"
+            "\n".join(
+                f"Origin: hyperlight-agent\nLabel: hyperlight-agent\nCodename: {t.suite}\n"
+                f"Architectures: amd64\nComponents: {APT_COMPONENT}\n"
+                f"Description: hyperlight-agent for {t.label}\nSignWith: {signer.fingerprint}\n"
+                f"ValidFor: {APT_VALID_DAYS}d\n"
+                for t in debs
+            )
         )
-    run(
-        "reprepro",
-        "--basedir",
-        base,
-        "--outdir",
-        os.path.join(out, "apt"),
-        "includedeb",
-        APT_CODENAME,
-        deb,
-        env=signer.env,
-        what="reprepro includedeb",
-    )
+    for target in debs:
+        run(
+            "reprepro",
+            "--basedir",
+            base,
+            "--outdir",
+            os.path.join(out, "apt"),
+            "includedeb",
+            target.suite,
+            packages[target.tag],
+            env=signer.env,
+            what=f"reprepro includedeb {target.suite}",
+        )
+    return [t.suite for t in debs]
 
 
-def yum_repositories(out: str, rpms: dict[str, str], signer: Signer, epoch: str) -> None:
-    """One repository per distribution (createrepo_c), repomd.xml signed (repo_gpgcheck)."""
-    for dist in ("el9", "azl3"):
-        repo = os.path.join(out, "yum", dist, "x86_64")
+def yum_repositories(out: str, packages: dict[str, str], signer: Signer, epoch: str) -> list[str]:
+    """One repository per RPM target (createrepo_c), repomd.xml signed (repo_gpgcheck); their
+    directories under yum/."""
+    rpms = [t for t in TARGETS if t.format == "rpm"]
+    for target in rpms:
+        repo = os.path.join(out, "yum", target.suite, "x86_64")
         os.makedirs(os.path.join(repo, "Packages"))
-        shutil.copy2(rpms[dist], os.path.join(repo, "Packages"))
+        shutil.copy2(packages[target.tag], os.path.join(repo, "Packages"))
         run(
             "createrepo_c",
             "--quiet",
@@ -247,9 +258,10 @@ def yum_repositories(out: str, rpms: dict[str, str], signer: Signer, epoch: str)
             epoch,
             "--set-timestamp-to-revision",
             repo,
-            what=f"createrepo_c {dist}",
+            what=f"createrepo_c {target.suite}",
         )
         signer.detach(os.path.join(repo, "repodata", "repomd.xml"))
+    return [t.suite for t in rpms]
 
 
 def image_archive(version: str, out: str, repository: str) -> tuple[str, str]:
@@ -380,15 +392,17 @@ def release() -> str:
     try:
         signer = Signer(work)
         packages = build_packages(version, partial, signer)
-        apt_repository(partial, packages["deb"], signer, work)
-        yum_repositories(partial, packages, signer, epoch)
+        suites = apt_repository(partial, packages, signer, work)
+        yums = yum_repositories(partial, packages, signer, epoch)
         archive, digest = image_archive(version, partial, repository)
         chart = chart_package(version, partial, repository, digest, work)
         artefacts = {**packages, "image": archive}
+        # Which lock each artefact's Python dependencies come from (its target's Python).
+        locks = {**{t.tag: t.python for t in TARGETS}, "image": image_python()}
         sboms = {}
         for kind, path in artefacts.items():
             sboms[kind] = path + ".cdx.json"
-            sbom(version, LOCKS[kind], sboms[kind], epoch, work)
+            sbom(version, locks[kind], sboms[kind], epoch, work)
         signer.export(os.path.join(partial, PUBLIC_KEY))
         manifest = {
             "version": version,
@@ -398,7 +412,8 @@ def release() -> str:
             "chart": os.path.basename(chart),
             "packages": {kind: os.path.basename(path) for kind, path in packages.items()},
             "sboms": {kind: os.path.basename(path) for kind, path in sboms.items()},
-            "locks": {kind: f"pins/runtime-py{LOCKS[kind]}.txt" for kind in artefacts},
+            "locks": {kind: f"pins/runtime-py{locks[kind]}.txt" for kind in artefacts},
+            "repositories": {"apt": suites, "yum": yums},
             "signing_key": signer.fingerprint,
             "signing_key_ephemeral": signer.ephemeral,
         }
@@ -423,6 +438,14 @@ def release() -> str:
     return out
 
 
+def image_python() -> str:
+    """The image's Python (the Makefile's IMAGE_PYTHON, X.Y): which lock the image installs."""
+    python = os.environ.get("IMAGE_PYTHON", "")
+    if not re.fullmatch(r"3\.[0-9]+", python):
+        raise ReleaseError(f"IMAGE_PYTHON {python!r}: not the image's Python as X.Y (make release sets it)")
+    return python
+
+
 def listing(out: str) -> str:
     rows = []
     for directory, _, names in sorted(os.walk(out)):
@@ -442,6 +465,8 @@ def main() -> int:
         manifest = json.load(f)
     print(f"release {manifest['version']} in {out}:")
     print(listing(out))
+    print(f"apt suites: {' '.join(manifest['repositories']['apt'])} (apt/dists/<suite>/InRelease)")
+    print(f"yum repositories: {' '.join(manifest['repositories']['yum'])} (yum/<name>/x86_64/repodata/repomd.xml.asc)")
     print(f"image: {manifest['image']['repository']}@{manifest['image']['digest']}")
     return 0
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 TABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets")
-LABELS = {"debian": "Debian", "ubuntu": "Ubuntu", "el": "EL", "azurelinux": "Azure Linux"}
+LABELS = {"debian": "Debian {}", "ubuntu": "Ubuntu {}", "el": "EL{}", "azurelinux": "Azure Linux {}"}
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Target:
     @property
     def label(self) -> str:
         """How people name it: "Debian 13", "Azure Linux 3"."""
-        return f"{LABELS[self.distribution]} {self.release}"
+        return LABELS[self.distribution].format(self.release)
 
     def version(self, version: str) -> str:
         """The package's version: a .deb's carries the tag (one apt pool holds every target's

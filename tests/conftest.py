@@ -397,6 +397,15 @@ def assert_ships_the_agent_only(paths: list[str]) -> None:
 
 
 @pytest.fixture(scope="session")
+def host_packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """`make deb` and `make rpm` of this tree, once a session: each target's package by its tag
+    (packaging/targets), copied out of build/."""
+    from tests import nspawn
+
+    return nspawn.build_packages(str(tmp_path_factory.mktemp("packages")))
+
+
+@pytest.fixture(scope="session")
 def release_builder() -> Iterator[Any]:
     from tests.releases import Builder
 

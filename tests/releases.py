@@ -2,7 +2,7 @@
 
 Two releases of this commit, each built once per test session: N-1, the tree's own version, and
 N, the next patch version (`make release VERSION=…`, the tree untouched), signed with a key made
-for the session; the image from `make image-base`'s Debian 12 (no registry is reachable here),
+for the session; the image from `make image-base`'s Debian 13 (no registry is reachable here),
 in podman storage of the session's own. Served as users get them: the package repositories over
 HTTP (`Site`), the image and the chart from a real OCI registry (`Registry`, the CNCF
 distribution registry built from its pinned Go module)."""
@@ -15,6 +15,7 @@ import http.server
 import importlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -30,7 +31,7 @@ from tests.podman import Podman
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "build", "tools")
-BASE = "localhost/hyperlight-agent-base:bookworm"
+BASE = "localhost/hyperlight-agent-base:trixie"
 # Where the release's chart says its image lives; the tests' registry serves as its mirror.
 IMAGE_REPOSITORY = "ghcr.io/hyperlight-dev/hyperlight-agent"
 PUBLIC_REGISTRY = "ghcr.io/hyperlight-dev"
@@ -43,6 +44,20 @@ def packaging_module(name: str) -> ModuleType:
     if directory not in sys.path:
         sys.path.insert(0, directory)
     return importlib.import_module(name)
+
+
+# The host targets (packaging/targets: one row each), as `make release` and the Makefile read them.
+TARGETS: tuple[Any, ...] = packaging_module("targets").TARGETS
+DEBS = tuple(t for t in TARGETS if t.format == "deb")
+RPMS = tuple(t for t in TARGETS if t.format == "rpm")
+
+
+def image_python() -> str:
+    """The image's Python (the Makefile's IMAGE_PYTHON, its base's python3)."""
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        found = re.search(r"^IMAGE_PYTHON \?= (\S+)$", f.read(), re.M)
+    assert found
+    return found.group(1)
 
 
 def next_version(version: str) -> str:
@@ -149,6 +164,8 @@ class Builder:
             "MAKEFLAGS": "",
         }
         self._base = False
+        # What each `make release` printed, by version (its listing of suites and repositories).
+        self.outputs: dict[str, str] = {}
 
     def make(self, *args: str, timeout: float = 3600, check: bool = True) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
@@ -168,7 +185,8 @@ class Builder:
             self.make("image-base")
             self._base = True
         dist = dist or os.path.join(self.directory, "dist")
-        self.make("release", f"VERSION={version}", f"DIST={dist}", f"BASE_IMAGE={BASE}")
+        done = self.make("release", f"VERSION={version}", f"DIST={dist}", f"BASE_IMAGE={BASE}")
+        self.outputs.setdefault(version, done.stdout)
         return os.path.join(dist, version)
 
     def close(self) -> None:

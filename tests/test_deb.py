@@ -22,8 +22,9 @@ R = contracts.RESOURCE_HYPERVISOR
 
 
 @pytest.fixture(scope="module")
-def deb() -> str:
-    return nspawn.build_deb()
+def deb(host_packages: dict[str, str]) -> str:
+    """The Debian 12 package (its userland is the one the guests boot)."""
+    return host_packages["deb12"]
 
 
 def apt(root: str, *args: str, binds: tuple[str, ...] = ()) -> None:
@@ -144,7 +145,8 @@ def deb_next(deb: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     module = "usr/lib/hyperlight-agent/hyperlight_agent/__init__.py"
     for name, old, new in (
         ("DEBIAN/control", f"Version: {current}\n", f"Version: {NEXT_VERSION}\n"),
-        (module, f'__version__ = "{current}"', f'__version__ = "{NEXT_VERSION}"'),
+        # The package's version carries its target's tag (0.1.0+deb12); the agent's is upstream's.
+        (module, f'__version__ = "{current.split("+")[0]}"', f'__version__ = "{NEXT_VERSION}"'),
     ):
         path = os.path.join(tree, name)
         with open(path) as f:

@@ -1,5 +1,5 @@
 """The container image, built and run for real. No registry is reachable, so `make image` builds
-it from a Debian 12 base debootstrapped here (`make image-base`, cached under build/), with the
+it from a Debian 13 base debootstrapped here (`make image-base`, cached under build/), with the
 wheels prepared on the host; then both DaemonSets run from it as deploy/ runs them — every
 setting read from the rendered manifests, none restated — against the kubelet stand-in."""
 
@@ -28,7 +28,7 @@ from tests.test_docs import ROOT
 
 pytestmark = pytest.mark.system
 
-BASE = "localhost/hyperlight-agent-base:bookworm"
+BASE = "localhost/hyperlight-agent-base:trixie"
 IMAGE = "localhost/hyperlight-agent:test"
 
 
@@ -41,6 +41,11 @@ def test_containerfile_shape() -> None:
     text = containerfile()
     base = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.M)
     assert base and re.search(r"@sha256:[0-9a-f]{64}$", base.group(1)), "the default base must be pinned by digest"
+    # Its Python is the one the image's wheels are for (the Makefile's IMAGE_PYTHON), which has a lock.
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        python = re.search(r"^IMAGE_PYTHON \?= (\S+)$", f.read(), re.M)
+    assert python and f"/python:{python.group(1)}-slim-" in base.group(1), base.group(1)
+    assert os.path.exists(os.path.join(ROOT, "pins", f"runtime-py{python.group(1)}.txt"))
     assert re.findall(r"^FROM (\S+)", text, re.M) == ["${BASE_IMAGE}", "scratch"]
     assert "--no-index" in text, "nothing inside the build may need the network"
     assert re.search(r"^USER 65532:65532$", text, re.M)

@@ -22,13 +22,14 @@ import pytest
 import yaml
 from packaging.utils import canonicalize_name
 
-from tests.releases import CURRENT, IMAGE_REPOSITORY, TOOLS, manifest
+from tests.releases import CURRENT, DEBS, IMAGE_REPOSITORY, RPMS, TARGETS, TOOLS, image_python, manifest
 from tests.test_docs import ROOT
 
 pytestmark = pytest.mark.system
 
 PLACEHOLDER = b"sha256:" + b"0" * 64
-KINDS = ("deb", "el9", "azl3", "image")
+# Every artefact with Python dependencies: each target's package, and the image.
+KINDS = (*(t.tag for t in TARGETS), "image")
 
 
 def lock(kind: str) -> dict[str, tuple[str, set[str]]]:
@@ -47,11 +48,10 @@ def lock(kind: str) -> dict[str, tuple[str, set[str]]]:
 
 
 def manifest_locks() -> dict[str, str]:
+    """Each artefact's lock: its target's Python's, the image's Python's."""
     return {
-        "deb": "pins/runtime-py3.11.txt",
-        "el9": "pins/runtime-py3.9.txt",
-        "azl3": "pins/runtime-py3.12.txt",
-        "image": "pins/runtime-py3.11.txt",
+        **{t.tag: f"pins/runtime-py{t.python}.txt" for t in TARGETS},
+        "image": f"pins/runtime-py{image_python()}.txt",
     }
 
 
@@ -89,7 +89,7 @@ def vendored(release: str, kind: str) -> dict[str, str]:
     else:
         with tempfile.TemporaryDirectory() as scratch:
             package = os.path.join(release, m["packages"][kind])
-            if kind == "deb":
+            if package.endswith(".deb"):
                 subprocess.run(["dpkg-deb", "-x", package, scratch], check=True, timeout=120)
             else:
                 with subprocess.Popen(["rpm2cpio", package], stdout=subprocess.PIPE) as rpm2cpio:
@@ -122,7 +122,7 @@ def distributions(tree: dict[str, str]) -> dict[str, str]:
     return found
 
 
-def test_make_release_holds_everything_a_release_publishes(release_current: str) -> None:
+def test_make_release_holds_everything_a_release_publishes(release_builder: Any, release_current: str) -> None:
     listed = files(release_current)
     print(f"\nmake release VERSION={CURRENT}: {len(listed)} files, {sum(listed.values())} bytes")
     for path, size in sorted(listed.items()):
@@ -130,38 +130,43 @@ def test_make_release_holds_everything_a_release_publishes(release_current: str)
     m = manifest(release_current)
     v = CURRENT
     expected = {
-        f"hyperlight-agent_{v}_amd64.deb",
-        f"hyperlight-agent-{v}-1.el9.x86_64.rpm",
-        f"hyperlight-agent-{v}-1.azl3.x86_64.rpm",
+        *(t.package(v) for t in TARGETS),
         f"hyperlight-agent-{v}.oci.tar",
         f"hyperlight-agent-{v}.tgz",
         "hyperlight-agent.asc",
         "release.json",
         "SHA256SUMS",
         "SHA256SUMS.asc",
-        "apt/dists/bookworm/InRelease",
-        "apt/dists/bookworm/Release",
-        "apt/dists/bookworm/Release.gpg",
-        f"apt/pool/main/h/hyperlight-agent/hyperlight-agent_{v}_amd64.deb",
-        *(f"yum/{d}/x86_64/repodata/repomd.xml{s}" for d in ("el9", "azl3") for s in ("", ".asc")),
-        *(f"yum/{d}/x86_64/Packages/hyperlight-agent-{v}-1.{d}.x86_64.rpm" for d in ("el9", "azl3")),
+        # One pool, a suite per Debian and Ubuntu release; a repository per RPM distribution.
+        *(f"apt/dists/{t.suite}/{name}" for t in DEBS for name in ("InRelease", "Release", "Release.gpg")),
+        *(f"apt/pool/main/h/hyperlight-agent/{t.package(v)}" for t in DEBS),
+        *(f"yum/{t.suite}/x86_64/repodata/repomd.xml{s}" for t in RPMS for s in ("", ".asc")),
+        *(f"yum/{t.suite}/x86_64/Packages/{t.package(v)}" for t in RPMS),
     }
     assert expected <= set(listed), sorted(expected - set(listed))
+    assert m["packages"] == {t.tag: t.package(v) for t in TARGETS}
     assert set(m["sboms"]) == set(KINDS)
     for kind in KINDS:
         assert m["sboms"][kind] in listed
     assert m["version"] == v and m["image"]["repository"] == IMAGE_REPOSITORY
     assert re.fullmatch(r"sha256:[0-9a-f]{64}", m["image"]["digest"])
     assert m["signing_key_ephemeral"] is False
+    # make release says where each suite and repository is.
+    assert m["repositories"] == {"apt": [t.suite for t in DEBS], "yum": [t.suite for t in RPMS]}
+    said = release_builder.outputs[v]
+    assert f"apt suites: {' '.join(t.suite for t in DEBS)} (apt/dists/<suite>/InRelease)\n" in said, said
+    assert f"yum repositories: {' '.join(t.suite for t in RPMS)} (yum/<name>/x86_64/repodata/repomd.xml.asc)\n" in said
 
 
-def test_the_apt_release_expires_and_says_when(release_current: str) -> None:
+@pytest.mark.parametrize("suite", [t.suite for t in DEBS])
+def test_the_apt_release_expires_and_says_when(release_current: str, suite: str) -> None:
     """Valid-Until: apt refuses the repository's metadata after it, so a mirror frozen at an old
     release (withholding a fix) is noticed; the published copy is re-signed before then."""
-    with open(os.path.join(release_current, "apt", "dists", "bookworm", "Release")) as f:
+    with open(os.path.join(release_current, "apt", "dists", suite, "Release")) as f:
         fields = dict(line.split(": ", 1) for line in f.read().splitlines() if re.match(r"^[A-Z][\w-]*: ", line))
     date = email.utils.parsedate_to_datetime(fields["Date"])
     assert email.utils.parsedate_to_datetime(fields["Valid-Until"]) - date == datetime.timedelta(days=30)
+    assert fields["Codename"] == suite
 
 
 def test_sha256sums_lists_every_file_and_is_signed(release_current: str, tmp: str) -> None:
@@ -321,6 +326,8 @@ def test_a_second_release_of_the_same_commit_has_the_same_dependency_set(
             open(os.path.join(again, manifest(again)["sboms"][kind])) as g,
         ):
             assert json.load(f) == json.load(g), kind
-    print(f"\ntwo builds of {CURRENT}: {compared} dependency files in 4 artefacts, byte-identical; SBOMs equal")
+    print(
+        f"\ntwo builds of {CURRENT}: {compared} dependency files in {len(KINDS)} artefacts, byte-identical; SBOMs equal"
+    )
     for release in (release_current, again):
         assert not glob.glob(os.path.join(release, "**", "*.partial"), recursive=True)

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import subprocess
 import sys
 import tarfile
 from typing import Any, Optional
@@ -20,7 +21,7 @@ from packaging.utils import canonicalize_name
 
 from hyperlight_agent import __version__
 from tests.e2e.cluster import versions
-from tests.releases import PUBLIC_CHARTS, PUBLIC_SITE, packaging_module, readme_commands
+from tests.releases import PUBLIC_CHARTS, PUBLIC_SITE, TARGETS, image_python, packaging_module, readme_commands
 from tests.test_docs import ROOT, read
 
 if sys.version_info >= (3, 11):
@@ -28,8 +29,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-# Each target Python and what it is for (README's package table; packaging/release.py's LOCKS).
-TARGET_PYTHONS = {"3.9": "EL9", "3.11": "Debian 12 and the image", "3.12": "Azure Linux 3"}
+# Each Python a target (packaging/targets) or the image runs: each has its lock.
+TARGET_PYTHONS = sorted({t.python for t in TARGETS} | {image_python()})
 
 
 def lock_entries(python: str) -> dict[str, tuple[str, list[str]]]:
@@ -87,7 +88,29 @@ def test_packages_and_image_install_the_locks_with_require_hashes() -> None:
     makefile = read("Makefile")
     assert re.search(r"^lock: ", makefile, re.M)
     assert "uv pip compile --quiet --upgrade --generate-hashes" in makefile
-    assert "LOCK_PYTHONS := " + " ".join(TARGET_PYTHONS) in makefile
+    # `make lock` writes a lock for every Python of the table and the image's, read from the table.
+    plan = subprocess.run(
+        ["make", "-n", "--always-make", "lock"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    pythons = re.search(r"for py in ([0-9. ]+); do", plan)
+    assert pythons and sorted(pythons.group(1).split()) == TARGET_PYTHONS, plan
+
+
+def test_the_targets_table_is_what_the_makefile_builds() -> None:
+    """One table (packaging/targets) for `make deb`, `make rpm`, `make release` and the tests: the
+    Makefile's rows are its rows, and they are the targets the project supports."""
+    plan = subprocess.run(
+        ["make", "-p", "-n", "help"], cwd=ROOT, capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    for fmt in ("deb", "rpm"):
+        (line,) = [x for x in plan.splitlines() if x.startswith(f"{fmt.upper()}_TARGETS := ")]
+        rows = [t for t in TARGETS if t.format == fmt]
+        assert line.split(" := ", 1)[1].split() == [
+            f"{t.tag}:{t.python}:{t.unitdir}:{t.suite}:{t.distribution}:{','.join(t.requires)}" for t in rows
+        ]
+    labels = [t.label for t in TARGETS]
+    for wanted in ("Debian 12", "Debian 13", "Ubuntu 22.04", "Ubuntu 24.04", "EL9", "EL10", "Azure Linux 3"):
+        assert wanted in labels, wanted
 
 
 def test_license_is_the_one_pyproject_declares() -> None:

@@ -1,17 +1,19 @@
 #!/bin/sh
-# A Debian 12 base image built without any registry: debootstrap a minimal root filesystem
+# A Debian 13 (trixie) base image built without any registry: debootstrap a minimal root filesystem
 # (cached under build/, about a minute the first time) and import it into the container engine.
-#   usage: deploy/image/base.sh [IMAGE]        (default localhost/hyperlight-agent-base:bookworm)
+#   usage: deploy/image/base.sh [IMAGE]        (default localhost/hyperlight-agent-base:trixie)
 # ENGINE overrides the engine command (default: podman, else docker), e.g. with its own storage.
 set -eu
-image=${1:-localhost/hyperlight-agent-base:bookworm}
+image=${1:-localhost/hyperlight-agent-base:trixie}
+# The suite, and the Python it brings (the Makefile's IMAGE_PYTHON): Debian 13's 3.13.
+suite=trixie
 here=$(cd "$(dirname "$0")/../.." && pwd)
 root="$here/build/image-base/rootfs"
 # Rebuilt whenever this list changes: python3 for the agent, ca-certificates for TLS (metrics
 # scrapers never need it, but a base without CA roots surprises whoever extends the image).
 packages=python3,ca-certificates
 # Bump when the trimming below changes, to rebuild the cache.
-recipe="$packages trimmed-1"
+recipe="$suite $packages trimmed-1"
 
 if [ -z "${ENGINE:-}" ]; then
     if command -v podman >/dev/null 2>&1; then ENGINE=podman
@@ -26,7 +28,7 @@ mkdir -p "$here/build/image-base"
     flock 9
     if [ "$(cat "$root/.complete" 2>/dev/null || true)" != "$recipe" ]; then
         rm -rf "$root"
-        debootstrap --variant=minbase --include="$packages" bookworm "$root" >"$here/build/image-base/debootstrap.log" 2>&1 \
+        debootstrap --variant=minbase --include="$packages" "$suite" "$root" >"$here/build/image-base/debootstrap.log" 2>&1 \
             || { echo "image-base: debootstrap failed, see build/image-base/debootstrap.log" >&2; exit 1; }
         # What a container never reads: the downloaded packages, apt's caches and lists, and
         # documentation, manuals and translations (about 100 MB of the 220).

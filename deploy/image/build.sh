@@ -23,7 +23,7 @@ ls build/image-wheels/hyperlight_agent-*.whl >/dev/null 2>&1 || fail "no wheels 
 # The base: present, or pulled now; one line if neither.
 if ! $engine image inspect "$base" >/dev/null 2>&1; then
     $engine pull -q "$base" >/dev/null 2>&1 \
-        || fail "cannot get the base image $base (no registry?); make image-base builds one here: make image BASE_IMAGE=localhost/hyperlight-agent-base:bookworm"
+        || fail "cannot get the base image $base (no registry?); make image-base builds one here: make image BASE_IMAGE=localhost/hyperlight-agent-base:trixie"
 fi
 
 args="--build-arg BASE_IMAGE=$base --build-arg GIT_COMMIT=${GIT_COMMIT:-unknown} --build-arg VERSION=${VERSION:-0.1.0} -f Containerfile"
