@@ -20,7 +20,7 @@
    way — cosign takes the CI's OIDC identity (GitHub Actions' `id-token: write`), Fulcio
    certifies it and Rekor logs the signature; verify with --certificate-identity.
 5. SITE, when set: the signed apt and yum repositories and the public key, copied there for a
-   static web host (`deb [signed-by=…] SITE_URL/apt bookworm main`, `baseurl=SITE_URL/yum/el9/$basearch`).
+   static web host (`deb [signed-by=…] SITE_URL/apt CODENAME main`, `baseurl=SITE_URL/yum/el9/$basearch`).
 
 Settings (environment): VERSION, DIST, REGISTRY (required, e.g. ghcr.io/hyperlight-dev),
 RELEASE_GPG_FINGERPRINT (required: the release key's full fingerprint, 40 hex digits),

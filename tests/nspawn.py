@@ -1,5 +1,5 @@
-"""Real systemd as PID 1: a debootstrapped Debian 12 booted with systemd-nspawn, controlled
-from the host with nsenter."""
+"""Real systemd as PID 1: a debootstrapped Debian (12 by default; 13 where a test says so) booted
+with systemd-nspawn, controlled from the host with nsenter."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from tests.conftest import wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build")
-ROOTFS = os.path.join(BUILD, "rootfs-bookworm")
 # python3-systemd lets the agent log to the guest's journal with fields; procps has /bin/kill
 # (ExecReload); man-db lets `systemd-analyze verify` check the unit's Documentation=; curl runs
 # README's commands for the apt repository as an operator would.
@@ -28,29 +27,31 @@ def require_tools() -> None:
     assert not missing, f"missing {missing}: `make test` installs debootstrap and systemd-container"
 
 
-def rootfs() -> str:
-    """The cached root filesystem, built once (about a minute) and reused by every boot."""
+def rootfs(suite: str = "bookworm") -> str:
+    """The cached root filesystem of a Debian suite (bookworm, trixie), built once (about a minute)
+    and reused by every boot."""
     require_tools()
     os.makedirs(BUILD, exist_ok=True)
-    with open(os.path.join(BUILD, ".rootfs.lock"), "w") as lock:
+    root = os.path.join(BUILD, f"rootfs-{suite}")
+    with open(os.path.join(BUILD, f".rootfs-{suite}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        done = os.path.join(ROOTFS, ".complete")
+        done = os.path.join(root, ".complete")
         try:
             with open(done) as f:
                 current = f.read() == PACKAGES  # rebuilt whenever the package list changes
         except OSError:
             current = False
         if not current:
-            shutil.rmtree(ROOTFS, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
             subprocess.run(
-                ["debootstrap", "--variant=minbase", f"--include={PACKAGES}", "bookworm", ROOTFS],
+                ["debootstrap", "--variant=minbase", f"--include={PACKAGES}", suite, root],
                 check=True,
                 timeout=900,
                 stdout=subprocess.DEVNULL,
             )
             with open(done, "w") as f:
                 f.write(PACKAGES)
-    return ROOTFS
+    return root
 
 
 def stage(dest: str) -> str:

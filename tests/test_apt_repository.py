@@ -1,7 +1,9 @@
-"""The release's signed apt repository on a clean Debian 12, as an operator uses it: README.md's own
-commands (key, `Signed-By:` source line, `apt-get update && apt-get install`) run in systemd-nspawn
-over HTTP from a local server standing for the public site; a tampered Release is refused; and
-`apt-get upgrade` takes a running host from release N-1 to N once the site serves N."""
+"""The release's signed apt repository on a clean Debian 12 and 13, as an operator uses it:
+README.md's own commands (key, `Signed-By:` source line for the host's own release, `apt-get update
+&& apt-get install`) run in systemd-nspawn over HTTP from a local server standing for the public
+site; on Debian 13 under its own systemd from install to purge; every suite (the Ubuntu ones too)
+verified by apt; a tampered or expired Release is refused; and `apt-get upgrade` takes a running
+host from release N-1 to N once the site serves N."""
 
 from __future__ import annotations
 
@@ -18,28 +20,34 @@ import pytest
 from standin.kubelet import StandinThread
 from tests import nspawn
 from tests.conftest import make_node, wait_for
-from tests.releases import CURRENT, PREVIOUS, PUBLIC_SITE, ROOT, Published, Site, readme_commands
-from tests.test_deb import UNIT, agent_starts
+from tests.releases import CURRENT, DEBS, PREVIOUS, PUBLIC_SITE, ROOT, Published, Site, readme_commands
+from tests.test_deb import DOCUMENTED, NOT_OURS, UNIT, agent_starts, listing, our_sockets
 
 pytestmark = pytest.mark.system
+BY_SUITE = {t.suite: t for t in DEBS}
 
 # README's commands are interactive (apt-get asks before installing): in the guest, apt assumes yes.
 ASSUME_YES = 'APT::Get::Assume-Yes "true";\n'
 
 
-def fresh_root(tmp: str) -> str:
+def fresh_root(tmp: str, suite: str = "bookworm") -> str:
     root = os.path.join(tmp, "root")
-    subprocess.run(["cp", "-a", "--reflink=auto", nspawn.rootfs(), root], check=True, timeout=300)
+    subprocess.run(["cp", "-a", "--reflink=auto", nspawn.rootfs(suite), root], check=True, timeout=300)
     with open(os.path.join(root, "etc", "apt", "apt.conf.d", "90assume-yes"), "w") as f:
         f.write(ASSUME_YES)
     return root
 
 
-def operator_install(root: str, url: str) -> subprocess.CompletedProcess[str]:
-    """README's apt commands, with the local site in place of the public one, in the guest's root."""
+def operator_script(url: str) -> str:
+    """README's apt commands, with the local site in place of the public one."""
     script = readme_commands("apt").replace(PUBLIC_SITE, url)
     assert url in script
-    return nspawn.pipe(root, "env", "DEBIAN_FRONTEND=noninteractive", "sh", "-ec", script)
+    return script
+
+
+def operator_install(root: str, url: str) -> subprocess.CompletedProcess[str]:
+    """README's apt commands run in the guest's root."""
+    return nspawn.pipe(root, "env", "DEBIAN_FRONTEND=noninteractive", "sh", "-ec", operator_script(url))
 
 
 @pytest.fixture
@@ -62,9 +70,38 @@ def test_readme_commands_add_the_signed_source_and_install(published: Published,
         sources,
     ), sources
     version = nspawn.pipe(root, "dpkg-query", "-W", "-f=${Version}", "hyperlight-agent").stdout
-    assert version == CURRENT
+    assert version == BY_SUITE["bookworm"].version(CURRENT)
     policy = nspawn.pipe(root, "apt-cache", "policy", "hyperlight-agent").stdout
     assert f"{site.url}/apt bookworm/main amd64 Packages" in policy, policy
+
+
+def test_apt_verifies_every_suite_and_each_offers_its_release_s_package(
+    published: Published, site: Site, tmp: str
+) -> None:
+    """Every suite of the one pool (Ubuntu's too, whose userland this machine cannot have) is signed
+    and read by apt: a source line per suite, `apt-get update` verifying each InRelease, and each
+    suite's candidate is its own target's package."""
+    published.serve(CURRENT)
+    root = fresh_root(tmp)
+    done = operator_install(root, site.url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = "".join(
+        f"deb [arch=amd64 signed-by=/etc/apt/keyrings/hyperlight-agent.asc] {site.url}/apt {t.suite} main\n"
+        for t in DEBS
+    )
+    with open(os.path.join(root, "etc", "apt", "sources.list.d", "hyperlight-agent.list"), "w") as f:
+        f.write(lines)
+    updated = nspawn.pipe(root, "apt-get", "update", "-q")
+    assert updated.returncode == 0 and "W:" not in updated.stdout + updated.stderr, updated.stdout + updated.stderr
+    for target in DEBS:
+        assert f"{site.url}/apt {target.suite} InRelease" in updated.stdout, updated.stdout
+    madison = nspawn.pipe(root, "apt-cache", "madison", "hyperlight-agent").stdout
+    offered = {
+        line.split("|")[2].split()[1].split("/")[0]: line.split("|")[1].strip()
+        for line in madison.splitlines()
+        if "|" in line
+    }
+    assert offered == {t.suite: t.version(CURRENT) for t in DEBS}, madison
 
 
 def test_a_tampered_release_is_refused(release_current: str, tmp: str) -> None:
@@ -169,3 +206,74 @@ def test_an_expired_release_is_refused_and_make_resign_renews_it(
         f.write("Suite: stable\n")
     refused = builder.make("resign", f"SITE={copy}", check=False)
     assert refused.returncode != 0 and "make resign: " in refused.stderr and "BADSIG" in refused.stderr, refused.stderr
+
+
+# The Debian releases whose real userland this machine can debootstrap and boot (Ubuntu's and EL's
+# archives are out of reach: their packages are judged by lintian and rpmlint, their trees run by
+# their Python, tests/test_package_trees.py).
+BOOTABLE = ("bookworm", "trixie")
+# What README's commands write (the operator's, not the package's: they stay after a purge).
+OPERATOR_FILES = ("/etc/apt/keyrings/hyperlight-agent.asc", "/etc/apt/sources.list.d/hyperlight-agent.list")
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("suite", BOOTABLE)
+def test_installed_from_the_repository_under_the_release_s_own_systemd_to_purge(
+    published: Published, site: Site, tmp: str, suite: str
+) -> None:
+    """On a booted Debian of that release (Debian 13: systemd 257, Python 3.13): README's commands
+    install its suite's package, the postinst starts the unit, which is active and READY once the
+    kubelet registered it; its hardening judged by that systemd's own analyzer; `systemctl reload`
+    in place; purge leaves nothing of ours."""
+    published.serve(CURRENT)
+    target = BY_SUITE[suite]
+    root = fresh_root(tmp, suite)
+    os.makedirs(os.path.join(tmp, "kubelet"))
+    kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
+    binds = [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins"]
+    with (
+        StandinThread(os.path.join(tmp, "kubelet")) as kubelet,
+        nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest,
+    ):
+        before = listing(guest)
+        release = guest.run("sh", "-c", ". /etc/os-release && echo $VERSION_ID $VERSION_CODENAME").stdout.split()
+        assert release == [target.release, suite], release
+        python = guest.run("python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])").stdout.strip()
+        assert python == target.python
+
+        started = time.monotonic()
+        done = guest.run(
+            "env", "DEBIAN_FRONTEND=noninteractive", "sh", "-ec", operator_script(site.url), check=False, timeout=300
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert guest.run("dpkg-query", "-W", "-f=${Version}", "hyperlight-agent").stdout == target.version(CURRENT)
+        kubelet.wait_until(lambda k: k.allocatable() == 2000, 60, "the installed agent registered")
+        wait_for(lambda: guest.is_active(UNIT) == "active", 30, "the unit active (READY=1)")
+        print(f"\n{target.label}: README's install → active: {time.monotonic() - started:.2f} s")
+        assert 'Status: "ready: kvm, 2000 slots, 1 stream; version ' in guest.status(UNIT)
+
+        unit = f"{target.unitdir}/{UNIT}"
+        verified = guest.run("systemd-analyze", "verify", unit, check=False)
+        assert verified.returncode == 0 and not (verified.stdout + verified.stderr).strip(), verified.stderr
+        exposure = guest.run("systemd-analyze", "security", "--offline=yes", "--threshold=15", unit, check=False)
+        print(f"{target.label}: {exposure.stdout.strip().splitlines()[-1]}")
+        assert exposure.returncode == 0, exposure.stdout
+
+        guest.run("sh", "-c", "echo 'device_count = 7' >> /etc/hyperlight-agent/agent.toml")
+        guest.run("systemctl", "reload", UNIT)
+        kubelet.wait_until(lambda k: k.allocatable() == 7, 15, "7 slots after the reload")
+        assert agent_starts(guest) == [CURRENT, CURRENT], "the reload started a new process in place"
+        assert guest.run("systemctl", "show", "-P", "NRestarts", UNIT).stdout.strip() == "0"
+        assert guest.is_active(UNIT) == "active"
+
+        purged = guest.run(
+            "sh", "-c", "DEBIAN_FRONTEND=noninteractive apt-get purge -y -q hyperlight-agent </dev/null", check=False
+        )
+        assert purged.returncode == 0 and "not empty" not in purged.stdout + purged.stderr, purged.stdout
+        wait_for(lambda: our_sockets(tmp) == [], 10, "the plugin socket to go")
+        assert guest.run("pgrep", "-f", "hyperlight", check=False).returncode == 1, "a process was left"
+        after = listing(guest)
+    changed = sorted(
+        p for p in before ^ after if not p.startswith(NOT_OURS) and p not in DOCUMENTED and p not in OPERATOR_FILES
+    )
+    assert changed == [], f"install → reload → purge changed: {changed[:20]}"

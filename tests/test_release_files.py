@@ -151,7 +151,9 @@ def test_readme_gives_operators_the_public_channels_at_this_version() -> None:
     helm = readme_commands("helm")
     assert f"helm install hyperlight {PUBLIC_CHARTS}/hyperlight-agent --version {__version__} " in helm
     apt = readme_commands("apt")
-    assert f"deb [signed-by=/etc/apt/keyrings/hyperlight-agent.asc] {PUBLIC_SITE}/apt bookworm main" in apt
+    # The host's own suite: its codename, one command for every Debian and Ubuntu target.
+    codename = '$(. /etc/os-release && echo "$VERSION_CODENAME")'
+    assert f"deb [signed-by=/etc/apt/keyrings/hyperlight-agent.asc] {PUBLIC_SITE}/apt {codename} main" in apt
     assert f"curl -fsSL {PUBLIC_SITE}/hyperlight-agent.asc" in apt
     yum = readme_commands("yum")
     assert "gpgcheck=1\n" in yum and "repo_gpgcheck=1\n" in yum and f"{PUBLIC_SITE}/yum/el9/$basearch" in yum

@@ -1,7 +1,8 @@
-"""The release's signed yum repositories, read by a real yum client: Debian's dnf, over HTTP from a
-local server as from the public site, with gpgcheck=1 and repo_gpgcheck=1. The RPMs pass `rpm -K`,
-dnf installs the EL9 one (into a scratch root whose rpm database holds a stand-in providing what
-EL9 itself would: Python 3.9, systemd, glibc's libraries), and a tampered repomd.xml is refused."""
+"""The release's signed yum repositories (one per RPM target: el9, el10, azl3), read by a real yum
+client: Debian's dnf, over HTTP from a local server as from the public site, with gpgcheck=1 and
+repo_gpgcheck=1. The RPMs pass `rpm -K`, dnf installs the EL9 and EL10 ones (into a scratch root
+whose rpm database holds a stand-in providing what the distribution itself would: its Python,
+systemd, glibc's libraries), and a tampered repomd.xml is refused."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.releases import CURRENT, PUBLIC_SITE, Site, manifest, readme_commands
+from tests.releases import CURRENT, PUBLIC_SITE, RPMS, Site, manifest, readme_commands
 
 pytestmark = pytest.mark.system
 
 KEY = "hyperlight-agent.asc"
+# Each RPM target (packaging/targets) by its tag, which names its repository (yum/<tag>).
+TARGETS = {t.tag: t for t in RPMS}
 
 
 def repo_file(url: str, dist: str) -> str:
@@ -31,7 +34,7 @@ def repo_file(url: str, dist: str) -> str:
     return text.replace(PUBLIC_SITE, url).replace("/yum/el9/", f"/yum/{dist}/")
 
 
-def dnf(root: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def dnf(root: str, *args: str, check: bool = True, release: str = "9") -> subprocess.CompletedProcess[str]:
     # Everything dnf keeps (its cache, the keyrings repo_gpgcheck imports) inside the scratch root.
     done = subprocess.run(
         [
@@ -40,7 +43,7 @@ def dnf(root: str, *args: str, check: bool = True) -> subprocess.CompletedProces
             "--installroot",
             root,
             "--releasever",
-            "9",
+            release,
             "--forcearch",
             "x86_64",
             "--setopt",
@@ -83,7 +86,7 @@ def stand_in_for_the_distribution(rpm: str, directory: str) -> str:
     spec = os.path.join(directory, "base.spec")
     with open(spec, "w") as f:
         f.write(
-            "Name: el9-base-stand-in\nVersion: 1\nRelease: 1\nSummary: stand-in\nLicense: none\n"
+            "Name: base-stand-in\nVersion: 1\nRelease: 1\nSummary: stand-in\nLicense: none\n"
             "BuildArch: noarch\n" + "".join(f"Provides: {p}\n" for p in provides) + "%description\nstand-in\n%files\n"
         )
     subprocess.run(
@@ -92,7 +95,7 @@ def stand_in_for_the_distribution(rpm: str, directory: str) -> str:
         capture_output=True,
         timeout=120,
     )
-    return os.path.join(directory, "top", "RPMS", "noarch", "el9-base-stand-in-1-1.noarch.rpm")
+    return os.path.join(directory, "top", "RPMS", "noarch", "base-stand-in-1-1.noarch.rpm")
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +126,7 @@ def test_rpms_pass_rpm_k_with_the_release_key(release_current: str, tmp: str) ->
     m = manifest(release_current)
     db = os.path.join(tmp, "rpmdb")
     os.makedirs(db)
-    for dist in ("el9", "azl3"):
+    for dist in TARGETS:
         rpm = os.path.join(release_current, m["packages"][dist])
         unknown = subprocess.run(
             ["rpm", "--dbpath", db, "-K", rpm], capture_output=True, text=True, timeout=60, check=False
@@ -131,7 +134,7 @@ def test_rpms_pass_rpm_k_with_the_release_key(release_current: str, tmp: str) ->
         # Signed, by a key this rpm database does not trust yet.
         assert unknown.returncode != 0 and "digests SIGNATURES NOT OK" in unknown.stdout, unknown.stdout
     subprocess.run(["rpm", "--dbpath", db, "--import", os.path.join(release_current, KEY)], check=True, timeout=60)
-    for dist in ("el9", "azl3"):
+    for dist in TARGETS:
         rpm = os.path.join(release_current, m["packages"][dist])
         checked = subprocess.run(
             ["rpm", "--dbpath", db, "-K", rpm], capture_output=True, text=True, timeout=60, check=False
@@ -148,22 +151,31 @@ def test_rpms_pass_rpm_k_with_the_release_key(release_current: str, tmp: str) ->
         assert key_id in info.lower(), info
 
 
-@pytest.mark.parametrize("dist", ["el9", "azl3"])
-def test_dnf_reads_the_signed_repository(site: Site, tmp: str, dist: str) -> None:
+@pytest.mark.parametrize("dist", list(TARGETS))
+def test_dnf_reads_the_signed_repository(release_current: str, site: Site, tmp: str, dist: str) -> None:
+    assert manifest(release_current)["repositories"]["yum"] == [t.suite for t in RPMS]
     root = scratch_root(tmp, site.url, dist)
-    dnf(root, "makecache")
-    found = dnf(root, "repoquery", "--qf", "%{name} %{version} %{release} %{arch}", "hyperlight-agent").stdout
+    dnf(root, "makecache", release=TARGETS[dist].release)
+    found = dnf(
+        root,
+        "repoquery",
+        "--qf",
+        "%{name} %{version} %{release} %{arch}",
+        "hyperlight-agent",
+        release=TARGETS[dist].release,
+    ).stdout
     assert f"hyperlight-agent {CURRENT} 1.{dist} x86_64" in found, found
 
 
 @pytest.mark.root
-def test_dnf_installs_the_el9_package_with_gpgcheck(release_current: str, site: Site, tmp: str) -> None:
-    root = scratch_root(tmp, site.url, "el9")
-    rpm = os.path.join(release_current, manifest(release_current)["packages"]["el9"])
+@pytest.mark.parametrize("dist", ["el9", "el10"])
+def test_dnf_installs_the_el_package_with_gpgcheck(release_current: str, site: Site, tmp: str, dist: str) -> None:
+    root = scratch_root(tmp, site.url, dist)
+    rpm = os.path.join(release_current, manifest(release_current)["packages"][dist])
     base = stand_in_for_the_distribution(rpm, tmp)
     subprocess.run(["rpm", "--root", root, "-i", "--nodeps", base], check=True, capture_output=True, timeout=120)
     # No scriptlets: they run the distribution's systemctl, which this scratch root has not.
-    dnf(root, "--setopt", "tsflags=noscripts", "install", "hyperlight-agent")
+    dnf(root, "--setopt", "tsflags=noscripts", "install", "hyperlight-agent", release=TARGETS[dist].release)
     installed = subprocess.run(
         ["rpm", "--root", root, "-q", "--qf", "%{version}-%{release} %{RSAHEADER:pgpsig}", "hyperlight-agent"],
         capture_output=True,
@@ -171,7 +183,7 @@ def test_dnf_installs_the_el9_package_with_gpgcheck(release_current: str, site: 
         timeout=60,
         check=True,
     ).stdout
-    assert re.match(rf"{re.escape(CURRENT)}-1\.el9 RSA/SHA(256|512), ", installed), installed
+    assert re.match(rf"{re.escape(CURRENT)}-1\.{dist} RSA/SHA(256|512), ", installed), installed
     assert os.path.exists(os.path.join(root, "usr", "bin", "hyperlight-agent"))
 
 
