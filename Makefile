@@ -41,8 +41,12 @@ SOURCE_DATE_EPOCH ?= $(shell git log -1 --format=%ct 2>/dev/null || date +%s)
 # The host targets, one row each in packaging/targets (its header says the columns); `make deb`,
 # `make rpm`, `make lock` and `make release` read it. A format's rows, as TAG:PYTHON:UNITDIR:SUITE:
 # DISTRIBUTION:REQUIRES words:
+# TARGETS=TAG… builds those rows only (e.g. make deb TARGETS=deb13); unset: every row.
 TARGETS_TABLE := packaging/targets
-target_rows = $(shell awk 'NF == 8 && substr($$1, 1, 1) != "\#" && $$2 == "$(1)" {print $$1 ":" $$6 ":" $$7 ":" $$5 ":" $$3 ":" $$8}' $(TARGETS_TABLE))
+TARGETS ?=
+all_rows = $(shell awk 'NF == 8 && substr($$1, 1, 1) != "\#" && $$2 == "$(1)" {print $$1 ":" $$6 ":" $$7 ":" $$5 ":" $$3 ":" $$8}' $(TARGETS_TABLE))
+target_rows = $(if $(TARGETS),$(filter $(addsuffix :%,$(TARGETS)),$(call all_rows,$(1))),$(call all_rows,$(1)))
+$(foreach t,$(TARGETS),$(if $(filter $(t):%,$(call all_rows,deb) $(call all_rows,rpm)),,$(error TARGETS: no row '$(t)' in $(TARGETS_TABLE))))
 DEB_TARGETS := $(call target_rows,deb)
 RPM_TARGETS := $(call target_rows,rpm)
 # The image's Python: its base's python3 (Debian 13's), with a lock of its own like every target's.
@@ -203,7 +207,7 @@ deb: deb-deps $(BUILD_VENV)/.installed $(sort $(foreach row,$(DEB_TARGETS),$(WHE
 	  mv build/deb/$$tag/*.deb build/deb/; \
 	  echo "deb $$tag: built and judged in $$(( $$(date +%s) - start )) s"; \
 	done
-	@ls -l build/deb/*.deb
+	@ls -l build/deb/*.deb 2>/dev/null || echo "make deb: TARGETS names no Debian or Ubuntu row"
 
 # An .rpm per RPM target (packaging/targets: EL9, EL10, Azure Linux 3), for its Python, judged by
 # rpmlint with the project's config.
@@ -222,7 +226,7 @@ rpm: rpm-deps $(BUILD_VENV)/.installed $(sort $(foreach row,$(RPM_TARGETS),$(WHE
 	  rpmlint --config packaging/rpm/rpmlint.toml build/rpm/top/RPMS/*/*.$$tag.*.rpm; \
 	  echo "rpm $$tag: built and judged in $$(( $$(date +%s) - start )) s"; \
 	done
-	@ls -l build/rpm/top/RPMS/*/*.rpm
+	@ls -l build/rpm/top/RPMS/*/*.rpm 2>/dev/null || echo "make rpm: TARGETS names no EL or Azure Linux row"
 
 # The container image (deploy/image/build.sh): this CPU by default, PLATFORMS=linux/amd64,linux/arm64
 # for a manifest list; podman or docker (ENGINE=...). Nothing in the build needs the network: the
@@ -261,7 +265,7 @@ $(RELEASE_TOOLS)/.installed: pins/release.txt
 # Python of packaging/targets and the image's) in pins/runtime-py*.txt, pip for the image build, and the tools of the build and the release (pins/build.in, pins/release.in: every
 # dependency, hashed): `make lock` resolves the ranges anew at the newest releases (then run
 # `make test` before committing the locks). Packages and the image install exactly these.
-LOCK_PYTHONS := $(sort $(foreach row,$(DEB_TARGETS) $(RPM_TARGETS),$(word 2,$(subst :, ,$(row)))) $(IMAGE_PYTHON))
+LOCK_PYTHONS := $(sort $(foreach row,$(call all_rows,deb) $(call all_rows,rpm),$(word 2,$(subst :, ,$(row)))) $(IMAGE_PYTHON))
 UV_COMPILE = $(RELEASE_TOOLS)/bin/uv pip compile --quiet --upgrade --generate-hashes --custom-compile-command 'make lock'
 lock: $(RELEASE_TOOLS)/.installed  ## re-resolve the locks (pins/runtime-py*.txt, build.txt, release.txt) at the newest releases, with hashes
 	set -e; for py in $(LOCK_PYTHONS); do \
@@ -280,7 +284,8 @@ lock: $(RELEASE_TOOLS)/.installed  ## re-resolve the locks (pins/runtime-py*.txt
 DIST ?= dist
 release: release-deps $(BUILD_VENV)/.installed $(RELEASE_TOOLS)/.installed tools  ## a complete signed release in dist/<version>/ (VERSION= for another)
 	@VERSION='$(VERSION)' DIST='$(DIST)' GIT_COMMIT='$(GIT_COMMIT)' SOURCE_DATE_EPOCH='$(SOURCE_DATE_EPOCH)' \
-	  ENGINE='$(ENGINE)' BASE_IMAGE='$(BASE_IMAGE)' IMAGE_PYTHON='$(IMAGE_PYTHON)' $(PYTHON) packaging/release.py
+	  ENGINE='$(ENGINE)' BASE_IMAGE='$(BASE_IMAGE)' IMAGE_PYTHON='$(IMAGE_PYTHON)' TARGETS='$(TARGETS)' \
+	  $(PYTHON) packaging/release.py
 
 # Publish $(DIST)/$(VERSION)/ (packaging/publish.py): only a release signed by the release key,
 # RELEASE_GPG_FINGERPRINT (the project's, configured where this runs: never read from the release;

@@ -263,7 +263,9 @@ def publish() -> None:
         # Dated now, not when built: web servers and apt's If-Modified-Since go by these dates.
         for name in ("apt", "yum"):
             shutil.rmtree(os.path.join(site, name), ignore_errors=True)
-            shutil.copytree(os.path.join(out, name), os.path.join(site, name), copy_function=shutil.copy)
+            # (A release of some targets only, `make release TARGETS=…`, may have no repository of a kind.)
+            if os.path.isdir(os.path.join(out, name)):
+                shutil.copytree(os.path.join(out, name), os.path.join(site, name), copy_function=shutil.copy)
         shutil.copy(os.path.join(out, "hyperlight-agent.asc"), site)
     print(
         f"published {version}: {reference}, oci://{chart} --version {version} ({chart_digest})"

@@ -18,6 +18,7 @@ What it holds (names for version 0.1.0), a package per row of packaging/targets:
 
 Settings (environment): VERSION, DIST (default dist), GIT_COMMIT, SOURCE_DATE_EPOCH, ENGINE and
 BASE_IMAGE (as for `make image`), IMAGE_PYTHON (the image's Python: which lock its SBOM lists),
+TARGETS (tags of packaging/targets, space-separated: a release of those only; unset: every row),
 IMAGE_REPOSITORY (default ghcr.io/hyperlight-dev/hyperlight-agent), GNUPGHOME and RELEASE_GPG_KEY
 (the signing key; without one, a key made for this build only, said loudly: such a release is for
 testing, never for publishing), HELM, CYCLONEDX (tool paths).
@@ -37,7 +38,7 @@ import tarfile
 import tempfile
 from typing import Optional
 
-from targets import TARGETS
+from targets import BY_TAG, TARGETS, Target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE_REPOSITORY = "ghcr.io/hyperlight-dev/hyperlight-agent"
@@ -194,13 +195,15 @@ def make(*args: str) -> None:
     run("make", "-s", "-C", ROOT, *args, what=f"make {args[0]}")
 
 
-def build_packages(version: str, out: str, signer: Signer) -> dict[str, str]:
+def build_packages(version: str, out: str, signer: Signer, targets: tuple[Target, ...]) -> dict[str, str]:
     """Every target's package (tag → path), copied out of build/ at once (the next build replaces
     them); the RPMs signed."""
-    make("deb", f"VERSION={version}")
-    make("rpm", f"VERSION={version}")
+    tags = f"TARGETS={' '.join(t.tag for t in targets)}"
+    for fmt in ("deb", "rpm"):
+        if any(t.format == fmt for t in targets):
+            make(fmt, f"VERSION={version}", tags)
     found = {}
-    for target in TARGETS:
+    for target in targets:
         built = "deb" if target.format == "deb" else os.path.join("rpm", "top", "RPMS", "x86_64")
         path = os.path.join(ROOT, "build", built, target.package(version))
         if not os.path.exists(path):
@@ -211,12 +214,14 @@ def build_packages(version: str, out: str, signer: Signer) -> dict[str, str]:
     return found
 
 
-def apt_repository(out: str, packages: dict[str, str], signer: Signer, work: str) -> list[str]:
+def apt_repository(
+    out: str, packages: dict[str, str], signer: Signer, work: str, targets: tuple[Target, ...]
+) -> list[str]:
     """reprepro's pool (one, every suite's packages) and dists (a suite per Debian and Ubuntu
     target, named by its codename), each Release signed: InRelease and Release.gpg. The suites."""
     base = os.path.join(work, "reprepro")
     os.makedirs(os.path.join(base, "conf"))
-    debs = [t for t in TARGETS if t.format == "deb"]
+    debs = [t for t in targets if t.format == "deb"]
     with open(os.path.join(base, "conf", "distributions"), "w") as f:
         f.write(
             "\n".join(
@@ -243,10 +248,12 @@ def apt_repository(out: str, packages: dict[str, str], signer: Signer, work: str
     return [t.suite for t in debs]
 
 
-def yum_repositories(out: str, packages: dict[str, str], signer: Signer, epoch: str) -> list[str]:
+def yum_repositories(
+    out: str, packages: dict[str, str], signer: Signer, epoch: str, targets: tuple[Target, ...]
+) -> list[str]:
     """One repository per RPM target (createrepo_c), repomd.xml signed (repo_gpgcheck); their
     directories under yum/."""
-    rpms = [t for t in TARGETS if t.format == "rpm"]
+    rpms = [t for t in targets if t.format == "rpm"]
     for target in rpms:
         repo = os.path.join(out, "yum", target.suite, "x86_64")
         os.makedirs(os.path.join(repo, "Packages"))
@@ -381,6 +388,7 @@ def checksums(out: str) -> str:
 def release() -> str:
     version = os.environ.get("VERSION") or tree_version()
     check_version(version, tags_at_head())
+    targets = chosen_targets(os.environ.get("TARGETS", ""))
     repository = os.environ.get("IMAGE_REPOSITORY") or IMAGE_REPOSITORY
     epoch = os.environ.get("SOURCE_DATE_EPOCH") or run("git", "log", "-1", "--format=%ct", cwd=ROOT).strip()
     dist = os.path.abspath(os.environ.get("DIST") or os.path.join(ROOT, "dist"))
@@ -391,14 +399,14 @@ def release() -> str:
     work = tempfile.mkdtemp(prefix="hl-release-")
     try:
         signer = Signer(work)
-        packages = build_packages(version, partial, signer)
-        suites = apt_repository(partial, packages, signer, work)
-        yums = yum_repositories(partial, packages, signer, epoch)
+        packages = build_packages(version, partial, signer, targets)
+        suites = apt_repository(partial, packages, signer, work, targets)
+        yums = yum_repositories(partial, packages, signer, epoch, targets)
         archive, digest = image_archive(version, partial, repository)
         chart = chart_package(version, partial, repository, digest, work)
         artefacts = {**packages, "image": archive}
         # Which lock each artefact's Python dependencies come from (its target's Python).
-        locks = {**{t.tag: t.python for t in TARGETS}, "image": image_python()}
+        locks = {**{t.tag: t.python for t in targets}, "image": image_python()}
         sboms = {}
         for kind, path in artefacts.items():
             sboms[kind] = path + ".cdx.json"
@@ -436,6 +444,14 @@ def release() -> str:
         )
         shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def chosen_targets(tags: str) -> tuple[Target, ...]:
+    """The rows TARGETS names (space-separated tags), in the table's order; none named: all."""
+    unknown = [tag for tag in tags.split() if tag not in BY_TAG]
+    if unknown:
+        raise ReleaseError(f"TARGETS {tags!r}: no row {unknown[0]!r} in packaging/targets")
+    return tuple(t for t in TARGETS if t.tag in tags.split()) if tags.split() else TARGETS
 
 
 def image_python() -> str:

@@ -397,12 +397,12 @@ def assert_ships_the_agent_only(paths: list[str]) -> None:
 
 
 @pytest.fixture(scope="session")
-def host_packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """`make deb` and `make rpm` of this tree, once a session: each target's package by its tag
-    (packaging/targets), copied out of build/."""
-    from tests import nspawn
+def host_packages(release_current: str) -> dict[str, str]:
+    """Each target's package by its tag (packaging/targets): release N's, as `make deb` and `make
+    rpm` built them inside `make release` (lintian and rpmlint included; the RPMs then signed)."""
+    from tests.releases import manifest
 
-    return nspawn.build_packages(str(tmp_path_factory.mktemp("packages")))
+    return {tag: os.path.join(release_current, name) for tag, name in manifest(release_current)["packages"].items()}
 
 
 @pytest.fixture(scope="session")
@@ -420,9 +420,9 @@ def release_builder() -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def release_previous(release_builder: Any) -> str:
     """`make release` of N-1: this commit as the tree's own version."""
-    from tests.releases import PREVIOUS
+    from tests.releases import PREVIOUS, PREVIOUS_TARGETS
 
-    return str(release_builder.release(PREVIOUS))
+    return str(release_builder.release(PREVIOUS, targets=PREVIOUS_TARGETS))
 
 
 @pytest.fixture(scope="session")

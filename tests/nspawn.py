@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import glob
 import os
 import shutil
 import signal
@@ -65,22 +64,6 @@ def stage(dest: str) -> str:
         env={**os.environ, "PYTHON": os.path.join(BUILD, "venv", "bin", "python")},
     )
     return dest
-
-
-def build_packages(directory: str) -> dict[str, str]:
-    """Every target's package built exactly as `make deb` and `make rpm` build them (lintian and
-    rpmlint included), copied into directory (later builds replace build/'s): tag → path."""
-    from tests.releases import TARGETS
-
-    found = {}
-    for fmt, built in (("deb", "deb"), ("rpm", os.path.join("rpm", "top", "RPMS", "x86_64"))):
-        done = subprocess.run(["make", "-s", fmt], cwd=ROOT, capture_output=True, text=True, timeout=1800, check=False)
-        assert done.returncode == 0, f"make {fmt}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        print(f"\nmake {fmt}:\n" + "".join(line + "\n" for line in done.stdout.splitlines() if " in " in line))
-        for target in (t for t in TARGETS if t.format == fmt):
-            (path,) = glob.glob(os.path.join(ROOT, "build", built, target.package("*")))
-            found[target.tag] = shutil.copy2(path, directory)
-    return found
 
 
 class Guest:

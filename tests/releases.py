@@ -2,10 +2,12 @@
 
 Two releases of this commit, each built once per test session: N-1, the tree's own version, and
 N, the next patch version (`make release VERSION=…`, the tree untouched), signed with a key made
-for the session; the image from `make image-base`'s Debian 13 (no registry is reachable here),
-in podman storage of the session's own. Served as users get them: the package repositories over
-HTTP (`Site`), the image and the chart from a real OCI registry (`Registry`, the CNCF
-distribution registry built from its pinned Go module)."""
+for the session. N is built for every target; N-1 for what the upgrade tests install of it
+(`PREVIOUS_TARGETS`: the Debian 12 package), with its image and chart. The image is built from
+`make image-base`'s Debian 13 (no registry is reachable here), in podman storage of the session's
+own. Served as users get them: the package repositories over HTTP (`Site`), the image and the
+chart from a real OCI registry (`Registry`, the CNCF distribution registry built from its pinned
+Go module)."""
 
 from __future__ import annotations
 
@@ -67,6 +69,8 @@ def next_version(version: str) -> str:
 
 PREVIOUS = __version__
 CURRENT = next_version(__version__)
+# What N-1 is built for: the package the upgrade tests (apt, the e2e host node) install before N.
+PREVIOUS_TARGETS = ("deb12",)
 
 
 class Keyring:
@@ -180,12 +184,16 @@ class Builder:
             assert done.returncode == 0, f"make {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done
 
-    def release(self, version: str, dist: Optional[str] = None) -> str:
+    def release(self, version: str, dist: Optional[str] = None, targets: Sequence[str] = ()) -> str:
+        """`make release` of version into dist (default the session's), of the rows `targets`
+        names (default all: TARGETS=)."""
         if not self._base:
             self.make("image-base")
             self._base = True
         dist = dist or os.path.join(self.directory, "dist")
-        done = self.make("release", f"VERSION={version}", f"DIST={dist}", f"BASE_IMAGE={BASE}")
+        done = self.make(
+            "release", f"VERSION={version}", f"DIST={dist}", f"BASE_IMAGE={BASE}", f"TARGETS={' '.join(targets)}"
+        )
         self.outputs.setdefault(version, done.stdout)
         return os.path.join(dist, version)
 

@@ -15,6 +15,7 @@ from hyperlight_agent import contracts
 from standin.kubelet import StandinThread
 from tests import nspawn
 from tests.conftest import assert_ships_the_agent_only, make_node, wait_for
+from tests.releases import CURRENT, next_version
 
 pytestmark = pytest.mark.system
 UNIT = "hyperlight-agent.service"
@@ -129,7 +130,8 @@ def test_install_run_reload_remove_purge(guest: nspawn.Guest, tmp: str) -> None:
         kubelet.wait_until(lambda k: k.allocatable() == 2000, 15)
 
 
-NEXT_VERSION = "0.1.1"
+# After release N's package (the one `deb` is), as a next release would be.
+NEXT_VERSION = next_version(CURRENT)
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +199,8 @@ NOT_OURS = (
     "/var/cache/man/",  # man-db's index (its trigger ran when our man page came and went)
     "/var/lib/apt/",  # apt's extended_states (auto-installed marks) and list bookkeeping
     "/run/agetty.reload",  # agetty's reload flag, touched by the console getty
+    "/run/systemd/ask-password-block",  # systemd 257's password agents' tty marker (systemctl makes it)
+    "/var/cache/debconf/",  # debconf's temporary files (Debian 13's debconf leaves tmp.ci)
 )
 # Documented to stay after purge (README, "On hosts"): /run/cdi, which several CDI producers
 # share (created by our tmpfiles entry if missing), and the CDI spec the agent kept on shutdown.
