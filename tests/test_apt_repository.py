@@ -198,7 +198,9 @@ def test_an_expired_release_is_refused_and_make_resign_renews_it(
         assert sorted(said) == sorted(t.suite for t in DEBS), renewed.stdout
         done = operator_install(root, served.url)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert nspawn.pipe(root, "dpkg-query", "-W", "-f=${Version}", "hyperlight-agent").stdout == CURRENT
+        assert nspawn.pipe(root, "dpkg-query", "-W", "-f=${Version}", "hyperlight-agent").stdout == (
+            BY_SUITE["bookworm"].version(CURRENT)
+        )
     finally:
         served.close()
 
