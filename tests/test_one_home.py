@@ -44,7 +44,7 @@ VERSION_COPIES = {
     "packaging/rpm/hyperlight-agent.spec": r"^Version:\s+(\S+)$",
     "deploy/image/build.sh": r"VERSION:-([^}]+)\}",
     "deploy/helm/hyperlight-agent/Chart.yaml": r"^version: (\S+)$",
-    "README.md": r"hyperlight-agent_([0-9][^_]*)_amd64\.deb",
+    "README.md": r"hyperlight-agent_([0-9][^_+]*)(?:\+[^_]+)?_amd64\.deb",  # +TAG: the target's (packaging/targets)
 }
 
 
