@@ -50,6 +50,14 @@ def operator_install(root: str, url: str) -> subprocess.CompletedProcess[str]:
     return nspawn.pipe(root, "env", "DEBIAN_FRONTEND=noninteractive", "sh", "-ec", operator_script(url))
 
 
+def host_binds(tmp: str) -> list[str]:
+    """A guest's node: a KVM device node of ours at /dev/kvm, and tmp/kubelet (made here, where the
+    stand-in kubelet serves) as the kubelet's device-plugin directory."""
+    os.makedirs(os.path.join(tmp, "kubelet"))
+    kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
+    return [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins"]
+
+
 @pytest.fixture
 def site(published: Published) -> Iterator[Site]:
     """The public site's stand-in, left serving N-1 (as the session's other tests expect)."""
@@ -138,12 +146,9 @@ def test_apt_get_upgrade_takes_a_running_host_from_n_minus_1_to_n(published: Pub
     root = fresh_root(tmp)
     done = operator_install(root, site.url)
     assert done.returncode == 0, done.stdout + done.stderr
-    os.makedirs(os.path.join(tmp, "kubelet"))
-    kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
-    binds = [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins"]
     with (
         StandinThread(os.path.join(tmp, "kubelet")) as kubelet,
-        nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest,
+        nspawn.Guest(root, host_binds(tmp), ephemeral=False, private_network=False) as guest,
     ):
         kubelet.wait_until(lambda k: k.allocatable() == 2000, 60, "release N-1 registered")
         assert guest.run("hyperlight-agent", "--version").stdout.strip() == f"hyperlight-agent {PREVIOUS}"
@@ -232,12 +237,9 @@ def test_installed_from_the_repository_under_the_release_s_own_systemd_to_purge(
     published.serve(CURRENT)
     target = BY_SUITE[suite]
     root = fresh_root(tmp, suite)
-    os.makedirs(os.path.join(tmp, "kubelet"))
-    kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
-    binds = [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins"]
     with (
         StandinThread(os.path.join(tmp, "kubelet")) as kubelet,
-        nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest,
+        nspawn.Guest(root, host_binds(tmp), ephemeral=False, private_network=False) as guest,
     ):
         before = listing(guest)
         release = guest.run("sh", "-c", ". /etc/os-release && echo $VERSION_ID $VERSION_CODENAME").stdout.split()

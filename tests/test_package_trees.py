@@ -22,7 +22,7 @@ from standin import procs
 from standin.kubelet import StandinThread
 from tests.conftest import wait_for
 from tests.releases import TARGETS
-from tests.trees import bytecode, clean_env, extract, launcher, pyenv_python
+from tests.trees import bytecode, check, clean_env, extract, launcher, pyenv_python
 
 pytestmark = pytest.mark.system
 PYTHON = {t.tag: t.python for t in TARGETS}
@@ -46,14 +46,7 @@ def test_the_tree_runs_under_the_target_python(
     run = [*launcher(tree, python), "--config", "/dev/null"]
     version = subprocess.run([*run, "--version"], capture_output=True, text=True, timeout=60, check=True)
     assert version.stdout.startswith("hyperlight-agent ")
-    checked = subprocess.run(
-        [*run, "--check", "--device-dir", kvm_dir, "--cdi-dir", os.path.join(tmp, "cdi")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=clean_env(),
-    )
+    checked = check(launcher(tree, python), kvm_dir, tmp)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "ok   runtime:" in checked.stdout and "ok   probe:" in checked.stdout
     # The DRA mode's API client (lightkube and what it pulls in, markers evaluated for the target).

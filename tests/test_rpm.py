@@ -18,7 +18,7 @@ import pytest
 from hyperlight_agent import contracts
 from tests.conftest import assert_ships_the_agent_only
 from tests.releases import RPMS
-from tests.trees import bytecode, clean_env, extract, launcher, pyenv_python
+from tests.trees import bytecode, check, extract, launcher, pyenv_python
 
 pytestmark = pytest.mark.system
 # Each RPM target (packaging/targets) and its Python.
@@ -183,15 +183,7 @@ def test_rpm_installs_into_a_scratch_root(rpms: dict[str, str], dist: str, tmp: 
 def test_rpm_tree_under_another_python_fails_the_check(rpms: dict[str, str], tmp: str, kvm_dir: str) -> None:
     """The EL9 tree (3.9) run by 3.12: every node check passes, but the agent could not start."""
     tree = extract(rpms["el9"], os.path.join(tmp, "tree"))
-    run = launcher(tree, pyenv_python("3.12"))
-    checked = subprocess.run(
-        [*run, "--config", "/dev/null", "--check", "--device-dir", kvm_dir, "--cdi-dir", os.path.join(tmp, "cdi")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env=clean_env(),
-    )
+    checked = check(launcher(tree, pyenv_python("3.12")), kvm_dir, tmp)
     assert checked.returncode == 1, checked.stdout + checked.stderr
     (line,) = [x for x in checked.stdout.splitlines() if x.startswith("FAIL runtime:")]
     print(line)

@@ -62,3 +62,15 @@ def clean_env() -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith(("HYPERLIGHT_", "DEVICE_", "NOTIFY_SOCKET", "HOST_DEVICE_DIR"))
     }
+
+
+def check(run: list[str], kvm_dir: str, tmp: str) -> subprocess.CompletedProcess[str]:
+    """`hyperlight-agent --check` of a tree (its launcher and interpreter: run) against kvm_dir."""
+    return subprocess.run(
+        [*run, "--config", "/dev/null", "--check", "--device-dir", kvm_dir, "--cdi-dir", os.path.join(tmp, "cdi")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=clean_env(),
+    )
