@@ -368,3 +368,11 @@ def test_publish_settings_missing_exit_2_with_one_line(
     monkeypatch.setenv("REGISTRY", "")
     assert publish.main() == 2
     assert capsys.readouterr().err.startswith("make publish: REGISTRY is not set")
+
+
+def test_readme_s_package_table_is_the_targets_table() -> None:
+    """README's table of packages (On hosts) says each row of packaging/targets: tag, Python, suite."""
+    rows = re.findall(
+        r"^\| `\.(deb|rpm)` `\+?([^`]+)` \| [^|]+ \| ([0-9.]+) \| `(?:yum/)?([^`]+)` \|$", read("README.md"), re.M
+    )
+    assert rows == [(t.format, t.tag, t.python, t.suite) for t in TARGETS]
