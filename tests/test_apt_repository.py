@@ -53,7 +53,7 @@ def operator_install(root: str, url: str) -> subprocess.CompletedProcess[str]:
 def host_binds(tmp: str) -> list[str]:
     """A guest's node: a KVM device node of ours at /dev/kvm, and tmp/kubelet (made here, where the
     stand-in kubelet serves) as the kubelet's device-plugin directory."""
-    os.makedirs(os.path.join(tmp, "kubelet"))
+    os.makedirs(os.path.join(tmp, "kubelet"), exist_ok=True)
     kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
     return [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins"]
 
