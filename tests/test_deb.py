@@ -200,6 +200,9 @@ NOT_OURS = (
     "/var/lib/apt/",  # apt's extended_states (auto-installed marks) and list bookkeeping
     "/run/agetty.reload",  # agetty's reload flag, touched by the console getty
     "/run/systemd/ask-password-block",  # systemd 257's password agents' tty marker (systemctl makes it)
+    # systemd 257 gives each running service a credentials directory: the console's getty, which
+    # systemd starts again whenever the console is closed, has it or not at any moment.
+    "/run/credentials/console-getty.service",
     "/var/cache/debconf/",  # debconf's temporary files (Debian 13's debconf leaves tmp.ci)
 )
 # Documented to stay after purge (README, "On hosts"): /run/cdi, which several CDI producers
