@@ -299,7 +299,7 @@ def bench_rss_and_start(top: str) -> None:
 
 
 # Kubelet restarts per flavour in section d (HYPERLIGHT_BENCH_RESTARTS overrides it).
-KUBELET_RESTARTS = int(os.environ.get("HYPERLIGHT_BENCH_RESTARTS", "100"))
+KUBELET_RESTARTS = int(os.environ.pop("HYPERLIGHT_BENCH_RESTARTS", "100"))
 
 
 def bench_restart_and_cdi(top: str) -> None:
@@ -458,7 +458,7 @@ def bench_plugin_restart(top: str) -> None:
 
 # Idle cost: the window measured (scaled to a minute), and the settling before it. 60 s is the
 # ideal window; 30 s keeps `make bench` short (HYPERLIGHT_BENCH_IDLE_S overrides it).
-IDLE_WINDOW_S = float(os.environ.get("HYPERLIGHT_BENCH_IDLE_S", "30"))
+IDLE_WINDOW_S = float(os.environ.pop("HYPERLIGHT_BENCH_IDLE_S", "30"))
 IDLE_SETTLE_S = 5.0
 # The baseline: a bare grpc.aio server on a unix socket, idle with no client, as one process.
 BARE_GRPC = """
@@ -974,8 +974,8 @@ def bench_watch_hot_loop(top: str) -> None:
 # flaps and prepares have half as many each), and its idle window. The comparison's watches last
 # 5-10 minutes, so a window that sees each of them renewed is over 10 minutes; shorter ones (CI)
 # still count every request but see few of its renewals.
-FLEET_NODES = int(os.environ.get("HYPERLIGHT_BENCH_FLEET_NODES", "200"))
-FLEET_IDLE_S = float(os.environ.get("HYPERLIGHT_BENCH_FLEET_IDLE_S", "630"))
+FLEET_NODES = int(os.environ.pop("HYPERLIGHT_BENCH_FLEET_NODES", "200"))
+FLEET_IDLE_S = float(os.environ.pop("HYPERLIGHT_BENCH_FLEET_IDLE_S", "630"))
 LONG_WATCH_S = (300.0, 600.0)  # client-go's reflectors'
 
 

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from hyperlight_agent import config, contracts, modes, waits
-from hyperlight_agent.agent import COMMIT_ENV, Agent
+from hyperlight_agent.agent import Agent
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.helper import ProbeResult
@@ -444,7 +444,7 @@ async def test_the_environment_comes_from_the_caller(
 ) -> None:
     """What the image baked in (the commit) is read from the environ the entry point handed over."""
     caplog.set_level(logging.INFO, "hyperlight_agent")
-    agent = Agent(settings_in(tmp), notifier=RecordingNotifier(), environ={COMMIT_ENV: "0123abc"})
+    agent = Agent(settings_in(tmp), notifier=RecordingNotifier(), environ={contracts.COMMIT_ENV: "0123abc"})
     await agent.start()
     await shut(agent)
     assert "(commit 0123abc)" in caplog.text
