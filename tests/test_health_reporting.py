@@ -346,3 +346,28 @@ def test_the_diagnosis_loads_without_grpc() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True).stdout
     assert "GRPC []" in out, out
+
+
+def test_log_lines_carry_their_time_or_are_json_and_debug_keeps_libraries_quiet(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Outside the journal a line says when (issue 36: 5); `log_format = "json"` makes one object
+    per line with the entry's fields; at debug, grpc's internals stay at info."""
+    import json
+    import logging
+    import re
+
+    try:
+        journal.setup("debug", {}, {"resource": "hyperlight.dev/hypervisor"})
+        logging.getLogger("hyperlight_agent.test").info("status: %s", "ready")
+        line = capsys.readouterr().err.strip()
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO: status: ready", line), line
+        assert logging.getLogger("grpc").getEffectiveLevel() == logging.INFO
+        assert logging.getLogger("hyperlight_agent").getEffectiveLevel() == logging.DEBUG
+        journal.setup("info", {}, {"resource": "hyperlight.dev/hypervisor"}, "json")
+        logging.getLogger("hyperlight_agent.test").warning("device unhealthy: %s", "gone")
+        entry = json.loads(capsys.readouterr().err)
+        assert entry["level"] == "warning" and entry["message"] == "device unhealthy: gone"
+        assert entry["resource"] == "hyperlight.dev/hypervisor" and entry["time"].endswith("Z")
+    finally:
+        journal.setup("info", {})
