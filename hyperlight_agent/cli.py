@@ -73,9 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     actions.add_argument(
         "--check",
-        action="store_true",
-        help="one-shot diagnostic: detect, probe, check host identity and the CDI spec without "
-        "changing anything; exit 0 when this node can serve Hyperlight",
+        nargs="?",
+        const="node",
+        choices=("node", "device"),
+        default=None,
+        help="one-shot diagnostic of what the mode needs, changing nothing: the runtime, the device (detect, "
+        "probe, host identity, the CDI spec; --device-access: lstat only), the kubelet's directories and "
+        "(--dra) API access, each FAIL line with what to do; exit 0 when this node can serve Hyperlight. "
+        "--check=device: the runtime and the device only (in a workload's container)",
     )
     actions.add_argument(
         "--upgrade-in-place",
@@ -172,7 +177,7 @@ def _one_shot(args: argparse.Namespace, settings: config.Settings, environ: Mapp
     from hyperlight_agent.diagnose import diagnose
 
     logging.getLogger("hyperlight_agent").setLevel(logging.ERROR)  # the report says it all
-    ok, lines = diagnose(settings, modes.BY_NAME[settings.mode], environ)
+    ok, lines = diagnose(settings, modes.BY_NAME[settings.mode], environ, device_only=args.check == "device")
     print("\n".join(lines))
     print("this node can serve Hyperlight" if ok else "this node cannot serve Hyperlight")
     return 0 if ok else 1

@@ -74,14 +74,20 @@ RUNTIME_HINT = (
 
 
 def diagnose(
-    settings: Settings, mode: modes.Mode = modes.PLUGIN, environ: Optional[Mapping[str, str]] = None
+    settings: Settings,
+    mode: modes.Mode = modes.PLUGIN,
+    environ: Optional[Mapping[str, str]] = None,
+    device_only: bool = False,
 ) -> tuple[bool, list[str]]:
     """Every line of the report, and whether the node can serve. Each part is said even when an
-    earlier one fails: they are separate problems."""
+    earlier one fails: they are separate problems. `device_only` (`--check=device`): the runtime
+    and the device alone, as a workload's container can check them (`helm test`)."""
     runtime_ok, runtime_line = runtime()
     lines = [runtime_line] + ([] if runtime_ok else [RUNTIME_HINT])
     device_ok, device_lines = _device(settings, mode)
     lines += device_lines
+    if device_only:
+        return runtime_ok and device_ok, lines
     found = directories(settings, mode.kubelet_dirs)
     if mode.api_access:
         from hyperlight_agent.dra import preflight  # its API client only where a mode talks to the API

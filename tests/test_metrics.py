@@ -216,7 +216,8 @@ MODE_NAMES = ("plugin", "device-access", "dra")
 def documented() -> dict[str, Row]:
     """docs/metrics.md's table: series → its type, labels (with their fixed values) and modes."""
     with open(os.path.join(ROOT, "docs", "metrics.md")) as f:
-        rows = [line.split("|")[1:-1] for line in f if line.startswith("| `")]
+        text = f.read().split("\n## Alerts")[0]  # the series' table, not the alerts'
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| `")]
     table = {}
     for cells in rows:
         labels: dict[str, tuple[str, ...]] = {}
