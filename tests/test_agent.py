@@ -365,7 +365,10 @@ def test_http_probes_answer_from_the_agents_state_on_one_port_with_metrics(tmp: 
         try:
             await until(lambda: agent.http_servers[0].listening, what="the probe port")
             assert len(agent.http_servers) == 1
-            ask = lambda path: waits.in_thread(lambda: get(address, path), "probe")  # noqa: E731
+
+            async def ask(path: str) -> tuple[int, str]:
+                return await waits.in_thread(lambda: get(address, path), "probe")
+
             await until(lambda: agent.ready, what="ready")
             await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.SERVING, what="SERVING")
             assert await ask("/readyz") == (200, "ready: ready: kvm, 3 slots, 1 stream\n")

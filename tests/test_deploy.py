@@ -236,11 +236,14 @@ def test_security_context_is_fixed_in_the_base(overlay: str) -> None:
         assert {"name": "probes", "containerPort": 8081, "protocol": "TCP"} in container["ports"]
         assert env["HYPERLIGHT_PROBE_ADDRESS"]["value"] == "0.0.0.0:8081"
         # `kubectl exec POD -- hyperlight-agent --check` knows the pod's mode from its environment.
-        assert env["HYPERLIGHT_MODE"]["value"] == {
-            "hyperlight-device-access": "device-access",
-            "hyperlight-device-plugin": "plugin",
-            "hyperlight-dra-driver": "dra",
-        }[name]
+        assert (
+            env["HYPERLIGHT_MODE"]["value"]
+            == {
+                "hyperlight-device-access": "device-access",
+                "hyperlight-device-plugin": "plugin",
+                "hyperlight-dra-driver": "dra",
+            }[name]
+        )
         for mount in container["volumeMounts"]:
             if mount["name"] == "host-dev":
                 assert mount["mountPath"] == "/host-dev" and mount["readOnly"] is True
