@@ -22,7 +22,6 @@ import logging
 import socket
 from typing import Callable, Mapping, Optional
 
-from hyperlight_agent import waits
 from hyperlight_agent.backoff import Backoff
 
 log = logging.getLogger(__name__)
@@ -85,7 +84,7 @@ class HttpServer:
         self._max = max_connections
         self._timeout = timeout
         # Open connections in arrival order; the value says whether its request is still coming.
-        self._open: dict[asyncio.StreamWriter, bool] = {}
+        self._open: dict[_Exchange, bool] = {}
         self.bind_error = ""  # why the address cannot be served now ("" once it is)
         self.listening = False
 
@@ -109,16 +108,13 @@ class HttpServer:
         self.bind_error = ""
         self.listening = True
         log.info("%s: serving %s on http://%s", self.what, " ".join(sorted(self.routes)), self.address)
-        tasks: set[asyncio.Future[None]] = set()
         try:
-            await self._accept(listener, tasks)
+            await self._accept(listener)
         finally:
             self.listening = False
             listener.close()
-            for writer in list(self._open):
-                writer.transport.abort()
-            for task in tasks:
-                task.cancel()
+            for connection in list(self._open):
+                connection.abort()
 
     async def _listen(self) -> socket.socket:
         host, port = split_address(self.address)
@@ -138,70 +134,58 @@ class HttpServer:
             raise
         return listener
 
-    async def _accept(self, listener: socket.socket, tasks: set[asyncio.Future[None]]) -> None:
+    async def _accept(self, listener: socket.socket) -> None:
         """One connection at a time (asyncio's own servers take up to 100 at once, before anything
-        can be evicted: enough to run a small descriptor limit out)."""
+        can be evicted: enough to run a small descriptor limit out), at most ACCEPTS_PER_SECOND.
+        The listener stays registered with the loop: no system calls to register it again for
+        each connection (what `loop.sock_accept` makes), and no task or future for a connection
+        that is answered at once (_Exchange)."""
         loop = asyncio.get_running_loop()
-        short_of_fds = False
-        next_accept = loop.time()
-        while True:
-            if loop.time() < next_accept:
-                await asyncio.sleep(next_accept - loop.time())
-            next_accept = max(loop.time(), next_accept) + 1 / ACCEPTS_PER_SECOND
-            try:
-                conn, _ = await loop.sock_accept(listener)
-            except OSError as exc:
-                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    continue  # ECONNABORTED and the like: that client is gone
-                if not short_of_fds:
-                    log.warning(
-                        "%s: cannot accept a connection: %s; trying again every %g s",
-                        self.what,
-                        exc.strerror or exc,
-                        ACCEPT_RETRY_S,
-                    )
-                short_of_fds = True
-                await asyncio.sleep(ACCEPT_RETRY_S)
-                continue
-            short_of_fds = False
-            self._make_room()
-            try:
-                reader, writer = await asyncio.open_connection(sock=conn, limit=MAX_REQUEST_BYTES)
-            except OSError:
-                conn.close()
-                continue
-            self._open[writer] = True
-            task = asyncio.ensure_future(self._serve(reader, writer))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+        state = _Accepting(loop, listener)
+        loop.add_reader(listener.fileno(), self._readable, state)
+        try:
+            await loop.create_future()  # until cancelled
+        finally:
+            loop.remove_reader(listener.fileno())
+            if state.resume is not None:
+                state.resume.cancel()
+
+    def _readable(self, state: _Accepting) -> None:
+        loop, listener = state.loop, state.listener
+        now = loop.time()
+        if now < state.next_accept:
+            state.pause(self._readable, state.next_accept - now)
+            return
+        state.next_accept = max(now, state.next_accept) + 1 / ACCEPTS_PER_SECOND
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                return  # ECONNABORTED and the like: that client is gone
+            if not state.short_of_fds:
+                log.warning(
+                    "%s: cannot accept a connection: %s; trying again every %g s",
+                    self.what,
+                    exc.strerror or exc,
+                    ACCEPT_RETRY_S,
+                )
+            state.short_of_fds = True
+            state.pause(self._readable, ACCEPT_RETRY_S)
+            return
+        state.short_of_fds = False
+        self._make_room()
+        _Exchange(self, conn, loop).start()
 
     def _make_room(self) -> None:
         """At the cap, close the oldest connection still sending its request."""
         if len(self._open) >= self._max:
-            oldest = next((w for w, reading in self._open.items() if reading), None)
+            oldest = next((c for c, reading in self._open.items() if reading), None)
             if oldest is None:  # every one is being answered, which ends within the timeout
                 oldest = next(iter(self._open))
             del self._open[oldest]
-            oldest.transport.abort()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            try:
-                head = await waits.within(reader.readuntil(b"\r\n\r\n"), self._timeout)
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
-                return  # idle, slow, too long or gone: nothing to answer
-            if writer not in self._open:
-                return  # evicted meanwhile
-            self._open[writer] = False
-            writer.write(self._response(head))
-            await waits.within(writer.drain(), self._timeout)
-        except (asyncio.TimeoutError, OSError):
-            pass  # a client that does not read its answer, or went away
-        except Exception:  # never a traceback on stderr for what a client sent
-            log.debug("%s: request failed", self.what, exc_info=True)
-        finally:
-            self._open.pop(writer, None)
-            writer.transport.abort()
+            oldest.abort()
 
     def _response(self, head: bytes) -> bytes:
         method, path = _request_line(head)
@@ -221,6 +205,113 @@ class HttpServer:
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
         ).encode()
         return headers + (b"" if method == "HEAD" else body)
+
+
+class _Accepting:
+    """The accepting side of one listener: its rate, and a pause (for the rate, or after running
+    out of descriptors) during which the loop does not watch it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, listener: socket.socket) -> None:
+        self.loop, self.listener = loop, listener
+        self.next_accept = loop.time()
+        self.short_of_fds = False
+        self.resume: Optional[asyncio.TimerHandle] = None
+
+    def pause(self, readable: Callable[[_Accepting], None], delay: float) -> None:
+        fd = self.listener.fileno()
+        self.loop.remove_reader(fd)
+        self.resume = self.loop.call_later(delay, self.loop.add_reader, fd, readable, self)
+
+
+class _Exchange:
+    """One connection's request and answer, on its socket itself: no transport, task or future.
+    Most requests are there by the time the connection is accepted or soon after, and are answered
+    in one callback; the loop watches the socket only while a request is still coming or an
+    answer waits for the client to read it, and a deadline aborts it either way (a client that
+    never finishes its request, or never reads the answer). asyncio's streams, a task and two
+    timed waits per connection cost a probe about 0.4 ms of the agent's CPU (BENCHMARKS.md,
+    "Probe cost")."""
+
+    def __init__(self, server: HttpServer, conn: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self._server, self._conn, self._loop = server, conn, loop
+        self._fd = conn.fileno()
+        self._head = b""
+        self._out = b""
+        self._watching = ""  # "r" or "w": the loop watches the socket for that
+        self._deadline: Optional[asyncio.TimerHandle] = None
+
+    def start(self) -> None:
+        self._conn.setblocking(False)
+        self._server._open[self] = True
+        self._receive()
+        if self._server._open.get(self):  # still reading: the rest of the request is to come
+            self._watch("r", self._receive)
+
+    def _watch(self, how: str, callback: Callable[[], None]) -> None:
+        self._unwatch()
+        if how == "r":
+            self._loop.add_reader(self._fd, callback)
+        else:
+            self._loop.add_writer(self._fd, callback)
+        self._watching = how
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self._loop.call_later(self._server._timeout, self.abort)
+
+    def _unwatch(self) -> None:
+        if self._watching == "r":
+            self._loop.remove_reader(self._fd)
+        elif self._watching == "w":
+            self._loop.remove_writer(self._fd)
+        self._watching = ""
+
+    def _receive(self) -> None:
+        try:
+            data = self._conn.recv(MAX_REQUEST_BYTES + 1 - len(self._head))
+        except BlockingIOError:
+            return
+        except OSError:
+            self.abort()
+            return
+        if not data:
+            self.abort()  # gone before it asked
+            return
+        self._head += data
+        end = self._head.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._head) > MAX_REQUEST_BYTES:
+                self.abort()  # too long to be a scrape or a probe: no answer
+            return
+        self._server._open[self] = False
+        try:
+            self._out = self._server._response(self._head[: end + 4])
+        except Exception:  # never a traceback on stderr for what a client sent
+            log.debug("%s: request failed", self._server.what, exc_info=True)
+            self.abort()
+            return
+        self._send()
+
+    def _send(self) -> None:
+        try:
+            sent = self._conn.send(self._out)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self.abort()
+            return
+        self._out = self._out[sent:]
+        if not self._out:
+            self.abort()  # answered: closed
+        elif self._watching != "w":
+            self._watch("w", self._send)  # the rest once the client reads, within the deadline
+
+    def abort(self) -> None:
+        """Close the connection, whatever it was doing (answered, timed out, evicted, shut down)."""
+        self._unwatch()
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._server._open.pop(self, None)
+        self._conn.close()
 
 
 def _request_line(head: bytes) -> tuple[Optional[str], str]:
