@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _mode(settings: config.Settings) -> modes.Mode:
+    """The row of the mode the settings name."""
+    return modes.of(settings.mode == modes.DEVICE_ACCESS.name, settings.mode == modes.DRA.name)
+
+
 def _mode_flags(args: argparse.Namespace) -> None:
     """`--device-access` and `--dra` are short for `--mode`: a flag like any setting's (it beats
     HYPERLIGHT_MODE and the file), and never one that says otherwise."""
@@ -136,7 +141,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
         settings.log_level,
         environ,
         {
-            "resource": modes.BY_NAME[settings.mode].resource,
+            "resource": _mode(settings).resource,
             "cdi_path": os.path.join(settings.cdi_dir, contracts.CDI_SPEC_FILE),
             "device_dir": settings.device_dir,
         },
@@ -163,7 +168,7 @@ def _one_shot(args: argparse.Namespace, settings: config.Settings, environ: Mapp
     if args.health_check:
         from hyperlight_agent.host.healthcheck import health_check
 
-        ok, line = health_check(_health_socket(modes.BY_NAME[settings.mode], settings), args.health_check)
+        ok, line = health_check(_health_socket(_mode(settings), settings), args.health_check)
         print(line)
         return 0 if ok else 1
     if args.upgrade_in_place:
@@ -177,7 +182,7 @@ def _one_shot(args: argparse.Namespace, settings: config.Settings, environ: Mapp
     from hyperlight_agent.diagnose import diagnose
 
     logging.getLogger("hyperlight_agent").setLevel(logging.ERROR)  # the report says it all
-    ok, lines = diagnose(settings, modes.BY_NAME[settings.mode], environ, device_only=args.check == "device")
+    ok, lines = diagnose(settings, _mode(settings), environ, device_only=args.check == "device")
     print("\n".join(lines))
     print("this node can serve Hyperlight" if ok else "this node cannot serve Hyperlight")
     return 0 if ok else 1
@@ -186,7 +191,7 @@ def _one_shot(args: argparse.Namespace, settings: config.Settings, environ: Mapp
 async def _serve(settings: config.Settings, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     from hyperlight_agent.agent import Agent
 
-    agent = Agent(settings, modes.BY_NAME[settings.mode], reload=lambda: config.load(args, environ), environ=environ)
+    agent = Agent(settings, _mode(settings), reload=lambda: config.load(args, environ), environ=environ)
     loop = asyncio.get_running_loop()
     signals.attach(loop, agent.stop, agent.reload, agent.upgrade)
     try:
