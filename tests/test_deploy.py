@@ -373,6 +373,19 @@ def test_dra_names_come_from_one_home() -> None:
 
 
 @pytest.mark.parametrize("example", [WORKLOAD, DRA_WORKLOAD], ids=os.path.basename)
+def test_an_example_applies_on_a_fresh_cluster_as_written(example: str) -> None:
+    """The example named a namespace it did not create (issue 36: 6): each makes every namespace
+    its objects are in, at the restricted Pod Security level they meet."""
+    with open(example) as f:
+        docs = documents(f.read())
+    made = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Namespace"}
+    used = {d["metadata"]["namespace"] for d in docs if "namespace" in d["metadata"]}
+    assert used and used <= set(made), used - set(made)
+    assert all(n["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted" for n in made.values())
+    assert docs[0]["kind"] == "Namespace", "made before what is in it"
+
+
+@pytest.mark.parametrize("example", [WORKLOAD, DRA_WORKLOAD], ids=os.path.basename)
 @pytest.mark.parametrize("judge_name", ["checkov", "kubernetes-validate"])
 def test_workload_examples_pass_the_judges(tmp_path: Any, judge_name: str, example: str) -> None:
     if judge_name == "checkov":
