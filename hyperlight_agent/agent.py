@@ -64,11 +64,13 @@ class Agent:
             device_dir=settings.device_dir,
             cdi=not mode.inventory_only,
         )
-        # Metrics and the kubelet's httpGet probes: one small HTTP server per address (host/httpd.py).
+        # Metrics and the kubelet's httpGet probes: one small HTTP server per address (host/httpd.py);
+        # the metrics port answers the probes' paths too (a scraper's or an operator's health check).
+        probe_routes = probes.routes(self._readiness)
         self.http_servers = probes.servers(
             {
-                "metrics_address": (settings.metrics_address, self.metrics.routes()),
-                "probe_address": (settings.probe_address, probes.routes(self._readiness)),
+                "metrics_address": (settings.metrics_address, {**probe_routes, **self.metrics.routes()}),
+                "probe_address": (settings.probe_address, probe_routes),
             }
         )
         # Who we are to other instances of ours on this node (a successor, a predecessor): peers.py.

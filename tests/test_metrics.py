@@ -160,6 +160,7 @@ def test_garbage_to_the_metrics_port_is_answered_without_a_traceback(
         "not http": b"HELLO\r\n\r\n",
         "post": b"POST /metrics HTTP/1.1\r\n\r\n",
         "elsewhere": b"GET /x HTTP/1.1\r\n\r\n",
+        "health": b"GET /healthz HTTP/1.1\r\n\r\n",  # answered, not 404 (issue 36: 5)
         "too long": b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 100_000 + b"\r\n\r\n",
     }.items():
         with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
@@ -174,6 +175,7 @@ def test_garbage_to_the_metrics_port_is_answered_without_a_traceback(
         "not http": b"HTTP/1.1 400 Bad Request",
         "post": b"HTTP/1.1 405 Method Not Allowed",
         "elsewhere": b"HTTP/1.1 404 Not Found",
+        "health": b"HTTP/1.1 200 OK",
         "too long": b"",
     }
     assert "hyperlight_device_healthy 1.0" in scrape(address)
