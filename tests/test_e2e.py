@@ -1915,21 +1915,12 @@ def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
                 proc.wait(10)
 
 
-# Runs in a fresh single-threaded process: enter a container's mount namespace (by a process of
-# it), then bind `source` over `target` (or undo that): what the agent there sees at `target`.
-BIND_IN_CONTAINER = """
-import ctypes, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
-fd = os.open(f"/proc/{sys.argv[1]}/ns/mnt", os.O_RDONLY)
-if libc.setns(fd, 0x00020000) != 0:  # CLONE_NEWNS
-    raise OSError(ctypes.get_errno(), "setns")
-if sys.argv[2] == "bind":
-    ok = libc.mount(sys.argv[3].encode(), sys.argv[4].encode(), None, 4096, None) == 0  # MS_BIND
-else:
-    ok = libc.umount2(sys.argv[4].encode(), 0) == 0
-if not ok:
-    raise OSError(ctypes.get_errno(), sys.argv[2])
-"""
+# IN_MOUNT_NS with the paths as its third and fourth arguments: bind `source` over `target` in a
+# container's mount namespace (or undo that), what the agent there then sees at `target`.
+BIND_IN_CONTAINER = IN_MOUNT_NS.replace('b"/dev/null"', "sys.argv[3].encode()").replace(
+    'b"/dev/kvm"', "sys.argv[4].encode()"
+)
+assert BIND_IN_CONTAINER.count("sys.argv[4]") == 2
 
 
 def container_of(pod: dict[str, Any]) -> str:
