@@ -217,12 +217,15 @@ def test_check_reports_a_usable_node(tmp: str, kvm_dir: str) -> None:
         kvm_dir,
         "--cdi-dir",
         cdi_dir,
+        "--kubelet-dir",
+        tmp,  # the kubelet's directory is checked too: one is there
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ok   runtime: the agent imports and its gRPC server binds a unix socket" in result.stdout
     assert f"ok   device: kvm at {kvm_dir}/kvm" in result.stdout
     assert "ok   probe: empty VM created and closed" in result.stdout
     assert "note CDI spec:" in result.stdout
+    assert f"ok   kubelet_dir: {tmp}" in result.stdout
     assert not os.path.exists(cdi_dir), "--check changes nothing"
 
 
@@ -232,7 +235,18 @@ def test_check_reports_an_unusable_node(tmp: str) -> None:
     os.mkdir(dev)
     make_node(os.path.join(dev, "kvm"), 1, 3)
     result = subprocess.run(
-        [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--check", "--device-dir", dev],
+        [
+            sys.executable,
+            "-m",
+            "hyperlight_agent",
+            "--config",
+            "/dev/null",
+            "--check",
+            "--device-dir",
+            dev,
+            "--kubelet-dir",
+            tmp,
+        ],
         capture_output=True,
         text=True,
         timeout=30,
@@ -242,7 +256,18 @@ def test_check_reports_an_unusable_node(tmp: str) -> None:
     assert "FAIL probe:" in result.stdout and "KVM_GET_API_VERSION failed" in result.stdout
     os.unlink(os.path.join(dev, "kvm"))
     result = subprocess.run(
-        [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--check", "--device-dir", dev],
+        [
+            sys.executable,
+            "-m",
+            "hyperlight_agent",
+            "--config",
+            "/dev/null",
+            "--check",
+            "--device-dir",
+            dev,
+            "--kubelet-dir",
+            tmp,
+        ],
         capture_output=True,
         text=True,
         timeout=30,
