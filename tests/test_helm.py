@@ -101,6 +101,8 @@ def test_values_files_match_the_overlays() -> None:
         ("kubeletRootDir=/" + "k" * 47, "at '/kubeletRootDir': maxLength: got 48, want 47"),
         ("serviceAccount.create=false", "at '/serviceAccount/name': minLength: got 0, want 1"),
         ("logLevel=verbose", "at '/logLevel': value must be one of 'debug', 'info', 'warning', 'error'"),
+        ("logFormat=yaml", "at '/logFormat': value must be one of 'text', 'json'"),
+        ("probes.port=0", "at '/probes/port': minimum: got 0, want 1"),
         ("updateStrategy.type=Recreate", "at '/updateStrategy/type': value must be one of 'RollingUpdate', 'OnDelete'"),
         ("updateStrategy.rollingUpdate.maxSurge=one", "at '/updateStrategy/rollingUpdate/maxSurge'"),
         (
@@ -187,6 +189,8 @@ EVERY_VALUE: dict[str, Any] = {
     "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "100%", "maxUnavailable": 0}},
     "runtimeClassName": "runc",
     "logLevel": "debug",
+    "logFormat": "json",
+    "probes": {"port": 8090},
     "extraEnv": [{"name": "HYPERLIGHT_CHECK_INTERVAL", "value": "10"}],
     "kubeletRootDir": "/var/snap/microk8s/common/var/lib/kubelet/x",  # 43 of the 47 allowed
     "namespace": {"create": True, "labels": {"example.com/team": "sandboxes"}},
@@ -433,10 +437,12 @@ def test_every_value_lands_where_it_says(renderings: dict[str, str], mode: str) 
         env = [e["name"] for e in container["env"]]
         assert env[-1] == "HYPERLIGHT_CHECK_INTERVAL", "extraEnv comes after the chart's own settings"
         assert {"name": "HYPERLIGHT_LOG_LEVEL", "value": "debug"} in container["env"]
+        assert {"name": "HYPERLIGHT_LOG_FORMAT", "value": "json"} in container["env"]
+        assert {"name": "HYPERLIGHT_PROBE_ADDRESS", "value": "0.0.0.0:8090"} in container["env"]
         # Every agent serves metrics, on the port set (the DRA driver's too).
         assert {"name": "HYPERLIGHT_METRICS_ADDRESS", "value": "0.0.0.0:9500"} in container["env"]
         assert container["ports"] == [
-            {"name": "probes", "containerPort": 8081, "protocol": "TCP"},
+            {"name": "probes", "containerPort": 8090, "protocol": "TCP"},
             {"name": "metrics", "containerPort": 9500, "protocol": "TCP"},
         ]
     if mode != "devicePlugin":
