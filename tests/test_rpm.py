@@ -257,7 +257,7 @@ def test_rpm_tree_runs_under_the_target_python(
     version = subprocess.run([*run, "--version"], capture_output=True, text=True, timeout=60, check=True)
     assert version.stdout.startswith("hyperlight-agent ")
     checked = subprocess.run(
-        [*run, "--check", "--device-dir", kvm_dir, "--cdi-dir", os.path.join(tmp, "cdi")],
+        [*run, "--check", "--device-dir", kvm_dir, "--cdi-dir", os.path.join(tmp, "cdi"), "--kubelet-dir", tmp],
         capture_output=True,
         text=True,
         timeout=60,
