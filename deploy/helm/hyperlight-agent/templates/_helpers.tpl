@@ -34,11 +34,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* The image's digest, first set wins: image.digest; none when image.tag is set; else
      image.releaseDigest, this chart release's own image (`make release` writes it). The all-zero
-     placeholder (a chart from a checkout, which has no image) is refused in one line. */}}
+     placeholder (a chart from a checkout, which has no image) is refused in one line; matched by its
+     shape, so that a released chart holds no copy of it (make release refuses one). */}}
 {{- define "hyperlight.imageDigest" -}}
 {{- $image := .Values.image }}
 {{- $digest := $image.digest | default (ternary "" ($image.releaseDigest | default "") (ne ($image.tag | default "") "")) }}
-{{- if eq $digest "sha256:0000000000000000000000000000000000000000000000000000000000000000" }}
+{{- if regexMatch "^sha256:0{64}$" $digest }}
 {{- fail "image: this chart names no published image (the placeholder digest of a chart from a checkout): set image.digest to your image's digest (make image prints it) or image.tag" }}
 {{- end }}
 {{- if not (or $digest $image.tag) }}
