@@ -4,6 +4,7 @@ same run, printed as one table. Figures, not assertions: nothing here fails a bu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -13,7 +14,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
+import urllib.request
+from typing import Callable, Optional
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # before grpc loads: no GOAWAY chatter in the table
 
@@ -51,24 +53,26 @@ def mknod(path: str, major: int, minor: int) -> None:
 
 
 class Agent:
-    def __init__(self, top: str, *args: str) -> None:
+    def __init__(self, top: str, *args: str, wrap: Optional[Callable[[list[str]], list[str]]] = None) -> None:
         self.kubelet_dir = os.path.join(top, "kubelet")
         self.cdi_dir = os.path.join(top, "cdi")
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hyperlight_agent",
-                "--config",
-                "/dev/null",
-                "--log-level",
-                "warning",
-                "--kubelet-dir",
-                self.kubelet_dir,
-                "--cdi-dir",
-                self.cdi_dir,
-                *args,
-            ]
+            (wrap or list)(
+                [
+                    sys.executable,
+                    "-m",
+                    "hyperlight_agent",
+                    "--config",
+                    "/dev/null",
+                    "--log-level",
+                    "warning",
+                    "--kubelet-dir",
+                    self.kubelet_dir,
+                    "--cdi-dir",
+                    self.cdi_dir,
+                    *args,
+                ]
+            )
         )
 
     def stop(self) -> None:
@@ -299,7 +303,7 @@ def bench_rss_and_start(top: str) -> None:
 
 
 # Kubelet restarts per flavour in section d (HYPERLIGHT_BENCH_RESTARTS overrides it).
-KUBELET_RESTARTS = int(os.environ.get("HYPERLIGHT_BENCH_RESTARTS", "100"))
+KUBELET_RESTARTS = int(os.environ.pop("HYPERLIGHT_BENCH_RESTARTS", "100"))
 
 
 def bench_restart_and_cdi(top: str) -> None:
@@ -458,7 +462,7 @@ def bench_plugin_restart(top: str) -> None:
 
 # Idle cost: the window measured (scaled to a minute), and the settling before it. 60 s is the
 # ideal window; 30 s keeps `make bench` short (HYPERLIGHT_BENCH_IDLE_S overrides it).
-IDLE_WINDOW_S = float(os.environ.get("HYPERLIGHT_BENCH_IDLE_S", "30"))
+IDLE_WINDOW_S = float(os.environ.pop("HYPERLIGHT_BENCH_IDLE_S", "30"))
 IDLE_SETTLE_S = 5.0
 # The baseline: a bare grpc.aio server on a unix socket, idle with no client, as one process.
 BARE_GRPC = """
@@ -587,6 +591,180 @@ def bench_idle(top: str) -> None:
         f"{cost['total'][0] / max(base['total'][0], 0.01):.2f}",
     )
     print(f"  (agent threads: {', '.join(threads)})", flush=True)
+
+
+# Probe cost (section m): a minute per way of probing, as the chart's pods are probed (readiness
+# every 10 s, liveness every 20 s), the agent and what the probes run in a cgroup of its own, as in
+# a container. HYPERLIGHT_BENCH_PROBE_S shortens the window (the schedule keeps its rates).
+PROBE_WINDOW_S = float(os.environ.pop("HYPERLIGHT_BENCH_PROBE_S", "60"))
+
+
+def _probe_periods() -> tuple[float, float]:
+    """The readiness and liveness probes' periods the manifests give the agents (the kustomize
+    base, which the chart renders alike: tests/test_helm.py)."""
+    import yaml
+
+    with open(
+        os.path.join(
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "deploy", "base", "device-plugin.yaml"
+        )
+    ) as f:
+        (container,) = yaml.safe_load(f)["spec"]["template"]["spec"]["containers"]
+    return float(container["readinessProbe"]["periodSeconds"]), float(container["livenessProbe"]["periodSeconds"])
+
+
+READINESS_EVERY_S, LIVENESS_EVERY_S = _probe_periods()
+# The chart's exec probes before they became HTTP GETs (issue 36): readiness 10 s, liveness 20 s.
+EXEC_PERIODS_BEFORE = (10.0, 20.0)
+PROBE_PORT_ADDRESS = "127.0.0.1:{port}"
+
+
+class Cgroup:
+    """A cgroup v1 (cpuacct, memory) or v2 group for one scenario: what a container's cgroup counts
+    (CPU nanoseconds, the memory high-water mark) for every process in it, probes included."""
+
+    def __init__(self, name: str) -> None:
+        v1 = os.path.isdir("/sys/fs/cgroup/cpuacct") and os.path.isdir("/sys/fs/cgroup/memory")
+        self.v1 = v1
+        self.dirs = (
+            [f"/sys/fs/cgroup/cpuacct/{name}", f"/sys/fs/cgroup/memory/{name}"] if v1 else [f"/sys/fs/cgroup/{name}"]
+        )
+        for d in self.dirs:
+            os.mkdir(d)
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """argv started inside the group (the shell joins it, then execs)."""
+        joins = "; ".join(f"echo $$ > {d}/cgroup.procs" for d in self.dirs)
+        return ["sh", "-c", f'{joins}; exec "$@"', "sh", *argv]
+
+    def cpu_ns(self) -> int:
+        if self.v1:
+            with open(f"{self.dirs[0]}/cpuacct.usage") as f:
+                return int(f.read())
+        with open(f"{self.dirs[0]}/cpu.stat") as f:
+            return int(f.readline().split()[1]) * 1000  # usage_usec
+
+    def reset_peak(self) -> None:
+        with open(f"{self.dirs[-1]}/{'memory.max_usage_in_bytes' if self.v1 else 'memory.peak'}", "w") as f:
+            f.write("0")
+
+    def peak_mib(self) -> float:
+        with open(f"{self.dirs[-1]}/{'memory.max_usage_in_bytes' if self.v1 else 'memory.peak'}") as f:
+            return int(f.read()) / 2**20
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+
+
+def _exec_probe(cgroup: Cgroup, kubelet_dir: str, which: str) -> None:
+    """What the kubelet's exec probe ran: a fresh agent process asking the health service."""
+    argv = [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--kubelet-dir", kubelet_dir]
+    done = subprocess.run(
+        cgroup.wrap([*argv, f"--health-check={which}"]), capture_output=True, text=True, timeout=10, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _http_probe(address: str, which: str) -> None:
+    """What the kubelet's httpGet probe sends, from outside the pod's cgroup (the kubelet's own)."""
+    with urllib.request.urlopen(f"http://{address}/{'readyz' if which == 'readiness' else 'livez'}", timeout=5) as r:
+        assert r.status == 200
+
+
+# Probes timed one by one for their CPU each, spaced so that each finds the agent idle.
+PER_PROBE_SAMPLES = {"exec": 20, "http": 300}
+PROBE_SPACING_S = 0.05
+
+
+def _probe_scenario(
+    top: str, way: str, periods: tuple[float, float], idle_m: float = 0.0
+) -> tuple[float, float, int, float]:
+    """(millicores, memory high-water MiB, probes sent, CPU ms of one probe) of an idle agent
+    probed `way` (none, exec, http) for PROBE_WINDOW_S, readiness and liveness every `periods`;
+    `idle_m`: the unprobed agent's millicores, its own share of the time timing single probes."""
+    directory = os.path.join(top, way)
+    os.mkdir(directory)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = PROBE_PORT_ADDRESS.format(port=s.getsockname()[1])
+    cgroup = Cgroup(f"hl-bench-{os.getpid()}-{way}")
+    kubelet_dir = os.path.join(directory, "kubelet")
+
+    def probe(which: str) -> None:
+        if way == "exec":
+            _exec_probe(cgroup, kubelet_dir, which)
+        elif way == "http":
+            _http_probe(address, which)
+
+    try:
+        agent = Agent(directory, "--probe-address", address, wrap=cgroup.wrap)
+        try:
+            with StandinThread(kubelet_dir) as k:
+                k.wait_until(lambda kk: kk.allocatable() == 2000, 15)
+                time.sleep(IDLE_SETTLE_S)  # benchmark settling, not synchronisation: startup's work done
+                cgroup.reset_peak()
+                start, t0, sent = cgroup.cpu_ns(), time.monotonic(), 0
+                due = [(0.0, 0), (0.0, 1)]  # (when, which period: readiness's, liveness's)
+                while min(due)[0] < PROBE_WINDOW_S:
+                    at, which = min(due)
+                    time.sleep(max(0.0, t0 + at - time.monotonic()))  # the probes' schedule
+                    probe(("readiness", "liveness")[which])
+                    sent += way != "none"
+                    due.remove((at, which))
+                    due.append((at + periods[which], which))
+                time.sleep(max(0.0, t0 + PROBE_WINDOW_S - time.monotonic()))
+                used, seconds = cgroup.cpu_ns() - start, time.monotonic() - t0
+                peak = cgroup.peak_mib()
+                # One probe's CPU, over many (the minute's figure is near the machine's noise for
+                # a cheap probe): spaced like probes, each lands on an idle agent.
+                many = PER_PROBE_SAMPLES.get(way, 0)
+                before, t1 = cgroup.cpu_ns(), time.monotonic()
+                for _ in range(many):
+                    probe("readiness")
+                    time.sleep(PROBE_SPACING_S)  # benchmark pacing, not synchronisation
+                idle_ms = idle_m * (time.monotonic() - t1)  # millicores × s = ms
+                each = ((cgroup.cpu_ns() - before) / 1e6 - idle_ms) / many if many else 0.0
+                assert k.kubelet.allocatable() == 2000, "the agent stayed registered and healthy"
+                agent.stop()  # before the stand-in goes: its end would be a lost stream to the agent
+        finally:
+            agent.stop()
+    finally:
+        cgroup.remove()
+    return used / 1e6 / seconds, peak, sent, each
+
+
+def bench_probe_cost(top: str) -> None:
+    """An agent pod's CPU and memory high-water mark, idle, with its probes as exec (a fresh
+    process each) and as httpGet answered by the agent (issue 36: 2); the same agent unprobed is
+    the baseline."""
+    print(
+        f"probe cost ({PROBE_WINDOW_S:g} s per way, readiness every {READINESS_EVERY_S:g} s, liveness every "
+        f"{LIVENESS_EVERY_S:g} s)",
+        flush=True,
+    )
+    now = (READINESS_EVERY_S, LIVENESS_EVERY_S)
+    found = {"none": _probe_scenario(top, "none", now)}
+    idle = found["none"][0]
+    found["exec"] = _probe_scenario(top, "exec", EXEC_PERIODS_BEFORE, idle)
+    found["http"] = _probe_scenario(top, "http", now, idle)
+    for way, label, periods in (
+        ("exec", "exec probes (before: every 10 s and 20 s)", EXEC_PERIODS_BEFORE),
+        ("http", f"httpGet probes (after: every {now[0]:g} s and {now[1]:g} s)", now),
+    ):
+        cores, peak, sent, each = found[way]
+        per_minute = sum(60 / p for p in periods)
+        row(f"agent pod CPU with {label}, {sent} probes in {PROBE_WINDOW_S:g} s (millicores)", f"{cores:.2f} m")
+        row(
+            f"one {way} probe's CPU (ms, mean of {PER_PROBE_SAMPLES[way]}) → {per_minute:g} a minute: millicores, "
+            "the share on top of the idle agent",
+            f"{each:.3f} ms → {each * per_minute / 60:.3f} m, {each * per_minute / (idle * 60):.0%}",
+            "≤ 10 %" if way == "http" else "",
+        )
+        row(f"agent pod memory high-water mark with {label} (MiB)", f"{peak:.1f}")
+    row("agent pod CPU, idle and unprobed (baseline, same way): millicores", f"{idle:.2f} m")
+    row("agent pod memory high-water mark, unprobed (MiB)", f"{found['none'][1]:.1f}")
 
 
 IMAGE_RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "image.json")
@@ -974,8 +1152,8 @@ def bench_watch_hot_loop(top: str) -> None:
 # flaps and prepares have half as many each), and its idle window. The comparison's watches last
 # 5-10 minutes, so a window that sees each of them renewed is over 10 minutes; shorter ones (CI)
 # still count every request but see few of its renewals.
-FLEET_NODES = int(os.environ.get("HYPERLIGHT_BENCH_FLEET_NODES", "200"))
-FLEET_IDLE_S = float(os.environ.get("HYPERLIGHT_BENCH_FLEET_IDLE_S", "630"))
+FLEET_NODES = int(os.environ.pop("HYPERLIGHT_BENCH_FLEET_NODES", "200"))
+FLEET_IDLE_S = float(os.environ.pop("HYPERLIGHT_BENCH_FLEET_IDLE_S", "630"))
 LONG_WATCH_S = (300.0, 600.0)  # client-go's reflectors'
 
 
@@ -1208,6 +1386,7 @@ def main() -> int:
             ("j", bench_prepared_record),
             ("k", bench_watch_hot_loop),
             ("l", bench_upgrade_in_place),
+            ("m", bench_probe_cost),
             ("fleet", bench_fleet),
         ):
             if only and name not in only:

@@ -26,7 +26,7 @@ from hyperlight_agent.device.helper import CLOSE_BOUND_S, ProbeHelper
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.files import labels
 from hyperlight_agent.files.watcher import CONTENT, NAMES, DirectoryWatcher
-from hyperlight_agent.host import successor
+from hyperlight_agent.host import journal, probes, successor
 from hyperlight_agent.host.metrics import Metrics
 from hyperlight_agent.host.notify import Notifier
 from hyperlight_agent.kubelet_side import Shared, Snapshot
@@ -37,8 +37,6 @@ log = logging.getLogger(__name__)
 # A cap on the whole of _shutdown beyond what its parts bound themselves (the kubelet side's
 # close_bound_s, the probe helper's CLOSE_BOUND_S): only the last resort for a part that is stuck.
 SHUTDOWN_MARGIN_S = 0.5
-# Baked into the container image at build time (Containerfile), printed at startup.
-COMMIT_ENV = "HYPERLIGHT_AGENT_COMMIT"
 
 
 class Agent:
@@ -57,9 +55,24 @@ class Agent:
         self.notifier = notifier or Notifier(self._environ)
         self.metrics = Metrics(
             enabled=settings.metrics_address is not None,
-            build={"version": __version__, "commit": self._environ.get(COMMIT_ENV, "unknown"), "mode": mode.name},
+            build={
+                "version": __version__,
+                "commit": self._environ.get(contracts.COMMIT_ENV, "unknown"),
+                "mode": mode.name,
+            },
+            protocol=mode.protocol.value,
+            device_dir=settings.device_dir,
+            cdi=not mode.inventory_only,
         )
-        self.metrics_server = self.metrics.server(settings.metrics_address) if settings.metrics_address else None
+        # Metrics and the kubelet's httpGet probes: one small HTTP server per address (host/httpd.py);
+        # the metrics port answers the probes' paths too (a scraper's or an operator's health check).
+        probe_routes = probes.routes(self._readiness)
+        self.http_servers = probes.servers(
+            {
+                "metrics_address": (settings.metrics_address, {**probe_routes, **self.metrics.routes()}),
+                "probe_address": (settings.probe_address, probe_routes),
+            }
+        )
         # Who we are to other instances of ours on this node (a successor, a predecessor): peers.py.
         self.identity = peers.Identity.of(settings.instance or "", mode.protocol, mode.resource)
         self.health_service = health.aio.HealthServicer()  # type: ignore[attr-defined]
@@ -115,7 +128,7 @@ class Agent:
         log.info(
             "starting hyperlight-agent %s (commit %s): %s, device dir %s",
             __version__,
-            self._environ.get(COMMIT_ENV, "unknown"),
+            self._environ.get(contracts.COMMIT_ENV, "unknown"),
             self.side.describe(),
             self.settings.device_dir,
         )
@@ -129,8 +142,7 @@ class Agent:
             jobs.append(self._predecessor_gone(self.notifier.predecessor))
         if self.notifier.watchdog_interval is not None:
             jobs.append(self._watchdog(self.notifier.watchdog_interval))
-        if self.metrics_server is not None:
-            jobs.append(self.metrics_server.run())
+        jobs += [server.run() for server in self.http_servers]
         self._tasks = [asyncio.ensure_future(c) for c in jobs]
 
     def stop(self) -> None:
@@ -273,7 +285,7 @@ class Agent:
         if new.check_interval_seconds != self.settings.check_interval_seconds:
             self._interval_changed.set()
         self.settings = new
-        logging.getLogger().setLevel(new.log_level.upper())
+        journal.set_level(new.log_level)
         self.side.reconfigure(parts.side_target(new, self.mode))
         self.checker.target = parts.check_target(new, self.mode)
         self.checker.request()  # the CDI spec follows new uid/gid at once
@@ -352,6 +364,10 @@ class Agent:
     def status(self) -> str:
         return self.snapshot().status()
 
+    def _readiness(self) -> tuple[bool, str]:
+        """What the httpGet readiness probe answers: what the gRPC health service says."""
+        return self._serving is True, self._last_status
+
     def _forget_status(self) -> None:
         self._last_status = ""  # something else took systemd's status line: say ours again
 
@@ -365,6 +381,7 @@ class Agent:
             log.info("status: %s", text)
             self.notifier.status(text)
         ready = snapshot.ready()
+        self.metrics.advertised.set(snapshot.slots if ready else 0)
         if ready:
             self.notifier.ready()
         if ready != self._serving:

@@ -35,7 +35,16 @@ EPILOG = (
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, not usage + message
         # The message quotes arguments as given: escaped and cut like every other error line.
-        raise config.ConfigError(text.shown(message, 200))
+        raise config.ConfigError(text.shown(message, 200) + self._suggestion(message))
+
+    def _suggestion(self, message: str) -> str:
+        """A near flag for the first unknown one ("unrecognized arguments: --devce-count 5")."""
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return ""
+        unknown = next((a.split("=", 1)[0] for a in message[len(prefix) :].split() if a.startswith("--")), "")
+        flags = {flag: flag for action in self._actions for flag in action.option_strings if flag.startswith("--")}
+        return config.suggestion(unknown, flags) if unknown else ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,9 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     actions.add_argument(
         "--check",
-        action="store_true",
-        help="one-shot diagnostic: detect, probe, check host identity and the CDI spec without "
-        "changing anything; exit 0 when this node can serve Hyperlight",
+        nargs="?",
+        const="node",
+        choices=("node", "device"),
+        default=None,
+        help="one-shot diagnostic of what the mode needs, changing nothing: the runtime, the device (detect, "
+        "probe, host identity, the CDI spec; --device-access: lstat only), the kubelet's directories and "
+        "(--dra) API access, each FAIL line with what to do; exit 0 when this node can serve Hyperlight. "
+        "--check=device: the runtime and the device only (in a workload's container)",
     )
     actions.add_argument(
         "--upgrade-in-place",
@@ -82,6 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _mode(settings: config.Settings) -> modes.Mode:
+    """The row of the mode the settings name."""
+    return modes.of(settings.mode == modes.DEVICE_ACCESS.name, settings.mode == modes.DRA.name)
+
+
+def _mode_flags(args: argparse.Namespace) -> None:
+    """`--device-access` and `--dra` are short for `--mode`: a flag like any setting's (it beats
+    HYPERLIGHT_MODE and the file), and never one that says otherwise."""
+    named = modes.flagged(args.device_access, args.dra)
+    if named is None:
+        return
+    if args.mode is not None and args.mode.lower() != named:
+        raise config.ConfigError(f"--mode {text.quote(args.mode)} and --{named}: different modes, choose one")
+    args.mode = named
+
+
 def _pid(value: str) -> int:
     if not (value.isascii() and value.isdigit()) or not 0 < int(value) <= contracts.PID_MAX:
         raise argparse.ArgumentTypeError(f"not a process id: {text.quote(value)}")
@@ -95,6 +125,7 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
     journal.setup("info", environ)
     try:
         args = build_parser().parse_args(argv)
+        _mode_flags(args)
         settings = config.load(args, environ)
         try:
             notify.watchdog_usec(environ)
@@ -110,10 +141,11 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
         settings.log_level,
         environ,
         {
-            "resource": modes.of(args.device_access, args.dra).resource,
+            "resource": _mode(settings).resource,
             "cdi_path": os.path.join(settings.cdi_dir, contracts.CDI_SPEC_FILE),
             "device_dir": settings.device_dir,
         },
+        settings.log_format,
     )
     from hyperlight_agent.deviceplugin.registration import (
         AlreadyServed,  # grpc is imported only for the long-running modes
@@ -136,7 +168,7 @@ def _one_shot(args: argparse.Namespace, settings: config.Settings, environ: Mapp
     if args.health_check:
         from hyperlight_agent.host.healthcheck import health_check
 
-        ok, line = health_check(_health_socket(modes.of(args.device_access, args.dra), settings), args.health_check)
+        ok, line = health_check(_health_socket(_mode(settings), settings), args.health_check)
         print(line)
         return 0 if ok else 1
     if args.upgrade_in_place:
@@ -150,7 +182,7 @@ def _one_shot(args: argparse.Namespace, settings: config.Settings, environ: Mapp
     from hyperlight_agent.diagnose import diagnose
 
     logging.getLogger("hyperlight_agent").setLevel(logging.ERROR)  # the report says it all
-    ok, lines = diagnose(settings, modes.of(args.device_access, args.dra), environ)
+    ok, lines = diagnose(settings, _mode(settings), environ, device_only=args.check == "device")
     print("\n".join(lines))
     print("this node can serve Hyperlight" if ok else "this node cannot serve Hyperlight")
     return 0 if ok else 1
@@ -159,9 +191,7 @@ def _one_shot(args: argparse.Namespace, settings: config.Settings, environ: Mapp
 async def _serve(settings: config.Settings, args: argparse.Namespace, environ: Mapping[str, str]) -> None:
     from hyperlight_agent.agent import Agent
 
-    agent = Agent(
-        settings, modes.of(args.device_access, args.dra), reload=lambda: config.load(args, environ), environ=environ
-    )
+    agent = Agent(settings, _mode(settings), reload=lambda: config.load(args, environ), environ=environ)
     loop = asyncio.get_running_loop()
     signals.attach(loop, agent.stop, agent.reload, agent.upgrade)
     try:

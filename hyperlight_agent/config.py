@@ -7,6 +7,7 @@ The README's settings table and `--help` are both generated from or checked agai
 from __future__ import annotations
 
 import argparse
+import difflib
 import ipaddress
 import logging
 import os
@@ -34,6 +35,11 @@ ALLOCATION_DEVICE_SPEC = "device-spec"
 ALLOCATION_BOTH = "both"
 ALLOCATION_MODES = (ALLOCATION_CDI, ALLOCATION_DEVICE_SPEC, ALLOCATION_BOTH)
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# text: one line per event with its time (UTC); json: one JSON object per line, for a cluster's
+# log pipeline. Under systemd with python-systemd the journal gets fields either way.
+LOG_FORMATS = ("text", "json")
+# The agent's modes (modes.MODES, one row each; modes.py holds the two equal).
+MODE_NAMES = ("plugin", "device-access", "dra")
 UINT32_MAX = 2**32 - 1
 # A ListAndWatch list of more devices than this exceeds the kubelet's 4 MiB gRPC message limit.
 MAX_DEVICE_COUNT = 100_000
@@ -277,7 +283,26 @@ SETTINGS: tuple[Setting, ...] = (
         "what Allocate returns: both (CDI name and DeviceSpec: works on every runtime), cdi, or device-spec",
     ),
     Setting(
+        "mode",
+        "HYPERLIGHT_MODE",
+        "--mode",
+        "plugin",
+        _choice(MODE_NAMES),
+        "plugin (hyperlight.dev/hypervisor slots), device-access (the bootstrap mode: --device-access) "
+        "or dra (Dynamic Resource Allocation: --dra); --check and the exec probes follow it too",
+        restart_only=True,
+    ),
+    Setting(
         "log_level", "HYPERLIGHT_LOG_LEVEL", "--log-level", "info", _choice(LOG_LEVELS), "debug, info, warning or error"
+    ),
+    Setting(
+        "log_format",
+        "HYPERLIGHT_LOG_FORMAT",
+        "--log-format",
+        "text",
+        _choice(LOG_FORMATS),
+        "text (a line per event, with its UTC time) or json (an object per line); the journal gets fields either way",
+        restart_only=True,
     ),
     Setting(
         "nfd_features_dir",
@@ -296,6 +321,16 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         _listen_address,
         "serve Prometheus metrics at http://HOST:PORT/metrics (e.g. 127.0.0.1:9464); unset: off",
+        restart_only=True,
+    ),
+    Setting(
+        "probe_address",
+        "HYPERLIGHT_PROBE_ADDRESS",
+        "--probe-address",
+        None,
+        _listen_address,
+        "answer the kubelet's httpGet probes at http://HOST:PORT/livez and /readyz (and /healthz) from the "
+        "agent's own state, no process per probe (in a pod: 0.0.0.0:8081); may equal metrics_address; unset: off",
         restart_only=True,
     ),
     Setting(
@@ -384,6 +419,58 @@ SETTINGS: tuple[Setting, ...] = (
 )
 BY_KEY = {s.key: s for s in SETTINGS}
 RESTART_ONLY = tuple(s.key for s in SETTINGS if s.restart_only)
+# Every environment variable named HYPERLIGHT_* is ours: a setting's, or one of these (the
+# workload variables CDI and Allocate set, which `helm test` runs `--check` beside; the
+# in-place upgrade's; the image's commit). Any other is refused like an unknown TOML key.
+ENV_PREFIX = "HYPERLIGHT_"
+OTHER_ENV = (
+    CONFIG_ENV,
+    contracts.ENV_HYPERVISOR,
+    contracts.ENV_DEVICE_PATH,
+    contracts.PREDECESSOR_ENV,
+    contracts.COMMIT_ENV,
+)
+# What the kubelet puts in a container for each Service of its namespace when service links are
+# on (the chart turns them off): a Service named hyperlight-metrics gives HYPERLIGHT_METRICS_PORT=
+# tcp://…, HYPERLIGHT_METRICS_SERVICE_HOST and the like. Not a setting, and not a typo.
+_SERVICE_LINK = re.compile(
+    r".+_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_[0-9]+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)?)"
+)
+
+
+def suggestion(word: str, candidates: Mapping[str, str]) -> str:
+    """ " (did you mean X?)" for the candidate (a key of `candidates`: the value is said) nearest
+    to `word`, or "" when none is near.
+
+    >>> suggestion("devce_count", {"device_count": "device_count", "cdi_dir": "cdi_dir"})
+    ' (did you mean device_count?)'
+    """
+    near = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.75)
+    return f" (did you mean {candidates[near[0]]}?)" if near else ""
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Refuse a HYPERLIGHT_* variable that no setting reads (a typo would otherwise be ignored in
+    silence, while the same typo in TOML is an error)."""
+    known = {s.env for s in SETTINGS} | set(OTHER_ENV)
+    candidates = {s.env[len(ENV_PREFIX) :] if s.env.startswith(ENV_PREFIX) else s.env: s.env for s in SETTINGS}
+    candidates.update({s.key.upper(): s.env for s in SETTINGS})
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known or _SERVICE_LINK.fullmatch(name):
+            continue
+        hint = suggestion(name[len(ENV_PREFIX) :], candidates) or suggestion(name, {n: n for n in known})
+        raise ConfigError(
+            f"{shown(name, 80)}={quote(environ[name])}: unknown setting{hint}; the settings are in "
+            "`hyperlight-agent --help`"
+        )
+
+
+def toml_suggestion(key: str) -> str:
+    candidates = {s.key: s.key for s in SETTINGS}
+    candidates.update(
+        {s.env[len(ENV_PREFIX) :].lower() if s.env.startswith(ENV_PREFIX) else s.env.lower(): s.key for s in SETTINGS}
+    )
+    return suggestion(key.lower(), candidates)
 
 
 def longest_socket_name(instance: Optional[str]) -> int:
@@ -418,9 +505,12 @@ class Settings:
     cdi_dir: str
     check_interval_seconds: float
     allocation: str
+    mode: str
     log_level: str
+    log_format: str
     nfd_features_dir: Optional[str]
     metrics_address: Optional[str]
+    probe_address: Optional[str]
     instance: Optional[str]
     handover_seconds: float
     dra_devices: int
@@ -464,6 +554,7 @@ def load(
     args: argparse.Namespace, environ: Mapping[str, str], default_file_path: str = DEFAULT_CONFIG_FILE
 ) -> Settings:
     """Resolve every setting from flags, environment, file and defaults. Raises ConfigError."""
+    check_environment(environ)
     explicit_file = args.config or environ.get(CONFIG_ENV) or None
     path = explicit_file or default_file_path
     from_file, file_read = read_file(path, required=explicit_file is not None)
@@ -536,7 +627,7 @@ def read_file(path: str, required: bool) -> tuple[dict[str, Any], bool]:
         raise ConfigError(f"config file {shown(path)}: invalid TOML: {_one_line(exc)}") from None
     for key in data:
         if key not in BY_KEY:
-            raise ConfigError(f"config file {shown(path)}: unknown setting {quote(key)}")
+            raise ConfigError(f"config file {shown(path)}: unknown setting {quote(key)}{toml_suggestion(key)}")
     return data, True
 
 
@@ -596,6 +687,7 @@ def settings_table() -> str:
 UNSET_EXAMPLES = {
     "host_device_dir": "/host-dev",
     "metrics_address": "127.0.0.1:9464",
+    "probe_address": "127.0.0.1:8081",
     "instance": "node-agent-1",
     "node_name": "node-1",
     "kubeconfig": "/etc/hyperlight-agent/kubeconfig",

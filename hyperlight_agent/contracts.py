@@ -79,6 +79,9 @@ JOURNAL_STREAM_ENV = "JOURNAL_STREAM"
 # it replaces. Until that process is gone the child is not the unit's main process, and says
 # nothing to systemd (NotifyAccess=main would drop it, with a warning in the journal).
 PREDECESSOR_ENV = "HYPERLIGHT_AGENT_PREDECESSOR"
+# Ours, not systemd's: baked into the container image at build time (Containerfile), printed at
+# startup and in hyperlight_build_info.
+COMMIT_ENV = "HYPERLIGHT_AGENT_COMMIT"
 
 
 # ---- Dynamic Resource Allocation: the kubelet's side

@@ -33,6 +33,11 @@ class Snapshot(Protocol):
     functions of it. The same answer feeds sd_notify (READY=1, STATUS=), the gRPC health service
     the exec probes ask, Describe (peers.py) and the log; tests call them directly."""
 
+    @property
+    def slots(self) -> int:
+        """What the side offers the kubelet while ready: slots, or the ResourceSlice's devices."""
+        ...
+
     def ready(self) -> bool: ...
 
     def status(self) -> str: ...

@@ -39,6 +39,12 @@ class Mode(NamedTuple):
     # lstat only: never open the device, never write CDI or node labels.
     inventory_only: bool
     protocol: Protocol = Protocol.DEVICE_PLUGIN
+    # The settings naming the kubelet's directories this mode serves in. The kubelet makes them,
+    # so `--check` finds each: a missing one means no kubelet here, another kubelet root, or a
+    # mount left out of the pod.
+    kubelet_dirs: tuple[str, ...] = ("kubelet_dir",)
+    # It talks to the Kubernetes API: `--check` asks for its credentials and each permission.
+    api_access: bool = False
 
     def health_socket(self, settings: config.Settings) -> str:
         """The socket a running agent of this mode serves its health service on (the exec probes
@@ -87,9 +93,13 @@ DRA = Mode(
     workload_env=False,
     inventory_only=False,
     protocol=Protocol.DRA,
+    kubelet_dirs=("dra_registry_dir", "dra_plugins_dir"),
+    api_access=True,
 )
 
 MODES = (PLUGIN, DEVICE_ACCESS, DRA)
+BY_NAME = {m.name: m for m in MODES}
+assert tuple(BY_NAME) == config.MODE_NAMES, "the mode setting's choices are the rows' names"
 
 
 def dra_instance(instance: Optional[str]) -> str:
@@ -101,3 +111,8 @@ def of(device_access: bool, dra: bool = False) -> Mode:
     if device_access and dra:
         raise ValueError("--device-access and --dra are different modes: choose one")
     return DRA if dra else DEVICE_ACCESS if device_access else PLUGIN
+
+
+def flagged(device_access: bool, dra: bool) -> Optional[str]:
+    """The mode `--device-access` or `--dra` names (short for `--mode`), if either is given."""
+    return DEVICE_ACCESS.name if device_access else DRA.name if dra else None

@@ -17,9 +17,23 @@ from typing import Callable, Optional, TypeVar
 from hyperlight_agent import config, waits
 from hyperlight_agent.config import Settings
 from hyperlight_agent.host.notify import Notifier
+from hyperlight_agent.text import quote
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def changes(running: Settings, new: Settings) -> list[str]:
+    """What a reload changes, one "key old → new" each, in the settings table's order.
+
+    >>> changes(Settings.defaults(), Settings.defaults(log_level="debug", check_interval_seconds=5.0))
+    ['check_interval_seconds 30 → 5.0', "log_level 'info' → 'debug'"]
+    """
+    return [
+        f"{s.key} {quote(getattr(running, s.key))} → {quote(getattr(new, s.key))}"
+        for s in config.SETTINGS
+        if getattr(running, s.key) != getattr(new, s.key)
+    ]
 
 
 def kept_restart_only(running: Settings, new: Settings) -> tuple[Settings, list[str]]:
@@ -78,9 +92,12 @@ class Reloader:
                     self._on_refused()
                 else:
                     if not self._stopped:
-                        new, fixed = kept_restart_only(self._running(), new)
+                        running = self._running()
+                        new, fixed = kept_restart_only(running, new)
                         if fixed:
                             log.warning("reload: %s change only on restart; kept", ", ".join(fixed))
+                        changed = changes(running, new)
+                        log.info("reload: %s", "; ".join(changed) if changed else "no setting changed")
                         self._apply(new)
                 if not self._again or self._stopped:
                     return

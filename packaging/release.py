@@ -301,7 +301,9 @@ def chart_package(version: str, out: str, repository: str, digest: str, work: st
             "values.yaml",
             [
                 (r"^  repository: .*$", f"  repository: {repository}"),
-                (r"^  digest: .*$", f'  digest: "{digest}"'),
+                # The chart's own image: what runs unless a user sets image.digest or image.tag.
+                (r"^  releaseDigest: .*$", f'  releaseDigest: "{digest}"'),
+                (r"^  digest: .*$", '  digest: ""'),
                 (r"^  tag: .*$", '  tag: ""'),
             ],
         ),

@@ -63,6 +63,9 @@ class Request:
         return f"{self.method} {self.path} {self.query}"
 
 
+DISCOVERY_PATH = "/apis/resource.k8s.io/v1"
+
+
 class FakeApiServer:
     """resourceslices (cluster-scoped) and resourceclaims (namespaced, read-only) of resource.k8s.io/v1."""
 
@@ -86,6 +89,8 @@ class FakeApiServer:
         self.consumable_capacity = True
         # (verb, resource) pairs a SelfSubjectAccessReview is told are not allowed.
         self.denied: set[tuple[str, str]] = set()
+        # Whether resource.k8s.io/v1 is served (its discovery document; before 1.34 it is not).
+        self.serves_v1 = True
         self.refused = 0  # connections closed unanswered while down
         self.bookmark_interval_s = BOOKMARK_INTERVAL_S  # tests shorten it, as they shorten timeouts
         # How long a watch waits before the server starts it (and its timeout): a busy server's
@@ -202,6 +207,22 @@ class FakeApiServer:
         return None
 
     def _answer(self, request: Request) -> tuple[int, Json]:  # noqa: PLR0911 - one return per verb reads best
+        if request.method == "GET" and request.path == DISCOVERY_PATH:
+            # Discovery: open to every authenticated user (the system:discovery role).
+            if not self.serves_v1:
+                return 404, {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "status": "Failure",
+                    "reason": "NotFound",
+                    "code": 404,
+                }
+            return 200, {
+                "kind": "APIResourceList",
+                "apiVersion": "v1",
+                "groupVersion": "resource.k8s.io/v1",
+                "resources": [],
+            }
         fault = self._fault(request.verb)
         if fault:
             return fault

@@ -18,9 +18,22 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # stand-in restarts make grpc log GOAWAYs at INFO
-
 from standin import procs
 from standin.kubelet import StandinThread
+
+# The suite's own switches, moved out of the HYPERLIGHT_ names at once (also before pytest-xdist
+# starts its workers, which read them here under their new names): the agents the tests start
+# inherit this environment and refuse every HYPERLIGHT_* variable that is not a setting.
+SUITE_SWITCHES = ("HYPERLIGHT_FUZZ_SCALE", "HYPERLIGHT_TEST_NEIGHBOUR")
+for _name in SUITE_SWITCHES:
+    if _name in os.environ:
+        os.environ["PYTEST_" + _name] = os.environ.pop(_name)
+
+
+def switch(name: str, default: str = "") -> str:
+    """A suite switch's value (SUITE_SWITCHES), given as HYPERLIGHT_..."""
+    return os.environ.get("PYTEST_" + name, default)
+
 
 HOST_KVM = "/dev/kvm"
 
@@ -42,7 +55,7 @@ settings.register_profile(
 )
 settings.load_profile("hyperlight")
 # A fraction (`make check` uses 0.1) shortens the search; every surface still gets some inputs.
-FUZZ_SCALE = max(0.01, float(os.environ.get("HYPERLIGHT_FUZZ_SCALE", "1") or "1"))
+FUZZ_SCALE = max(0.01, float(switch("HYPERLIGHT_FUZZ_SCALE", "1") or "1"))
 # Inputs each fuzzed surface was given in this session, for the summary at the end.
 FUZZ_INPUTS: dict[str, int] = {}
 
@@ -191,7 +204,7 @@ def neighbour_agent() -> Iterator[None]:
     """With HYPERLIGHT_TEST_NEIGHBOUR=1 (`make test` sets it): another agent, run from a copy of
     the package with its own kubelet stand-in and probe helper, for the whole session. The suite
     must pass beside it (tests observe only what they created), and it must come through alive."""
-    if os.environ.get(NEIGHBOUR_ENV) != "1":
+    if switch(NEIGHBOUR_ENV) != "1":
         yield
         return
     top = tempfile.mkdtemp(prefix="hl-neighbour-")

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from hyperlight_agent import config, contracts, modes, waits
-from hyperlight_agent.agent import COMMIT_ENV, Agent
+from hyperlight_agent.agent import Agent
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.helper import ProbeResult
@@ -300,6 +300,10 @@ def test_reload_applies_settings_keeps_restart_only_ones_and_refuses_invalid_fil
             assert agent.settings.kubelet_dir == base.kubelet_dir
             assert agent.settings.check_interval_seconds == 60.0
             assert "reload: kubelet_dir change only on restart; kept" in caplog.text
+            # What changed is said (issue 36: 5), the kept setting not among it.
+            assert (
+                "reload: device_count 3 → 5; device_uid 65534 → 1000; check_interval_seconds 30 → 60.0" in caplog.text
+            )
             assert ("RELOADING=1", "STATUS=reloading configuration") in notifier.messages
             await until(lambda: notifier.messages[-1][0] == "READY=1", what="READY=1 after the reload")
 
@@ -329,6 +333,57 @@ def test_reload_applies_settings_keeps_restart_only_ones_and_refuses_invalid_fil
             await shut(agent)
         agent.reload()  # after the stop: nothing starts
         assert not agent.reloader.busy
+
+    with_kubelet(tmp, body)
+
+
+def get(address: str, path: str) -> tuple[int, str]:
+    """An HTTP GET as the kubelet's httpGet probe sends it: (status, body)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_http_probes_answer_from_the_agents_state_on_one_port_with_metrics(tmp: str, helpers: list[FakeHelper]) -> None:
+    """/livez, /readyz and /healthz answered by the agent itself (no process per probe, issue 36:
+    2), saying what the gRPC health service says; metrics on the same port when the addresses are
+    the same; / lists the paths."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+
+    async def body(kubelet: KubeletStandin) -> None:
+        agent = Agent(settings_in(tmp, probe_address=address, metrics_address=address), notifier=RecordingNotifier())
+        await agent.start()
+        try:
+            await until(lambda: agent.http_servers[0].listening, what="the probe port")
+            assert len(agent.http_servers) == 1
+
+            async def ask(path: str) -> tuple[int, str]:
+                return await waits.in_thread(lambda: get(address, path), "probe")
+
+            await until(lambda: agent.ready, what="ready")
+            await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.SERVING, what="SERVING")
+            assert await ask("/readyz") == (200, "ready: ready: kvm, 3 slots, 1 stream\n")
+            assert await ask("/livez") == await ask("/healthz") == (200, "live: serving\n")
+            assert await ask("/") == (200, "/healthz\n/livez\n/metrics\n/readyz\n")
+            code, text = await ask("/metrics")
+            assert code == 200 and "hyperlight_advertised_slots 3.0" in text
+            helpers[0].answers["kvm"] = ProbeResult(False, "KVM_CREATE_VM failed")
+            agent.checker.request()
+            await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING, what="NOT_SERVING")
+            assert await ask("/readyz") == (503, "not ready: unhealthy: KVM_CREATE_VM failed\n")
+            assert (await ask("/livez"))[0] == 200
+            assert "hyperlight_advertised_slots 0.0" in (await ask("/metrics"))[1]
+        finally:
+            await shut(agent)
 
     with_kubelet(tmp, body)
 
@@ -444,7 +499,7 @@ async def test_the_environment_comes_from_the_caller(
 ) -> None:
     """What the image baked in (the commit) is read from the environ the entry point handed over."""
     caplog.set_level(logging.INFO, "hyperlight_agent")
-    agent = Agent(settings_in(tmp), notifier=RecordingNotifier(), environ={COMMIT_ENV: "0123abc"})
+    agent = Agent(settings_in(tmp), notifier=RecordingNotifier(), environ={contracts.COMMIT_ENV: "0123abc"})
     await agent.start()
     await shut(agent)
     assert "(commit 0123abc)" in caplog.text

@@ -68,6 +68,37 @@ def test_invalid_original_env_keeps_default_with_warning(
     assert f"{variable}={value!r}" in caplog.text
 
 
+def test_variables_that_are_ours_but_no_setting_are_accepted() -> None:
+    """The workload variables CDI sets (`helm test` runs --check in a workload's container), the
+    in-place upgrade's, the image's commit, and the kubelet's service links for a Service whose
+    name starts with hyperlight- (not a setting, and not a typo)."""
+    ours = {
+        "HYPERLIGHT_HYPERVISOR": "kvm",
+        "HYPERLIGHT_DEVICE_PATH": "/dev/kvm",
+        "HYPERLIGHT_AGENT_PREDECESSOR": "1",
+        "HYPERLIGHT_AGENT_COMMIT": "abc",
+        "HYPERLIGHT_METRICS_SERVICE_HOST": "10.0.0.1",
+        "HYPERLIGHT_METRICS_SERVICE_PORT": "9464",
+        "HYPERLIGHT_METRICS_SERVICE_PORT_METRICS": "9464",
+        "HYPERLIGHT_METRICS_PORT": "tcp://10.0.0.1:9464",
+        "HYPERLIGHT_METRICS_PORT_9464_TCP": "tcp://10.0.0.1:9464",
+        "HYPERLIGHT_METRICS_PORT_9464_TCP_PROTO": "tcp",
+        "HYPERLIGHT_METRICS_PORT_9464_TCP_ADDR": "10.0.0.1",
+    }
+    assert load([], ours).device_count == 2000
+    with pytest.raises(config.ConfigError, match="HYPERLIGHT_METRICS_ADRESS='x': unknown setting"):
+        load([], {"HYPERLIGHT_METRICS_ADRESS": "x"})
+
+
+def test_the_mode_is_a_setting_and_its_flags_are_short_for_it(tmp: str) -> None:
+    assert load([], {}).mode == "plugin"
+    assert load([], {"HYPERLIGHT_MODE": "dra"}).mode == "dra"
+    assert load(["--config", write(tmp, 'mode = "device-access"\n')], {}).mode == "device-access"
+    args = cli.build_parser().parse_args(["--device-access"])
+    cli._mode_flags(args)
+    assert config.load(args, {"HYPERLIGHT_MODE": "dra"}, default_file_path=MISSING_DEFAULT).mode == "device-access"
+
+
 def test_uid_gid_are_unsigned_32_bit() -> None:
     s = load([], {"DEVICE_UID": "4294967295", "DEVICE_GID": "0"})
     assert (s.device_uid, s.device_gid) == (2**32 - 1, 0)
@@ -91,7 +122,16 @@ def test_uid_gid_are_unsigned_32_bit() -> None:
         ([], {}, 'device_count = "5"\n', "device_count in"),
         ([], {}, "device_count = true\n", "device_count in"),
         ([], {}, 'check_interval_seconds = "30"\n', "check_interval_seconds in"),
-        ([], {}, "device_cont = 5\n", "unknown setting 'device_cont'"),
+        ([], {}, "device_cont = 5\n", "unknown setting 'device_cont' (did you mean device_count?)"),
+        # A typo in the environment is refused like one in TOML (issue 36: 4), with the near name.
+        (
+            [],
+            {"HYPERLIGHT_DEVCE_COUNT": "5"},
+            "",
+            "HYPERLIGHT_DEVCE_COUNT='5': unknown setting (did you mean DEVICE_COUNT?)",
+        ),
+        ([], {"HYPERLIGHT_CHECK_INTERVAL_S": "5"}, "", "(did you mean HYPERLIGHT_CHECK_INTERVAL?)"),
+        (["--devce-count", "5"], {}, "", "unrecognized arguments: --devce-count 5 (did you mean --device-count?)"),
         ([], {}, "device_count = \n", "invalid TOML"),
         # Caught before anything starts (they used to fail after startup, or with a traceback):
         (["--metrics-address", "not a host:9464"], {}, "", "--metrics-address = 'not a host:9464'"),

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from typing import Any
 
 import pytest
@@ -42,10 +43,38 @@ def tool(name: str) -> str:
     return path
 
 
-def render(path: str) -> str:
+# The development tree's placeholder, and the digest the tests render in its place (what
+# `kustomize edit set image` in an overlay, or a release's chart, would name).
+PLACEHOLDER = "sha256:" + "0" * 64
+TEST_DIGEST = "sha256:" + "1" * 64
+
+
+def kustomize(path: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     kubectl = tool("kubectl") if os.path.exists(os.path.join(TOOLS, "kubectl")) else shutil.which("kubectl")
     assert kubectl, "kubectl is missing: `make tools` installs it into build/tools"
-    return subprocess.run([kubectl, "kustomize", path], capture_output=True, text=True, check=True, timeout=60).stdout
+    return subprocess.run([kubectl, "kustomize", path], capture_output=True, text=True, check=check, timeout=60)
+
+
+def render(path: str) -> str:
+    """The kustomization at `path` (in deploy/) as a user renders it after naming the image: in a
+    copy of deploy/ whose DaemonSets and overlays' images: entries name TEST_DIGEST (the overlays
+    refuse to build while they name the placeholder: test_an_overlay_naming_the_placeholder_...)."""
+    with tempfile.TemporaryDirectory(prefix="hl-deploy-") as copy:
+        shutil.copytree(DEPLOY, copy, dirs_exist_ok=True)
+        for directory, _, names in os.walk(copy):
+            for name in names:
+                target = os.path.join(directory, name)
+                if not name.endswith(".yaml") or name == "image-check.yaml":
+                    continue
+                with open(target) as f:
+                    text = f.read()
+                if name == "kustomization.yaml":  # its images: entry, as `kustomize edit set image` sets it
+                    text = text.replace(f"digest: {PLACEHOLDER}", f"digest: {TEST_DIGEST}")
+                elif "kind: DaemonSet" in text:
+                    text = text.replace(PLACEHOLDER, TEST_DIGEST)
+                with open(target, "w") as f:
+                    f.write(text)
+        return kustomize(os.path.join(copy, os.path.relpath(path, DEPLOY))).stdout
 
 
 def documents(text: str) -> list[dict[str, Any]]:
@@ -109,6 +138,26 @@ def _checkov(directory: str) -> dict[str, Any]:
 
 def test_overlays_exist() -> None:
     assert OVERLAYS == ["aks-kvm", "aks-mshv", "dra", "kind"]
+
+
+@pytest.mark.parametrize("overlay", ["aks-kvm", "aks-mshv", "dra"])
+def test_an_overlay_naming_the_placeholder_digest_fails_to_build_in_one_line(overlay: str) -> None:
+    """README's `kubectl apply -k deploy/overlays/aks-kvm` from a checkout ran the unpullable
+    placeholder (ImagePullBackOff on every node): it fails at build now, naming what to set."""
+    done = kustomize(os.path.join(DEPLOY, "overlays", overlay), check=False)
+    assert done.returncode != 0
+    (line,) = done.stderr.strip().splitlines()
+    assert line == (
+        f"error: multiple matches for selector ImageDigest.[noVer].[noGrp]/{PLACEHOLDER}.[noNs]:"
+        "metadata.annotations.set-images-digest-with-kustomize-edit-set-image"
+    )
+    images = {
+        c["image"]
+        for d in documents(render(os.path.join(DEPLOY, "overlays", overlay)))
+        if d["kind"] == "DaemonSet"
+        for c in d["spec"]["template"]["spec"]["containers"]
+    }
+    assert images == {f"ghcr.io/hyperlight-dev/hyperlight-agent@{TEST_DIGEST}"}
 
 
 def test_checkov_passes_the_sources() -> None:
@@ -181,23 +230,36 @@ def test_security_context_is_fixed_in_the_base(overlay: str) -> None:
         assert handover > 0
         assert pod["terminationGracePeriodSeconds"] >= handover + SHUTDOWN_BOUND_S
         assert ds["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "hyperlight"
-        for probe, which in (("livenessProbe", "liveness"), ("readinessProbe", "readiness")):
-            assert f"--health-check={which}" in container[probe]["exec"]["command"]
+        # The kubelet's probes are HTTP GETs the agent answers itself: no process per probe.
+        for probe, path in (("livenessProbe", "/livez"), ("readinessProbe", "/readyz")):
+            assert container[probe]["httpGet"] == {"path": path, "port": "probes"}
+        assert {"name": "probes", "containerPort": 8081, "protocol": "TCP"} in container["ports"]
+        assert env["HYPERLIGHT_PROBE_ADDRESS"]["value"] == "0.0.0.0:8081"
+        # `kubectl exec POD -- hyperlight-agent --check` knows the pod's mode from its environment.
+        assert (
+            env["HYPERLIGHT_MODE"]["value"]
+            == {
+                "hyperlight-device-access": "device-access",
+                "hyperlight-device-plugin": "plugin",
+                "hyperlight-dra-driver": "dra",
+            }[name]
+        )
         for mount in container["volumeMounts"]:
             if mount["name"] == "host-dev":
                 assert mount["mountPath"] == "/host-dev" and mount["readOnly"] is True
     bootstrap = sets["hyperlight-device-access"]["spec"]["template"]["spec"]["containers"][0]
     assert bootstrap["args"] == ["--device-access"]
-    assert "--device-access" in bootstrap["livenessProbe"]["exec"]["command"]
     main = sets[kubelet_side]["spec"]["template"]["spec"]["containers"][0]
     assert main["resources"]["limits"]["hyperlight.dev/device-access"] == "1"
     env = {e["name"]: e.get("value") for e in main["env"]}
     assert env["HOST_DEVICE_DIR"] == "/host-dev"
     if overlay == "dra":
-        assert main["args"] == ["--dra"] and "--dra" in main["readinessProbe"]["exec"]["command"]
+        assert main["args"] == ["--dra"]
         assert env["NODE_NAME"] is None  # from the downward API: spec.nodeName
         return
-    assert env["HYPERLIGHT_NFD_FEATURES_DIR"] == "/etc/kubernetes/node-feature-discovery/features.d"
+    # NFD's feature directory is opt-in: nothing is made on nodes without NFD (issue 36: 6).
+    assert "HYPERLIGHT_NFD_FEATURES_DIR" not in env
+    assert not [v for v in sets[kubelet_side]["spec"]["template"]["spec"]["volumes"] if "feature" in str(v)]
     assert int(env["DEVICE_COUNT"]) > 0
     assert env["HYPERLIGHT_ALLOCATION"] == "both", "the default that works on every runtime"
 
@@ -229,7 +291,7 @@ def test_overlay_settings(overlay: str, count: str, metrics: bool) -> None:
     policy = next(d for d in documents(render(path)) if d["kind"] == "NetworkPolicy")
     assert policy["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/part-of": "hyperlight"}}
     if metrics:
-        assert [p["containerPort"] for p in main["ports"]] == [9464]
+        assert sorted(p["containerPort"] for p in main["ports"]) == [8081, 9464]
         # Only the scraper docs/deploy.md names, only on the metrics port.
         (rule,) = policy["spec"]["ingress"]
         assert rule["from"] == [
@@ -240,7 +302,8 @@ def test_overlay_settings(overlay: str, count: str, metrics: bool) -> None:
         ]
         assert rule["ports"] == [{"protocol": "TCP", "port": 9464}]
     else:
-        assert "ingress" not in policy["spec"] and "ports" not in main
+        # The kubelet's probes come from the node, which a NetworkPolicy always lets through.
+        assert "ingress" not in policy["spec"] and [p["name"] for p in main["ports"]] == ["probes"]
 
 
 def test_overlays_patch_by_name_never_by_list_index() -> None:
@@ -307,6 +370,19 @@ def test_dra_names_come_from_one_home() -> None:
     assert f"{contracts.DRA_PLUGINS_DIR}/{contracts.DRA_DRIVER}" in paths
     with open(DRA_WORKLOAD) as f:
         assert f'device.attributes["{contracts.DRA_DRIVER}"]' in f.read()
+
+
+@pytest.mark.parametrize("example", [WORKLOAD, DRA_WORKLOAD], ids=os.path.basename)
+def test_an_example_applies_on_a_fresh_cluster_as_written(example: str) -> None:
+    """The example named a namespace it did not create (issue 36: 6): each makes every namespace
+    its objects are in, at the restricted Pod Security level they meet."""
+    with open(example) as f:
+        docs = documents(f.read())
+    made = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Namespace"}
+    used = {d["metadata"]["namespace"] for d in docs if "namespace" in d["metadata"]}
+    assert used and used <= set(made), used - set(made)
+    assert all(n["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted" for n in made.values())
+    assert docs[0]["kind"] == "Namespace", "made before what is in it"
 
 
 @pytest.mark.parametrize("example", [WORKLOAD, DRA_WORKLOAD], ids=os.path.basename)

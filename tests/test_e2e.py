@@ -1913,3 +1913,112 @@ def test_what_a_killed_run_left_is_ended_by_the_next(tmp: str) -> None:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
+
+
+# IN_MOUNT_NS with the paths as its third and fourth arguments: bind `source` over `target` in a
+# container's mount namespace (or undo that), what the agent there then sees at `target`.
+BIND_IN_CONTAINER = IN_MOUNT_NS.replace('b"/dev/null"', "sys.argv[3].encode()").replace(
+    'b"/dev/kvm"', "sys.argv[4].encode()"
+)
+assert BIND_IN_CONTAINER.count("sys.argv[4]") == 2
+
+
+def container_of(pod: dict[str, Any]) -> str:
+    (status,) = pod["status"]["containerStatuses"]
+    return str(status["containerID"].split("://", 1)[1])
+
+
+def exec_in(cluster: Cluster, pod: dict[str, Any], *argv: str) -> subprocess.CompletedProcess[str]:
+    """`kubectl exec POD -- argv`, as the kubelet's exec runs it: containerd starts argv with the
+    container's own process spec (its environment, user, capabilities, seccomp, cgroup and
+    mounts: the read-only root). Through the node's containerd, as these nodes report no address
+    for the API server to reach their kubelets' exec endpoint by."""
+    node = cluster.nodes[pod["spec"]["nodeName"]]
+    exec_id = f"check-{os.getpid()}-{time.monotonic_ns()}"
+    return node.ctr("task", "exec", "--exec-id", exec_id, container_of(pod), *argv, timeout=120)
+
+
+def task_pid(cluster: Cluster, pod: dict[str, Any]) -> int:
+    """The pid of the pod's container's main process (the agent), on this machine."""
+    node = cluster.nodes[pod["spec"]["nodeName"]]
+    listing = node.ctr("task", "ls").stdout.splitlines()
+    (pid,) = [int(line.split()[1]) for line in listing if line.split()[:1] == [container_of(pod)]]
+    return pid
+
+
+def test_check_passes_in_every_agent_pod_and_names_a_broken_device(dra_installed: Cluster) -> None:
+    """The troubleshooting guide's first step, `kubectl exec POD -- hyperlight-agent --check`, in
+    each DaemonSet's pod on node a (device access, device plugin, DRA driver): it passes, having
+    checked what that pod's mode needs (it failed in every pod for want of a writable temporary
+    directory, and ran the device plugin's checks in every mode: issue 36, 1); with the device
+    made unusable in the pod, it fails with the line that says so, followed by what to do."""
+    cluster = dra_installed
+    expected = {
+        "hyperlight-device-access": [
+            "ok   device node: a character device, listed with lstat, not opened (the device-access mode)",
+            "ok   kubelet_dir: /var/lib/kubelet/device-plugins",
+        ],
+        "hyperlight-device-plugin": [
+            "ok   probe: empty VM created and closed",
+            "ok   kubelet_dir: /var/lib/kubelet/device-plugins",
+        ],
+        DRA_DAEMONSET: [
+            "ok   probe: empty VM created and closed",
+            "ok   dra_registry_dir: /var/lib/kubelet/plugins_registry",
+            "ok   API server: answers, and serves resource.k8s.io/v1",
+            "ok   permission: create resourceslices.resource.k8s.io",
+        ],
+    }
+    pods = {}
+    for name, lines in expected.items():
+
+        def ready(name: str = name) -> list[dict[str, Any]]:
+            return [p for p in daemonset_pods(cluster, name) if pod_ready(p)]
+
+        (pod,) = wait_until(ready, 120, f"{name} Ready")
+        assert pod["spec"]["nodeName"] == "a"
+        pods[name] = pod
+        done = exec_in(cluster, pod, "hyperlight-agent", "--check")
+        said = done.stdout.splitlines()
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert said[0] == "ok   runtime: the agent imports and its gRPC server binds a unix socket", said
+        assert said[-1] == "this node can serve Hyperlight", said
+        assert set(lines) <= set(said), (name, said)
+        assert not [line for line in said if line.startswith("FAIL")], said
+    # The device made unusable where each agent looks for it: in the plugin's and the driver's
+    # containers /dev/null over /dev/kvm (no longer KVM: the probe fails), in the device-access
+    # container a regular file over /host-dev/kvm (no character device for its lstat).
+    broken = {
+        "hyperlight-device-access": (
+            "/etc/hostname",
+            "/host-dev/kvm",
+            "FAIL device: no hypervisor device in /host-dev",
+        ),
+        "hyperlight-device-plugin": ("/dev/null", "/dev/kvm", "FAIL probe: "),
+        DRA_DAEMONSET: ("/dev/null", "/dev/kvm", "FAIL probe: "),
+    }
+    for name, (source, target, fail) in broken.items():
+        pid = task_pid(cluster, pods[name])
+        subprocess.run(
+            [sys.executable, "-c", BIND_IN_CONTAINER, str(pid), "bind", source, target], check=True, timeout=30
+        )
+        try:
+            done = exec_in(cluster, pods[name], "hyperlight-agent", "--check")
+        finally:
+            subprocess.run(
+                [sys.executable, "-c", BIND_IN_CONTAINER, str(pid), "undo", source, target], check=True, timeout=30
+            )
+        said = done.stdout.splitlines()
+        assert done.returncode == 1, done.stdout + done.stderr
+        (failed,) = [i for i, line in enumerate(said) if line.startswith("FAIL")]
+        assert said[failed].startswith(fail), (name, said)
+        assert said[failed + 1].startswith("hint "), (name, said)
+        assert said[-1] == "this node cannot serve Hyperlight"
+    # Each agent sees its device again (health is never latched) before the next test.
+    for name in expected:
+
+        def again(name: str = name) -> bool:
+            return rolled_out(cluster, name)
+
+        wait_until(again, 120, f"{name} Ready again")
+    wait_until(lambda: allocatable(cluster.nodes["a"], HYPERVISOR) == SLOTS, 60, "node a's slots back")

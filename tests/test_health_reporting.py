@@ -217,12 +217,15 @@ def test_check_reports_a_usable_node(tmp: str, kvm_dir: str) -> None:
         kvm_dir,
         "--cdi-dir",
         cdi_dir,
+        "--kubelet-dir",
+        tmp,  # the kubelet's directory is checked too: one is there
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ok   runtime: the agent imports and its gRPC server binds a unix socket" in result.stdout
     assert f"ok   device: kvm at {kvm_dir}/kvm" in result.stdout
     assert "ok   probe: empty VM created and closed" in result.stdout
     assert "note CDI spec:" in result.stdout
+    assert f"ok   kubelet_dir: {tmp}" in result.stdout
     assert not os.path.exists(cdi_dir), "--check changes nothing"
 
 
@@ -232,7 +235,18 @@ def test_check_reports_an_unusable_node(tmp: str) -> None:
     os.mkdir(dev)
     make_node(os.path.join(dev, "kvm"), 1, 3)
     result = subprocess.run(
-        [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--check", "--device-dir", dev],
+        [
+            sys.executable,
+            "-m",
+            "hyperlight_agent",
+            "--config",
+            "/dev/null",
+            "--check",
+            "--device-dir",
+            dev,
+            "--kubelet-dir",
+            tmp,
+        ],
         capture_output=True,
         text=True,
         timeout=30,
@@ -242,7 +256,18 @@ def test_check_reports_an_unusable_node(tmp: str) -> None:
     assert "FAIL probe:" in result.stdout and "KVM_GET_API_VERSION failed" in result.stdout
     os.unlink(os.path.join(dev, "kvm"))
     result = subprocess.run(
-        [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", "--check", "--device-dir", dev],
+        [
+            sys.executable,
+            "-m",
+            "hyperlight_agent",
+            "--config",
+            "/dev/null",
+            "--check",
+            "--device-dir",
+            dev,
+            "--kubelet-dir",
+            tmp,
+        ],
         capture_output=True,
         text=True,
         timeout=30,
@@ -262,7 +287,8 @@ def test_check_hints_name_the_usual_causes_of_a_failed_probe() -> None:
 
     assert "run it as root" in _probe_hints("cannot open /dev/kvm: Permission denied")[0]
     assert "nested virtualisation" in _probe_hints("KVM_CREATE_VM failed: Device or resource busy")[0]
-    assert _probe_hints("something else") == []
+    # Every failed probe says what to do, also for words the table does not know.
+    assert "not a working hypervisor device" in _probe_hints("something else")[0]
 
 
 def test_journal_only_when_stderr_is_the_journal(tmp: str) -> None:
@@ -345,3 +371,28 @@ def test_the_diagnosis_loads_without_grpc() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True).stdout
     assert "GRPC []" in out, out
+
+
+def test_log_lines_carry_their_time_or_are_json_and_debug_keeps_libraries_quiet(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Outside the journal a line says when (issue 36: 5); `log_format = "json"` makes one object
+    per line with the entry's fields; at debug, grpc's internals stay at info."""
+    import json
+    import logging
+    import re
+
+    try:
+        journal.setup("debug", {}, {"resource": "hyperlight.dev/hypervisor"})
+        logging.getLogger("hyperlight_agent.test").info("status: %s", "ready")
+        line = capsys.readouterr().err.strip()
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO: status: ready", line), line
+        assert logging.getLogger("grpc").getEffectiveLevel() == logging.INFO
+        assert logging.getLogger("hyperlight_agent").getEffectiveLevel() == logging.DEBUG
+        journal.setup("info", {}, {"resource": "hyperlight.dev/hypervisor"}, "json")
+        logging.getLogger("hyperlight_agent.test").warning("device unhealthy: %s", "gone")
+        entry = json.loads(capsys.readouterr().err)
+        assert entry["level"] == "warning" and entry["message"] == "device unhealthy: gone"
+        assert entry["resource"] == "hyperlight.dev/hypervisor" and entry["time"].endswith("Z")
+    finally:
+        journal.setup("info", {})

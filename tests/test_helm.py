@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from hyperlight_agent import __version__, cli, config, contracts
-from tests.test_deploy import DEPLOY, OVERLAYS, checkov, documents, judge, render, tool
+from tests.test_deploy import DEPLOY, OVERLAYS, PLACEHOLDER, TEST_DIGEST, checkov, documents, judge, render, tool
 
 # Rendered by kubectl/helm and judged by checkov and kubernetes-validate (build/tools, build/judges).
 pytestmark = pytest.mark.judge
@@ -52,8 +52,11 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run([tool("helm"), *args], capture_output=True, text=True, timeout=120, check=check)
 
 
-def template(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return helm("template", "hyperlight", CHART, "--namespace", NAMESPACE, *args, check=check)
+def template(*args: str, check: bool = True, release: Optional[str] = TEST_DIGEST) -> subprocess.CompletedProcess[str]:
+    """`helm template` of the chart as a release's (its releaseDigest set, as `make release` does);
+    release=None: the chart as it is in the tree."""
+    image = ["--set", f"image.releaseDigest={release}"] if release else []
+    return helm("template", "hyperlight", CHART, "--namespace", NAMESPACE, *image, *args, check=check)
 
 
 def values_file(overlay: str) -> list[str]:
@@ -98,6 +101,8 @@ def test_values_files_match_the_overlays() -> None:
         ("kubeletRootDir=/" + "k" * 47, "at '/kubeletRootDir': maxLength: got 48, want 47"),
         ("serviceAccount.create=false", "at '/serviceAccount/name': minLength: got 0, want 1"),
         ("logLevel=verbose", "at '/logLevel': value must be one of 'debug', 'info', 'warning', 'error'"),
+        ("logFormat=yaml", "at '/logFormat': value must be one of 'text', 'json'"),
+        ("probes.port=0", "at '/probes/port': minimum: got 0, want 1"),
         ("updateStrategy.type=Recreate", "at '/updateStrategy/type': value must be one of 'RollingUpdate', 'OnDelete'"),
         ("updateStrategy.rollingUpdate.maxSurge=one", "at '/updateStrategy/rollingUpdate/maxSurge'"),
         (
@@ -122,17 +127,45 @@ def test_pod_labels_cannot_take_the_charts_own() -> None:
     assert "podLabels: app.kubernetes.io/name is the chart's own label" in result.stderr, result.stderr
 
 
-def test_schema_wants_a_digest_or_a_tag() -> None:
-    result = template("--set", "image.digest=", check=False)
-    assert result.returncode != 0 and "at '/image'" in result.stderr, result.stderr
-    tagged = template("--set", "image.digest=", "--set", "image.tag=dev").stdout
-    images = {
+def images(text: str) -> set[str]:
+    return {
         c["image"]
-        for d in documents(tagged)
-        if d["kind"] == "DaemonSet"
-        for c in d["spec"]["template"]["spec"]["containers"]
+        for d in documents(text)
+        if d["kind"] in ("DaemonSet", "Pod")
+        for c in d["spec"].get("template", d)["spec"]["containers"]
     }
-    assert images == {"ghcr.io/hyperlight-dev/hyperlight-agent:dev"}
+
+
+def test_the_chart_from_the_tree_fails_in_one_line_naming_the_value_to_set() -> None:
+    """A chart from a checkout names no published image: it rendered the placeholder digest
+    (ImagePullBackOff), now it fails at render saying what to set (issue 36: 3)."""
+    result = template(release=None, check=False)
+    assert result.returncode != 0
+    error = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert error == [
+        "Error: execution error at (hyperlight-agent/templates/tests.yaml:50:16): image: this chart names no "
+        "published image (the placeholder digest of a chart from a checkout): set image.digest to your image's "
+        "digest (make image prints it) or image.tag"
+    ], result.stderr
+    assert template("--set", f"image.digest={PLACEHOLDER}", check=False).returncode != 0
+    # The refusal matches the placeholder by its shape: a released chart holds no copy of it
+    # (make release refuses a release that does, packaging/release.py's placeholders()).
+    for directory, _, names in os.walk(os.path.join(CHART, "templates")):
+        for name in names:
+            with open(os.path.join(directory, name)) as f:
+                assert PLACEHOLDER not in f.read(), name
+
+
+def test_an_explicit_tag_or_digest_wins_over_the_releases_image() -> None:
+    """The precedence values.yaml documents: image.digest, else image.tag, else the release's."""
+    repository = "ghcr.io/hyperlight-dev/hyperlight-agent"
+    assert images(template().stdout) == {f"{repository}@{TEST_DIGEST}"}
+    assert images(template("--set", "image.tag=0.1.0").stdout) == {f"{repository}:0.1.0"}
+    assert images(template("--set", "image.tag=0.1.0", release=None).stdout) == {f"{repository}:0.1.0"}
+    digest = "sha256:" + "2" * 64
+    assert images(template("--set", f"image.digest={digest}").stdout) == {f"{repository}@{digest}"}
+    both = template("--set", f"image.digest={digest}", "--set", "image.tag=0.1.0").stdout
+    assert images(both) == {f"{repository}:0.1.0@{digest}"}
 
 
 # Every value an operator sets routinely (issue 31: 1), each away from its default; the longest
@@ -162,6 +195,8 @@ EVERY_VALUE: dict[str, Any] = {
     "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "100%", "maxUnavailable": 0}},
     "runtimeClassName": "runc",
     "logLevel": "debug",
+    "logFormat": "json",
+    "probes": {"port": 8090},
     "extraEnv": [{"name": "HYPERLIGHT_CHECK_INTERVAL", "value": "10"}],
     "kubeletRootDir": "/var/snap/microk8s/common/var/lib/kubelet/x",  # 43 of the 47 allowed
     "namespace": {"create": True, "labels": {"example.com/team": "sandboxes"}},
@@ -319,7 +354,11 @@ def test_helm_test_asks_for_the_device_as_a_restricted_workload(mode: str) -> No
             "seccompProfile": {"type": "RuntimeDefault"},
         }
         (container,) = spec["containers"]
-        assert container["args"] == ["--check"] and container["image"].startswith("ghcr.io/hyperlight-dev/")
+        # The device alone (a workload has no kubelet directories), with no writable directory at
+        # all: --check needs none (issue 36: 1).
+        assert container["args"] == ["--check=device"] and container["image"].startswith("ghcr.io/hyperlight-dev/")
+        assert "volumeMounts" not in container and "volumes" not in spec
+        assert spec["enableServiceLinks"] is False
         assert container["securityContext"] == {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -404,9 +443,14 @@ def test_every_value_lands_where_it_says(renderings: dict[str, str], mode: str) 
         env = [e["name"] for e in container["env"]]
         assert env[-1] == "HYPERLIGHT_CHECK_INTERVAL", "extraEnv comes after the chart's own settings"
         assert {"name": "HYPERLIGHT_LOG_LEVEL", "value": "debug"} in container["env"]
+        assert {"name": "HYPERLIGHT_LOG_FORMAT", "value": "json"} in container["env"]
+        assert {"name": "HYPERLIGHT_PROBE_ADDRESS", "value": "0.0.0.0:8090"} in container["env"]
         # Every agent serves metrics, on the port set (the DRA driver's too).
         assert {"name": "HYPERLIGHT_METRICS_ADDRESS", "value": "0.0.0.0:9500"} in container["env"]
-        assert container["ports"] == [{"name": "metrics", "containerPort": 9500, "protocol": "TCP"}]
+        assert container["ports"] == [
+            {"name": "probes", "containerPort": 8090, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": 9500, "protocol": "TCP"},
+        ]
     if mode != "devicePlugin":
         driver = sets["hl-production1-dra-driver"]["spec"]["template"]["spec"]
         assert driver["serviceAccountName"] == "hl-dra" and driver["automountServiceAccountToken"] is True
@@ -499,7 +543,10 @@ def test_the_monitors_scrape_every_agent_the_mode_runs(mode: str) -> None:
         template_ = ds["spec"]["template"]
         assert service["spec"]["selector"].items() <= template_["metadata"]["labels"].items()
         (container,) = template_["spec"]["containers"]
-        assert container["ports"] == [{"name": "metrics", "containerPort": 9464, "protocol": "TCP"}]
+        assert container["ports"] == [
+            {"name": "probes", "containerPort": 8081, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": 9464, "protocol": "TCP"},
+        ]
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["HYPERLIGHT_METRICS_ADDRESS"] == "0.0.0.0:9464"
 
@@ -517,3 +564,79 @@ def test_the_dashboard_is_the_charts_file() -> None:
     (config_map,) = [d for d in documents(template(*MONITORS).stdout) if d["kind"] == "ConfigMap"]
     with open(os.path.join(CHART, "dashboards", "hyperlight-agent.json")) as f:
         assert json.loads(config_map["data"]["hyperlight-agent.json"]) == json.load(f)
+
+
+def value_paths(values: Any, prefix: str = "") -> list[str]:
+    """Every key of values.yaml, as --set paths (dots in keys escaped)."""
+    found = []
+    if isinstance(values, dict):
+        for key, value in values.items():
+            path = f"{prefix}{key.replace('.', chr(92) + '.')}"
+            found.append(path)
+            found += value_paths(value, path + ".")
+    return found
+
+
+def test_every_value_set_to_null_renders_or_is_refused_by_the_schema() -> None:
+    """`--set resources.devicePlugin=null` was a template nil-pointer; every value the schema
+    accepts renders, the others are refused with the schema's message (issue 36: 6)."""
+    with open(os.path.join(CHART, "values.yaml")) as f:
+        paths = value_paths(yaml.safe_load(f))
+    assert "resources.devicePlugin" in paths and len(paths) > 60
+    refused = []
+    for path in paths:
+        result = template("--set", f"{path}=null", check=False)
+        if result.returncode == 0:
+            continue
+        assert "values don't meet the specifications of the schema" in result.stderr, (path, result.stderr)
+        refused.append(path)
+    assert "resources.devicePlugin" in refused and "image" in refused
+
+
+def test_pod_security_context_refuses_an_unconfined_apparmor_profile() -> None:
+    """The agents never need AppArmor lifted (issue 35: 12); SELinux options stay possible, and
+    values.yaml says that they can loosen the pod."""
+    result = template("--set", "podSecurityContext.appArmorProfile.type=Unconfined", check=False)
+    assert result.returncode != 0
+    assert "at '/podSecurityContext/appArmorProfile/type': value must be one of 'RuntimeDefault', 'Localhost'" in (
+        result.stderr
+    ), result.stderr
+    with open(os.path.join(CHART, "values.yaml")) as f:
+        text = f.read()
+    assert "cannot loosen" not in text
+    assert "SELinux options can loosen the pod" in " ".join(line.lstrip("# ") for line in text.splitlines())
+
+
+def test_the_probe_port_cannot_be_the_metrics_port() -> None:
+    result = template("--set", "metrics.enabled=true", "--set", "probes.port=9464", check=False)
+    assert result.returncode != 0 and "probes.port: must differ from metrics.port" in result.stderr
+
+
+def test_every_url_names_this_projects_repository() -> None:
+    """Chart.yaml, NOTES, the alerts and the image's labels pointed at hyperlight-dev/hyperlight
+    or at docs/ paths a registry user does not have (issue 36: 3): every URL is this project's,
+    the docs at the release's tag."""
+    texts = []
+    for path in (
+        os.path.join(CHART, "Chart.yaml"),
+        os.path.join(CHART, "templates", "NOTES.txt"),
+        os.path.join(CHART, "templates", "_helpers.tpl"),
+    ):
+        with open(path) as f:
+            texts.append(f.read())
+    with open(os.path.join(DEPLOY, "..", "Containerfile")) as f:
+        texts += [line for line in f if "org.opencontainers.image.source" in line]
+    rule = template(*MONITORS).stdout
+    (prometheus_rule,) = [d for d in documents(rule) if d["kind"] == "PrometheusRule"]
+    alerts = [r for g in prometheus_rule["spec"]["groups"] for r in g["rules"]]
+    # (HyperlightDeviceUnusable's text is being rewritten with the device's health in the cluster.)
+    texts += [json.dumps(r) for r in alerts if r["alert"] != "HyperlightDeviceUnusable"]
+    urls = {u for text in texts for u in re.findall(r"https?://[^\s\"'`)]+", text)}
+    assert urls, "no URL found"
+    for url in urls - {"https://github.com/hyperlight-dev"}:  # the maintainers' organisation
+        assert url.startswith("https://github.com/hyperlight-dev/hyperlight-agent"), url
+    runbooks = [r["annotations"].get("runbook_url", "") for r in alerts]
+    docs = f"https://github.com/hyperlight-dev/hyperlight-agent/blob/v{__version__}/docs/troubleshooting.md#"
+    assert [u for u in runbooks if u] and all(u.startswith(docs) for u in runbooks if u)
+    for text in texts:
+        assert "docs/troubleshooting.md" not in text.replace(f"/blob/v{__version__}/docs/troubleshooting.md", "")

@@ -112,7 +112,7 @@ def test_make_image_says_what_is_missing_in_one_line(tmp: str) -> None:
 
 def test_image_labels_and_contents(engine: Podman, image: dict[str, Any]) -> None:
     labels = image["Config"]["Labels"]
-    assert labels["org.opencontainers.image.source"] == "https://github.com/hyperlight-dev/hyperlight"
+    assert labels["org.opencontainers.image.source"] == "https://github.com/hyperlight-dev/hyperlight-agent"
     assert re.fullmatch(r"[0-9a-f]{40}|unknown", labels["org.opencontainers.image.revision"])
     assert labels["org.opencontainers.image.base.name"] == BASE
     assert image["Config"]["User"] == "65532:65532"

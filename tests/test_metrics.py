@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import re
 import signal
 import socket
 import urllib.request
+from typing import NamedTuple
 
 import grpc
 import pytest
 
-from hyperlight_agent import contracts
+from hyperlight_agent import contracts, modes
 from standin.kubelet import StandinThread
 from tests.conftest import StartAgent, wait_for
 from tests.test_docs import ROOT
@@ -52,7 +55,7 @@ def test_metrics_count_what_happened(kubelet: StandinThread, start_agent: StartA
         'hyperlight_allocations_total{outcome="invalid"} 1.0',
         "hyperlight_registrations_total 2.0",
         "hyperlight_listandwatch_streams 1.0",
-        "hyperlight_cdi_repairs_total 1.0",
+        "hyperlight_cdi_repairs_total 0.0",  # the first write is no repair (issue 36: 5)
         "hyperlight_probe_helper_timeouts_total 0.0",
     ):
         assert line in text, line
@@ -157,6 +160,7 @@ def test_garbage_to_the_metrics_port_is_answered_without_a_traceback(
         "not http": b"HELLO\r\n\r\n",
         "post": b"POST /metrics HTTP/1.1\r\n\r\n",
         "elsewhere": b"GET /x HTTP/1.1\r\n\r\n",
+        "health": b"GET /healthz HTTP/1.1\r\n\r\n",  # answered, not 404 (issue 36: 5)
         "too long": b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 100_000 + b"\r\n\r\n",
     }.items():
         with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
@@ -171,6 +175,7 @@ def test_garbage_to_the_metrics_port_is_answered_without_a_traceback(
         "not http": b"HTTP/1.1 400 Bad Request",
         "post": b"HTTP/1.1 405 Method Not Allowed",
         "elsewhere": b"HTTP/1.1 404 Not Found",
+        "health": b"HTTP/1.1 200 OK",
         "too long": b"",
     }
     assert "hyperlight_device_healthy 1.0" in scrape(address)
@@ -201,36 +206,83 @@ def scrape_or_empty(address: str) -> str:
         return ""
 
 
-def documented() -> dict[str, tuple[str, str]]:
-    """docs/metrics.md's table: series → (type, labels)."""
+class Row(NamedTuple):
+    kind: str
+    labels: dict[str, tuple[str, ...]]  # label name → the fixed values documented (() when not fixed)
+    modes: set[str]
+
+
+MODE_NAMES = ("plugin", "device-access", "dra")
+
+
+def documented() -> dict[str, Row]:
+    """docs/metrics.md's table: series → its type, labels (with their fixed values) and modes."""
     with open(os.path.join(ROOT, "docs", "metrics.md")) as f:
-        rows = [line.split("|")[1:-1] for line in f if line.startswith("| `")]
-    return {cells[0].strip().strip("`"): (cells[1].strip(), cells[2].strip()) for cells in rows}
+        text = f.read().split("\n## Alerts")[0]  # the series' table, not the alerts'
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| `")]
+    table = {}
+    for cells in rows:
+        labels: dict[str, tuple[str, ...]] = {}
+        for part in cells[2].split(";"):
+            name, _, values = part.partition(":")
+            for label in re.findall(r"`([a-z_]+)`", name):
+                words = tuple(re.findall(r"`([^`]+)`", values))
+                fixed = bool(words) and re.fullmatch(r"\s*(`[^`]+`,?\s*)+", values) is not None
+                labels[label] = words if fixed else ()
+        modes = set(MODE_NAMES) if cells[3].strip() == "all" else {m.strip() for m in cells[3].split(",")}
+        table[cells[0].strip().strip("`")] = Row(cells[1].strip(), labels, modes)
+    return table
 
 
-def test_every_series_is_documented_with_its_type_and_labels() -> None:
-    """docs/metrics.md lists exactly what the agent registers (issue 31: 5), with each series' type
-    and label names."""
+def exposition(mode: modes.Mode) -> dict[str, tuple[str, set[tuple[tuple[str, str], ...]]]]:
+    """What an agent of `mode` serves at its start: family → (type, the label sets of its series)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
     from hyperlight_agent.host.metrics import Metrics
 
-    metrics = Metrics(True, {"version": "0", "commit": "x", "mode": "plugin"})
-    suffix = {"counter": "_total", "info": "_info"}
-    registered = {}
-    for family in metrics.registry.collect():
-        kind = "gauge (info)" if family.type == "info" else family.type
-        registered[family.name + suffix.get(family.type, "")] = kind
-    docs = documented()
-    assert {name: kind for name, (kind, _) in docs.items()} == registered
-    # prometheus_client has no public way to read a metric's label names.
-    labelled = {
-        m._name + ("_total" if m._type == "counter" else ""): m._labelnames
-        for m in vars(metrics).values()
-        if hasattr(m, "_labelnames")
-    }
-    for name, labels in labelled.items():
-        said = docs[name][1]
-        assert all(f"`{label}`" in said for label in labels) and (said == "") == (labels == ()), (name, said)
-    assert "`version`, `commit`, `mode`" in docs["hyperlight_build_info"][1]
+    metrics = Metrics(
+        True,
+        {"version": "0", "commit": "x", "mode": mode.name},
+        protocol=mode.protocol.value,
+        cdi=not mode.inventory_only,
+    )
+    text = generate_latest(metrics.registry).decode()
+    served = {}
+    for family in text_string_to_metric_families(text):
+        # The text format has no info type: an Info is a gauge ending in _info, always 1.
+        kind = "gauge (info)" if family.type == "gauge" and family.name.endswith("_info") else family.type
+        series = {
+            tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+            for sample in family.samples
+            if not sample.name.endswith(("_sum", "_count"))
+        }
+        served[family.name + ("_total" if family.type == "counter" else "")] = (kind, series)
+    return served
+
+
+@pytest.mark.parametrize("mode", modes.MODES, ids=lambda m: m.name)
+def test_the_exposition_is_docs_metrics_md(mode: modes.Mode) -> None:
+    """docs/metrics.md lists exactly what an agent of each mode serves: its families and their
+    types; each labelled series with fixed values served at 0 from the start, every value the table
+    names (issue 36: 5); nothing undocumented (no `_created`)."""
+    docs = {name: row for name, row in documented().items() if mode.name in row.modes}
+    served = exposition(mode)
+    assert {name: row.kind for name, row in docs.items()} == {name: kind for name, (kind, _) in served.items()}
+    assert not any(name.endswith("_created") for name in served)
+    for name, (_, series) in served.items():
+        labels = docs[name].labels
+        if name == "hyperlight_build_info":
+            assert series == {(("commit", "x"), ("mode", mode.name), ("version", "0"))}
+            continue
+        if not labels:
+            assert series == {()}, name
+            continue
+        if not all(labels.values()):
+            assert series == set(), f"{name}: its values are not known at start"
+            continue
+        every = {tuple(sorted(zip(labels, combo))) for combo in itertools.product(*labels.values())}
+        assert series == every, name
 
 
 def test_build_info_and_process_series_are_served(tmp: str) -> None:
@@ -238,8 +290,32 @@ def test_build_info_and_process_series_are_served(tmp: str) -> None:
 
     from hyperlight_agent.host.metrics import Metrics
 
-    text = generate_latest(Metrics(True, {"version": "9.9.9", "commit": "abc", "mode": "dra"}).registry).decode()
+    text = generate_latest(Metrics(True, {"version": "9.9.9", "commit": "abc", "mode": "dra"}, "dra").registry).decode()
     assert 'hyperlight_build_info{commit="abc",mode="dra",version="9.9.9"} 1.0' in text
     assert "process_resident_memory_bytes " in text and "process_start_time_seconds " in text
     # DRA claim outcomes start at 0, so that increase() sees the first failed claim.
     assert 'hyperlight_dra_claims_total{operation="prepare",result="error"} 0.0' in text
+
+
+def test_device_info_follows_the_device_and_repairs_count_only_rewrites() -> None:
+    """hyperlight_device_info names the device found; the first write of the CDI spec is no
+    repair, a write after the spec was right is (issue 36: 5)."""
+    from prometheus_client import generate_latest
+
+    from hyperlight_agent.device.observation import Cause, Observation
+    from hyperlight_agent.host.metrics import Metrics
+
+    metrics = Metrics(True, {"mode": "plugin"}, device_dir="/host-dev")
+    metrics.check_done(Observation(False, "no device", None, Cause.NO_DEVICE), 0.01, False)
+    metrics.check_done(Observation(True, "", "kvm"), 0.01, True)  # the first write
+    text = generate_latest(metrics.registry).decode()
+    assert 'hyperlight_device_info{hypervisor="kvm",path="/host-dev/kvm"} 1.0' in text
+    assert "hyperlight_cdi_repairs_total 0.0" in text
+    assert 'hyperlight_check_failures_total{cause="no-device"} 1.0' in text
+    assert 'hyperlight_device_unhealthy_cause{cause="no-device"} 0.0' in text
+    metrics.check_done(Observation(True, "", "kvm"), 0.01, True)  # someone changed it
+    metrics.check_done(Observation(False, "gone", None, Cause.NO_DEVICE), 0.01, False)
+    text = generate_latest(metrics.registry).decode()
+    assert "hyperlight_cdi_repairs_total 1.0" in text
+    assert "hyperlight_device_info{" not in text
+    assert 'hyperlight_device_unhealthy_cause{cause="no-device"} 1.0' in text

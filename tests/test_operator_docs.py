@@ -34,5 +34,38 @@ def test_every_command_block_says_whether_a_test_runs_it(guide: str) -> None:
 def test_the_alerts_point_at_sections_of_the_troubleshooting_guide() -> None:
     sections = set(re.findall(r"^## (.+)$", read("docs/troubleshooting.md"), re.M))
     rules = read("deploy/helm/hyperlight-agent/templates/prometheusrule.yaml")
-    named = re.findall(r'docs/troubleshooting\.md: \\?"([^"\\]+)\\?"', rules)
+    named = re.findall(r'troubleshooting\.md[:,] \\?"([^"\\]+)\\?"', rules)
     assert named and set(named) <= sections, set(named) - sections
+    # The runbook links' anchors are those sections' (GitHub's slugs).
+    slugs = {re.sub(r"[^a-z0-9 -]", "", section.lower()).replace(" ", "-") for section in sections}
+    anchors = re.findall(r"troubleshooting\.md#([a-z0-9-]+)", rules)
+    assert anchors and set(anchors) <= slugs, set(anchors) - slugs
+
+
+def code_fail_prefixes() -> set[str]:
+    """Every "FAIL …:" prefix `--check` can print, from the sources: literal ones, and those
+    naming a setting (f"FAIL {key}: …") for each directory setting a mode or the device check
+    names."""
+    from hyperlight_agent import modes
+
+    sources = ["hyperlight_agent/diagnose.py", "hyperlight_agent/dra/preflight.py"]
+    found = set()
+    keys = {key for mode in modes.MODES for key in mode.kubelet_dirs} | {"device_dir", "host_device_dir"}
+    for path in sources:
+        for prefix in re.findall(r'"(FAIL [^":]+):', read(path)):
+            found |= {f"FAIL {key}:" for key in keys} if prefix == "FAIL {key}" else {prefix + ":"}
+    return found
+
+
+def test_the_troubleshooting_guides_fail_lines_are_the_codes() -> None:
+    """troubleshooting.md told to look for `FAIL api …` while the code prints `FAIL API server:`
+    (issue 36: 6): every FAIL line the guide names is one `--check` prints, and the guide's table
+    names every one."""
+    guide = read("docs/troubleshooting.md")
+    named = {m.split(":")[0] + ":" for m in re.findall(r"`(FAIL [^`]+)`", guide)}
+    code = code_fail_prefixes()
+    assert len(code) >= 10, code
+    assert named <= code, named - code
+    table = set(re.findall(r"^\| (`FAIL .*?) \|", guide, re.M)[0:])
+    in_table = {m + ":" for row in table for m in re.findall(r"`(FAIL [^:`]+):`", row)}
+    assert in_table == code, (code - in_table, in_table - code)

@@ -66,9 +66,10 @@ def test_the_registry_serves_the_image_the_chart_names(published: Published, ver
         check=True,
     ).stdout
     image = yaml.safe_load(chart)["image"]
-    assert (image["repository"], image["digest"], image["tag"]) == (
+    assert (image["repository"], image["releaseDigest"], image["digest"], image["tag"]) == (
         "ghcr.io/hyperlight-dev/hyperlight-agent",
         m["image"]["digest"],
+        "",
         "",
     )
 

@@ -238,10 +238,13 @@ def test_the_charts_default_image_is_the_release_image_by_digest(release_current
             return yaml.safe_load(member)
 
         assert read("Chart.yaml")["version"] == CURRENT and read("Chart.yaml")["appVersion"] == CURRENT
+        # The chart's own image is the release's (releaseDigest); image.digest and image.tag are the
+        # user's to set, empty as shipped.
         assert read("values.yaml")["image"] == {
             **read("values.yaml")["image"],
             "repository": IMAGE_REPOSITORY,
-            "digest": entry["digest"],
+            "releaseDigest": entry["digest"],
+            "digest": "",
             "tag": "",
         }
     rendered = subprocess.run(

@@ -66,8 +66,9 @@ def clean_env() -> dict[str, str]:
 
 def check(run: list[str], kvm_dir: str, tmp: str) -> subprocess.CompletedProcess[str]:
     """`hyperlight-agent --check` of a tree (its launcher and interpreter: run) against kvm_dir."""
+    flags = ["--device-dir", kvm_dir, "--cdi-dir", os.path.join(tmp, "cdi"), "--kubelet-dir", tmp]
     return subprocess.run(
-        [*run, "--config", "/dev/null", "--check", "--device-dir", kvm_dir, "--cdi-dir", os.path.join(tmp, "cdi")],
+        [*run, "--config", "/dev/null", "--check", *flags],
         capture_output=True,
         text=True,
         timeout=60,

@@ -174,6 +174,8 @@ def detect(device_dir: str) -> Optional[Hypervisor]:
 
 def absence_reason(device_dir: str) -> str:
     """Why no row is present, naming whatever non-device sits at a row's path."""
+    if not os.path.isdir(device_dir):
+        return f"no hypervisor device in {device_dir}: the directory does not exist"
     odd = []
     for hypervisor in HYPERVISORS:
         path = hypervisor.device_path(device_dir)

@@ -252,6 +252,17 @@ class KubeApi:
             return False, "the review came back without a status"
         return status.get("allowed") is True, str(status.get("reason", ""))
 
+    async def serves(self, group: str, version: str) -> bool:
+        """Whether the API server serves group/version: its discovery document, which every
+        authenticated user may read (the system:discovery role), also without any other permission."""
+        try:
+            await self._call("get", f"API {group}/{version}", "GET", f"/apis/{group}/{version}")
+        except ApiError as exc:
+            if exc.code == 404:
+                return False
+            raise
+        return True
+
     async def get_claim(self, namespace: str, name: str) -> Json:
         path = f"/apis/{contracts.RESOURCE_API_GROUP}/{contracts.RESOURCE_API_VERSION}/namespaces/{namespace}"
         return await self._call("get", CLAIMS, "GET", f"{path}/{CLAIMS}/{name}")

@@ -1,16 +1,62 @@
-"""Where log lines go: the journal with structured fields under systemd, else concise stderr.
+"""Where log lines go: the journal with structured fields under systemd, else stderr, one line
+per event: `text` (its UTC time, level and message) or `json` (one object per line, for a
+cluster's log pipeline).
 
 python-systemd is optional at run time: without it (or without journald) we log to stderr.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+import time
 from typing import Mapping, Optional
 
 from hyperlight_agent import contracts
+
+# Libraries whose debug lines are about their own internals (every HTTP/2 frame, every poll of
+# grpc's completion queue): at log_level debug they stay at info, so debug shows the agent's.
+QUIET_LIBRARIES = ("grpc", "asyncio", "httpx", "httpcore", "hpack", "h2", "prometheus_client")
+
+
+class TextFormatter(logging.Formatter):
+    """`2025-01-02T03:04:05.678Z INFO: message` (UTC, milliseconds)."""
+
+    converter = time.gmtime  # type: ignore[assignment]  # typeshed's gmtime has no default argument
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s.%(msecs)03dZ %(levelname)s: %(message)s", "%Y-%m-%dT%H:%M:%S")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, the entry's fields, and a
+    traceback under "exception" when there is one.
+
+    >>> record = logging.LogRecord("hyperlight_agent.agent", logging.INFO, "", 0, "ready: %s", ("kvm",), None)
+    >>> record.created = 0.0
+    >>> print(JsonFormatter({"resource": "hyperlight.dev/hypervisor"}).format(record))  # doctest: +NORMALIZE_WHITESPACE
+    {"time": "1970-01-01T00:00:00.000Z", "level": "info", "logger": "hyperlight_agent.agent",
+     "message": "ready: kvm", "resource": "hyperlight.dev/hypervisor"}
+    """
+
+    def __init__(self, fields: Optional[Mapping[str, str]] = None) -> None:
+        super().__init__()
+        self._fields = dict(fields or {})
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        entry = {
+            "time": f"{stamp}.{int(record.created * 1000) % 1000:03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            **self._fields,
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
 
 
 def stderr_is_journal(environ: Mapping[str, str]) -> bool:
@@ -24,13 +70,19 @@ def stderr_is_journal(environ: Mapping[str, str]) -> bool:
     return (st.st_dev, st.st_ino) == (dev, ino)
 
 
-def setup(level: str, environ: Mapping[str, str], fields: Optional[Mapping[str, str]] = None) -> str:
-    """Configure the root logger; returns "journal" or "stderr". `fields` go on every entry."""
-    handler: logging.Handler
+def setup(level: str, environ: Mapping[str, str], fields: Optional[Mapping[str, str]] = None, fmt: str = "text") -> str:
+    """Configure the root logger; returns "journal" or "stderr". `fields` go on every entry (the
+    journal's fields, json's keys)."""
+    handler: logging.Handler = logging.StreamHandler(sys.stderr)
     kind = "stderr"
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-    if stderr_is_journal(environ):
+    journal = stderr_is_journal(environ)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter(fields))
+    elif journal:
+        handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))  # the journal stamps it
+    else:
+        handler.setFormatter(TextFormatter())
+    if journal:
         try:
             from systemd.journal import JournalHandler
 
@@ -42,5 +94,13 @@ def setup(level: str, environ: Mapping[str, str], fields: Optional[Mapping[str, 
             pass
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    set_level(level)
     return kind
+
+
+def set_level(level: str) -> None:
+    """The root logger's level (also on a reload); libraries' internals never below info."""
+    logging.getLogger().setLevel(level.upper())
+    for name in QUIET_LIBRARIES:
+        library = logging.getLogger(name)
+        library.setLevel(max(library.level, logging.INFO))  # a library set quieter stays so

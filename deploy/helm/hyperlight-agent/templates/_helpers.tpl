@@ -32,13 +32,26 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end }}
 
-{{/* repository@digest, or repository:tag when no digest is given. */}}
+{{/* The image's digest, first set wins: image.digest; none when image.tag is set; else
+     image.releaseDigest, this chart release's own image (`make release` writes it). The all-zero
+     placeholder (a chart from a checkout, which has no image) is refused in one line; matched by its
+     shape, so that a released chart holds no copy of it (make release refuses one). */}}
+{{- define "hyperlight.imageDigest" -}}
+{{- $image := .Values.image }}
+{{- $digest := $image.digest | default (ternary "" ($image.releaseDigest | default "") (ne ($image.tag | default "") "")) }}
+{{- if regexMatch "^sha256:0{64}$" $digest }}
+{{- fail "image: this chart names no published image (the placeholder digest of a chart from a checkout): set image.digest to your image's digest (make image prints it) or image.tag" }}
+{{- end }}
+{{- if not (or $digest $image.tag) }}
+{{- fail "image: set image.digest or image.tag (image.releaseDigest is empty)" }}
+{{- end }}
+{{- $digest }}
+{{- end }}
+
+{{/* repository[:tag][@digest]: the digest decides what runs; a tag beside it is for reading. */}}
 {{- define "hyperlight.image" -}}
-{{- if .Values.image.digest -}}
-{{ .Values.image.repository }}@{{ .Values.image.digest }}
-{{- else -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag }}
-{{- end -}}
+{{- $digest := include "hyperlight.imageDigest" . }}
+{{- .Values.image.repository }}{{ with .Values.image.tag }}:{{ . }}{{ end }}{{ with $digest }}@{{ . }}{{ end }}
 {{- end }}
 
 {{/* checkov's reasons for the checks that do not apply, shared by the DaemonSets. */}}
@@ -46,8 +59,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 checkov.io/skip1: {{ printf "CKV_K8S_23=root (uid 0, no capabilities) is needed to create a socket in the kubelet's root-owned device-plugin directory%s" .cdi | quote }}
 checkov.io/skip2: CKV_K8S_40=see CKV_K8S_23; a high uid cannot write the kubelet's directory
 checkov.io/skip3: CKV_K8S_15=images are pinned by digest; IfNotPresent lets the plugin restart on a node that cannot reach the registry
-{{- if not .root.Values.image.digest }}
-checkov.io/skip4: CKV_K8S_43=image.digest is empty, so the image is referenced by tag (kind loads local images by tag)
+{{- if not (include "hyperlight.imageDigest" .root) }}
+checkov.io/skip4: CKV_K8S_43=image.tag is set without image.digest, so the image is referenced by tag (kind loads local images by tag)
 {{- end }}
 {{- end }}
 
@@ -129,17 +142,51 @@ seccompProfile:
   type: RuntimeDefault
 {{- end }}
 
-{{/* Every agent's first settings. Its socket is named for its pod, so a successor registers beside
-     it, and it serves on after SIGTERM until the successor is ready (handover.py). */}}
+{{/* Every agent's first settings: (dict "root" $ "mode" "plugin"). Its socket is named for its pod,
+     so a successor registers beside it, and it serves on after SIGTERM until the successor is
+     ready (handover.py). The mode is in the environment as well as the arguments: `kubectl exec
+     POD -- hyperlight-agent --check` gets the container's environment, not its arguments, and
+     checks what that mode needs. */}}
 {{- define "hyperlight.agentEnv" -}}
+- name: HYPERLIGHT_MODE
+  value: {{ .mode }}
 - name: HYPERLIGHT_INSTANCE
   valueFrom:
     fieldRef:
       fieldPath: metadata.name
 - name: HYPERLIGHT_HANDOVER_SECONDS
-  value: {{ .Values.handoverSeconds | quote }}
+  value: {{ .root.Values.handoverSeconds | quote }}
 - name: HYPERLIGHT_LOG_LEVEL
-  value: {{ .Values.logLevel | quote }}
+  value: {{ .root.Values.logLevel | quote }}
+- name: HYPERLIGHT_LOG_FORMAT
+  value: {{ .root.Values.logFormat | quote }}
+- name: HYPERLIGHT_PROBE_ADDRESS
+  value: {{ printf "0.0.0.0:%d" (int .root.Values.probes.port) | quote }}
+{{- end }}
+
+{{/* The kubelet's probes: HTTP GETs the agent answers from its own state on the pod's IP (no
+     process per probe: BENCHMARKS.md, "Probe cost"; readiness every 10 s, for the surge update's
+     sake, and liveness every 60 s keep them at about a tenth of the idle agent's CPU). The exec form
+     (hyperlight-agent --health-check=...) still works, for hosts and older manifests. */}}
+{{- define "hyperlight.probes" -}}
+{{- if eq (int .Values.probes.port) (int .Values.metrics.port) }}
+{{- fail "probes.port: must differ from metrics.port (each is its own containerPort)" }}
+{{- end }}
+livenessProbe:
+  httpGet:
+    path: /livez
+    port: probes
+  initialDelaySeconds: 5
+  # A hung agent fails readiness within 30 s; liveness restarts it after 3 minutes (rare: a
+  # probe a minute keeps the probes' cost under a tenth of the idle agent's).
+  periodSeconds: 60
+  timeoutSeconds: 5
+readinessProbe:
+  httpGet:
+    path: /readyz
+    port: probes
+  periodSeconds: 10
+  timeoutSeconds: 5
 {{- end }}
 
 {{/* The agent's metrics endpoint (with metrics on): its env, and its port (named for the monitors). */}}
@@ -147,11 +194,17 @@ seccompProfile:
 - name: HYPERLIGHT_METRICS_ADDRESS
   value: {{ printf "0.0.0.0:%d" (int .Values.metrics.port) | quote }}
 {{- end }}
-{{- define "hyperlight.metricsPort" -}}
+{{/* The container's ports: the probes' always, the metrics' with metrics on. */}}
+{{- define "hyperlight.ports" -}}
 ports:
+  - name: probes
+    containerPort: {{ .Values.probes.port }}
+    protocol: TCP
+{{- if .Values.metrics.enabled }}
   - name: metrics
     containerPort: {{ .Values.metrics.port }}
     protocol: TCP
+{{- end }}
 {{- end }}
 
 {{/* The kubelet's root directory: the DRA driver's kubelet directories follow it. */}}
@@ -176,4 +229,10 @@ ports:
 {{- define "hyperlight.jobRelabeling" -}}
 - sourceLabels: [__meta_kubernetes_pod_label_app_kubernetes_io_name]
   targetLabel: job
+{{- end }}
+
+{{/* This release's documentation, where a user who installed the chart from its registry can read
+     it: the project's repository at the release's tag. */}}
+{{- define "hyperlight.docs" -}}
+https://github.com/hyperlight-dev/hyperlight-agent/blob/v{{ .Chart.AppVersion }}/docs
 {{- end }}
