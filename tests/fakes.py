@@ -122,6 +122,10 @@ class RecordingNotifier(Notifier):
     def _deliver(self, lines: tuple[str, ...]) -> None:
         self.messages.append(lines)
 
+    async def _deliver_surely(self, lines: tuple[str, ...], timeout: float) -> Optional[str]:
+        self.messages.append(lines)
+        return None
+
     @property
     def statuses(self) -> list[str]:
         """The status lines, without the version each ends with."""

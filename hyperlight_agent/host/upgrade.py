@@ -49,7 +49,7 @@ async def _answers(sockets: list[str]) -> list[peers.Description]:
     for path in sockets:
         try:
             answer = await peers.describe(path, ANSWER_TIMEOUT_S)
-        except (OSError, grpc.RpcError):  # not an answer of ours
+        except (OSError, grpc.RpcError, peers.Legacy):  # not an answer of ours
             continue
         if answer is not None:
             found.append(answer)
@@ -111,7 +111,7 @@ async def _failed_or_gone(pidfd: int, path: str, before: int) -> Optional[str]:
                 return f"not finished within {successor.READY_TIMEOUT_S + LEAVE_TIMEOUT_S:g} s"
             try:
                 now = await peers.describe(path, peers.PEER_TIMEOUT_S)
-            except (OSError, grpc.RpcError):  # the old agent is leaving: its socket goes
+            except (OSError, grpc.RpcError, peers.Legacy):  # the old agent is leaving: its socket goes
                 continue
             record = now.upgrade if now is not None and now.upgrade is not None else {}
             if int(record.get("attempts", 0)) > before and record.get("state") == "failed":
