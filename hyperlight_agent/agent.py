@@ -101,6 +101,8 @@ class Agent:
         self._handing_over = False
         self._handed_over = False  # an in-place upgrade's child has the kubelet and the unit
         self.upgrades = successor.Record()
+        # The agent an in-place upgrade replaced with us (0: none), for the upgrade command.
+        self._replaced = self.notifier.predecessor or 0
         self._upgrade: Optional[asyncio.Future[None]] = None
         self.reloader = Reloader(
             reload, lambda: self.settings, self._apply_reload, self.notifier, on_refused=self._forget_status
@@ -306,7 +308,7 @@ class Agent:
 
     def _described(self) -> dict[str, Any]:
         """What Describe adds to who we are: how our side stands, and our in-place upgrades."""
-        return {**self.side.described(), **self.upgrades.said()}
+        return {**self.side.described(), "replaced": self._replaced, **self.upgrades.said()}
 
     async def _watchdog(self, interval: float) -> None:
         """WATCHDOG=1 from the loop that does the work: if the loop wedges, systemd restarts us."""

@@ -7,7 +7,7 @@ one small gRPC method beside its kubelet protocol, `Describe`, answering who it 
 
     {"agent": "hyperlight-agent", "version": "0.1.0", "instance": "web-1", "protocol": "dra",
      "resource": "hypervisor.hyperlight.dev", "started": 5123456789, "pid": 42, "ready": true,
-     "serving": true, "calls": 17, "registering": false, "upgrade": {...}}
+     "serving": true, "calls": 17, "registering": false, "replaced": 0, "upgrade": {...}}
 
 `started` is CLOCK_BOOTTIME in nanoseconds at the agent's start: one clock for every container on
 the node, never set back. Asking by socket is what makes an answer trustworthy enough: another
@@ -29,8 +29,9 @@ socket that accepts and never answers is no instance of ours.
 Besides who it is, an instance says how it stands: `ready` (its readiness), `serving` (ready but
 for what it shares with its peers: registered with the kubelet and its device healthy), `calls`
 (the kubelet's calls it has received: Allocate, NodePrepareResources), `registering` (it waits for
-its predecessor's agreement before registering: host/successor.py) and, from an agent that can
-upgrade in place, `upgrade` (host/successor.py's Record).
+its predecessor's agreement before registering: host/successor.py), `replaced` (the pid of the
+agent an in-place upgrade replaced with it) and, from an agent that can upgrade in place, `upgrade`
+(host/successor.py's Record).
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ class Description:
     calls: Optional[int] = None
     # It waits for its predecessor's agreement before it registers (host/successor.py).
     registering: bool = False
+    # The pid of the agent an in-place upgrade replaced with it (0: none).
+    replaced: int = 0
 
 
 def describe_handler(
@@ -161,6 +164,7 @@ def _parse(answer: Any, path: str) -> Optional[Description]:
         upgrade = doc.get("upgrade")
         ready = doc["ready"] is True
         calls = doc.get("calls")
+        replaced = doc.get("replaced")
         return Description(
             identity,
             ready,
@@ -169,6 +173,7 @@ def _parse(answer: Any, path: str) -> Optional[Description]:
             serving=doc.get("serving", ready) is True,
             calls=calls if isinstance(calls, int) and not isinstance(calls, bool) else None,
             registering=doc.get("registering") is True,
+            replaced=replaced if isinstance(replaced, int) and not isinstance(replaced, bool) else 0,
         )
     except (ValueError, KeyError, TypeError):
         return None

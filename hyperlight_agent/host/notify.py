@@ -56,6 +56,12 @@ class Notifier:
         self.predecessor: Optional[int] = int(predecessor) if predecessor.isdigit() else None
         self._status = ""
 
+    def close(self) -> None:
+        """Close the socket to systemd (nothing more can be said)."""
+        if self._notifier is not None and self._notifier.socket is not None:
+            self._notifier.socket.close()
+            self._notifier.socket = None
+
     @property
     def under_systemd(self) -> bool:
         return self._notifier is not None
