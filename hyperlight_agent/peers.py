@@ -37,6 +37,7 @@ agent an in-place upgrade replaced with it) and, from an agent that can upgrade 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -45,7 +46,8 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional
 
 import grpc
 
-from hyperlight_agent import __version__, transport
+from hyperlight_agent import __version__, transport, waits
+from hyperlight_agent.device.observation import Observation, SharedObservation
 
 AGENT = "hyperlight-agent"
 SERVICE = "hyperlight.agent.v1.Instance"
@@ -58,6 +60,9 @@ POLL_S = 0.1
 # open a hundred channels).
 MAX_CONCURRENT = 16
 MAX_ANSWER_BYTES = 4096
+# While an instance holds its registration back (hold()), it looks again this often; a new device
+# check result wakes it at once. Only in that state: an instance that registers never polls.
+HOLD_POLL_S = 1.0
 
 
 def boottime_ns() -> int:
@@ -282,6 +287,37 @@ async def find(
     return await _one(
         candidates, resolve, lambda found: found.identity.agent == AGENT and found.identity.pid == pid, timeout
     )
+
+
+async def hold(
+    why: Callable[[Observation], Awaitable[str]],
+    observation: SharedObservation,
+    say: Callable[[str], None],
+    poll: float = HOLD_POLL_S,
+) -> None:
+    """Returns once `why(observation)` says nothing ("") for a completed device check; until then
+    `say(reason)` is told each new reason (and "" at the end, when there was one), and the
+    question is asked again on every new check result or after `poll` seconds.
+
+    What registers us with the kubelet waits here: a Register (device plugin) or a registration
+    socket (DRA) makes us the kubelet's choice for the resource, which an instance whose device is
+    unhealthy must never take from a ready instance of ours."""
+    said = ""
+    try:
+        while True:
+            current = await observation.wait_newer(0)  # the first check has completed
+            version = observation.version
+            reason = await why(current)
+            if not reason:
+                return
+            if reason != said:
+                said = reason
+                say(reason)
+            with contextlib.suppress(asyncio.TimeoutError):  # then ask again
+                await waits.within(observation.wait_newer(version), poll)
+    finally:
+        if said:
+            say("")
 
 
 def _is_newer(me: Identity) -> Callable[[Description], bool]:

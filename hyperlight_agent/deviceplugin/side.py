@@ -7,15 +7,13 @@ readiness needs of it. Everything here exists only in the device plugin modes.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import grpc
 
-from hyperlight_agent import contracts, peers, transport, waits
+from hyperlight_agent import contracts, peers, transport
 from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.deviceplugin import api, handover
 from hyperlight_agent.deviceplugin.registration import Registrar, State
@@ -23,11 +21,6 @@ from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoin
 from hyperlight_agent.kubelet_side import Shared, count
 
 log = logging.getLogger(__name__)
-
-# While we hold our Register back (an unhealthy device beside a ready instance of ours, or an
-# in-place upgrade's predecessor that has not agreed yet), the peers are asked again this often;
-# a new check result wakes us at once. Only in those states: an agent that registers never polls.
-HOLD_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -172,24 +165,18 @@ class DevicePluginSide:
         in-place upgrade's child also waits for its predecessor to agree (host/successor.py), so
         that the predecessor knows, if the upgrade fails, whether the kubelet's endpoint is still
         its own."""
-        observation = self._shared.observation
         try:
-            while True:
-                current = await observation.wait_newer(0)  # the first check has completed
-                version = observation.version
-                held = await self._hold_reason(current.healthy)
-                if not held:
-                    return
-                if held != self.held:
-                    log.info("%s", held)
-                    self.held = held
-                    self._shared.on_change()
-                with contextlib.suppress(asyncio.TimeoutError):  # then ask the peers again
-                    await waits.within(observation.wait_newer(version), HOLD_POLL_S)
+            await peers.hold(
+                lambda observation: self._hold_reason(observation.healthy), self._shared.observation, self._held
+            )
         finally:
-            if self.held or self.registering:
-                self.held, self.registering = "", False
-                self._shared.on_change()
+            self.registering = False
+
+    def _held(self, reason: str) -> None:
+        if reason:
+            log.info("%s", reason)
+        self.held = reason
+        self._shared.on_change()
 
     async def _hold_reason(self, healthy: bool) -> str:
         """Why we may not register now ("" when we may)."""

@@ -196,6 +196,7 @@ class DraSide:
             on_change=self._registration_changed,
             configure=shared.serve_ours,
             watched=lambda: all(watcher.watching(os.path.dirname(p)) for p in sockets),
+            may_register=self._may_register,
         )
         # Our two sockets (removed by a cleanup tool: served again), and other instances'
         # registration sockets coming and going (whether a newer one keeps the slice).
@@ -329,6 +330,29 @@ class DraSide:
         self.registrar.wake()
         if self.publisher is not None:
             self.publisher.wake()
+
+    async def _may_register(self) -> None:
+        """Returns when we may register: our registration socket makes us the newest instance,
+        which the kubelet calls; with our device unhealthy beside a ready instance of ours (a
+        successor whose check fails) every claim would fail, so it waits for a healthy device or
+        for that instance to go."""
+        await peers.hold(self._hold_reason, self._observation, self._held)
+
+    async def _hold_reason(self, observation: Observation) -> str:
+        if observation.healthy:
+            return ""
+        ready = await peers.successor(
+            self.identity,
+            self._candidates,
+            asyncio.get_running_loop().time() + peers.PEER_TIMEOUT_S,
+            resolve=self._service_socket,
+            legacy_ready=healthcheck.peer_ready,
+        )
+        return f"not registering while the device is unhealthy: {ready} serves the kubelet" if ready else ""
+
+    def _held(self, reason: str) -> None:
+        if reason:
+            log.info("%s", reason)
 
     def _registration_changed(self) -> None:
         """Registered or not: readiness, and whether we may keep the slice (slice_keeper)."""
