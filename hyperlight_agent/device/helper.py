@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import errno
 import importlib
+import importlib.abc
 import json
 import logging
 import os
@@ -94,7 +95,8 @@ def read_sources() -> bytes:
     found = {}
     for name in HELPER_MODULES:
         module = importlib.import_module(name)
-        source = module.__spec__.loader.get_source(name) if module.__spec__ and module.__spec__.loader else None
+        loader = module.__spec__.loader if module.__spec__ else None
+        source = loader.get_source(name) if isinstance(loader, importlib.abc.InspectLoader) else None
         if source is None:
             raise ImportError(f"the probe helper's module {name} has no source to hand over", name=name)
         found[name] = [hasattr(module, "__path__"), source]
