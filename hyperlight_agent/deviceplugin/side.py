@@ -193,10 +193,14 @@ class DevicePluginSide:
         found = await peers.find(
             predecessor, handover.candidates(self.kubelet_dir, self._base_socket, self.profile.socket)
         )
-        if found is not None and (found.upgrade is None or "agreed" not in found.upgrade):
-            return ""  # a release before the agreement: it does not wait for us to ask
-        if found is not None and found.upgrade is not None and found.upgrade.get("agreed") == me.pid:
-            return ""
+        if found is not None:
+            record = found.upgrade
+            if record is None or "agreed" not in record:
+                return ""  # a release before the agreement: it does not wait for us to ask
+            # An unready predecessor hands over without waiting for us to ask: we are its "done".
+            handed_to_us = record.get("state") == "done" and record.get("pid") == me.pid
+            if record.get("agreed") == me.pid or handed_to_us:
+                return ""
         # Not found: it is leaving (then predecessor() becomes None), or too busy to answer.
         self.registering = True
         return f"waiting for the agent we replace (pid {predecessor}) to agree before registering"
