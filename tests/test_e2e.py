@@ -1367,14 +1367,11 @@ def apt_upgrade(guest: nspawn.Guest) -> subprocess.CompletedProcess[str]:
 BROKEN = "\nraise RuntimeError('the next release, broken on purpose')\n"
 
 
-@pytest.mark.root
-def test_host_mode_on_a_real_kubelet(installed: Cluster, published: Published, tmp: str) -> None:
+@contextlib.contextmanager
+def host_agent(cluster: Cluster, published: Published, tmp: str) -> Iterator[tuple[nspawn.Guest, str, float]]:
     """The .deb from the apt repository under real systemd (nspawn) serving node B's kubelet, as on
-    a host: B shows the capacity. Under load: `systemctl reload` and `apt-get install` of the next
-    release hand over in place (issue 28: no pod rejected, no moment without a healthy device); a
-    next release that fails before it is ready leaves the old agent serving; `systemctl restart`
-    stops the old process before starting the new one, so its figure is the gap of one restart."""
-    b = installed.nodes["b"]
+    a host, booted: (the guest, its root, when it began to boot)."""
+    b = cluster.nodes["b"]
     root = install_from_the_apt_repository(published, tmp)
     kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)  # the guest's own /dev/kvm: B's is /dev/null
     binds = [
@@ -1385,6 +1382,18 @@ def test_host_mode_on_a_real_kubelet(installed: Cluster, published: Published, t
     started = time.monotonic()
     # The host's network: apt reaches the release site on the host's loopback.
     with nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest:
+        yield guest, root, started
+
+
+@pytest.mark.root
+def test_host_mode_on_a_real_kubelet(installed: Cluster, published: Published, tmp: str) -> None:
+    """The .deb from the apt repository under real systemd (nspawn) serving node B's kubelet, as on
+    a host: B shows the capacity. Under load: `systemctl reload` and `apt-get install` of the next
+    release hand over in place (issue 28: no pod rejected, no moment without a healthy device); a
+    next release that fails before it is ready leaves the old agent serving; `systemctl restart`
+    stops the old process before starting the new one, so its figure is the gap of one restart."""
+    b = installed.nodes["b"]
+    with host_agent(installed, published, tmp) as (guest, root, started):
         wait_until(lambda: kubelet_view(b).get(HYPERVISOR) == SLOTS, 120, "node b's kubelet counting the host agent")
         record("host.boot_to_kubelet_view_s", round(time.monotonic() - started, 1))
         wait_until(lambda: allocatable(b, HYPERVISOR) == SLOTS, 60, "node b's allocatable")
@@ -1646,6 +1655,20 @@ def failing_reload(guest: nspawn.Guest, failed_at: list[float]) -> Callable[[], 
     return act
 
 
+def a_minute_after(
+    failed_at: list[float], guest: nspawn.Guest, before: int, serving: Callable[[], bool]
+) -> Callable[[], bool]:
+    """Whether AFTER_FAILURE_S have passed since the failed reload, with the old agent (pid
+    `before`) still the unit's main process and serving."""
+    return lambda: (
+        bool(failed_at)
+        and time.monotonic() - failed_at[0] >= AFTER_FAILURE_S
+        and guest.is_active(UNIT) == "active"
+        and main_pid(guest) == before
+        and serving()
+    )
+
+
 def failed_upgrade_journal(guest: nspawn.Guest) -> str:
     journal = guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
     failed = [line for line in journal.splitlines() if "in-place upgrade failed:" in line]
@@ -1661,35 +1684,19 @@ def test_host_next_release_failing_before_ready_rejects_no_pod(
     never registers over the old one (which serves on), so no pod is rejected while it tries, and
     none in the minute after it was stopped; the node's allocatable stays the node's count."""
     b, newest = installed.nodes["b"], installed.versions["newest"]
-    root = install_from_the_apt_repository(published, tmp)
-    kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)  # the guest's own /dev/kvm: B's is /dev/null
-    binds = [
-        f"{kvm}:/dev/kvm",
-        f"{b.device_plugin_dir}:/var/lib/kubelet/device-plugins",
-        f"{b.path('cdi')}:/var/run/cdi",
-    ]
-    with nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest:
+    with host_agent(installed, published, tmp) as (guest, root, _):
         wait_until(lambda: kubelet_view(b).get(HYPERVISOR) == SLOTS, 120, "node b's kubelet counting the host agent")
         wait_until(lambda: guest.is_active(UNIT) == "active", 30, "the unit active")
         before = main_pid(guest)
         failed_at: list[float] = []
-
-        def serving_a_minute_after_the_failure() -> bool:
-            return (
-                bool(failed_at)
-                and time.monotonic() - failed_at[0] >= AFTER_FAILURE_S
-                and guest.is_active(UNIT) == "active"
-                and main_pid(guest) == before
-                and kubelet_view(b).get(HYPERVISOR) == SLOTS
-            )
-
+        back = a_minute_after(failed_at, guest, before, lambda: kubelet_view(b).get(HYPERVISOR) == SLOTS)
         with next_release_failing_its_check(root):
             figure = run_event(
                 installed,
                 b,
                 f"host-{newest}-next-release-fails-before-ready",
                 failing_reload(guest, failed_at),
-                serving_a_minute_after_the_failure,
+                back,
                 command=["/bin/sh", "-c", "exit 0"],  # B's /dev/kvm is /dev/null: admission only
                 pin=True,
                 interval=LONG_LOAD_INTERVAL_S,
@@ -1717,22 +1724,13 @@ def test_host_dra_next_release_failing_before_ready_keeps_the_slice(
         wait_until(lambda: guest.is_active(UNIT) == "active", 30, "the unit active (ready)")
         before = main_pid(guest)
         failed_at: list[float] = []
-
-        def serving_a_minute_after_the_failure() -> bool:
-            return (
-                bool(failed_at)
-                and time.monotonic() - failed_at[0] >= AFTER_FAILURE_S
-                and guest.is_active(UNIT) == "active"
-                and main_pid(guest) == before
-                and slice_devices(cluster, "b") == 1
-            )
-
+        back = a_minute_after(failed_at, guest, before, lambda: slice_devices(cluster, "b") == 1)
         with next_release_failing_its_check(root):
             figure = dra_event(
                 cluster,
                 "host-b-next-release-fails-before-ready",
                 failing_reload(guest, failed_at),
-                serving_a_minute_after_the_failure,
+                back,
                 node="b",
                 command=["/bin/sh", "-c", "exit 0"],
             )

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Coroutine, Iterator, Optional
 
 import anyio
 import pytest
@@ -283,6 +283,22 @@ def test_a_new_agent_that_fails_before_it_is_ready_leaves_the_old_one_serving(
     assert u.stop() == 0, u.log
 
 
+async def command_beside(task: Callable[[], Coroutine[Any, Any, None]], pid: int, tmp: str) -> tuple[int, str]:
+    """`--upgrade-in-place pid` (in a thread) over the sockets in `tmp`, while `task` runs here."""
+
+    def ours() -> list[str]:
+        return sorted(os.path.join(tmp, n) for n in os.listdir(tmp) if n.endswith(".sock"))
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(task)
+        answer: tuple[int, str] = await anyio.to_thread.run_sync(upgrade.upgrade_in_place, pid, ours)
+    return answer
+
+
+def handed_over_to_us(pid: int) -> tuple[int, str]:
+    return upgrade.DONE, f"pid {pid} handed over to pid {os.getpid()} (hyperlight-agent {__version__}) and left"
+
+
 async def test_a_successor_that_answers_only_after_the_old_agent_left_is_waited_for(tmp: str) -> None:
     """A kubelet before 1.35 ends the new agent's stream when the old one's ends, and the new agent
     then serves its socket anew: for a moment after the old agent has left nothing answers. The
@@ -304,17 +320,8 @@ async def test_a_successor_that_answers_only_after_the_old_agent_left_is_waited_
         new = peers.Identity("host-g0123abcd", "deviceplugin", R, peers.boottime_ns(), os.getpid())
         await successor.with_describe(new).start()
 
-    def ours() -> list[str]:
-        return sorted(os.path.join(tmp, n) for n in os.listdir(tmp) if n.endswith(".sock"))
-
     try:
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(take_over_late)
-            code, line = await anyio.to_thread.run_sync(upgrade.upgrade_in_place, old_agent.pid, ours)
-        assert (code, line) == (
-            upgrade.DONE,
-            f"pid {old_agent.pid} handed over to pid {os.getpid()} (hyperlight-agent {__version__}) and left",
-        )
+        assert await command_beside(take_over_late, old_agent.pid, tmp) == handed_over_to_us(old_agent.pid)
     finally:
         if old_agent.returncode is None:
             old_agent.kill()
@@ -351,17 +358,8 @@ async def test_a_second_command_joins_the_upgrade_under_way_and_says_its_outcome
         await old_agent.wait()
         await server.stop()
 
-    def ours() -> list[str]:
-        return sorted(os.path.join(tmp, n) for n in os.listdir(tmp) if n.endswith(".sock"))
-
     try:
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(hand_over_and_leave)
-            code, line = await anyio.to_thread.run_sync(upgrade.upgrade_in_place, old_agent.pid, ours)
-        assert (code, line) == (
-            upgrade.DONE,
-            f"pid {old_agent.pid} handed over to pid {os.getpid()} (hyperlight-agent {__version__}) and left",
-        )
+        assert await command_beside(hand_over_and_leave, old_agent.pid, tmp) == handed_over_to_us(old_agent.pid)
         assert old_agent.returncode == -signal.SIGTERM, "the command sent no signal of its own (SIGUSR2 ends sleep)"
     finally:
         if old_agent.returncode is None:
