@@ -11,10 +11,10 @@ As strict as the real device manager (the kubelet's pkg/kubelet/cm/devicemanager
   was until the new endpoint's first list;
 - a later Register for the same resource replaces the client, and the old client lives on until
   its stream ends. What that end does depends on the kubelet (`flavor`, read from the kubelet's
-  devicemanager sources at the pinned versions, tests/e2e/components):
-  "1.34" (also 1.28): one client per resource name; the old client's end looks the client up by
-  name and disconnects the *newest* one (its stream ends, the resource is unhealthy);
-  "1.35" (1.35 to 1.37): one endpoint per socket path; an old endpoint's end removes only it,
+  devicemanager sources, 1.34.4 to 1.37.2):
+  "1.34" (1.28 to 1.36): one client per resource name; the old client's end looks the client up
+  by name and disconnects the *newest* one (its stream ends, the resource is unhealthy);
+  "1.37" (1.37 on): one endpoint per socket path (endpointStore); an old endpoint's end removes only it,
   the primary's end promotes a remaining live endpoint (the resource never drops), and only the
   last one's end stops the resource. A Register at a socket path that is still connected is
   refused ("device plugin already connected");
@@ -90,7 +90,7 @@ class AllocateFailed(Exception):
 CONNECTION_CLOSING = "rpc error: code = Canceled desc = grpc: the client connection is closing"
 
 
-FLAVORS = ("1.34", "1.35")
+FLAVORS = ("1.34", "1.37")
 
 
 class KubeletStandin:
@@ -221,7 +221,7 @@ class KubeletStandin:
             await channel.close(None)
             await context.abort(grpc.StatusCode.UNKNOWN, f"cannot reach plugin endpoint: {exc}")
         old = self.plugins.get(request.resource_name)
-        if self.flavor == "1.35" and any(
+        if self.flavor == "1.37" and any(
             p.endpoint == request.endpoint and p.stream_open
             for p in (old, *self.replaced)
             if p and p.resource == request.resource_name
@@ -265,10 +265,10 @@ class KubeletStandin:
             self._changed()
 
     def _promote(self, resource: str) -> bool:
-        """1.35+: the primary endpoint ended; another live one for the resource takes its place
+        """1.37+: the primary endpoint ended; another live one for the resource takes its place
         (True). 1.34 has one client per resource: never."""
         live = [p for p in self.replaced if p.resource == resource and p.stream_open]
-        if self.flavor != "1.35" or not live:
+        if self.flavor != "1.37" or not live:
             return False
         self.replaced.remove(live[-1])
         self.plugins[resource] = live[-1]
@@ -277,8 +277,8 @@ class KubeletStandin:
     def _old_client_ended(self, old: Plugin) -> None:
         """What a replaced client's end does to the resource's current registration."""
         current = self.plugins.get(old.resource)
-        if current is None or current is old or self.flavor == "1.35":
-            return  # 1.35+: endpoints are per socket path; the old one's end touches no other
+        if current is None or current is old or self.flavor == "1.37":
+            return  # 1.37+: endpoints are per socket path; the old one's end touches no other
         # runClient looks the client up by resource name and disconnects the newest one: its
         # stream ends and the resource is unhealthy until a new Register.
         if current.stream_task is not None:

@@ -85,7 +85,7 @@ def test_a_successor_registers_once_its_device_is_healthy(tmp: str, helpers: lis
     and an agent alone registers whatever its device says (the kubelet then counts it unhealthy)."""
 
     async def body(kubelet: KubeletStandin) -> None:
-        kubelet.flavor = "1.35"
+        kubelet.flavor = "1.37"
         alone = Agent(without_device(tmp, instance="alone"), notifier=RecordingNotifier())
         await alone.start()
         try:
@@ -180,7 +180,7 @@ def test_the_successors_first_allocate_ends_the_wait(
     caplog.set_level(logging.INFO, "hyperlight_agent")
 
     async def body(kubelet: KubeletStandin) -> None:
-        kubelet.flavor = "1.35"
+        kubelet.flavor = "1.37"
         old = Agent(settings_in(tmp, instance="old", handover_seconds=30), notifier=RecordingNotifier())
         new = Agent(settings_in(tmp, instance="new"), notifier=RecordingNotifier())
         await old.start()

@@ -192,7 +192,7 @@ def upgrade_once(u: Unit, kubelet: StandinThread) -> int:
 def test_an_in_place_upgrade_hands_the_kubelet_and_the_unit_to_the_installed_code(
     unit: Any, kubelet: StandinThread, tmp: str
 ) -> None:
-    kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+    kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
     u = unit("--device-count", "3")
     u.wait_ready()
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
@@ -234,7 +234,7 @@ def test_an_in_place_upgrade_hands_the_kubelet_and_the_unit_to_the_installed_cod
 
 
 def test_ten_upgrades_in_a_row_leave_one_agent_and_no_stray_socket(unit: Any, kubelet: StandinThread, tmp: str) -> None:
-    kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+    kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
     u = unit("--device-count", "3")
     u.wait_ready()
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
@@ -260,7 +260,7 @@ def test_ten_upgrades_in_a_row_leave_one_agent_and_no_stray_socket(unit: Any, ku
 def test_a_new_agent_that_fails_before_it_is_ready_leaves_the_old_one_serving(
     unit: Any, kubelet: StandinThread, tmp: str, installed: str
 ) -> None:
-    kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+    kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
     u = unit("--device-count", "3")
     u.wait_ready()
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
@@ -300,7 +300,7 @@ def handed_over_to_us(pid: int) -> tuple[int, str]:
 
 
 async def test_a_successor_that_answers_only_after_the_old_agent_left_is_waited_for(tmp: str) -> None:
-    """A kubelet before 1.35 ends the new agent's stream when the old one's ends, and the new agent
+    """A kubelet before 1.37 ends the new agent's stream when the old one's ends, and the new agent
     then serves its socket anew: for a moment after the old agent has left nothing answers. The
     command asks again rather than call the upgrade failed (it did, under load: the .deb's
     `systemctl reload` failed in CI while the new agent served on)."""
@@ -485,7 +485,7 @@ def test_after_a_child_that_registered_fails_the_old_agent_registers_again(
 ) -> None:
     """Issue 35, 1: a child that registered (it had the old agent's agreement) and then failed took
     the kubelet's endpoint (1.34: the old agent's client is replaced, and the child's end
-    disconnects the newest) or its device list (1.35+): the old agent registers again."""
+    disconnects the newest) or its device list (1.37+): the old agent registers again."""
     kubelet.run(lambda k: setattr(k, "flavor", flavor))
     u = unit("--device-count", "3")
     u.wait_ready()
@@ -511,7 +511,7 @@ def test_after_a_child_that_registered_fails_the_old_agent_registers_again(
 def test_upgrading_an_activating_agent_leaves_ready_to_the_new_one(unit: Any, kubelet: StandinThread, tmp: str) -> None:
     """Issue 35, 5: the old agent serves but its device is unhealthy (the unit "activating"); the
     hand-off said READY=1 for it, so systemd called the unit active with no agent ready."""
-    kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+    kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
     empty = os.path.join(tmp, "empty")
     os.makedirs(empty)
     u = unit("--device-count", "3", launcher=device_dir_launcher(empty) + LAUNCHER)
@@ -533,7 +533,7 @@ def test_a_hand_off_systemd_does_not_take_fails_the_upgrade(unit: Any, kubelet: 
     """Issue 35, 3: with systemd's notify queue full the hand-off was dropped (sdnotify swallows the
     error), the old agent left, and systemd stopped the unit with the new agent in it. Now the
     old agent serves on and the command says why."""
-    kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+    kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
     u = unit("--device-count", "3")
     u.wait_ready()
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
@@ -564,7 +564,7 @@ def test_a_hand_off_systemd_does_not_take_fails_the_upgrade(unit: Any, kubelet: 
 
 def test_two_upgrades_at_once_both_say_the_outcome(unit: Any, kubelet: StandinThread, tmp: str) -> None:
     """Issue 35, 4: the package script's command and an admin's reload at the same moment."""
-    kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+    kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
     u = unit("--device-count", "3")
     u.wait_ready()
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15)

@@ -4,11 +4,11 @@ In a surge update (or when a deleted pod's replacement starts while it terminate
 agent starts beside us under its own socket name (settings.instance), registers, and is ready
 while we still serve. On SIGTERM we keep serving until such a successor answers ready (peers.py:
 an agent of ours for the same resource, registered, streamed, healthy), then end our stream:
-- kubelets from 1.35 on keep one endpoint per socket path and promote the remaining one when
+- kubelets from 1.37 on keep one endpoint per socket path and promote the remaining one when
   ours ends: the resource never drops to zero;
-- 1.34 keeps one client per resource, and our stream ending disconnects the newest client as well
-  (kubernetes issue 121994, fixed in 1.35): the successor registers again at once, so the gap is
-  one Register round trip.
+- 1.34 to 1.36 keep one client per resource, and our stream ending disconnects the newest client
+  as well (kubernetes issue 121994, fixed in 1.37): the successor registers again at once, so the
+  gap is one Register round trip.
 Without a successor within settings.handover_seconds we stop anyway (an uninstall, a drain).
 
 Once the successor is ready, our stream ends only when the kubelet can send us no more Allocates

@@ -141,7 +141,7 @@ class DevicePluginSide:
     def after_failed_hand_over(self, successor_registered: bool) -> None:
         """A handover that failed: the kubelet's endpoint and device list must be ours again. A
         successor that registered took the endpoint (1.34 keeps one client per resource, and the
-        successor's end disconnected it) or listed its devices last (1.35+ keep the last list any
+        successor's end disconnected it) or listed its devices last (1.37+ keep the last list any
         endpoint sent): register again. Otherwise nothing changed; list once more anyway."""
         if successor_registered:
             self.registrar.renew()

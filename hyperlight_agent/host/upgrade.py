@@ -34,7 +34,7 @@ LEAVE_TIMEOUT_S = 20.0
 # This command is started cold, often on a busy host (a package upgrade): an instance gets this
 # long to answer it, not the handover's PEER_TIMEOUT_S, which bounds a search with a deadline.
 ANSWER_TIMEOUT_S = 5.0
-# Once the old agent has left, the new one may be between two sockets: a kubelet before 1.35
+# Once the old agent has left, the new one may be between two sockets: a kubelet before 1.37
 # ends the new plugin's stream when the old one's ends, and the agent then serves and registers
 # anew. It is asked again for this long before the upgrade is called failed.
 SUCCESSOR_WAIT_S = 10.0
