@@ -293,11 +293,11 @@ async def hold(
     why: Callable[[Observation], Awaitable[str]],
     observation: SharedObservation,
     say: Callable[[str], None],
-    poll: float = HOLD_POLL_S,
+    poll: Callable[[], float] = lambda: HOLD_POLL_S,
 ) -> None:
     """Returns once `why(observation)` says nothing ("") for a completed device check; until then
     `say(reason)` is told each new reason (and "" at the end, when there was one), and the
-    question is asked again on every new check result or after `poll` seconds.
+    question is asked again on every new check result or after `poll()` seconds.
 
     What registers us with the kubelet waits here: a Register (device plugin) or a registration
     socket (DRA) makes us the kubelet's choice for the resource, which an instance whose device is
@@ -314,7 +314,7 @@ async def hold(
                 said = reason
                 say(reason)
             with contextlib.suppress(asyncio.TimeoutError):  # then ask again
-                await waits.within(observation.wait_newer(version), poll)
+                await waits.within(observation.wait_newer(version), poll())
     finally:
         if said:
             say("")

@@ -167,7 +167,11 @@ class DevicePluginSide:
         its own."""
         try:
             await peers.hold(
-                lambda observation: self._hold_reason(observation.healthy), self._shared.observation, self._held
+                lambda observation: self._hold_reason(observation.healthy),
+                self._shared.observation,
+                self._held,
+                # The predecessor agrees within its own poll: ask as often as it asks us.
+                lambda: peers.POLL_S if self.registering else peers.HOLD_POLL_S,
             )
         finally:
             self.registering = False
