@@ -23,7 +23,7 @@ from hyperlight_agent.host import upgrade
 from standin import kubelet as standin
 from standin import procs
 from standin.kubelet import KubeletStandin, StandinThread
-from tests.conftest import run_agent, wait_for
+from tests.conftest import AGENT_ARGV, run_agent, wait_for
 from tests.test_peers import Server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -284,15 +284,18 @@ def test_a_new_agent_that_fails_before_it_is_ready_leaves_the_old_one_serving(
 
 
 async def command_beside(task: Callable[[], Coroutine[Any, Any, None]], pid: int, tmp: str) -> tuple[int, str]:
-    """`--upgrade-in-place pid` (in a thread) over the sockets in `tmp`, while `task` runs here."""
-
-    def ours() -> list[str]:
-        return sorted(os.path.join(tmp, n) for n in os.listdir(tmp) if n.endswith(".sock"))
-
+    """`--upgrade-in-place pid` for the sockets in `tmp` (a process of its own: grpc.aio takes one
+    event loop per process, and one in a thread beside the test's failed under load), while
+    `task` runs here."""
+    argv = [*AGENT_ARGV, "--kubelet-dir", tmp, "--dra-plugins-dir", os.path.join(tmp, "plugins")]
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(task)
-        answer: tuple[int, str] = await anyio.to_thread.run_sync(upgrade.upgrade_in_place, pid, ours)
-    return answer
+        done = await anyio.run_process([*argv, "--upgrade-in-place", str(pid)], cwd=ROOT, check=False)
+    return done.returncode, done.stdout.decode().strip()
+
+
+async def _nothing() -> None:
+    pass
 
 
 def handed_over_to_us(pid: int) -> tuple[int, str]:
@@ -384,10 +387,7 @@ async def test_a_second_command_joining_an_upgrade_that_fails_says_so(tmp: str) 
     server.server.add_generic_rpc_handlers([peers.describe_handler(old, lambda: True, record)])
     await server.start()
     try:
-        code, line = await anyio.to_thread.run_sync(
-            upgrade.upgrade_in_place, old_agent.pid, lambda: [os.path.join(tmp, contracts.PLUGIN_SOCKET)]
-        )
-        assert (code, line) == (
+        assert await command_beside(_nothing, old_agent.pid, tmp) == (
             upgrade.FAILED,
             f"in-place upgrade of pid {old_agent.pid} failed: the new agent (pid 7) exited before it was ready; "
             "it serves on",
