@@ -327,10 +327,14 @@ def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration
 
             fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
             os.unlink(registrar.service_socket)
-            await until(lambda: os.path.exists(registrar.service_socket), what="the service socket back")
+            # Its old server stops (calls in flight get the grace, new ones on its connection are
+            # refused); the kubelet's next call dials the socket anew and reaches the new one.
+            await until(
+                lambda: registrar.served_again == 2 and os.path.exists(registrar.service_socket),
+                what="the service socket back, the old server gone",
+            )
             answer = await kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)])
             assert list(answer[UID].devices[0].cdi_device_ids) == ["hyperlight.dev/hypervisor=kvm"]
-            assert registrar.served_again == 2
             await until(lambda: agent.ready, what="ready with both sockets back")
         finally:
             await shut(agent)

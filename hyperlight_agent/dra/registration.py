@@ -145,8 +145,8 @@ class Registrar:
         if dra is not None and not dra.pin.is_at(dra.path):
             log.warning("our DRA service socket %s was removed or replaced; serving it again", dra.path)
             self._dra = await self._serve(dra.path, api.dra_handlers(self._service), self._configure)
-            self.served_again += 1
             await dra.stop(self._stop_grace)  # calls in flight finish on the old server
+            self.served_again += 1  # (once the old server is gone: the kubelet's next call dials anew)
         if registration is not None and not registration.pin.is_at(registration.path):
             # The kubelet has deregistered us (or will in a moment): not registered until it says so.
             log.warning(
