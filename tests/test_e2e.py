@@ -1753,6 +1753,26 @@ def again_and_again(handover: Callable[[], None]) -> int:
     return done
 
 
+def deleting_again_and_again(
+    cluster: Cluster, daemonset: str, ready: Callable[[], bool]
+) -> tuple[Callable[[], bool], Callable[[], int]]:
+    """(back, act): act deletes the DaemonSet's pod (node A's) again and again (again_and_again),
+    each time until its replacement is Ready and ready(); back says that of the pods now."""
+    deleted: list[str] = []
+
+    def replaced() -> bool:
+        pods = daemonset_pods(cluster, daemonset)
+        return bool(pods) and all(p["metadata"]["uid"] not in deleted and pod_ready(p) for p in pods) and ready()
+
+    def delete_one() -> None:
+        for pod in daemonset_pods(cluster, daemonset):
+            deleted.append(pod["metadata"]["uid"])
+            cluster.api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}", grace=None)
+        wait_until(replaced, 180, f"the deleted {daemonset} pod replaced and ready")
+
+    return replaced, lambda: again_and_again(delete_one)
+
+
 def test_agent_pod_deleted_again_and_again_rejects_no_pod(installed: Cluster) -> None:
     """Issue 35, 13: a pod rejected during a handover with no zero window ("Allocate failed ...
     Canceled ... the client connection is closing": the kubelet closes the old agent's connection
@@ -1760,29 +1780,16 @@ def test_agent_pod_deleted_again_and_again_rejects_no_pod(installed: Cluster) ->
     the kubelet is done with it; the rate, over several hundred pods and HANDOVERS handovers on
     the newest kubelet."""
     a = use_kubelet(installed, installed.versions["newest"])
-    deleted: list[str] = []
-
-    def replaced_and_healthy() -> bool:
-        pods = daemonset_pods(installed, "hyperlight-device-plugin")
-        return (
-            bool(pods)
-            and all(p["metadata"]["uid"] not in deleted and pod_ready(p) for p in pods)
-            and kubelet_view(a).get(HYPERVISOR) == SLOTS
-        )
-
-    def delete_one() -> None:
-        for pod in daemonset_pods(installed, "hyperlight-device-plugin"):
-            deleted.append(pod["metadata"]["uid"])
-            installed.api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}", grace=None)
-        wait_until(replaced_and_healthy, 180, "the deleted agent pod replaced and healthy")
-
+    back, act = deleting_again_and_again(
+        installed, "hyperlight-device-plugin", lambda: kubelet_view(a).get(HYPERVISOR) == SLOTS
+    )
     handovers: list[int] = []
     figure = run_event(
         installed,
         a,
         "newest-agent-pod-deleted-again",
-        lambda: handovers.append(again_and_again(delete_one)),
-        replaced_and_healthy,
+        lambda: handovers.append(act()),
+        back,
         interval=AGAIN_INTERVAL_S,
     )
     figure["handovers"] = handovers[0]
@@ -1799,25 +1806,9 @@ def test_dra_driver_pod_deleted_again_and_again_fails_no_prepare(dra_installed: 
     once no call is in flight and none came for a while; HANDOVERS deletions under DRA load."""
     cluster = dra_installed
     dra_on_kubelet(cluster, published, "newest", "auto")
-    deleted: list[str] = []
-
-    def replaced_and_ready() -> bool:
-        pods = daemonset_pods(cluster, DRA_DAEMONSET)
-        return bool(pods) and all(p["metadata"]["uid"] not in deleted for p in pods) and dra_ready(cluster)
-
-    def delete_one() -> None:
-        for pod in daemonset_pods(cluster, DRA_DAEMONSET):
-            deleted.append(pod["metadata"]["uid"])
-            cluster.api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}", grace=None)
-        wait_until(replaced_and_ready, 180, "the deleted driver pod replaced and ready")
-
+    back, act = deleting_again_and_again(cluster, DRA_DAEMONSET, lambda: dra_ready(cluster))
     handovers: list[int] = []
-    figure = dra_event(
-        cluster,
-        "newest-driver-pod-deleted-again",
-        lambda: handovers.append(again_and_again(delete_one)),
-        replaced_and_ready,
-    )
+    figure = dra_event(cluster, "newest-driver-pod-deleted-again", lambda: handovers.append(act()), back)
     figure["handovers"] = handovers[0]
     record(f"dra.newest.{cluster.versions['newest']}.driver_pod_deleted_again", figure)
     # (Late pods are the kubelet's own claim reads refused, kubelet_claim_reads_refused: issue 29, 6;
