@@ -311,7 +311,7 @@ def bench_restart_and_cdi(top: str) -> None:
     agent = Agent(top, "--device-count", "2000")
     with StandinThread(os.path.join(top, "kubelet")) as k:
         k.wait_until(lambda kk: kk.allocatable() == 2000, 15)
-        for flavor in ("1.34", "1.35"):
+        for flavor in ("1.34", "1.37"):
             k.run(lambda kk, f=flavor: setattr(kk, "flavor", f))  # type: ignore[misc]
             regs, healthies = [], []
             for _ in range(KUBELET_RESTARTS):
@@ -375,7 +375,7 @@ def bench_upgrade_in_place(top: str) -> None:
             return int([json.loads(line)["pid"] for line in f if '"event": "main"' in line][-1])
 
     with StandinThread(os.path.join(top, "kubelet")) as k:
-        k.run(lambda kk: setattr(kk, "flavor", "1.35"))
+        k.run(lambda kk: setattr(kk, "flavor", "1.37"))
         unit = subprocess.Popen(
             [
                 sys.executable,

@@ -104,6 +104,7 @@ class Agent:
                 watcher=self.watcher,
                 on_change=self._status_changed,
                 environ=self._environ,
+                predecessor=lambda: self.notifier.predecessor,
             ),
         )
         self._stop = asyncio.Event()
@@ -113,6 +114,8 @@ class Agent:
         self._handing_over = False
         self._handed_over = False  # an in-place upgrade's child has the kubelet and the unit
         self.upgrades = successor.Record()
+        # The agent an in-place upgrade replaced with us (0: none), for the upgrade command.
+        self._replaced = self.notifier.predecessor or 0
         self._upgrade: Optional[asyncio.Future[None]] = None
         self.reloader = Reloader(
             reload, lambda: self.settings, self._apply_reload, self.notifier, on_refused=self._forget_status
@@ -239,25 +242,40 @@ class Agent:
     async def _upgrade_in_place(self) -> None:
         record = self.upgrades
         record.attempts += 1
-        record.state, record.why, record.pid = "running", "", 0
+        record.state, record.why, record.pid, record.agreed = "running", "", 0, 0
         log.info("in-place upgrade requested: starting the installed agent beside this one")
         self.notifier.reloading("upgrading in place: starting the installed agent")
         # A ready agent waits for a ready child; an unready one has no readiness to keep, and
         # only needs the child serving.
         ready = self.ready
+
+        def seen(child: peers.Description) -> None:
+            """The child's answers while we wait for it: it asks before it registers."""
+            if child.registering and record.state == "running" and record.agreed != child.identity.pid:
+                record.agreed = child.identity.pid
+                log.info("in-place upgrade: the new agent (pid %d) may register with the kubelet", record.agreed)
+
+        def started(pid: int) -> None:
+            record.pid = pid
+
         pid, said = await successor.replace_self(
             self.settings.instance,
             self._environ,
-            lambda pid: self.side.hand_over(successor.READY_TIMEOUT_S, pid=pid, ready=ready),
+            lambda pid: self.side.hand_over(successor.READY_TIMEOUT_S, pid=pid, ready=ready, seen=seen),
+            hand_off=lambda pid: self.notifier.hand_off(pid, f"handed over to pid {pid} in an in-place upgrade"),
+            started=started,
         )
         if pid is None:
+            registered = record.agreed != 0
             record.state, record.why = "failed", said
             log.warning("in-place upgrade failed: %s; this agent (%s) serves on", said, __version__)
             self.notifier.reloaded()
+            # The child is gone; if it may have registered, the kubelet's endpoint or device list
+            # may be its, not ours.
+            self.side.after_failed_hand_over(registered)
             return
         record.state, record.pid = "done", pid
-        log.info("in-place upgrade: handing over to pid %d (%s) and leaving", pid, said)
-        self.notifier.hand_off(pid, f"handed over to pid {pid} in an in-place upgrade")
+        log.info("in-place upgrade: handed over to pid %d (%s); leaving", pid, said)
         self._handed_over = True
         self.stop()
 
@@ -279,6 +297,7 @@ class Agent:
                 os.close(pidfd)
         log.info("the agent we replaced (pid %d) has exited: this process speaks for the unit", pid)
         self.notifier.take_over()
+        self._status_changed()  # READY=1 now if we are ready (it was not ours to say before)
         await asyncio.Event().wait()  # an agent task runs until cancelled
 
     def _apply_reload(self, new: Settings) -> None:
@@ -297,7 +316,11 @@ class Agent:
         """What every socket of ours serves beside its kubelet protocol: the gRPC health service
         (the exec probes, a successor's readiness) and Describe (peers.py)."""
         health_pb2_grpc.add_HealthServicer_to_server(self.health_service, server)
-        server.add_generic_rpc_handlers([peers.describe_handler(self.identity, lambda: self.ready, self.upgrades.said)])
+        server.add_generic_rpc_handlers([peers.describe_handler(self.identity, lambda: self.ready, self._described)])
+
+    def _described(self) -> dict[str, Any]:
+        """What Describe adds to who we are: how our side stands, and our in-place upgrades."""
+        return {**self.side.described(), "replaced": self._replaced, **self.upgrades.said()}
 
     async def _watchdog(self, interval: float) -> None:
         """WATCHDOG=1 from the loop that does the work: if the loop wedges, systemd restarts us."""

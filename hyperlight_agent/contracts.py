@@ -39,7 +39,7 @@ PID_MAX = 4194304  # /proc/sys/kernel/pid_max's upper bound
 def instance_socket_name(socket_name: str, instance: str | None) -> str:
     """The socket of one named agent instance: hyperlight.sock for instance web-1 is
     hyperlight.web-1.sock. Unique names let a successor register beside a running agent (the
-    kubelet keys endpoints by socket path from 1.35 on, and rejects a second one at the same path)."""
+    kubelet keys endpoints by socket path from 1.37 on, and rejects a second one at the same path)."""
     if not instance:
         return socket_name
     stem, _, suffix = socket_name.rpartition(".")

@@ -55,6 +55,9 @@ class Shared:
     watcher: DirectoryWatcher  # the side adds its directories' watches
     on_change: Callable[[], None]  # readiness or status may have changed
     environ: Mapping[str, str]  # the process environment (the entry point's)
+    # The agent an in-place upgrade replaces with us, while it lives (host/successor.py): None
+    # once it has gone, and for every agent not started by an in-place upgrade.
+    predecessor: Callable[[], Optional[int]] = lambda: None
 
 
 class KubeletSide(Protocol):
@@ -69,9 +72,24 @@ class KubeletSide(Protocol):
         """Serve the kubelet until cancelled; raises only what must end the agent."""
         ...
 
-    async def hand_over(self, timeout: float, pid: Optional[int] = None, ready: bool = True) -> Optional[str]:
+    async def hand_over(
+        self,
+        timeout: float,
+        pid: Optional[int] = None,
+        ready: bool = True,
+        seen: Optional[Callable[[peers.Description], None]] = None,
+    ) -> Optional[str]:
         """Serve on until a successor instance of ours is ready (without `ready`: answers), at
-        most `timeout` s (with `pid`, only that process counts); its socket."""
+        most `timeout` s (with `pid`, only that process counts, and `seen` gets each of its
+        answers), and the kubelet is done with us; its socket."""
+        ...
+
+    def after_failed_hand_over(self, successor_registered: bool) -> None:
+        """The successor we handed over to was stopped: make the kubelet's view ours again."""
+        ...
+
+    def described(self) -> Mapping[str, Any]:
+        """What Describe says of this side: `serving`, `calls` and the like (peers.py)."""
         ...
 
     def begin_stop(self) -> None:

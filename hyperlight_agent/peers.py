@@ -6,7 +6,8 @@ under systemd, an in-place upgrade). Their sockets are the only thing they share
 one small gRPC method beside its kubelet protocol, `Describe`, answering who it is as JSON:
 
     {"agent": "hyperlight-agent", "version": "0.1.0", "instance": "web-1", "protocol": "dra",
-     "resource": "hypervisor.hyperlight.dev", "started": 5123456789, "pid": 42, "ready": true}
+     "resource": "hypervisor.hyperlight.dev", "started": 5123456789, "pid": 42, "ready": true,
+     "serving": true, "calls": 17, "registering": false, "replaced": 0, "upgrade": {...}}
 
 `started` is CLOCK_BOOTTIME in nanoseconds at the agent's start: one clock for every container on
 the node, never set back. Asking by socket is what makes an answer trustworthy enough: another
@@ -18,13 +19,25 @@ socket that accepts and never answers is no instance of ours.
   so a hundred silent sockets cost the deadline, not a hundred timeouts. An instance of an earlier
   release (no Describe) still counts when it proves its protocol and says it is ready.
 - `newer()`: a live instance of ours for the same resource that started after us. The newest
-  instance writes what all of them would write (the CDI spec, the ResourceSlice); the others
-  leave it alone rather than fight (ARCHITECTURE.md, "Whose spec and slice stand").
+  instance writes what all of them would write (the CDI spec); the others leave it alone rather
+  than fight (ARCHITECTURE.md, "Whose spec and slice stand").
+- `outranking()`: the same for what only a serving instance may write (the ResourceSlice): a
+  serving instance outranks one that is not, whatever their age, so a successor that never
+  became ready never takes the slice from a ready predecessor.
+- `find()`: the instance that is a given process (an in-place upgrade's predecessor or child).
+
+Besides who it is, an instance says how it stands: `ready` (its readiness), `serving` (ready but
+for what it shares with its peers: registered with the kubelet and its device healthy), `calls`
+(the kubelet's calls it has received: Allocate, NodePrepareResources), `registering` (it waits for
+its predecessor's agreement before registering: host/successor.py), `replaced` (the pid of the
+agent an in-place upgrade replaced with it) and, from an agent that can upgrade in place, `upgrade`
+(host/successor.py's Record).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -33,7 +46,8 @@ from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional
 
 import grpc
 
-from hyperlight_agent import __version__, transport
+from hyperlight_agent import __version__, transport, waits
+from hyperlight_agent.device.observation import Observation, SharedObservation
 
 AGENT = "hyperlight-agent"
 SERVICE = "hyperlight.agent.v1.Instance"
@@ -46,6 +60,9 @@ POLL_S = 0.1
 # open a hundred channels).
 MAX_CONCURRENT = 16
 MAX_ANSWER_BYTES = 4096
+# While an instance holds its registration back (hold()), it looks again this often; a new device
+# check result wakes it at once. Only in that state: an instance that registers never polls.
+HOLD_POLL_S = 1.0
 
 
 def boottime_ns() -> int:
@@ -84,7 +101,7 @@ class Identity:
 
 @dataclass(frozen=True)
 class Description:
-    """What another instance answered: who it is, and whether it was ready then."""
+    """What another instance answered: who it is, and how it stood then."""
 
     identity: Identity
     ready: bool
@@ -92,6 +109,14 @@ class Description:
     # How its in-place upgrades stand (host/successor.py, Record); None from an instance that
     # cannot upgrade in place (an earlier release).
     upgrade: Optional[Mapping[str, Any]] = None
+    # Ready but for what it shares with its peers (an earlier release's: its readiness).
+    serving: bool = False
+    # The kubelet's calls it has received (None from an earlier release: unknown).
+    calls: Optional[int] = None
+    # It waits for its predecessor's agreement before it registers (host/successor.py).
+    registering: bool = False
+    # The pid of the agent an in-place upgrade replaced with it (0: none).
+    replaced: int = 0
 
 
 def describe_handler(
@@ -106,7 +131,7 @@ def describe_handler(
     return grpc.method_handlers_generic_handler(SERVICE, {"Describe": handler})
 
 
-class _Legacy(Exception):
+class Legacy(Exception):
     """The server at `target` has no Describe (an earlier release, or not ours at all)."""
 
     def __init__(self, target: str) -> None:
@@ -116,13 +141,13 @@ class _Legacy(Exception):
 
 async def describe(path: str, timeout: float) -> Optional[Description]:
     """Ask the instance serving the unix socket at `path`; None when nothing of ours answers.
-    Raises _Legacy when a server answers without the method."""
+    Raises Legacy when a server answers without the method."""
     async with grpc.aio.insecure_channel(transport.unix_target(path)) as channel:
         try:
             answer = await channel.unary_unary(DESCRIBE, None, None)(b"", timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                raise _Legacy(path) from None
+                raise Legacy(path) from None
             return None
     return _parse(answer, path)
 
@@ -142,7 +167,19 @@ def _parse(answer: Any, path: str) -> Optional[Description]:
             agent=str(doc["agent"]),
         )
         upgrade = doc.get("upgrade")
-        return Description(identity, doc["ready"] is True, path, upgrade if isinstance(upgrade, dict) else None)
+        ready = doc["ready"] is True
+        calls = doc.get("calls")
+        replaced = doc.get("replaced")
+        return Description(
+            identity,
+            ready,
+            path,
+            upgrade if isinstance(upgrade, dict) else None,
+            serving=doc.get("serving", ready) is True,
+            calls=calls if isinstance(calls, int) and not isinstance(calls, bool) else None,
+            registering=doc.get("registering") is True,
+            replaced=replaced if isinstance(replaced, int) and not isinstance(replaced, bool) else 0,
+        )
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -161,7 +198,7 @@ async def _same(path: str, budget: float) -> Optional[str]:
 
 async def _ask(path: str, budget: float, resolve: Resolve) -> tuple[Optional[str], Optional[Description]]:
     """(the socket the candidate at `path` answers on, what it said there): (None, None) when it is
-    nothing of ours; a description of None from one of an earlier release (raises _Legacy)."""
+    nothing of ours; a description of None from one of an earlier release (raises Legacy)."""
     target = await resolve(path, budget)
     if target is None:
         return None, None
@@ -176,17 +213,19 @@ async def successor(
     legacy_ready: Optional[LegacyReady] = None,
     pid: Optional[int] = None,
     require_ready: bool = True,
+    seen: Optional[Callable[[Description], None]] = None,
 ) -> Optional[str]:
     """The socket of a ready instance of ours for our resource, looked for until the loop's clock
     reaches `deadline`; None then. `candidates()` lists sockets that may be one (never ours); the
     socket returned is the one the successor answered on (resolved from its candidate). With
     `pid`, only that process counts (the child an in-place upgrade started), and without
-    `require_ready` it need only answer (an unready agent has no readiness to hand over)."""
+    `require_ready` it need only answer (an unready agent has no readiness to hand over);
+    `seen` is given every answer of that process, ready or not."""
 
     async def ready(path: str, budget: float) -> Optional[str]:
         try:
             target, found = await _ask(path, budget, resolve)
-        except _Legacy as legacy:
+        except Legacy as legacy:
             ok = pid is None and legacy_ready is not None and await legacy_ready(legacy.target, budget)
             return legacy.target if ok else None
         ours = (
@@ -195,8 +234,11 @@ async def successor(
             and me.same_kind(found.identity)
             and found.identity != me
         )
-        if ours and pid is not None:
-            ours = found is not None and found.identity.pid == pid
+        if pid is not None and found is not None and me.same_kind(found.identity) and found.identity.pid == pid:
+            if seen is not None:
+                seen(found)
+        elif pid is not None:
+            ours = False
         return target if ours else None
 
     return await _until(candidates, ready, deadline)
@@ -207,9 +249,7 @@ async def newer(
 ) -> Optional[Description]:
     """A live instance of ours for our resource that started after us, if there is one (asked
     once). An earlier release (no Describe) does not yield, so it is not yielded to either."""
-    newest: list[Description] = []
-    await _first(candidates, _newer_test(me, resolve, newest), asyncio.get_running_loop().time() + timeout)
-    return newest[0] if newest else None
+    return await _one(candidates, resolve, _is_newer(me), timeout)
 
 
 async def newer_until(
@@ -217,27 +257,99 @@ async def newer_until(
 ) -> Optional[Description]:
     """newer(), looked for until the loop's clock reaches `deadline` (an instance between two
     sockets answers again a moment later)."""
-    newest: list[Description] = []
-    await _until(candidates, _newer_test(me, resolve, newest), deadline)
-    return newest[0] if newest else None
+    found: list[Description] = []
+    await _until(candidates, _keeping(resolve, _is_newer(me), found), deadline)
+    return found[0] if found else None
 
 
-def _newer_test(
-    me: Identity, resolve: Resolve, newest: list[Description]
+async def outranking(
+    me: Identity, serving: bool, candidates: Iterable[str], resolve: Resolve = _same, timeout: float = PEER_TIMEOUT_S
+) -> Optional[Description]:
+    """A live instance of ours for our resource that outranks us, we being `serving` or not: one
+    that serves when we do not, or, serving alike, one that started after us (asked once).
+
+    Rank is (serving, started, instance, pid): the newest serving instance keeps what only one may
+    write, and one that is not serving never takes it from one that is. An earlier release (no
+    Describe) neither yields nor is yielded to."""
+    rank = (serving, me.started, me.instance, me.pid)
+
+    def outranks(found: Description) -> bool:
+        theirs = (found.serving, found.identity.started, found.identity.instance, found.identity.pid)
+        return me.same_kind(found.identity) and found.identity != me and theirs > rank
+
+    return await _one(candidates, resolve, outranks, timeout)
+
+
+async def find(
+    pid: int, candidates: Iterable[str], resolve: Resolve = _same, timeout: float = PEER_TIMEOUT_S
+) -> Optional[Description]:
+    """What the instance of ours that is process `pid` says (asked once), if one answers."""
+    return await _one(
+        candidates, resolve, lambda found: found.identity.agent == AGENT and found.identity.pid == pid, timeout
+    )
+
+
+async def hold(
+    why: Callable[[Observation], Awaitable[str]],
+    observation: SharedObservation,
+    say: Callable[[str], None],
+    poll: Callable[[], float] = lambda: HOLD_POLL_S,
+) -> None:
+    """Returns once `why(observation)` says nothing ("") for a completed device check; until then
+    `say(reason)` is told each new reason (and "" at the end, when there was one), and the
+    question is asked again on every new check result or after `poll()` seconds.
+
+    What registers us with the kubelet waits here: a Register (device plugin) or a registration
+    socket (DRA) makes us the kubelet's choice for the resource, which an instance whose device is
+    unhealthy must never take from a ready instance of ours."""
+    said = ""
+    try:
+        while True:
+            current = await observation.wait_newer(0)  # the first check has completed
+            version = observation.version
+            reason = await why(current)
+            if not reason:
+                return
+            if reason != said:
+                said = reason
+                say(reason)
+            with contextlib.suppress(asyncio.TimeoutError):  # then ask again
+                await waits.within(observation.wait_newer(version), poll())
+    finally:
+        if said:
+            say("")
+
+
+def _is_newer(me: Identity) -> Callable[[Description], bool]:
+    return lambda found: me.same_kind(found.identity) and found.identity.is_newer_than(me)
+
+
+async def _one(
+    candidates: Iterable[str], resolve: Resolve, accept: Callable[[Description], bool], timeout: float
+) -> Optional[Description]:
+    """The first answer `accept` takes among the candidates, asked once within `timeout`."""
+    found: list[Description] = []
+    await _first(candidates, _keeping(resolve, accept, found), asyncio.get_running_loop().time() + timeout)
+    return found[0] if found else None
+
+
+def _keeping(
+    resolve: Resolve, accept: Callable[[Description], bool], kept: list[Description]
 ) -> Callable[[str, float], Awaitable[Optional[str]]]:
-    """The test for _first: a candidate newer than `me`, kept in `newest`."""
+    """The test for _first: an answer `accept` takes, kept in `kept`. An earlier release (no
+    Describe) is never taken."""
 
-    async def is_newer(path: str, budget: float) -> Optional[str]:
+    async def test(path: str, budget: float) -> Optional[str]:
         try:
             target, found = await _ask(path, budget, resolve)
-        except _Legacy:
+        except Legacy:
             return None
-        if found is not None and me.same_kind(found.identity) and found.identity.is_newer_than(me):
-            newest.append(found)
+        if found is not None and accept(found):
+            kept.append(found)
             return target
         return None
 
-    return is_newer
+    return test
 
 
 async def _until(

@@ -17,13 +17,14 @@ and nobody else's").
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import os
 import re
 import secrets
 import socket
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -35,6 +36,12 @@ from hyperlight_agent.files import sockets
 # that arrived before our socket went). Every server of ours stops with it.
 STOP_GRACE_S = 1.0
 PRIVATE_TOKEN_BYTES = 4  # the random part of a private socket name: 8 hex digits
+# Once a successor is ready, a kubelet call addressed to us just before may still be on its way: a
+# call that has not arrived this long after (or after the last one that did) is taken to be none.
+# It bounds the case nothing proves (no pod arrives); arriving pods prove it sooner (until_quiet).
+QUIET_S = 1.0
+# How often until_quiet looks at the calls, and asks for a proof.
+QUIET_LOOK_S, QUIET_PROOF_S = 0.01, 0.1
 
 # method name → (request type, response type, server-streaming?)
 Methods = dict[str, tuple[Any, Any, bool]]
@@ -57,6 +64,37 @@ def parser(request_type: Any) -> Callable[[bytes], Any]:
             return Unparsable(request_type, exc)
 
     return parse
+
+
+async def until_quiet(
+    in_flight: Callable[[], int],
+    received: Callable[[], int],
+    proof: Optional[Callable[[], Awaitable[Optional[str]]]] = None,
+    quiet: float = QUIET_S,
+    grace: float = STOP_GRACE_S,
+) -> str:
+    """Called once a successor is ready, before we stop: returns, saying why, when the kubelet is
+    done with us: no call of its in flight, and either `proof()` says why no more will come (asked
+    every QUIET_PROOF_S), or none arrived for `quiet` seconds. The kubelet closes its connection to
+    us when we go, failing whatever is on it. Calls in flight get `grace` beyond `quiet`."""
+    loop = asyncio.get_running_loop()
+    started = last_arrival = ask_at = loop.time()
+    count = received()
+    while True:
+        now = loop.time()
+        if received() != count:
+            count, last_arrival = received(), now
+        if in_flight() > 0:
+            if now - started >= quiet + grace:
+                return f"{in_flight()} call(s) still in flight after {quiet + grace:g} s"
+        elif now - last_arrival >= quiet:
+            return f"no call for {quiet:g} s"
+        elif proof is not None and now >= ask_at:
+            why = await proof()
+            if why:
+                return why
+            ask_at = loop.time() + QUIET_PROOF_S
+        await asyncio.sleep(QUIET_LOOK_S)
 
 
 def unix_target(path: str) -> str:

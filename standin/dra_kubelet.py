@@ -16,7 +16,10 @@ pkg/kubelet/cm/dra), never more forgiving:
 - several instances of one driver (different endpoints) are kept in registration order; a call
   goes to the newest one that is connected (its channel is READY or can become so), else the newest;
 - prepare()/unprepare() send only namespace, uid and name, with a 45 s deadline, and check that
-  every claim of the request has an entry and no entry is for a claim not asked about.
+  every claim of the request has an entry and no entry is for a claim not asked about; the
+  instance is picked first and called after (`before_call`, a test's hook for the moment
+  between), and a deregistration closes the instance's connection at once, whatever is on it:
+  such a call fails as the kubelet's does ("the client connection is closing").
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import contextlib
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import grpc
 from asyncinotify import Inotify, Mask
@@ -43,6 +46,10 @@ class RegistrationRefused(Exception):
     """The kubelet would not register the plugin (the message is what it tells the plugin)."""
 
 
+# What grpc-go says of a call on a connection its ClientConn.Close() ended (ErrClientConnClosing).
+CONNECTION_CLOSING = "rpc error: code = Canceled desc = grpc: the client connection is closing"
+
+
 class CallFailed(Exception):
     """The plugin's answer breaks the contract (the kubelet would fail the pod's sync)."""
 
@@ -57,6 +64,7 @@ class Instance:
     registration_socket: str
     channel: Any
     stub: Any
+    closed: bool = False  # deregistered: its connection is closed
 
 
 @dataclass
@@ -73,6 +81,8 @@ class DraKubeletStandin:
     instances: dict[str, list[Instance]] = field(default_factory=dict)
     # Registration attempts that failed: (registration socket, reason).
     refused: list[tuple[str, str]] = field(default_factory=list)
+    # Awaited with the instance picked and before the call is sent (a test's hook).
+    before_call: Optional[Callable[[Instance], Awaitable[None]]] = None
     _task: Optional[asyncio.Task[None]] = None
 
     async def __aenter__(self) -> DraKubeletStandin:
@@ -180,6 +190,7 @@ class DraKubeletStandin:
         for driver, instances in list(self.instances.items()):
             for instance in [i for i in instances if i.registration_socket == path]:
                 instances.remove(instance)
+                instance.closed = True
                 await instance.channel.close(None)
             if not instances:
                 del self.instances[driver]
@@ -198,22 +209,28 @@ class DraKubeletStandin:
 
     async def prepare(self, driver: str, claims: list[Claim]) -> dict[str, Any]:
         """NodePrepareResources for these claims; the entries by claim uid. Raises CallFailed."""
-        instance = self.instance(driver)
-        _, messages = api.VERSIONS[instance.version]
-        request = messages.NodePrepareResourcesRequest(
-            claims=[messages.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
-        )
-        response = await waits.within(instance.stub.NodePrepareResources(request), contracts.DRA_CALL_TIMEOUT_S)
-        return _entries("NodePrepareResources", claims, response)
+        return await self._call(driver, claims, "NodePrepareResources")
 
     async def unprepare(self, driver: str, claims: list[Claim]) -> dict[str, Any]:
+        return await self._call(driver, claims, "NodeUnprepareResources")
+
+    async def _call(self, driver: str, claims: list[Claim], method: str) -> dict[str, Any]:
         instance = self.instance(driver)
+        if self.before_call is not None:
+            await self.before_call(instance)
+        if instance.closed:
+            raise CallFailed(f"{method} failed: {CONNECTION_CLOSING}")
         _, messages = api.VERSIONS[instance.version]
-        request = messages.NodeUnprepareResourcesRequest(
+        request = getattr(messages, f"{method}Request")(
             claims=[messages.Claim(namespace=c.namespace, uid=c.uid, name=c.name) for c in claims]
         )
-        response = await waits.within(instance.stub.NodeUnprepareResources(request), contracts.DRA_CALL_TIMEOUT_S)
-        return _entries("NodeUnprepareResources", claims, response)
+        try:
+            response = await waits.within(getattr(instance.stub, method)(request), contracts.DRA_CALL_TIMEOUT_S)
+        except asyncio.CancelledError:
+            if not instance.closed:
+                raise  # our own caller went away
+            raise CallFailed(f"{method} failed: {CONNECTION_CLOSING}") from None
+        return _entries(method, claims, response)
 
 
 def _entries(method: str, claims: list[Claim], response: Any) -> dict[str, Any]:

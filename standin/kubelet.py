@@ -11,15 +11,20 @@ As strict as the real device manager (the kubelet's pkg/kubelet/cm/devicemanager
   was until the new endpoint's first list;
 - a later Register for the same resource replaces the client, and the old client lives on until
   its stream ends. What that end does depends on the kubelet (`flavor`, read from the kubelet's
-  devicemanager sources at the pinned versions, tests/e2e/components):
-  "1.34" (also 1.28): one client per resource name; the old client's end looks the client up by
-  name and disconnects the *newest* one (its stream ends, the resource is unhealthy);
-  "1.35" (1.35 to 1.37): one endpoint per socket path; an old endpoint's end removes only it,
+  devicemanager sources, 1.34.4 to 1.37.2):
+  "1.34" (1.28 to 1.36): one client per resource name; the old client's end looks the client up
+  by name and disconnects the *newest* one (its stream ends, the resource is unhealthy);
+  "1.37" (1.37 on): one endpoint per socket path (endpointStore); an old endpoint's end removes only it,
   the primary's end promotes a remaining live endpoint (the resource never drops), and only the
   last one's end stops the resource. A Register at a socket path that is still connected is
   refused ("device plugin already connected");
-- allocate() calls Allocate only while the endpoint is live and the IDs are healthy devices,
-  with exactly one ContainerRequest and no deadline;
+- allocate() admits one pod at a time (the allocation manager's mutex): it takes the resource's
+  current endpoint, then (after `before_call`, a test's hook standing for the kubelet's goroutine
+  between the two) calls Allocate on that endpoint's connection, only while the endpoint is not
+  stopped and the IDs are healthy devices, with exactly one ContainerRequest and no deadline. A
+  stream's end closes the endpoint's connection at once, whatever is in flight on it (the
+  client's Disconnect): such an Allocate fails as the kubelet's does, with "code = Canceled desc =
+  grpc: the client connection is closing" (AllocateFailed), and the pod is rejected;
 - restart() deletes the sockets in its directory (not regular files, directories or the
   checkpoint), then serves a new kubelet.sock.
 It can also hang Register (until released) or reject it, to exercise the plugin's bounds.
@@ -77,7 +82,15 @@ class NotAllocatable(Exception):
     """The real kubelet would not call Allocate now (the pod fails admission instead)."""
 
 
-FLAVORS = ("1.34", "1.35")
+class AllocateFailed(Exception):
+    """Allocate was called and failed on the kubelet's side (the pod fails admission)."""
+
+
+# What grpc-go says of a call on a connection its ClientConn.Close() ended (ErrClientConnClosing).
+CONNECTION_CLOSING = "rpc error: code = Canceled desc = grpc: the client connection is closing"
+
+
+FLAVORS = ("1.34", "1.37")
 
 
 class KubeletStandin:
@@ -103,6 +116,12 @@ class KubeletStandin:
         # (monotonic time, {resource: allocatable slots}) at every change: the view admission uses.
         self.timeline: list[tuple[float, dict[str, int]]] = []
         self.started_at = 0.0
+        # Admission is serial (the allocation manager holds its mutex through Allocate).
+        self._admission = asyncio.Lock()
+        # Awaited with the endpoint taken and before its Allocate is sent: a test's hook for the
+        # moment the kubelet's admission spends between the two (endpoint lookup, then the RPC).
+        self.before_call: Optional[Callable[[Plugin], Awaitable[None]]] = None
+        self.allocations: list[tuple[float, str]] = []  # (when sent, the endpoint), per Allocate
 
     def allocatable(self, resource: str = contracts.RESOURCE_HYPERVISOR) -> int:
         """The resource's allocatable count as the kubelet reports it (0 before any registration)."""
@@ -202,7 +221,7 @@ class KubeletStandin:
             await channel.close(None)
             await context.abort(grpc.StatusCode.UNKNOWN, f"cannot reach plugin endpoint: {exc}")
         old = self.plugins.get(request.resource_name)
-        if self.flavor == "1.35" and any(
+        if self.flavor == "1.37" and any(
             p.endpoint == request.endpoint and p.stream_open
             for p in (old, *self.replaced)
             if p and p.resource == request.resource_name
@@ -246,10 +265,10 @@ class KubeletStandin:
             self._changed()
 
     def _promote(self, resource: str) -> bool:
-        """1.35+: the primary endpoint ended; another live one for the resource takes its place
+        """1.37+: the primary endpoint ended; another live one for the resource takes its place
         (True). 1.34 has one client per resource: never."""
         live = [p for p in self.replaced if p.resource == resource and p.stream_open]
-        if self.flavor != "1.35" or not live:
+        if self.flavor != "1.37" or not live:
             return False
         self.replaced.remove(live[-1])
         self.plugins[resource] = live[-1]
@@ -258,8 +277,8 @@ class KubeletStandin:
     def _old_client_ended(self, old: Plugin) -> None:
         """What a replaced client's end does to the resource's current registration."""
         current = self.plugins.get(old.resource)
-        if current is None or current is old or self.flavor == "1.35":
-            return  # 1.35+: endpoints are per socket path; the old one's end touches no other
+        if current is None or current is old or self.flavor == "1.37":
+            return  # 1.37+: endpoints are per socket path; the old one's end touches no other
         # runClient looks the client up by resource name and disconnects the newest one: its
         # stream ends and the resource is unhealthy until a new Register.
         if current.stream_task is not None:
@@ -282,21 +301,35 @@ class KubeletStandin:
     # --- calls the kubelet makes later ----------------------------------------------------
 
     async def allocate(self, resource: str, ids: list[str]) -> pb.AllocateResponse:
-        """Allocate as the kubelet does: one container, healthy device IDs, a live endpoint, no
-        deadline. Raises NotAllocatable where the kubelet would not call the plugin at all."""
-        plugin = self.plugins.get(resource)
-        if plugin is None:
-            raise NotAllocatable(f"{resource}: no plugin registered")
-        if plugin.stopped or not plugin.stream_open:
-            raise NotAllocatable(f"{resource}: endpoint stopped")
-        healthy = self._healthy(resource)
-        if not ids or not set(ids) <= healthy:
-            raise NotAllocatable(f"{resource}: {ids} are not healthy devices")
-        request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
-        response: pb.AllocateResponse = await api.device_plugin_stub(plugin.channel).Allocate(request)
-        if not response.container_responses:
-            raise NotAllocatable(f"{resource}: Allocate returned no container response")
-        return response
+        """Allocate as the kubelet's admission does: one pod at a time, the resource's endpoint
+        taken first and its Allocate sent after (`before_call`), healthy device IDs, one container,
+        no deadline. Raises NotAllocatable where the kubelet would not call the plugin at all, and
+        AllocateFailed where the call fails (both reject the pod)."""
+        async with self._admission:
+            healthy = self._healthy(resource)
+            if not ids or not set(ids) <= healthy:
+                raise NotAllocatable(f"{resource}: {ids} are not healthy devices")
+            plugin = self.plugins.get(resource)  # m.endpoints[resource], under the manager's mutex
+            if plugin is None:
+                raise NotAllocatable(f"{resource}: no plugin registered")
+            if self.before_call is not None:
+                await self.before_call(plugin)
+            if plugin.stopped or plugin.stream_task is None:
+                raise NotAllocatable(f"{resource}: endpoint {plugin.endpoint} has been stopped")
+            if plugin.closing is not None:  # closed by the stream's end, not yet marked stopped
+                raise AllocateFailed(f"{resource}: Allocate failed due to {CONNECTION_CLOSING}")
+            request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
+            self.allocations.append((time.monotonic(), plugin.endpoint))
+            call = api.device_plugin_stub(plugin.channel).Allocate(request)
+            try:
+                response: pb.AllocateResponse = await call
+            except asyncio.CancelledError:
+                if plugin.closing is None:
+                    raise  # our own caller went away
+                raise AllocateFailed(f"{resource}: Allocate failed due to {CONNECTION_CLOSING}") from None
+            if not response.container_responses:
+                raise NotAllocatable(f"{resource}: Allocate returned no container response")
+            return response
 
     async def raw_allocate(
         self, resource: str, *containers: list[str], timeout: Optional[float] = None

@@ -122,6 +122,10 @@ class RecordingNotifier(Notifier):
     def _deliver(self, lines: tuple[str, ...]) -> None:
         self.messages.append(lines)
 
+    async def _deliver_surely(self, lines: tuple[str, ...], timeout: float) -> Optional[str]:
+        self.messages.append(lines)
+        return None
+
     @property
     def statuses(self) -> list[str]:
         """The status lines, without the version each ends with."""
@@ -141,15 +145,17 @@ def shared(
     checker: Optional[FakeChecker] = None, identity: Optional[Any] = None, on_change: Callable[[], None] = lambda: None
 ) -> Any:
     """What an agent gives its kubelet side (kubelet_side.Shared), with a FakeChecker, metrics
-    off and a watcher nobody runs: for building a side on its own."""
+    off, a watcher nobody runs and one healthy check already done: for building a side on its own."""
     from hyperlight_agent import peers
     from hyperlight_agent.device.observation import SharedObservation
     from hyperlight_agent.files.watcher import DirectoryWatcher
     from hyperlight_agent.host.metrics import Metrics
     from hyperlight_agent.kubelet_side import Shared
 
+    observation = SharedObservation()
+    observation.publish(HEALTHY_KVM)
     return Shared(
-        observation=SharedObservation(),
+        observation=observation,
         checker=checker or FakeChecker(),  # type: ignore[arg-type]
         identity=identity or peers.Identity.of("test", "dra", "hypervisor.hyperlight.dev"),
         serve_ours=lambda server: None,

@@ -420,7 +420,7 @@ def test_old_stream_ends_before_the_next_register(
 ) -> None:
     """Our socket deleted under a live stream (no kubelet restart): the agent serves anew. The old
     stream must end before the new Register, or the kubelet disconnects the new registration
-    (1.34) or refuses a Register at a socket path still connected (1.35+)."""
+    (1.34 to 1.36) or refuses a Register at a socket path still connected (1.37+)."""
     kubelet.run(lambda k: setattr(k, "flavor", flavor))
     start_agent("--device-count", "2")
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
@@ -576,7 +576,7 @@ def zero_after_healthy(k: KubeletStandin, since: float) -> list[float]:
 def test_handover_to_a_successor(kubelet: StandinThread, start_agent: StartAgent, tmp: str, flavor: str) -> None:
     """A surge update: the successor registers under its own socket beside the running agent;
     the running agent, stopped, serves on until the successor is ready, then ends its stream.
-    1.35+ never counts zero slots; 1.34 disconnects the successor once and it registers again
+    1.37+ never counts zero slots; 1.34 to 1.36 disconnect the successor once and it registers again
     at once (kubernetes issue 121994)."""
     kubelet.run(lambda k: setattr(k, "flavor", flavor))
     old = start_agent("--device-count", "3", "--instance", "agent-old", "--handover-seconds", "30")
@@ -603,7 +603,7 @@ def test_handover_to_a_successor(kubelet: StandinThread, start_agent: StartAgent
     )
     zeros = zero_after_healthy(kubelet.kubelet, since)
     registers = [r.endpoint for _, r in kubelet.kubelet.register_calls]
-    if flavor == "1.35":
+    if flavor == "1.37":
         assert zeros == [], "the kubelet never counted zero slots"
         assert registers == ["hyperlight.agent-old.sock", "hyperlight.agent-new.sock"]
     else:

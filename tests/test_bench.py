@@ -28,7 +28,7 @@ def test_the_probe_restart_and_upgrade_sections_run() -> None:
     table = result.stdout.split("| figure | value | target |", 1)[1]
     for figure in (
         "fresh process per check p50",
-        "kubelet restart (1.35): new kubelet.sock → Healthy listed",
+        "kubelet restart (1.37): new kubelet.sock → Healthy listed",
         "in-place upgrade (--upgrade-in-place): kubelet moments at zero healthy over 10 (restart: section e) | 0 |",
     ):
         assert figure in table, table

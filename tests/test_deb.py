@@ -254,7 +254,7 @@ def test_upgrade_keeps_the_edited_config_hands_over_in_place_and_purge_leaves_no
     guest = bare_guest
     before = listing(guest)
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
-        kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+        kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
         result = apt_get(guest, "install", "/root/agent-n.deb")
         assert result.returncode == 0, result.stdout + result.stderr
         kubelet.wait_until(lambda k: k.allocatable() == 2000, 30, "version N registered")

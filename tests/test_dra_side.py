@@ -5,14 +5,15 @@ plugin watcher and the fake API server of test_dra_slices as the API."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Optional
 
 import pytest
 
-from hyperlight_agent import modes, waits
+from hyperlight_agent import modes, transport, waits
 from hyperlight_agent.agent import Agent
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device.helper import ProbeResult
@@ -22,7 +23,7 @@ from hyperlight_agent.dra.slices import DeviceInfo
 from hyperlight_agent.files import cdi
 from hyperlight_agent.host import healthcheck
 from standin.apiserver import FakeApiServer, kubeconfig, recorded
-from standin.dra_kubelet import Claim, DraKubeletStandin
+from standin.dra_kubelet import Claim, DraKubeletStandin, Instance
 from tests.conftest import until
 from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dra_side, shut
 
@@ -326,10 +327,14 @@ def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration
 
             fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
             os.unlink(registrar.service_socket)
-            await until(lambda: os.path.exists(registrar.service_socket), what="the service socket back")
+            # Its old server stops (calls in flight get the grace, new ones on its connection are
+            # refused); the kubelet's next call dials the socket anew and reaches the new one.
+            await until(
+                lambda: registrar.served_again == 2 and os.path.exists(registrar.service_socket),
+                what="the service socket back, the old server gone",
+            )
             answer = await kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)])
             assert list(answer[UID].devices[0].cdi_device_ids) == ["hyperlight.dev/hypervisor=kvm"]
-            assert registrar.served_again == 2
             await until(lambda: agent.ready, what="ready with both sockets back")
         finally:
             await shut(agent)
@@ -383,5 +388,92 @@ def test_a_stop_with_a_prepare_in_flight_ends_within_the_bound(tmp: str, helpers
         # The kubelet's call ends with the server (it asks the successor again).
         await asyncio.wait([prepare], timeout=5)
         assert prepare.done() and (prepare.cancelled() or prepare.exception() is not None)
+
+    with_cluster(tmp, body)
+
+
+def test_a_successor_that_never_becomes_ready_never_takes_the_slice(tmp: str, helpers: list[FakeHelper]) -> None:
+    """Issue 35, 2: the newest instance kept the slice, so a next release whose device check fails
+    published it with no device and its ready predecessor stepped aside: no device on the node for
+    as long as the failing one ran. Now a serving instance outranks one that is not."""
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        old = Agent(settings_in(tmp, config), modes.DRA)
+        empty = os.path.join(tmp, "no-device")
+        os.makedirs(empty)
+        new = Agent(dataclasses.replace(settings_in(tmp, config, instance="pod-b"), device_dir=empty), modes.DRA)
+        await old.start()
+        try:
+            await until(lambda: old.ready and devices_published(fake) == 1, what="the old agent ready")
+            since = len(fake.events)
+            await new.start()
+
+            def decided() -> bool:
+                publisher = dra_side(new).publisher
+                return devices_published(fake) == 0 or (publisher is not None and publisher.kept_by == "pod-a")
+
+            await until(decided, what="the failing successor leaving the slice to the old agent, or not")
+            assert new.status().startswith("unhealthy: no hypervisor device"), new.status()
+            await shut(new)
+            assert [len(obj["spec"].get("devices") or []) for _, _, obj in fake.events[since:]] == []
+            assert old.ready and devices_published(fake) == 1
+            assert dra_side(old).publisher is not None and dra_side(old).publisher.kept_by == ""
+        finally:
+            await shut(old)
+
+    with_cluster(tmp, body)
+
+
+def test_a_prepare_on_its_way_to_the_old_agent_is_answered_before_it_deregisters(
+    tmp: str, helpers: list[FakeHelper], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35, 13 (DRA): the kubelet picked the old instance for a claim, then the successor
+    became the newest; the call reached the old agent after it had found its successor, and its
+    deregistration closed the kubelet's connection ("the client connection is closing": the pod
+    waited for the kubelet's retry, over a minute)."""
+    found = asyncio.Event()
+    until_quiet = getattr(transport, "until_quiet", None)  # (none before issue 35)
+
+    async def noted(*args: Any, **kw: Any) -> str:
+        found.set()
+        assert until_quiet is not None
+        return str(await until_quiet(*args, **kw))
+
+    monkeypatch.setattr(transport, "until_quiet", noted, raising=False)
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        old = Agent(settings_in(tmp, config, handover_seconds=30), modes.DRA)
+        new = Agent(settings_in(tmp, config, instance="pod-b"), modes.DRA)
+        await old.start()
+        picked: list[Instance] = []
+        deregistered = asyncio.Event()
+
+        async def slow_kubelet(instance: Instance) -> None:
+            picked.append(instance)
+            waiting = [asyncio.ensure_future(found.wait()), asyncio.ensure_future(deregistered.wait())]
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in waiting:
+                task.cancel()
+
+        stopping: Optional[asyncio.Future[None]] = None
+        try:
+            await until(lambda: old.ready, what="the old agent ready")
+            fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
+            kubelet.before_call = slow_kubelet
+            call = asyncio.ensure_future(kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)]))
+            await until(lambda: picked, what="the kubelet picking the old instance")
+            assert picked[0].endpoint == dra_side(old).registrar.service_socket
+            kubelet.before_call = None
+            await new.start()
+            await until(lambda: new.ready, what="the successor ready")
+            stopping = asyncio.ensure_future(shut(old))
+            await until(lambda: found.is_set() or picked[0].closed, what="the handover under way, or over")
+            if picked[0].closed:
+                deregistered.set()
+            answer = await waits.within(call, 10)
+            assert list(answer[UID].devices[0].cdi_device_ids) == ["hyperlight.dev/hypervisor=kvm"]
+        finally:
+            await shut(new)
+            await waits.within(stopping if stopping is not None else shut(old), 20)
 
     with_cluster(tmp, body)

@@ -16,6 +16,7 @@ scenario, last).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -380,9 +381,17 @@ class Load:
     """While an event happens: a pod requesting the resource every LOAD_INTERVAL_S (placed by the
     scheduler), and the kubelet's own count of healthy devices every VIEW_INTERVAL_S."""
 
-    def __init__(self, cluster: Cluster, node: Node, namespace: str, command: list[str], pin: bool = False) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        node: Node,
+        namespace: str,
+        command: list[str],
+        pin: bool = False,
+        interval: float = LOAD_INTERVAL_S,
+    ) -> None:
         self.cluster, self.node, self.namespace = cluster, node, namespace
-        self.command, self.pin = command, pin
+        self.command, self.pin, self.interval = command, pin, interval
         self.created: list[str] = []
         self.view: list[tuple[float, int]] = []
         self._stop = threading.Event()
@@ -408,7 +417,7 @@ class Load:
             )
             self.created.append(name)
             n += 1
-            self._stop.wait(LOAD_INTERVAL_S)
+            self._stop.wait(self.interval)
 
     def _watch(self) -> None:
         view = PodResources(self.node.pod_resources_socket)
@@ -472,10 +481,11 @@ def run_event(
     back: Any,
     command: Optional[list[str]] = None,
     pin: bool = False,
+    interval: float = LOAD_INTERVAL_S,
 ) -> dict[str, Any]:
     namespace = f"load-{label}".replace("_", "-").replace(".", "-")
     ensure_namespace(cluster, namespace)
-    with Load(cluster, node, namespace, command or ["/kvmcheck"], pin) as load:
+    with Load(cluster, node, namespace, command or ["/kvmcheck"], pin, interval) as load:
         wait_until(lambda: len(load.created) >= 5, 30, "load started")
         started = time.monotonic()
         event()
@@ -1357,14 +1367,11 @@ def apt_upgrade(guest: nspawn.Guest) -> subprocess.CompletedProcess[str]:
 BROKEN = "\nraise RuntimeError('the next release, broken on purpose')\n"
 
 
-@pytest.mark.root
-def test_host_mode_on_a_real_kubelet(installed: Cluster, published: Published, tmp: str) -> None:
+@contextlib.contextmanager
+def host_agent(cluster: Cluster, published: Published, tmp: str) -> Iterator[tuple[nspawn.Guest, str, float]]:
     """The .deb from the apt repository under real systemd (nspawn) serving node B's kubelet, as on
-    a host: B shows the capacity. Under load: `systemctl reload` and `apt-get install` of the next
-    release hand over in place (issue 28: no pod rejected, no moment without a healthy device); a
-    next release that fails before it is ready leaves the old agent serving; `systemctl restart`
-    stops the old process before starting the new one, so its figure is the gap of one restart."""
-    b = installed.nodes["b"]
+    a host, booted: (the guest, its root, when it began to boot)."""
+    b = cluster.nodes["b"]
     root = install_from_the_apt_repository(published, tmp)
     kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)  # the guest's own /dev/kvm: B's is /dev/null
     binds = [
@@ -1375,6 +1382,18 @@ def test_host_mode_on_a_real_kubelet(installed: Cluster, published: Published, t
     started = time.monotonic()
     # The host's network: apt reaches the release site on the host's loopback.
     with nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest:
+        yield guest, root, started
+
+
+@pytest.mark.root
+def test_host_mode_on_a_real_kubelet(installed: Cluster, published: Published, tmp: str) -> None:
+    """The .deb from the apt repository under real systemd (nspawn) serving node B's kubelet, as on
+    a host: B shows the capacity. Under load: `systemctl reload` and `apt-get install` of the next
+    release hand over in place (issue 28: no pod rejected, no moment without a healthy device); a
+    next release that fails before it is ready leaves the old agent serving; `systemctl restart`
+    stops the old process before starting the new one, so its figure is the gap of one restart."""
+    b = installed.nodes["b"]
+    with host_agent(installed, published, tmp) as (guest, root, started):
         wait_until(lambda: kubelet_view(b).get(HYPERVISOR) == SLOTS, 120, "node b's kubelet counting the host agent")
         record("host.boot_to_kubelet_view_s", round(time.monotonic() - started, 1))
         wait_until(lambda: allocatable(b, HYPERVISOR) == SLOTS, 60, "node b's allocatable")
@@ -1489,12 +1508,13 @@ def readme_dra_drop_in() -> str:
     return text.split("<!-- dra-drop-in -->", 1)[1].split("```ini\n", 1)[1].split("```", 1)[0]
 
 
-@pytest.mark.root
-def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, tmp: str) -> None:
+@contextlib.contextmanager
+def dra_host(cluster: Cluster, published: Published, tmp: str) -> Iterator[tuple[nspawn.Guest, str]]:
     """The .deb from the apt repository under systemd (nspawn) in the DRA mode, set up as README.md
-    says (the drop-in, a kubeconfig, node_name), for node B's real kubelet: it registers, publishes
-    node B's slice, and a claim's pod on B is prepared by it."""
-    cluster, b = dra_installed, dra_installed.nodes["b"]
+    says (the drop-in, a kubeconfig, node_name), for node B's real kubelet, running: (the guest,
+    its root). Afterwards the slices it published are removed (as the kubelet would, 30 s after
+    the driver is gone)."""
+    b = cluster.nodes["b"]
     root = install_from_the_apt_repository(published, tmp)
     # A user of its own with the chart's DRA role (RBAC only: the admission policy is for the pods'
     # service account), in a kubeconfig with everything inline.
@@ -1548,35 +1568,254 @@ def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, published: Publ
         f"{b.path('kubelet', 'plugins')}:/var/lib/kubelet/plugins",
         f"{b.path('cdi')}:/var/run/cdi",
     ]
-    started = time.monotonic()
     try:
         with nspawn.Guest(root, binds, ephemeral=False, private_network=False) as guest:
-            # One shared device: the 1.37 control plane keeps allowMultipleAllocations.
-            wait_until(lambda: slice_devices(cluster, "b") == 1, 120, "node b's slice from the host agent")
-            record("host.dra.boot_to_slice_s", round(time.monotonic() - started, 1))
-            wait_until(lambda: guest.is_active(UNIT) == "active", 30, "the unit active (ready)")
-            # B's /dev/kvm is /dev/null for containerd, so the pod only proves the claim was prepared.
-            pod = dra_pod("dra-on-host-b", ["/bin/sh", "-c", "exit 0"])
-            pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "b"}
-            cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods", pod)
-            done = finished(cluster, DRA_NS, "dra-on-host-b")
-            assert done["status"]["phase"] == "Succeeded", done["status"]
-            assert done["spec"]["nodeName"] == "b"
-            cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/dra-on-host-b")
-            status = guest.run("systemctl", "show", "-p", "StatusText", UNIT).stdout
-            assert "ready: kvm, one device in the ResourceSlice, shared by every claim" in status, status
-
-            def serving() -> bool:
-                return guest.is_active(UNIT) == "active" and slice_devices(cluster, "b") == 1
-
-            def under(name: str, act: Callable[[], None], back: Callable[[], bool]) -> dict[str, Any]:
-                return dra_event(cluster, f"host-b-{name}", act, back, node="b", command=["/bin/sh", "-c", "exit 0"])
-
-            host_upgrades_in_place(cluster, published, guest, root, serving, "host.dra", under)
+            yield guest, root
     finally:
         cluster.api.delete("/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/hyperlight-host-b")
         for item in node_slices(cluster, "b"):  # the kubelet would, 30 s after the driver is gone
             cluster.api.delete(f"/apis/resource.k8s.io/v1/resourceslices/{item['metadata']['name']}")
+
+
+@pytest.mark.root
+def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, tmp: str) -> None:
+    """The .deb from the apt repository under systemd (nspawn) in the DRA mode, set up as README.md
+    says (the drop-in, a kubeconfig, node_name), for node B's real kubelet: it registers, publishes
+    node B's slice, and a claim's pod on B is prepared by it."""
+    cluster = dra_installed
+    started = time.monotonic()
+    with dra_host(cluster, published, tmp) as (guest, root):
+        # One shared device: the 1.37 control plane keeps allowMultipleAllocations.
+        wait_until(lambda: slice_devices(cluster, "b") == 1, 120, "node b's slice from the host agent")
+        record("host.dra.boot_to_slice_s", round(time.monotonic() - started, 1))
+        wait_until(lambda: guest.is_active(UNIT) == "active", 30, "the unit active (ready)")
+        # B's /dev/kvm is /dev/null for containerd, so the pod only proves the claim was prepared.
+        pod = dra_pod("dra-on-host-b", ["/bin/sh", "-c", "exit 0"])
+        pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "b"}
+        cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods", pod)
+        done = finished(cluster, DRA_NS, "dra-on-host-b")
+        assert done["status"]["phase"] == "Succeeded", done["status"]
+        assert done["spec"]["nodeName"] == "b"
+        cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/dra-on-host-b")
+        status = guest.run("systemctl", "show", "-p", "StatusText", UNIT).stdout
+        assert "ready: kvm, one device in the ResourceSlice, shared by every claim" in status, status
+
+        def serving() -> bool:
+            return guest.is_active(UNIT) == "active" and slice_devices(cluster, "b") == 1
+
+        def under(name: str, act: Callable[[], None], back: Callable[[], bool]) -> dict[str, Any]:
+            return dra_event(cluster, f"host-b-{name}", act, back, node="b", command=["/bin/sh", "-c", "exit 0"])
+
+        host_upgrades_in_place(cluster, published, guest, root, serving, "host.dra", under)
+
+
+# ---- Issue 35: a next release that fails before it is ready, and the call on its way during a
+# handover (the stand-in reproduces both; these are the real kubelet's figures) ----------------
+
+# How long the load runs on after a failed upgrade: what the kubelet counts once the failed agent
+# is gone is what issue 35 found wrong (0 for good).
+AFTER_FAILURE_S = 60.0
+# A slower load for the minute and a half these take (two cores run the cluster and the pods).
+LONG_LOAD_INTERVAL_S = 0.5
+# Handovers in a row under load for the rate of issue 35's item 13: at least this many, and for at
+# least AGAIN_S (several hundred pods at AGAIN_INTERVAL_S).
+HANDOVERS, AGAIN_S, AGAIN_INTERVAL_S = 5, 90.0, 0.3
+# A next release whose device check fails (its probe always does): it starts, serves, and is
+# never ready.
+PROBE_BROKEN = """
+
+def probe_device(*args, **kwargs):  # the next release, its device check broken on purpose
+    raise ProbeError("the next release, broken on purpose")
+"""
+
+
+@contextlib.contextmanager
+def next_release_failing_its_check(root: str) -> Iterator[None]:
+    """The guest's installed tree replaced by a next release whose device check fails, as a package
+    upgrade would (the running agent keeps the code it started with, its probe helper included)."""
+    kernel_py = os.path.join(root, "usr", "lib", "hyperlight-agent", "hyperlight_agent", "device", "kernel.py")
+    with open(kernel_py) as f:
+        original = f.read()
+    with open(kernel_py, "a") as f:
+        f.write(PROBE_BROKEN)
+    try:
+        yield
+    finally:
+        with open(kernel_py, "w") as f:
+            f.write(original)
+
+
+def failing_reload(guest: nspawn.Guest, failed_at: list[float]) -> Callable[[], None]:
+    """`systemctl reload` of a next release that fails before it is ready: it must fail."""
+
+    def act() -> None:
+        done = guest.run("systemctl", "reload", UNIT, check=False, timeout=120)
+        assert done.returncode != 0, "the reload must fail"
+        failed_at.append(time.monotonic())
+
+    return act
+
+
+def a_minute_after(
+    failed_at: list[float], guest: nspawn.Guest, before: int, serving: Callable[[], bool]
+) -> Callable[[], bool]:
+    """Whether AFTER_FAILURE_S have passed since the failed reload, with the old agent (pid
+    `before`) still the unit's main process and serving."""
+    return lambda: (
+        bool(failed_at)
+        and time.monotonic() - failed_at[0] >= AFTER_FAILURE_S
+        and guest.is_active(UNIT) == "active"
+        and main_pid(guest) == before
+        and serving()
+    )
+
+
+def failed_upgrade_journal(guest: nspawn.Guest) -> str:
+    journal = guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
+    failed = [line for line in journal.splitlines() if "in-place upgrade failed:" in line]
+    assert len(failed) == 1 and "was not ready within 30 s" in failed[0], journal[-3000:]
+    return journal
+
+
+@pytest.mark.root
+def test_host_next_release_failing_before_ready_rejects_no_pod(
+    installed: Cluster, published: Published, tmp: str
+) -> None:
+    """Issue 35, 1, on node B's real kubelet: the next release's device check fails. Its agent
+    never registers over the old one (which serves on), so no pod is rejected while it tries, and
+    none in the minute after it was stopped; the node's allocatable stays the node's count."""
+    b, newest = installed.nodes["b"], installed.versions["newest"]
+    with host_agent(installed, published, tmp) as (guest, root, _):
+        wait_until(lambda: kubelet_view(b).get(HYPERVISOR) == SLOTS, 120, "node b's kubelet counting the host agent")
+        wait_until(lambda: guest.is_active(UNIT) == "active", 30, "the unit active")
+        before = main_pid(guest)
+        failed_at: list[float] = []
+        back = a_minute_after(failed_at, guest, before, lambda: kubelet_view(b).get(HYPERVISOR) == SLOTS)
+        with next_release_failing_its_check(root):
+            figure = run_event(
+                installed,
+                b,
+                f"host-{newest}-next-release-fails-before-ready",
+                failing_reload(guest, failed_at),
+                back,
+                command=["/bin/sh", "-c", "exit 0"],  # B's /dev/kvm is /dev/null: admission only
+                pin=True,
+                interval=LONG_LOAD_INTERVAL_S,
+            )
+        record(f"host.{newest}.next_release_fails_before_ready", figure)
+        assert figure["failed"] == 0 and figure["rejected"] == 0, figure
+        assert figure["kubelet_zero_windows_s"] == [], figure
+        wait_until(lambda: allocatable(b, HYPERVISOR) == SLOTS, 30, "node b's allocatable, the node's count")
+        journal = failed_upgrade_journal(guest)
+        assert "not registering while the device is unhealthy" in journal, journal[-3000:]
+        assert guest.is_active(UNIT) == "active" and main_pid(guest) == before
+    wait_until(lambda: kubelet_view(b).get(HYPERVISOR, 0) == 0, 30, "the stopped host agent's slots gone")
+
+
+@pytest.mark.root
+def test_host_dra_next_release_failing_before_ready_keeps_the_slice(
+    dra_installed: Cluster, published: Published, tmp: str
+) -> None:
+    """Issue 35, 2, on node B's real kubelet: the next release's device check fails. It never takes
+    the ResourceSlice from the ready old agent, so the slice never holds fewer devices than the
+    node's, while it tries and in the minute after it was stopped, and no pod fails to prepare."""
+    cluster = dra_installed
+    with dra_host(cluster, published, tmp) as (guest, root):
+        wait_until(lambda: slice_devices(cluster, "b") == 1, 120, "node b's slice from the host agent")
+        wait_until(lambda: guest.is_active(UNIT) == "active", 30, "the unit active (ready)")
+        before = main_pid(guest)
+        failed_at: list[float] = []
+        back = a_minute_after(failed_at, guest, before, lambda: slice_devices(cluster, "b") == 1)
+        with next_release_failing_its_check(root):
+            figure = dra_event(
+                cluster,
+                "host-b-next-release-fails-before-ready",
+                failing_reload(guest, failed_at),
+                back,
+                node="b",
+                command=["/bin/sh", "-c", "exit 0"],
+            )
+        record(f"host.dra.{cluster.versions['newest']}.next_release_fails_before_ready", figure)
+        assert figure["failed"] == 0 and figure["failed_prepares"] == [], figure
+        assert figure["running_pod_untouched"], figure
+        assert figure["slice_fewest_devices"] == 1, figure
+        journal = failed_upgrade_journal(guest)
+        assert "keeps it; not writing it" in journal, journal[-3000:]
+        assert guest.is_active(UNIT) == "active" and main_pid(guest) == before
+
+
+def again_and_again(handover: Callable[[], None]) -> int:
+    """handover() HANDOVERS times, and on until AGAIN_S have passed; how many times."""
+    started, done = time.monotonic(), 0
+    while done < HANDOVERS or time.monotonic() - started < AGAIN_S:
+        handover()
+        done += 1
+    return done
+
+
+def deleting_again_and_again(
+    cluster: Cluster, daemonset: str, ready: Callable[[], bool]
+) -> tuple[Callable[[], bool], Callable[[], int]]:
+    """(back, act): act deletes the DaemonSet's pod (node A's) again and again (again_and_again),
+    each time until its replacement is Ready and ready(); back says that of the pods now."""
+    deleted: list[str] = []
+
+    def replaced() -> bool:
+        pods = daemonset_pods(cluster, daemonset)
+        return bool(pods) and all(p["metadata"]["uid"] not in deleted and pod_ready(p) for p in pods) and ready()
+
+    def delete_one() -> None:
+        for pod in daemonset_pods(cluster, daemonset):
+            deleted.append(pod["metadata"]["uid"])
+            cluster.api.delete(f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}", grace=None)
+        wait_until(replaced, 180, f"the deleted {daemonset} pod replaced and ready")
+
+    return replaced, lambda: again_and_again(delete_one)
+
+
+def test_agent_pod_deleted_again_and_again_rejects_no_pod(installed: Cluster) -> None:
+    """Issue 35, 13: a pod rejected during a handover with no zero window ("Allocate failed ...
+    Canceled ... the client connection is closing": the kubelet closes the old agent's connection
+    when its stream ends, and a call was on its way). The old agent now ends its stream only once
+    the kubelet is done with it; the rate, over several hundred pods and HANDOVERS handovers on
+    the newest kubelet."""
+    a = use_kubelet(installed, installed.versions["newest"])
+    back, act = deleting_again_and_again(
+        installed, "hyperlight-device-plugin", lambda: kubelet_view(a).get(HYPERVISOR) == SLOTS
+    )
+    handovers: list[int] = []
+    figure = run_event(
+        installed,
+        a,
+        "newest-agent-pod-deleted-again",
+        lambda: handovers.append(act()),
+        back,
+        interval=AGAIN_INTERVAL_S,
+    )
+    figure["handovers"] = handovers[0]
+    record(f"lifecycle.newest.{installed.versions['newest']}.agent_pod_deleted_again", figure)
+    assert figure["pods"] >= 200, figure
+    assert figure["failed"] == 0 and figure["rejected"] == 0, figure
+    assert figure["kubelet_zero_windows_s"] == [], figure
+
+
+def test_dra_driver_pod_deleted_again_and_again_fails_no_prepare(dra_installed: Cluster, published: Published) -> None:
+    """Issue 35, 13 (DRA): a driver pod delete made a NodePrepareResources fail with "the client
+    connection is closing" (its deregistration closed the kubelet's connection with the call on
+    it), and the pod started only after the kubelet's retry. The old agent now deregisters only
+    once no call is in flight and none came for a while; HANDOVERS deletions under DRA load."""
+    cluster = dra_installed
+    dra_on_kubelet(cluster, published, "newest", "auto")
+    back, act = deleting_again_and_again(cluster, DRA_DAEMONSET, lambda: dra_ready(cluster))
+    handovers: list[int] = []
+    figure = dra_event(cluster, "newest-driver-pod-deleted-again", lambda: handovers.append(act()), back)
+    figure["handovers"] = handovers[0]
+    record(f"dra.newest.{cluster.versions['newest']}.driver_pod_deleted_again", figure)
+    # (Late pods are the kubelet's own claim reads refused, kubelet_claim_reads_refused: issue 29, 6;
+    # a prepare that reached a driver and failed is in failed_prepares.)
+    assert figure["failed"] == 0 and figure["failed_prepares"] == [], figure
+    assert figure["running_pod_untouched"], figure
+    assert figure["slice_fewest_devices"] == dra_expected_devices(), figure
 
 
 def test_labelled_node_without_a_usable_device_admits_nothing(installed: Cluster) -> None:

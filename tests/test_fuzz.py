@@ -1045,7 +1045,7 @@ def test_fuzz_helper_serve_answers_every_line_once(nodes: str) -> None:
 @pytest.mark.root
 def test_fuzz_the_real_helper_process_answers_garbage_line_by_line(nodes: str) -> None:
     """The helper as the agent starts it (python -I -S -B), fed raw bytes: a reply per line."""
-    from hyperlight_agent.device.helper import default_argv
+    from hyperlight_agent.device.helper import SOURCES, default_argv
 
     rng = random.Random(11)
     lines = []
@@ -1062,7 +1062,7 @@ def test_fuzz_the_real_helper_process_answers_garbage_line_by_line(nodes: str) -
                 .replace("\r", " ")
             )
     data = "".join(line + "\n" for line in lines).encode()
-    result = subprocess.run(default_argv(), input=data, capture_output=True, timeout=120, check=False)
+    result = subprocess.run(default_argv(), input=SOURCES + data, capture_output=True, timeout=120, check=False)
     assert result.returncode == 0 and result.stderr == b"", result.stderr[-2000:]
     ready, *replies = result.stdout.decode().splitlines()
     assert ready.encode() + b"\n" == helper_process.READY_LINE

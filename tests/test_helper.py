@@ -4,7 +4,9 @@ one alive, and failing fast while a killed helper cannot be reaped."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -216,3 +218,71 @@ async def test_a_helper_that_never_says_ready_is_killed_after_the_start_bound(
         assert helper.pid is None
     finally:
         await helper.close()
+
+
+# What the test below installs as the next release's helper: its probe says so, whatever it is asked.
+NEXT_RELEASE_PROBE = """
+
+def run_request(request):
+    return {"ok": False, "reason": "the next release's probe"}
+"""
+# Run from a copy of the package: the probe helper of an agent whose installed tree is replaced
+# under it (a package upgrade), restarted after that (here: killed, as a missed deadline does).
+UPGRADED_UNDER_IT = """
+import asyncio, os, signal, sys
+tree = sys.argv[1]
+sys.path.insert(0, tree)
+from hyperlight_agent.device import helper
+
+async def main():
+    h = helper.ProbeHelper()
+    request = helper.ProbeRequest("kvm", os.path.join(tree, "no-such-device"))
+    print((await h.run(request)).reason)
+    with open(os.path.join(tree, "hyperlight_agent", "device", "helper_process.py"), "a") as f:
+        f.write(sys.argv[2])
+    os.kill(h.pid, signal.SIGKILL)
+    print((await h.run(request)).reason, "(started", h.started, "helpers)")
+    await h.close()
+
+asyncio.run(main())
+"""
+
+
+def test_a_helper_started_after_the_tree_was_upgraded_runs_the_agents_own_code(tmp: str) -> None:
+    """Issue 35 (observed): after a failed in-place upgrade the old agent restarted its probe
+    helper from the newly installed tree, an agent and a helper of two releases. A helper runs the
+    sources the agent read at its start."""
+    package = os.path.dirname(os.path.abspath(helper_module.__file__ or ""))
+    tree = os.path.join(tmp, "tree")
+    shutil.copytree(
+        os.path.dirname(package), os.path.join(tree, "hyperlight_agent"), ignore=shutil.ignore_patterns("__pycache__")
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    done = subprocess.run(
+        [sys.executable, "-B", "-c", UPGRADED_UNDER_IT, tree, NEXT_RELEASE_PROBE],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()
+    assert first.endswith("no-such-device: host device node is missing"), first
+    assert second == f"{first} (started 2 helpers)", "the restarted helper runs the agent's own probe"
+
+
+def test_the_helper_runs_only_the_sources_it_is_given(tmp: str) -> None:
+    """Nothing of ours is on the helper's path: a module missing from SOURCES fails its start."""
+    partial = json.loads(helper_module.SOURCES)
+    del partial["hyperlight_agent.device.kernel"]
+    done = subprocess.run(
+        default_argv(),
+        input=json.dumps(partial).encode() + b"\n",
+        cwd=tmp,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0 and b"cannot import name 'kernel' from 'hyperlight_agent.device'" in done.stderr, done

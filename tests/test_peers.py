@@ -255,18 +255,26 @@ async def test_a_newer_live_instance_is_found_and_an_older_one_is_not(tmp: str) 
         await driver.close()
 
 
-def test_drained_waits_for_calls_in_flight_and_gives_up_at_the_bound() -> None:
-    async def run() -> tuple[bool, bool]:
-        in_flight = [2]
+async def test_the_kubelet_is_done_with_us_once_quiet_or_proven_and_calls_in_flight_get_a_bound() -> None:
+    """transport.until_quiet: calls in flight finish first; then `quiet` seconds without a call,
+    or a proof sooner; a call that never ends is given up after quiet + grace."""
+    loop = asyncio.get_running_loop()
+    in_flight, received = [2], [2]
 
-        async def finish() -> None:
-            await asyncio.sleep(0.02)
-            in_flight[0] = 0
+    async def finish() -> None:
+        await asyncio.sleep(0.02)
+        in_flight[0] = 0
 
-        task = asyncio.ensure_future(finish())
-        done = await handover.drained(lambda: in_flight[0], 5)
-        await task
-        stuck = await handover.drained(lambda: 1, 0.05)
-        return done, stuck
+    task = asyncio.ensure_future(finish())
+    started = loop.time()
+    assert await transport.until_quiet(lambda: in_flight[0], lambda: received[0], quiet=0.2) == "no call for 0.2 s"
+    assert loop.time() - started >= 0.2
+    await task
+    proven = await transport.until_quiet(lambda: 0, lambda: 0, lambda: _said("proven"), quiet=60)
+    assert proven == "proven"
+    stuck = await transport.until_quiet(lambda: 1, lambda: 1, quiet=0.05, grace=0.05)
+    assert stuck == "1 call(s) still in flight after 0.1 s"
 
-    assert asyncio.run(run()) == (True, False)
+
+async def _said(why: str) -> Optional[str]:
+    return why

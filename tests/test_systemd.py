@@ -143,7 +143,7 @@ def test_reload_upgrades_in_place_and_a_failing_new_agent_leaves_the_old_one_ser
         StandinThread(os.path.join(tmp, "kubelet")) as kubelet,
         boot(tmp, staged, os.path.join(staged, "lib", "systemd", "system", UNIT), tree) as guest,
     ):
-        kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+        kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
         guest.run("systemctl", "start", "--no-block", UNIT)
         kubelet.wait_until(lambda k: slots(k) == 2000, 30, "registration from inside the guest")
         wait_for(lambda: guest.is_active(UNIT) == "active", 15, "active")

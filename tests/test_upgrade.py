@@ -5,22 +5,25 @@ now without a moment unserved; a child that fails leaves the old agent serving."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Coroutine, Iterator, Optional
 
 import anyio
 import pytest
 
 from hyperlight_agent import __version__, contracts, peers
 from hyperlight_agent.host import upgrade
+from standin import kubelet as standin
 from standin import procs
 from standin.kubelet import KubeletStandin, StandinThread
-from tests.conftest import run_agent, wait_for
+from tests.conftest import AGENT_ARGV, run_agent, wait_for
 from tests.test_peers import Server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,11 +39,11 @@ main()
 class Unit:
     """The agent as a systemd unit's main process, under the service-manager stand-in."""
 
-    def __init__(self, tmp: str, *args: str) -> None:
+    def __init__(self, tmp: str, *args: str, launcher: str = LAUNCHER) -> None:
         self.tmp = tmp
         self.events_path = os.path.join(tmp, "events.jsonl")
         self.launcher = os.path.join(tmp, "launcher.py")
-        self.install(LAUNCHER)
+        self.install(launcher)
         self.args = [
             "--config",
             "/dev/null",
@@ -147,8 +150,8 @@ class Unit:
 def unit(tmp: str, kvm_dir: str) -> Iterator[Any]:
     made: list[Unit] = []
 
-    def start(*args: str) -> Unit:
-        made.append(Unit(tmp, "--device-dir", kvm_dir, *args))
+    def start(*args: str, launcher: str = LAUNCHER) -> Unit:
+        made.append(Unit(tmp, "--device-dir", kvm_dir, *args, launcher=launcher))
         return made[-1]
 
     yield start
@@ -189,7 +192,7 @@ def upgrade_once(u: Unit, kubelet: StandinThread) -> int:
 def test_an_in_place_upgrade_hands_the_kubelet_and_the_unit_to_the_installed_code(
     unit: Any, kubelet: StandinThread, tmp: str
 ) -> None:
-    kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+    kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
     u = unit("--device-count", "3")
     u.wait_ready()
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
@@ -231,7 +234,7 @@ def test_an_in_place_upgrade_hands_the_kubelet_and_the_unit_to_the_installed_cod
 
 
 def test_ten_upgrades_in_a_row_leave_one_agent_and_no_stray_socket(unit: Any, kubelet: StandinThread, tmp: str) -> None:
-    kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+    kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
     u = unit("--device-count", "3")
     u.wait_ready()
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
@@ -257,7 +260,7 @@ def test_ten_upgrades_in_a_row_leave_one_agent_and_no_stray_socket(unit: Any, ku
 def test_a_new_agent_that_fails_before_it_is_ready_leaves_the_old_one_serving(
     unit: Any, kubelet: StandinThread, tmp: str, installed: str
 ) -> None:
-    kubelet.run(lambda k: setattr(k, "flavor", "1.35"))
+    kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
     u = unit("--device-count", "3")
     u.wait_ready()
     kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
@@ -280,8 +283,27 @@ def test_a_new_agent_that_fails_before_it_is_ready_leaves_the_old_one_serving(
     assert u.stop() == 0, u.log
 
 
+async def command_beside(task: Callable[[], Coroutine[Any, Any, None]], pid: int, tmp: str) -> tuple[int, str]:
+    """`--upgrade-in-place pid` for the sockets in `tmp` (a process of its own: grpc.aio takes one
+    event loop per process, and one in a thread beside the test's failed under load), while
+    `task` runs here."""
+    argv = [*AGENT_ARGV, "--kubelet-dir", tmp, "--dra-plugins-dir", os.path.join(tmp, "plugins")]
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(task)
+        done = await anyio.run_process([*argv, "--upgrade-in-place", str(pid)], cwd=ROOT, check=False)
+    return done.returncode, done.stdout.decode().strip()
+
+
+async def _nothing() -> None:
+    pass
+
+
+def handed_over_to_us(pid: int) -> tuple[int, str]:
+    return upgrade.DONE, f"pid {pid} handed over to pid {os.getpid()} (hyperlight-agent {__version__}) and left"
+
+
 async def test_a_successor_that_answers_only_after_the_old_agent_left_is_waited_for(tmp: str) -> None:
-    """A kubelet before 1.35 ends the new agent's stream when the old one's ends, and the new agent
+    """A kubelet before 1.37 ends the new agent's stream when the old one's ends, and the new agent
     then serves its socket anew: for a moment after the old agent has left nothing answers. The
     command asks again rather than call the upgrade failed (it did, under load: the .deb's
     `systemctl reload` failed in CI while the new agent served on)."""
@@ -301,22 +323,80 @@ async def test_a_successor_that_answers_only_after_the_old_agent_left_is_waited_
         new = peers.Identity("host-g0123abcd", "deviceplugin", R, peers.boottime_ns(), os.getpid())
         await successor.with_describe(new).start()
 
-    def ours() -> list[str]:
-        return sorted(os.path.join(tmp, n) for n in os.listdir(tmp) if n.endswith(".sock"))
-
     try:
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(take_over_late)
-            code, line = await anyio.to_thread.run_sync(upgrade.upgrade_in_place, old_agent.pid, ours)
-        assert (code, line) == (
-            upgrade.DONE,
-            f"pid {old_agent.pid} handed over to pid {os.getpid()} (hyperlight-agent {__version__}) and left",
-        )
+        assert await command_beside(take_over_late, old_agent.pid, tmp) == handed_over_to_us(old_agent.pid)
     finally:
         if old_agent.returncode is None:
             old_agent.kill()
         await old_agent.wait()
         await successor.stop()
+
+
+async def test_a_second_command_joins_the_upgrade_under_way_and_says_its_outcome(tmp: str) -> None:
+    """Issue 35, 4: the package script's --upgrade-in-place overlapped an admin's `systemctl reload`;
+    the second command found the upgrade running, waited for a new agent started after *it*, and
+    answered 1 ("no new agent answered") for an upgrade that succeeded."""
+    old_agent = await anyio.open_process(["sleep", "60"])
+    old = peers.Identity("", "deviceplugin", R, peers.boottime_ns(), old_agent.pid)
+    # The child the first command's upgrade started: before this command did.
+    child = peers.Identity("host-g0123abcd", "deviceplugin", R, peers.boottime_ns(), os.getpid())
+    asked = [0]
+    following = anyio.Event()
+
+    def record() -> dict[str, Any]:
+        asked[0] += 1
+        if asked[0] >= 3:  # the command has found the upgrade and follows it
+            following.set()
+        return {"upgrade": {"attempts": 1, "state": "running", "why": "", "pid": child.pid, "agreed": child.pid}}
+
+    server = Server(os.path.join(tmp, contracts.PLUGIN_SOCKET))
+    server.server.add_generic_rpc_handlers([peers.describe_handler(old, lambda: True, record)])
+    await server.start()
+    successor = Server(os.path.join(tmp, "hyperlight.host-g0123abcd.sock"))
+    await successor.with_describe(child).start()
+
+    async def hand_over_and_leave() -> None:
+        await following.wait()
+        old_agent.terminate()  # the old agent leaves, as the upgrade it runs completes
+        await old_agent.wait()
+        await server.stop()
+
+    try:
+        assert await command_beside(hand_over_and_leave, old_agent.pid, tmp) == handed_over_to_us(old_agent.pid)
+        assert old_agent.returncode == -signal.SIGTERM, "the command sent no signal of its own (SIGUSR2 ends sleep)"
+    finally:
+        if old_agent.returncode is None:
+            old_agent.kill()
+        await old_agent.wait()
+        await successor.stop()
+
+
+async def test_a_second_command_joining_an_upgrade_that_fails_says_so(tmp: str) -> None:
+    old_agent = await anyio.open_process(["sleep", "60"])
+    old = peers.Identity("", "deviceplugin", R, peers.boottime_ns(), old_agent.pid)
+    state = {"attempts": 1, "state": "running", "why": "", "pid": 7, "agreed": 0}
+    asked = [0]
+
+    def record() -> dict[str, Any]:
+        asked[0] += 1
+        if asked[0] >= 3:
+            state.update(state="failed", why="the new agent (pid 7) exited before it was ready")
+        return {"upgrade": dict(state)}
+
+    server = Server(os.path.join(tmp, contracts.PLUGIN_SOCKET))
+    server.server.add_generic_rpc_handlers([peers.describe_handler(old, lambda: True, record)])
+    await server.start()
+    try:
+        assert await command_beside(_nothing, old_agent.pid, tmp) == (
+            upgrade.FAILED,
+            f"in-place upgrade of pid {old_agent.pid} failed: the new agent (pid 7) exited before it was ready; "
+            "it serves on",
+        )
+        assert old_agent.returncode is None
+    finally:
+        old_agent.kill()
+        await old_agent.wait()
+        await server.stop()
 
 
 def test_upgrade_in_place_of_a_process_that_is_no_agent_of_ours_does_nothing(tmp: str) -> None:
@@ -350,6 +430,167 @@ def test_upgrade_in_place_needs_a_process_id(value: str) -> None:
     assert result.stderr.strip() == (
         f"hyperlight-agent: error: argument --upgrade-in-place: not a process id: '{value}'"
     ), result.stderr
+
+
+# Launchers standing for a next release, each prefixed to LAUNCHER. The old agent gives up on a
+# child after READY_TIMEOUT_S (30 s): shortened for the tests that wait it out.
+QUICK = "from hyperlight_agent.host import successor\nsuccessor.READY_TIMEOUT_S = 3.0\n"
+
+
+def device_dir_launcher(path: str) -> str:
+    """A release that looks for its device in `path` (a later --device-dir wins)."""
+    return f"import sys\nsys.argv.append('--device-dir={path}')\n"
+
+
+# A release that registers with the kubelet and dies at once after (its Register returned).
+DIES_AFTER_REGISTERING = """\
+import os
+from hyperlight_agent.deviceplugin import registration
+_register = registration.Registrar._register
+async def register(self):
+    await _register(self)
+    os._exit(3)
+registration.Registrar._register = register
+"""
+
+
+@pytest.mark.parametrize("flavor", standin.FLAVORS)
+def test_a_new_agent_whose_device_check_fails_never_takes_the_kubelet(
+    unit: Any, kubelet: StandinThread, tmp: str, flavor: str
+) -> None:
+    """Issue 35, 1, as found: the next release's check fails (here: its device directory is
+    empty). It registered at once and listed its slots Unhealthy; once stopped, the kubelet
+    counted 0 for good. Now it never registers while the old agent serves."""
+    kubelet.run(lambda k: setattr(k, "flavor", flavor))
+    u = unit("--device-count", "3", launcher=QUICK + LAUNCHER)
+    u.wait_ready()
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
+    old, since = u.main, time.monotonic()
+    empty = os.path.join(tmp, "empty")
+    os.makedirs(empty)
+    u.install(QUICK + device_dir_launcher(empty) + LAUNCHER)
+    result = u.upgrade()
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stdout.rstrip().endswith("was not ready within 3 s; it serves on"), result.stdout
+    wait_for(lambda: u.processes() == [old], 15, "the failed child gone")
+    assert [r.endpoint for _, r in kubelet.kubelet.register_calls] == ["hyperlight.sock"]
+    assert zeros_since(kubelet.kubelet, since) == [] and kubelet.kubelet.allocatable() == 3
+    assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"])).container_responses
+    assert u.stop() == 0, u.log
+
+
+@pytest.mark.parametrize("flavor", standin.FLAVORS)
+def test_after_a_child_that_registered_fails_the_old_agent_registers_again(
+    unit: Any, kubelet: StandinThread, flavor: str
+) -> None:
+    """Issue 35, 1: a child that registered (it had the old agent's agreement) and then failed took
+    the kubelet's endpoint (1.34: the old agent's client is replaced, and the child's end
+    disconnects the newest) or its device list (1.37+): the old agent registers again."""
+    kubelet.run(lambda k: setattr(k, "flavor", flavor))
+    u = unit("--device-count", "3")
+    u.wait_ready()
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
+    old = u.main
+    u.install(DIES_AFTER_REGISTERING + LAUNCHER)
+    result = u.upgrade()
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "exited before it was ready; it serves on" in result.stdout, result.stdout
+    endpoints = [r.endpoint for _, r in kubelet.kubelet.register_calls]
+    assert any(e.startswith("hyperlight.host-g") for e in endpoints), "the child registered"
+    kubelet.wait_until(
+        lambda k: served_by(k) == "hyperlight.sock" and k.allocatable() == 3 and k.plugins[R].stream_open,
+        15,
+        "the old agent the kubelet's endpoint again, its slots healthy",
+    )
+    assert [r.endpoint for _, r in kubelet.kubelet.register_calls][-1] == "hyperlight.sock"
+    assert "in-place upgrade: the new agent (pid " in u.log and "may register with the kubelet" in u.log
+    assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-1"])).container_responses
+    assert u.main == old and u.stop() == 0, u.log
+
+
+def test_upgrading_an_activating_agent_leaves_ready_to_the_new_one(unit: Any, kubelet: StandinThread, tmp: str) -> None:
+    """Issue 35, 5: the old agent serves but its device is unhealthy (the unit "activating"); the
+    hand-off said READY=1 for it, so systemd called the unit active with no agent ready."""
+    kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
+    empty = os.path.join(tmp, "empty")
+    os.makedirs(empty)
+    u = unit("--device-count", "3", launcher=device_dir_launcher(empty) + LAUNCHER)
+    wait_for(lambda: any(line.startswith("STATUS=unhealthy") for _, line in u.accepted()), 20, "unhealthy")
+    old = u.main
+    u.install(LAUNCHER)  # the next release finds the device
+    result = u.upgrade()
+    assert result.returncode == 0, (result.stdout, result.stderr, u.log)
+    new = u.main
+    assert (old, f"MAINPID={new}") in u.accepted()
+    assert "READY=1" not in [line for pid, line in u.accepted() if pid == old], u.accepted()
+    u.wait_ready()  # from the new main process, once it is ready
+    assert [pid for pid, line in u.accepted() if line == "READY=1"] == [new]
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15, "the new agent's slots")
+    assert u.stop() == 0, u.log
+
+
+def test_a_hand_off_systemd_does_not_take_fails_the_upgrade(unit: Any, kubelet: StandinThread, tmp: str) -> None:
+    """Issue 35, 3: with systemd's notify queue full the hand-off was dropped (sdnotify swallows the
+    error), the old agent left, and systemd stopped the unit with the new agent in it. Now the
+    old agent serves on and the command says why."""
+    kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
+    u = unit("--device-count", "3")
+    u.wait_ready()
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
+    old = u.main
+    os.kill(u.proc.pid, signal.SIGSTOP)  # systemd busy: it reads no notify message for now
+    try:
+        filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        filler.connect(os.path.join(tmp, "notify"))
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                filler.send(b"STATUS=filler")
+        filler.close()
+        result = u.upgrade()
+    finally:
+        os.kill(u.proc.pid, signal.SIGCONT)
+    assert result.returncode == 1, (result.stdout, result.stderr, u.log)
+    assert "was ready, but systemd's notify socket took no message within 5 s (its queue is full); it serves on" in (
+        result.stdout
+    ), result.stdout
+    wait_for(lambda: u.processes() == [old], 15, "the child stopped, the old agent alone")
+    assert u.main == old
+    kubelet.wait_until(
+        lambda k: served_by(k) == "hyperlight.sock" and k.allocatable() == 3, 15, "the old agent serving the kubelet"
+    )
+    assert u.stop() == 0, u.log
+
+
+def test_two_upgrades_at_once_both_say_the_outcome(unit: Any, kubelet: StandinThread, tmp: str) -> None:
+    """Issue 35, 4: the package script's command and an admin's reload at the same moment."""
+    kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
+    u = unit("--device-count", "3")
+    u.wait_ready()
+    kubelet.wait_until(lambda k: k.allocatable() == 3, 15)
+    old = u.main
+    argv = [sys.executable, "-m", "hyperlight_agent", *u.args, "--upgrade-in-place", str(old)]
+
+    def command() -> subprocess.Popen[str]:
+        return subprocess.Popen(argv, cwd=ROOT, env=u.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    commands = [command()]
+    wait_for(
+        lambda: any(n.startswith("hyperlight.host-g") for n in sockets(tmp)), 30, "the first command's child serving"
+    )
+    commands.append(command())  # the second finds that upgrade running
+    outcomes = [(c.wait(90), c.communicate()[0]) for c in commands]
+    new = u.main
+    assert new != old
+    for code, said in outcomes:
+        assert code == 0 and f"handed over to pid {new} (hyperlight-agent {__version__})" in said, outcomes
+    # A third, later still: the upgrade is over and the old agent gone.
+    late = subprocess.run(argv, cwd=ROOT, env=u.env, capture_output=True, text=True, timeout=90, check=False)
+    assert (late.returncode, late.stdout.strip()) == (
+        0,
+        f"pid {old} had already handed over to pid {new} (hyperlight-agent {__version__})",
+    ), late
+    assert u.stop() == 0, u.log
 
 
 def test_an_agent_not_under_systemd_refuses_to_upgrade_in_place(

@@ -5,6 +5,12 @@ and answers requests over a pipe. When a request misses its deadline the helper 
 (the only way to abandon an ioctl stuck in the kernel) and replaced on the next check. At most
 one helper exists at any time: a killed helper that has not been reaped blocks new checks,
 which fail fast with "previous probe has not exited" instead of accumulating processes.
+
+A helper runs the agent's own code, not whatever is installed when it starts: the agent reads
+the sources of the helper's modules once, as it starts (`SOURCES`), and hands them to every
+helper it starts, first thing on its stdin. A package upgrade replaces the files under a
+running agent, and one that fails leaves the old agent serving on: a helper it started later
+(after a kill, a crash) would otherwise have run the newer tree's probe for the older agent.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import importlib
+import importlib.abc
 import json
 import logging
 import os
@@ -55,20 +63,55 @@ class ProbeResult(NamedTuple):
 
 # errnos that mean "this process is out of resources", not "the helper or the device failed".
 EXHAUSTED = (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM)
-# The directory holding the hyperlight_agent package: this file is hyperlight_agent/device/helper.py.
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 # Every helper's command line contains this, so `ps` shows what the child is (tests find
 # their own helpers by it and by parent PID).
 HELPER_MARK = "from hyperlight_agent.device.helper_process import serve"
+# What the helper runs: helper_process and the modules of ours it imports (the standard library
+# besides), packages first. A module missing here fails the helper's start with an ImportError.
+HELPER_MODULES = (
+    "hyperlight_agent",
+    "hyperlight_agent.text",
+    "hyperlight_agent.device",
+    "hyperlight_agent.device.kernel",
+    "hyperlight_agent.device.hypervisors",
+    "hyperlight_agent.device.helper_process",
+)
+# The helper's first act: read one JSON line {module: [is_package, source]} from stdin, import our
+# modules from it alone (nothing of ours is on its path), then serve.
+_BOOTSTRAP = (
+    "import sys, json; from importlib.machinery import ModuleSpec; "
+    "S = json.loads(sys.stdin.buffer.readline())\n"
+    "class F:\n"
+    " def find_spec(n, path=None, target=None): return ModuleSpec(n, F, is_package=S[n][0]) if n in S else None\n"
+    " def create_module(spec): return None\n"
+    " def exec_module(m): exec(compile(S[m.__name__][1], '<agent ' + m.__name__ + '>', 'exec'), m.__dict__)\n"
+    "sys.meta_path.insert(0, F)\n"
+    f"{HELPER_MARK}; serve()"
+)
+
+
+def read_sources() -> bytes:
+    """The sources of HELPER_MODULES as this process finds them now, as the helper's first line."""
+    found = {}
+    for name in HELPER_MODULES:
+        module = importlib.import_module(name)
+        loader = module.__spec__.loader if module.__spec__ else None
+        source = loader.get_source(name) if isinstance(loader, importlib.abc.InspectLoader) else None
+        if source is None:
+            raise ImportError(f"the probe helper's module {name} has no source to hand over", name=name)
+        found[name] = [hasattr(module, "__path__"), source]
+    return json.dumps(found).encode() + b"\n"
+
+
+# Read as the agent starts (it imports this module then): the code the agent runs.
+SOURCES = read_sources()
 
 
 def default_argv() -> list[str]:
     """`python -I -S -B`: no site-packages, so the helper cannot import grpc even by accident,
-    and no bytecode written next to the modules (a package's files belong to its manager)."""
-    code = f"import sys; sys.path.insert(0, sys.argv[1]); {HELPER_MARK}; serve()"
-    return [sys.executable, "-I", "-S", "-B", "-c", code, _PACKAGE_PARENT]
+    and no bytecode written next to the modules (a package's files belong to its manager). Its
+    stdin must start with SOURCES."""
+    return [sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP]
 
 
 class ProbeHelper:
@@ -80,8 +123,11 @@ class ProbeHelper:
         deadline: float = PROBE_DEADLINE_S,
         kill: Callable[[int, int], None] = os.kill,
         on_timeout: Optional[Callable[[], None]] = None,
+        sources: bytes = SOURCES,
     ) -> None:
         self._argv = list(argv) if argv is not None else default_argv()
+        # A helper of another command line (a test's) is not ours to hand sources to.
+        self._preamble = sources if argv is None else b""
         self.deadline = deadline
         self._kill = kill  # a parameter so tests can simulate a helper stuck in the kernel
         self._on_timeout = on_timeout
@@ -186,8 +232,11 @@ class ProbeHelper:
             close_fds=True,
         )
         self.started += 1
-        assert self._proc.stdout is not None
+        assert self._proc.stdin is not None and self._proc.stdout is not None
         try:
+            if self._preamble:
+                self._proc.stdin.write(self._preamble)
+                await self._proc.stdin.drain()
             said = await waits.within(self._proc.stdout.readline(), HELPER_START_S)
         except asyncio.TimeoutError:
             raise _NotStarted(f"probe helper did not start within {HELPER_START_S:g} s (killed)") from None

@@ -1,7 +1,8 @@
 """The probe helper's own process: one JSON request per line in, one JSON result per line out.
 
 Started by the agent (helper.py) as `python -I -S -B`: standard library only, no grpc, so it
-stays small; it imports the kernel checks and the hypervisor table, nothing else of ours.
+stays small; it imports the kernel checks and the hypervisor table, nothing else of ours, from
+the sources the agent hands it (helper.SOURCES: the code the agent itself runs), never from disk.
 """
 
 from __future__ import annotations

@@ -4,19 +4,23 @@ In a surge update (or when a deleted pod's replacement starts while it terminate
 agent starts beside us under its own socket name (settings.instance), registers, and is ready
 while we still serve. On SIGTERM we keep serving until such a successor answers ready (peers.py:
 an agent of ours for the same resource, registered, streamed, healthy), then end our stream:
-- kubelets from 1.35 on keep one endpoint per socket path and promote the remaining one when
+- kubelets from 1.37 on keep one endpoint per socket path and promote the remaining one when
   ours ends: the resource never drops to zero;
-- 1.34 keeps one client per resource, and our stream ending disconnects the newest client as well
-  (kubernetes issue 121994, fixed in 1.35): the successor registers again at once, so the gap is
-  one Register round trip.
+- 1.34 to 1.36 keep one client per resource, and our stream ending disconnects the newest client
+  as well (kubernetes issue 121994, fixed in 1.37): the successor registers again at once, so the
+  gap is one Register round trip.
 Without a successor within settings.handover_seconds we stop anyway (an uninstall, a drain).
+
+Once the successor is ready, our stream ends only when the kubelet can send us no more Allocates
+(`released`): ending it closes the kubelet's connection to us at once, failing any Allocate still
+on its way (ARCHITECTURE.md, "The last Allocate before a handover").
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import grpc
 
@@ -57,9 +61,10 @@ async def wait_for_successor(
     timeout: float,
     pid: Optional[int] = None,
     ready: bool = True,
+    seen: Optional[Callable[[peers.Description], None]] = None,
 ) -> Optional[str]:
     """The socket path of a ready successor (with `pid`, that process; without `ready`, one that
-    answers), or None after `timeout` seconds without one."""
+    answers; `seen` gets each of its answers), or None after `timeout` seconds without one."""
     deadline = asyncio.get_running_loop().time() + timeout
     return await peers.successor(
         me,
@@ -68,15 +73,44 @@ async def wait_for_successor(
         legacy_ready=legacy_ready,
         pid=pid,
         require_ready=ready,
+        seen=seen,
     )
 
 
-async def drained(in_flight: Callable[[], int], timeout: float) -> bool:
-    """Whether in_flight() reached 0 within `timeout` seconds (polled: a stop is the only caller)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while in_flight() > 0:
-        if loop.time() >= deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
+async def calls_of(path: str) -> Optional[int]:
+    """The Allocates the instance of ours at `path` has received, if it says (an earlier release
+    does not; one that does not answer says nothing)."""
+    try:
+        found = await peers.describe(path, peers.PEER_TIMEOUT_S)
+    except (OSError, grpc.RpcError, peers.Legacy):
+        return None
+    return found.calls if found is not None else None
+
+
+async def released(
+    allocating: Callable[[], int],
+    received: Callable[[], int],
+    successor_calls: Callable[[], Awaitable[Optional[int]]],
+    quiet: float = transport.QUIET_S,
+) -> str:
+    """Called once the successor is ready; returns, saying why, once the kubelet can send us no
+    more Allocates, so that ending our stream fails none.
+
+    The successor's registration made it the kubelet's endpoint for the resource: every Allocate
+    from then on goes there. One the kubelet addressed to us just before may still be on its way
+    (it looks the endpoint up, then calls it: devicemanager/manager.go, allocateContainerResources),
+    and admission is serial (the allocation manager holds its mutex through Allocate), so there is
+    at most one such call and nothing after it comes to us. It is over when
+    - an Allocate that arrived after the successor was ready has been answered: it was that call;
+    - the successor has received an Allocate: the kubelet finished every earlier one first;
+    - or, proving nothing but bounding the wait, none arrived for `quiet` seconds."""
+    baseline = received()
+
+    async def proof() -> Optional[str]:
+        if received() > baseline:
+            return "answered the kubelet's last Allocate addressed to us"
+        if await successor_calls():
+            return "the successor has received an Allocate"
+        return None
+
+    return await transport.until_quiet(allocating, received, proof, quiet)

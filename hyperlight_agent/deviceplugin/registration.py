@@ -31,7 +31,7 @@ import logging
 import os
 import stat
 import time
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import grpc
 
@@ -113,6 +113,7 @@ class Ending(enum.Enum):
     REPLACED = "replaced"  # another socket is at our path: serve again (a stale one is swapped out)
     LOST = "lost"  # the kubelet's stream ended: after the loss backoff
     NO_STREAM = "no-stream"  # no stream opened in time after Register: likewise
+    RENEW = "renew"  # asked to (renew()): end our stream and register again, with no backoff
 
 
 class Registrar:
@@ -130,6 +131,7 @@ class Registrar:
         stream_open_timeout: float = STREAM_OPEN_TIMEOUT_S,
         loss_backoff: Optional[Backoff] = None,
         watched: Callable[[], bool] = lambda: False,
+        may_register: Optional[Callable[[], Awaitable[None]]] = None,
     ) -> None:
         self.kubelet_dir = kubelet_dir
         self.socket_path = os.path.join(kubelet_dir, socket_name)
@@ -146,6 +148,10 @@ class Registrar:
         # and so do an inotify overflow and the watch's loss; otherwise we re-check on a timer.
         self._watched = watched
         self._register_timeout = register_timeout
+        # Awaited between serving and each Register: returns when we may register (the side holds
+        # a Register that would take the kubelet from a ready instance of ours, handover.py).
+        self._may_register = may_register
+        self._renew = False
         self._stream_open_timeout = stream_open_timeout
         self._backoff = backoff or Backoff(rand=JITTER)  # Register failures; reset by a successful one
         # Streams lost (or never opened) after a successful Register: reset only after a stream
@@ -208,6 +214,8 @@ class Registrar:
                 self._pin("_stream_ended_with", None)
                 if same_kubelet:
                     await asyncio.sleep(STREAM_SETTLE_S)
+            if self._may_register is not None:
+                await self._may_register()
             await self._register()
         except (RegistrationError, transport.NotServing) as exc:
             self.last_error = str(exc)
@@ -240,6 +248,11 @@ class Registrar:
             self._set(State.WAITING)
             await self.stop(grace=0)
             return
+        if outcome is Ending.RENEW:
+            log.info("registering %s with the kubelet again", self._resource)
+            self._set(State.WAITING)
+            await self.stop(grace=0)
+            return
         if outcome is Ending.RESTART:
             self._after_kubelet_restart()
             self._set(State.WAITING)
@@ -257,6 +270,12 @@ class Registrar:
             self._after_kubelet_restart()  # a new kubelet.sock: that is why the stream ended
         else:
             self.streams_lost += 1
+
+    def renew(self) -> None:
+        """End the kubelet's stream and register again now (after a failed handover, whose
+        successor may have taken the kubelet's endpoint for our resource: handover.py)."""
+        self._renew = True
+        self._wake.set()
 
     def _after_kubelet_restart(self) -> None:
         """A new kubelet owes us nothing from the old one's losses: no backoff before we register."""
@@ -359,6 +378,7 @@ class Registrar:
             options=api.plugin_options(),
         )
         self._register_sent = True
+        self._renew = False  # a Register from now on is what renew() asked for
         async with grpc.aio.insecure_channel(transport.unix_target(self.kubelet_socket)) as channel:
             register = asyncio.ensure_future(
                 api.registration_stub(channel).Register(request, timeout=self._register_timeout)
@@ -429,6 +449,9 @@ class Registrar:
                 return Ending.RESTART
             if self._kubelet_stream is not None and not self._kubelet_stream_open:
                 return Ending.LOST
+            if self._renew:
+                self._renew = False
+                return Ending.RENEW
             timeout: Optional[float] = None if self._watched() else VERIFY_INTERVAL_S
             if self.state == State.REGISTERED:
                 timeout = no_stream_by - loop.time()

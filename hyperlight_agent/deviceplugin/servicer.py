@@ -67,6 +67,7 @@ class DevicePluginServicer:
         self._on_allocate = on_allocate  # outcome ("ok", "invalid", "unavailable") for metrics
         self.open_streams = 0
         self.allocating = 0  # Allocate calls in flight
+        self.received = 0  # Allocate calls received in all (a handover's successor says it: peers.py)
         # The last response built, reused by every stream until health or slots change.
         self._cached: Optional[tuple[Observation, int, pb.ListAndWatchResponse]] = None
 
@@ -149,6 +150,7 @@ class DevicePluginServicer:
         # Counted, so a handover can let the kubelet's calls in flight finish first: the kubelet
         # cancels them itself when our stream ends (it closes the connection).
         self.allocating += 1
+        self.received += 1
         try:
             return await self._allocate(request, context)
         finally:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import grpc
 
@@ -43,6 +43,7 @@ class DevicePluginSnapshot:
     kubelet_socket: str
     current_streams: int  # open ListAndWatch streams on the server the kubelet registered
     slots: int
+    held: str = ""  # why our Register is held back ("" when it is not)
 
     def ready(self) -> bool:
         """Registered, the kubelet's stream open, and the last device check passed."""
@@ -64,6 +65,8 @@ class DevicePluginSnapshot:
         obs = self.observation
         if self.checked and not obs.healthy:
             return f"unhealthy: {obs.reason}"
+        if self.held:
+            return self.held
         if self.registration is State.LOST:
             return f"{self.registration_error}; registering again"
         if self.registration is State.WAITING:
@@ -100,7 +103,10 @@ class DevicePluginSide:
             self._configure,
             on_change=self._on_registrar,
             watched=lambda: shared.watcher.watching(target.kubelet_dir),
+            may_register=self._may_register,
         )
+        self.held = ""  # why our Register is held back (the status says it)
+        self.registering = False  # waiting for the predecessor's agreement (Describe says it)
         registrar = self.registrar
         shared.watcher.watch(
             target.kubelet_dir, lambda name: registrar.wake(), {contracts.KUBELET_SOCKET, self.profile.socket}
@@ -112,15 +118,96 @@ class DevicePluginSide:
     async def run(self) -> None:
         await self.registrar.run()
 
-    async def hand_over(self, timeout: float, pid: Optional[int] = None, ready: bool = True) -> Optional[str]:
+    async def hand_over(
+        self,
+        timeout: float,
+        pid: Optional[int] = None,
+        ready: bool = True,
+        seen: Optional[Callable[[peers.Description], None]] = None,
+    ) -> Optional[str]:
         successor = await handover.wait_for_successor(
-            self._shared.identity, self.kubelet_dir, self._base_socket, self.profile.socket, timeout, pid, ready
+            self._shared.identity, self.kubelet_dir, self._base_socket, self.profile.socket, timeout, pid, ready, seen
         )
         if successor:
-            # Its registration made the kubelet send new Allocates there; ours in flight must
-            # finish before our stream ends (the kubelet then cancels them).
-            await handover.drained(lambda: self.servicer.allocating, transport.STOP_GRACE_S)
+            # Its registration made the kubelet send new Allocates there; ours must be over, and
+            # none still on its way to us, before our stream ends (the kubelet then closes our
+            # connection, failing whatever is on it).
+            why = await handover.released(
+                lambda: self.servicer.allocating, lambda: self.servicer.received, lambda: handover.calls_of(successor)
+            )
+            log.info("the kubelet is done with us: %s", why)
         return successor
+
+    def after_failed_hand_over(self, successor_registered: bool) -> None:
+        """A handover that failed: the kubelet's endpoint and device list must be ours again. A
+        successor that registered took the endpoint (1.34 keeps one client per resource, and the
+        successor's end disconnected it) or listed its devices last (1.37+ keep the last list any
+        endpoint sent): register again. Otherwise nothing changed; list once more anyway."""
+        if successor_registered:
+            self.registrar.renew()
+        else:
+            self._shared.observation.republish()
+
+    def described(self) -> Mapping[str, Any]:
+        """What Describe adds for this side (peers.py)."""
+        observation = self._shared.observation
+        return {
+            "serving": self.snapshot(observation.current, observation.version > 0).ready(),
+            "calls": self.servicer.received,
+            "registering": self.registering,
+        }
+
+    async def _may_register(self) -> None:
+        """Returns when we may register. A Register makes us the kubelet's endpoint for the
+        resource, and our list its device list: with our device unhealthy beside a ready instance
+        of ours (a successor whose device check fails), that would take the node's devices from
+        the kubelet, so we hold it until our device is healthy or that instance is gone. An
+        in-place upgrade's child also waits for its predecessor to agree (host/successor.py), so
+        that the predecessor knows, if the upgrade fails, whether the kubelet's endpoint is still
+        its own."""
+        try:
+            await peers.hold(
+                lambda observation: self._hold_reason(observation.healthy),
+                self._shared.observation,
+                self._held,
+                # The predecessor agrees within its own poll: ask as often as it asks us.
+                lambda: peers.POLL_S if self.registering else peers.HOLD_POLL_S,
+            )
+        finally:
+            self.registering = False
+
+    def _held(self, reason: str) -> None:
+        if reason:
+            log.info("%s", reason)
+        self.held = reason
+        self._shared.on_change()
+
+    async def _hold_reason(self, healthy: bool) -> str:
+        """Why we may not register now ("" when we may)."""
+        me = self._shared.identity
+        if not healthy:
+            serving = await handover.wait_for_successor(
+                me, self.kubelet_dir, self._base_socket, self.profile.socket, peers.PEER_TIMEOUT_S
+            )
+            if serving is not None:
+                return f"not registering while the device is unhealthy: {serving} serves the kubelet"
+        predecessor = self._shared.predecessor()
+        if predecessor is None:
+            return ""
+        found = await peers.find(
+            predecessor, handover.candidates(self.kubelet_dir, self._base_socket, self.profile.socket)
+        )
+        if found is not None:
+            record = found.upgrade
+            if record is None or "agreed" not in record:
+                return ""  # a release before the agreement: it does not wait for us to ask
+            # An unready predecessor hands over without waiting for us to ask: we are its "done".
+            handed_to_us = record.get("state") == "done" and record.get("pid") == me.pid
+            if record.get("agreed") == me.pid or handed_to_us:
+                return ""
+        # Not found: it is leaving (then predecessor() becomes None), or too busy to answer.
+        self.registering = True
+        return f"waiting for the agent we replace (pid {predecessor}) to agree before registering"
 
     def begin_stop(self) -> None:
         self.registrar.end_streams()
@@ -131,7 +218,14 @@ class DevicePluginSide:
     def snapshot(self, observation: Observation, checked: bool) -> DevicePluginSnapshot:
         r = self.registrar
         return DevicePluginSnapshot(
-            observation, checked, r.state, r.last_error, r.kubelet_socket, r.current_streams, self.profile.slots
+            observation,
+            checked,
+            r.state,
+            r.last_error,
+            r.kubelet_socket,
+            r.current_streams,
+            self.profile.slots,
+            self.held,
         )
 
     async def newer_instance(self) -> Optional[str]:

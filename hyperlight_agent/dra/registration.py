@@ -37,7 +37,7 @@ import asyncio
 import logging
 import os
 import stat
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import grpc
 
@@ -71,6 +71,7 @@ class Registrar:
         deregister_grace: Optional[float] = None,
         configure: Optional[Callable[[grpc.aio.Server], None]] = None,
         watched: Callable[[], bool] = lambda: False,
+        may_register: Optional[Callable[[], Awaitable[None]]] = None,
     ) -> None:
         if not instance:
             raise ValueError("a DRA plugin instance needs a name unique on the node (the pod name or uid)")
@@ -95,6 +96,10 @@ class Registrar:
         # calls wake(), and nothing runs on a timer.
         self._watched = watched
         self._wake = asyncio.Event()
+        # Awaited between serving the DRA service and the registration socket: returns when we may
+        # register (the side holds a registration that would take the kubelet's calls from a ready
+        # instance of ours while our device is unhealthy).
+        self._may_register = may_register
 
     @property
     def serving(self) -> bool:
@@ -106,6 +111,8 @@ class Registrar:
         try:
             driver_dir(os.path.dirname(self.service_socket))
             self._dra = await self._serve(self.service_socket, api.dra_handlers(self._service), self._configure)
+            if self._may_register is not None:
+                await self._may_register()
             self._registration = await self._serve(self.registration_socket, [api.registration_handler(self)])
         except transport.NotServing as exc:
             self._set(False, str(exc))
@@ -138,8 +145,8 @@ class Registrar:
         if dra is not None and not dra.pin.is_at(dra.path):
             log.warning("our DRA service socket %s was removed or replaced; serving it again", dra.path)
             self._dra = await self._serve(dra.path, api.dra_handlers(self._service), self._configure)
-            self.served_again += 1
             await dra.stop(self._stop_grace)  # calls in flight finish on the old server
+            self.served_again += 1  # (once the old server is gone: the kubelet's next call dials anew)
         if registration is not None and not registration.pin.is_at(registration.path):
             # The kubelet has deregistered us (or will in a moment): not registered until it says so.
             log.warning(

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import grpc
 
@@ -59,6 +59,31 @@ def device_info(observation: Observation) -> Optional[DeviceInfo]:
         return None
     row = hypervisors.BY_NAME[observation.hypervisor]
     return DeviceInfo(row.name, row.api_version or 0, row.container_path)
+
+
+class _Counted:
+    """The DRA service with the kubelet's calls counted: a handover waits until none is in flight
+    and none came for a while before it deregisters (the kubelet then closes our connection,
+    failing whatever is on it: DraSide.hand_over)."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.in_flight = 0
+        self.received = 0
+
+    async def NodePrepareResources(self, request: Any, context: Any, messages: Any) -> Any:
+        return await self._counted(self.service.NodePrepareResources(request, context, messages))
+
+    async def NodeUnprepareResources(self, request: Any, context: Any, messages: Any) -> Any:
+        return await self._counted(self.service.NodeUnprepareResources(request, context, messages))
+
+    async def _counted(self, call: Awaitable[Any]) -> Any:
+        self.in_flight += 1
+        self.received += 1
+        try:
+            return await call
+        finally:
+            self.in_flight -= 1
 
 
 class _NotConnected:
@@ -155,6 +180,7 @@ class DraSide:
             Prepared(os.path.join(target.plugins_dir, target.driver)),
             on_call=shared.metrics.dra_call,
         )
+        self.calls = _Counted(self.service)
         self._registry_dir = target.registry_dir
         watcher = shared.watcher
         sockets = (
@@ -162,14 +188,15 @@ class DraSide:
             names.service_socket(target.plugins_dir, target.driver, target.instance),
         )
         self.registrar = registration.Registrar(
-            self.service,
+            self.calls,
             target.driver,
             target.instance,
             target.registry_dir,
             target.plugins_dir,
-            on_change=self._on_change,
+            on_change=self._registration_changed,
             configure=shared.serve_ours,
             watched=lambda: all(watcher.watching(os.path.dirname(p)) for p in sockets),
+            may_register=self._may_register,
         )
         # Our two sockets (removed by a cleanup tool: served again), and other instances'
         # registration sockets coming and going (whether a newer one keeps the slice).
@@ -218,7 +245,7 @@ class DraSide:
                 self.node_name,
                 self.registrar.driver,
                 self.devices,
-                newer=self.newer_instance,
+                newer=self.slice_keeper,
                 on_change=self._on_change,
                 shared=self._shared_device,
                 on_event=self._shared.metrics.dra_event,
@@ -233,15 +260,25 @@ class DraSide:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def hand_over(self, timeout: float, pid: Optional[int] = None, ready: bool = True) -> Optional[str]:
+    async def hand_over(
+        self,
+        timeout: float,
+        pid: Optional[int] = None,
+        ready: bool = True,
+        seen: Optional[Callable[[peers.Description], None]] = None,
+    ) -> Optional[str]:
         """On a stop: serve on until another instance of our driver on this node is registered
         and ready (a surge update, or a deleted pod's replacement), at most `timeout` seconds. The
-        kubelet calls the newest connected instance, so from then on new claims go there; calls
-        already with us finish within the registrar's stop grace. Returns the successor's socket."""
+        kubelet calls the newest connected instance, so from then on new claims go there; a call it
+        sent us just before may still be on its way, and deregistering closes the kubelet's
+        connection to us (dra_plugin_manager.go, remove: conn.Close()), failing it ("the client
+        connection is closing"; the pod waits for the kubelet's retry). So we wait until no call
+        is in flight and none arrived for transport.QUIET_S: calls are concurrent here, so nothing
+        proves it sooner. Returns the successor's socket."""
         if not self.registrar.serving:
             return None
         deadline = asyncio.get_running_loop().time() + timeout
-        return await peers.successor(
+        successor = await peers.successor(
             self.identity,
             self._candidates,
             deadline,
@@ -249,18 +286,77 @@ class DraSide:
             legacy_ready=healthcheck.peer_ready,
             pid=pid,
             require_ready=ready,
+            seen=seen,
         )
+        if successor:
+            calls = self.calls
+            why = await transport.until_quiet(lambda: calls.in_flight, lambda: calls.received)
+            log.info("the kubelet is done with us: %s", why)
+        return successor
+
+    def after_failed_hand_over(self, successor_registered: bool) -> None:
+        """The kubelet calls the newest connected instance, and a stopped one is deregistered: it
+        calls us again by itself. The ResourceSlice is looked at again (ours to keep again)."""
+        if self.publisher is not None:
+            self.publisher.wake()
+
+    def described(self) -> Mapping[str, Any]:
+        """What Describe adds for this side (peers.py): `serving` is ready but for the slice."""
+        return {"serving": self._serving(), "calls": self.calls.received}
+
+    def _serving(self) -> bool:
+        """Registered with the kubelet and the device healthy: all but the slice (which only a
+        serving instance may take from another: slice_keeper)."""
+        observation = self._observation
+        return self.registrar.registered and observation.version > 0 and observation.current.healthy
 
     async def newer_instance(self) -> Optional[str]:
         """The name of a live instance of our driver on this node that started after us, if any:
-        it keeps the ResourceSlice (peers.py)."""
+        it keeps the CDI spec (peers.py)."""
         found = await peers.newer(self.identity, self._candidates(), resolve=self._service_socket)
+        return found.identity.name if found else None
+
+    async def slice_keeper(self) -> Optional[str]:
+        """The name of a live instance of our driver on this node that keeps the ResourceSlice
+        instead of us, if any: the newest serving one. A successor that is not serving (its device
+        check fails, it is not registered) never takes the slice from a serving predecessor, whose
+        slice would otherwise lose its devices (peers.outranking)."""
+        found = await peers.outranking(self.identity, self._serving(), self._candidates(), resolve=self._service_socket)
         return found.identity.name if found else None
 
     def sockets_changed(self) -> None:
         """A socket came or went in the registry or our plugin directory: ours may need serving
         again, and another instance may have come or gone (who keeps the slice)."""
         self.registrar.wake()
+        if self.publisher is not None:
+            self.publisher.wake()
+
+    async def _may_register(self) -> None:
+        """Returns when we may register: our registration socket makes us the newest instance,
+        which the kubelet calls; with our device unhealthy beside a ready instance of ours (a
+        successor whose check fails) every claim would fail, so it waits for a healthy device or
+        for that instance to go."""
+        await peers.hold(self._hold_reason, self._observation, self._held)
+
+    async def _hold_reason(self, observation: Observation) -> str:
+        if observation.healthy:
+            return ""
+        ready = await peers.successor(
+            self.identity,
+            self._candidates,
+            asyncio.get_running_loop().time() + peers.PEER_TIMEOUT_S,
+            resolve=self._service_socket,
+            legacy_ready=healthcheck.peer_ready,
+        )
+        return f"not registering while the device is unhealthy: {ready} serves the kubelet" if ready else ""
+
+    def _held(self, reason: str) -> None:
+        if reason:
+            log.info("%s", reason)
+
+    def _registration_changed(self) -> None:
+        """Registered or not: readiness, and whether we may keep the slice (slice_keeper)."""
+        self._on_change()
         if self.publisher is not None:
             self.publisher.wake()
 

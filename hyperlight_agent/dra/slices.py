@@ -31,9 +31,10 @@ API's defaults) are left alone; and if the server changes what we wrote on the w
 is accepted once (said once) rather than fought.
 
 One writer per node: during a rolling update two instances of the driver run, maybe with other
-settings. Before writing, the publisher asks `newer()` for a newer live instance of our driver on
-this node; while there is one, it yields and leaves the slice to it (ARCHITECTURE.md, "Whose spec
-and slice stand").
+settings. Before writing, the publisher asks `newer()` for another live instance of our driver on
+this node that keeps the slice instead (the agent's side gives the newest serving one, so a
+successor whose device check fails never empties a ready predecessor's slice); while there is
+one, it yields and leaves the slice to it (ARCHITECTURE.md, "Whose spec and slice stand").
 
 The kubelet deletes all of its node's slices when it starts; anyone with RBAC may delete or edit
 ours. The slice is not deleted on close: a successor instance (rolling update) publishes the same
@@ -457,7 +458,7 @@ class SlicePublisher:
 
     def _yield_to(self, newer: str, current: Optional[Json]) -> None:
         if self.kept_by != newer:
-            log.info("ResourceSlice for node %s: newer instance %s keeps it; not writing it", self.node_name, newer)
+            log.info("ResourceSlice for node %s: instance %s keeps it; not writing it", self.node_name, newer)
         self.kept_by = newer
         self._written = None  # what the newer one writes is no edit to complain of when we take over
         self.published = current is not None

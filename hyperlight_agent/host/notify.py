@@ -3,15 +3,23 @@
 Without NOTIFY_SOCKET (not under systemd) every call does nothing and nothing fails.
 
 An in-place upgrade (host/successor.py) moves the unit from one process to another: the old agent
-ends with hand_off() (READY=1 and MAINPID= of its child, then silence), and the child, which holds
-its tongue while its predecessor lives (PREDECESSOR_ENV), speaks from take_over() on.
+ends with hand_off() (MAINPID= of its child, and READY=1 if the unit was active, then silence), and
+the child, which holds its tongue while its predecessor lives (PREDECESSOR_ENV), speaks from
+take_over() on, READY=1 included once it is ready. The hand-off is the one message that must
+arrive: it is sent without sdnotify (which drops what it cannot send), waiting for room on a full
+socket, and a failure is said to the caller.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Mapping, Optional
 
-from hyperlight_agent import __version__, contracts
+from hyperlight_agent import __version__, contracts, waits
+
+# The hand-off waits this long for systemd's notify socket to take it (a full queue drains as
+# systemd reads; one that does not within this is a failed hand-off, and the old agent serves on).
+HAND_OFF_TIMEOUT_S = 5.0
 
 
 def watchdog_usec(environ: Mapping[str, str]) -> Optional[int]:
@@ -48,29 +56,59 @@ class Notifier:
         self.predecessor: Optional[int] = int(predecessor) if predecessor.isdigit() else None
         self._status = ""
 
+    def close(self) -> None:
+        """Close the socket to systemd (nothing more can be said)."""
+        if self._notifier is not None and self._notifier.socket is not None:
+            self._notifier.socket.close()
+            self._notifier.socket = None
+
     @property
     def under_systemd(self) -> bool:
         return self._notifier is not None
 
     def send(self, *lines: str) -> None:
-        if not self.handed_off and self.predecessor is None:
+        if self.speaks:
             self._deliver(lines)
 
     def _deliver(self, lines: tuple[str, ...]) -> None:
         if self._notifier is not None:
             self._notifier.notify("\n".join(lines))
 
-    def hand_off(self, pid: int, status: str) -> None:
-        """Make `pid` the unit's main process (an in-place upgrade's child) and end the reload; from
-        now on it speaks for the unit, and nothing more is said from here (a STOPPING=1 of ours
-        would stop the unit)."""
-        self.send("READY=1", f"STATUS={status}", f"MAINPID={pid}")
-        self.handed_off = True
+    async def hand_off(self, pid: int, status: str, timeout: float = HAND_OFF_TIMEOUT_S) -> Optional[str]:
+        """Make `pid` the unit's main process (an in-place upgrade's child), with READY=1 ending
+        the reload if the unit was active (an activating unit stays so: its READY=1 is the child's
+        to send, once the child is ready). None once systemd has the message: from now on `pid`
+        speaks for the unit and nothing more is said from here (a STOPPING=1 of ours would stop
+        the unit). Else why it could not be sent, and nothing changed."""
+        lines = (*(["READY=1"] if self.ready_sent else []), f"STATUS={status}", f"MAINPID={pid}")
+        why = await self._deliver_surely(lines, timeout)
+        if why is None:
+            self.handed_off = True
+        return why
+
+    async def _deliver_surely(self, lines: tuple[str, ...], timeout: float) -> Optional[str]:
+        """One message, waiting up to `timeout` for room on the socket; None once sent, else why not."""
+        sock = self._notifier.socket if self._notifier is not None else None
+        if sock is None:
+            return "systemd's notify socket is not open"
+        try:
+            await waits.within(asyncio.get_running_loop().sock_sendall(sock, "\n".join(lines).encode()), timeout)
+        except asyncio.TimeoutError:
+            return f"systemd's notify socket took no message within {timeout:g} s (its queue is full)"
+        except OSError as exc:
+            return f"cannot tell systemd ({exc.strerror or exc})"
+        return None
 
     def take_over(self) -> None:
-        """Our predecessor is gone and we are the unit's main process: say where we are."""
+        """Our predecessor is gone and we are the unit's main process: say where we are (and
+        READY=1 at once if we are ready: ready() again)."""
         self.predecessor = None
         self.send(f"STATUS={self._line}")
+
+    @property
+    def speaks(self) -> bool:
+        """Whether what we say reaches systemd: not after a hand-off, not before our predecessor left."""
+        return not self.handed_off and self.predecessor is None
 
     @property
     def _line(self) -> str:
@@ -84,8 +122,9 @@ class Notifier:
             self.send(f"STATUS={self._line}")
 
     def ready(self) -> None:
-        """READY=1, once: the first time readiness holds (later losses show in STATUS only)."""
-        if not self.ready_sent:
+        """READY=1, once: the first time readiness holds while we speak for the unit (later losses
+        show in STATUS only)."""
+        if not self.ready_sent and self.speaks:
             self.ready_sent = True
             self.send("READY=1", f"STATUS={self._line}")
 

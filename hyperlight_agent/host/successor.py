@@ -7,10 +7,16 @@ kubelet without our device for a moment. An upgrade instead asks the running age
 by `hyperlight-agent --upgrade-in-place PID`: the unit's ExecReload= and the package scripts) to
 start the code now installed, wait until that process is registered and ready, hand the kubelet
 over to it as a pod hands over to its successor in a surge update, make it the unit's main process
-(sd_notify MAINPID=) and leave. A child that exits, hangs or is refused before it is ready is
-stopped, and we serve on.
+(sd_notify MAINPID=) and leave. A child that exits, hangs or is refused before it is ready, or that
+systemd could not be told of, is stopped, and we serve on.
 
-    pid, said = await replace_self(instance, environ, hand_over=lambda pid: side.hand_over(..., pid=pid))
+The child registers with the kubelet only once we agree (its Describe says `registering`, our
+Record says `agreed`): so if the upgrade fails, we know whether the kubelet's endpoint for our
+resource may have become the child's, and register again only then (kubelet_side.py,
+after_failed_hand_over).
+
+    pid, said = await replace_self(instance, environ, hand_over=lambda pid: side.hand_over(..., pid=pid),
+                                   hand_off=lambda pid: notifier.hand_off(pid, ...))
 """
 
 from __future__ import annotations
@@ -163,7 +169,8 @@ class Record:
     attempts: int = 0
     state: str = "idle"  # idle, running, done (`pid` took over) or failed (`why`)
     why: str = ""
-    pid: int = 0
+    pid: int = 0  # the child of the last attempt, once started (0: none yet)
+    agreed: int = 0  # the child we agreed may register with the kubelet (0: none)
 
     def said(self) -> dict[str, Any]:
         return {"upgrade": asdict(self)}
@@ -173,16 +180,20 @@ async def replace_self(
     instance: Optional[str],
     environ: Mapping[str, str],
     hand_over: Callable[[int], Awaitable[Optional[str]]],
+    hand_off: Callable[[int], Awaitable[Optional[str]]] = lambda pid: _nothing(),
+    started: Callable[[int], None] = lambda pid: None,
     cmdline: Optional[Sequence[str]] = None,
 ) -> tuple[Optional[int], str]:
-    """Start the installed agent as we were started, under a new instance name, and hand over to it:
-    (its pid, the socket it serves on) once `hand_over(pid)` found it ready, or (None, why not) with
-    the child gone again."""
+    """Start the installed agent as we were started, under a new instance name (`started` is told
+    its pid), and hand over to it: (its pid, the socket it serves on) once `hand_over(pid)` found
+    it ready and `hand_off(pid)` made it the unit's main process (None; else it says why not), or
+    (None, why not) with the child gone again."""
     argv = command_line(child_instance(instance), cmdline)
     try:
         child = await Child.start(argv, {**environ, contracts.PREDECESSOR_ENV: str(os.getpid())})
     except OSError as exc:
         return None, f"cannot start {argv[0]}: {exc}"
+    started(child.pid)
     took_over = False
     try:
         handed = asyncio.ensure_future(hand_over(child.pid))
@@ -193,6 +204,9 @@ async def replace_self(
             for task in (handed, gone):
                 task.cancel()
         if handed.done() and not handed.cancelled() and handed.result() and child.running:
+            why = await hand_off(child.pid)
+            if why is not None:
+                return None, f"the new agent (pid {child.pid}) was ready, but {why}"
             took_over = True
             return child.pid, str(handed.result())
         if not child.running:
@@ -203,3 +217,7 @@ async def replace_self(
             child.close()
         else:
             await child.stop()
+
+
+async def _nothing() -> Optional[str]:
+    return None

@@ -8,13 +8,15 @@ scripts know how it went.
        nothing was done, a restart is the way to new code
 
 The agent is found by asking Describe on the sockets every mode's instances serve (the caller
-lists them: modes.Mode.instance_sockets): the one that answers with PID is it.
+lists them: modes.Mode.instance_sockets): the one that answers with PID is it. A command that finds
+an upgrade of PID already under way (a package script's beside an admin's `systemctl reload`)
+sends nothing and answers that upgrade's outcome, and one that finds PID already replaced by an
+in-place upgrade (the new agent's Describe says `replaced`) answers 0.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 from typing import Callable, Optional
@@ -32,7 +34,7 @@ LEAVE_TIMEOUT_S = 20.0
 # This command is started cold, often on a busy host (a package upgrade): an instance gets this
 # long to answer it, not the handover's PEER_TIMEOUT_S, which bounds a search with a deadline.
 ANSWER_TIMEOUT_S = 5.0
-# Once the old agent has left, the new one may be between two sockets: a kubelet before 1.35
+# Once the old agent has left, the new one may be between two sockets: a kubelet before 1.37
 # ends the new plugin's stream when the old one's ends, and the agent then serves and registers
 # anew. It is asked again for this long before the upgrade is called failed.
 SUCCESSOR_WAIT_S = 10.0
@@ -49,7 +51,7 @@ async def _answers(sockets: list[str]) -> list[peers.Description]:
     for path in sockets:
         try:
             answer = await peers.describe(path, ANSWER_TIMEOUT_S)
-        except (OSError, grpc.RpcError):  # not an answer of ours
+        except (OSError, grpc.RpcError, peers.Legacy):  # not an answer of ours
             continue
         if answer is not None:
             found.append(answer)
@@ -68,17 +70,19 @@ async def descendant(instance: Optional[str], protocol: str, resource: str, sock
 
 
 async def _upgrade(pid: int, sockets: Callable[[], list[str]]) -> tuple[int, str]:
-    found = next((a for a in await _answers(sockets()) if a.identity.pid == pid), None)
-    if found is None:
-        return CANNOT, f"pid {pid}: no hyperlight-agent answers as this process"
-    if found.upgrade is None:
-        return CANNOT, f"pid {pid} runs hyperlight-agent {found.identity.version}, which cannot upgrade in place"
-    before = int(found.upgrade.get("attempts", 0))
-    # Whatever takes over starts after this moment.
-    asked = dataclasses.replace(found.identity, started=peers.boottime_ns(), instance="", pid=0)
+    answers = await _answers(sockets())
+    found = next((a for a in answers if a.identity.pid == pid), None)
+    if found is None or found.upgrade is None:
+        return _not_upgrading(pid, found, answers)
+    attempts = int(found.upgrade.get("attempts", 0))
+    # An upgrade already under way (a package script's beside an admin's `systemctl reload`), or
+    # done with the old agent leaving: this command joins it, and its outcome is ours to say.
+    joined = found.upgrade.get("state") in ("running", "done")
+    before = attempts - 1 if joined else attempts
     try:
         pidfd = os.pidfd_open(pid)
-        signal.pidfd_send_signal(pidfd, signals.UPGRADE[0])
+        if not joined:
+            signal.pidfd_send_signal(pidfd, signals.UPGRADE[0])
     except ProcessLookupError:
         return CANNOT, f"pid {pid} has exited"
     try:
@@ -87,7 +91,9 @@ async def _upgrade(pid: int, sockets: Callable[[], list[str]]) -> tuple[int, str
         os.close(pidfd)
     if failed is not None:
         return FAILED, f"in-place upgrade of pid {pid} failed: {failed}"
-    successor_found = await peers.newer_until(asked, sockets, asyncio.get_running_loop().time() + SUCCESSOR_WAIT_S)
+    # Whatever took over started after the old agent did.
+    deadline = asyncio.get_running_loop().time() + SUCCESSOR_WAIT_S
+    successor_found = await peers.newer_until(found.identity, sockets, deadline)
     if successor_found is None:
         return FAILED, (
             f"pid {pid} exited during the in-place upgrade, and no new agent answered within "
@@ -97,6 +103,19 @@ async def _upgrade(pid: int, sockets: Callable[[], list[str]]) -> tuple[int, str
         f"pid {pid} handed over to pid {successor_found.identity.pid} "
         f"(hyperlight-agent {successor_found.identity.version}) and left"
     )
+
+
+def _not_upgrading(pid: int, found: Optional[peers.Description], answers: list[peers.Description]) -> tuple[int, str]:
+    """The answer for a pid that is no agent we can upgrade now."""
+    if found is not None:
+        return CANNOT, f"pid {pid} runs hyperlight-agent {found.identity.version}, which cannot upgrade in place"
+    replacement = next((a for a in answers if a.replaced == pid), None)
+    if replacement is not None:  # another command's upgrade of it was over before we asked
+        return DONE, (
+            f"pid {pid} had already handed over to pid {replacement.identity.pid} "
+            f"(hyperlight-agent {replacement.identity.version})"
+        )
+    return CANNOT, f"pid {pid}: no hyperlight-agent answers as this process"
 
 
 async def _failed_or_gone(pidfd: int, path: str, before: int) -> Optional[str]:
@@ -111,7 +130,7 @@ async def _failed_or_gone(pidfd: int, path: str, before: int) -> Optional[str]:
                 return f"not finished within {successor.READY_TIMEOUT_S + LEAVE_TIMEOUT_S:g} s"
             try:
                 now = await peers.describe(path, peers.PEER_TIMEOUT_S)
-            except (OSError, grpc.RpcError):  # the old agent is leaving: its socket goes
+            except (OSError, grpc.RpcError, peers.Legacy):  # the old agent is leaving: its socket goes
                 continue
             record = now.upgrade if now is not None and now.upgrade is not None else {}
             if int(record.get("attempts", 0)) > before and record.get("state") == "failed":
