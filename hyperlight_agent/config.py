@@ -165,6 +165,23 @@ def _handover_seconds(value: Any) -> float:
     return number
 
 
+# An opt-in eviction waits at least this long: a check interval, so a single failed check never evicts.
+MIN_EVICT_AFTER_S = 30.0
+
+
+def _evict_after(value: Any) -> float:
+    problem = ValueError(f"must be 0 (never) or a number of seconds from {MIN_EVICT_AFTER_S:g} to 86400")
+    if isinstance(value, bool) or (isinstance(value, str) and not (value.isascii() and len(value) <= 40)):
+        raise problem
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        raise problem from None
+    if not (number == 0 or MIN_EVICT_AFTER_S <= number <= 86400):  # also refuses nan
+        raise problem
+    return number
+
+
 @dataclass(frozen=True)
 class Setting:
     key: str  # TOML key and Settings attribute
@@ -345,6 +362,18 @@ SETTINGS: tuple[Setting, ...] = (
         restart_only=True,
     ),
     Setting(
+        "dra_evict_after_seconds",
+        "HYPERLIGHT_DRA_EVICT_AFTER",
+        "--dra-evict-after",
+        0,
+        _evict_after,
+        "--dra: an unusable device is tainted NoSchedule at once (no new claims); with this set, its "
+        "taint turns NoExecute (pods using it are evicted) once it has been unusable this long with no "
+        "passing check between, so a shorter flap evicts nothing; 0: never evict",
+        toml_types=(int, float),
+        restart_only=True,
+    ),
+    Setting(
         "node_name",
         "NODE_NAME",
         "--node-name",
@@ -425,6 +454,7 @@ class Settings:
     handover_seconds: float
     dra_devices: int
     dra_shared_device: str
+    dra_evict_after_seconds: float
     node_name: Optional[str]
     kubeconfig: Optional[str]
     dra_registry_dir: str

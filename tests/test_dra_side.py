@@ -80,6 +80,20 @@ def devices_published(fake: FakeApiServer) -> int:
     return len(ours[0]["spec"].get("devices") or []) if len(ours) == 1 else -1
 
 
+# The taint of a device whose probe fails, as the slice carries it (the server adds timeAdded).
+UNUSABLE_PROBE = {"key": "hyperlight.dev/unusable", "value": "probe", "effect": "NoSchedule"}
+
+
+def taints_published(fake: FakeApiServer) -> list[Any]:
+    """The taints of the slice's devices, all alike (else the list of each device's)."""
+    ours = fake.ours()
+    found = [
+        [{k: v for k, v in t.items() if k != "timeAdded"} for t in d.get("taints", [])]
+        for d in (ours[0]["spec"].get("devices") or [] if len(ours) == 1 else [])
+    ]
+    return found[0] if found and all(f == found[0] for f in found) else found
+
+
 def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: str, helpers: list[FakeHelper]) -> None:
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         notifier = RecordingNotifier()
@@ -114,16 +128,18 @@ def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: st
             socket = dra_side(agent).registrar.service_socket
             assert await healthcheck.peer_ready(socket, 2)
 
-            # The device fails its check: its devices leave the slice, readiness follows.
+            # The device fails its check: it stays in the slice with our taint, readiness follows.
             helpers[0].answers["kvm"] = ProbeResult(False, "KVM_CREATE_VM failed")
             agent.checker.request()
-            await until(lambda: devices_published(fake) == 0 and not agent.ready, what="devices out of the slice")
+            await until(lambda: taints_published(fake) == [UNUSABLE_PROBE] and not agent.ready, what="the taint")
+            assert devices_published(fake) == 1
             # (followed by what the slice publisher last met, if anything)
             assert agent.status().startswith("unhealthy: KVM_CREATE_VM failed"), agent.status()
             assert not await healthcheck.peer_ready(socket, 2)
             helpers[0].answers.clear()
             agent.checker.request()
-            await until(lambda: devices_published(fake) == 1 and agent.ready, what="back in the slice")
+            await until(lambda: taints_published(fake) == [] and agent.ready, what="the taint gone")
+            assert devices_published(fake) == 1
         finally:
             await shut(agent)
         assert not os.listdir(os.path.join(tmp, "plugins_registry")), "our registration socket is gone"
@@ -299,7 +315,9 @@ def test_device_info_comes_from_the_table() -> None:
     from hyperlight_agent.device.observation import Observation
 
     assert dra_side_module.device_info(Observation(True, "", "mshv")) == DeviceInfo("mshv", 0, "/dev/mshv")
-    assert dra_side_module.device_info(Observation(False, "gone", "kvm")) is None
+    # A device that failed its check is still described (it stays in the slice, tainted).
+    assert dra_side_module.device_info(Observation(False, "failed", "kvm")) == DeviceInfo("kvm", 12, "/dev/kvm")
+    assert dra_side_module.device_info(Observation(False, "gone", None)) is None
 
 
 # Issue 26, 2: a removed registration socket is put back, the kubelet registers us again, and we

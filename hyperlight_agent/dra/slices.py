@@ -10,12 +10,18 @@ are handed out as the same CDI device by the node service. Which the server keep
 writing the shared device and reading the answer: a server that drops the field gets the N devices
 from then on (ARCHITECTURE.md, "DRA: one shared device, N where the API cannot say so").
 
-A device that is absent or failed its check leaves the slice: the slice stays, with no devices
-(spec.devices is optional, `omitempty`, and "Only one of Devices and SharedCounters can be set"
-allows neither), and pool.generation moves on. Why keep an empty slice rather than delete it: the
-scheduler sees the same "no devices here" either way, but an empty slice says "this node's agent
-runs and has nothing to offer" where a missing one says nothing; and every change stays one
-update of one object, with the generation never going back.
+A device that is absent or failed its check stays in the slice with our taint (dra/taints.py:
+key hyperlight.dev/unusable, the cause as its value, NoSchedule, or NoExecute once the opt-in
+debounce has passed), so the scheduler keeps new claims off it and says why, and pods already
+using it see its health (dra/health.py). A slice with a taint holds at most 64 devices, so N
+identical devices beyond that leave it while tainted. Where the API server drops device taints
+(DRADeviceTaints: beta and on from 1.36), found out as for sharing, by writing one and reading
+the answer, the device leaves the slice instead: the slice stays, with no devices (spec.devices is
+optional, `omitempty`, and "Only one of Devices and SharedCounters can be set" allows neither), and
+pool.generation moves on. Why keep an empty slice rather than delete it: the scheduler sees the
+same "no devices here" either way, but an empty slice says "this node's agent runs and has nothing
+to offer" where a missing one says nothing; and every change stays one update of one object, with
+the generation never going back.
 
 How the server's state is known: list once, then watch from the list's resourceVersion, keeping
 the node's slices of our driver as the events say (an informer, as client-go's). A watch asks the
@@ -51,6 +57,7 @@ from typing import Any, Awaitable, Callable, NamedTuple, Optional
 from hyperlight_agent import backoff, contracts
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.dra.client import SLICES, ApiError, Json, KubeApi
+from hyperlight_agent.dra.taints import Taint
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +80,10 @@ NOTICE_INTERVAL_S = 600.0
 ATTRIBUTES = ("hypervisor", "apiVersion", "devicePath")
 # The device field that lets the scheduler allocate one device to many claims (KEP-5075).
 SHARED_FIELD = "allowMultipleAllocations"
+# The device field holding its taints (KEP-5055); of those, ours (contracts.TAINT_UNUSABLE) are
+# compared by key, value and effect (the server adds timeAdded).
+TAINTS_FIELD = "taints"
+TAINT_FIELDS = ("key", "value", "effect")
 
 
 class DeviceInfo(NamedTuple):
@@ -88,11 +99,20 @@ def device_names(hypervisor: str, count: int) -> list[str]:
     return [f"{hypervisor}-{i}" for i in range(count)]
 
 
-def desired_spec(node_name: str, driver: str, count: int, device: Optional[DeviceInfo], shared: bool = False) -> Json:
+def desired_spec(
+    node_name: str,
+    driver: str,
+    count: int,
+    device: Optional[DeviceInfo],
+    shared: bool = False,
+    taint: Optional[Taint] = None,
+    taints: bool = True,
+) -> Json:
     """The slice's spec without pool.generation (which only says how often it changed): one shared
-    device, or `count` identical ones."""
+    device, or `count` identical ones; each with `taint` when the device is unusable, or none at
+    all where the server keeps no taints (`taints` false)."""
     devices: list[Json] = []
-    if device is not None:
+    if device is not None and (taint is None or taints):
         # Unprefixed attribute names are in the driver's domain:
         # device.attributes["hypervisor.hyperlight.dev"].hypervisor.
         attributes = {
@@ -103,7 +123,12 @@ def desired_spec(node_name: str, driver: str, count: int, device: Optional[Devic
         if shared:
             devices = [{"name": device.hypervisor, SHARED_FIELD: True, "attributes": attributes}]
         else:
+            if taint is not None:
+                count = min(count, contracts.RESOURCE_SLICE_MAX_TAINTED_DEVICES)
             devices = [{"name": name, "attributes": attributes} for name in device_names(device.hypervisor, count)]
+        if taint is not None:
+            for entry in devices:
+                entry[TAINTS_FIELD] = [taint.as_json()]
     return {
         "driver": driver,
         "nodeName": node_name,
@@ -114,8 +139,8 @@ def desired_spec(node_name: str, driver: str, count: int, device: Optional[Devic
 
 def owned(spec: Any) -> Json:
     """What of a slice's spec is ours to compare with the desired one: the driver, node, pool (no
-    generation), and per device its name and our attributes. No devices is the same as `[]` (the
-    server omits an empty list); anything others add is left out.
+    generation), and per device its name, our attributes and our taint (key, value, effect). No
+    devices is the same as `[]` (the server omits an empty list); anything others add is left out.
 
     >>> owned({"driver": "d", "nodeName": "n", "pool": {"name": "n", "generation": 3, "resourceSliceCount": 1},
     ...        "devices": [{"name": "kvm-0", "attributes": {"hypervisor": {"string": "kvm"}, "x": {"int": 1}}}]})
@@ -132,6 +157,14 @@ def owned(spec: Any) -> Json:
         if device.get(SHARED_FIELD) is True:
             mine[SHARED_FIELD] = True
         mine["attributes"] = {k: attributes[k] for k in ATTRIBUTES if k in attributes}
+        listed = device.get(TAINTS_FIELD)
+        taints = [
+            {k: _mapping(t).get(k) for k in TAINT_FIELDS}
+            for t in (listed if isinstance(listed, list) else [])
+            if _mapping(t).get("key") == contracts.TAINT_UNUSABLE
+        ]
+        if taints:
+            mine[TAINTS_FIELD] = taints
         found.append(mine)
     pool = _mapping(spec.get("pool"))
     return {
@@ -197,6 +230,7 @@ class SlicePublisher:
         drivers_before: tuple[str, ...] = contracts.DRA_DRIVERS_BEFORE,
         shared: bool = True,
         on_event: Callable[..., None] = lambda kind, *labels: None,
+        taints: bool = True,
     ) -> None:
         if not 1 <= count <= contracts.RESOURCE_SLICE_MAX_DEVICES:
             raise ValueError(
@@ -214,6 +248,9 @@ class SlicePublisher:
         self._swept = not drivers_before
         # One shared device, until the API server shows it drops allowMultipleAllocations.
         self.shared = shared
+        # An unusable device tainted, until the API server shows it drops taints.
+        self.taints = taints
+        self._taint: Optional[Taint] = None
         self._on_change = on_change  # told when published, kept_by or last_error may have changed
         # For the metrics: ("write", verb), ("api_error", verb, code), ("watch", why it was opened again).
         self._event = on_event
@@ -239,11 +276,12 @@ class SlicePublisher:
         self.requests = 0  # requests sent to the API server (benchmarks read this)
         self.looks = 0  # comparisons of the server's slices with the desired one done (tests read this)
 
-    def set_device(self, device: Optional[DeviceInfo]) -> None:
-        """The device the last check found usable, or None: absent or unusable (its devices leave)."""
-        if device == self._device and self._known:
+    def set_device(self, device: Optional[DeviceInfo], taint: Optional[Taint] = None) -> None:
+        """The device the slice describes (None: no device known, no devices), and its taint while
+        it is unusable (where the server keeps no taints, its devices leave the slice)."""
+        if (device, taint) == (self._device, self._taint) and self._known:
             return
-        self._device, self._known = device, True
+        self._device, self._taint, self._known = device, taint, True
         self.published = False
         self._changed()
         self._dirty.set()
@@ -257,7 +295,9 @@ class SlicePublisher:
             self._on_change()
 
     def desired(self) -> Json:
-        return desired_spec(self.node_name, self.driver, self.count, self._device, self.shared)
+        return desired_spec(
+            self.node_name, self.driver, self.count, self._device, self.shared, self._taint, self.taints
+        )
 
     @property
     def devices(self) -> int:
@@ -399,6 +439,8 @@ class SlicePublisher:
             self._changed()
             self._dirty.set()
             return
+        if self._dropped_taints(desired, kept, _name(result)):
+            return
         if owned(result.get("spec")) != desired:
             self._accepted = (desired, owned(result.get("spec")))
             self._notice(
@@ -407,6 +449,22 @@ class SlicePublisher:
                 "(a mutating webhook or policy?); keeping its version rather than writing it again",
             )
         self._settled(result, desired)
+
+    def _dropped_taints(self, desired: Json, kept: list[Json], name: str) -> bool:
+        """Whether the server dropped the taints we wrote (a feature it does not have): then, from
+        now on, an unusable device leaves the slice, as before taints existed (said once)."""
+        wrote = any(TAINTS_FIELD in d for d in desired["devices"])
+        if not (wrote and self.taints) or any(TAINTS_FIELD in d for d in kept):
+            return False
+        log.info(
+            "ResourceSlice %s: the API server does not keep device taints (Kubernetes before 1.36, or "
+            "DRADeviceTaints off); an unusable device leaves the slice instead",
+            name,
+        )
+        self.taints = False
+        self._changed()
+        self._dirty.set()
+        return True
 
     async def _write(self, desired: Json, keep: Optional[Json], extras: list[Json]) -> Json:
         """Delete the duplicates, then create or update the slice; the server's answer."""

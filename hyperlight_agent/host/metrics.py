@@ -243,6 +243,8 @@ class Metrics:
     def __init__(self, enabled: bool, build: Optional[dict[str, str]] = None) -> None:
         """`build`: hyperlight_build_info's labels (version, commit, mode)."""
         self._cause = ""
+        self._healthy: Optional[bool] = None  # the last check's verdict (None: no check yet)
+        self._taint = ""  # the effect of the device's taint in the slice now ("" none)
         self._counted = (0, 0, 0)  # the registrar's totals already added to our counters
         self.enabled = enabled
         if not enabled:
@@ -252,6 +254,7 @@ class Metrics:
             self.open_streams = self.helper_timeouts = self.streams_lost = off
             self.dra_calls = self.dra_claims = self.dra_call_seconds = off
             self.dra_slice_writes = self.dra_api_errors = self.dra_watch_restarts = off
+            self.transitions = self.dra_health_streams = self.dra_taint_effect = off
             return
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 
@@ -274,6 +277,12 @@ class Metrics:
         self.checks = Counter("hyperlight_checks_total", "device checks completed", ["result"], registry=r)
         self.failures = Counter(
             "hyperlight_check_failures_total", "failed device checks by cause", ["cause"], registry=r
+        )
+        self.transitions = Counter(
+            "hyperlight_device_health_transitions_total",
+            "changes of the device check's verdict (the first check's is none), by the new one",
+            ["to"],
+            registry=r,
         )
         self.cdi_repairs = Counter("hyperlight_cdi_repairs_total", "times the CDI spec was (re)written", registry=r)
         self.registrations = Counter("hyperlight_registrations_total", "successful kubelet registrations", registry=r)
@@ -323,6 +332,19 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.dra_health_streams = Gauge(
+            "hyperlight_dra_health_streams",
+            "resource-health streams open now (the kubelet's: 1 once it watches this instance)",
+            registry=r,
+        )
+        self.dra_taint_effect = Gauge(
+            "hyperlight_dra_device_taint",
+            "1 for the effect of the taint this node's device carries in the ResourceSlice (none while usable)",
+            ["effect"],
+            registry=r,
+        )
+        for to in ("healthy", "unhealthy"):
+            self.transitions.labels(to)  # from 0, for increase() to see the first
         if (build or {}).get("mode") == "dra":
             # Each claim outcome is served from 0 before it first happens: a series born at 1
             # has no increase() for an alert on the first failed claim to see.
@@ -342,6 +364,9 @@ class Metrics:
         self.healthy.set(1 if observation.healthy else 0)
         if repaired:
             self.cdi_repairs.inc()
+        if self._healthy is not None and observation.healthy != self._healthy:
+            self.transitions.labels("healthy" if observation.healthy else "unhealthy").inc()
+        self._healthy = observation.healthy
         cause = observation.cause.value  # the label's value (str() of an Enum is its name)
         if not observation.healthy:
             self.failures.labels(cause).inc()
@@ -359,6 +384,19 @@ class Metrics:
             self.dra_claims.labels(operation, "ok").inc(ok)
         if failed:
             self.dra_claims.labels(operation, "error").inc(failed)
+
+    def dra_health_stream(self, delta: int) -> None:
+        """A resource-health stream opened (+1) or ended (-1)."""
+        self.dra_health_streams.inc(delta)
+
+    def dra_taint(self, effect: str) -> None:
+        """The effect of the taint the slice's device carries now ("" none)."""
+        if self.enabled and effect != self._taint:
+            if self._taint:
+                self.dra_taint_effect.remove(self._taint)
+            if effect:
+                self.dra_taint_effect.labels(effect).set(1)
+            self._taint = effect
 
     def dra_event(self, kind: str, *labels: str) -> None:
         """What the ResourceSlice publisher reports (dra/slices.py: on_event)."""
