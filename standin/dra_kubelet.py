@@ -102,6 +102,8 @@ class DraKubeletStandin:
     refused: list[tuple[str, str]] = field(default_factory=list)
     # The ResourceHealthStatus gate: whether health streams are opened at all.
     resource_health: bool = True
+    # The health services this kubelet knows, in its order of preference.
+    known_health_services: tuple[str, ...] = KNOWN_HEALTH_SERVICES
     # driver → "pool/device" → its entry (healthinfo.go's cache).
     health_cache: dict[str, dict[str, DeviceHealth]] = field(default_factory=dict)
     # Every change the kubelet would tell the pods of: (loop time, driver, "pool/device", health).
@@ -219,7 +221,7 @@ class DraKubeletStandin:
             registration_socket=path,
             channel=channel,
             stub=api.dra_stub(channel, chosen),
-            health_service=next((h for h in KNOWN_HEALTH_SERVICES if h in versions), ""),
+            health_service=next((h for h in self.known_health_services if h in versions), ""),
         )
 
     async def _deregister(self, path: str) -> None:

@@ -20,6 +20,7 @@ from hyperlight_agent.dra import client as dra_client
 from hyperlight_agent.dra import slices
 from hyperlight_agent.dra.client import ApiError, ClientConfigError, KubeApi
 from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher, desired_spec, owned
+from hyperlight_agent.dra.taints import Taint
 from standin.apiserver import DRIVER, NODE, SLICES_PATH, FakeApiServer, Json, kubeconfig, recorded, status
 from tests.conftest import until
 from tests.test_docs import ROOT
@@ -337,6 +338,110 @@ def test_an_unusable_device_leaves_the_slice_and_comes_back(tmp_path: Any) -> No
         await publishing(fake, api, check)
 
     run(tmp_path, body)
+
+
+PROBE = Taint("probe", "NoSchedule")
+
+
+def tainted(fake: FakeApiServer) -> list[list[Json]]:
+    """Each device's taints as the server keeps them."""
+    (ours,) = fake.ours()
+    return [d.get("taints", []) for d in ours["spec"].get("devices", [])]
+
+
+def test_an_unusable_device_stays_with_our_taint_which_goes_on_recovery(tmp_path: Any) -> None:
+    """Issue 40, 3: the devices stay, each with the taint (the server adds timeAdded, which is not
+    ours to compare); its effect changes in one update; a passing check removes it."""
+
+    async def body(fake: FakeApiServer, api: KubeApi) -> None:
+        async def check(publisher: SlicePublisher) -> None:
+            await until(lambda: publisher.published, what="published")
+            publisher.set_device(KVM, PROBE)
+            assert not publisher.published
+            await until(lambda: publisher.published, what="published with the taint")
+            taints = tainted(fake)
+            assert len(taints) == 4 and all(t == taints[0] for t in taints)
+            (taint,) = taints[0]
+            assert {k: v for k, v in taint.items() if k != "timeAdded"} == {
+                "key": "hyperlight.dev/unusable",
+                "value": "probe",
+                "effect": "NoSchedule",
+            } and taint["timeAdded"]
+            assert fake.ours()[0]["spec"]["devices"][0]["attributes"]["hypervisor"] == {"string": "kvm"}
+            updates = len(fake.of("update"))
+            publisher.set_device(KVM, Taint("probe", "NoExecute"))
+            await until(lambda: publisher.published, what="NoExecute")
+            assert [t["effect"] for t in tainted(fake)[0]] == ["NoExecute"] and len(fake.of("update")) == updates + 1
+            publisher.set_device(KVM)
+            await until(lambda: publisher.published, what="the taint gone")
+            assert tainted(fake) == [[]] * 4 and publisher.taints
+
+        await publishing(fake, api, check)
+
+    run(tmp_path, body)
+
+
+def test_a_tainted_slice_holds_at_most_64_identical_devices(tmp_path: Any) -> None:
+    """The API server refuses more than 64 devices in a slice once any has a taint."""
+    spec = desired_spec(NODE, DRIVER, 128, KVM, taint=PROBE)
+    assert [d["name"] for d in spec["devices"]] == [f"kvm-{i}" for i in range(64)]
+    assert len(desired_spec(NODE, DRIVER, 128, KVM)["devices"]) == 128
+    assert len(desired_spec(NODE, DRIVER, 128, KVM, shared=True, taint=PROBE)["devices"]) == 1
+
+    async def body(fake: FakeApiServer, api: KubeApi) -> None:
+        async def check(publisher: SlicePublisher) -> None:
+            await until(lambda: publisher.published, what="published")
+            publisher.set_device(KVM, PROBE)
+            await until(lambda: publisher.published, what="64 tainted devices")
+            assert len(tainted(fake)) == 64
+            publisher.set_device(KVM)
+            await until(lambda: publisher.published, what="128 again")
+            assert len(tainted(fake)) == 128
+
+        await publishing(fake, api, check, count=128)
+
+    run(tmp_path, body)
+
+
+def test_a_server_without_device_taints_gets_the_device_out_of_the_slice_said_once(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 40, 3: an API server that drops taints on the way in (before 1.36, DRADeviceTaints off)
+    is found out by the first tainted write; from then on an unusable device leaves the slice, as
+    before taints, said in one line however often it happens."""
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+
+    async def body(fake: FakeApiServer, api: KubeApi) -> None:
+        fake.device_taints = False
+
+        async def check(publisher: SlicePublisher) -> None:
+            await until(lambda: publisher.published, what="published")
+            for _ in range(3):
+                publisher.set_device(KVM, PROBE)
+                await until(lambda: publisher.published, what="published without the device")
+                assert "devices" not in fake.ours()[0]["spec"] and not publisher.taints
+                publisher.set_device(KVM)
+                await until(lambda: publisher.published, what="back")
+                assert len(fake.ours()[0]["spec"]["devices"]) == 4
+            said = [r.getMessage() for r in caplog.records if "does not keep device taints" in r.getMessage()]
+            assert len(said) == 1 and "an unusable device leaves the slice instead" in said[0], said
+            assert [bool(r.body and "taints" in str(r.body)) for r in fake.of("update")].count(True) == 1
+
+        await publishing(fake, api, check)
+
+    run(tmp_path, body)
+
+
+def test_only_our_taint_is_compared_without_the_time_the_server_added() -> None:
+    spec = desired_spec(NODE, DRIVER, 1, KVM, taint=PROBE)
+    stored = copy.deepcopy(spec)
+    stored["devices"][0]["taints"] = [
+        {"key": "example.com/other", "value": "x", "effect": "NoSchedule"},
+        {**PROBE.as_json(), "timeAdded": "2026-11-30T10:20:00Z"},
+    ]
+    assert owned(stored) == spec
+    stored["devices"][0]["taints"] = [{"key": "example.com/other", "value": "x", "effect": "NoSchedule"}]
+    assert owned(stored) == desired_spec(NODE, DRIVER, 1, KVM)
 
 
 def test_duplicates_are_deleted_and_other_slices_left_alone(tmp_path: Any) -> None:
