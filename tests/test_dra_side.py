@@ -403,3 +403,64 @@ def test_a_stop_with_a_prepare_in_flight_ends_within_the_bound(tmp: str, helpers
         assert prepare.done() and (prepare.cancelled() or prepare.exception() is not None)
 
     with_cluster(tmp, body)
+
+
+# Issue 40, 4: after a reboot the kubelet prepares its pods' claims again, and the record on disk
+# outlives the CDI spec (in /run): an entry of an earlier boot is no answer until a fresh check has
+# written the spec.
+def test_a_claim_recorded_before_a_reboot_is_checked_again_and_its_cdi_spec_written(
+    tmp: str, helpers: list[FakeHelper], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hyperlight_agent.dra import prepared
+
+    boot = ["boot-1"]
+    monkeypatch.setattr(prepared, "read_boot_id", lambda path="": boot[0])
+    spec = cdi.spec_path(os.path.join(tmp, "cdi"))
+    claim = Claim("default", "pod-hv-9x2lq", UID)
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
+        first = Agent(settings_in(tmp, config), modes.DRA)
+        await first.start()
+        try:
+            await until(lambda: first.ready and bool(kubelet.instances.get(DRIVER)), what="ready")
+            (device,) = (await kubelet.prepare(DRIVER, [claim]))[UID].devices
+            assert dra_side(first).service.prepared.this_boot(UID)
+        finally:
+            await shut(first)
+
+        # The reboot: /run's CDI spec gone, the record kept; the claim is not read from the API again.
+        boot[0] = "boot-2"
+        os.remove(spec)
+        fake.claims.clear()
+        second = Agent(settings_in(tmp, config, instance="pod-b"), modes.DRA)
+        gate = asyncio.Event()
+        helpers[-1].gate = gate  # no check finishes until the gate opens
+        await second.start()
+        try:
+            await until(lambda: bool(kubelet.instances.get(DRIVER)), what="registered")
+            record = dra_side(second).service.prepared
+            assert record.get(UID) is not None and not record.this_boot(UID)
+            answer = asyncio.ensure_future(kubelet.prepare(DRIVER, [claim]))
+            await asyncio.sleep(0.2)
+            assert not answer.done(), "answered from a record of an earlier boot, before any check"
+            gate.set()
+            (again,) = (await answer)[UID].devices
+            assert not (await answer)[UID].error
+            assert (again.device_name, list(again.cdi_device_ids)) == (
+                device.device_name,
+                ["hyperlight.dev/hypervisor=kvm"],
+            )
+            assert os.path.exists(spec), "the fresh check wrote the CDI spec before the answer"
+            assert record.this_boot(UID) and [r.verb for r in fake.requests].count("get") == 1
+
+            # In this boot the record answers at once again, with no check.
+            helpers[-1].gate = asyncio.Event()
+            checks = len(helpers[-1].requests)
+            (once_more,) = (await kubelet.prepare(DRIVER, [claim]))[UID].devices
+            assert once_more == again and len(helpers[-1].requests) == checks
+        finally:
+            gate.set()
+            await shut(second)
+
+    with_cluster(tmp, body)

@@ -88,7 +88,7 @@ def test_the_opt_in_is_0_or_at_least_a_check_interval(value: str, ok: bool) -> N
 
 def effects(fake: FakeApiServer) -> list[str]:
     """The effect of our taint in every version of the slice the server kept, in order ("" none)."""
-    seen = []
+    seen: list[str] = []
     for _, _, obj in fake.events:
         devices = obj["spec"].get("devices") or []
         taints = [t["effect"] for t in (devices[0].get("taints", []) if devices else [])]
