@@ -27,9 +27,10 @@ How the server's state is known: list once, then watch from the list's resourceV
 the node's slices of our driver as the events say (an informer, as client-go's). A watch asks the
 server to end it after WATCH_TIMEOUT_S and is opened again from the last version it saw, without
 a list; 410 Gone (too old a version) and a conflict on write mean "list again". A dead connection
-is found out by the client (client.py) at the watch's end, or sooner by the server's minutely
-bookmarks when a watch is longer than they are apart. Anything that fails, or a watch that ends
-early, waits the jittered backoff; it starts over only after a watch ran to its end.
+is found out by the client (client.py) by the server's minutely bookmarks (their silence, or the
+first one's absence) and TCP keepalive, within two minutes, long before a watch's end. Anything
+that fails, or a watch that ends early, waits the jittered backoff; it starts over only after a
+watch ran to its end.
 
 What is ours in the slice is compared, nothing else (`owned`): the driver, node and pool, and each
 device's name and our attributes. Fields and attributes others add (a mutating webhook, a newer
@@ -65,13 +66,13 @@ log = logging.getLogger(__name__)
 # the first retry of a streak is immediate.
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_CAP_S = 30.0
-# Each watch asks the server to end it after a time in this range (spread, so that a fleet's
-# watches do not end together). This bounds how long a connection that stopped forwarding (no FIN,
-# no RST, a proxy that still acknowledges) goes unnoticed: the timeout and WATCH_GRACE_S, under a
-# minute whatever the network does (issue 26). Longer watches (client-go's 5-10 minutes) cost a
-# tenth of the requests but leave that to the server's bookmarks: 75 s after the last one, and up
-# to a whole watch before the first (ARCHITECTURE.md, "DRA: an informer, and one backoff").
-WATCH_TIMEOUT_S = (40.0, 50.0)
+# Each watch asks the server to end it after a time in this range, client-go's (spread, so that a
+# fleet's watches do not end together): an idle node renews its watch about 8 times an hour. Its
+# liveness is not the timeout's: a connection that stopped forwarding (no FIN, no RST, a proxy that
+# still acknowledges) is found by the server's bookmarks, 75 s after the last one or, before the
+# first, 75 s after the server answered (client.py); a peer gone from the network by TCP keepalive
+# too (ARCHITECTURE.md, "DRA: an informer, and one backoff").
+WATCH_TIMEOUT_S = (300.0, 600.0)
 # A watch the server ended sooner than this fraction of what we asked for ended early: a failure.
 EARLY_END = 0.5
 # "Edited by someone else" and the like: said once per this long, with a count of the repeats.
