@@ -400,9 +400,9 @@ async def test_every_connection_to_the_api_server_has_tcp_keepalive(tmp_path: An
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == dra_client.KEEPALIVE_IDLE_S
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == dra_client.KEEPALIVE_INTERVAL_S
-        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == dra_client.KEEPALIVE_PROBES
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == dra_client.KEEPALIVE_COUNT
         # A peer gone silent is found within two minutes of its last word.
-        found = dra_client.KEEPALIVE_IDLE_S + dra_client.KEEPALIVE_INTERVAL_S * dra_client.KEEPALIVE_PROBES
+        found = dra_client.KEEPALIVE_IDLE_S + dra_client.KEEPALIVE_INTERVAL_S * dra_client.KEEPALIVE_COUNT
         assert found <= 120
     finally:
         await api.close()

@@ -49,7 +49,7 @@ BOOKMARK_INTERVAL_S = 60.0
 # dispatch) is dead, long before its timeoutSeconds. A miss costs one watch, never a list.
 BOOKMARK_MARGIN_S = 15.0
 WATCH_HEARTBEAT_S = BOOKMARK_INTERVAL_S + BOOKMARK_MARGIN_S
-# The same deadline holds for a watch's first bookmark, counted from the server's answer: the
+# That deadline holds for a watch's first bookmark too, counted from the server's answer: the
 # cacher looks at a new watch a minute after it started, and its version has moved past the
 # watch's start by then wherever etcd tells it of progress (kubeadm's etcd every 5 s). Where it does
 # not (etcd's default, 10 minutes, and a quiet cluster), a healthy watch gets no first bookmark:
@@ -57,14 +57,13 @@ WATCH_HEARTBEAT_S = BOOKMARK_INTERVAL_S + BOOKMARK_MARGIN_S
 # fresh connection, gets none either, the server is taken not to send bookmarks while quiet: from
 # then on (said once, until a bookmark comes again) a watch without one runs to its end, and a
 # dead connection before the first bookmark is found there, or by TCP keepalive.
-FIRST_BOOKMARK_S = WATCH_HEARTBEAT_S
 # TCP keepalive on every connection to the API server: a peer gone from the network (a crashed
 # node behind a load balancer, a NAT entry dropped) is found after this much silence and the
 # probes, also before a watch's first bookmark. A proxy that stopped forwarding but still answers
 # the probes is for the bookmarks to find.
 KEEPALIVE_IDLE_S = 30
 KEEPALIVE_INTERVAL_S = 10
-KEEPALIVE_PROBES = 3
+KEEPALIVE_COUNT = 3
 # A healthy server answers a watch (its headers, or 429) within a minute: priority and fairness
 # queues a request at most that long (k8s.io/apiserver pkg/server/filters/priority-and-fairness.go,
 # getRequestWaitContext). No answer in that and the margin: the request went down a dead connection.
@@ -147,7 +146,7 @@ class KubeApi:
         timeout_s: float = REQUEST_TIMEOUT_S,
         watch_grace_s: float = WATCH_GRACE_S,
         watch_heartbeat_s: float = WATCH_HEARTBEAT_S,
-        first_bookmark_s: float = FIRST_BOOKMARK_S,
+        first_bookmark_s: float = WATCH_HEARTBEAT_S,
     ) -> None:
         self._make_http = http
         self._http = http()
@@ -157,7 +156,7 @@ class KubeApi:
         self._watch_grace_s = watch_grace_s
         self._watch_heartbeat_s = watch_heartbeat_s
         self._first_bookmark_s = first_bookmark_s
-        # Whether a watch is given up for want of its first bookmark (see FIRST_BOOKMARK_S), and
+        # Whether a watch is given up for want of its first bookmark (see WATCH_HEARTBEAT_S), and
         # how many watches in a row were.
         self.expect_bookmarks = True
         self._first_misses = 0
@@ -178,7 +177,7 @@ class KubeApi:
         ends the watch (after about `timeout_s`: a normal end). Raises ApiError for anything else:
         an ERROR event (410: the version is too old to watch from), an unreadable event, a
         connection that failed, or one gone silent: still open WATCH_GRACE_S past the timeout,
-        without its first bookmark FIRST_BOOKMARK_S after the answer (see there), or, once the
+        without its first bookmark WATCH_HEARTBEAT_S after the answer (see there), or, once the
         server has sent a bookmark or an event, silent for WATCH_HEARTBEAT_S (the server's bookmarks
         come every minute from then on)."""
         import httpx
@@ -389,7 +388,7 @@ class KubeApi:
 
 class _Liveness:
     """When a watch's silence means a dead connection: past its end; before its first bookmark (or
-    event), FIRST_BOOKMARK_S after the server's answer while bookmarks are expected (`first_due`);
+    event), WATCH_HEARTBEAT_S after the server's answer while bookmarks are expected (`first_due`);
     after one, WATCH_HEARTBEAT_S after the last word."""
 
     def __init__(self, answered: float, ends: float, first_due: bool) -> None:
@@ -463,7 +462,7 @@ def connect(
     timeout_s: float = REQUEST_TIMEOUT_S,
     watch_grace_s: float = WATCH_GRACE_S,
     watch_heartbeat_s: float = WATCH_HEARTBEAT_S,
-    first_bookmark_s: float = FIRST_BOOKMARK_S,
+    first_bookmark_s: float = WATCH_HEARTBEAT_S,
 ) -> KubeApi:
     """A client from the kubeconfig at `kubeconfig` (the `kubeconfig` setting), else from the pod's
     service account and the in-cluster address in `environ` (the process environment, handed over
@@ -530,12 +529,12 @@ def _connect(
 
 def keepalive_options() -> list[tuple[int, int, int]]:
     """setsockopt arguments for TCP keepalive (KEEPALIVE_*): probes after KEEPALIVE_IDLE_S of
-    silence, KEEPALIVE_PROBES of them KEEPALIVE_INTERVAL_S apart."""
+    silence, KEEPALIVE_COUNT of them KEEPALIVE_INTERVAL_S apart."""
     return [
         (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
         (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S),
         (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S),
-        (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT),
     ]
 
 
