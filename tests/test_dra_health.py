@@ -18,6 +18,7 @@ from hyperlight_agent.device.observation import Cause, Observation, SharedObserv
 from hyperlight_agent.dra import api, health, prepared
 from hyperlight_agent.dra import side as dra_side_module
 from hyperlight_agent.dra.health import Health
+from standin import dra_kubelet as standin_kubelet
 from standin.apiserver import FakeApiServer
 from standin.dra_kubelet import DraKubeletStandin
 from tests.conftest import until
@@ -34,13 +35,21 @@ def kubelets_view(kubelet: DraKubeletStandin, device: str = "kvm") -> tuple[str,
     return kubelet.health(DRIVER, NODE, device)
 
 
+@pytest.mark.parametrize(
+    ("known", "chosen"),
+    [
+        (standin_kubelet.KNOWN_HEALTH_SERVICES, contracts.DRA_HEALTH_V1),  # 1.37
+        ((contracts.DRA_HEALTH_V1ALPHA1,), contracts.DRA_HEALTH_V1ALPHA1),  # a kubelet of v1alpha1 only
+    ],
+)
 def test_a_pods_device_health_follows_the_check_within_a_second(
-    tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture
+    tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture, known: tuple[str, ...], chosen: str
 ) -> None:
     """Healthy once registered; Unhealthy with the check's reason within a second of the device
     failing; Healthy again on recovery: what `kubectl describe pod` shows of the claim."""
 
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        kubelet.known_health_services = known
         agent = Agent(settings_in(tmp, config), modes.DRA)
         await agent.start()
         try:
@@ -50,7 +59,7 @@ def test_a_pods_device_health_follows_the_check_within_a_second(
             )
             (instance,) = kubelet.instances[DRIVER]
             # The kubelet's own order: v1 before v1alpha1, whatever the order offered.
-            assert instance.health_service == contracts.DRA_HEALTH_V1 and instance.health_streams == 1
+            assert instance.health_service == chosen and instance.health_streams == 1
             assert dra_side(agent).health.streams == 1
 
             loop = asyncio.get_running_loop()
@@ -125,24 +134,6 @@ def test_unknown_until_the_first_check_finishes(tmp: str, helpers: list[FakeHelp
             await until(lambda: kubelets_view(kubelet) == ("Healthy", ""), what="Healthy after the first check")
         finally:
             gate.set()
-            await shut(agent)
-
-    with_cluster(tmp, body)
-
-
-def test_a_kubelet_that_knows_only_v1alpha1_gets_the_same_stream(tmp: str, helpers: list[FakeHelper]) -> None:
-    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
-        kubelet.known_health_services = (contracts.DRA_HEALTH_V1ALPHA1,)
-        agent = Agent(settings_in(tmp, config), modes.DRA)
-        await agent.start()
-        try:
-            await until(
-                lambda: kubelets_view(kubelet) == ("Healthy", "") and DRIVER in kubelet.instances,
-                what="Healthy over v1alpha1",
-            )
-            (instance,) = kubelet.instances[DRIVER]
-            assert instance.health_service == contracts.DRA_HEALTH_V1ALPHA1
-        finally:
             await shut(agent)
 
     with_cluster(tmp, body)

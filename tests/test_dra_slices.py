@@ -691,12 +691,20 @@ async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_a_heartbeat(
         await until(lambda: publisher.published and fake.of("watch"), what="published")
         await fake.advance()  # the cluster moves on: the server's bookmarks start
         await until(lambda: publisher._listed_version == str(fake.version), what="a bookmark")
-        proxy.freeze()
-        await fake.remove(publisher.slice_name)
-        await until(lambda: len(fake.ours()) == 1, what="the slice back")  # long before the 60 s watch ends
-        assert ("api_error", "watch", "0") in events, events
-        lists = [r for r in fake.of("list") if r.query["fieldSelector"].endswith(f"spec.driver={DRIVER}")]
-        assert len(fake.of("watch")) == 2 and len(lists) == 1, "a new watch, from the bookmark: no list"
+        await deleted_behind_a_frozen_watch(fake, publisher, proxy, events)
+
+
+async def deleted_behind_a_frozen_watch(
+    fake: FakeApiServer, publisher: SlicePublisher, proxy: Any, events: list[tuple[str, ...]]
+) -> None:
+    """The watch's connection stops forwarding and the slice is deleted: it is back long before
+    the 60 s watch would end, by a new watch from where the last one was (no list)."""
+    proxy.freeze()
+    await fake.remove(publisher.slice_name)
+    await until(lambda: len(fake.ours()) == 1, what="the slice back")
+    assert ("api_error", "watch", "0") in events, events
+    lists = [r for r in fake.of("list") if r.query["fieldSelector"].endswith(f"spec.driver={DRIVER}")]
+    assert len(fake.of("watch")) == 2 and len(lists) == 1, "a new watch, from where it was: no list"
 
 
 # Issue 40, 6: with client-go's long watches, a connection that stopped forwarding before the
@@ -719,12 +727,8 @@ async def test_a_slice_deleted_behind_a_watch_frozen_before_its_first_bookmark_i
     ) as (_, publisher, proxy):
         await until(lambda: publisher.published and fake.of("watch"), what="published")
         assert not fake.of("create") and not fake.of("update")
-        proxy.freeze()  # before the first bookmark (the server would send it 0.4 s after the answer)
-        await fake.remove(publisher.slice_name)
-        await until(lambda: len(fake.ours()) == 1, what="the slice back")  # long before the 60 s watch ends
-        assert ("api_error", "watch", "0") in events, events
-        lists = [r for r in fake.of("list") if r.query["fieldSelector"].endswith(f"spec.driver={DRIVER}")]
-        assert len(fake.of("watch")) == 2 and len(lists) == 1, "a new watch from where it was: no list"
+        # Before the first bookmark (the server would send it 0.4 s after the answer).
+        await deleted_behind_a_frozen_watch(fake, publisher, proxy, events)
 
 
 # Issue 29, 7: publishers that fail together (an API server restart meets every node at once)
