@@ -98,10 +98,11 @@ DRA_VERSION_V1 = "v1.DRAPlugin"
 DRA_VERSION_V1BETA1 = "v1beta1.DRAPlugin"
 DRA_SUPPORTED_VERSIONS = (DRA_VERSION_V1, DRA_VERSION_V1BETA1)
 # The optional resource-health service (pkg/apis/dra-health; here the gRPC service name itself):
-# a kubelet with ResourceHealthStatus (beta, on from 1.36) opens one stream per registered
-# instance that names a version it knows, v1 before v1alpha1 in its own order; earlier kubelets,
-# or the gate off, never do. Each message is every device's health; the kubelet puts it into the
-# status of the pods using the devices (allocatedResourcesStatus).
+# a 1.37 kubelet with ResourceHealthStatus (beta, on from 1.36) opens one stream per registered
+# instance that names a version it knows, v1 before v1alpha1 in its own order; 1.36 asks every
+# instance for v1alpha1 whatever it names; earlier kubelets, or the gate off, never do. Each
+# message is every device's health; the kubelet puts it into the status of the pods using the
+# devices (allocatedResourcesStatus).
 DRA_HEALTH_V1 = "v1.DRAResourceHealth"
 DRA_HEALTH_V1ALPHA1 = "v1alpha1.DRAResourceHealth"
 DRA_HEALTH_SERVICES = (DRA_HEALTH_V1, DRA_HEALTH_V1ALPHA1)

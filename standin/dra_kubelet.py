@@ -28,7 +28,8 @@ pkg/kubelet/cm/dra), never more forgiving:
   when it is not in the cache or its last report is older than its health_check_timeout_seconds
   (30 s when not above 0); any stream's end forgets the whole driver's health, without telling
   the pods; messages are cut to 1024 characters. health() is what the kubelet would write into a
-  pod's allocatedResourcesStatus.
+  pod's allocatedResourcesStatus. With `health_needs_offer` off it is 1.36's (ResourceHealthStatus
+  beta there too): every plugin is asked for v1alpha1, whatever it offers, forever.
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ class DraKubeletStandin:
     resource_health: bool = True
     # The health services this kubelet knows, in its order of preference.
     known_health_services: tuple[str, ...] = KNOWN_HEALTH_SERVICES
+    # 1.37 opens a stream only for a plugin that names a health service it knows; 1.36 (False
+    # here) asks every plugin for v1alpha1, and tries again every 5 s even after UNIMPLEMENTED.
+    health_needs_offer: bool = True
     # driver → "pool/device" → its entry (healthinfo.go's cache).
     health_cache: dict[str, dict[str, DeviceHealth]] = field(default_factory=dict)
     # Every change the kubelet would tell the pods of: (loop time, driver, "pool/device", health).
@@ -221,7 +225,9 @@ class DraKubeletStandin:
             registration_socket=path,
             channel=channel,
             stub=api.dra_stub(channel, chosen),
-            health_service=next((h for h in self.known_health_services if h in versions), ""),
+            health_service=next(
+                (h for h in self.known_health_services if h in versions or not self.health_needs_offer), ""
+            ),
         )
 
     async def _deregister(self, path: str) -> None:
@@ -252,7 +258,7 @@ class DraKubeletStandin:
                 # Whatever ended the stream (a cancel included): the driver's health is forgotten.
                 self.health_cache.pop(instance.driver, None)
             self.health_ends.append((instance.driver, instance.endpoint, how))
-            if how == grpc.StatusCode.UNIMPLEMENTED.name:
+            if how == grpc.StatusCode.UNIMPLEMENTED.name and self.health_needs_offer:
                 return
             await asyncio.sleep(self.health_reopen_s)
 

@@ -36,20 +36,25 @@ def kubelets_view(kubelet: DraKubeletStandin, device: str = "kvm") -> tuple[str,
 
 
 @pytest.mark.parametrize(
-    ("known", "chosen"),
+    ("known", "offer", "chosen"),
     [
-        (standin_kubelet.KNOWN_HEALTH_SERVICES, contracts.DRA_HEALTH_V1),  # 1.37
-        ((contracts.DRA_HEALTH_V1ALPHA1,), contracts.DRA_HEALTH_V1ALPHA1),  # a kubelet of v1alpha1 only
+        (standin_kubelet.KNOWN_HEALTH_SERVICES, True, contracts.DRA_HEALTH_V1),  # 1.37
+        ((contracts.DRA_HEALTH_V1ALPHA1,), False, contracts.DRA_HEALTH_V1ALPHA1),  # 1.36
     ],
 )
 def test_a_pods_device_health_follows_the_check_within_a_second(
-    tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture, known: tuple[str, ...], chosen: str
+    tmp: str,
+    helpers: list[FakeHelper],
+    caplog: pytest.LogCaptureFixture,
+    known: tuple[str, ...],
+    offer: bool,
+    chosen: str,
 ) -> None:
     """Healthy once registered; Unhealthy with the check's reason within a second of the device
     failing; Healthy again on recovery: what `kubectl describe pod` shows of the claim."""
 
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
-        kubelet.known_health_services = known
+        kubelet.known_health_services, kubelet.health_needs_offer = known, offer
         agent = Agent(settings_in(tmp, config), modes.DRA)
         await agent.start()
         try:
