@@ -36,6 +36,7 @@ so) and `error` (why it did not, or why serving failed); on_change() is called w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import stat
@@ -59,6 +60,12 @@ VERIFY_INTERVAL_S = 5.0
 # reconciler (a 1 s loop) sees it; until then it may still route a claim to us, which must be
 # answered rather than refused with "Server shutdown" (seen on the e2e cluster's 1.34 kubelet).
 DEREGISTER_GRACE_S = 1.5
+# As it deregisters us the kubelet closes its connection, which cancels the calls it still has
+# with us ("grpc: the client connection is closing": a pod's Prepare failed so on the 1.34 kubelet
+# when a rolling update's successor registered while that Prepare ran). So before our registration
+# socket goes, the calls in flight get this long to end; the kubelet sends new ones to the newest
+# instance, so during a handover none follow. Far below the kubelet's 45 s per call.
+CALLS_DRAIN_S = 5.0
 
 
 class Registrar:
@@ -74,6 +81,7 @@ class Registrar:
         on_change: Optional[Callable[[], None]] = None,
         stop_grace: float = transport.STOP_GRACE_S,
         deregister_grace: Optional[float] = None,
+        calls_drain: float = CALLS_DRAIN_S,
         configure: Optional[Callable[[grpc.aio.Server], None]] = None,
         watched: Callable[[], bool] = lambda: False,
         health: Optional[Health] = None,
@@ -88,6 +96,7 @@ class Registrar:
         self._on_change = on_change
         self._stop_grace = stop_grace
         self._deregister_grace = DEREGISTER_GRACE_S if deregister_grace is None else deregister_grace
+        self._calls_drain = calls_drain
         # Adds more services to the DRA socket's server (the agent's gRPC health service, which the
         # exec probes ask there).
         self._configure = configure
@@ -164,11 +173,16 @@ class Registrar:
             self.served_again += 1
 
     async def close(self) -> None:
-        """Deregister (our registration socket goes first), then stop serving. Idempotent."""
+        """Deregister (our registration socket goes first, once the calls in flight ended or
+        CALLS_DRAIN_S passed), then stop serving. Idempotent."""
         registration, self._registration = self._registration, None
         dra, self._dra = self._dra, None
         try:
             if registration is not None:
+                idle = getattr(self._service, "idle", None)
+                if idle is not None and dra is not None:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await waits.within(idle(), self._calls_drain)
                 await registration.stop(0)
                 if dra is not None and self._deregister_grace > 0:
                     await asyncio.sleep(self._deregister_grace)  # still serving claims meanwhile

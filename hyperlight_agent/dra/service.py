@@ -88,15 +88,35 @@ class Service:
         # One claim is prepared or unprepared by one call at a time; entries go when idle.
         self._busy: dict[str, tuple[asyncio.Lock, int]] = {}  # uid → (its lock, calls using it)
         self._on_call = on_call  # (operation, seconds, claims answered, claims failed): the metrics
+        self.calls = 0  # calls in flight
+        self._idle: Optional[asyncio.Event] = None  # set while none is (made in the loop)
 
     # --- the gRPC methods (api.dra_handlers passes the version's message module) ----------------
+
+    async def idle(self) -> None:
+        """Return once no call is in flight (a stop deregisters only then: the kubelet cancels the
+        calls it has in flight with an instance as it deregisters it)."""
+        while self.calls:
+            if self._idle is None or self._idle.is_set():
+                self._idle = asyncio.Event()
+            await self._idle.wait()
+
+    @contextlib.asynccontextmanager
+    async def _call(self) -> AsyncIterator[None]:
+        self.calls += 1
+        try:
+            yield
+        finally:
+            self.calls -= 1
+            if not self.calls and self._idle is not None:
+                self._idle.set()
 
     async def NodePrepareResources(
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any], messages: ModuleType
     ) -> Any:
         claims = list(request.claims)
         started = time.monotonic()
-        async with self._claims_locked(claims):
+        async with self._call(), self._claims_locked(claims):
             answers = await self._prepare(claims)
         failed = sum(1 for error, _ in answers.values() if error)
         self._on_call("prepare", time.monotonic() - started, len(answers) - failed, failed)
@@ -123,7 +143,7 @@ class Service:
     ) -> Any:
         claims = list(request.claims)
         started = time.monotonic()
-        async with self._claims_locked(claims):
+        async with self._call(), self._claims_locked(claims):
             errors = await self._unprepare(claims)
         failed = sum(1 for uid in {c.uid for c in claims} if errors.get(uid))
         self._on_call("unprepare", time.monotonic() - started, len({c.uid for c in claims}) - failed, failed)

@@ -144,8 +144,8 @@ class DraSnapshot:
 
 
 class DraSide:
-    # Deregistration's wait for the kubelet, then the service's stop grace.
-    close_bound_s = registration.DEREGISTER_GRACE_S + transport.STOP_GRACE_S
+    # The calls in flight, deregistration's wait for the kubelet, then the service's stop grace.
+    close_bound_s = registration.CALLS_DRAIN_S + registration.DEREGISTER_GRACE_S + transport.STOP_GRACE_S
 
     def __init__(self, target: DraTarget, shared: Shared) -> None:
         self._shared = shared
