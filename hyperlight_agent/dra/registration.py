@@ -81,7 +81,7 @@ class Registrar:
         on_change: Optional[Callable[[], None]] = None,
         stop_grace: float = transport.STOP_GRACE_S,
         deregister_grace: Optional[float] = None,
-        calls_drain: float = CALLS_DRAIN_S,
+        calls_drain: Optional[float] = None,
         configure: Optional[Callable[[grpc.aio.Server], None]] = None,
         watched: Callable[[], bool] = lambda: False,
         health: Optional[Health] = None,
@@ -96,7 +96,7 @@ class Registrar:
         self._on_change = on_change
         self._stop_grace = stop_grace
         self._deregister_grace = DEREGISTER_GRACE_S if deregister_grace is None else deregister_grace
-        self._calls_drain = calls_drain
+        self._calls_drain = CALLS_DRAIN_S if calls_drain is None else calls_drain
         # Adds more services to the DRA socket's server (the agent's gRPC health service, which the
         # exec probes ask there).
         self._configure = configure
