@@ -405,6 +405,44 @@ def test_a_stop_with_a_prepare_in_flight_ends_within_the_bound(tmp: str, helpers
     with_cluster(tmp, body)
 
 
+def test_a_prepare_in_flight_as_the_agent_stops_is_answered_before_it_deregisters(
+    tmp: str, helpers: list[FakeHelper]
+) -> None:
+    """A rolling update on the 1.34 kubelet failed a pod so: the old instance stopped (its checker
+    first) while a Prepare read its claim; the Prepare's fresh check was refused, the call was
+    dropped, and the kubelet cancelled it as it deregistered us ("the client connection is
+    closing"). Now the call is answered (from the last check) and only then are we deregistered."""
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        agent = Agent(settings_in(tmp, config), modes.DRA)
+        await agent.start()
+        await until(lambda: agent.ready and bool(kubelet.instances.get(DRIVER)), what="ready")
+        side = dra_side(agent)
+        reading, answer = asyncio.Event(), asyncio.Event()
+        real = side.service.claims
+
+        class Slow:
+            async def allocation(self, namespace: str, name: str, uid: str) -> list[Any]:
+                reading.set()
+                await answer.wait()
+                return list(await real.allocation(namespace, name, uid))
+
+        fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
+        side.service.claims = Slow()
+        prepare = asyncio.ensure_future(kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)]))
+        await until(reading.is_set, what="the Prepare reading its claim")
+        stopping = asyncio.ensure_future(shut(agent))
+        await until(lambda: not side.registrar.serving, what="the close begun")
+        assert os.path.lexists(side.registrar.registration_socket), "deregistered with a call in flight"
+        answer.set()
+        entry = (await prepare)[UID]
+        assert not entry.error and [d.device_name for d in entry.devices] == ["kvm-3"], entry
+        await stopping
+        assert not os.path.lexists(side.registrar.registration_socket)
+
+    with_cluster(tmp, body)
+
+
 # Issue 40, 4: after a reboot the kubelet prepares its pods' claims again, and the record on disk
 # outlives the CDI spec (in /run): an entry of an earlier boot is no answer until a fresh check has
 # written the spec.

@@ -173,7 +173,7 @@ class DraSide:
         self.service = Service(
             target.driver,
             _NotConnected(lambda: self.api_error),
-            lambda: shared.checker.check(timeout=PREPARE_CHECK_TIMEOUT_S),
+            self._checked,
             Prepared(os.path.join(target.plugins_dir, target.driver)),
             on_call=self._prepared,
         )
@@ -364,6 +364,21 @@ class DraSide:
             publisher.set_device(self._device, taint)
             self._shared.metrics.dra_taint(taint.effect if taint and publisher.taints and self._device else "")
             self.health.refresh()
+
+    async def _checked(self) -> Observation:
+        """What a Prepare is answered from: a fresh check. Once the agent stops, its checker checks
+        no more (its first step), while a call already with us is still to be answered (the
+        registrar deregisters only after it): that one gets the last check's result, a moment old,
+        rather than a dropped call, which the kubelet only sees fail as it deregisters us."""
+        check = asyncio.ensure_future(self._shared.checker.check(timeout=PREPARE_CHECK_TIMEOUT_S))
+        try:
+            await asyncio.wait({check})
+        except asyncio.CancelledError:  # our caller's own cancellation (a server stopping)
+            check.cancel()
+            raise
+        if check.cancelled():  # the checker's: the agent is stopping
+            return self._observation.current
+        return check.result()
 
     def health_devices(self) -> list[str]:
         """The devices whose health the kubelet hears of: those the slice offers (or offered, for
