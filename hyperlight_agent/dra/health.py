@@ -112,11 +112,12 @@ class Health:
         if self.streams and list(self._devices()) != self._listed:
             self.changed()
 
-    def nudge(self, after: float = PEER_SETTLE_S) -> None:
-        """Report again `after` seconds from now (once, however often this is called meanwhile)."""
+    def nudge(self, after: Optional[float] = None) -> None:
+        """Report again `after` (PEER_SETTLE_S) seconds from now, once however often this is
+        called meanwhile."""
         if self._nudge is None or self._nudge.cancelled():
             loop = asyncio.get_running_loop()
-            self._nudge = loop.call_later(after, self._nudged)
+            self._nudge = loop.call_later(PEER_SETTLE_S if after is None else after, self._nudged)
 
     def _nudged(self) -> None:
         self._nudge = None
