@@ -111,7 +111,8 @@ bench: $(VENV)/.installed  ## the speed and memory figures (BENCHMARKS.md)
 proto: system-deps  ## regenerate the committed protobuf messages with Debian 12's protoc
 	protoc -I proto --python_out=hyperlight_agent/deviceplugin --pyi_out=hyperlight_agent/deviceplugin proto/deviceplugin.proto
 	protoc -I proto --python_out=hyperlight_agent/dra --pyi_out=hyperlight_agent/dra \
-	  proto/dra_v1.proto proto/dra_v1beta1.proto proto/pluginregistration.proto
+	  proto/dra_v1.proto proto/dra_v1beta1.proto proto/dra_health_v1.proto proto/dra_health_v1alpha1.proto \
+	  proto/pluginregistration.proto
 
 # Development tools and judges are pinned exactly in pins/ (dev.txt: the `test` extra; dra.txt: the
 # DRA mode's API client and its dependencies, in the development venv; judges.txt),

@@ -158,17 +158,33 @@ def _node_name(value: Any) -> str:
 MAX_HANDOVER_S = 3600.0
 
 
-def _handover_seconds(value: Any) -> float:
-    problem = ValueError(f"must be a number of seconds from 0 to {MAX_HANDOVER_S:g}")
-    if isinstance(value, bool) or (isinstance(value, str) and not (value.isascii() and len(value) <= 40)):
-        raise problem
-    try:
-        number = float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise problem from None
-    if not 0 <= number <= MAX_HANDOVER_S:  # also refuses nan
-        raise problem
-    return number
+def _seconds_where(ok: Callable[[float], bool], what: str) -> Callable[[Any], float]:
+    """A number of seconds for which ok(number) holds (nan never does), else "must be `what`"."""
+
+    def parse(value: Any) -> float:
+        problem = ValueError(f"must be {what}")
+        if isinstance(value, bool) or (isinstance(value, str) and not (value.isascii() and len(value) <= 40)):
+            raise problem
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):  # OverflowError: a TOML integer beyond float's range
+            raise problem from None
+        if not ok(number):
+            raise problem
+        return number
+
+    return parse
+
+
+_handover_seconds = _seconds_where(
+    lambda n: 0 <= n <= MAX_HANDOVER_S, f"a number of seconds from 0 to {MAX_HANDOVER_S:g}"
+)
+# An opt-in eviction waits at least this long: a check interval, so a single failed check never evicts.
+MIN_EVICT_AFTER_S = 30.0
+_evict_after = _seconds_where(
+    lambda n: n == 0 or MIN_EVICT_AFTER_S <= n <= 86400,
+    f"0 (never) or a number of seconds from {MIN_EVICT_AFTER_S:g} to 86400",
+)
 
 
 @dataclass(frozen=True)
@@ -380,6 +396,18 @@ SETTINGS: tuple[Setting, ...] = (
         restart_only=True,
     ),
     Setting(
+        "dra_evict_after_seconds",
+        "HYPERLIGHT_DRA_EVICT_AFTER",
+        "--dra-evict-after",
+        0,
+        _evict_after,
+        "--dra: an unusable device is tainted NoSchedule at once (no new claims); with this set, its "
+        "taint turns NoExecute (pods using it are evicted) once it has been unusable this long with no "
+        "passing check between, so a shorter flap evicts nothing; 0: never evict",
+        toml_types=(int, float),
+        restart_only=True,
+    ),
+    Setting(
         "node_name",
         "NODE_NAME",
         "--node-name",
@@ -515,6 +543,7 @@ class Settings:
     handover_seconds: float
     dra_devices: int
     dra_shared_device: str
+    dra_evict_after_seconds: float
     node_name: Optional[str]
     kubeconfig: Optional[str]
     dra_registry_dir: str

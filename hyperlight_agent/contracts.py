@@ -34,6 +34,9 @@ HEALTH_SERVICES = {"liveness": "liveness", "readiness": ""}
 # --- Linux (owner: the kernel) ---
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes with the terminating NUL
 PID_MAX = 4194304  # /proc/sys/kernel/pid_max's upper bound
+# A random UUID the kernel makes at each boot, the same in every container on the host (proc(5)):
+# what tells a record written before the last reboot from a current one.
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 
 
 def instance_socket_name(socket_name: str, instance: str | None) -> str:
@@ -97,6 +100,22 @@ DRA_PLUGIN_TYPE = "DRAPlugin"
 DRA_VERSION_V1 = "v1.DRAPlugin"
 DRA_VERSION_V1BETA1 = "v1beta1.DRAPlugin"
 DRA_SUPPORTED_VERSIONS = (DRA_VERSION_V1, DRA_VERSION_V1BETA1)
+# The optional resource-health service (pkg/apis/dra-health; here the gRPC service name itself):
+# a 1.37 kubelet with ResourceHealthStatus (beta, on from 1.36) opens one stream per registered
+# instance that names a version it knows, v1 before v1alpha1 in its own order; 1.36 asks every
+# instance for v1alpha1 whatever it names; earlier kubelets, or the gate off, never do. Each
+# message is every device's health; the kubelet puts it into the status of the pods using the
+# devices (allocatedResourcesStatus).
+DRA_HEALTH_V1 = "v1.DRAResourceHealth"
+DRA_HEALTH_V1ALPHA1 = "v1alpha1.DRAResourceHealth"
+DRA_HEALTH_SERVICES = (DRA_HEALTH_V1, DRA_HEALTH_V1ALPHA1)
+# After a health stream ends the kubelet opens the next this much later (UNIMPLEMENTED: never), and
+# forgets every device's health of the driver at once (all of its instances').
+DRA_HEALTH_REOPEN_S = 5.0
+# A device not reported again within its health_check_timeout_seconds reads as Unknown; unset, 30 s.
+DRA_HEALTH_DEFAULT_TIMEOUT_S = 30.0
+# ResourceHealth.message's limit: longer messages are cut to 1021 characters and "...".
+DRA_HEALTH_MESSAGE_MAX = 1024
 # The kubelet's deadlines: GetInfo, NotifyRegistrationStatus, each Prepare/Unprepare call.
 DRA_GET_INFO_TIMEOUT_S = 1.0
 DRA_NOTIFY_TIMEOUT_S = 5.0
@@ -113,8 +132,18 @@ DRA_DRIVERS_BEFORE = ("hyperlight.dev",)
 # 1.34, the oldest kubelet we serve in this mode)
 RESOURCE_API_GROUP = "resource.k8s.io"
 RESOURCE_API_VERSION = "v1"
-# One ResourceSlice holds at most this many devices (ResourceSliceMaxDevices).
+# One ResourceSlice holds at most this many devices (ResourceSliceMaxDevices), and at most this many
+# once any of them has a taint (ResourceSliceMaxDevicesWithAdvancedFeatures).
 RESOURCE_SLICE_MAX_DEVICES = 128
+RESOURCE_SLICE_MAX_TAINTED_DEVICES = 64
+# Device taints (KEP-5055: DRADeviceTaints, beta and on from 1.36, GA in 1.37): the effects a taint
+# may have. The key and value are label names and values (a value: at most 63 characters).
+TAINT_NO_SCHEDULE = "NoSchedule"
+TAINT_NO_EXECUTE = "NoExecute"
+# Ours (owner: hyperlight-agent; documented in docs/troubleshooting.md, tolerated by that key): the
+# taint an unusable device carries, its value saying why (device/observation.Cause: no-device,
+# probe, cdi).
+TAINT_UNUSABLE = "hyperlight.dev/unusable"
 # The field selectors the API server offers on ResourceSlices.
 SLICE_FIELD_NODE = "spec.nodeName"
 SLICE_FIELD_DRIVER = "spec.driver"

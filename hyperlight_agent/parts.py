@@ -71,6 +71,7 @@ def dra_target(settings: Settings, mode: modes.Mode) -> DraTarget:
         settings.dra_plugins_dir,
         mode.resource,
         shared=settings.dra_shared_device == "auto",
+        evict_after_s=settings.dra_evict_after_seconds,
     )
 
 

@@ -11,6 +11,7 @@ import asyncio
 import copy
 import json
 import os
+import re
 from typing import Any, Callable, Optional
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -87,6 +88,9 @@ class FakeApiServer:
         # a device's allowMultipleAllocations on the way in (dropDisabledFields), unless the slice
         # it replaces already had it.
         self.consumable_capacity = True
+        # False: a server without DRADeviceTaints (before 1.36, or switched off), which drops a
+        # device's taints on the way in, unless the slice it replaces already had some.
+        self.device_taints = True
         # (verb, resource) pairs a SelfSubjectAccessReview is told are not allowed.
         self.denied: set[tuple[str, str]] = set()
         # Whether resource.k8s.io/v1 is served (its discovery document; before 1.34 it is not).
@@ -277,6 +281,13 @@ class FakeApiServer:
         if not self.consumable_capacity and not in_use:
             for device in spec.get("devices", []):
                 device.pop("allowMultipleAllocations", None)
+        tainted = any(d.get("taints") for d in (old or {}).get("devices", []))
+        for device in spec.get("devices", []):
+            if not self.device_taints and not tainted:
+                device.pop("taints", None)
+            for taint in device.get("taints", []):
+                # Set on the way in where not given (the real server: the time of the write).
+                taint.setdefault("timeAdded", "2026-11-30T10:20:00Z")
         return spec
 
     def _check_slice_body(self, body: Json) -> None:
@@ -287,10 +298,15 @@ class FakeApiServer:
         assert set(spec["pool"]) == {"name", "generation", "resourceSliceCount"} and spec["pool"]["name"] == NODE
         assert spec["pool"]["resourceSliceCount"] == 1 and isinstance(spec["pool"]["generation"], int)
         assert len(spec.get("devices", [])) <= 128 and spec.get("devices", None) != []  # omitempty, as the server
+        # With a taint on any device, a slice holds at most 64 devices (validation.go).
+        assert not any("taints" in d for d in spec.get("devices", [])) or len(spec["devices"]) <= 64, spec
         for device in spec.get("devices", []):
-            assert set(device) in ({"name", "attributes"}, {"name", "attributes", "allowMultipleAllocations"}), device
+            assert set(device) - {"allowMultipleAllocations", "taints"} == {"name", "attributes"}, device
             for key, value in device["attributes"].items():
                 assert len(key) <= 32 and key.isidentifier() and len(value) == 1
+            assert 1 <= len(device.get("taints", [None])) <= 16, device  # listType atomic, omitempty
+            for taint in device.get("taints", []):
+                check_taint(taint)
 
     def _create(self, request: Request) -> tuple[int, Json]:
         body = request.body
@@ -418,6 +434,23 @@ class FakeApiServer:
     def _chunk(writer: asyncio.StreamWriter, event: Json) -> None:
         line = json.dumps(event).encode() + b"\n"
         writer.write(b"%x\r\n%s\r\n" % (len(line), line))
+
+
+# A qualified label name (an optional DNS-subdomain prefix and "/"), and a label value.
+_LABEL_NAME = re.compile(
+    r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+)
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+
+
+def check_taint(taint: Json) -> None:
+    """A DeviceTaint as the 1.37 API server validates it: a label name for its key (name part at
+    most 63 characters), a label value (at most 63), an effect it knows; timeAdded optional."""
+    assert set(taint) <= {"key", "value", "effect", "timeAdded"}, taint
+    key, value = taint["key"], taint.get("value", "")
+    assert _LABEL_NAME.fullmatch(key) and len(key.rsplit("/", 1)[-1]) <= 63, taint
+    assert _LABEL_VALUE.fullmatch(value) and len(value) <= 63, taint
+    assert taint["effect"] in ("None", "NoSchedule", "NoExecute"), taint
 
 
 def kubeconfig(tmp_path: Any, server: str) -> str:

@@ -19,7 +19,20 @@ pkg/kubelet/cm/dra), never more forgiving:
   every claim of the request has an entry and no entry is for a claim not asked about; the
   instance is picked first and called after (`before_call`, a test's hook for the moment
   between), and a deregistration closes the instance's connection at once, whatever is on it:
-  such a call fails as the kubelet's does ("the client connection is closing").
+  such a call fails as the kubelet's does ("the client connection is closing");
+- resource health (1.37, pkg/kubelet/cm/dra: dra_plugin_manager.go add(), manager.go
+  HandleWatchResourcesStream, healthinfo.go), with `resource_health` (the ResourceHealthStatus
+  gate, on by default from 1.36): the health service is picked from supported_versions in the
+  kubelet's own order (v1.DRAResourceHealth, then v1alpha1.DRAResourceHealth), none when the
+  plugin names neither; one NodeWatchResources stream per registered instance, opened when it is
+  registered, opened again 5 s after it ended (not after UNIMPLEMENTED), cancelled when the
+  instance is deregistered; each report is stamped on arrival and reconciled with the driver's
+  cache (a device not reported is dropped once its timeout passed); a device reads as Unknown
+  when it is not in the cache or its last report is older than its health_check_timeout_seconds
+  (30 s when not above 0); any stream's end forgets the whole driver's health, without telling
+  the pods; messages are cut to 1024 characters. health() is what the kubelet would write into a
+  pod's allocatedResourcesStatus. With `health_needs_offer` off it is 1.36's (ResourceHealthStatus
+  beta there too): every plugin is asked for v1alpha1, whatever it offers, forever.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ import contextlib
 import os
 import stat
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, NamedTuple, Optional
 
 import grpc
 from asyncinotify import Inotify, Mask
@@ -40,6 +53,9 @@ from hyperlight_agent.dra import pluginregistration_pb2 as reg
 
 # Versions this kubelet knows, as supported_versions names them.
 KNOWN_VERSIONS = (contracts.DRA_VERSION_V1, contracts.DRA_VERSION_V1BETA1)
+# The health services it knows, in its own order of preference.
+KNOWN_HEALTH_SERVICES = (contracts.DRA_HEALTH_V1, contracts.DRA_HEALTH_V1ALPHA1)
+HEALTH_NAMES = {0: "Unknown", 1: "Healthy", 2: "Unhealthy"}  # v1.ResourceHealthStatus
 
 
 class RegistrationRefused(Exception):
@@ -65,6 +81,18 @@ class Instance:
     channel: Any
     stub: Any
     closed: bool = False  # deregistered: its connection is closed
+    health_service: str = ""  # the DRAResourceHealth service chosen ("": the plugin offers none)
+    health_task: Optional[asyncio.Task[None]] = None
+    health_streams: int = 0  # NodeWatchResources streams opened
+
+
+class DeviceHealth(NamedTuple):
+    """One device's entry in the kubelet's health cache."""
+
+    health: str  # Healthy, Unhealthy, Unknown
+    message: str
+    received: float  # the loop's time of the report
+    timeout: float
 
 
 @dataclass
@@ -83,6 +111,20 @@ class DraKubeletStandin:
     refused: list[tuple[str, str]] = field(default_factory=list)
     # Awaited with the instance picked and before the call is sent (a test's hook).
     before_call: Optional[Callable[[Instance], Awaitable[None]]] = None
+    # The ResourceHealthStatus gate: whether health streams are opened at all.
+    resource_health: bool = True
+    # The health services this kubelet knows, in its order of preference.
+    known_health_services: tuple[str, ...] = KNOWN_HEALTH_SERVICES
+    # 1.37 opens a stream only for a plugin that names a health service it knows; 1.36 (False
+    # here) asks every plugin for v1alpha1, and tries again every 5 s even after UNIMPLEMENTED.
+    health_needs_offer: bool = True
+    # driver → "pool/device" → its entry (healthinfo.go's cache).
+    health_cache: dict[str, dict[str, DeviceHealth]] = field(default_factory=dict)
+    # Every change the kubelet would tell the pods of: (loop time, driver, "pool/device", health).
+    health_changes: list[tuple[float, str, str, str]] = field(default_factory=list)
+    # How health streams ended: (driver, endpoint, the gRPC status or "eof").
+    health_ends: list[tuple[str, str, str]] = field(default_factory=list)
+    health_reopen_s: float = contracts.DRA_HEALTH_REOPEN_S
     _task: Optional[asyncio.Task[None]] = None
 
     async def __aenter__(self) -> DraKubeletStandin:
@@ -96,6 +138,7 @@ class DraKubeletStandin:
                 await self._task
         for instances in self.instances.values():
             for instance in instances:
+                await self._stop_health(instance)
                 await instance.channel.close(None)
         self.instances.clear()
 
@@ -140,6 +183,8 @@ class DraKubeletStandin:
             raise
         try:
             instance = await self._validate(info, path)
+            if self.resource_health and instance.health_service:
+                instance.health_task = asyncio.ensure_future(self._watch_health(instance))
         except RegistrationRefused as exc:
             with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
                 await waits.within(
@@ -150,11 +195,17 @@ class DraKubeletStandin:
                 )
             await channel.close(None)
             raise
-        await waits.within(
-            registration.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True)),
-            contracts.DRA_NOTIFY_TIMEOUT_S,
-        )
-        await channel.close(None)
+        try:
+            await waits.within(
+                registration.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True)),
+                contracts.DRA_NOTIFY_TIMEOUT_S,
+            )
+        except BaseException:
+            await self._stop_health(instance)
+            await instance.channel.close(None)
+            raise
+        finally:
+            await channel.close(None)
         self.instances.setdefault(instance.driver, []).append(instance)
         return instance
 
@@ -184,6 +235,9 @@ class DraKubeletStandin:
             registration_socket=path,
             channel=channel,
             stub=api.dra_stub(channel, chosen),
+            health_service=next(
+                (h for h in self.known_health_services if h in versions or not self.health_needs_offer), ""
+            ),
         )
 
     async def _deregister(self, path: str) -> None:
@@ -191,9 +245,72 @@ class DraKubeletStandin:
             for instance in [i for i in instances if i.registration_socket == path]:
                 instances.remove(instance)
                 instance.closed = True
+                await self._stop_health(instance)
                 await instance.channel.close(None)
             if not instances:
                 del self.instances[driver]
+
+    # --- resource health ------------------------------------------------------------------------
+
+    async def _watch_health(self, instance: Instance) -> None:
+        """One instance's stream, opened again health_reopen_s after it ended, until UNIMPLEMENTED
+        or the instance's deregistration (cancel)."""
+        stub = api.health_stub(instance.channel, instance.health_service)
+        messages = api.HEALTH_VERSIONS[instance.health_service]
+        while True:
+            how = "eof"
+            try:
+                instance.health_streams += 1
+                async for report in stub.NodeWatchResources(messages.NodeWatchResourcesRequest()):
+                    self._reported(instance.driver, report)
+            except grpc.aio.AioRpcError as exc:
+                how = exc.code().name
+            finally:
+                # Whatever ended the stream (a cancel included): the driver's health is forgotten.
+                self.health_cache.pop(instance.driver, None)
+            self.health_ends.append((instance.driver, instance.endpoint, how))
+            if how == grpc.StatusCode.UNIMPLEMENTED.name and self.health_needs_offer:
+                return
+            await asyncio.sleep(self.health_reopen_s)
+
+    def _reported(self, driver: str, report: Any) -> None:
+        """updateHealthInfo: stamp, record the changes, drop what timed out unreported."""
+        now = asyncio.get_running_loop().time()
+        cache = self.health_cache.setdefault(driver, {})
+        reported = set()
+        for device in report.devices:
+            key = f"{device.device.pool_name}/{device.device.device_name}"
+            reported.add(key)
+            timeout = float(device.health_check_timeout_seconds)
+            entry = DeviceHealth(
+                HEALTH_NAMES.get(device.health, "Unknown"),
+                _cut(device.message),
+                now,
+                timeout if timeout > 0 else contracts.DRA_HEALTH_DEFAULT_TIMEOUT_S,
+            )
+            old = cache.get(key)
+            if old is None or (old.health, old.message, old.timeout) != (entry.health, entry.message, entry.timeout):
+                self.health_changes.append((now, driver, key, entry.health))
+            cache[key] = entry
+        for key, old in list(cache.items()):
+            if key not in reported and now - old.received > old.timeout:
+                if old.health != "Unknown":
+                    self.health_changes.append((now, driver, key, "Unknown"))
+                del cache[key]
+
+    def health(self, driver: str, pool: str, device: str) -> tuple[str, str]:
+        """getHealthInfo: (health, message) as the pod's allocatedResourcesStatus would show it."""
+        entry = self.health_cache.get(driver, {}).get(f"{pool}/{device}")
+        if entry is None or asyncio.get_running_loop().time() - entry.received > entry.timeout:
+            return "Unknown", ""
+        return entry.health, entry.message
+
+    async def _stop_health(self, instance: Instance) -> None:
+        task, instance.health_task = instance.health_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     # --- calls ----------------------------------------------------------------------------------
 
@@ -231,6 +348,12 @@ class DraKubeletStandin:
                 raise  # our own caller went away
             raise CallFailed(f"{method} failed: {CONNECTION_CLOSING}") from None
         return _entries(method, claims, response)
+
+
+def _cut(message: str) -> str:
+    """truncateHealthMessage: at most 1024 characters (Go counts bytes; ours are ASCII)."""
+    limit = contracts.DRA_HEALTH_MESSAGE_MAX
+    return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
 def _entries(method: str, claims: list[Claim], response: Any) -> dict[str, Any]:

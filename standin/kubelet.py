@@ -26,7 +26,11 @@ As strict as the real device manager (the kubelet's pkg/kubelet/cm/devicemanager
   client's Disconnect): such an Allocate fails as the kubelet's does, with "code = Canceled desc =
   grpc: the client connection is closing" (AllocateFailed), and the pod is rejected;
 - restart() deletes the sockets in its directory (not regular files, directories or the
-  checkpoint), then serves a new kubelet.sock.
+  checkpoint), then serves a new kubelet.sock;
+- allocated_health() is what a running pod holding a device ID shows in its
+  allocatedResourcesStatus (1.36+, UpdateAllocatedResourcesStatus): the health the last list gave
+  that ID, Healthy for an ID no list names any more, and unchanged when the endpoint stopped
+  (markResourceUnhealthy changes the allocatable count, not that).
 It can also hang Register (until released) or reject it, to exercise the plugin's bounds.
 raw_allocate() is not kubelet behaviour: any client's Allocate, to test a plugin's own checks.
 """
@@ -104,6 +108,8 @@ class KubeletStandin:
         # Per resource: the last list any of its endpoints sent, [(ID, health)] (the device
         # manager's healthyDevices and unhealthyDevices).
         self.devices: dict[str, list[tuple[str, str]]] = {}
+        # Per resource: the last list, as sent (the device manager's allDevices).
+        self.listed: dict[str, dict[str, str]] = {}
         self.register_calls: list[tuple[float, pb.RegisterRequest]] = []
         self.mode = "normal"  # "normal", "hang" or "reject"
         self.open_streams = True  # False: register plugins but never call ListAndWatch
@@ -129,6 +135,11 @@ class KubeletStandin:
         if p is None or p.stopped:
             return 0
         return len(self._healthy(resource))
+
+    def allocated_health(self, resource: str, device_id: str) -> str:
+        """A running pod's allocatedResourcesStatus for the device ID it was allocated."""
+        health = self.listed.get(resource, {}).get(device_id, contracts.HEALTHY)
+        return "Healthy" if health == contracts.HEALTHY else "Unhealthy"
 
     def _healthy(self, resource: str) -> set[str]:
         return {i for i, health in self.devices.get(resource, []) if health == contracts.HEALTHY}
@@ -247,6 +258,7 @@ class KubeletStandin:
             async for response in call:
                 plugin.lists.append((time.monotonic(), [(d.ID, d.health) for d in response.devices]))
                 self.devices[plugin.resource] = plugin.lists[-1][1]
+                self.listed[plugin.resource] = dict(plugin.lists[-1][1])
                 self._changed()
         except grpc.aio.AioRpcError:
             pass

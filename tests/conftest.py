@@ -282,6 +282,7 @@ def quick_deregistration(monkeypatch: pytest.MonkeyPatch) -> None:
     from hyperlight_agent.dra import registration
 
     monkeypatch.setattr(registration, "DEREGISTER_GRACE_S", 0.05)
+    monkeypatch.setattr(registration, "CALLS_DRAIN_S", 0.5)  # (its own test: test_dra_registration)
 
 
 @pytest.fixture

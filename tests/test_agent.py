@@ -221,6 +221,41 @@ def test_start_register_allocate_unhealthy_and_stop_in_process(tmp: str, helpers
     with_kubelet(tmp, body)
 
 
+# Issue 40, 2: what a running pod holding a slot shows in its allocatedResourcesStatus (1.36+)
+# follows the device: Unhealthy when its check fails or the device vanishes, Healthy again after.
+def test_a_running_pods_slot_health_follows_the_device_also_when_it_vanishes(
+    tmp: str, helpers: list[FakeHelper]
+) -> None:
+    async def body(kubelet: KubeletStandin) -> None:
+        settings = settings_in(tmp)
+        agent = Agent(settings)
+        await agent.start()
+        try:
+            await until(lambda: agent.ready and kubelet.allocatable() == 3, what="ready")
+            await kubelet.allocate(R, ["kvm-2"])  # the pod's container holds kvm-2
+            assert kubelet.allocated_health(R, "kvm-2") == "Healthy"
+            helpers[0].answers["kvm"] = ProbeResult(False, "KVM_CREATE_VM failed")
+            agent.checker.request()
+            await until(lambda: kubelet.allocated_health(R, "kvm-2") == "Unhealthy", what="Unhealthy")
+            helpers[0].answers.clear()
+            agent.checker.request()
+            await until(lambda: kubelet.allocated_health(R, "kvm-2") == "Healthy", what="Healthy again")
+            # The device node vanishes: an ID no list names would read Healthy to the kubelet.
+            node = os.path.join(settings.device_dir, "kvm")
+            os.remove(node)
+            agent.checker.request()
+            await until(lambda: kubelet.allocatable() == 0, what="nothing allocatable")
+            assert kubelet.allocated_health(R, "kvm-2") == "Unhealthy", kubelet.listed[R]
+            with open(node, "w"):
+                pass
+            agent.checker.request()
+            await until(lambda: kubelet.allocated_health(R, "kvm-2") == "Healthy" and agent.ready, what="back")
+        finally:
+            await shut(agent)
+
+    with_kubelet(tmp, body)
+
+
 def test_run_returns_after_stop_and_close_twice_is_harmless(tmp: str, helpers: list[FakeHelper]) -> None:
     async def body(kubelet: KubeletStandin) -> None:
         agent = Agent(settings_in(tmp), notifier=RecordingNotifier())

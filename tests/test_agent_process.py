@@ -277,7 +277,7 @@ def test_allocate_on_unhealthy_device_is_unavailable_with_reason(
     assert kubelet.call(kubelet.kubelet.allocate(R, ["kvm-0"])).container_responses
 
 
-def test_no_device_advertises_nothing_then_notices_one(
+def test_no_device_advertises_nothing_then_notices_one_whose_slots_outlive_it(
     kubelet: StandinThread, start_agent: StartAgent, tmp: str
 ) -> None:
     device_dir = os.path.join(tmp, "dev")
@@ -288,8 +288,12 @@ def test_no_device_advertises_nothing_then_notices_one(
     wait_for(lambda: "no hypervisor device in" in agent.log, 5)
     make_node(os.path.join(device_dir, "kvm"), 10, 232)
     kubelet.wait_until(lambda k: k.allocatable() == 2, 5, "slots once the device appears")
+    # Gone again: nothing allocatable, and the slots stay listed Unhealthy, so pods holding them
+    # see the device broken in their status (issue 40, 2).
     os.unlink(os.path.join(device_dir, "kvm"))
-    kubelet.wait_until(lambda k: plugin(k) and plugin(k).lists[-1][1] == [], 5, "capacity withdrawn")  # type: ignore[union-attr]
+    unhealthy = [("kvm-0", "Unhealthy"), ("kvm-1", "Unhealthy")]
+    kubelet.wait_until(lambda k: plugin(k) and plugin(k).lists[-1][1] == unhealthy, 5, "the slots Unhealthy")  # type: ignore[union-attr]
+    assert kubelet.run(lambda k: k.allocatable() == 0 and k.allocated_health(R, "kvm-1") == "Unhealthy")
 
 
 def test_host_identity_loss_makes_slots_unhealthy(

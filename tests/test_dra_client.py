@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import stat
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -282,8 +283,8 @@ async def test_a_watch_whose_bookmarks_stop_is_given_up_long_before_its_timeout(
 
 
 # A quiet resource: the real server sends a watch no bookmark until its version moves past the
-# watch's start, so silence alone before the first bookmark proves nothing.
-async def test_a_watch_that_never_had_a_bookmark_runs_to_its_timeout(tmp_path: Any) -> None:
+# watch's start, so silence before the first bookmark's due proves nothing.
+async def test_a_watch_shorter_than_its_first_bookmarks_due_runs_to_its_timeout(tmp_path: Any) -> None:
     fake = FakeApiServer()
     fake.bookmark_interval_s = 0.1
     url = await fake.start()
@@ -293,6 +294,115 @@ async def test_a_watch_that_never_had_a_bookmark_runs_to_its_timeout(tmp_path: A
         started = loop.time()
         kinds = [kind async for kind, _ in api.watch_slices(NODE, DRIVER, str(fake.version), 3)]
         assert kinds == [] and loop.time() - started >= 2.9, "silent for ten heartbeats, and a normal end"
+    finally:
+        await api.close()
+        await fake.stop()
+
+
+# Issue 40, 6: watches of minutes, and a connection that stopped forwarding before the watch's first
+# bookmark: given up at the first bookmark's due, not at the watch's end.
+async def test_a_watch_frozen_before_its_first_bookmark_is_given_up_at_its_due(tmp_path: Any) -> None:
+    fake = FakeApiServer()
+    fake.bookmark_interval_s = 0.4
+    url = await fake.start()
+    await fake.advance()  # the cluster has moved on: the server sends the watch bookmarks
+    proxy = FreezingProxy("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    api = dra_client.connect(kubeconfig(tmp_path, await proxy.start()), environ={}, first_bookmark_s=0.8)
+    try:
+        kinds: list[str] = []
+
+        async def watch() -> None:
+            async for kind, _ in api.watch_slices(NODE, DRIVER, str(fake.version - 1), 60):
+                kinds.append(kind)
+
+        task = asyncio.ensure_future(watch())
+        await until(lambda: fake.of("watch"), what="the watch")
+        proxy.freeze()  # before the first bookmark, 0.4 s after the answer
+        with pytest.raises(ApiError) as caught:
+            await asyncio.wait_for(task, 10)
+        assert kinds == [] and caught.value.problem == "stalled", kinds
+        assert "no bookmark within 0.8 s of its start" in str(caught.value)
+        # The next watch, on a fresh connection, hears its bookmarks and is kept.
+        fresh: list[str] = []
+
+        async def again() -> None:
+            async for kind, _ in api.watch_slices(NODE, DRIVER, str(fake.version - 1), 60):
+                fresh.append(kind)
+
+        task = asyncio.ensure_future(again())
+        await until(lambda: fresh.count("BOOKMARK") >= 3, what="bookmarks on the fresh connection")
+        assert not task.done() and api.expect_bookmarks
+        task.cancel()
+        await asyncio.wait([task])
+    finally:
+        await api.close()
+        await proxy.stop()
+        await fake.stop()
+
+
+# Where etcd reports no progress, a quiet cluster's watches get no bookmark at all: one watch is
+# given up, the next (on a fresh connection) shows it is the server, and from then on watches run to
+# their end, said once, until a bookmark comes again.
+async def test_a_server_that_sends_no_bookmarks_while_quiet_costs_one_watch_and_one_line(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+    fake = FakeApiServer()
+    fake.bookmark_interval_s = 0.1
+    url = await fake.start()
+    api = dra_client.connect(kubeconfig(tmp_path, url), environ={}, first_bookmark_s=0.3)
+    loop = asyncio.get_running_loop()
+
+    async def watch(timeout: float) -> tuple[list[str], Optional[ApiError], float]:
+        started, kinds = loop.time(), []
+        try:
+            async for kind, _ in api.watch_slices(NODE, DRIVER, str(fake.version), timeout):
+                kinds.append(kind)
+        except ApiError as exc:
+            return kinds, exc, loop.time() - started
+        return kinds, None, loop.time() - started
+
+    try:
+        kinds, error, _ = await watch(1)
+        assert error is not None and error.problem == "stalled" and api.expect_bookmarks, error
+        for _ in range(2):
+            kinds, error, lasted = await watch(1)
+            assert (kinds, error) == ([], None) and lasted >= 0.9 and not api.expect_bookmarks
+        said = [
+            r.getMessage() for r in caplog.records if "sent no bookmark within 0.3 s of two watches" in r.getMessage()
+        ]
+        assert len(said) == 1, said
+        # The cluster moves on: a bookmark comes, and is expected from then on. (A watch's last
+        # look is 2 s before its end: a longer one, for looks before that.)
+        await fake.advance()
+        async for kind, _ in api.watch_slices(NODE, DRIVER, str(fake.version - 1), 10):
+            assert kind == "BOOKMARK"
+            break
+        assert api.expect_bookmarks and "the API server sends bookmarks again" in caplog.text
+    finally:
+        await api.close()
+        await fake.stop()
+
+
+async def test_every_connection_to_the_api_server_has_tcp_keepalive(tmp_path: Any) -> None:
+    import socket
+
+    fake = FakeApiServer()
+    url = await fake.start()
+    api = dra_client.connect(kubeconfig(tmp_path, url), environ={})
+    try:
+        response = await api._http.get(
+            dra_client.SLICES_PATH,
+            params={"fieldSelector": "spec.nodeName=node1,spec.driver=hypervisor.hyperlight.dev"},
+        )
+        sock = response.extensions["network_stream"].get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == dra_client.KEEPALIVE_IDLE_S
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == dra_client.KEEPALIVE_INTERVAL_S
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == dra_client.KEEPALIVE_COUNT
+        # A peer gone silent is found within two minutes of its last word.
+        found = dra_client.KEEPALIVE_IDLE_S + dra_client.KEEPALIVE_INTERVAL_S * dra_client.KEEPALIVE_COUNT
+        assert found <= 120
     finally:
         await api.close()
         await fake.stop()

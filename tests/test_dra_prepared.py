@@ -183,3 +183,42 @@ def test_an_unchanged_file_is_parsed_once(tmp: str, monkeypatch: pytest.MonkeyPa
         assert len(record.claims()) == 50
     asyncio.run(record.record("u-new", CLAIM))  # our own write does not make it parse again
     assert len(record.claims()) == 51 and len(parses) == 1
+
+
+def test_each_entry_says_the_boot_it_was_written_in(tmp: str) -> None:
+    """An entry of another boot, or of none (a release before the field), is not this boot's; a
+    claim recorded again is this boot's from then on."""
+
+    async def main() -> None:
+        before = Prepared(tmp, boot_id="boot-1")
+        await before.record("u1", CLAIM)
+        with open(before.path) as f:
+            assert json.load(f)["claims"]["u1"]["bootId"] == "boot-1"
+        assert before.this_boot("u1")
+        after = Prepared(tmp, boot_id="boot-2")
+        assert after.get("u1") == CLAIM and not after.this_boot("u1")
+        await after.record("u1", CLAIM)  # the same claim, written again for this boot
+        assert after.this_boot("u1") and not Prepared(tmp, boot_id="boot-1").this_boot("u1")
+        with open(after.path) as f:
+            doc = json.load(f)
+        del doc["claims"]["u1"]["bootId"]
+        with open(after.path, "w") as f:
+            json.dump(doc, f)
+        assert not Prepared(tmp, boot_id="boot-2").this_boot("u1")
+
+    asyncio.run(main())
+
+
+def test_an_unreadable_boot_id_makes_no_entry_this_boots(tmp: str, caplog: pytest.LogCaptureFixture) -> None:
+    missing = os.path.join(tmp, "no-boot-id")
+    assert prepared.read_boot_id(missing) == ""
+    assert f"cannot read the boot id from {missing}" in caplog.text
+
+    async def main() -> None:
+        record = Prepared(tmp, boot_id="")
+        await record.record("u1", CLAIM)
+        assert not record.this_boot("u1")
+
+    asyncio.run(main())
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert prepared.read_boot_id() == f.read().strip() != ""

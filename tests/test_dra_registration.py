@@ -373,6 +373,49 @@ def test_claims_are_answered_until_the_kubelet_has_deregistered_us(tmp: str) -> 
     run(tmp, body)
 
 
+@pytest.mark.parametrize("answers", [True, False])
+def test_a_stop_deregisters_only_once_the_calls_in_flight_ended_or_the_drain_passed(tmp: str, answers: bool) -> None:
+    """The kubelet cancels the calls it has in flight with an instance as it deregisters it (its
+    connection closes: "grpc: the client connection is closing", a pod's Prepare failed so on the
+    1.34 kubelet during a rolling update). So a stop keeps the registration socket until the calls
+    in flight ended, at most calls_drain: an answer that comes is delivered; one that never comes
+    does not hold the stop."""
+    reading, answer = asyncio.Event(), asyncio.Event()
+
+    class Slow(FakeClaims):
+        async def allocation(self, namespace: str, name: str, uid: str) -> list[AllocatedDevice]:
+            reading.set()
+            await answer.wait()
+            return [ours()]
+
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        service = Service(DRIVER, Slow(), lambda: node.observation, Prepared(node.data))
+        registrar = Registrar(service, DRIVER, "pod-a", node.registry, node.plugins, deregister_grace=0, calls_drain=2)
+        node.started.append(registrar)
+        await registrar.start()
+        await registered(kubelet, registrar)
+        prepare = asyncio.ensure_future(kubelet.prepare(DRIVER, [CLAIM]))
+        await until(reading.is_set, what="the Prepare in flight")
+        closing = asyncio.ensure_future(registrar.close())
+        await until(lambda: not registrar.serving and service.calls == 1, what="the close begun")
+        assert os.path.lexists(registrar.registration_socket) and kubelet.instances.get(DRIVER)
+        if answers:
+            answer.set()
+            (device,) = (await prepare)[CLAIM.uid].devices
+            assert list(device.cdi_device_ids) == [CDI_KVM]
+            await closing
+        else:
+            await asyncio.wait_for(closing, 5)  # the drain's 2 s, not the call's forever
+            await asyncio.wait([prepare], timeout=5)
+            # Cancelled with the kubelet's connection (grpc.aio cancels the awaiting task).
+            assert (
+                prepare.cancelled() or getattr(prepare.exception(), "code", lambda: None)() == grpc.StatusCode.CANCELLED
+            )
+        assert not os.path.lexists(registrar.registration_socket)
+
+    run(tmp, body)
+
+
 def test_a_foreign_file_at_our_path_is_left_alone(tmp: str) -> None:
     async def main() -> None:
         node = Node(tmp, FakeClaims())

@@ -81,6 +81,20 @@ def devices_published(fake: FakeApiServer) -> int:
     return len(ours[0]["spec"].get("devices") or []) if len(ours) == 1 else -1
 
 
+# The taint of a device whose probe fails, as the slice carries it (the server adds timeAdded).
+UNUSABLE_PROBE = {"key": "hyperlight.dev/unusable", "value": "probe", "effect": "NoSchedule"}
+
+
+def taints_published(fake: FakeApiServer) -> list[Any]:
+    """The taints of the slice's devices, all alike (else the list of each device's)."""
+    ours = fake.ours()
+    found = [
+        [{k: v for k, v in t.items() if k != "timeAdded"} for t in d.get("taints", [])]
+        for d in (ours[0]["spec"].get("devices") or [] if len(ours) == 1 else [])
+    ]
+    return found[0] if found and all(f == found[0] for f in found) else found
+
+
 def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: str, helpers: list[FakeHelper]) -> None:
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         notifier = RecordingNotifier()
@@ -115,16 +129,18 @@ def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: st
             socket = dra_side(agent).registrar.service_socket
             assert await healthcheck.peer_ready(socket, 2)
 
-            # The device fails its check: its devices leave the slice, readiness follows.
+            # The device fails its check: it stays in the slice with our taint, readiness follows.
             helpers[0].answers["kvm"] = ProbeResult(False, "KVM_CREATE_VM failed")
             agent.checker.request()
-            await until(lambda: devices_published(fake) == 0 and not agent.ready, what="devices out of the slice")
+            await until(lambda: taints_published(fake) == [UNUSABLE_PROBE] and not agent.ready, what="the taint")
+            assert devices_published(fake) == 1
             # (followed by what the slice publisher last met, if anything)
             assert agent.status().startswith("unhealthy: KVM_CREATE_VM failed"), agent.status()
             assert not await healthcheck.peer_ready(socket, 2)
             helpers[0].answers.clear()
             agent.checker.request()
-            await until(lambda: devices_published(fake) == 1 and agent.ready, what="back in the slice")
+            await until(lambda: taints_published(fake) == [] and agent.ready, what="the taint gone")
+            assert devices_published(fake) == 1
         finally:
             await shut(agent)
         assert not os.listdir(os.path.join(tmp, "plugins_registry")), "our registration socket is gone"
@@ -300,7 +316,9 @@ def test_device_info_comes_from_the_table() -> None:
     from hyperlight_agent.device.observation import Observation
 
     assert dra_side_module.device_info(Observation(True, "", "mshv")) == DeviceInfo("mshv", 0, "/dev/mshv")
-    assert dra_side_module.device_info(Observation(False, "gone", "kvm")) is None
+    # A device that failed its check is still described (it stays in the slice, tainted).
+    assert dra_side_module.device_info(Observation(False, "failed", "kvm")) == DeviceInfo("kvm", 12, "/dev/kvm")
+    assert dra_side_module.device_info(Observation(False, "gone", None)) is None
 
 
 # Issue 26, 2: a removed registration socket is put back, the kubelet registers us again, and we
@@ -424,6 +442,44 @@ def test_a_successor_that_never_becomes_ready_never_takes_the_slice(tmp: str, he
     with_cluster(tmp, body)
 
 
+def test_a_prepare_in_flight_as_the_agent_stops_is_answered_before_it_deregisters(
+    tmp: str, helpers: list[FakeHelper]
+) -> None:
+    """A rolling update on the 1.34 kubelet failed a pod so: the old instance stopped (its checker
+    first) while a Prepare read its claim; the Prepare's fresh check was refused, the call was
+    dropped, and the kubelet cancelled it as it deregistered us ("the client connection is
+    closing"). Now the call is answered (from the last check) and only then are we deregistered."""
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        agent = Agent(settings_in(tmp, config), modes.DRA)
+        await agent.start()
+        await until(lambda: agent.ready and bool(kubelet.instances.get(DRIVER)), what="ready")
+        side = dra_side(agent)
+        reading, answer = asyncio.Event(), asyncio.Event()
+        real = side.service.claims
+
+        class Slow:
+            async def allocation(self, namespace: str, name: str, uid: str) -> list[Any]:
+                reading.set()
+                await answer.wait()
+                return list(await real.allocation(namespace, name, uid))
+
+        fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
+        side.service.claims = Slow()
+        prepare = asyncio.ensure_future(kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)]))
+        await until(reading.is_set, what="the Prepare reading its claim")
+        stopping = asyncio.ensure_future(shut(agent))
+        await until(lambda: not side.registrar.serving, what="the close begun")
+        assert os.path.lexists(side.registrar.registration_socket), "deregistered with a call in flight"
+        answer.set()
+        entry = (await prepare)[UID]
+        assert not entry.error and [d.device_name for d in entry.devices] == ["kvm-3"], entry
+        await stopping
+        assert not os.path.lexists(side.registrar.registration_socket)
+
+    with_cluster(tmp, body)
+
+
 def test_a_prepare_on_its_way_to_the_old_agent_is_answered_before_it_deregisters(
     tmp: str, helpers: list[FakeHelper], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -475,5 +531,66 @@ def test_a_prepare_on_its_way_to_the_old_agent_is_answered_before_it_deregisters
         finally:
             await shut(new)
             await waits.within(stopping if stopping is not None else shut(old), 20)
+
+    with_cluster(tmp, body)
+
+
+# Issue 40, 4: after a reboot the kubelet prepares its pods' claims again, and the record on disk
+# outlives the CDI spec (in /run): an entry of an earlier boot is no answer until a fresh check has
+# written the spec.
+def test_a_claim_recorded_before_a_reboot_is_checked_again_and_its_cdi_spec_written(
+    tmp: str, helpers: list[FakeHelper], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hyperlight_agent.dra import prepared
+
+    boot = ["boot-1"]
+    monkeypatch.setattr(prepared, "read_boot_id", lambda path="": boot[0])
+    spec = cdi.spec_path(os.path.join(tmp, "cdi"))
+    claim = Claim("default", "pod-hv-9x2lq", UID)
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
+        first = Agent(settings_in(tmp, config), modes.DRA)
+        await first.start()
+        try:
+            await until(lambda: first.ready and bool(kubelet.instances.get(DRIVER)), what="ready")
+            (device,) = (await kubelet.prepare(DRIVER, [claim]))[UID].devices
+            assert dra_side(first).service.prepared.this_boot(UID)
+        finally:
+            await shut(first)
+
+        # The reboot: /run's CDI spec gone, the record kept; the claim is not read from the API again.
+        boot[0] = "boot-2"
+        os.remove(spec)
+        fake.claims.clear()
+        second = Agent(settings_in(tmp, config, instance="pod-b"), modes.DRA)
+        gate = asyncio.Event()
+        helpers[-1].gate = gate  # no check finishes until the gate opens
+        await second.start()
+        try:
+            await until(lambda: bool(kubelet.instances.get(DRIVER)), what="registered")
+            record = dra_side(second).service.prepared
+            assert record.get(UID) is not None and not record.this_boot(UID)
+            answer = asyncio.ensure_future(kubelet.prepare(DRIVER, [claim]))
+            await asyncio.sleep(0.2)
+            assert not answer.done(), "answered from a record of an earlier boot, before any check"
+            gate.set()
+            (again,) = (await answer)[UID].devices
+            assert not (await answer)[UID].error
+            assert (again.device_name, list(again.cdi_device_ids)) == (
+                device.device_name,
+                ["hyperlight.dev/hypervisor=kvm"],
+            )
+            assert os.path.exists(spec), "the fresh check wrote the CDI spec before the answer"
+            assert record.this_boot(UID) and [r.verb for r in fake.requests].count("get") == 1
+
+            # In this boot the record answers at once again, with no check.
+            helpers[-1].gate = asyncio.Event()
+            checks = len(helpers[-1].requests)
+            (once_more,) = (await kubelet.prepare(DRIVER, [claim]))[UID].devices
+            assert once_more == again and len(helpers[-1].requests) == checks
+        finally:
+            gate.set()
+            await shut(second)
 
     with_cluster(tmp, body)

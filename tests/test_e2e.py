@@ -743,8 +743,9 @@ def failed_prepares(cluster: Cluster, ns: str) -> tuple[list[str], list[str]]:
     return [f for f in failed if f not in kubelets_own], kubelets_own
 
 
-def agent_pid(pod_name: str) -> int:
-    """The DRA agent's process (in its container) on this machine, found by its instance name."""
+def agent_pid(pod_name: str, dra: bool = True) -> int:
+    """The DRA agent's process (in its container) on this machine, found by its instance name
+    (without `dra`: the device plugin's)."""
     wanted = f"HYPERLIGHT_INSTANCE={pod_name}".encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -757,7 +758,8 @@ def agent_pid(pod_name: str) -> int:
         except OSError:
             continue
         # (the exec probes run the same command with --health-check, in the same environment)
-        if b"--dra" in cmdline and wanted in environ and not any(a.startswith(b"--health-check") for a in cmdline):
+        mode = b"--dra" in cmdline if dra else not {b"--dra", b"--device-access"} & set(cmdline)
+        if mode and wanted in environ and not any(a.startswith(b"--health-check") for a in cmdline):
             return int(entry)
     raise AssertionError(f"no agent process of pod {pod_name}")
 
@@ -1033,15 +1035,16 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
     record(f"dra.{kubelet}.mshv_refusal", reason)
     cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")
 
-    # The device made unusable: its devices leave the slice within seconds, new pods wait; made
-    # usable again, they come back and the waiting pod runs.
+    # The device made unusable: its devices carry our taint within seconds (this 1.37 control
+    # plane keeps device taints), new pods wait; made usable again, the taint goes and the waiting
+    # pod runs.
     (driver_pod,) = daemonset_pods(cluster, DRA_DAEMONSET)
     pid = agent_pid(driver_pod["metadata"]["name"])
     started = time.monotonic()
     break_the_device(pid, "bind")
     try:
-        wait_until(lambda: slice_devices(cluster, "a") == 0, 30, "the devices out of the slice")
-        record(f"dra.{kubelet}.unusable_to_slice_empty_s", round(time.monotonic() - started, 2))
+        wait_until(lambda: unusable_taints(cluster, "a") == {"NoSchedule"}, 30, "the devices tainted")
+        record(f"dra.{kubelet}.unusable_to_slice_tainted_s", round(time.monotonic() - started, 2))
         name = f"dra-waits-{kubelet}"
         cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods", dra_pod(name, ["/kvmcheck"]))
         wait_until(lambda: scheduling_refusal(cluster, DRA_NS, name), 60, "the scheduler's refusal while unusable")
@@ -1049,7 +1052,11 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
     finally:
         break_the_device(pid, "unbind")
     started = time.monotonic()
-    wait_until(lambda: slice_devices(cluster, "a") == dra_expected_devices(), 30, "the devices back in the slice")
+    wait_until(
+        lambda: slice_devices(cluster, "a") == dra_expected_devices() and not unusable_taints(cluster, "a"),
+        30,
+        "the devices back in the slice, untainted",
+    )
     record(f"dra.{kubelet}.usable_to_slice_full_s", round(time.monotonic() - started, 2))
     assert finished(cluster, DRA_NS, name)["status"]["phase"] == "Succeeded"
     cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")
@@ -1083,6 +1090,268 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
         baseline = dra_event(cluster, f"{kubelet}-no-event", lambda: None, lambda: True)
         record(f"dra.{kubelet}.{version}.no_event", baseline)
         assert baseline["failed"] == 0, baseline
+
+
+# ---- The device's health where the cluster sees it (issue 40) ------------------------------------
+
+TAINT_KEY = contracts.TAINT_UNUSABLE
+
+
+def unusable_taints(cluster: Cluster, node: str) -> set[str]:
+    """The effects of our taint on the node's devices (empty: none carries it)."""
+    return {
+        t["effect"]
+        for s in node_slices(cluster, node)
+        for d in s["spec"].get("devices") or []
+        for t in d.get("taints", [])
+        if t["key"] == TAINT_KEY
+    }
+
+
+def resource_health(cluster: Cluster, ns: str, name: str) -> list[tuple[str, str, str, str]]:
+    """What the pod's one container says of its devices: (entry, resourceID, health, message) for
+    each in its allocatedResourcesStatus."""
+    pod = cluster.api.get(f"/api/v1/namespaces/{ns}/pods/{name}")
+    (status,) = pod["status"].get("containerStatuses") or [{}]
+    return sorted(
+        (entry["name"], r["resourceID"], r["health"], r.get("message", ""))
+        for entry in status.get("allocatedResourcesStatus") or []
+        for r in entry.get("resources") or []
+    )
+
+
+def healths(cluster: Cluster, ns: str, name: str) -> set[str]:
+    return {h for _, _, h, _ in resource_health(cluster, ns, name)}
+
+
+def running(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
+    pod: dict[str, Any] = wait_until(
+        lambda: (
+            (p := cluster.api.get(f"/api/v1/namespaces/{ns}/pods/{name}"))["status"].get("phase") == "Running" and p
+        ),
+        120,
+        f"{name} running",
+    )
+    return pod
+
+
+TOLERANT = "tolerates-unusable"
+
+
+def tolerating_template(cluster: Cluster) -> None:
+    """DRA_NS's claim template whose request tolerates our taint (created once)."""
+    with open(DRA_WORKLOAD) as f:
+        template = next(d for d in yaml.safe_load_all(f) if d["kind"] == "ResourceClaimTemplate")
+    template["metadata"].update(name=TOLERANT, namespace=DRA_NS)
+    template["spec"]["spec"]["devices"]["requests"][0]["exactly"]["tolerations"] = [
+        {"key": TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    with contextlib.suppress(ApiError):  # there from an earlier run of the test in this session
+        cluster.api.create(f"/apis/resource.k8s.io/v1/namespaces/{DRA_NS}/resourceclaimtemplates", template)
+
+
+def time_until(condition: Callable[[], bool], timeout: float, what: str) -> float:
+    """Seconds until condition() held, polled every 50 ms (the figure, not a bound)."""
+    started = time.monotonic()
+    wait_until(condition, timeout, what, interval=0.05)
+    return round(time.monotonic() - started, 2)
+
+
+def test_dra_device_health_reaches_the_pod_and_a_taint_keeps_new_claims_off(
+    dra_installed: Cluster, published: Published
+) -> None:
+    """Issue 40 on the 1.37 kubelet and control plane: a running sandbox pod's claim shows the
+    device Healthy; the device made unusable, the pod's allocatedResourcesStatus turns Unhealthy
+    (with the check's reason) and the device carries our NoSchedule taint, so a new claim stays
+    Pending with the taint as the scheduler's reason; made usable again, the pod shows Healthy, the
+    taint goes and the Pending pod runs."""
+    cluster = dra_installed
+    dra_on_kubelet(cluster, published, "newest", "auto")
+    holder, waiter, tolerant = "health-running", "health-waits", "health-tolerates"
+    tolerating_template(cluster)
+    cluster.api.create(
+        f"/api/v1/namespaces/{DRA_NS}/pods",
+        dra_pod(holder, ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"], node="a"),
+    )
+    try:
+        before = running(cluster, DRA_NS, holder)
+        wait_until(lambda: healths(cluster, DRA_NS, holder) == {"Healthy"}, 60, "the claim's device Healthy")
+        ((entry, resource, _, _),) = resource_health(cluster, DRA_NS, holder)
+        assert (entry, resource) == ("claim:hypervisor", "hyperlight.dev/hypervisor=kvm"), resource_health(
+            cluster, DRA_NS, holder
+        )
+        (driver_pod,) = daemonset_pods(cluster, DRA_DAEMONSET)
+        pid = agent_pid(driver_pod["metadata"]["name"])
+        figure: dict[str, Any] = {}
+        broke = time.monotonic()
+        break_the_device(pid, "bind")
+        try:
+            figure["unhealthy_in_pod_status_s"] = time_until(
+                lambda: healths(cluster, DRA_NS, holder) == {"Unhealthy"}, 30, "the pod's device Unhealthy"
+            )
+            figure["message"] = resource_health(cluster, DRA_NS, holder)[0][3]
+            wait_until(lambda: unusable_taints(cluster, "a") == {"NoSchedule"}, 30, "the device tainted")
+            figure["tainted_s"] = round(time.monotonic() - broke, 2)
+            (taint,) = node_slices(cluster, "a")[0]["spec"]["devices"][0]["taints"]
+            figure["taint"] = f"{taint['key']}={taint['value']}:{taint['effect']}"
+            cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods", dra_pod(waiter, ["/kvmcheck"]))
+            reason = wait_until(lambda: scheduling_refusal(cluster, DRA_NS, waiter), 60, "the scheduler's refusal")
+            figure["scheduler_reason"] = reason
+            assert cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods/{waiter}")["status"]["phase"] == "Pending"
+            assert "cannot allocate all claims" in reason, reason
+            # The taint is the reason: a claim that tolerates it is allocated that device now.
+            cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods", dra_pod(tolerant, ["/kvmcheck"], template=TOLERANT))
+            wait_until(lambda: claim_result(cluster, tolerant)["device"] == "kvm", 60, "the tolerating claim allocated")
+            cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{tolerant}")
+        finally:
+            break_the_device(pid, "unbind")
+        figure["healthy_again_in_pod_status_s"] = time_until(
+            lambda: healths(cluster, DRA_NS, holder) == {"Healthy"}, 60, "the pod's device Healthy again"
+        )
+        wait_until(lambda: not unusable_taints(cluster, "a"), 30, "the taint gone")
+        assert finished(cluster, DRA_NS, waiter)["status"]["phase"] == "Succeeded"
+        after = cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods/{holder}")
+        assert after["metadata"]["uid"] == before["metadata"]["uid"] and after["status"]["phase"] == "Running"
+        record(f"health.dra.{cluster.versions['newest']}", figure)
+        assert figure["message"], figure  # the check's reason
+    finally:
+        for name in (holder, waiter, tolerant):
+            with contextlib.suppress(ApiError):
+                cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")
+
+
+def test_dra_no_execute_evicts_after_the_debounce_and_a_shorter_flap_evicts_nothing(
+    dra_installed: Cluster, published: Published
+) -> None:
+    """Issue 40, 3 with draEvictAfterSeconds set: a flap shorter than the debounce leaves the
+    running pod alone; a device broken for longer turns the taint NoExecute about the debounce
+    after it broke, and the device taint eviction controller evicts the pod."""
+    cluster, debounce, flap = dra_installed, 30, 5.0
+    dra_on_kubelet(cluster, published, "newest", "auto")
+    version = running_release(published, daemonset_pods(cluster, DRA_DAEMONSET))
+    helm(
+        cluster,
+        "upgrade",
+        "hyperlight",
+        *dra_values(published, version),
+        "--set",
+        f"draEvictAfterSeconds={debounce}",
+        "--namespace",
+        NAMESPACE,
+    )
+    holder = "evict-me"
+    try:
+
+        def evicting_driver() -> bool:
+            pods = daemonset_pods(cluster, DRA_DAEMONSET)
+            env = [e for p in pods for e in p["spec"]["containers"][0].get("env", [])]
+            return dra_ready(cluster) and {"name": "HYPERLIGHT_DRA_EVICT_AFTER", "value": str(debounce)} in env
+
+        wait_until(evicting_driver, 180, "the driver rolled out with draEvictAfterSeconds")
+        (driver_pod,) = daemonset_pods(cluster, DRA_DAEMONSET)
+        pid = agent_pid(driver_pod["metadata"]["name"])
+        cluster.api.create(
+            f"/api/v1/namespaces/{DRA_NS}/pods",
+            dra_pod(holder, ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"], node="a"),
+        )
+        uid = running(cluster, DRA_NS, holder)["metadata"]["uid"]
+        effects: list[str] = []
+
+        def seen() -> set[str]:
+            now = unusable_taints(cluster, "a")
+            effects.extend(sorted(now - set(effects)))
+            return now
+
+        # A flap shorter than the debounce (the stimulus' length, not a wait for anything).
+        broke = time.monotonic()
+        break_the_device(pid, "bind")
+        try:
+            wait_until(lambda: seen() == {"NoSchedule"}, 30, "NoSchedule during the flap")
+            time.sleep(max(0.0, broke + flap - time.monotonic()))
+        finally:
+            break_the_device(pid, "unbind")
+        wait_until(lambda: not seen(), 30, "the flap's taint gone")
+        # Watched until well past when the flap's NoExecute would have come.
+        while time.monotonic() < broke + debounce + 15:
+            seen()
+            pod = cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods/{holder}")
+            assert pod["metadata"]["uid"] == uid and not pod["metadata"].get("deletionTimestamp"), pod["metadata"]
+            time.sleep(1)
+        assert "NoExecute" not in effects, effects
+
+        # Broken for good: NoExecute after the debounce, and the pod evicted.
+        broke = time.monotonic()
+        break_the_device(pid, "bind")
+        try:
+            no_execute = time_until(lambda: "NoExecute" in seen(), debounce + 60, "NoExecute")
+
+            def evicted() -> bool:
+                try:
+                    pod = cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods/{holder}")
+                except ApiError as exc:
+                    return exc.status == 404
+                return pod["metadata"]["uid"] != uid or bool(pod["metadata"].get("deletionTimestamp"))
+
+            wait_until(evicted, 120, "the pod evicted")
+            evicted_s = round(time.monotonic() - broke, 1)
+            events = cluster.api.get(
+                f"/api/v1/namespaces/{DRA_NS}/events", fieldSelector=f"involvedObject.name={holder}"
+            )["items"]
+        finally:
+            break_the_device(pid, "unbind")
+        wait_until(lambda: not seen(), 30, "the taint gone after recovery")
+        figure = {
+            "debounce_s": debounce,
+            "flap_s": flap,
+            "flap_effects": effects[:1],
+            "broken_to_no_execute_s": no_execute,
+            "broken_to_evicted_s": evicted_s,
+            "events": sorted({f"{e.get('reason')}: {e.get('message', '')}" for e in events}),
+        }
+        record(f"health.dra_evict.{cluster.versions['newest']}", figure)
+        assert no_execute >= debounce - 1, figure  # the taint's own clock started at the first failed check
+    finally:
+        with contextlib.suppress(ApiError):
+            cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{holder}")
+        helm(cluster, "upgrade", "hyperlight", *dra_values(published, version), "--namespace", NAMESPACE)
+        wait_until(lambda: dra_ready(cluster), 180, "the driver back without eviction")
+
+
+def test_device_plugin_health_reaches_a_running_pod(installed: Cluster) -> None:
+    """Issue 40, 2 on the 1.37 kubelet: a running pod holding a slot shows it Healthy in its
+    allocatedResourcesStatus, Unhealthy within about a second of the device breaking, Healthy
+    again after."""
+    a = use_kubelet(installed, installed.versions["newest"])
+    ns, name = "hyperlight-apps", "health-dp"
+    ensure_namespace(installed, ns)
+    installed.api.create(
+        f"/api/v1/namespaces/{ns}/pods", workload_pod(name, ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"], "a")
+    )
+    try:
+        running(installed, ns, name)
+        wait_until(lambda: healths(installed, ns, name) == {"Healthy"}, 60, "the slot Healthy")
+        ((entry, slot, _, _),) = resource_health(installed, ns, name)
+        assert entry == HYPERVISOR and re.fullmatch(r"kvm-\d+", slot), resource_health(installed, ns, name)
+        (plugin_pod,) = [
+            p for p in daemonset_pods(installed, "hyperlight-device-plugin") if p["spec"]["nodeName"] == "a"
+        ]
+        pid = agent_pid(plugin_pod["metadata"]["name"], dra=False)
+        figure: dict[str, Any] = {"slot": slot}
+        break_the_device(pid, "bind")
+        try:
+            figure["unhealthy_in_pod_status_s"] = time_until(
+                lambda: healths(installed, ns, name) == {"Unhealthy"}, 30, "the pod's slot Unhealthy"
+            )
+            wait_until(lambda: allocatable(a, HYPERVISOR) == 0, 60, "nothing allocatable")
+        finally:
+            break_the_device(pid, "unbind")
+        figure["healthy_again_in_pod_status_s"] = time_until(
+            lambda: healths(installed, ns, name) == {"Healthy"}, 60, "the pod's slot Healthy again"
+        )
+        wait_until(lambda: allocatable(a, HYPERVISOR) == SLOTS, 60, "allocatable again")
+        record(f"health.device_plugin.{installed.versions['newest']}", figure)
+    finally:
+        installed.api.delete(f"/api/v1/namespaces/{ns}/pods/{name}")
 
 
 def dra_on_kubelet(cluster: Cluster, published: Published, kubelet: str, shape: str) -> None:

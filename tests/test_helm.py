@@ -93,6 +93,7 @@ def test_values_files_match_the_overlays() -> None:
         ("devicecount=5", "additional properties 'devicecount' not allowed"),
         ("mode=deviceplugin", "at '/mode': value must be one of 'devicePlugin', 'dra', 'both'"),
         ("draDevices=129", "at '/draDevices': maximum: got 129, want 128"),
+        ("draEvictAfterSeconds=10", "at '/draEvictAfterSeconds'"),
         # Unknown keys are refused at every depth, with Helm's own words.
         ("serviceAccount.automount=true", "at '/serviceAccount': additional properties 'automount' not allowed"),
         ("fullnameOverride=hyperlight-agents", "at '/fullnameOverride': maxLength: got 17, want 14"),
@@ -203,6 +204,7 @@ EVERY_VALUE: dict[str, Any] = {
     "tests": {"enabled": True},
     "nodeFeatureRule": {"enabled": True, "modules": {"kvm": ["kvm_intel", "kvm_amd", "kvm_pvm"], "mshv": []}},
     "metrics": {"enabled": True, "port": 9500, "dashboard": {"enabled": True, "annotations": {"grafana_folder": "HL"}}},
+    "draEvictAfterSeconds": 300,
 }
 MODES = ["devicePlugin", "dra", "both"]
 
@@ -454,6 +456,7 @@ def test_every_value_lands_where_it_says(renderings: dict[str, str], mode: str) 
     if mode != "devicePlugin":
         driver = sets["hl-production1-dra-driver"]["spec"]["template"]["spec"]
         assert driver["serviceAccountName"] == "hl-dra" and driver["automountServiceAccountToken"] is True
+        assert {"name": "HYPERLIGHT_DRA_EVICT_AFTER", "value": "300"} in driver["containers"][0]["env"]
         (account,) = [d for d in objects if d["kind"] == "ServiceAccount"]
         assert account["metadata"]["name"] == "hl-dra"
         assert account["metadata"]["annotations"] == EVERY_VALUE["serviceAccount"]["annotations"]

@@ -16,6 +16,8 @@ GENERATED = {
     "deviceplugin.proto": "hyperlight_agent/deviceplugin",
     "dra_v1.proto": "hyperlight_agent/dra",
     "dra_v1beta1.proto": "hyperlight_agent/dra",
+    "dra_health_v1.proto": "hyperlight_agent/dra",
+    "dra_health_v1alpha1.proto": "hyperlight_agent/dra",
     "pluginregistration.proto": "hyperlight_agent/dra",
 }
 
@@ -63,3 +65,25 @@ def test_wire_format_field_numbers() -> None:
         "Allocate",
         "PreStartContainer",
     ]
+
+
+def test_resource_health_wire_format() -> None:
+    """NodeWatchResourcesResponse{devices=1{device=1{pool_name=1, device_name=2}, health=2,
+    last_updated_time=3, health_check_timeout_seconds=4, message=5}}, the same in v1 and v1alpha1,
+    each in its own package (the gRPC service is "<package>.DRAResourceHealth")."""
+    from hyperlight_agent.dra import dra_health_v1_pb2, dra_health_v1alpha1_pb2
+
+    for messages, package in ((dra_health_v1_pb2, "v1"), (dra_health_v1alpha1_pb2, "v1alpha1")):
+        health = messages.DeviceHealth(
+            device=messages.DeviceIdentifier(pool_name="p", device_name="d"),
+            health=messages.HEALTHY,
+            last_updated_time=5,
+            health_check_timeout_seconds=7,
+            message="m",
+        )
+        data = messages.NodeWatchResourcesResponse(devices=[health]).SerializeToString()
+        assert data == b"\n\x11\n\x06\n\x01p\x12\x01d\x10\x01\x18\x05 \x07*\x01m"
+        assert (messages.UNKNOWN, messages.HEALTHY, messages.UNHEALTHY) == (0, 1, 2)
+        assert messages.DESCRIPTOR.package == package
+        (method,) = messages.DESCRIPTOR.services_by_name["DRAResourceHealth"].methods
+        assert method.name == "NodeWatchResources" and method.server_streaming

@@ -201,8 +201,9 @@ async def test_list_and_watch_sends_the_first_list_after_the_first_check_then_ea
     servicer.profile = Profile(R, "hyperlight.sock", 1, "both")
     state.republish()  # a reload changed the slot count
     assert [d.ID for d in (await stream.__anext__()).devices] == ["kvm-0"]
+    # The device gone: its slots stay, Unhealthy (the kubelet shows an ID no list names as Healthy).
     state.publish(Observation(False, "no device", None, Cause.NO_DEVICE))
-    assert list((await stream.__anext__()).devices) == []
+    assert [(d.ID, d.health) for d in (await stream.__anext__()).devices] == [("kvm-0", "Unhealthy")]
     await stream.aclose()
     assert streams == [1, 0]
 

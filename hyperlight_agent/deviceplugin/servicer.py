@@ -1,7 +1,10 @@
 """The DevicePlugin service: what the kubelet sees of the agent.
 
 Slots are IDs `<hypervisor>-<n>`, all sharing the one device; their health is all Healthy or
-all Unhealthy, straight from the shared observation.
+all Unhealthy, straight from the shared observation. A device that goes missing keeps its slots,
+Unhealthy: the kubelet shows a running pod's device as Healthy once no list names its ID any more
+(allocatedResourcesStatus, 1.36+), so the IDs must stay for the pods to see the device broken. Only
+a device never seen advertises no slots.
 """
 
 from __future__ import annotations
@@ -69,16 +72,19 @@ class DevicePluginServicer:
         self.allocating = 0  # Allocate calls in flight
         self.received = 0  # Allocate calls received in all (a handover's successor says it: peers.py)
         # The last response built, reused by every stream until health or slots change.
-        self._cached: Optional[tuple[Observation, int, pb.ListAndWatchResponse]] = None
+        self._cached: Optional[tuple[Observation, int, Optional[str], pb.ListAndWatchResponse]] = None
+        self._hypervisor: Optional[str] = None  # the last device seen: its slots outlive it
 
     def list_response(self, observation: Observation) -> pb.ListAndWatchResponse:
         slots = self.profile.slots
-        if self._cached and self._cached[0] == observation and self._cached[1] == slots:
-            return self._cached[2]
+        self._hypervisor = observation.hypervisor or self._hypervisor
+        key = (observation, slots, self._hypervisor)
+        if self._cached and self._cached[:3] == key:
+            return self._cached[3]
         health = contracts.HEALTHY if observation.healthy else contracts.UNHEALTHY
-        ids = device_ids(observation.hypervisor, slots) if observation.hypervisor else []
+        ids = device_ids(self._hypervisor, slots) if self._hypervisor else []
         response = pb.ListAndWatchResponse(devices=[pb.Device(ID=i, health=health) for i in ids])
-        self._cached = (observation, slots, response)
+        self._cached = (*key, response)
         return response
 
     # --- RPCs -------------------------------------------------------------------------------

@@ -21,12 +21,15 @@ import asyncio
 import json
 import logging
 import os
+import socket
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Optional
 
 from hyperlight_agent import contracts, text, waits
 
 if TYPE_CHECKING:
     import httpx
+
+log = logging.getLogger(__name__)
 
 IN_CLUSTER_ENV = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
 # Every request but a watch gives up after this long.
@@ -46,6 +49,21 @@ BOOKMARK_INTERVAL_S = 60.0
 # dispatch) is dead, long before its timeoutSeconds. A miss costs one watch, never a list.
 BOOKMARK_MARGIN_S = 15.0
 WATCH_HEARTBEAT_S = BOOKMARK_INTERVAL_S + BOOKMARK_MARGIN_S
+# That deadline holds for a watch's first bookmark too, counted from the server's answer: the
+# cacher looks at a new watch a minute after it started, and its version has moved past the
+# watch's start by then wherever etcd tells it of progress (kubeadm's etcd every 5 s). Where it does
+# not (etcd's default, 10 minutes, and a quiet cluster), a healthy watch gets no first bookmark:
+# so a watch without one is given up once (a fresh connection follows), and when the next, on that
+# fresh connection, gets none either, the server is taken not to send bookmarks while quiet: from
+# then on (said once, until a bookmark comes again) a watch without one runs to its end, and a
+# dead connection before the first bookmark is found there, or by TCP keepalive.
+# TCP keepalive on every connection to the API server: a peer gone from the network (a crashed
+# node behind a load balancer, a NAT entry dropped) is found after this much silence and the
+# probes, also before a watch's first bookmark. A proxy that stopped forwarding but still answers
+# the probes is for the bookmarks to find.
+KEEPALIVE_IDLE_S = 30
+KEEPALIVE_INTERVAL_S = 10
+KEEPALIVE_COUNT = 3
 # A healthy server answers a watch (its headers, or 429) within a minute: priority and fairness
 # queues a request at most that long (k8s.io/apiserver pkg/server/filters/priority-and-fairness.go,
 # getRequestWaitContext). No answer in that and the margin: the request went down a dead connection.
@@ -128,6 +146,7 @@ class KubeApi:
         timeout_s: float = REQUEST_TIMEOUT_S,
         watch_grace_s: float = WATCH_GRACE_S,
         watch_heartbeat_s: float = WATCH_HEARTBEAT_S,
+        first_bookmark_s: float = WATCH_HEARTBEAT_S,
     ) -> None:
         self._make_http = http
         self._http = http()
@@ -136,6 +155,11 @@ class KubeApi:
         self._timeout_s = timeout_s
         self._watch_grace_s = watch_grace_s
         self._watch_heartbeat_s = watch_heartbeat_s
+        self._first_bookmark_s = first_bookmark_s
+        # Whether a watch is given up for want of its first bookmark (see WATCH_HEARTBEAT_S), and
+        # how many watches in a row were.
+        self.expect_bookmarks = True
+        self._first_misses = 0
 
     async def list_slices(self, node: str, driver: str) -> tuple[list[Json], str]:
         """This node's slices of `driver`, and the list's resourceVersion to watch from."""
@@ -152,8 +176,9 @@ class KubeApi:
         """Events (ADDED, MODIFIED, DELETED, BOOKMARK) after `resource_version`, until the server
         ends the watch (after about `timeout_s`: a normal end). Raises ApiError for anything else:
         an ERROR event (410: the version is too old to watch from), an unreadable event, a
-        connection that failed, or one gone silent: still open WATCH_GRACE_S past the timeout, or,
-        once the server has sent a bookmark, silent for WATCH_HEARTBEAT_S (the server's bookmarks
+        connection that failed, or one gone silent: still open WATCH_GRACE_S past the timeout,
+        without its first bookmark WATCH_HEARTBEAT_S after the answer (see there), or, once the
+        server has sent a bookmark or an event, silent for WATCH_HEARTBEAT_S (the server's bookmarks
         come every minute from then on)."""
         import httpx
 
@@ -186,23 +211,8 @@ class KubeApi:
                 await self._guarded("watch", SLICES, response.aread())
                 raise _status_error("watch", SLICES, response)
             pending = b""
-            chunks = response.aiter_bytes()
-            bookmarked, heard = False, loop.time()
-            while True:
-                # Silent past its end, or (once bookmarks come) past the next one's due: dead.
-                silent_until = min(ends, heard + self._watch_heartbeat_s) if bookmarked else ends
-                try:
-                    chunk = await waits.within(
-                        self._guarded("watch", SLICES, chunks.__anext__()), silent_until - loop.time()
-                    )
-                except StopAsyncIteration:
-                    return
-                except asyncio.TimeoutError:
-                    self._stale = True
-                    raise ApiError(
-                        "watch", SLICES, 0, "stalled", self._silence(params, heartbeat=silent_until < ends)
-                    ) from None
-                heard = loop.time()
+            liveness = _Liveness(loop.time(), ends, self.expect_bookmarks)
+            async for chunk in self._chunks(response, liveness, params):
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
                 if len(pending) > MAX_EVENT_BYTES:
@@ -212,17 +222,81 @@ class KubeApi:
                 for line in lines:
                     if line.strip():
                         kind, obj = _event(line)
-                        bookmarked = bookmarked or kind == "BOOKMARK"
+                        # A bookmark, or an event for us: the server's version has moved past the
+                        # watch's start, so its bookmarks come every minute from now on.
+                        if not liveness.bookmarked:
+                            liveness.bookmarked = True
+                            self._bookmarks_come()
                         yield kind, obj
         finally:
             await response.aclose()
 
-    def _silence(self, params: dict[str, str], heartbeat: bool) -> str:
-        """Why a watch was given up as dead: its bookmarks stopped, or it went on past its end."""
-        if heartbeat:
+    async def _chunks(
+        self, response: httpx.Response, liveness: _Liveness, params: dict[str, str]
+    ) -> AsyncIterator[bytes]:
+        """The watch's bytes as they come, until the server ends it; ApiError when it goes silent
+        past what `liveness` allows (a read in progress is kept across a deadline forgiven)."""
+        loop = asyncio.get_running_loop()
+        chunks = response.aiter_bytes()
+        read: Optional[asyncio.Future[bytes]] = None
+        try:
+            while True:
+                if read is None:
+                    read = asyncio.ensure_future(self._guarded("watch", SLICES, chunks.__anext__()))
+                until = liveness.until(self._watch_heartbeat_s, self._first_bookmark_s)
+                done, _ = await asyncio.wait({read}, timeout=max(0.0, until - loop.time()))
+                if not done:
+                    early = until < liveness.ends
+                    if early and not liveness.bookmarked and self._quiet_server():
+                        liveness.first_due = False  # not this watch's fault: on to its end, reading on
+                        continue
+                    self._stale = True
+                    raise ApiError("watch", SLICES, 0, "stalled", self._silence(params, liveness.bookmarked, early))
+                try:
+                    yield read.result()
+                except StopAsyncIteration:
+                    return
+                finally:
+                    read = None
+                liveness.heard = loop.time()
+        finally:
+            if read is not None:
+                read.cancel()
+                await asyncio.wait({read})
+
+    def _quiet_server(self) -> bool:
+        """A watch had no first bookmark in time. The first such watch in a row is given up (False);
+        the next, on the fresh connection that follows, proves the server sends none while quiet
+        (True, said once), and from then on none is expected until one comes."""
+        self._first_misses += 1
+        if self._first_misses < 2:
+            return False
+        self.expect_bookmarks = False
+        log.info(
+            "ResourceSlice watches: the API server sent no bookmark within %g s of two watches in a row "
+            "(etcd's watch progress notifications off or slow?): a dead connection is now found at a "
+            "watch's end or by TCP keepalive until bookmarks come again",
+            self._first_bookmark_s,
+        )
+        return True
+
+    def _bookmarks_come(self) -> None:
+        if not self.expect_bookmarks:
+            log.info("ResourceSlice watches: the API server sends bookmarks again")
+        self.expect_bookmarks, self._first_misses = True, 0
+
+    def _silence(self, params: dict[str, str], bookmarked: bool, early: bool) -> str:
+        """Why a watch was given up as dead: its bookmarks stopped or never came, or it went on past
+        its end."""
+        if early and bookmarked:
             return (
                 f"the watch sent nothing for {self._watch_heartbeat_s:g} s after a bookmark (the API server "
                 f"sends one every {BOOKMARK_INTERVAL_S:g} s once it has sent one)"
+            )
+        if early:
+            return (
+                f"the watch sent no bookmark within {self._first_bookmark_s:g} s of its start (the API server "
+                f"sends the first after {BOOKMARK_INTERVAL_S:g} s where etcd reports progress)"
             )
         return f"the watch went on {self._watch_grace_s:g} s past its timeoutSeconds={params['timeoutSeconds']}"
 
@@ -323,6 +397,23 @@ class KubeApi:
             raise ApiError(verb, resource, 0, CREDENTIALS, f"{self.source}: {_detail(exc)}") from exc
 
 
+class _Liveness:
+    """When a watch's silence means a dead connection: past its end; before its first bookmark (or
+    event), WATCH_HEARTBEAT_S after the server's answer while bookmarks are expected (`first_due`);
+    after one, WATCH_HEARTBEAT_S after the last word."""
+
+    def __init__(self, answered: float, ends: float, first_due: bool) -> None:
+        self.answered = self.heard = answered
+        self.ends = ends
+        self.first_due = first_due
+        self.bookmarked = False
+
+    def until(self, heartbeat_s: float, first_bookmark_s: float) -> float:
+        if self.bookmarked:
+            return min(self.ends, self.heard + heartbeat_s)
+        return min(self.ends, self.answered + first_bookmark_s) if self.first_due else self.ends
+
+
 def _selector(node: str, driver: str) -> dict[str, str]:
     return {"fieldSelector": f"{contracts.SLICE_FIELD_NODE}={node},{contracts.SLICE_FIELD_DRIVER}={driver}"}
 
@@ -382,6 +473,7 @@ def connect(
     timeout_s: float = REQUEST_TIMEOUT_S,
     watch_grace_s: float = WATCH_GRACE_S,
     watch_heartbeat_s: float = WATCH_HEARTBEAT_S,
+    first_bookmark_s: float = WATCH_HEARTBEAT_S,
 ) -> KubeApi:
     """A client from the kubeconfig at `kubeconfig` (the `kubeconfig` setting), else from the pod's
     service account and the in-cluster address in `environ` (the process environment, handed over
@@ -391,7 +483,14 @@ def connect(
         raise ClientConfigError(f"no kubeconfig setting and not in a cluster ({' and '.join(missing)} unset)")
     source = f"kubeconfig {kubeconfig}" if kubeconfig else f"service account {service_account_dir}"
     try:
-        return _connect(kubeconfig, service_account_dir, environ, timeout_s, source, watch_grace_s, watch_heartbeat_s)
+        return _connect(
+            kubeconfig,
+            service_account_dir,
+            environ,
+            timeout_s,
+            source,
+            (watch_grace_s, watch_heartbeat_s, first_bookmark_s),
+        )
     except ClientConfigError as exc:
         raise ClientConfigError(f"{source}: {exc}") from exc
     except OSError as exc:
@@ -409,14 +508,14 @@ def _connect(
     environ: Mapping[str, str],
     timeout_s: float,
     source: str,
-    watch_grace_s: float,
-    watch_heartbeat_s: float,
+    watch_deadlines: tuple[float, float, float],
 ) -> KubeApi:
+    """`watch_deadlines`: KubeApi's watch_grace_s, watch_heartbeat_s and first_bookmark_s."""
     import httpx
 
     # httpx logs every request at INFO: our own lines say what matters (a change, a problem).
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from lightkube.config.client_adapter import AsyncClient, ConnectionParams
+    from lightkube.config.client_adapter import ConnectionParams
 
     if kubeconfig:
         config = _kubeconfig(kubeconfig)
@@ -425,7 +524,29 @@ def _connect(
         config = _service_account_config(service_account_dir, host, port)
     # trust_env=False: proxies and the like come from the kubeconfig we were given, nothing else.
     params = ConnectionParams(timeout=httpx.Timeout(timeout_s), trust_env=False)
-    return KubeApi(lambda: AsyncClient(config, params), source, timeout_s, watch_grace_s, watch_heartbeat_s)
+
+    def client() -> httpx.AsyncClient:
+        # lightkube's arguments for httpx (address, TLS, credentials), with a transport of ours
+        # for what lightkube cannot ask for: TCP keepalive on every connection.
+        kwargs = params.httpx_params(config)
+        transport = httpx.AsyncHTTPTransport(
+            verify=kwargs.pop("verify"), proxy=kwargs.pop("proxy"), socket_options=keepalive_options()
+        )
+        kwargs.update(transport=transport, http2=False)
+        return httpx.AsyncClient(**kwargs)
+
+    return KubeApi(client, source, timeout_s, *watch_deadlines)
+
+
+def keepalive_options() -> list[tuple[int, int, int]]:
+    """setsockopt arguments for TCP keepalive (KEEPALIVE_*): probes after KEEPALIVE_IDLE_S of
+    silence, KEEPALIVE_COUNT of them KEEPALIVE_INTERVAL_S apart."""
+    return [
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S),
+        (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT),
+    ]
 
 
 def _kubeconfig(path: str) -> Any:

@@ -4,13 +4,21 @@ restart, and from any agent instance on the node.
 
     Prepared("/var/lib/kubelet/plugins/hypervisor.hyperlight.dev")
       → prepared.json   {"version": 2, "claims": {"<uid>": {"namespace", "name", "devices": [...],
-                                                             "preparedAt": <unix seconds>}}}
+                                                             "preparedAt": <unix seconds>,
+                                                             "bootId": <the kernel's boot id>}}}
       → prepared.lock   flock(2)ed by each writer, so two instances (a rolling update) never
                         lose each other's change (read-modify-write under the lock)
 
 Why keep one at all: the kubelet sends only a claim's namespace, name and uid, calls Prepare again
 for a claim it already prepared (after its own restart) and calls Unprepare after the claim may
 be gone from the API; and Prepare and Unprepare of one claim may reach different instances.
+
+Boots: the kubelet's plugin directory outlives a reboot, the CDI spec (in /run) does not, and after
+one the kubelet prepares its pods' claims again before our first check has written the spec. So an
+entry says in which boot it was written (the kernel's boot id, the host's in every container), and
+an entry of another boot, or of none (written by a release before this field), is no answer by
+itself: the service checks the device again (which writes the spec) and records it anew
+(`this_boot`).
 
 Versions: two releases share the file during a rolling update, so a writer keeps every field it
 does not know (the file's and each claim's) and never lowers the version; a file of version 1 (no
@@ -45,7 +53,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
-from hyperlight_agent import waits
+from hyperlight_agent import contracts, waits
 from hyperlight_agent.files import atomic
 
 log = logging.getLogger(__name__)
@@ -93,13 +101,25 @@ class Record:
 
     claims: dict[str, PreparedClaim] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=lambda: {"version": VERSION, "claims": {}})
+    boots: dict[str, str] = field(default_factory=dict)  # uid → the boot it was written in ("" unknown)
 
 
-def encode_claim(claim: PreparedClaim, prepared_at: float) -> dict[str, Any]:
+def read_boot_id(path: str = contracts.BOOT_ID_FILE) -> str:
+    """This boot's id ("" when it cannot be read: then no entry counts as written in this boot)."""
+    try:
+        with open(path) as f:
+            return f.read(64).strip()
+    except OSError as exc:
+        log.warning("cannot read the boot id from %s: %s; every prepared claim will be checked again", path, _why(exc))
+        return ""
+
+
+def encode_claim(claim: PreparedClaim, prepared_at: float, boot_id: str = "") -> dict[str, Any]:
     return {
         "namespace": claim.namespace,
         "name": claim.name,
         "preparedAt": round(prepared_at, 3),
+        "bootId": boot_id,
         "devices": [
             {
                 "request": d.request,
@@ -130,7 +150,7 @@ def decode(data: bytes, now: float) -> Record:
     if not isinstance(version, int) or version < 1:
         raise ValueError(f"'version' {version!r} is not a version")
     entries = _field(doc, "claims", dict, "the file")
-    claims = {}
+    claims, boots = {}, {}
     for uid, entry in entries.items():
         try:
             claims[uid] = _claim(uid, entry)
@@ -140,8 +160,10 @@ def decode(data: bytes, now: float) -> Record:
             continue  # a newer release's entry: kept as it is, not answered from
         if version == 1 or not isinstance(entry.get("preparedAt"), (int, float)):
             entry["preparedAt"] = round(now, 3)  # migrated: prepared "now" as far as expiry goes
+        boot = entry.get("bootId")
+        boots[uid] = boot if isinstance(boot, str) else ""
     doc["version"] = max(version, VERSION)
-    return Record(claims, doc)
+    return Record(claims, doc, boots)
 
 
 def _claim(uid: str, entry: Any) -> PreparedClaim:
@@ -196,11 +218,12 @@ class Prepared:
     """The record in `directory` (created when first written). Reads are lock-free and always
     current; change() serializes with every other instance through the lock file."""
 
-    def __init__(self, directory: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, directory: str, clock: Callable[[], float] = time.time, boot_id: Optional[str] = None) -> None:
         self.directory = directory
         self.path = os.path.join(directory, RECORD_FILE)
         self.lock_path = os.path.join(directory, LOCK_FILE)
         self._clock = clock
+        self.boot_id = read_boot_id() if boot_id is None else boot_id
         # Our own writers; flock(2) orders us against other processes. Made on first use: an
         # asyncio.Lock made outside the loop belongs to another loop under Python 3.9.
         self._local: Optional[asyncio.Lock] = None
@@ -216,6 +239,10 @@ class Prepared:
 
     def get(self, uid: str) -> Optional[PreparedClaim]:
         return self.claims().get(uid)
+
+    def this_boot(self, uid: str) -> bool:
+        """Whether claim uid was recorded in this boot (else its answer needs a fresh check)."""
+        return bool(self.boot_id) and self._read()[0].boots.get(uid) == self.boot_id
 
     async def record(self, uid: str, claim: PreparedClaim) -> None:
         """Remember claim uid as prepared with these devices. Raises PreparedError."""
@@ -249,10 +276,12 @@ class Prepared:
         added = {
             uid
             for uid, claim in add.items()
-            if record.claims.get(uid) != claim or not isinstance(raw["claims"].get(uid), dict)
+            if record.claims.get(uid) != claim
+            or record.boots.get(uid) != self.boot_id
+            or not isinstance(raw["claims"].get(uid), dict)
         }
         for uid in added:
-            raw["claims"][uid] = encode_claim(add[uid], now)
+            raw["claims"][uid] = encode_claim(add[uid], now, self.boot_id)
         expired = expire(raw, now)
         if expired:
             log.info(
@@ -279,7 +308,8 @@ class Prepared:
         with contextlib.suppress(OSError):
             st = os.lstat(self.path)
             claims = {uid: c for uid, c in {**record.claims, **add}.items() if uid in raw["claims"]}
-            self._cache = ((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), Record(claims, raw))
+            boots = {uid: b for uid, b in {**record.boots, **dict.fromkeys(add, self.boot_id)}.items() if uid in claims}
+            self._cache = ((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), Record(claims, raw, boots))
         return removed
 
     async def _lock(self) -> int:

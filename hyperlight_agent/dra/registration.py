@@ -1,14 +1,16 @@
 """One agent instance's DRA servers and its registration with the kubelet's plugin watcher.
 
     Registrar(service, driver, instance, registry_dir, plugins_dir)
-    start(): serve DRAPlugin (v1, v1beta1) at <plugins_dir>/<driver>/dra-<instance>.sock,
+    start(): serve DRAPlugin (v1, v1beta1), and DRAResourceHealth (v1, v1alpha1) when given a
+             health service, at <plugins_dir>/<driver>/dra-<instance>.sock,
              then Registration at <registry_dir>/<driver>-<instance>-reg.sock
              (the kubelet dials the service as soon as the registration socket appears)
     run():   start() if need be, then keep both sockets ours: one removed or replaced (a cleanup
              tool, an administrator) is served anew at once, and the kubelet registers us again;
              meanwhile we are not registered (readiness is off)
     kubelet: GetInfo → {type DRAPlugin, name driver, endpoint the service socket,
-             supported_versions [v1.DRAPlugin, v1beta1.DRAPlugin]} → NotifyRegistrationStatus
+             supported_versions [v1.DRAPlugin, v1beta1.DRAPlugin (, v1.DRAResourceHealth,
+             v1alpha1.DRAResourceHealth)]} → NotifyRegistrationStatus
     close(): remove the registration socket (the kubelet deregisters this instance only), stop
              both servers (calls in flight get transport.STOP_GRACE_S), remove the service socket;
              a socket is removed only while it is still the one we put there.
@@ -34,16 +36,20 @@ so) and `error` (why it did not, or why serving failed); on_change() is called w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import stat
-from typing import Any, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 import grpc
 
 from hyperlight_agent import contracts, transport, waits
 from hyperlight_agent.dra import api, names
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
+
+if TYPE_CHECKING:
+    from hyperlight_agent.dra.health import Health, HealthEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +60,12 @@ VERIFY_INTERVAL_S = 5.0
 # reconciler (a 1 s loop) sees it; until then it may still route a claim to us, which must be
 # answered rather than refused with "Server shutdown" (seen on the e2e cluster's 1.34 kubelet).
 DEREGISTER_GRACE_S = 1.5
+# As it deregisters us the kubelet closes its connection, which cancels the calls it still has
+# with us ("grpc: the client connection is closing": a pod's Prepare failed so on the 1.34 kubelet
+# when a rolling update's successor registered while that Prepare ran). So before our registration
+# socket goes, the calls in flight get this long to end; the kubelet sends new ones to the newest
+# instance, so during a handover none follow. Far below the kubelet's 45 s per call.
+CALLS_DRAIN_S = 5.0
 
 
 class Registrar:
@@ -69,9 +81,11 @@ class Registrar:
         on_change: Optional[Callable[[], None]] = None,
         stop_grace: float = transport.STOP_GRACE_S,
         deregister_grace: Optional[float] = None,
+        calls_drain: Optional[float] = None,
         configure: Optional[Callable[[grpc.aio.Server], None]] = None,
         watched: Callable[[], bool] = lambda: False,
         may_register: Optional[Callable[[], Awaitable[None]]] = None,
+        health: Optional[Health] = None,
     ) -> None:
         if not instance:
             raise ValueError("a DRA plugin instance needs a name unique on the node (the pod name or uid)")
@@ -83,10 +97,14 @@ class Registrar:
         self._on_change = on_change
         self._stop_grace = stop_grace
         self._deregister_grace = DEREGISTER_GRACE_S if deregister_grace is None else deregister_grace
+        self._calls_drain = CALLS_DRAIN_S if calls_drain is None else calls_drain
         # Adds more services to the DRA socket's server (the agent's gRPC health service, which the
         # exec probes ask there).
         self._configure = configure
+        # The resource-health service, served beside DRAPlugin and named in GetInfo (None: neither).
+        self._health = health
         self._dra: Optional[transport.Serving] = None
+        self._health_endpoint: Optional[HealthEndpoint] = None  # the current DRA server's
         self._registration: Optional[transport.Serving] = None
         self.registered = False
         self.error = ""  # the kubelet's reason for refusing us, or why we could not serve
@@ -110,7 +128,7 @@ class Registrar:
         of ours is left behind then (nor when a stop cancels us half-way)."""
         try:
             driver_dir(os.path.dirname(self.service_socket))
-            self._dra = await self._serve(self.service_socket, api.dra_handlers(self._service), self._configure)
+            self._dra = await self._serve_dra(self.service_socket)
             if self._may_register is not None:
                 await self._may_register()
             self._registration = await self._serve(self.registration_socket, [api.registration_handler(self)])
@@ -144,7 +162,10 @@ class Registrar:
         registration, dra = self._registration, self._dra
         if dra is not None and not dra.pin.is_at(dra.path):
             log.warning("our DRA service socket %s was removed or replaced; serving it again", dra.path)
-            self._dra = await self._serve(dra.path, api.dra_handlers(self._service), self._configure)
+            old_health = self._health_endpoint
+            self._dra = await self._serve_dra(dra.path)
+            if old_health is not None:
+                old_health.close()  # the kubelet opens its stream again on the new server
             await dra.stop(self._stop_grace)  # calls in flight finish on the old server
             self.served_again += 1  # (once the old server is gone: the kubelet's next call dials anew)
         if registration is not None and not registration.pin.is_at(registration.path):
@@ -159,16 +180,24 @@ class Registrar:
             self.served_again += 1
 
     async def close(self) -> None:
-        """Deregister (our registration socket goes first), then stop serving. Idempotent."""
+        """Deregister (our registration socket goes first, once the calls in flight ended or
+        CALLS_DRAIN_S passed), then stop serving. Idempotent."""
         registration, self._registration = self._registration, None
         dra, self._dra = self._dra, None
         try:
             if registration is not None:
+                idle = getattr(self._service, "idle", None)
+                if idle is not None and dra is not None:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await waits.within(idle(), self._calls_drain)
                 await registration.stop(0)
                 if dra is not None and self._deregister_grace > 0:
                     await asyncio.sleep(self._deregister_grace)  # still serving claims meanwhile
         finally:
             # Also when a stop cancels this close (a start cut short): our sockets must not stay.
+            if self._health_endpoint is not None:
+                self._health_endpoint.close()  # a stream would hold the stop for its whole grace
+                self._health_endpoint = None
             if dra is not None:
                 await dra.stop(self._stop_grace)
             if self.registered:
@@ -181,8 +210,14 @@ class Registrar:
             type=contracts.DRA_PLUGIN_TYPE,
             name=self.driver,
             endpoint=self.service_socket,
-            supported_versions=list(contracts.DRA_SUPPORTED_VERSIONS),
+            supported_versions=list(self.supported_versions),
         )
+
+    @property
+    def supported_versions(self) -> tuple[str, ...]:
+        """What GetInfo offers: DRAPlugin's versions, and the health service's when we serve it."""
+        health = contracts.DRA_HEALTH_SERVICES if self._health is not None else ()
+        return contracts.DRA_SUPPORTED_VERSIONS + health
 
     async def NotifyRegistrationStatus(
         self, request: reg.RegistrationStatus, context: grpc.aio.ServicerContext[Any, Any]
@@ -205,6 +240,17 @@ class Registrar:
         self.registered, self.error = registered, error
         if changed and self._on_change:
             self._on_change()
+
+    async def _serve_dra(self, path: str) -> transport.Serving:
+        """The DRA service socket's server: DRAPlugin, the health service, and what `configure` adds."""
+        handlers = api.dra_handlers(self._service)
+        endpoint = None
+        if self._health is not None:
+            endpoint = self._health.endpoint()
+            handlers += api.health_handlers(endpoint)
+        serving = await self._serve(path, handlers, self._configure)
+        self._health_endpoint = endpoint
+        return serving
 
     async def _serve(
         self,

@@ -3,8 +3,13 @@ NodeUnprepareResources for our driver.
 
     Service(driver, claim_reader, observe, prepared)
     NodePrepareResources:
-      claims recorded in `prepared` → the recorded answer at once (the kubelet asks again after its
-                               restart, and a rolling update's other instance may have prepared it);
+      claims recorded in `prepared` in this boot → the recorded answer at once (the kubelet asks
+                               again after its restart, and a rolling update's other instance may
+                               have prepared it);
+      claims recorded in an earlier boot → a fresh device check (which writes the CDI spec the
+                               reboot took, /run being a tmpfs), then the recorded devices with the
+                               device's CDI id, recorded anew; no API read (the allocation of a
+                               claim uid never changes);
       the others, concurrently (at most MAX_CONCURRENT_READS API reads at once, over all requests):
         claim_reader.allocation(ns, name, uid) → the results of our driver
           none of ours          → "claim ns/name has no device of driver hypervisor.hyperlight.dev"
@@ -83,15 +88,35 @@ class Service:
         # One claim is prepared or unprepared by one call at a time; entries go when idle.
         self._busy: dict[str, tuple[asyncio.Lock, int]] = {}  # uid → (its lock, calls using it)
         self._on_call = on_call  # (operation, seconds, claims answered, claims failed): the metrics
+        self.calls = 0  # calls in flight
+        self._idle: Optional[asyncio.Event] = None  # set while none is (made in the loop)
 
     # --- the gRPC methods (api.dra_handlers passes the version's message module) ----------------
+
+    async def idle(self) -> None:
+        """Return once no call is in flight (a stop deregisters only then: the kubelet cancels the
+        calls it has in flight with an instance as it deregisters it)."""
+        while self.calls:
+            if self._idle is None or self._idle.is_set():
+                self._idle = asyncio.Event()
+            await self._idle.wait()
+
+    @contextlib.asynccontextmanager
+    async def _call(self) -> AsyncIterator[None]:
+        self.calls += 1
+        try:
+            yield
+        finally:
+            self.calls -= 1
+            if not self.calls and self._idle is not None:
+                self._idle.set()
 
     async def NodePrepareResources(
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any], messages: ModuleType
     ) -> Any:
         claims = list(request.claims)
         started = time.monotonic()
-        async with self._claims_locked(claims):
+        async with self._call(), self._claims_locked(claims):
             answers = await self._prepare(claims)
         failed = sum(1 for error, _ in answers.values() if error)
         self._on_call("prepare", time.monotonic() - started, len(answers) - failed, failed)
@@ -118,7 +143,7 @@ class Service:
     ) -> Any:
         claims = list(request.claims)
         started = time.monotonic()
-        async with self._claims_locked(claims):
+        async with self._call(), self._claims_locked(claims):
             errors = await self._unprepare(claims)
         failed = sum(1 for uid in {c.uid for c in claims} if errors.get(uid))
         self._on_call("unprepare", time.monotonic() - started, len({c.uid for c in claims}) - failed, failed)
@@ -154,11 +179,16 @@ class Service:
     async def _prepare(self, claims: list[Any]) -> dict[str, tuple[str, tuple[PreparedDevice, ...]]]:
         """(error, devices) per claim uid: error is "" on success."""
         recorded = self.prepared.claims()
-        answers = {c.uid: ("", recorded[c.uid].devices) for c in claims if c.uid in recorded}
+        current = {c.uid for c in claims if c.uid in recorded and self.prepared.this_boot(c.uid)}
+        answers = {uid: ("", recorded[uid].devices) for uid in current}
+        earlier = {c.uid: c for c in claims if c.uid in recorded and c.uid not in current}
         new = {c.uid: c for c in claims if c.uid not in recorded}
-        found = await asyncio.gather(*(self._read(c.namespace, c.name, c.uid) for c in new.values()))
+        found = await asyncio.gather(
+            *(self._read(c.namespace, c.name, c.uid) for c in new.values()),
+            *(self._again(c.namespace, c.name, recorded[c.uid].devices) for c in earlier.values()),
+        )
         ready: dict[str, PreparedClaim] = {}
-        for claim, result in zip(new.values(), found):
+        for claim, result in zip([*new.values(), *earlier.values()], found):
             if isinstance(result, str):
                 answers[claim.uid] = (self._refuse(claim.namespace, claim.name, result), ())
             else:
@@ -193,6 +223,18 @@ class Service:
         except ClaimError as exc:
             return str(exc)
 
+    async def _again(
+        self, namespace: str, name: str, devices: tuple[PreparedDevice, ...]
+    ) -> Union[str, tuple[PreparedDevice, ...]]:
+        """A claim recorded in an earlier boot: its devices after a fresh check, or the error."""
+        try:
+            hypervisor = await self._usable(sorted({d.device for d in devices}))
+        except ClaimError as exc:
+            return str(exc)
+        cdi_ids = (self._cdi_id(hypervisor),)
+        log.info("claim %s/%s was prepared before this boot: checked the device again", namespace, name)
+        return tuple(d._replace(cdi_device_ids=cdi_ids) for d in devices)
+
     async def _devices(self, namespace: str, name: str, uid: str) -> tuple[PreparedDevice, ...]:
         """Our devices of the claim's allocation, with the CDI id of the healthy device; ClaimError."""
         try:
@@ -204,6 +246,14 @@ class Service:
         ours = [d for d in allocated if d.driver == self.driver]
         if not ours:
             raise ClaimError(f"claim {namespace}/{name} has no device of driver {self.driver}")
+        cdi_ids = (self._cdi_id(await self._usable(sorted({d.device for d in ours}))),)
+        return tuple(
+            PreparedDevice(request=d.request, pool=d.pool, device=d.device, cdi_device_ids=cdi_ids, share_id=d.share_id)
+            for d in ours
+        )
+
+    async def _usable(self, devices: list[str]) -> str:
+        """The hypervisor, after a fresh check that passed; ClaimError naming the devices if not."""
         observation = await self._observation()
         if not observation.healthy or observation.hypervisor is None:
             where = (
@@ -211,15 +261,11 @@ class Service:
                 if observation.hypervisor in hypervisors.BY_NAME
                 else "no hypervisor device"
             )
-            names = ", ".join(sorted({d.device for d in ours}))
             raise ClaimError(
-                f"device {names} ({where}) failed its check: {observation.reason or 'no device check has passed'}"
+                f"device {', '.join(devices)} ({where}) failed its check: "
+                f"{observation.reason or 'no device check has passed'}"
             )
-        cdi_ids = (self._cdi_id(observation.hypervisor),)
-        return tuple(
-            PreparedDevice(request=d.request, pool=d.pool, device=d.device, cdi_device_ids=cdi_ids, share_id=d.share_id)
-            for d in ours
-        )
+        return observation.hypervisor
 
     async def _unprepare(self, claims: list[Any]) -> dict[str, str]:
         """The error per claim uid that could not be forgotten (none: all were, or were unknown)."""

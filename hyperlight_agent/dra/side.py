@@ -11,12 +11,15 @@ reads), on the agent's loop.
              its last instance is gone)
 
 The device check, the CDI spec, readiness, sd_notify and metrics are the agent's, as in the device
-plugin modes: this module only turns observations into a ResourceSlice and claims into CDI devices.
+plugin modes: this module only turns observations into a ResourceSlice (an unusable device tainted,
+dra/taints.py), into the health the kubelet shows in pod status (dra/health.py), and claims into
+CDI devices.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -24,15 +27,17 @@ from typing import Any, Awaitable, Callable, Mapping, Optional
 
 import grpc
 
-from hyperlight_agent import contracts, peers, transport
+from hyperlight_agent import contracts, peers, transport, waits
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.dra import api, names, registration
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
+from hyperlight_agent.dra.health import Health
 from hyperlight_agent.dra.prepared import Prepared
 from hyperlight_agent.dra.service import Service
-from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher
+from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher, device_names
+from hyperlight_agent.dra.taints import Escalation, taint_for
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
 from hyperlight_agent.files import sockets
 from hyperlight_agent.host import healthcheck
@@ -46,16 +51,20 @@ RETRY_INITIAL_S = 0.5
 RETRY_CAP_S = 30.0
 # Each Prepare runs a fresh device check (as Allocate does), bounded well below the kubelet's 45 s.
 PREPARE_CHECK_TIMEOUT_S = 10.0
+# The kubelet opens its resource-health stream as it registers us (1.37: in the same call). No
+# stream this long after registration: a kubelet that never will (before 1.36, or its
+# ResourceHealthStatus gate off), said once.
+HEALTH_STREAM_WAIT_S = 10.0
 
 
 def device_info(observation: Observation) -> Optional[DeviceInfo]:
-    """What the slice says about a usable device (its path in containers), or None when it is not
-    usable.
+    """What the slice says about the device found (its path in containers), usable or not; None
+    when no device was found.
 
-    >>> device_info(Observation(True, "", "kvm"))
+    >>> device_info(Observation(False, "KVM_CREATE_VM failed", "kvm"))
     DeviceInfo(hypervisor='kvm', api_version=12, path='/dev/kvm')
     """
-    if not observation.healthy or observation.hypervisor is None:
+    if observation.hypervisor is None:
         return None
     row = hypervisors.BY_NAME[observation.hypervisor]
     return DeviceInfo(row.name, row.api_version or 0, row.container_path)
@@ -109,6 +118,8 @@ class DraTarget:
     plugins_dir: str
     driver: str = contracts.DRA_DRIVER
     shared: bool = True  # one shared device where the API server keeps allowMultipleAllocations
+    # An unusable device's taint turns NoExecute after this long without a passing check (0: never).
+    evict_after_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -158,8 +169,8 @@ class DraSnapshot:
 
 
 class DraSide:
-    # Deregistration's wait for the kubelet, then the service's stop grace.
-    close_bound_s = registration.DEREGISTER_GRACE_S + transport.STOP_GRACE_S
+    # The calls in flight, deregistration's wait for the kubelet, then the service's stop grace.
+    close_bound_s = registration.CALLS_DRAIN_S + registration.DEREGISTER_GRACE_S + transport.STOP_GRACE_S
 
     def __init__(self, target: DraTarget, shared: Shared) -> None:
         self._shared = shared
@@ -173,12 +184,23 @@ class DraSide:
         self._kube: Any = None  # the API client (client.KubeApi), once connected
         self.api_error = ""  # why there is no API client yet ("" once there is)
         self.publisher: Optional[SlicePublisher] = None
+        # The device the slice describes: the last one a check found (a missing device stays in
+        # the slice, tainted, under the name it had).
+        self._device: Optional[DeviceInfo] = None
+        self.escalation = Escalation(target.evict_after_s)
+        self.health = Health(
+            shared.observation,
+            self.health_devices,
+            lambda: self.node_name,
+            on_stream=shared.metrics.dra_health_stream,
+        )
+        self._registered = asyncio.Event()  # the kubelet registered us (since the last time we were not)
         self.service = Service(
             target.driver,
             _NotConnected(lambda: self.api_error),
-            lambda: shared.checker.check(timeout=PREPARE_CHECK_TIMEOUT_S),
+            self._checked,
             Prepared(os.path.join(target.plugins_dir, target.driver)),
-            on_call=shared.metrics.dra_call,
+            on_call=self._prepared,
         )
         self.calls = _Counted(self.service)
         self._registry_dir = target.registry_dir
@@ -197,6 +219,7 @@ class DraSide:
             configure=shared.serve_ours,
             watched=lambda: all(watcher.watching(os.path.dirname(p)) for p in sockets),
             may_register=self._may_register,
+            health=self.health,
         )
         # Our two sockets (removed by a cleanup tool: served again), and other instances'
         # registration sockets coming and going (whether a newer one keeps the slice).
@@ -237,7 +260,10 @@ class DraSide:
         """Until cancelled; never raises anything else (each part retries on its own). Serving
         does not wait for the API: without it a Prepare gets a claim error saying why, and the
         status says why no slice is published."""
-        tasks = [asyncio.ensure_future(self._retrying("DRA registration", self._serve))]
+        tasks = [
+            asyncio.ensure_future(self._retrying("DRA registration", self._serve)),
+            asyncio.ensure_future(self._expect_health_stream()),
+        ]
         try:
             kube = await self._retrying("API client", self._make_client)
             self.publisher = SlicePublisher(
@@ -246,7 +272,7 @@ class DraSide:
                 self.registrar.driver,
                 self.devices,
                 newer=self.slice_keeper,
-                on_change=self._on_change,
+                on_change=self._slice_changed,
                 shared=self._shared_device,
                 on_event=self._shared.metrics.dra_event,
             )
@@ -330,6 +356,8 @@ class DraSide:
         self.registrar.wake()
         if self.publisher is not None:
             self.publisher.wake()
+        # The kubelet forgets our driver's health when another instance's stream ends: say it again.
+        self.health.nudge()
 
     async def _may_register(self) -> None:
         """Returns when we may register: our registration socket makes us the newest instance,
@@ -355,7 +383,12 @@ class DraSide:
             log.info("%s", reason)
 
     def _registration_changed(self) -> None:
-        """Registered or not: readiness, and whether we may keep the slice (slice_keeper)."""
+        """Registered or not: readiness, whether we may keep the slice (slice_keeper), and the
+        wait for the kubelet's health stream."""
+        if self.registrar.registered:
+            self._registered.set()
+        else:
+            self._registered.clear()
         self._on_change()
         if self.publisher is not None:
             self.publisher.wake()
@@ -375,6 +408,7 @@ class DraSide:
         return str(info.endpoint)
 
     async def close(self) -> None:
+        self.health.close()
         await self.registrar.close()
         if self._kube is not None:
             kube, self._kube = self._kube, None
@@ -414,12 +448,77 @@ class DraSide:
             await asyncio.sleep(backoff.next())
 
     async def _follow_checks(self, publisher: SlicePublisher) -> None:
-        """The slice follows every completed check: an unusable device leaves it."""
+        """The slice follows every completed check: an unusable device tainted NoSchedule at once,
+        NoExecute once the escalation says so (a timer of its own: no check need complete then)."""
         version = 0
         while True:
-            observation = await self._observation.wait_newer(version)
-            version = self._observation.version
-            publisher.set_device(device_info(observation))
+            due = self.escalation.due_in()
+            # A timeout: the escalation is due, the same observation with another effect.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await waits.within(self._observation.wait_newer(version), due if due else None)
+            if self._observation.version != version:
+                version = self._observation.version
+                self.escalation.observe(self._observation.current.healthy)
+            observation = self._observation.current
+            self._device = device_info(observation) or self._device
+            taint = taint_for(observation, self.escalation.effect())
+            publisher.set_device(self._device, taint)
+            self._shared.metrics.dra_taint(taint.effect if taint and publisher.taints and self._device else "")
+            self.health.refresh()
+
+    async def _checked(self) -> Observation:
+        """What a Prepare is answered from: a fresh check. Once the agent stops, its checker checks
+        no more (its first step), while a call already with us is still to be answered (the
+        registrar deregisters only after it): that one gets the last check's result, a moment old,
+        rather than a dropped call, which the kubelet only sees fail as it deregisters us."""
+        check = asyncio.ensure_future(self._shared.checker.check(timeout=PREPARE_CHECK_TIMEOUT_S))
+        try:
+            await asyncio.wait({check})
+        except asyncio.CancelledError:  # our caller's own cancellation (a server stopping)
+            check.cancel()
+            raise
+        if check.cancelled():  # the checker's: the agent is stopping
+            return self._observation.current
+        return check.result()
+
+    def health_devices(self) -> list[str]:
+        """The devices whose health the kubelet hears of: those the slice offers (or offered, for
+        a device gone missing: the shape it had) and those of claims prepared on this node."""
+        found = set()
+        if self._device is not None:
+            shared = self.publisher.shared if self.publisher is not None else self._shared_device
+            found.update([self._device.hypervisor] if shared else device_names(self._device.hypervisor, self.devices))
+        for claim in self.service.prepared.claims().values():
+            found.update(d.device for d in claim.devices if d.pool == self.node_name)
+        return sorted(found)
+
+    def _prepared(self, operation: str, seconds: float, ok: int, failed: int) -> None:
+        """After each Prepare or Unprepare: the metrics, and the health of a device of a claim we
+        did not list yet."""
+        self._shared.metrics.dra_call(operation, seconds, ok, failed)
+        self.health.refresh()
+
+    def _slice_changed(self) -> None:
+        """The publisher's state changed, its shape maybe (identical devices after all)."""
+        self.health.refresh()
+        self._on_change()
+
+    async def _expect_health_stream(self) -> None:
+        """Say once if the kubelet registers us but opens no resource-health stream: pods' status
+        then shows nothing of the device's health (the slice's taint still does)."""
+        while not self.health.first_opened.is_set():
+            await self._registered.wait()
+            if await waits.event(self.health.first_opened, HEALTH_STREAM_WAIT_S):
+                return
+            if self.registrar.registered:
+                log.info(
+                    "the kubelet registered DRA driver %s but opened no resource-health stream within %g s "
+                    "(a kubelet before 1.36, or its ResourceHealthStatus feature gate off): pods' status will "
+                    "not show the hypervisor's health; the ResourceSlice's taint still does",
+                    self.registrar.driver,
+                    HEALTH_STREAM_WAIT_S,
+                )
+                return
 
 
 def candidates(registry_dir: str, driver: str, own: str) -> list[str]:

@@ -10,20 +10,27 @@ are handed out as the same CDI device by the node service. Which the server keep
 writing the shared device and reading the answer: a server that drops the field gets the N devices
 from then on (ARCHITECTURE.md, "DRA: one shared device, N where the API cannot say so").
 
-A device that is absent or failed its check leaves the slice: the slice stays, with no devices
-(spec.devices is optional, `omitempty`, and "Only one of Devices and SharedCounters can be set"
-allows neither), and pool.generation moves on. Why keep an empty slice rather than delete it: the
-scheduler sees the same "no devices here" either way, but an empty slice says "this node's agent
-runs and has nothing to offer" where a missing one says nothing; and every change stays one
-update of one object, with the generation never going back.
+A device that is absent or failed its check stays in the slice with our taint (dra/taints.py:
+key hyperlight.dev/unusable, the cause as its value, NoSchedule, or NoExecute once the opt-in
+debounce has passed), so the scheduler keeps new claims off it and says why, and pods already
+using it see its health (dra/health.py). A slice with a taint holds at most 64 devices, so N
+identical devices beyond that leave it while tainted. Where the API server drops device taints
+(DRADeviceTaints: beta and on from 1.36), found out as for sharing, by writing one and reading
+the answer, the device leaves the slice instead: the slice stays, with no devices (spec.devices is
+optional, `omitempty`, and "Only one of Devices and SharedCounters can be set" allows neither), and
+pool.generation moves on. Why keep an empty slice rather than delete it: the scheduler sees the
+same "no devices here" either way, but an empty slice says "this node's agent runs and has nothing
+to offer" where a missing one says nothing; and every change stays one update of one object, with
+the generation never going back.
 
 How the server's state is known: list once, then watch from the list's resourceVersion, keeping
 the node's slices of our driver as the events say (an informer, as client-go's). A watch asks the
 server to end it after WATCH_TIMEOUT_S and is opened again from the last version it saw, without
 a list; 410 Gone (too old a version) and a conflict on write mean "list again". A dead connection
-is found out by the client (client.py) at the watch's end, or sooner by the server's minutely
-bookmarks when a watch is longer than they are apart. Anything that fails, or a watch that ends
-early, waits the jittered backoff; it starts over only after a watch ran to its end.
+is found out by the client (client.py) by the server's minutely bookmarks (their silence, or the
+first one's absence) and TCP keepalive, within two minutes, long before a watch's end. Anything
+that fails, or a watch that ends early, waits the jittered backoff; it starts over only after a
+watch ran to its end.
 
 What is ours in the slice is compared, nothing else (`owned`): the driver, node and pool, and each
 device's name and our attributes. Fields and attributes others add (a mutating webhook, a newer
@@ -52,6 +59,7 @@ from typing import Any, Awaitable, Callable, NamedTuple, Optional
 from hyperlight_agent import backoff, contracts
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.dra.client import SLICES, ApiError, Json, KubeApi
+from hyperlight_agent.dra.taints import Taint
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +67,13 @@ log = logging.getLogger(__name__)
 # the first retry of a streak is immediate.
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_CAP_S = 30.0
-# Each watch asks the server to end it after a time in this range (spread, so that a fleet's
-# watches do not end together). This bounds how long a connection that stopped forwarding (no FIN,
-# no RST, a proxy that still acknowledges) goes unnoticed: the timeout and WATCH_GRACE_S, under a
-# minute whatever the network does (issue 26). Longer watches (client-go's 5-10 minutes) cost a
-# tenth of the requests but leave that to the server's bookmarks: 75 s after the last one, and up
-# to a whole watch before the first (ARCHITECTURE.md, "DRA: an informer, and one backoff").
-WATCH_TIMEOUT_S = (40.0, 50.0)
+# Each watch asks the server to end it after a time in this range, client-go's (spread, so that a
+# fleet's watches do not end together): an idle node renews its watch about 8 times an hour. Its
+# liveness is not the timeout's: a connection that stopped forwarding (no FIN, no RST, a proxy that
+# still acknowledges) is found by the server's bookmarks, 75 s after the last one or, before the
+# first, 75 s after the server answered (client.py); a peer gone from the network by TCP keepalive
+# too (ARCHITECTURE.md, "DRA: an informer, and one backoff").
+WATCH_TIMEOUT_S = (300.0, 600.0)
 # A watch the server ended sooner than this fraction of what we asked for ended early: a failure.
 EARLY_END = 0.5
 # "Edited by someone else" and the like: said once per this long, with a count of the repeats.
@@ -74,6 +82,10 @@ NOTICE_INTERVAL_S = 600.0
 ATTRIBUTES = ("hypervisor", "apiVersion", "devicePath")
 # The device field that lets the scheduler allocate one device to many claims (KEP-5075).
 SHARED_FIELD = "allowMultipleAllocations"
+# The device field holding its taints (KEP-5055); of those, ours (contracts.TAINT_UNUSABLE) are
+# compared by key, value and effect (the server adds timeAdded).
+TAINTS_FIELD = "taints"
+TAINT_FIELDS = ("key", "value", "effect")
 
 
 class DeviceInfo(NamedTuple):
@@ -89,11 +101,20 @@ def device_names(hypervisor: str, count: int) -> list[str]:
     return [f"{hypervisor}-{i}" for i in range(count)]
 
 
-def desired_spec(node_name: str, driver: str, count: int, device: Optional[DeviceInfo], shared: bool = False) -> Json:
+def desired_spec(
+    node_name: str,
+    driver: str,
+    count: int,
+    device: Optional[DeviceInfo],
+    shared: bool = False,
+    taint: Optional[Taint] = None,
+    taints: bool = True,
+) -> Json:
     """The slice's spec without pool.generation (which only says how often it changed): one shared
-    device, or `count` identical ones."""
+    device, or `count` identical ones; each with `taint` when the device is unusable, or none at
+    all where the server keeps no taints (`taints` false)."""
     devices: list[Json] = []
-    if device is not None:
+    if device is not None and (taint is None or taints):
         # Unprefixed attribute names are in the driver's domain:
         # device.attributes["hypervisor.hyperlight.dev"].hypervisor.
         attributes = {
@@ -104,7 +125,12 @@ def desired_spec(node_name: str, driver: str, count: int, device: Optional[Devic
         if shared:
             devices = [{"name": device.hypervisor, SHARED_FIELD: True, "attributes": attributes}]
         else:
+            if taint is not None:
+                count = min(count, contracts.RESOURCE_SLICE_MAX_TAINTED_DEVICES)
             devices = [{"name": name, "attributes": attributes} for name in device_names(device.hypervisor, count)]
+        if taint is not None:
+            for entry in devices:
+                entry[TAINTS_FIELD] = [taint.as_json()]
     return {
         "driver": driver,
         "nodeName": node_name,
@@ -115,8 +141,8 @@ def desired_spec(node_name: str, driver: str, count: int, device: Optional[Devic
 
 def owned(spec: Any) -> Json:
     """What of a slice's spec is ours to compare with the desired one: the driver, node, pool (no
-    generation), and per device its name and our attributes. No devices is the same as `[]` (the
-    server omits an empty list); anything others add is left out.
+    generation), and per device its name, our attributes and our taint (key, value, effect). No
+    devices is the same as `[]` (the server omits an empty list); anything others add is left out.
 
     >>> owned({"driver": "d", "nodeName": "n", "pool": {"name": "n", "generation": 3, "resourceSliceCount": 1},
     ...        "devices": [{"name": "kvm-0", "attributes": {"hypervisor": {"string": "kvm"}, "x": {"int": 1}}}]})
@@ -133,6 +159,14 @@ def owned(spec: Any) -> Json:
         if device.get(SHARED_FIELD) is True:
             mine[SHARED_FIELD] = True
         mine["attributes"] = {k: attributes[k] for k in ATTRIBUTES if k in attributes}
+        listed = device.get(TAINTS_FIELD)
+        taints = [
+            {k: _mapping(t).get(k) for k in TAINT_FIELDS}
+            for t in (listed if isinstance(listed, list) else [])
+            if _mapping(t).get("key") == contracts.TAINT_UNUSABLE
+        ]
+        if taints:
+            mine[TAINTS_FIELD] = taints
         found.append(mine)
     pool = _mapping(spec.get("pool"))
     return {
@@ -198,6 +232,7 @@ class SlicePublisher:
         drivers_before: tuple[str, ...] = contracts.DRA_DRIVERS_BEFORE,
         shared: bool = True,
         on_event: Callable[..., None] = lambda kind, *labels: None,
+        taints: bool = True,
     ) -> None:
         if not 1 <= count <= contracts.RESOURCE_SLICE_MAX_DEVICES:
             raise ValueError(
@@ -215,6 +250,9 @@ class SlicePublisher:
         self._swept = not drivers_before
         # One shared device, until the API server shows it drops allowMultipleAllocations.
         self.shared = shared
+        # An unusable device tainted, until the API server shows it drops taints.
+        self.taints = taints
+        self._taint: Optional[Taint] = None
         self._on_change = on_change  # told when published, kept_by or last_error may have changed
         # For the metrics: ("write", verb), ("api_error", verb, code), ("watch", why it was opened again).
         self._event = on_event
@@ -240,11 +278,12 @@ class SlicePublisher:
         self.requests = 0  # requests sent to the API server (benchmarks read this)
         self.looks = 0  # comparisons of the server's slices with the desired one done (tests read this)
 
-    def set_device(self, device: Optional[DeviceInfo]) -> None:
-        """The device the last check found usable, or None: absent or unusable (its devices leave)."""
-        if device == self._device and self._known:
+    def set_device(self, device: Optional[DeviceInfo], taint: Optional[Taint] = None) -> None:
+        """The device the slice describes (None: no device known, no devices), and its taint while
+        it is unusable (where the server keeps no taints, its devices leave the slice)."""
+        if (device, taint) == (self._device, self._taint) and self._known:
             return
-        self._device, self._known = device, True
+        self._device, self._taint, self._known = device, taint, True
         self.published = False
         self._changed()
         self._dirty.set()
@@ -258,7 +297,9 @@ class SlicePublisher:
             self._on_change()
 
     def desired(self) -> Json:
-        return desired_spec(self.node_name, self.driver, self.count, self._device, self.shared)
+        return desired_spec(
+            self.node_name, self.driver, self.count, self._device, self.shared, self._taint, self.taints
+        )
 
     @property
     def devices(self) -> int:
@@ -400,6 +441,8 @@ class SlicePublisher:
             self._changed()
             self._dirty.set()
             return
+        if self._dropped_taints(desired, kept, _name(result)):
+            return
         if owned(result.get("spec")) != desired:
             self._accepted = (desired, owned(result.get("spec")))
             self._notice(
@@ -408,6 +451,22 @@ class SlicePublisher:
                 "(a mutating webhook or policy?); keeping its version rather than writing it again",
             )
         self._settled(result, desired)
+
+    def _dropped_taints(self, desired: Json, kept: list[Json], name: str) -> bool:
+        """Whether the server dropped the taints we wrote (a feature it does not have): then, from
+        now on, an unusable device leaves the slice, as before taints existed (said once)."""
+        wrote = any(TAINTS_FIELD in d for d in desired["devices"])
+        if not (wrote and self.taints) or any(TAINTS_FIELD in d for d in kept):
+            return False
+        log.info(
+            "ResourceSlice %s: the API server does not keep device taints (Kubernetes before 1.36, or "
+            "DRADeviceTaints off); an unusable device leaves the slice instead",
+            name,
+        )
+        self.taints = False
+        self._changed()
+        self._dirty.set()
+        return True
 
     async def _write(self, desired: Json, keep: Optional[Json], extras: list[Json]) -> Json:
         """Delete the duplicates, then create or update the slice; the server's answer."""

@@ -30,7 +30,16 @@ WATCH_REASONS = ("ended", "early", "failed", "relist")
 # The series only a mode speaking this kubelet protocol counts (attribute names below).
 FAMILIES = {
     "deviceplugin": ("registrations", "kubelet_restarts", "allocations", "open_streams", "streams_lost"),
-    "dra": ("dra_calls", "dra_claims", "dra_call_seconds", "dra_slice_writes", "dra_api_errors", "dra_watch_restarts"),
+    "dra": (
+        "dra_calls",
+        "dra_claims",
+        "dra_call_seconds",
+        "dra_slice_writes",
+        "dra_api_errors",
+        "dra_watch_restarts",
+        "dra_health_streams",
+        "dra_taint_effect",
+    ),
 }
 
 
@@ -60,6 +69,8 @@ class Metrics:
         self._cause = ""
         self._device: tuple[str, str] = ("", "")  # hyperlight_device_info's labels now
         self._spec_right = False  # a check has found (or made) the CDI spec right: later writes are repairs
+        self._healthy: Optional[bool] = None  # the last check's verdict (None: no check yet)
+        self._taint = ""  # the effect of the device's taint in the slice now ("" none)
         self._counted = (0, 0, 0)  # the registrar's totals already added to our counters
         self._device_dir = device_dir
         self.enabled = enabled
@@ -69,6 +80,7 @@ class Metrics:
         if not enabled:
             self.healthy = self.unhealthy_cause = self.check_seconds = self.checks = self.failures = off
             self.cdi_repairs = self.helper_timeouts = self.device_info = self.advertised = off
+            self.transitions = off
             return
         from prometheus_client import (
             CollectorRegistry,
@@ -115,6 +127,14 @@ class Metrics:
         self.failures = Counter(
             "hyperlight_check_failures_total", "failed device checks by cause", ["cause"], registry=r
         )
+        self.transitions = Counter(
+            "hyperlight_device_health_transitions_total",
+            "changes of the device check's verdict (the first check's is none), by the new one",
+            ["to"],
+            registry=r,
+        )
+        for to in ("healthy", "unhealthy"):
+            self.transitions.labels(to)  # from 0, for increase() to see the first
         self.cdi_repairs = (
             Counter(
                 "hyperlight_cdi_repairs_total",
@@ -156,7 +176,7 @@ class Metrics:
 
     def _dra_families(self) -> None:
         """The DRA mode's. Labels are fixed words or HTTP status codes: bounded."""
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
         r = self.registry
         self.dra_calls = Counter(
@@ -193,6 +213,17 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.dra_health_streams = Gauge(
+            "hyperlight_dra_health_streams",
+            "resource-health streams open now (the kubelet's: 1 once it watches this instance)",
+            registry=r,
+        )
+        self.dra_taint_effect = Gauge(
+            "hyperlight_dra_device_taint",
+            "1 for the effect of the taint this node's device carries in the ResourceSlice (none while usable)",
+            ["effect"],
+            registry=r,
+        )
         for operation in DRA_OPERATIONS:
             self.dra_calls.labels(operation)
             self.dra_call_seconds.labels(operation)
@@ -220,6 +251,9 @@ class Metrics:
             self.cdi_repairs.inc()
         if observation.healthy:
             self._spec_right = True
+        if self._healthy is not None and observation.healthy != self._healthy:
+            self.transitions.labels("healthy" if observation.healthy else "unhealthy").inc()
+        self._healthy = observation.healthy
         cause = observation.cause.value  # the label's value (str() of an Enum is its name)
         if not observation.healthy:
             self.failures.labels(cause).inc()
@@ -263,3 +297,16 @@ class Metrics:
         self.kubelet_restarts.inc(kubelet_restarts - done[1])
         self.streams_lost.inc(streams_lost - done[2])
         self._counted = (registrations, kubelet_restarts, streams_lost)
+
+    def dra_health_stream(self, delta: int) -> None:
+        """A resource-health stream opened (+1) or ended (-1)."""
+        self.dra_health_streams.inc(delta)
+
+    def dra_taint(self, effect: str) -> None:
+        """The effect of the taint the slice's device carries now ("" none)."""
+        if self.enabled and effect != self._taint:
+            if self._taint:
+                self.dra_taint_effect.remove(self._taint)
+            if effect:
+                self.dra_taint_effect.labels(effect).set(1)
+            self._taint = effect
