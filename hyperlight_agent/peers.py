@@ -294,10 +294,12 @@ async def hold(
     observation: SharedObservation,
     say: Callable[[str], None],
     poll: Callable[[], float] = lambda: HOLD_POLL_S,
+    first_check: bool = True,
 ) -> None:
-    """Returns once `why(observation)` says nothing ("") for a completed device check; until then
-    `say(reason)` is told each new reason (and "" at the end, when there was one), and the
-    question is asked again on every new check result or after `poll()` seconds.
+    """Returns once `why(observation)` says nothing ("") for a completed device check (or, with
+    `first_check` off, for the observation before the first check: an instance alone need not wait
+    for it); until then `say(reason)` is told each new reason (and "" at the end, when there was
+    one), and the question is asked again on every new check result or after `poll()` seconds.
 
     What registers us with the kubelet waits here: a Register (device plugin) or a registration
     socket (DRA) makes us the kubelet's choice for the resource, which an instance whose device is
@@ -305,7 +307,7 @@ async def hold(
     said = ""
     try:
         while True:
-            current = await observation.wait_newer(0)  # the first check has completed
+            current = await observation.wait_newer(0) if first_check else observation.current
             version = observation.version
             reason = await why(current)
             if not reason:

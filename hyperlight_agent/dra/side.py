@@ -86,6 +86,10 @@ class _Counted:
     async def NodeUnprepareResources(self, request: Any, context: Any, messages: Any) -> Any:
         return await self._counted(self.service.NodeUnprepareResources(request, context, messages))
 
+    async def idle(self) -> None:
+        """The service's: a stop deregisters once no call is in flight (Registrar.close)."""
+        await self.service.idle()
+
     async def _counted(self, call: Awaitable[Any]) -> Any:
         self.in_flight += 1
         self.received += 1
@@ -363,8 +367,10 @@ class DraSide:
         """Returns when we may register: our registration socket makes us the newest instance,
         which the kubelet calls; with our device unhealthy beside a ready instance of ours (a
         successor whose check fails) every claim would fail, so it waits for a healthy device or
-        for that instance to go."""
-        await peers.hold(self._hold_reason, self._observation, self._held)
+        for that instance to go. Alone, we register before the first check has completed: the
+        kubelet's health stream then shows claims prepared before our start as Unknown, not as
+        nothing, and a Prepare waits for a check anyway."""
+        await peers.hold(self._hold_reason, self._observation, self._held, first_check=False)
 
     async def _hold_reason(self, observation: Observation) -> str:
         if observation.healthy:

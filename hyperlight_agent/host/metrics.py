@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from hyperlight_agent import contracts
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.observation import Cause, Observation
 from hyperlight_agent.host import httpd
@@ -26,6 +27,7 @@ CAUSES = tuple(c.value for c in Cause if c not in (Cause.NONE, Cause.STARTING))
 ALLOCATION_OUTCOMES = ("ok", "invalid", "unavailable")
 DRA_OPERATIONS = ("prepare", "unprepare")
 SLICE_VERBS = ("create", "update", "delete")
+TAINT_EFFECTS = (contracts.TAINT_NO_SCHEDULE, contracts.TAINT_NO_EXECUTE)  # our device taint's
 WATCH_REASONS = ("ended", "early", "failed", "relist")
 # The series only a mode speaking this kubelet protocol counts (attribute names below).
 FAMILIES = {
@@ -220,10 +222,12 @@ class Metrics:
         )
         self.dra_taint_effect = Gauge(
             "hyperlight_dra_device_taint",
-            "1 for the effect of the taint this node's device carries in the ResourceSlice (none while usable)",
+            "1 for the effect of the taint on this node's device in the ResourceSlice, else 0 (both 0 while usable)",
             ["effect"],
             registry=r,
         )
+        for effect in TAINT_EFFECTS:
+            self.dra_taint_effect.labels(effect)  # 0 from the start, as every labelled series here
         for operation in DRA_OPERATIONS:
             self.dra_calls.labels(operation)
             self.dra_call_seconds.labels(operation)
@@ -306,7 +310,7 @@ class Metrics:
         """The effect of the taint the slice's device carries now ("" none)."""
         if self.enabled and effect != self._taint:
             if self._taint:
-                self.dra_taint_effect.remove(self._taint)
+                self.dra_taint_effect.labels(self._taint).set(0)
             if effect:
                 self.dra_taint_effect.labels(effect).set(1)
             self._taint = effect
