@@ -91,6 +91,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def routed_networks() -> set[tuple[int, int]]:
+    """The host's IPv4 routes as (network, mask), host byte order (/proc/net/route, every table's
+    main entries): a bridge left by another checkout's killed run keeps its route even when down,
+    and a second route to the same subnet takes no traffic."""
+    networks = set()
+    with open("/proc/net/route") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            destination, mask = (socket.ntohl(int(fields[i], 16)) for i in (1, 7))
+            networks.add((destination, mask))
+    return networks
+
+
+def free_subnets(count: int, routes: set[tuple[int, int]]) -> int:
+    """The first x for which 10.250.x+1 … 10.250.x+count are /24s within which no route of a /24 or
+    longer lies (a broader route, a VPN's 10.0.0.0/8, loses to our bridge's by its length)."""
+
+    def overlaps(octet: int) -> bool:
+        net = (10 << 24) | (250 << 16) | (octet << 8)
+        return any(mask >= 0xFFFFFF00 and (dest & 0xFFFFFF00) == net for dest, mask in routes)
+
+    for base in range(0, 255 - count, count):
+        if not any(overlaps(base + i) for i in range(1, count + 1)):
+            return base
+    raise RuntimeError(f"no {count} free /24 subnets in 10.250.0.0/16: every one is routed already")
+
+
 class ComponentExited(Exception):
     pass
 
@@ -313,8 +340,9 @@ class Node:
         run = hashlib.sha256(cluster.directory.encode()).hexdigest()[:6]
         self.cgroup = f"/hl-e2e-{run}-{name}"
         self.bridge = f"hle2e{run}{name}"[:15]
-        self.subnet = f"10.250.{index}.0/24"
-        self.gateway = f"10.250.{index}.1"
+        octet = cluster.subnet_base + index
+        self.subnet = f"10.250.{octet}.0/24"
+        self.gateway = f"10.250.{octet}.1"
         self.kubelet_port = free_port()
         self.healthz_port = free_port()
         self.device_unusable = device_unusable
@@ -614,6 +642,8 @@ class Cluster:
         self.server = ""
         self.api: Api = None  # type: ignore[assignment]  # set by start()
         self.admin_kubeconfig = ""
+        # The nodes' subnets are 10.250.subnet_base+1… (start(): none another bridge routes already).
+        self.subnet_base = 0
 
     def binaries(self, component: str, version: str) -> str:
         path = os.path.join(self.bin_dir, component, version)
@@ -638,6 +668,7 @@ class Cluster:
         os.makedirs(os.path.join(self.directory, "logs"))
         self.state = State(self.state_path)
         self.logs = os.path.join(self.directory, "logs")
+        self.subnet_base = free_subnets(MAX_NODES, routed_networks())
         self.pki = Pki(os.path.join(self.directory, "pki"))
         etcd_client, etcd_peer, api_port = free_port(), free_port(), free_port()
         etcd = self.binaries("etcd", self.versions["etcd"])
@@ -676,7 +707,7 @@ class Cluster:
                 "DNS:kubernetes",
                 "DNS:kubernetes.default",
                 "IP:10.96.0.1",
-                *(f"IP:10.250.{i}.1" for i in range(1, MAX_NODES + 1)),
+                *(f"IP:10.250.{self.subnet_base + i}.1" for i in range(1, MAX_NODES + 1)),
             ),
         )
         kubelet_client = self.pki.issue(

@@ -1,0 +1,31 @@
+"""The e2e harness's own choices that need no cluster (tests/e2e/cluster.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.cluster import free_subnets, routed_networks
+
+SLASH_24 = 0xFFFFFF00
+
+
+def net(third: int) -> int:
+    return (10 << 24) | (250 << 16) | (third << 8)
+
+
+def test_the_nodes_subnets_avoid_a_bridge_another_run_left() -> None:
+    """A bridge of another checkout's killed run kept 10.250.1.0/24 routed (down): the probes of
+    our pods on a new bridge with that subnet went to it ("no route to host")."""
+    assert free_subnets(4, set()) == 0
+    assert free_subnets(4, {(net(1), SLASH_24)}) == 4
+    assert free_subnets(4, {(net(1), SLASH_24), (net(6), SLASH_24)}) == 8
+    assert free_subnets(4, {(net(2) | 0x80, 0xFFFFFF80)}) == 4  # a narrower route inside one
+    # Broader routes lose to a bridge's /24 by their length: the default, a VPN's 10.0.0.0/8.
+    assert free_subnets(4, {(0, 0), (10 << 24, 0xFF000000)}) == 0
+    with pytest.raises(RuntimeError, match="no 4 free /24 subnets"):
+        free_subnets(4, {(net(i), SLASH_24) for i in range(256)})
+
+
+def test_the_hosts_routes_are_read() -> None:
+    routes = routed_networks()
+    assert routes and all(dest & mask == dest for dest, mask in routes)
