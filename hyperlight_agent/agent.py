@@ -105,6 +105,7 @@ class Agent:
                 on_change=self._status_changed,
                 environ=self._environ,
                 predecessor=lambda: self.notifier.predecessor,
+                upgrading=lambda: self.upgrades.state == "running",
             ),
         )
         self._stop = asyncio.Event()
@@ -251,7 +252,12 @@ class Agent:
 
         def seen(child: peers.Description) -> None:
             """The child's answers while we wait for it: it asks before it registers."""
-            if child.registering and record.state == "running" and record.agreed != child.identity.pid:
+            if (
+                child.registering
+                and record.state == "running"
+                and record.agreed != child.identity.pid
+                and not self.side.registration_in_flight()  # the child asks again: ours goes first
+            ):
                 record.agreed = child.identity.pid
                 log.info("in-place upgrade: the new agent (pid %d) may register with the kubelet", record.agreed)
 

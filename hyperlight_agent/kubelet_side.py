@@ -58,6 +58,8 @@ class Shared:
     # The agent an in-place upgrade replaces with us, while it lives (host/successor.py): None
     # once it has gone, and for every agent not started by an in-place upgrade.
     predecessor: Callable[[], Optional[int]] = lambda: None
+    # Whether an in-place upgrade of ours is under way (its child may register: we do not).
+    upgrading: Callable[[], bool] = lambda: False
 
 
 class KubeletSide(Protocol):
@@ -86,6 +88,11 @@ class KubeletSide(Protocol):
 
     def after_failed_hand_over(self, successor_registered: bool) -> None:
         """The successor we handed over to was stopped: make the kubelet's view ours again."""
+        ...
+
+    def registration_in_flight(self) -> bool:
+        """Whether a registration of ours is on its way to the kubelet (an in-place upgrade then
+        does not yet agree that its child registers)."""
         ...
 
     def described(self) -> Mapping[str, Any]:

@@ -152,6 +152,7 @@ class Registrar:
         # a Register that would take the kubelet from a ready instance of ours, handover.py).
         self._may_register = may_register
         self._renew = False
+        self.registering_now = False  # a Register of ours is on its way
         self._stream_open_timeout = stream_open_timeout
         self._backoff = backoff or Backoff(rand=JITTER)  # Register failures; reset by a successful one
         # Streams lost (or never opened) after a successful Register: reset only after a stream
@@ -368,6 +369,15 @@ class Registrar:
             raise AlreadyServed(str(exc)) from None
 
     async def _register(self) -> None:
+        # Set before any await: the side's "we may register" and this Register are one step, so an
+        # in-place upgrade never agrees to its child's Register with ours on its way (agent.py).
+        self.registering_now = True
+        try:
+            await self._send_register()
+        finally:
+            self.registering_now = False
+
+    async def _send_register(self) -> None:
         kubelet = self._pin("_kubelet_tried", Pin.take(self.kubelet_socket))
         if kubelet is None:
             raise RegistrationError(_no_kubelet(self.kubelet_socket))

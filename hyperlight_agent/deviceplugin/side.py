@@ -183,7 +183,19 @@ class DevicePluginSide:
         self._shared.on_change()
 
     async def _hold_reason(self, healthy: bool) -> str:
-        """Why we may not register now ("" when we may)."""
+        """Why we may not register now ("" when we may). Asked last, after every await: during an
+        in-place upgrade of ours the child registers (with our agreement), and if it fails we
+        register again (after_failed_hand_over); a Register of ours racing the child's could
+        leave the kubelet with our list and, once we leave, with none."""
+        reason = await self._hold_reason_now(healthy)
+        if not reason and self._shared.upgrading():
+            return "not registering during our in-place upgrade: the new agent registers"
+        return reason
+
+    def registration_in_flight(self) -> bool:
+        return self.registrar.registering_now
+
+    async def _hold_reason_now(self, healthy: bool) -> str:
         me = self._shared.identity
         if not healthy:
             serving = await handover.wait_for_successor(

@@ -330,6 +330,10 @@ class DraSide:
         if self.publisher is not None:
             self.publisher.wake()
 
+    def registration_in_flight(self) -> bool:
+        """The DRA registration is a socket the kubelet finds: nothing of ours is on its way."""
+        return False
+
     def described(self) -> Mapping[str, Any]:
         """What Describe adds for this side (peers.py): `serving` is ready but for the slice."""
         return {"serving": self._serving(), "calls": self.calls.received}
