@@ -147,8 +147,9 @@ def test_unknown_until_the_first_check_finishes(tmp: str, helpers: list[FakeHelp
 def test_a_kubelet_without_the_health_stream_gets_todays_behaviour_and_one_line(
     tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """ResourceHealthStatus off (or a kubelet before 1.36): no stream is opened; the agent registers,
-    publishes, prepares and taints as before, and says once why pods' status shows no health."""
+    """ResourceHealthStatus off (or a kubelet before 1.36): no stream is opened; the agent registers
+    and becomes ready as before, and says once why pods' status shows no health (not again when it
+    registers again)."""
     monkeypatch.setattr(dra_side_module, "HEALTH_STREAM_WAIT_S", 0.3)
     caplog.set_level(logging.INFO)
 
