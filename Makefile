@@ -211,7 +211,7 @@ deb: deb-deps $(BUILD_VENV)/.installed $(sort $(foreach row,$(DEB_TARGETS),$(WHE
 	@ls -l build/deb/*.deb 2>/dev/null || echo "make deb: TARGETS names no Debian or Ubuntu row"
 
 # An .rpm per RPM target (packaging/targets: EL9, EL10, Azure Linux 3), for its Python, judged by
-# rpmlint with the project's config.
+# rpmlint with the project's config, a warning failing the build as an error does.
 rpm: rpm-deps $(BUILD_VENV)/.installed $(sort $(foreach row,$(RPM_TARGETS),$(WHEELS)/py$(word 2,$(subst :, ,$(row)))/.complete))  ## an .rpm per EL/Azure Linux target, judged by rpmlint
 	rm -rf build/rpm && mkdir -p build/rpm
 	sed 's/^Version:.*/Version:        $(VERSION)/' packaging/rpm/hyperlight-agent.spec >build/rpm/hyperlight-agent.spec
@@ -224,7 +224,7 @@ rpm: rpm-deps $(BUILD_VENV)/.installed $(sort $(foreach row,$(RPM_TARGETS),$(WHE
 	    --define "shlib_requires $$shlibs" --define "target_requires $$(echo $$requires | tr , ' ')" \
 	    --define "dist .$$tag" --define "notice $(CURDIR)/packaging/debian/copyright" \
 	    build/rpm/hyperlight-agent.spec; \
-	  rpmlint --config packaging/rpm/rpmlint.toml build/rpm/top/RPMS/*/*.$$tag.*.rpm; \
+	  rpmlint --strict --config packaging/rpm/rpmlint.toml build/rpm/top/RPMS/*/*.$$tag.*.rpm; \
 	  echo "rpm $$tag: built and judged in $$(( $$(date +%s) - start )) s"; \
 	done
 	@ls -l build/rpm/top/RPMS/*/*.rpm 2>/dev/null || echo "make rpm: TARGETS names no EL or Azure Linux row"

@@ -221,6 +221,8 @@ def test_an_expired_release_is_refused_and_make_resign_renews_it(
 # repository above). Ubuntu's and EL's archives are out of reach: their packages are judged by
 # lintian and rpmlint, their trees run by their Python (tests/test_package_trees.py).
 BOOTABLE = ("trixie",)
+# The systemd each bootable suite ships (its analyzer judges the unit; README's matrix names it).
+SYSTEMD = {"bookworm": 252, "trixie": 257}
 # What README's commands write (the operator's, not the package's: they stay after a purge).
 OPERATOR_FILES = ("/etc/apt/keyrings/hyperlight-agent.asc", "/etc/apt/sources.list.d/hyperlight-agent.list")
 
@@ -246,6 +248,8 @@ def test_installed_from_the_repository_under_the_release_s_own_systemd_to_purge(
         assert release == [target.release, suite], release
         python = guest.run("python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])").stdout.strip()
         assert python == target.python
+        systemd = guest.run("systemctl", "--version").stdout.split()[:2]
+        assert systemd == ["systemd", str(SYSTEMD[suite])], systemd
 
         started = time.monotonic()
         done = guest.run(
