@@ -848,7 +848,7 @@ class DraLoad:
 
 # A pod of the DRA load that took longer than this from creation to its container's start was late
 # (the kubelet's own claim read refused and backed off: issue 29, 6).
-LATE_S = 60.0
+LATE_S = 2 * cluster_module.SYNC_FREQUENCY_S
 
 
 def start_delay(pod: dict[str, Any]) -> Optional[float]:
