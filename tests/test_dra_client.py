@@ -6,6 +6,7 @@ asked or the file, never an exception of the libraries underneath."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -406,3 +407,50 @@ async def test_every_connection_to_the_api_server_has_tcp_keepalive(tmp_path: An
     finally:
         await api.close()
         await fake.stop()
+
+
+async def test_a_cluster_ca_without_key_usage_is_trusted_as_client_go_trusts_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python 3.13 verifies X.509 strictly by default (VERIFY_X509_STRICT): a CA certificate
+    without keyUsage is refused ("CA cert does not include key usage extension"), while client-go
+    and kubectl accept it. The DRA driver in the Debian 13 image could not reach the e2e cluster's
+    API server (a CA made with openssl's defaults): never ready. Python 3.13's default is applied
+    here whatever Python runs the test."""
+    import ssl
+
+    from tests.e2e.pki import Pki
+
+    pki = Pki(str(tmp_path / "pki"))
+    server = pki.issue("apiserver", "/CN=kube-apiserver", ("IP:127.0.0.1",))
+    agent = pki.issue("agent", "/CN=agent")
+    default = ssl.create_default_context
+
+    def strict(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        context = default(*args, **kwargs)
+        context.verify_flags |= ssl.VERIFY_X509_STRICT
+        return context
+
+    monkeypatch.setattr(ssl, "create_default_context", strict)
+    serving = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    serving.load_cert_chain(server.cert, server.key)
+    body = json.dumps({"kind": "APIResourceList", "groupVersion": "resource.k8s.io/v1", "resources": []}).encode()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):  # a client that refused our certificate hangs up
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            await writer.drain()
+        writer.close()
+
+    listener = await asyncio.start_server(answer, "127.0.0.1", 0, ssl=serving)
+    port = listener.sockets[0].getsockname()[1]
+    api = dra_client.connect(pki.kubeconfig("agent", f"https://127.0.0.1:{port}", agent), environ={})
+    try:
+        assert await api.serves("resource.k8s.io", "v1")
+    finally:
+        await api.close()
+        listener.close()
+        await listener.wait_closed()

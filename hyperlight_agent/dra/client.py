@@ -511,6 +511,8 @@ def _connect(
     watch_deadlines: tuple[float, float, float],
 ) -> KubeApi:
     """`watch_deadlines`: KubeApi's watch_grace_s, watch_heartbeat_s and first_bookmark_s."""
+    import ssl
+
     import httpx
 
     # httpx logs every request at INFO: our own lines say what matters (a change, a problem).
@@ -529,8 +531,13 @@ def _connect(
         # lightkube's arguments for httpx (address, TLS, credentials), with a transport of ours
         # for what lightkube cannot ask for: TCP keepalive on every connection.
         kwargs = params.httpx_params(config)
+        verify = kwargs.pop("verify")
+        if isinstance(verify, ssl.SSLContext):
+            # Python 3.13 verifies strictly by default and refuses a cluster CA without keyUsage
+            # (openssl's defaults make such CAs); client-go and kubectl trust it, and so do we.
+            verify.verify_flags &= ~ssl.VERIFY_X509_STRICT
         transport = httpx.AsyncHTTPTransport(
-            verify=kwargs.pop("verify"), proxy=kwargs.pop("proxy"), socket_options=keepalive_options()
+            verify=verify, proxy=kwargs.pop("proxy"), socket_options=keepalive_options()
         )
         kwargs.update(transport=transport, http2=False)
         return httpx.AsyncClient(**kwargs)
