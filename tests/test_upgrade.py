@@ -141,7 +141,8 @@ class Unit:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-        for pid in procs.alive(pids):
+        # Still running the unit's code (its launcher in the command line; a reused PID does not).
+        for pid in procs.alive(pids, mark=self.launcher):
             os.kill(pid, signal.SIGKILL)
         self._log.close()
 
