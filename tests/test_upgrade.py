@@ -637,4 +637,4 @@ def test_a_child_that_never_becomes_ready_is_stopped(tmp: str, monkeypatch: pyte
     pid, why, seen = asyncio.run(run())
     assert pid is None and len(seen) == 1
     assert why == f"the new agent (pid {seen[0]}) was not ready within {successor.READY_TIMEOUT_S:g} s"
-    wait_for(lambda: not procs.alive(seen), 10, "the child gone (reaped by whoever adopted it)")
+    wait_for(lambda: not procs.alive(seen, mark="sleep"), 10, "the child gone (reaped by whoever adopted it)")
