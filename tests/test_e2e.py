@@ -2443,7 +2443,7 @@ def exec_in(cluster: Cluster, pod: dict[str, Any], *argv: str) -> subprocess.Com
     for the API server to reach their kubelets' exec endpoint by."""
     node = cluster.nodes[pod["spec"]["nodeName"]]
     exec_id = f"check-{os.getpid()}-{time.monotonic_ns()}"
-    return node.ctr("task", "exec", "--exec-id", exec_id, container_of(pod), *argv, timeout=120)
+    return node.ctr("task", "exec", "--exec-id", exec_id, container_of(pod), *argv, timeout=120, in_node=True)
 
 
 def task_pid(cluster: Cluster, pod: dict[str, Any]) -> int:

@@ -214,14 +214,12 @@ def probe(engine: Podman, name: str, ds: dict[str, Any], which: str) -> subproce
 @pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="this machine has no /dev/kvm")
 def test_both_daemonsets_run_from_the_image(engine: Podman, image: dict[str, Any], tmp: str) -> None:
     sets = daemonsets()
-    kubelet_dir, cdi_dir, nfd_dir = (os.path.join(tmp, d) for d in ("kubelet", "cdi", "nfd"))
-    for d in (cdi_dir, nfd_dir):
-        os.mkdir(d)
+    kubelet_dir, cdi_dir = (os.path.join(tmp, d) for d in ("kubelet", "cdi"))
+    os.mkdir(cdi_dir)
     host_paths = {
         "/var/lib/kubelet/device-plugins": kubelet_dir,
         "/var/run/cdi": cdi_dir,
         "/dev": "/dev",
-        "/etc/kubernetes/node-feature-discovery/features.d": nfd_dir,
     }
     names = {ds: f"hl-{os.getpid()}-{ds.removeprefix('hyperlight-')}" for ds in sets}
     with StandinThread(kubelet_dir) as kubelet:
@@ -258,7 +256,6 @@ def test_both_daemonsets_run_from_the_image(engine: Podman, image: dict[str, Any
             st = os.stat(path)
             assert (st.st_mode & 0o777, st.st_uid) == (cdi.SPEC_MODE, 0)
             assert os.listdir(cdi_dir) == [contracts.CDI_SPEC_FILE]
-            assert os.listdir(nfd_dir) == ["hyperlight"]
 
             # Allocate, in the manifests' mode (both: the CDI name, the DeviceSpec and the env).
             assert env["HYPERLIGHT_ALLOCATION"] == "both"

@@ -485,10 +485,13 @@ state = "/run/containerd"
                 f.write(f'server = "https://{registry}"\n[host."{url}"]\n  capabilities = ["pull", "resolve"]\n')
         return directory
 
-    def ctr(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    def ctr(self, *args: str, timeout: float = 300, in_node: bool = False) -> subprocess.CompletedProcess[str]:
+        """`in_node`: ctr in the node's mount namespace, where containerd's /run/containerd is (a
+        `task exec` makes its stdio fifos there, for containerd to open)."""
         binaries = self.cluster.binaries("containerd", self.cluster.versions["containerd"])
+        argv = [os.path.join(binaries, "ctr"), "-a", self.containerd_socket, "-n", "k8s.io", *args]
         return subprocess.run(
-            [os.path.join(binaries, "ctr"), "-a", self.containerd_socket, "-n", "k8s.io", *args],
+            self.in_namespace(argv) if in_node else argv,
             capture_output=True,
             text=True,
             timeout=timeout,
