@@ -234,45 +234,11 @@ def test_check_reports_an_unusable_node(tmp: str) -> None:
     dev = os.path.join(tmp, "dev")
     os.mkdir(dev)
     make_node(os.path.join(dev, "kvm"), 1, 3)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hyperlight_agent",
-            "--config",
-            "/dev/null",
-            "--check",
-            "--device-dir",
-            dev,
-            "--kubelet-dir",
-            tmp,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    result = run_agent("--check", "--device-dir", dev, "--kubelet-dir", tmp)
     assert result.returncode == 1
     assert "FAIL probe:" in result.stdout and "KVM_GET_API_VERSION failed" in result.stdout
     os.unlink(os.path.join(dev, "kvm"))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hyperlight_agent",
-            "--config",
-            "/dev/null",
-            "--check",
-            "--device-dir",
-            dev,
-            "--kubelet-dir",
-            tmp,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    result = run_agent("--check", "--device-dir", dev, "--kubelet-dir", tmp)
     assert result.returncode == 1 and "FAIL device: no hypervisor device in" in result.stdout
     assert result.stderr == "", "the report is the output; no log lines besides it"
     lines = result.stdout.splitlines()
