@@ -73,12 +73,12 @@ test: $(VENV)/.installed $(JUDGES)/.installed system-deps tools e2e-components  
 	$(RUFF)
 	$(MYPY)
 	$(IMPORTS)
-	HYPERLIGHT_TEST_NEIGHBOUR=1 $(PY) -m pytest -q
+	HYPERLIGHT_TEST_NEIGHBOUR=1 $(PY) -m pytest -q --durations=40
 
 # Just the real-cluster tests (tests/test_e2e.py): Kubernetes, etcd and containerd built from the
 # pinned Go modules under tests/e2e/components, once (build/e2e/bin, Go's caches).
 e2e: $(VENV)/.installed system-deps tools e2e-components  ## only the real-cluster tests (Kubernetes built from pinned Go modules)
-	$(PY) -m pytest -q -m e2e
+	$(PY) -m pytest -q -m e2e --durations=40
 
 E2E_BIN := build/e2e/bin
 e2e-components:

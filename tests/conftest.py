@@ -4,6 +4,7 @@ that the host's /dev/kvm and process table are left exactly as found."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import os
 import shutil
 import signal
@@ -70,6 +71,16 @@ def count_inputs(surface: str, n: int = 1) -> None:
 
 # Figures the real-cluster tests measured in this session (tests/test_e2e.py records them).
 E2E_FIGURES: dict[str, Any] = {}
+
+
+# What is left of the session once pytest has said its last line: a thread or process a test
+# left behind keeps the interpreter from exiting, and CI would only see its budget run out. So
+# after this long every thread's stack is printed and the run fails (status 1), naming it.
+EXIT_GRACE_S = 120
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -513,7 +513,8 @@ def test_a_prepare_on_its_way_to_the_old_agent_is_answered_before_it_deregisters
 
         stopping: Optional[asyncio.Future[None]] = None
         try:
-            await until(lambda: old.ready, what="the old agent ready")
+            # Ready is ours to say; the kubelet calls only an instance its watcher has registered.
+            await until(lambda: old.ready and bool(kubelet.instances.get(DRIVER)), what="the old agent registered")
             fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
             kubelet.before_call = slow_kubelet
             call = asyncio.ensure_future(kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)]))
