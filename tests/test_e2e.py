@@ -1764,7 +1764,8 @@ def host_upgrades_in_place(
         check(figure)
         journal = guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
         assert sum("in-place upgrade failed:" in line for line in journal.splitlines()) == 1, journal[-3000:]
-        assert guest.is_active(UNIT) == "active" and main_pid(guest) == before
+        state = guest.is_active(UNIT)
+        assert state == "active" and main_pid(guest) == before, (state, journal[-3000:], guest.status(UNIT))
     finally:
         with open(agent_py, "w") as f:
             f.write(original)

@@ -126,3 +126,19 @@ def test_an_in_place_child_says_ready_only_once_it_speaks_for_the_unit(systemd: 
     n.ready()
     said = systemd.received()
     assert said[-1][0] == "READY=1", said
+
+
+async def test_the_watchdog_clock_restarts_at_the_hand_off_and_at_the_take_over(systemd: Systemd) -> None:
+    """The child pings only once its predecessor has exited, on its own tick: without a ping in
+    the hand-off and one at the take-over, the unit could go up to two intervals plus the old
+    agent's exit without one, past WatchdogSec= (systemd then kills the new main process)."""
+    old = notifier(systemd.path, WATCHDOG_USEC="30000000")
+    old.ready()
+    systemd.received()
+    assert await old.hand_off(42, "handed over") is None
+    assert systemd.received() == [["READY=1", "WATCHDOG=1", "STATUS=handed over", "MAINPID=42"]]
+    child = notifier(systemd.path, WATCHDOG_USEC="30000000", **{contracts.PREDECESSOR_ENV: "41"})
+    child.watchdog()
+    assert systemd.received() == [], "not the main process yet: silent"
+    child.take_over()
+    assert systemd.received() == [["WATCHDOG=1", f"STATUS=; version {__version__}"]]

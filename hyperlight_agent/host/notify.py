@@ -80,7 +80,15 @@ class Notifier:
         to send, once the child is ready). None once systemd has the message: from now on `pid`
         speaks for the unit and nothing more is said from here (a STOPPING=1 of ours would stop
         the unit). Else why it could not be sent, and nothing changed."""
-        lines = (*(["READY=1"] if self.ready_sent else []), f"STATUS={status}", f"MAINPID={pid}")
+        # WATCHDOG=1 restarts systemd's watchdog clock here: the child is silent until we have
+        # exited and only then pings on its own tick, so without it the gap between our last ping
+        # and its first could pass WatchdogSec= (two ping intervals plus our exit).
+        lines = (
+            *(["READY=1"] if self.ready_sent else []),
+            *(self._watchdog_ping()),
+            f"STATUS={status}",
+            f"MAINPID={pid}",
+        )
         why = await self._deliver_surely(lines, timeout)
         if why is None:
             self.handed_off = True
@@ -103,7 +111,10 @@ class Notifier:
         """Our predecessor is gone and we are the unit's main process: say where we are (and
         READY=1 at once if we are ready: ready() again)."""
         self.predecessor = None
-        self.send(f"STATUS={self._line}")
+        self.send(*self._watchdog_ping(), f"STATUS={self._line}")  # our first ping: hand_off() says why
+
+    def _watchdog_ping(self) -> tuple[str, ...]:
+        return ("WATCHDOG=1",) if self.watchdog_interval is not None else ()
 
     @property
     def speaks(self) -> bool:
