@@ -1765,7 +1765,11 @@ def host_upgrades_in_place(
         journal = guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
         assert sum("in-place upgrade failed:" in line for line in journal.splitlines()) == 1, journal[-3000:]
         state = guest.is_active(UNIT)
-        assert state == "active" and main_pid(guest) == before, (state, journal[-3000:], guest.status(UNIT))
+        assert state == "active" and main_pid(guest) == before, (
+            state,
+            guest.status(UNIT),
+            guest.run("journalctl", "-u", UNIT, "--no-pager").stdout[-3000:],
+        )
     finally:
         with open(agent_py, "w") as f:
             f.write(original)
