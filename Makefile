@@ -26,7 +26,7 @@ apt_install = missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $
 	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; \
 	fi
 
-.PHONY: help e2e e2e-components run test check lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
+.PHONY: help e2e e2e-components e2e-components-background run test check lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
   image-wheels tools pin-tools lock release publish resign release-deps
 # Package builds run in a copy of the sources under build/, never in the work tree.
 PKG_SOURCES := pyproject.toml README.md hyperlight_agent proto packaging systemd pins
@@ -69,10 +69,12 @@ MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.
 IMPORTS := $(VENV)/bin/lint-imports --no-cache
 
 # Everything, system tests included, beside a neighbour agent (tests observe only what they create).
-test: $(VENV)/.installed $(JUDGES)/.installed system-deps tools e2e-components  ## everything: lint, types, imports, and every test (system tests and the real cluster)
-	$(RUFF)
-	$(MYPY)
-	$(IMPORTS)
+# The real cluster's components (Go builds, about 20 min cold on two cores) build in the background
+# at the lowest priority while everything before them runs: the cluster tests run last (conftest.py)
+# and their first fixture waits for that build. Stopped when pytest ends, whatever its outcome.
+test: $(VENV)/.installed e2e-components-background $(JUDGES)/.installed system-deps tools  ## everything: lint, types, imports, and every test (system tests and the real cluster)
+	@trap 'kill -- -$$(cat $(E2E_BUILD_PID)) 2>/dev/null; rm -f $(E2E_BUILD_PID)' EXIT; \
+	$(RUFF) && $(MYPY) && $(IMPORTS) && \
 	HYPERLIGHT_TEST_NEIGHBOUR=1 $(PY) -m pytest -q --durations=40
 
 # Just the real-cluster tests (tests/test_e2e.py): Kubernetes, etcd and containerd built from the
@@ -83,6 +85,13 @@ e2e: $(VENV)/.installed system-deps tools e2e-components  ## only the real-clust
 E2E_BIN := build/e2e/bin
 e2e-components:
 	@tests/e2e/components/build.sh $(E2E_BIN)
+
+# The same build started in its own session (so that the whole of it can be stopped), its output
+# in build/e2e/components.log; the tests' cluster fixture runs build.sh again, which waits for it.
+E2E_BUILD_PID := build/e2e/components.pid
+e2e-components-background:
+	@mkdir -p $(E2E_BIN) && setsid nice -n 19 tests/e2e/components/build.sh $(E2E_BIN) \
+	  >build/e2e/components.log 2>&1 </dev/null & echo $$! >$(E2E_BUILD_PID)
 
 # The fast inner loop: no system tests, nothing that needs root, no manifest judges; .ci/run
 # runs it with every capability dropped. Ends with the line coverage of the core modules

@@ -122,6 +122,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if ROOT_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.root)
+    # The real-cluster tests last: `make test` builds their components in the background
+    # meanwhile (the cluster fixture waits for that build). The order is otherwise unchanged.
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
 
 
 def wait_for(

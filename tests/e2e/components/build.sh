@@ -13,6 +13,10 @@ out=$(mkdir -p "$1" && cd "$1" && pwd)
 set_=${2:-components}
 # Where each build goes: the tools' under versions/, so that OUT/<tool> can be its link.
 into=$out; [ "$set_" != tools ] || into=$out/versions
+# One build at a time per OUT: `make test` starts the components' build in the background and the
+# e2e session asks again before its cluster starts, so the second waits here and finds it done.
+exec 9>"$out/.build.lock"
+flock 9
 export PATH=/usr/local/go/bin:$PATH CGO_ENABLED=0 GOFLAGS=-mod=readonly
 command -v go >/dev/null || { echo "build.sh: go: not found (Go 1.26 is expected at /usr/local/go)" >&2; exit 2; }
 
