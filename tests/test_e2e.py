@@ -1,5 +1,5 @@
 """The agent on a real Kubernetes cluster: a 1.37 control plane and kubelets (node A's restarted
-as 1.34 for the oldest supported minor), containerd 2 with CDI on, all built from pinned Go
+as 1.35 for the oldest supported minor), containerd 2 with CDI on, all built from pinned Go
 modules (tests/e2e/components) and started here (tests/e2e/cluster.py). The agent comes as users
 get it: the chart installed with real helm from an OCI registry by --version, with README's own
 command and no value changed, its image pulled by digest from that registry (the nodes' containerd
@@ -565,7 +565,7 @@ def test_lifecycle_under_load(installed: Cluster, published: Published, kubelet:
         if event != "kubelet_restart":  # a restarted kubelet counts nothing until we register
             assert figure["kubelet_zero_windows_s"] == [], figure
     else:
-        # 1.34 disconnects the newest client when an older one's stream ends (fixed in 1.35): the
+        # 1.34 to 1.36 disconnect the newest client when an older one's stream ends (fixed in 1.37): the
         # successor registers again at once, and pods admitted in that one gap fail (0-7 of 30-60
         # measured, with the gap 0.02-0.4 s under this load; without the handover the gap was a
         # pod start long, and a 1.28 cluster rejected 8 to 27 of 60). What the agent controls:
@@ -587,7 +587,7 @@ SHARERS = 24
 # dominate the test's time).
 CLAIM_PODS, CLAIMS_PER_POD = 5, 30
 # How the DRA driver publishes the device now: one shared device (the chart's draSharedDevice
-# "auto" on this 1.37 control plane), or DRA_DEVICES identical ones ("off", for the 1.34 kubelet).
+# "auto" on this 1.37 control plane), or DRA_DEVICES identical ones ("off", for the oldest kubelet).
 DRA_SHAPE = {"draSharedDevice": "auto"}
 
 

@@ -136,7 +136,7 @@ def test_security_policy_says_how_to_report_and_what_is_supported() -> None:
 def test_chart_kube_version_is_the_oldest_minor_the_e2e_cluster_runs() -> None:
     with open(os.path.join(ROOT, "deploy", "helm", "hyperlight-agent", "Chart.yaml")) as f:
         chart = yaml.safe_load(f)
-    oldest = versions()["oldest"]  # the 1.34 kubelet of tests/test_e2e.py
+    oldest = versions()["oldest"]  # the oldest kubelet of tests/test_e2e.py
     minor = oldest.lstrip("v").rsplit(".", 1)[0]
     assert chart["kubeVersion"] == f">={minor}.0-0"
     matrix = read("README.md").split("## Support matrix", 1)[1].split("\n## ", 1)[0]

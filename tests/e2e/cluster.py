@@ -156,7 +156,7 @@ def versions() -> dict[str, str]:
 
     return {
         "newest": pinned("k8s-v1.37", "k8s.io/kubernetes"),
-        "oldest": pinned("k8s-v1.34", "k8s.io/kubernetes"),
+        "oldest": pinned("k8s-v1.35", "k8s.io/kubernetes"),
         "etcd": pinned("etcd", "go.etcd.io/etcd/server/v3"),
         "containerd": pinned("containerd", "github.com/containerd/containerd/v2"),
     }

@@ -74,13 +74,13 @@ if [ "$set_" = tools ]; then
   echo "tools: ready in $((SECONDS - total)) s under $out"
   exit 0
 fi
-k134=$(version "$here/k8s-v1.34" k8s.io/kubernetes)
+k135=$(version "$here/k8s-v1.35" k8s.io/kubernetes)
 etcd=$(version "$here/etcd" go.etcd.io/etcd/server/v3)
 ctrd=$(version "$here/containerd" github.com/containerd/containerd/v2)
 build kubernetes k8s-v1.37 "$k137" "$(k8s_ldflags "$k137")" providerless \
   k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
   k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet
-build kubernetes k8s-v1.34 "$k134" "$(k8s_ldflags "$k134")" providerless k8s.io/kubernetes/cmd/kubelet
+build kubernetes k8s-v1.35 "$k135" "$(k8s_ldflags "$k135")" providerless k8s.io/kubernetes/cmd/kubelet
 build etcd etcd "$etcd" "-s -w" "" go.etcd.io/etcd/server/v3
 build containerd containerd "$ctrd" "-s -w -X github.com/containerd/containerd/v2/version.Version=$ctrd" no_btrfs \
   github.com/containerd/containerd/v2/cmd/containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 \
