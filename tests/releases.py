@@ -3,7 +3,7 @@
 Two releases of this commit, each built once per test session: N-1, the tree's own version, and
 N, the next patch version (`make release VERSION=…`, the tree untouched), signed with a key made
 for the session. N is built for every target; N-1 for what the upgrade tests install of it
-(`PREVIOUS_TARGETS`: the Debian 12 package), with its image and chart. The image is built from
+(`PREVIOUS_TARGETS`: the Debian 12 and 13 packages), with its image and chart. The image is built from
 `make image-base`'s Debian 13 (no registry is reachable here), in podman storage of the session's
 own. Served as users get them: the package repositories over HTTP (`Site`), the image and the
 chart from a real OCI registry (`Registry`, the CNCF distribution registry built from its pinned
@@ -70,7 +70,7 @@ def next_version(version: str) -> str:
 PREVIOUS = __version__
 CURRENT = next_version(__version__)
 # What N-1 is built for: the package the upgrade tests (apt, the e2e host node) install before N.
-PREVIOUS_TARGETS = ("deb12",)
+PREVIOUS_TARGETS = ("deb12", "deb13")
 
 
 class Keyring:

@@ -141,9 +141,14 @@ def test_a_tampered_release_is_refused(release_current: str, tmp: str) -> None:
 
 
 @pytest.mark.root
-def test_apt_get_upgrade_takes_a_running_host_from_n_minus_1_to_n(published: Published, site: Site, tmp: str) -> None:
+@pytest.mark.parametrize("suite", ["bookworm", "trixie"])
+def test_apt_get_upgrade_takes_a_running_host_from_n_minus_1_to_n(
+    published: Published, site: Site, tmp: str, suite: str
+) -> None:
+    """Each Debian this machine can boot, from its own suite of the repository: N-1 running under
+    its systemd (252, 257), `apt-get upgrade` to N, N registered."""
     published.serve(PREVIOUS)
-    root = fresh_root(tmp)
+    root = fresh_root(tmp, suite)
     done = operator_install(root, site.url)
     assert done.returncode == 0, done.stdout + done.stderr
     with (
