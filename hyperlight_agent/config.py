@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from hyperlight_agent import contracts
-from hyperlight_agent.text import quote, shown
+from hyperlight_agent.text import cause, quote, shown
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -647,7 +647,7 @@ def read_file(path: str, required: bool) -> tuple[dict[str, Any], bool]:
             return {}, False
         data = tomllib.loads(raw.decode("utf-8"))
     except OSError as exc:
-        raise ConfigError(f"config file {shown(path)}: cannot read: {exc.strerror or exc}") from None
+        raise ConfigError(f"config file {shown(path)}: cannot read: {cause(exc)}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {shown(path)}: invalid TOML: {_one_line(exc)}") from None
     except RecursionError:

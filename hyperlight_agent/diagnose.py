@@ -25,6 +25,7 @@ from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.helper import ProbeHelper
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.files import cdi
+from hyperlight_agent.text import cause
 
 Lines = list[tuple[bool, str]]
 
@@ -107,7 +108,7 @@ def directories(settings: Settings, keys: tuple[str, ...]) -> Lines:
         try:
             mode = os.stat(path).st_mode
         except OSError as exc:
-            found += [(False, f"FAIL {key}: {path}: {exc.strerror or exc}"), (False, f"hint {fix}")]
+            found += [(False, f"FAIL {key}: {path}: {cause(exc)}"), (False, f"hint {fix}")]
             continue
         if not stat.S_ISDIR(mode):
             found += [(False, f"FAIL {key}: {path} is not a directory"), (False, f"hint {fix}")]

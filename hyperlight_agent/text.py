@@ -46,3 +46,18 @@ def shown(text: str, limit: int = 120) -> str:
     if len(text) <= limit:
         return text
     return f"{text[: limit * 2 // 3]}…{text[-(limit // 3) :]} ({len(text)} characters)"
+
+
+def cause(exc: BaseException) -> str:
+    """Why something failed, in one line: the OS's words for an OSError ("Permission denied", not
+    "[Errno 13] Permission denied: '/dev/kvm'": the message names the path itself), else the
+    exception's own first line, shortened.
+
+    >>> cause(PermissionError(13, "Permission denied", "/dev/kvm")), cause(ValueError("bad\\nrest"))
+    ('Permission denied', 'bad')
+    """
+    strerror = getattr(exc, "strerror", None)
+    if isinstance(exc, OSError) and strerror:
+        return str(strerror)
+    lines = str(exc).splitlines()
+    return shown(lines[0], 300) if lines else type(exc).__name__

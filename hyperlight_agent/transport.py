@@ -31,6 +31,7 @@ from google.protobuf.message import DecodeError
 
 from hyperlight_agent import contracts
 from hyperlight_agent.files import sockets
+from hyperlight_agent.text import cause
 
 # Calls in flight when a server stops get this long to finish (a kubelet's Allocate or Prepare
 # that arrived before our socket went). Every server of ours stops with it.
@@ -262,7 +263,7 @@ def bind_problem(path: str) -> str:
         except OSError as exc:
             if exc.errno == errno.ENOENT:
                 return "the directory does not exist (no kubelet installed or started yet?)"
-            return exc.strerror or str(exc)
+            return cause(exc)
     with contextlib.suppress(OSError):
         os.unlink(path)
     return ""

@@ -29,6 +29,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from hyperlight_agent import waits
 from hyperlight_agent.device.helper_process import READY_LINE
+from hyperlight_agent.text import cause
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ class ProbeHelper:
             self._abandon()
             if exc.errno in EXHAUSTED:
                 return ProbeResult(
-                    False, f"cannot run the probe helper: {exc.strerror or exc}", helper_fault=True, exhausted=True
+                    False, f"cannot run the probe helper: {cause(exc)}", helper_fault=True, exhausted=True
                 ), False
             return _failure(f"probe helper failed: {exc}"), True
         if not line:

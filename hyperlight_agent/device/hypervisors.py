@@ -14,6 +14,7 @@ import stat
 import struct
 
 from hyperlight_agent.device.kernel import ProbeError
+from hyperlight_agent.text import cause
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time
 
@@ -92,7 +93,7 @@ def probe_mshv(fd: int, ioctl: Ioctl = fcntl.ioctl, close: Callable[[int], None]
         # mutate=True makes fcntl.ioctl return the syscall's result (the partition fd).
         partition_fd = ioctl(fd, MSHV_CREATE_PARTITION, arg, True)
     except OSError as exc:
-        raise ProbeError(f"MSHV_CREATE_PARTITION failed: {exc.strerror or exc}") from exc
+        raise ProbeError(f"MSHV_CREATE_PARTITION failed: {cause(exc)}") from exc
     if not isinstance(partition_fd, int) or partition_fd < 0:
         raise ProbeError(f"MSHV_CREATE_PARTITION returned {partition_fd!r}, not a descriptor")
     close(partition_fd)
@@ -121,13 +122,13 @@ def probe_kvm(fd: int, ioctl: Ioctl = fcntl.ioctl, close: Callable[[int], None] 
     try:
         version = ioctl(fd, KVM_GET_API_VERSION, 0)
     except OSError as exc:
-        raise ProbeError(f"KVM_GET_API_VERSION failed: {exc.strerror or exc}") from exc
+        raise ProbeError(f"KVM_GET_API_VERSION failed: {cause(exc)}") from exc
     if version != KVM_API_VERSION:
         raise ProbeError(f"KVM API version is {version}, expected {KVM_API_VERSION}")
     try:
         vm_fd = ioctl(fd, KVM_CREATE_VM, KVM_VM_TYPE_DEFAULT)
     except OSError as exc:
-        raise ProbeError(f"KVM_CREATE_VM failed: {exc.strerror or exc}") from exc
+        raise ProbeError(f"KVM_CREATE_VM failed: {cause(exc)}") from exc
     # Closing the VM fd destroys the VM; no memory regions or vCPUs were ever created.
     close(vm_fd)
 

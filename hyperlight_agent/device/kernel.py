@@ -53,7 +53,7 @@ def probe_device(
     try:
         fd = open_(device_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NOCTTY)
     except OSError as exc:
-        raise ProbeError(f"{text.shown(device_path)}: cannot open read/write: {exc.strerror or exc}") from exc
+        raise ProbeError(f"{text.shown(device_path)}: cannot open read/write: {text.cause(exc)}") from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISCHR(st.st_mode):

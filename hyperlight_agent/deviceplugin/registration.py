@@ -41,6 +41,7 @@ from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.files import sockets
 from hyperlight_agent.files.sockets import Identity, Pin
+from hyperlight_agent.text import cause
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def _no_kubelet(path: str) -> str:
     except FileNotFoundError:
         return f"no kubelet socket at {path}"
     except OSError as exc:
-        return f"cannot look at {path}: {exc.strerror or exc}"
+        return f"cannot look at {path}: {cause(exc)}"
     kind = (
         "a directory"
         if stat.S_ISDIR(mode)

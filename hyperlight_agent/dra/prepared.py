@@ -55,6 +55,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 from hyperlight_agent import contracts, waits
 from hyperlight_agent.files import atomic
+from hyperlight_agent.text import cause
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def read_boot_id(path: str = contracts.BOOT_ID_FILE) -> str:
         with open(path) as f:
             return f.read(64).strip()
     except OSError as exc:
-        log.warning("cannot read the boot id from %s: %s; every prepared claim will be checked again", path, _why(exc))
+        log.warning("cannot read the boot id from %s: %s; every prepared claim will be checked again", path, cause(exc))
         return ""
 
 
@@ -303,7 +304,7 @@ class Prepared:
                 replace=current.identity if current is not None else None,
             )
         except (OSError, atomic.Refused) as exc:
-            raise PreparedError(f"cannot write {self.path}: {_why(exc)}") from exc
+            raise PreparedError(f"cannot write {self.path}: {cause(exc)}") from exc
         # What we wrote is what the next read would parse: keep it rather than parse it again.
         with contextlib.suppress(OSError):
             st = os.lstat(self.path)
@@ -319,7 +320,7 @@ class Prepared:
             atomic.remove_temps(self.directory, TEMP_PREFIX)  # a crash mid-write leaves one
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
         except OSError as exc:
-            raise PreparedError(f"cannot open {self.lock_path}: {_why(exc)}") from exc
+            raise PreparedError(f"cannot open {self.lock_path}: {cause(exc)}") from exc
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
             try:
@@ -328,7 +329,7 @@ class Prepared:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN) or time.monotonic() > deadline:
                     holder = _holder(fd) if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else ""
                     os.close(fd)
-                    why = f"held by {holder} for over {LOCK_TIMEOUT_S:g} s" if holder else _why(exc)
+                    why = f"held by {holder} for over {LOCK_TIMEOUT_S:g} s" if holder else cause(exc)
                     raise PreparedError(f"cannot lock {self.lock_path}: {why}") from exc
                 await asyncio.sleep(LOCK_POLL_S)
                 continue
@@ -354,7 +355,7 @@ class Prepared:
                 raise PreparedError(problem) from exc
             return Record(), None
         except (OSError, ValueError) as exc:
-            self._report(f"cannot read prepared claims from {self.path}: {_why(exc)}; treating it as empty")
+            self._report(f"cannot read prepared claims from {self.path}: {cause(exc)}; treating it as empty")
             return Record(), current
         self._cache = (key, record)
         if self._reported is not None:
@@ -401,12 +402,3 @@ def _holder(fd: int) -> str:
                 name = f.read().strip()
             return f"pid {pid}" + (f" ({name})" if name else "") if pid else "a process in another PID namespace"
     return ""
-
-
-def _why(exc: BaseException) -> str:
-    """One line: the OS's words for an OSError, else the message."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    with contextlib.suppress(Exception):
-        return str(exc).splitlines()[0][:300]
-    return type(exc).__name__

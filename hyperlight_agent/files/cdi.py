@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 from hyperlight_agent import contracts
 from hyperlight_agent.files import atomic
+from hyperlight_agent.text import cause
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def directory_present(cdi_dir: str) -> bool:
     except FileNotFoundError:
         return False
     except OSError as exc:
-        raise CdiError(f"{cdi_dir} (cdi_dir): cannot look at it: {exc.strerror or exc}", exc.errno) from exc
+        raise CdiError(f"{cdi_dir} (cdi_dir): cannot look at it: {cause(exc)}", exc.errno) from exc
     if stat.S_ISLNK(st.st_mode):
         raise CdiError(f"{cdi_dir} (cdi_dir) is a symlink; refusing to follow it (set cdi_dir to the real directory)")
     if not stat.S_ISDIR(st.st_mode):
@@ -210,7 +211,7 @@ def repair(plan: Plan) -> None:
     try:
         os.makedirs(cdi_dir, mode=0o755, exist_ok=True)
     except OSError as exc:
-        raise CdiError(f"{cdi_dir}: cannot create CDI directory: {exc.strerror or exc}", exc.errno) from exc
+        raise CdiError(f"{cdi_dir}: cannot create CDI directory: {cause(exc)}", exc.errno) from exc
     try:
         atomic.write(
             cdi_dir,
@@ -224,7 +225,7 @@ def repair(plan: Plan) -> None:
     except atomic.Refused as exc:
         raise CdiError(str(exc)) from exc
     except OSError as exc:
-        raise CdiError(f"{path}: cannot write: {exc.strerror or exc}", exc.errno) from exc
+        raise CdiError(f"{path}: cannot write: {cause(exc)}", exc.errno) from exc
 
 
 def reconcile(cdi_dir: str, spec: Spec) -> bool:
@@ -244,4 +245,4 @@ def _read_ours(path: str) -> Optional[atomic.Current]:
     except atomic.Refused as exc:
         raise CdiError(str(exc)) from exc
     except OSError as exc:
-        raise CdiError(f"{path}: cannot read: {exc.strerror or exc}", exc.errno) from exc
+        raise CdiError(f"{path}: cannot read: {cause(exc)}", exc.errno) from exc

@@ -13,6 +13,7 @@ import os
 from typing import Optional
 
 from hyperlight_agent.files import atomic
+from hyperlight_agent.text import cause
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class Keeper:
         except atomic.Refused as exc:
             problem = f"node labels not written: {exc}"
         except OSError as exc:
-            problem = f"cannot write node labels in {self.features_dir} (nfd_features_dir): {exc.strerror or exc}"
+            problem = f"cannot write node labels in {self.features_dir} (nfd_features_dir): {cause(exc)}"
         if problem and problem != self._problem:
             log.warning("%s", problem)
         self._problem = problem

@@ -23,6 +23,8 @@ from typing import Any, Callable, Collection, Optional
 
 from asyncinotify import Inotify, Mask
 
+from hyperlight_agent.text import cause
+
 log = logging.getLogger(__name__)
 
 # Entries appearing, vanishing or changing owner/mode, and the directory itself going away.
@@ -130,7 +132,7 @@ class _MountWakes:
                 "cannot poll %s for mount changes (%s); looking for filesystems mounted over "
                 "watched directories every %g s instead",
                 MOUNTINFO,
-                exc.strerror or exc,
+                cause(exc),
                 RETRY_S,
             )
 
@@ -336,7 +338,7 @@ class DirectoryWatcher:
                     level,
                     "cannot watch %s (%s); retrying every %g s, periodic checks go on",
                     directory,
-                    exc.strerror or exc,
+                    cause(exc),
                     RETRY_S,
                 )
             return False

@@ -9,6 +9,7 @@ import os
 import stat
 
 from hyperlight_agent import contracts, transport
+from hyperlight_agent.text import cause
 
 # The exec probe's one Check RPC (the device probe's deadline is device.helper.PROBE_DEADLINE_S).
 CHECK_RPC_TIMEOUT_S = 2.0
@@ -23,7 +24,7 @@ def health_check(path: str, which: str) -> tuple[bool, str]:
     except FileNotFoundError:
         return False, f"{which}: not serving: no socket at {path}"
     except OSError as exc:
-        return False, f"{which}: not serving: cannot open {path}: {exc.strerror or exc}"
+        return False, f"{which}: not serving: cannot open {path}: {cause(exc)}"
     try:
         mode = os.fstat(fd).st_mode  # with O_PATH, O_NOFOLLOW opens a symlink itself
         if stat.S_ISLNK(mode):

@@ -23,6 +23,7 @@ import socket
 from typing import Callable, Mapping, Optional
 
 from hyperlight_agent.backoff import Backoff
+from hyperlight_agent.text import cause
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class HttpServer:
                 listener = await self._listen()
                 break
             except OSError as exc:
-                error = f"{self.what} {self.address}: cannot listen: {exc.strerror or exc}"
+                error = f"{self.what} {self.address}: cannot listen: {cause(exc)}"
                 if error != self.bind_error:
                     log.warning(
                         "%s; retrying (up to every %g s), the agent carries on without it", error, BIND_RETRY_CAP_S
@@ -168,7 +169,7 @@ class HttpServer:
                 log.warning(
                     "%s: cannot accept a connection: %s; trying again every %g s",
                     self.what,
-                    exc.strerror or exc,
+                    cause(exc),
                     ACCEPT_RETRY_S,
                 )
             state.short_of_fds = True

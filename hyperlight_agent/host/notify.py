@@ -16,6 +16,7 @@ import asyncio
 from typing import Mapping, Optional
 
 from hyperlight_agent import __version__, contracts, waits
+from hyperlight_agent.text import cause
 
 # The hand-off waits this long for systemd's notify socket to take it (a full queue drains as
 # systemd reads; one that does not within this is a failed hand-off, and the old agent serves on).
@@ -104,7 +105,7 @@ class Notifier:
         except asyncio.TimeoutError:
             return f"systemd's notify socket took no message within {timeout:g} s (its queue is full)"
         except OSError as exc:
-            return f"cannot tell systemd ({exc.strerror or exc})"
+            return f"cannot tell systemd ({cause(exc)})"
         return None
 
     def take_over(self) -> None:
