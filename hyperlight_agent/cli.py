@@ -1,4 +1,5 @@
-"""Command line: parse, configure, run. main() returns the exit code (--upgrade-in-place passes on host/upgrade.py's own).
+"""Command line: parse, configure, run. main() returns the exit code (--upgrade-in-place passes
+on host/upgrade.py's own).
 
 Exit codes: 0 clean stop (or check passed), 1 check failed or fatal runtime error,
 2 usage or configuration error (one line on stderr naming the setting and value).
