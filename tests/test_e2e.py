@@ -1619,10 +1619,10 @@ def test_dra_driver_may_change_only_its_own_nodes_slices(dra_installed: Cluster)
         driver.close()
 
 
-def install_from_the_apt_repository(published: Published, tmp: str) -> str:
-    """A fresh Debian 12 root with the agent installed as README says: the release's signed apt
-    repository, from the site (serving release N-1)."""
-    root = fresh_root(tmp)
+def install_from_the_apt_repository(published: Published, tmp: str, suite: str = "bookworm") -> str:
+    """A fresh root of that Debian (12 unless told) with the agent installed as README says: the
+    release's signed apt repository, from the site (serving release N-1)."""
+    root = fresh_root(tmp, suite)
     assert published.site is not None
     done = operator_install(root, published.site.url)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -1794,13 +1794,15 @@ def readme_dra_drop_in() -> str:
 
 
 @contextlib.contextmanager
-def dra_host(cluster: Cluster, published: Published, tmp: str) -> Iterator[tuple[nspawn.Guest, str]]:
+def dra_host(
+    cluster: Cluster, published: Published, tmp: str, suite: str = "bookworm"
+) -> Iterator[tuple[nspawn.Guest, str]]:
     """The .deb from the apt repository under systemd (nspawn) in the DRA mode, set up as README.md
     says (the drop-in, a kubeconfig, node_name), for node B's real kubelet, running: (the guest,
     its root). Afterwards the slices it published are removed (as the kubelet would, 30 s after
     the driver is gone)."""
     b = cluster.nodes["b"]
-    root = install_from_the_apt_repository(published, tmp)
+    root = install_from_the_apt_repository(published, tmp, suite)
     # A user of its own with the chart's DRA role (RBAC only: the admission policy is for the pods'
     # service account), in a kubeconfig with everything inline.
     user = cluster.pki.issue("host-b-dra", "/CN=hyperlight-host-b")
@@ -1866,10 +1868,12 @@ def dra_host(cluster: Cluster, published: Published, tmp: str) -> Iterator[tuple
 def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, tmp: str) -> None:
     """The .deb from the apt repository under systemd (nspawn) in the DRA mode, set up as README.md
     says (the drop-in, a kubeconfig, node_name), for node B's real kubelet: it registers, publishes
-    node B's slice, and a claim's pod on B is prepared by it."""
+    node B's slice, and a claim's pod on B is prepared by it. On Debian 13 (systemd 257, Python
+    3.13), where the device plugin's host run (above) is Debian 12: both Debians on a real kubelet."""
     cluster = dra_installed
     started = time.monotonic()
-    with dra_host(cluster, published, tmp) as (guest, root):
+    with dra_host(cluster, published, tmp, "trixie") as (guest, root):
+        assert guest.run("sh", "-c", ". /etc/os-release && echo $VERSION_ID").stdout.strip() == "13"
         # One shared device: the 1.37 control plane keeps allowMultipleAllocations.
         wait_until(lambda: slice_devices(cluster, "b") == 1, 120, "node b's slice from the host agent")
         record("host.dra.boot_to_slice_s", round(time.monotonic() - started, 1))
