@@ -105,7 +105,7 @@ class Agent:
                 on_change=self._status_changed,
                 environ=self._environ,
                 predecessor=lambda: self.notifier.predecessor,
-                upgrading=lambda: self.upgrades.state == "running",
+                upgrading=lambda: self.upgrades.state is peers.UpgradeState.RUNNING,
             ),
         )
         self._stop = asyncio.Event()
@@ -235,7 +235,10 @@ class Agent:
             # predecessor is gone we are not yet the unit's main process.
             why = "not under systemd" if not self.notifier.under_systemd else "still taking over"
             self.upgrades.attempts += 1
-            self.upgrades.state, self.upgrades.why = "failed", f"in-place upgrades need systemd's notify socket ({why})"
+            self.upgrades.state, self.upgrades.why = (
+                peers.UpgradeState.FAILED,
+                f"in-place upgrades need systemd's notify socket ({why})",
+            )
             log.warning("in-place upgrade refused: %s", self.upgrades.why)
             return
         self._upgrade = asyncio.ensure_future(self._upgrade_in_place())
@@ -243,7 +246,7 @@ class Agent:
     async def _upgrade_in_place(self) -> None:
         record = self.upgrades
         record.attempts += 1
-        record.state, record.why, record.pid, record.agreed = "running", "", 0, 0
+        record.state, record.why, record.pid, record.agreed = peers.UpgradeState.RUNNING, "", 0, 0
         log.info("in-place upgrade requested: starting the installed agent beside this one")
         self.notifier.reloading("upgrading in place: starting the installed agent")
         # A ready agent waits for a ready child; an unready one has no readiness to keep, and
@@ -254,7 +257,7 @@ class Agent:
             """The child's answers while we wait for it: it asks before it registers."""
             if (
                 child.registering
-                and record.state == "running"
+                and record.state is peers.UpgradeState.RUNNING
                 and record.agreed != child.identity.pid
                 and not self.side.registration_in_flight()  # the child asks again: ours goes first
             ):
@@ -273,14 +276,14 @@ class Agent:
         )
         if pid is None:
             registered = record.agreed != 0
-            record.state, record.why = "failed", said
+            record.state, record.why = peers.UpgradeState.FAILED, said
             log.warning("in-place upgrade failed: %s; this agent (%s) serves on", said, __version__)
             self.notifier.reloaded()
             # The child is gone; if it may have registered, the kubelet's endpoint or device list
             # may be its, not ours.
             self.side.after_failed_hand_over(registered)
             return
-        record.state, record.pid = "done", pid
+        record.state, record.pid = peers.UpgradeState.DONE, pid
         log.info("in-place upgrade: handed over to pid %d (%s); leaving", pid, said)
         self._handed_over = True
         self.stop()

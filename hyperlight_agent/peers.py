@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import os
 import time
@@ -67,6 +68,16 @@ HOLD_POLL_S = 1.0
 
 def boottime_ns() -> int:
     return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+class UpgradeState(str, enum.Enum):
+    """How an instance's last in-place upgrade stands, as its Describe says it (`upgrade.state`;
+    the values are the wire's: peers of other releases read them)."""
+
+    IDLE = "idle"  # none asked for
+    RUNNING = "running"  # a child started, not yet handed over to
+    DONE = "done"  # the child (`pid`) took over; we are leaving
+    FAILED = "failed"  # the child is gone again (`why`); we serve on
 
 
 @dataclass(frozen=True)

@@ -214,7 +214,7 @@ class DevicePluginSide:
             if record is None or "agreed" not in record:
                 return ""  # a release before the agreement: it does not wait for us to ask
             # An unready predecessor hands over without waiting for us to ask: we are its "done".
-            handed_to_us = record.get("state") == "done" and record.get("pid") == me.pid
+            handed_to_us = record.get("state") == peers.UpgradeState.DONE and record.get("pid") == me.pid
             if record.get("agreed") == me.pid or handed_to_us:
                 return ""
         # Not found: it is leaving (then predecessor() becomes None), or too busy to answer.

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 from hyperlight_agent import contracts, waits
+from hyperlight_agent.peers import UpgradeState
 
 # A child is given this long to stop on SIGTERM before it is killed.
 CHILD_STOP_GRACE_S = 5.0
@@ -167,13 +168,13 @@ class Record:
     """How this agent's in-place upgrades stand, as Describe tells whoever asked for one."""
 
     attempts: int = 0
-    state: str = "idle"  # idle, running, done (`pid` took over) or failed (`why`)
+    state: UpgradeState = UpgradeState.IDLE
     why: str = ""
     pid: int = 0  # the child of the last attempt, once started (0: none yet)
     agreed: int = 0  # the child we agreed may register with the kubelet (0: none)
 
     def said(self) -> dict[str, Any]:
-        return {"upgrade": asdict(self)}
+        return {"upgrade": {**asdict(self), "state": self.state.value}}
 
 
 async def replace_self(

@@ -77,7 +77,7 @@ async def _upgrade(pid: int, sockets: Callable[[], list[str]]) -> tuple[int, str
     attempts = int(found.upgrade.get("attempts", 0))
     # An upgrade already under way (a package script's beside an admin's `systemctl reload`), or
     # done with the old agent leaving: this command joins it, and its outcome is ours to say.
-    joined = found.upgrade.get("state") in ("running", "done")
+    joined = found.upgrade.get("state") in (peers.UpgradeState.RUNNING, peers.UpgradeState.DONE)
     before = attempts - 1 if joined else attempts
     try:
         pidfd = os.pidfd_open(pid)
@@ -133,7 +133,7 @@ async def _failed_or_gone(pidfd: int, path: str, before: int) -> Optional[str]:
             except (OSError, grpc.RpcError, peers.Legacy):  # the old agent is leaving: its socket goes
                 continue
             record = now.upgrade if now is not None and now.upgrade is not None else {}
-            if int(record.get("attempts", 0)) > before and record.get("state") == "failed":
+            if int(record.get("attempts", 0)) > before and record.get("state") == peers.UpgradeState.FAILED:
                 return f"{record.get('why')}; it serves on"
         return None
     finally:
