@@ -90,8 +90,9 @@ e2e-components:
 # in build/e2e/components.log; the tests' cluster fixture runs build.sh again, which waits for it.
 E2E_BUILD_PID := build/e2e/components.pid
 e2e-components-background:
-	@mkdir -p $(E2E_BIN) && setsid nice -n 19 tests/e2e/components/build.sh $(E2E_BIN) \
-	  >build/e2e/components.log 2>&1 </dev/null & echo $$! >$(E2E_BUILD_PID)
+	@mkdir -p $(E2E_BIN)
+	@setsid nice -n 19 tests/e2e/components/build.sh $(E2E_BIN) >build/e2e/components.log 2>&1 </dev/null & \
+	  echo $$! >$(E2E_BUILD_PID)
 
 # The fast inner loop: no system tests, nothing that needs root, no manifest judges; .ci/run
 # runs it with every capability dropped. Ends with the line coverage of the core modules
