@@ -87,11 +87,12 @@ e2e-components:
 	@tests/e2e/components/build.sh $(E2E_BIN)
 
 # The same build started in its own session (so that the whole of it can be stopped), its output
-# in build/e2e/components.log; the tests' cluster fixture runs build.sh again, which waits for it.
+# in build/e2e/components.log, ended with make at the latest (BUILD_STOPS_WITH); the tests' cluster
+# fixture runs build.sh again, which waits for it.
 E2E_BUILD_PID := build/e2e/components.pid
 e2e-components-background:
 	@mkdir -p $(E2E_BIN)
-	@setsid nice -n 19 tests/e2e/components/build.sh $(E2E_BIN) >build/e2e/components.log 2>&1 </dev/null & \
+	@BUILD_STOPS_WITH=$$PPID setsid nice -n 19 tests/e2e/components/build.sh $(E2E_BIN) >build/e2e/components.log 2>&1 </dev/null & \
 	  echo $$! >$(E2E_BUILD_PID)
 
 # The fast inner loop: no system tests, nothing that needs root, no manifest judges; .ci/run

@@ -17,6 +17,14 @@ into=$out; [ "$set_" != tools ] || into=$out/versions
 # e2e session asks again before its cluster starts, so the second waits here and finds it done.
 exec 9>"$out/.build.lock"
 flock 9
+# Started in the background (`make test`): BUILD_STOPS_WITH names the process whose end ends this
+# build (make), so a run that stops early leaves no build behind. This script leads its own
+# process group there (setsid), which the watcher ends whole.
+if [ -n "${BUILD_STOPS_WITH:-}" ]; then
+  (while kill -0 "$BUILD_STOPS_WITH" 2>/dev/null; do sleep 1; done; kill -- -$$) &
+  watcher=$!
+  trap 'kill $watcher 2>/dev/null' EXIT
+fi
 export PATH=/usr/local/go/bin:$PATH CGO_ENABLED=0 GOFLAGS=-mod=readonly
 command -v go >/dev/null || { echo "build.sh: go: not found (Go 1.26 is expected at /usr/local/go)" >&2; exit 2; }
 
