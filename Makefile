@@ -69,12 +69,13 @@ MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.
 IMPORTS := $(VENV)/bin/lint-imports --no-cache
 
 # Everything, system tests included, beside a neighbour agent (tests observe only what they create).
-# The real cluster's components (Go builds, about 20 min cold on two cores) build in the background
-# at the lowest priority while everything before them runs: the cluster tests run last (conftest.py)
-# and their first fixture waits for that build. Stopped when pytest ends, whatever its outcome.
+# The real cluster's components (Go builds: about 11 min cold on two cores alone) build in the
+# background at the lowest priority while everything before them runs: the cluster tests run last
+# (conftest.py) and the cluster waits for that build. The build ends with make at the latest.
 test: $(VENV)/.installed e2e-components-background $(JUDGES)/.installed system-deps tools  ## everything: lint, types, imports, and every test (system tests and the real cluster)
-	@trap 'kill -- -$$(cat $(E2E_BUILD_PID)) 2>/dev/null; rm -f $(E2E_BUILD_PID)' EXIT; \
-	$(RUFF) && $(MYPY) && $(IMPORTS) && \
+	$(RUFF)
+	$(MYPY)
+	$(IMPORTS)
 	HYPERLIGHT_TEST_NEIGHBOUR=1 $(PY) -m pytest -q --durations=40
 
 # Just the real-cluster tests (tests/test_e2e.py): Kubernetes, etcd and containerd built from the
@@ -87,13 +88,12 @@ e2e-components:
 	@tests/e2e/components/build.sh $(E2E_BIN)
 
 # The same build started in its own session (so that the whole of it can be stopped), its output
-# in build/e2e/components.log, ended with make at the latest (BUILD_STOPS_WITH); the tests' cluster
-# fixture runs build.sh again, which waits for it.
-E2E_BUILD_PID := build/e2e/components.pid
+# in build/e2e/components.log, ended with make at the latest (BUILD_STOPS_WITH: make's pid); the
+# e2e harness runs build.sh again before a cluster starts, which waits for it.
 e2e-components-background:
 	@mkdir -p $(E2E_BIN)
-	@BUILD_STOPS_WITH=$$PPID setsid nice -n 19 tests/e2e/components/build.sh $(E2E_BIN) >build/e2e/components.log 2>&1 </dev/null & \
-	  echo $$! >$(E2E_BUILD_PID)
+	@BUILD_STOPS_WITH=$$PPID setsid nice -n 19 tests/e2e/components/build.sh $(E2E_BIN) \
+	  >build/e2e/components.log 2>&1 </dev/null &
 
 # The fast inner loop: no system tests, nothing that needs root, no manifest judges; .ci/run
 # runs it with every capability dropped. Ends with the line coverage of the core modules

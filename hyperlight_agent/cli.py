@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dra",
         action="store_true",
         help="Dynamic Resource Allocation mode: publish this node's ResourceSlice of driver hypervisor.hyperlight.dev "
-        "and prepare claims through the kubelet's plugin watcher (Kubernetes 1.34+; needs API access)",
+        "and prepare claims through the kubelet's plugin watcher (Kubernetes 1.35+; needs API access)",
     )
     actions = parser.add_mutually_exclusive_group()
     actions.add_argument(

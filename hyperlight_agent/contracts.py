@@ -129,7 +129,7 @@ DRA_DEVICE_CLASS = "hypervisor.hyperlight.dev"
 DRA_DRIVERS_BEFORE = ("hyperlight.dev",)
 
 # ---- Dynamic Resource Allocation: the API's side (owner: Kubernetes, resource.k8s.io/v1: GA in
-# 1.34, the oldest kubelet we serve in this mode)
+# 1.34; 1.35 is the oldest minor we support)
 RESOURCE_API_GROUP = "resource.k8s.io"
 RESOURCE_API_VERSION = "v1"
 # One ResourceSlice holds at most this many devices (ResourceSliceMaxDevices), and at most this many

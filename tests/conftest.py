@@ -80,7 +80,8 @@ EXIT_GRACE_S = 120
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
+    if not hasattr(config, "workerinput"):  # not in an xdist worker, which idles until the end
+        faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -36,7 +36,7 @@ from hyperlight_agent import contracts
 from tests import nspawn
 from tests.conftest import E2E_FIGURES, make_node
 from tests.e2e import cluster as cluster_module
-from tests.e2e.cluster import COMPONENTS, Cluster, Node, State, wait_until
+from tests.e2e.cluster import Cluster, Node, State, build_components, wait_until
 from tests.e2e.kube import Api, ApiError
 from tests.e2e.oci import pause_image, workload_image
 from tests.e2e.podresources import PodResources
@@ -97,8 +97,9 @@ def cluster(images: dict[str, str], published: Published) -> Iterator[Cluster]:
     # test registry, as a mirror of ghcr.io.
     c = Cluster(os.path.join(RUN_DIR, "cluster"), BIN_DIR, mirrors={"ghcr.io": f"http://{published.host}"})
     try:
-        build_components(BIN_DIR)
+        build_components(BIN_DIR)  # start() would too: here, to say how long the tests waited for it
         record("components_wait_s", round(time.monotonic() - started, 1))
+        started = time.monotonic()
         c.start()
         newest = c.versions["newest"]
         a = c.add_node("a", newest, labels={"hyperlight.dev/enabled": "true"})
@@ -114,15 +115,6 @@ def cluster(images: dict[str, str], published: Published) -> Iterator[Cluster]:
     finally:
         c.stop()
         record("e2e_session_s", round(time.monotonic() - session_started, 1))
-
-
-def build_components(bin_dir: str) -> None:
-    """The cluster's components built (once: a finished build is reused), or the build `make test`
-    started in the background, beside the tests before these, waited for."""
-    done = subprocess.run(
-        [os.path.join(COMPONENTS, "build.sh"), bin_dir], capture_output=True, text=True, timeout=5400, check=False
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def helm(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:

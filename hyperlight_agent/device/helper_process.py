@@ -51,8 +51,7 @@ def run_request(request: Any) -> dict[str, Any]:
     except kernel.ProbeError as exc:
         return {"ok": False, "reason": str(exc)}
     except (OSError, ValueError) as exc:  # e.g. a path too long for the kernel
-        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)[:200]
-        return {"ok": False, "reason": f"{text.shown(request['device'])}: {detail}"}
+        return {"ok": False, "reason": f"{text.shown(request['device'])}: {text.cause(exc)}"}
     return {"ok": True, "reason": ""}
 
 

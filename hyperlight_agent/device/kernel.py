@@ -31,7 +31,7 @@ def host_identity(host_path: str) -> int:
     except FileNotFoundError as exc:
         raise ProbeError(f"{text.shown(host_path)}: host device node is missing") from exc
     except OSError as exc:
-        raise ProbeError(f"{text.shown(host_path)}: cannot stat host device node: {exc.strerror}") from exc
+        raise ProbeError(f"{text.shown(host_path)}: cannot stat host device node: {text.cause(exc)}") from exc
     if not stat.S_ISCHR(st.st_mode):
         raise ProbeError(f"{text.shown(host_path)}: host device node is {_kind(st.st_mode)}, not a character device")
     return st.st_rdev

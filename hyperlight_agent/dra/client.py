@@ -124,7 +124,7 @@ class ApiError(Exception):
         if self.code == 404 and not self.message.endswith("not found"):
             return (
                 f"{what}: 404, the API server does not serve {contracts.RESOURCE_API_GROUP}/"
-                f"{contracts.RESOURCE_API_VERSION} (Kubernetes 1.34 or newer needed)"
+                f"{contracts.RESOURCE_API_VERSION} (Kubernetes 1.35 or newer needed)"
             )
         return f"{what}: {self.code} {self.reason}: {self.message}".rstrip(": ")
 

@@ -35,7 +35,7 @@ SERVER_HINT = (
     "allows the driver's egress to it) and accept them"
 )
 VERSION_HINT = (
-    "hint DRA needs Kubernetes 1.34 or later (resource.k8s.io/v1); use the device plugin mode on older clusters"
+    "hint DRA needs Kubernetes 1.35 or later (resource.k8s.io/v1); use the device plugin mode on older clusters"
 )
 
 

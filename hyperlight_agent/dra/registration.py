@@ -47,6 +47,7 @@ import grpc
 from hyperlight_agent import contracts, transport, waits
 from hyperlight_agent.dra import api, names
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
+from hyperlight_agent.text import cause
 
 if TYPE_CHECKING:
     from hyperlight_agent.dra.health import Health, HealthEndpoint
@@ -276,11 +277,11 @@ def driver_dir(directory: str) -> None:
     except FileExistsError:
         pass  # not a directory (a dangling symlink, a file): said below
     except OSError as exc:
-        raise transport.NotServing(f"cannot create {directory}: {exc.strerror}") from exc
+        raise transport.NotServing(f"cannot create {directory}: {cause(exc)}") from exc
     try:
         st = os.lstat(directory)
     except OSError as exc:
-        raise transport.NotServing(f"cannot look at {directory}: {exc.strerror}") from exc
+        raise transport.NotServing(f"cannot look at {directory}: {cause(exc)}") from exc
     if stat.S_ISLNK(st.st_mode):
         raise transport.NotServing(
             f"{directory} is a symlink; refusing to follow it "

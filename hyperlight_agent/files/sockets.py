@@ -18,6 +18,7 @@ import stat
 from typing import Callable, Optional
 
 from hyperlight_agent.files import atomic
+from hyperlight_agent.text import cause
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ def remove_ours(pin: Optional[Pin], path: str) -> None:
         try:
             os.unlink(path)
         except OSError as exc:
-            log.warning("cannot remove %s: %s", path, exc.strerror)
+            log.warning("cannot remove %s: %s", path, cause(exc))
     elif os.path.lexists(path):
         log.info("%s is no longer our socket; leaving it", path)
     pin.close()
