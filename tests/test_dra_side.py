@@ -18,6 +18,7 @@ from hyperlight_agent.agent import Agent
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device.helper import ProbeResult
 from hyperlight_agent.dra import client as dra_client
+from hyperlight_agent.dra import registration as dra_registration
 from hyperlight_agent.dra import side as dra_side_module
 from hyperlight_agent.dra.slices import DeviceInfo
 from hyperlight_agent.files import cdi
@@ -443,12 +444,16 @@ def test_a_successor_that_never_becomes_ready_never_takes_the_slice(tmp: str, he
 
 
 def test_a_prepare_in_flight_as_the_agent_stops_is_answered_before_it_deregisters(
-    tmp: str, helpers: list[FakeHelper]
+    tmp: str, helpers: list[FakeHelper], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rolling update on the 1.34 kubelet failed a pod so: the old instance stopped (its checker
     first) while a Prepare read its claim; the Prepare's fresh check was refused, the call was
     dropped, and the kubelet cancelled it as it deregistered us ("the client connection is
-    closing"). Now the call is answered (from the last check) and only then are we deregistered."""
+    closing"). Now the call is answered (from the last check) and only then are we deregistered.
+    (The drain's bound, for a call never answered, is test_dra_registration's: here it is long, so
+    that a loaded machine's slow answer does not race it.)"""
+    monkeypatch.setattr(dra_registration, "CALLS_DRAIN_S", 60.0)
+    monkeypatch.setattr(dra_side_module.DraSide, "close_bound_s", 90.0)
 
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         agent = Agent(settings_in(tmp, config), modes.DRA)
