@@ -664,6 +664,8 @@ class Cluster:
         self.admin_kubeconfig = ""
         # The nodes' subnets are 10.250.subnet_base+1… (start(): none another bridge routes already).
         self.subnet_base = 0
+        # How long start() waited for the components' build (the one `make test` runs beside).
+        self.components_wait_s = 0.0
 
     def binaries(self, component: str, version: str) -> str:
         path = os.path.join(self.bin_dir, component, version)
@@ -684,7 +686,9 @@ class Cluster:
     ) -> None:
         """etcd and the API server, then (`controllers`) the controller-manager and scheduler;
         the extra arguments are added to etcd's and the API server's command lines."""
+        waited = time.monotonic()
         build_components(self.bin_dir)
+        self.components_wait_s = time.monotonic() - waited
         self.clean_leftovers(self.state_path, self.directory)
         os.makedirs(os.path.join(self.directory, "logs"))
         self.state = State(self.state_path)
