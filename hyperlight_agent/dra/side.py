@@ -35,7 +35,7 @@ from hyperlight_agent.dra import api, names, registration
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
 from hyperlight_agent.dra.health import Health
 from hyperlight_agent.dra.prepared import Prepared
-from hyperlight_agent.dra.service import Service
+from hyperlight_agent.dra.service import Service, at_end
 from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher, device_names
 from hyperlight_agent.dra.taints import Escalation, taint_for
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
@@ -81,22 +81,25 @@ class _Counted:
         self.received = 0
 
     async def NodePrepareResources(self, request: Any, context: Any, messages: Any) -> Any:
-        return await self._counted(self.service.NodePrepareResources(request, context, messages))
+        return await self._counted(self.service.NodePrepareResources(request, context, messages), context)
 
     async def NodeUnprepareResources(self, request: Any, context: Any, messages: Any) -> Any:
-        return await self._counted(self.service.NodeUnprepareResources(request, context, messages))
+        return await self._counted(self.service.NodeUnprepareResources(request, context, messages), context)
 
     async def idle(self) -> None:
         """The service's: a stop deregisters once no call is in flight (Registrar.close)."""
         await self.service.idle()
 
-    async def _counted(self, call: Awaitable[Any]) -> Any:
+    async def _counted(self, call: Awaitable[Any], context: Any) -> Any:
         self.in_flight += 1
         self.received += 1
         try:
             return await call
         finally:
-            self.in_flight -= 1
+            at_end(context, self._ended)
+
+    def _ended(self) -> None:
+        self.in_flight -= 1
 
 
 class _NotConnected:
