@@ -308,26 +308,36 @@ class FakeApiServer:
             for taint in device.get("taints", []):
                 check_taint(taint)
 
+    @staticmethod
+    def _dry_run(request: Request) -> bool:
+        """?dryRun=All: every stage of the write (defaults, dropped fields, validation, a conflict)
+        but the storing; the answer is what would be stored. The server knows no other value."""
+        assert set(request.query) <= {"dryRun"} and request.query.get("dryRun", "All") == "All", request
+        return "dryRun" in request.query
+
     def _create(self, request: Request) -> tuple[int, Json]:
         body = request.body
         assert body is not None
         self._check_slice_body(body)
+        dry_run = self._dry_run(request)
         assert "name" not in body["metadata"] and body["metadata"]["generateName"] == "node1-hypervisor.hyperlight.dev-"
         template = recorded("resourceslice.json")
-        self.names += 1
-        self.version += 1
-        name = f"node1-hypervisor.hyperlight.dev-{self.names:05d}"
+        names, version = self.names + 1, self.version + 1
+        name = f"node1-hypervisor.hyperlight.dev-{names:05d}"
         metadata = dict(
             template["metadata"],
             name=name,
-            resourceVersion=str(self.version),
-            uid=f"00000000-0000-4000-8000-{self.names:012d}",
-            creationTimestamp=f"2026-11-30T10:15:{self.names:02d}Z",
+            resourceVersion=str(version),
+            uid=f"00000000-0000-4000-8000-{names:012d}",
+            creationTimestamp=f"2026-11-30T10:15:{names:02d}Z",
         )
         body = dict(body, spec=self._drop_disabled(body["spec"], None))  # the request stays as sent
         if self.mutate is not None:
             self.mutate(body["spec"])
         obj = {"kind": "ResourceSlice", "apiVersion": "resource.k8s.io/v1", "metadata": metadata, "spec": body["spec"]}
+        if dry_run:
+            return 201, obj
+        self.names, self.version = names, version
         self.slices[name] = obj
         self.events.append((self.version, "ADDED", copy.deepcopy(obj)))
         return 201, obj
@@ -342,11 +352,14 @@ class FakeApiServer:
         current = self.slices[name]
         if body["metadata"].get("resourceVersion") != current["metadata"]["resourceVersion"]:
             return status("status-409-conflict.json", name)
-        self.version += 1
+        version = self.version + 1
         body = dict(body, spec=self._drop_disabled(body["spec"], current["spec"]))
         if self.mutate is not None:
             self.mutate(body["spec"])
-        obj = dict(current, spec=body["spec"], metadata=dict(current["metadata"], resourceVersion=str(self.version)))
+        obj = dict(current, spec=body["spec"], metadata=dict(current["metadata"], resourceVersion=str(version)))
+        if self._dry_run(request):
+            return 200, obj
+        self.version = version
         self.slices[name] = obj
         self.events.append((self.version, "MODIFIED", copy.deepcopy(obj)))
         return 200, obj

@@ -233,8 +233,13 @@ def test_one_shared_device_where_the_server_keeps_it_and_identical_devices_where
             assert not publisher.shared and publisher.devices == 4 and equal_to_desired(fake, publisher)
             writes = [r for r in fake.requests if r.method in ("POST", "PUT")]
             assert len(writes) == 2, "one write to find out, one with the identical devices"
+            # Found out by a dry run: the stored slice never held the one device, which the
+            # scheduler would have handed to one claim at a time (seen on a real 1.35 cluster).
+            assert [w.query for w in writes] == [{"dryRun": "All"}, {}], writes
+            assert [len(obj["spec"]["devices"]) for _, _, obj in fake.events[before:]] == [4], fake.events
 
         fake.requests.clear()
+        before = len(fake.events)
         await publishing(fake, api, dropped, shared=True)
 
     run(tmp_path, body)
@@ -430,6 +435,9 @@ def test_a_server_without_device_taints_gets_the_device_out_of_the_slice_said_on
             said = [r.getMessage() for r in caplog.records if "does not keep device taints" in r.getMessage()]
             assert len(said) == 1 and "an unusable device leaves the slice instead" in said[0], said
             assert [bool(r.body and "taints" in str(r.body)) for r in fake.of("update")].count(True) == 1
+            # Found out by a dry run: the stored slice never held the unusable device untainted.
+            stored = [len(obj["spec"].get("devices", [])) for _, _, obj in fake.events]
+            assert stored == [4, 0, 4, 0, 4, 0, 4], stored
 
         await publishing(fake, api, check)
 

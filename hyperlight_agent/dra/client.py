@@ -135,6 +135,11 @@ def _detail(exc: BaseException) -> str:
     return text.shown(f"{type(exc).__name__}: {words}" if words else type(exc).__name__, 300)
 
 
+def _dry(dry_run: bool) -> Optional[dict[str, str]]:
+    # Every stage of a write but the storing: admission, defaults, dropped fields, validation.
+    return {"dryRun": "All"} if dry_run else None
+
+
 class KubeApi:
     """The calls the DRA mode makes, on `http` (an httpx.AsyncClient with the server's address,
     TLS and credentials: `connect`). `source` names where the credentials came from."""
@@ -300,13 +305,16 @@ class KubeApi:
             )
         return f"the watch went on {self._watch_grace_s:g} s past its timeoutSeconds={params['timeoutSeconds']}"
 
-    async def create_slice(self, body: Json) -> Json:
-        return await self._call("create", SLICES, "POST", SLICES_PATH, body=body)
+    async def create_slice(self, body: Json, dry_run: bool = False) -> Json:
+        """POST; `dry_run`: the slice as the server would store it (its defaults, the fields of
+        features it lacks dropped), with nothing stored."""
+        return await self._call("create", SLICES, "POST", SLICES_PATH, params=_dry(dry_run), body=body)
 
-    async def replace_slice(self, body: Json) -> Json:
-        """PUT; the body's metadata.resourceVersion makes it conditional (409 when someone wrote first)."""
+    async def replace_slice(self, body: Json, dry_run: bool = False) -> Json:
+        """PUT; the body's metadata.resourceVersion makes it conditional (409 when someone wrote
+        first); `dry_run` as create_slice's."""
         name = str(body["metadata"]["name"])
-        return await self._call("update", SLICES, "PUT", f"{SLICES_PATH}/{name}", body=body)
+        return await self._call("update", SLICES, "PUT", f"{SLICES_PATH}/{name}", params=_dry(dry_run), body=body)
 
     async def delete_slice(self, name: str) -> None:
         await self._call("delete", SLICES, "DELETE", f"{SLICES_PATH}/{name}")

@@ -7,16 +7,17 @@ One slice, one pool named after the node. Where the API server keeps a device's
 that any number of claims are allocated at once: what /dev/kvm is. Elsewhere (1.34, 1.35, or
 sharing switched off), `count` devices `kvm-0` … `kvm-{count-1}`, each allocated to one claim. All
 are handed out as the same CDI device by the node service. Which the server keeps is found out by
-writing the shared device and reading the answer: a server that drops the field gets the N devices
-from then on (ARCHITECTURE.md, "DRA: one shared device, N where the API cannot say so").
+a dry run of the write (what the server would store, nothing stored): a server that drops the field
+gets the N devices from then on, without ever showing the one device the scheduler would give to
+one claim at a time (ARCHITECTURE.md, "DRA: one shared device, N where the API cannot say so").
 
 A device that is absent or failed its check stays in the slice with our taint (dra/taints.py:
 key hyperlight.dev/unusable, the cause as its value, NoSchedule, or NoExecute once the opt-in
 debounce has passed), so the scheduler keeps new claims off it and says why, and pods already
 using it see its health (dra/health.py). A slice with a taint holds at most 64 devices, so N
 identical devices beyond that leave it while tainted. Where the API server drops device taints
-(DRADeviceTaints: beta and on from 1.36), found out as for sharing, by writing one and reading
-the answer, the device leaves the slice instead: the slice stays, with no devices (spec.devices is
+(DRADeviceTaints: beta and on from 1.36), found out as for sharing, by a dry run of a tainted
+write, the device leaves the slice instead: the slice stays, with no devices (spec.devices is
 optional, `omitempty`, and "Only one of Devices and SharedCounters can be set" allows neither), and
 pool.generation moves on. Why keep an empty slice rather than delete it: the scheduler sees the
 same "no devices here" either way, but an empty slice says "this node's agent runs and has nothing
@@ -252,6 +253,9 @@ class SlicePublisher:
         self.shared = shared
         # An unusable device tainted, until the API server shows it drops taints.
         self.taints = taints
+        # Whether an answer of the server has kept each (until then a write of it is tried dry first).
+        self._keeps_shared = False
+        self._keeps_taints = False
         self._taint: Optional[Taint] = None
         self._on_change = on_change  # told when published, kept_by or last_error may have changed
         # For the metrics: ("write", verb), ("api_error", verb, code), ("watch", why it was opened again).
@@ -422,26 +426,16 @@ class SlicePublisher:
             self.kept_by = ""
         if not self._swept:
             await self._sweep()
+        # A field the server may drop is found out by a dry run first: a stored write of it would
+        # show the scheduler, until our next write, one device that holds one claim (or an
+        # unusable device without its taint).
+        if self._unsure(desired) and self._dropped(desired, await self._write(desired, keep, [], dry_run=True)):
+            return
         result = await self._write(desired, keep, extras)
         self._written = desired
         if _newer(result, self._cache.get(_name(result))):
             self._cache[_name(result)] = result
-        kept = owned(result.get("spec"))["devices"]
-        if self.shared and desired["devices"] and not any(d.get(SHARED_FIELD) for d in kept):
-            # The server dropped the field (a feature it does not have, or has switched off): the
-            # scheduler would allocate our one device to one claim at a time.
-            log.info(
-                "ResourceSlice %s: the API server does not keep %s (Kubernetes before 1.36, or "
-                "DRAConsumableCapacity off); publishing %d identical devices instead",
-                _name(result),
-                SHARED_FIELD,
-                self.count,
-            )
-            self.shared = False
-            self._changed()
-            self._dirty.set()
-            return
-        if self._dropped_taints(desired, kept, _name(result)):
+        if self._dropped(desired, result):
             return
         if owned(result.get("spec")) != desired:
             self._accepted = (desired, owned(result.get("spec")))
@@ -451,6 +445,38 @@ class SlicePublisher:
                 "(a mutating webhook or policy?); keeping its version rather than writing it again",
             )
         self._settled(result, desired)
+
+    def _unsure(self, desired: Json) -> bool:
+        """Whether desired holds a field the server has not yet been seen to keep."""
+        devices = desired["devices"]
+        shared = self.shared and not self._keeps_shared and any(d.get(SHARED_FIELD) for d in devices)
+        return shared or (self.taints and not self._keeps_taints and any(TAINTS_FIELD in d for d in devices))
+
+    def _dropped(self, desired: Json, answer: Json) -> bool:
+        """Whether the server's answer to a write of desired (stored or dry run) dropped a field of a
+        feature it lacks: then desired changes (said once, dirty again) and this write is moot."""
+        kept = owned(answer.get("spec"))["devices"]
+        if self.shared and desired["devices"] and not any(d.get(SHARED_FIELD) for d in kept):
+            # The server dropped the field (a feature it does not have, or has switched off): the
+            # scheduler would allocate our one device to one claim at a time.
+            log.info(
+                "ResourceSlice %s: the API server does not keep %s (Kubernetes before 1.36, or "
+                "DRAConsumableCapacity off); publishing %d identical devices instead",
+                _name(answer),
+                SHARED_FIELD,
+                self.count,
+            )
+            self.shared = False
+            self._changed()
+            self._dirty.set()
+            return True
+        if self.shared and desired["devices"]:
+            self._keeps_shared = True
+        if self._dropped_taints(desired, kept, _name(answer)):
+            return True
+        if self.taints and any(TAINTS_FIELD in d for d in kept):
+            self._keeps_taints = True
+        return False
 
     def _dropped_taints(self, desired: Json, kept: list[Json], name: str) -> bool:
         """Whether the server dropped the taints we wrote (a feature it does not have): then, from
@@ -468,8 +494,9 @@ class SlicePublisher:
         self._dirty.set()
         return True
 
-    async def _write(self, desired: Json, keep: Optional[Json], extras: list[Json]) -> Json:
-        """Delete the duplicates, then create or update the slice; the server's answer."""
+    async def _write(self, desired: Json, keep: Optional[Json], extras: list[Json], dry_run: bool = False) -> Json:
+        """Delete the duplicates, then create or update the slice; the server's answer (`dry_run`:
+        what the server would store; nothing deleted, nothing stored, nothing said)."""
         try:
             for extra in extras:
                 self._notice(
@@ -479,19 +506,23 @@ class SlicePublisher:
                 )
                 await self._delete(_name(extra))
             if keep is None:
-                if self._written is not None:
+                if self._written is not None and not dry_run:
                     self._notice(
                         "deleted",
                         f"ResourceSlice {self.slice_name} was deleted (a kubelet start wipes them); creating it again",
                     )
                 self.requests += 1
-                self._event("write", "create")
-                return await self._api.create_slice(self._object(desired, {"generateName": self._prefix()}))
-            if self._written == desired and _name(keep) == self.slice_name:
+                if not dry_run:  # (the metric counts writes; `requests` what the server is asked)
+                    self._event("write", "create")
+                return await self._api.create_slice(
+                    self._object(desired, {"generateName": self._prefix()}), dry_run=dry_run
+                )
+            if self._written == desired and _name(keep) == self.slice_name and not dry_run:
                 self._notice("edited", f"ResourceSlice {_name(keep)} edited by someone else; restoring")
             self.requests += 1
-            self._event("write", "update")
-            return await self._api.replace_slice(self._object(desired, keep.get("metadata") or {}))
+            if not dry_run:
+                self._event("write", "update")
+            return await self._api.replace_slice(self._object(desired, keep.get("metadata") or {}), dry_run=dry_run)
         except ApiError as exc:
             if exc.code == 409:
                 raise _Relist(f"conflict: {exc.message}") from exc
