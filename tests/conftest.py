@@ -69,6 +69,26 @@ def count_inputs(surface: str, n: int = 1) -> None:
     FUZZ_INPUTS[surface] = FUZZ_INPUTS.get(surface, 0) + n
 
 
+# The real-cluster tests' images (tests/e2e/oci.py builds them): the workload's and the pod sandbox's.
+E2E_WORKLOAD_IMAGE = "localhost/hyperlight-e2e/workload:1"
+
+
+@pytest.fixture(scope="session")
+def images() -> Iterator[dict[str, str]]:
+    """The workload and the pod sandbox image, as archives containerd imports (the agent's comes
+    from the registry), for every real cluster of the session (tests/test_e2e*.py)."""
+    from tests.e2e.oci import pause_image, workload_image
+
+    directory = tempfile.mkdtemp(prefix="hl-e2e-img-")
+    try:
+        yield {
+            "pause": pause_image(directory, "localhost/hyperlight-e2e/pause:1"),
+            "workload": workload_image(directory, E2E_WORKLOAD_IMAGE),
+        }
+    finally:
+        subprocess.run(["rm", "-rf", directory], check=False)
+
+
 # Figures the real-cluster tests measured in this session (tests/test_e2e.py records them).
 E2E_FIGURES: dict[str, Any] = {}
 
@@ -123,9 +143,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if ROOT_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.root)
+
     # The real-cluster tests last: `make test` builds their components in the background
-    # meanwhile (the cluster fixture waits for that build). The order is otherwise unchanged.
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
+    # meanwhile (the cluster fixture waits for that build). Of those, the whole clusters of the
+    # other minors (test_e2e_versions.py) first: each ends with its module, before the session's
+    # cluster starts, so no two clusters share the machine. The order is otherwise unchanged.
+    def place(item: pytest.Item) -> tuple[bool, bool]:
+        e2e = item.get_closest_marker("e2e") is not None
+        return e2e, e2e and item.path.name != "test_e2e_versions.py"
+
+    items.sort(key=place)
 
 
 def wait_for(

@@ -23,7 +23,6 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -34,11 +33,10 @@ import yaml
 
 from hyperlight_agent import contracts
 from tests import nspawn
-from tests.conftest import E2E_FIGURES, make_node
+from tests.conftest import E2E_FIGURES, E2E_WORKLOAD_IMAGE, make_node
 from tests.e2e import cluster as cluster_module
 from tests.e2e.cluster import Cluster, Node, State, wait_until
 from tests.e2e.kube import Api, ApiError
-from tests.e2e.oci import pause_image, workload_image
 from tests.e2e.podresources import PodResources
 from tests.releases import CURRENT, PREVIOUS, PUBLIC_CHARTS, Published, manifest, readme_commands
 from tests.test_apt_repository import fresh_root, operator_install
@@ -53,7 +51,7 @@ FIGURES = os.path.join(ROOT, "build", "e2e", "figures.json")
 TOOLS = os.path.join(ROOT, "build", "tools")
 WORKLOAD = os.path.join(ROOT, "deploy", "examples", "workload.yaml")
 NAMESPACE = "hyperlight-system"
-WORKLOAD_IMAGE = "localhost/hyperlight-e2e/workload:1"
+WORKLOAD_IMAGE = E2E_WORKLOAD_IMAGE
 HYPERVISOR = contracts.RESOURCE_HYPERVISOR
 DEVICE_ACCESS = contracts.RESOURCE_DEVICE_ACCESS
 SLOTS = 2000
@@ -74,20 +72,6 @@ def record(key: str, value: Any) -> None:
         json.dump(figures, f, indent=1, sort_keys=True)
     E2E_FIGURES[key] = value  # printed in the session summary, so CI's log has them
     print(f"\nfigure {key}: {value}")
-
-
-@pytest.fixture(scope="session")
-def images() -> Iterator[dict[str, str]]:
-    """The workload and the pod sandbox image, as archives containerd imports (the agent's comes
-    from the registry)."""
-    directory = tempfile.mkdtemp(prefix="hl-e2e-img-")
-    try:
-        yield {
-            "pause": pause_image(directory, "localhost/hyperlight-e2e/pause:1"),
-            "workload": workload_image(directory, WORKLOAD_IMAGE),
-        }
-    finally:
-        subprocess.run(["rm", "-rf", directory], check=False)
 
 
 @pytest.fixture(scope="session")
@@ -450,11 +434,13 @@ class Load:
             windows.append(self.view[-1][0] - since)
         return windows
 
-    def outcomes(self) -> dict[str, int]:
-        """How the pods ended: rejected at admission, ran (Succeeded), or failed otherwise."""
+    def outcomes(self) -> dict[str, Any]:
+        """How the pods ended: rejected at admission, ran (Succeeded), or failed otherwise; and
+        the reasons of those that did not run, with one message of each."""
 
-        def settled() -> Optional[dict[str, int]]:
-            counts = {"rejected": 0, "succeeded": 0, "failed": 0}
+        def settled() -> Optional[dict[str, Any]]:
+            counts: dict[str, Any] = {"rejected": 0, "succeeded": 0, "failed": 0}
+            why: dict[str, list[Any]] = {}
             # Only the load's own pods: the namespace may hold the test's other pods too.
             created = set(self.created)
             pods = self.cluster.api.get(f"/api/v1/namespaces/{self.namespace}/pods")["items"]
@@ -467,11 +453,15 @@ class Load:
                         "reason", ""
                     ).startswith("OutOf")
                     counts["rejected" if admission else "failed"] += 1
+                    seen = why.setdefault(status.get("reason", ""), [0, status.get("message", "")])
+                    seen[0] += 1
                 else:
                     return None
-            return counts if sum(counts.values()) == len(self.created) else None
+            if sum(counts.values()) != len(self.created):
+                return None
+            return {**counts, "not_run_by_reason": why} if why else counts
 
-        result: dict[str, int] = wait_until(settled, 300, "every load pod finished", interval=1)
+        result: dict[str, Any] = wait_until(settled, 300, "every load pod finished", interval=1)
         return result
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
+from tests.e2e import versions
 from tests.e2e.cluster import free_subnets, routed_networks
 
 SLASH_24 = 0xFFFFFF00
@@ -29,3 +32,23 @@ def test_the_nodes_subnets_avoid_a_bridge_another_run_left() -> None:
 def test_the_hosts_routes_are_read() -> None:
     routes = routed_networks()
     assert routes and all(dest & mask == dest for dest, mask in routes)
+
+
+def test_the_kubernetes_rows_are_read_newest_first_and_each_pins_its_own_minor(tmp_path: pathlib.Path) -> None:
+    """tests/e2e/components/kubernetes: one row per minor; the roles follow from the order."""
+    rows = versions.rows()
+    assert [r.minor for r in rows] == sorted({r.minor for r in rows}, reverse=True)
+    assert versions.newest() == rows[0] and versions.oldest() == rows[-1]
+    assert versions.whole_clusters() == list(reversed(rows[1:]))
+    for row in rows:
+        assert row.version.startswith(f"v1.{row.minor}.") and "kubelet" in row.components, row
+    table = tmp_path / "kubernetes"
+    table.write_text(f"# a comment\n1.30  {rows[0].module}  kubelet\n")
+    with pytest.raises(ValueError, match=rf"row 1.30's module {rows[0].module} pins {rows[0].version}"):
+        versions.rows(str(table))
+    table.write_text("1.37 k8s-v1.37\n")
+    with pytest.raises(ValueError, match="want 'MINOR MODULE COMPONENT…'"):
+        versions.rows(str(table))
+    table.write_text("# nothing\n")
+    with pytest.raises(ValueError, match="no rows"):
+        versions.rows(str(table))

@@ -33,10 +33,11 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
+from . import versions as kube_versions
 from .kube import Api, ApiError
 from .pki import Identity, Pki
 
-COMPONENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "components")
+COMPONENTS = kube_versions.COMPONENTS
 # The API server's PodSecurity admission defaults: restricted for enforce, audit and warn in every
 # namespace without labels of its own, no exemptions.
 POD_SECURITY = {
@@ -152,23 +153,13 @@ def build_components(bin_dir: str) -> None:
 
 
 def versions() -> dict[str, str]:
-    """The pinned versions, read from the components' go.mod files."""
-
-    def pinned(module: str, path: str) -> str:
-        with open(os.path.join(COMPONENTS, module, "go.mod")) as f:
-            for line in f:
-                words = line.split()
-                if len(words) >= 3 and words[0] == "require" and words[1] == path:
-                    return words[2]
-                if len(words) >= 2 and words[0] == path and words[1].startswith("v"):
-                    return words[1]
-        raise LookupError(f"{module}/go.mod pins no {path}")
-
+    """The pinned versions: "newest" and "oldest" Kubernetes (tests/e2e/versions.py's rows), etcd's
+    and containerd's (their modules' go.mod files)."""
     return {
-        "newest": pinned("k8s-v1.37", "k8s.io/kubernetes"),
-        "oldest": pinned("k8s-v1.35", "k8s.io/kubernetes"),
-        "etcd": pinned("etcd", "go.etcd.io/etcd/server/v3"),
-        "containerd": pinned("containerd", "github.com/containerd/containerd/v2"),
+        "newest": kube_versions.newest().version,
+        "oldest": kube_versions.oldest().version,
+        "etcd": kube_versions.pinned("etcd", "go.etcd.io/etcd/server/v3"),
+        "containerd": kube_versions.pinned("containerd", "github.com/containerd/containerd/v2"),
     }
 
 
@@ -620,9 +611,13 @@ class Forwarder:
         while not self._closed.is_set():
             try:
                 client, _ = self._listener.accept()
+            except OSError:
+                continue
+            try:
                 upstream = socket.create_connection(self._target, timeout=10)
                 upstream.settimeout(None)
-            except OSError:
+            except OSError:  # the API server restarting (an upgrade): the client tries again
+                client.close()
                 continue
             self._open += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
@@ -682,10 +677,15 @@ class Cluster:
         shutil.rmtree(directory, ignore_errors=True)
 
     def start(
-        self, controllers: bool = True, etcd_args: tuple[str, ...] = (), api_server_args: tuple[str, ...] = ()
+        self,
+        controllers: bool = True,
+        etcd_args: tuple[str, ...] = (),
+        api_server_args: tuple[str, ...] = (),
+        version: str = "",
     ) -> None:
-        """etcd and the API server, then (`controllers`) the controller-manager and scheduler;
-        the extra arguments are added to etcd's and the API server's command lines."""
+        """etcd and the API server, then (`controllers`) the controller-manager and scheduler, of
+        Kubernetes `version` (default: the newest row's); the extra arguments are added to etcd's
+        and the API server's command lines."""
         waited = time.monotonic()
         build_components(self.bin_dir)
         self.components_wait_s = time.monotonic() - waited
@@ -738,7 +738,8 @@ class Cluster:
         kubelet_client = self.pki.issue(
             "apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client"
         )
-        k8s = self.binaries("kubernetes", self.versions["newest"])
+        self.control_plane_version = version or self.versions["newest"]
+        k8s = self.binaries("kubernetes", self.control_plane_version)
         admission = os.path.join(self.directory, "admission.json")
         with open(admission, "w") as f:
             json.dump(POD_SECURITY, f)
@@ -791,64 +792,77 @@ class Cluster:
         if not controllers:
             return
         controller = self.pki.issue("controller-manager", "/CN=system:kube-controller-manager")
-        self.processes.append(
-            Process(
-                self.state,
-                "kube-controller-manager",
-                [
-                    os.path.join(k8s, "kube-controller-manager"),
-                    "--kubeconfig",
-                    self.pki.kubeconfig("controller-manager", self.server, controller),
-                    "--authentication-kubeconfig",
-                    self.pki.kubeconfig("controller-manager", self.server, controller),
-                    "--authorization-kubeconfig",
-                    self.pki.kubeconfig("controller-manager", self.server, controller),
-                    "--bind-address",
-                    "127.0.0.1",
-                    "--secure-port",
-                    str(free_port()),
-                    "--leader-elect=false",
-                    "--use-service-account-credentials",
-                    "--service-account-private-key-file",
-                    self.pki.service_account_key,
-                    "--root-ca-file",
-                    self.pki.ca.cert,
-                    # No pod CIDRs to hand out (each node's CNI has its own range); the cloud controllers
-                    # are not in a providerless build.
-                    "--controllers",
-                    "*,-node-ipam-controller",
-                ],
-                self.logs,
-            )
-        )
+        self._controllers_argv = [
+            [
+                os.path.join(k8s, "kube-controller-manager"),
+                "--kubeconfig",
+                self.pki.kubeconfig("controller-manager", self.server, controller),
+                "--authentication-kubeconfig",
+                self.pki.kubeconfig("controller-manager", self.server, controller),
+                "--authorization-kubeconfig",
+                self.pki.kubeconfig("controller-manager", self.server, controller),
+                "--bind-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(free_port()),
+                "--leader-elect=false",
+                "--use-service-account-credentials",
+                "--service-account-private-key-file",
+                self.pki.service_account_key,
+                "--root-ca-file",
+                self.pki.ca.cert,
+                # No pod CIDRs to hand out (each node's CNI has its own range); the cloud controllers
+                # are not in a providerless build.
+                "--controllers",
+                "*,-node-ipam-controller",
+            ],
+        ]
         scheduler = self.pki.issue("scheduler", "/CN=system:kube-scheduler")
         scheduler_kubeconfig = self.pki.kubeconfig("scheduler", self.server, scheduler)
-        self.processes.append(
-            Process(
-                self.state,
-                "kube-scheduler",
-                [
-                    os.path.join(k8s, "kube-scheduler"),
-                    "--kubeconfig",
-                    scheduler_kubeconfig,
-                    "--authentication-kubeconfig",
-                    scheduler_kubeconfig,
-                    "--authorization-kubeconfig",
-                    scheduler_kubeconfig,
-                    "--bind-address",
-                    "127.0.0.1",
-                    "--secure-port",
-                    str(free_port()),
-                    "--leader-elect=false",
-                ],
-                self.logs,
-            )
+        self._controllers_argv.append(
+            [
+                os.path.join(k8s, "kube-scheduler"),
+                "--kubeconfig",
+                scheduler_kubeconfig,
+                "--authentication-kubeconfig",
+                scheduler_kubeconfig,
+                "--authorization-kubeconfig",
+                scheduler_kubeconfig,
+                "--bind-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(free_port()),
+                "--leader-elect=false",
+            ]
         )
+        self._start_controllers()
+
+    def _start_controllers(self) -> None:
+        self.controllers = [
+            Process(self.state, os.path.basename(argv[0]), argv, self.logs) for argv in self._controllers_argv
+        ]
+        self.processes += self.controllers
         wait_until(
             lambda: self.check_alive() and self.api.get("/api/v1/namespaces/default/serviceaccounts/default"),
             120,
             "the default service account (controller-manager running)",
         )
+
+    def upgrade_control_plane(self, version: str) -> None:
+        """The API server, then the controller-manager and scheduler, stopped and started again as
+        Kubernetes `version`, in the order an upgrade takes (the API server first: the components
+        must never be newer than it); etcd, the nodes and everything on them run on."""
+        k8s = self.binaries("kubernetes", version)
+        self.stop_api_server()
+        self._api_server_argv[0] = os.path.join(k8s, "kube-apiserver")
+        self.start_api_server()
+        for process in self.controllers:
+            process.stop()
+            self.processes.remove(process)
+        for argv in self._controllers_argv:
+            argv[0] = os.path.join(k8s, os.path.basename(argv[0]))
+        self._start_controllers()
+        self.control_plane_version = version
 
     def _start_api_server(self) -> None:
         self.api_server = Process(self.state, "kube-apiserver", self._api_server_argv, self.logs)

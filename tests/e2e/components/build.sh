@@ -36,13 +36,14 @@ build() {
   local name=$1 dir=$2 ver=$3 ldflags=$4 tags=$5; shift 5
   local out_name; out_name=$(basename "$1"); [ "$1" != go.etcd.io/etcd/server/v3 ] || out_name=etcd
   local dest=$into/$name/$ver
-  if [ -e "$dest/.complete" ]; then echo "e2e components: $name $ver cached"; return; fi
+  # Reused when built from the same packages (a row that gains a component is built again).
+  if [ "$(cat "$dest/.complete" 2>/dev/null)" = "$*" ]; then echo "e2e components: $name $ver cached"; return; fi
   rm -rf "$dest" && mkdir -p "$dest"
   local start=$SECONDS
   # One package is named for its path (go would name go.etcd.io/etcd/server/v3 "server").
   local target=$dest/; [ $# -gt 1 ] || target=$dest/$out_name
   (cd "$here/$dir" && go build -tags "$tags" -ldflags "$ldflags" -o "$target" "$@")
-  touch "$dest/.complete"
+  echo "$*" >"$dest/.complete"
   echo "e2e components: $name $ver built in $((SECONDS - start)) s"
 }
 
@@ -55,8 +56,11 @@ k8s_ldflags() {
   echo "-s -w$f"
 }
 
+# The rows of ./kubernetes (minor, module directory, components), newest first.
+rows() { awk 'NF >= 3 && substr($1, 1, 1) != "#"' "$here/kubernetes" | sort -t. -k2,2nr; }
 total=$SECONDS
-k137=$(version "$here/k8s-v1.37" k8s.io/kubernetes)
+newest_dir=$(rows | awk 'NR == 1 {print $2}')
+newest=$(version "$here/$newest_dir" k8s.io/kubernetes)
 if [ "$set_" = tools ]; then
   helm=$(version "$here/helm" helm.sh/helm/v4)
   registry=$(version "$here/registry" github.com/distribution/distribution/v3)
@@ -64,8 +68,8 @@ if [ "$set_" = tools ]; then
   prometheus=$(version "$here/promtool" github.com/prometheus/prometheus)
   build helm helm "$helm" "-s -w -X helm.sh/helm/v4/internal/version.version=$helm \
     -X helm.sh/helm/v4/internal/version.gitTreeState=clean" "" helm.sh/helm/v4/cmd/helm
-  # kubectl from the same module as the 1.37 components (their replaces, their build cache).
-  build kubectl k8s-v1.37 "$k137" "$(k8s_ldflags "$k137")" providerless k8s.io/kubernetes/cmd/kubectl
+  # kubectl from the newest row's module (its replaces, its build cache).
+  build kubectl "$newest_dir" "$newest" "$(k8s_ldflags "$newest")" providerless k8s.io/kubernetes/cmd/kubectl
   build registry registry "$registry" "-s -w -X github.com/distribution/distribution/v3/version.version=$registry" "" \
     github.com/distribution/distribution/v3/cmd/registry
   build cosign cosign "$cosign" "-s -w -X sigs.k8s.io/release-utils/version.gitVersion=$cosign" "" \
@@ -76,19 +80,19 @@ if [ "$set_" = tools ]; then
   promver=$(sed -E 's/^v0\.3([0-9]{2})\./3.\1./; s/^3\.0([0-9])\./3.\1./' <<<"$prometheus")
   build promtool promtool "$prometheus" "-s -w -X github.com/prometheus/common/version.Version=$promver" \
     remove_all_sd github.com/prometheus/prometheus/cmd/promtool
-  for tool in helm:"$helm" kubectl:"$k137" registry:"$registry" cosign:"$cosign" promtool:"$prometheus"; do
+  for tool in helm:"$helm" kubectl:"$newest" registry:"$registry" cosign:"$cosign" promtool:"$prometheus"; do
     ln -sfn "versions/${tool%%:*}/${tool#*:}/${tool%%:*}" "$out/${tool%%:*}"
   done
   echo "tools: ready in $((SECONDS - total)) s under $out"
   exit 0
 fi
-k135=$(version "$here/k8s-v1.35" k8s.io/kubernetes)
 etcd=$(version "$here/etcd" go.etcd.io/etcd/server/v3)
 ctrd=$(version "$here/containerd" github.com/containerd/containerd/v2)
-build kubernetes k8s-v1.37 "$k137" "$(k8s_ldflags "$k137")" providerless \
-  k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-  k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet
-build kubernetes k8s-v1.35 "$k135" "$(k8s_ldflags "$k135")" providerless k8s.io/kubernetes/cmd/kubelet
+while read -r _ dir commands; do
+  ver=$(version "$here/$dir" k8s.io/kubernetes)
+  # shellcheck disable=SC2086  # the commands are words
+  build kubernetes "$dir" "$ver" "$(k8s_ldflags "$ver")" providerless $(printf 'k8s.io/kubernetes/cmd/%s ' $commands)
+done < <(rows)
 build etcd etcd "$etcd" "-s -w" "" go.etcd.io/etcd/server/v3
 build containerd containerd "$ctrd" "-s -w -X github.com/containerd/containerd/v2/version.Version=$ctrd" no_btrfs \
   github.com/containerd/containerd/v2/cmd/containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 \
