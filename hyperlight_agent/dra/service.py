@@ -66,7 +66,6 @@ CLAIM_READ_TIMEOUT_S = 30.0
 Observe = Callable[[], Union[Observation, Awaitable[Observation]]]
 
 
-
 def at_end(context: Optional[grpc.aio.ServicerContext[Any, Any]], ended: Callable[[], None]) -> None:
     """ended() once the call is over for the kubelet: when grpc has sent its answer (the RPC's
     done callback), not when our handler returns. Between the two the answer is still being built
@@ -77,6 +76,7 @@ def at_end(context: Optional[grpc.aio.ServicerContext[Any, Any]], ended: Callabl
     else:
         # (grpc-stubs types the callback as a class of its own; grpc calls any callable)
         context.add_done_callback(cast(Any, lambda _: ended()))
+
 
 class Service:
     """Answers both DRAPlugin versions (api.dra_handlers(service)).
