@@ -255,6 +255,22 @@ async def successor(
     return await _until(candidates, ready, deadline)
 
 
+async def successor_within(
+    me: Identity,
+    candidates: Callable[[], Iterable[str]],
+    timeout: float,
+    resolve: Resolve = _same,
+    legacy_ready: Optional[LegacyReady] = None,
+    pid: Optional[int] = None,
+    ready: bool = True,
+    seen: Optional[Callable[[Description], None]] = None,
+) -> Optional[str]:
+    """successor(), at most `timeout` s from now: every kubelet side hands over in this one shape
+    (its own candidates, resolve and proof of an earlier release are all that differ)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    return await successor(me, candidates, deadline, resolve, legacy_ready, pid, ready, seen)
+
+
 async def newer(
     me: Identity, candidates: Iterable[str], resolve: Resolve = _same, timeout: float = PEER_TIMEOUT_S
 ) -> Optional[Description]:

@@ -307,15 +307,14 @@ class DraSide:
         proves it sooner. Returns the successor's socket."""
         if not self.registrar.serving:
             return None
-        deadline = asyncio.get_running_loop().time() + timeout
-        successor = await peers.successor(
+        successor = await peers.successor_within(
             self.identity,
             self._candidates,
-            deadline,
+            timeout,
             resolve=self._service_socket,
             legacy_ready=healthcheck.peer_ready,
             pid=pid,
-            require_ready=ready,
+            ready=ready,
             seen=seen,
         )
         if successor:
@@ -379,10 +378,10 @@ class DraSide:
     async def _hold_reason(self, observation: Observation) -> str:
         if observation.healthy:
             return ""
-        ready = await peers.successor(
+        ready = await peers.successor_within(
             self.identity,
             self._candidates,
-            asyncio.get_running_loop().time() + peers.PEER_TIMEOUT_S,
+            peers.PEER_TIMEOUT_S,
             resolve=self._service_socket,
             legacy_ready=healthcheck.peer_ready,
         )
