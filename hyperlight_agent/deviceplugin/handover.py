@@ -64,13 +64,13 @@ async def wait_for_successor(
 ) -> Optional[str]:
     """The socket path of a ready successor (with `pid`, that process; without `ready`, one that
     answers; `seen` gets each of its answers), or None after `timeout` seconds without one."""
-    return await peers.successor_within(
+    return await peers.successor(
         me,
         lambda: candidates(kubelet_dir, base_socket, own),
         timeout,
         legacy_ready=legacy_ready,
         pid=pid,
-        ready=ready,
+        require_ready=ready,
         seen=seen,
     )
 

@@ -307,14 +307,14 @@ class DraSide:
         proves it sooner. Returns the successor's socket."""
         if not self.registrar.serving:
             return None
-        successor = await peers.successor_within(
+        successor = await peers.successor(
             self.identity,
             self._candidates,
             timeout,
             resolve=self._service_socket,
             legacy_ready=healthcheck.peer_ready,
             pid=pid,
-            ready=ready,
+            require_ready=ready,
             seen=seen,
         )
         if successor:
@@ -378,7 +378,7 @@ class DraSide:
     async def _hold_reason(self, observation: Observation) -> str:
         if observation.healthy:
             return ""
-        ready = await peers.successor_within(
+        ready = await peers.successor(
             self.identity,
             self._candidates,
             peers.PEER_TIMEOUT_S,
