@@ -1050,7 +1050,7 @@ def bench_prepared_record(top: str) -> None:
     same with an empty record as the baseline."""
     from hyperlight_agent.device.observation import Observation
     from hyperlight_agent.dra import dra_v1_pb2 as v1
-    from hyperlight_agent.dra import prepared
+    from hyperlight_agent.dra import prepared, prepared_format
     from hyperlight_agent.dra.service import Service
     from hyperlight_agent.dra.types import AllocatedDevice
 
@@ -1062,13 +1062,15 @@ def bench_prepared_record(top: str) -> None:
 
     def one(directory: str, entries: int) -> tuple[float, float, float]:
         os.makedirs(directory)
-        claim = prepared.PreparedClaim("ns", "c", (prepared.PreparedDevice("hv", "node1", "kvm-0", ("x",), None),))
+        claim = prepared_format.PreparedClaim(
+            "ns", "c", (prepared_format.PreparedDevice("hv", "node1", "kvm-0", ("x",), None),)
+        )
         raw = {
-            "version": prepared.VERSION,
-            "claims": {f"old-{i}": prepared.encode_claim(claim, time.time()) for i in range(entries)},
+            "version": prepared_format.VERSION,
+            "claims": {f"old-{i}": prepared_format.encode_claim(claim, time.time()) for i in range(entries)},
         }
         with open(os.path.join(directory, prepared.RECORD_FILE), "wb") as f:
-            f.write(prepared.encode(raw))
+            f.write(prepared_format.encode(raw))
 
         async def run() -> tuple[float, float, float]:
             service = Service(

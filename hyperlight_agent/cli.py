@@ -173,10 +173,12 @@ def _one_shot(args: argparse.Namespace, settings: config.Settings, environ: Mapp
         print(line)
         return 0 if ok else 1
     if args.upgrade_in_place:
+        from hyperlight_agent import parts
         from hyperlight_agent.host.upgrade import upgrade_in_place
 
         code, line = upgrade_in_place(
-            args.upgrade_in_place, lambda: [p for m in modes.MODES for p in m.instance_sockets(settings)]
+            args.upgrade_in_place,
+            lambda: [p for m in modes.MODES for p in parts.row(m).instance_sockets(settings, m)],
         )
         print(line)
         return code
@@ -209,15 +211,18 @@ async def _serve(settings: config.Settings, args: argparse.Namespace, environ: M
 def _health_socket(mode: modes.Mode, settings: config.Settings) -> str:
     """The mode's socket for our instance name; once in-place upgrades have put the agent under a
     name derived from ours (host/successor.py), the newest such instance's."""
-    path = mode.health_socket(settings)
+    from hyperlight_agent import parts
+
+    row = parts.row(mode)
+    path = row.health_socket(settings, mode)
     if os.path.lexists(path):
         return path
     from hyperlight_agent.host.upgrade import descendant
 
-    return (
-        asyncio.run(descendant(settings.instance, mode.protocol.value, mode.resource, mode.instance_sockets(settings)))
-        or path
+    found = asyncio.run(
+        descendant(settings.instance, mode.protocol.value, mode.resource, row.instance_sockets(settings, mode))
     )
+    return found or path
 
 
 def exit_now(code: int) -> NoReturn:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from hyperlight_agent import contracts
+from hyperlight_agent.dra import names
 from hyperlight_agent.text import cause, quote, shown
 
 if sys.version_info >= (3, 11):
@@ -509,17 +510,6 @@ def longest_socket_name(instance: Optional[str]) -> int:
     )
 
 
-# The shortest names the DRA mode gives its sockets (dra/registration.py; a test holds these to
-# it): the hashed registration socket "dra-<24 hex>-reg.sock" in dra_registry_dir, the hashed
-# service socket "dra-<16 hex>.sock" in dra_plugins_dir/<driver>, and in both the private name
-# ".hl-dra.<pid>.<8 hex>" bound before the rename.
-_DRA_PRIVATE_NAME = len(".hl-dra.") + len(str(contracts.PID_MAX)) + 1 + 8
-DRA_SHORTEST_NAMES = {
-    "dra_registry_dir": max(len("dra--reg.sock") + 24, _DRA_PRIVATE_NAME),
-    "dra_plugins_dir": max(len("dra-.sock") + 16, _DRA_PRIVATE_NAME),
-}
-
-
 @dataclass(frozen=True)
 class Settings:
     """Resolved settings. No defaults here: SETTINGS is their one home (see defaults())."""
@@ -597,11 +587,13 @@ def load(
             f"kubelet_dir = {quote(values['kubelet_dir'])}{named}: socket paths in it would be up to "
             f"{socket_bytes} bytes; unix sockets allow {contracts.UNIX_PATH_MAX}"
         )
-    # The DRA mode shortens its socket names (a hash of the instance) down to these: only a
-    # directory too long even for them cannot hold its sockets.
-    for key, below in (("dra_registry_dir", None), ("dra_plugins_dir", contracts.DRA_DRIVER)):
+    # A protocol that shortens its socket names to fit (DRA: a hash of the instance) says how short
+    # they get, as its row does (parts.ProtocolRow.shortest_names; the settings are read below the
+    # rows' layer, so they take the protocol's data from its leaf): only a directory too long even
+    # for those cannot hold its sockets. The device plugin's are never shortened: the check above.
+    for key, below, shortest in names.SHORTEST_NAMES:
         directory = os.path.join(values[key], below) if below else values[key]
-        socket_bytes = _bytes(directory) + 1 + DRA_SHORTEST_NAMES[key]
+        socket_bytes = _bytes(directory) + 1 + shortest
         if socket_bytes > contracts.UNIX_PATH_MAX:
             raise ConfigError(
                 f"{key} = {quote(values[key])}: socket paths in it would be at least {socket_bytes} "

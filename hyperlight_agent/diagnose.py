@@ -6,8 +6,8 @@ credentials and permissions. The CDI spec is inspected, not repaired: nothing is
 nothing is written (no temporary directory is needed: a pod's root is read-only). Prints a short
 report; each FAIL line is followed by a hint saying what to do.
 
-What differs between the modes is read from their rows (modes.py): `inventory_only`,
-`kubelet_dirs`, `api_access`.
+What differs between the modes is read from their rows (modes.py: `inventory_only`,
+`kubelet_dirs`) and their protocol's (parts.ROWS: `preflight`, the API's checks for DRA).
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.helper import ProbeHelper
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.files import cdi
+from hyperlight_agent.parts import Lines
 from hyperlight_agent.text import cause
-
-Lines = list[tuple[bool, str]]
 
 # What to do when one of the kubelet's directories is missing, per setting.
 DIRECTORY_FIXES = {
@@ -90,11 +89,9 @@ def diagnose(
     if device_only:
         return runtime_ok and device_ok, lines
     found = directories(settings, mode.kubelet_dirs)
-    if mode.api_access:
-        from hyperlight_agent.dra import preflight  # its API client only where a mode talks to the API
-
-        node = parts.dra_target(settings, mode).node_name
-        found += asyncio.run(preflight.api(settings.kubeconfig, node, environ or {}))
+    preflight = parts.row(mode).preflight
+    if preflight is not None:
+        found += preflight(settings, mode, environ or {})
     lines += [line for _, line in found]
     return runtime_ok and device_ok and all(good for good, _ in found), lines
 

@@ -9,8 +9,9 @@ and one way of offering the device to the kubelet.
     await side.close()         bounded by side.close_bound_s
     side.snapshot(obs, checked).ready() / .status()
 
-A third protocol is one new class implementing KubeletSide and one row in modes.py (with its
-entry in parts.SIDES).
+A third protocol is its name in modes.Protocol, one class implementing KubeletSide and one row of
+parts.ROWS, which carries everything else the agent asks of a protocol (tests/test_parts.py runs a
+toy one through the agent).
 """
 
 from __future__ import annotations

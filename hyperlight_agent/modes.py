@@ -3,23 +3,22 @@
 The main plugin advertises shared hypervisor slots and owns the CDI spec; the bootstrap mode
 (`--device-access`) grants the raw device once, to each of our own pods that needs it, and never
 opens it; the DRA mode (`--dra`) owns the same CDI spec and offers the device through Dynamic
-Resource Allocation instead of slots. What differs between them is a column here; how each
-protocol talks to the kubelet is its side (kubelet_side.py), chosen by the protocol column.
+Resource Allocation instead of slots. What differs between them is a column here; what differs
+between the protocols (their sides, sockets, extra `--check` steps) is the protocol's row
+(parts.ROWS), chosen by the protocol column: nothing here branches on it.
 """
 
 from __future__ import annotations
 
 import enum
-import os
 from typing import NamedTuple, Optional
 
 from hyperlight_agent import config, contracts
-from hyperlight_agent.dra import names
-from hyperlight_agent.files import sockets
 
 
 class Protocol(str, enum.Enum):
-    """The kubelet protocol a mode speaks (a str: log lines and Describe show its value)."""
+    """The kubelet protocol a mode speaks (a str: log lines and Describe show its value); each
+    is one row of parts.ROWS."""
 
     DEVICE_PLUGIN = "deviceplugin"
     DRA = "dra"
@@ -43,22 +42,6 @@ class Mode(NamedTuple):
     # so `--check` finds each: a missing one means no kubelet here, another kubelet root, or a
     # mount left out of the pod.
     kubelet_dirs: tuple[str, ...] = ("kubelet_dir",)
-    # It talks to the Kubernetes API: `--check` asks for its credentials and each permission.
-    api_access: bool = False
-
-    def health_socket(self, settings: config.Settings) -> str:
-        """The socket a running agent of this mode serves its health service on (the exec probes
-        ask there): the device plugin's socket, or the DRA service socket."""
-        if self.protocol is Protocol.DRA:
-            return names.service_socket(settings.dra_plugins_dir, self.resource, dra_instance(settings.instance))
-        return os.path.join(settings.kubelet_dir, contracts.instance_socket_name(self.socket, settings.instance))
-
-    def instance_sockets(self, settings: config.Settings) -> list[str]:
-        """The sockets an instance of this mode, under any instance name, answers Describe and
-        the health service on (peers.py): what finds the agent when its name is not known."""
-        if self.protocol is Protocol.DRA:
-            return sockets.listing(os.path.join(settings.dra_plugins_dir, self.resource), names.is_service_socket_name)
-        return sockets.listing(settings.kubelet_dir, lambda name: contracts.is_instance_socket_name(name, self.socket))
 
 
 PLUGIN = Mode(
@@ -94,7 +77,6 @@ DRA = Mode(
     inventory_only=False,
     protocol=Protocol.DRA,
     kubelet_dirs=("dra_registry_dir", "dra_plugins_dir"),
-    api_access=True,
 )
 
 MODES = (PLUGIN, DEVICE_ACCESS, DRA)

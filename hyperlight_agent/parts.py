@@ -4,18 +4,25 @@ device plugin's DevicePluginTarget, the DRA side's DraTarget). On a reload the a
 targets again from the new settings, so no part reads Settings itself; the agent reads only what
 it acts on (the directories it watches, the check interval, the handover time).
 
-A kubelet protocol is an entry in SIDES: its target from the settings, and its side's class.
+A kubelet protocol is one row of ROWS (ProtocolRow): everything the rest of the agent asks of it,
+so that nothing else branches on the protocol. A third protocol is its name in modes.Protocol, one
+class implementing kubelet_side.KubeletSide, and one row here (tests/test_parts.py runs a toy one).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
-from hyperlight_agent import modes
+from hyperlight_agent import contracts, modes
 from hyperlight_agent.config import Settings
 from hyperlight_agent.contracts import instance_socket_name
 from hyperlight_agent.device.checker import CheckTarget
+from hyperlight_agent.dra import names
+from hyperlight_agent.files import sockets
 
 if TYPE_CHECKING:
     # grpc comes with the sides' modules: `--check` (diagnose.py) uses this module to report
@@ -87,18 +94,79 @@ def _dra_side(target: Any, shared: Shared) -> KubeletSide:
     return DraSide(target, shared)
 
 
-# protocol → (its target from the settings, its side from the target)
-SIDES: dict[modes.Protocol, tuple[Callable[[Settings, modes.Mode], Any], Callable[[Any, Shared], KubeletSide]]] = {
-    modes.Protocol.DEVICE_PLUGIN: (device_plugin_target, _device_plugin_side),
-    modes.Protocol.DRA: (dra_target, _dra_side),
+def _device_plugin_health_socket(settings: Settings, mode: modes.Mode) -> str:
+    return os.path.join(settings.kubelet_dir, instance_socket_name(mode.socket, settings.instance))
+
+
+def _dra_health_socket(settings: Settings, mode: modes.Mode) -> str:
+    return names.service_socket(settings.dra_plugins_dir, mode.resource, modes.dra_instance(settings.instance))
+
+
+def _device_plugin_instances(settings: Settings, mode: modes.Mode) -> list[str]:
+    return sockets.listing(settings.kubelet_dir, lambda name: contracts.is_instance_socket_name(name, mode.socket))
+
+
+def _dra_instances(settings: Settings, mode: modes.Mode) -> list[str]:
+    return sockets.listing(os.path.join(settings.dra_plugins_dir, mode.resource), names.is_service_socket_name)
+
+
+Lines = list[tuple[bool, str]]
+
+
+def _dra_preflight(settings: Settings, mode: modes.Mode, environ: Mapping[str, str]) -> Lines:
+    from hyperlight_agent.dra import preflight  # its API client only where a mode talks to the API
+
+    return asyncio.run(preflight.api(settings.kubeconfig, dra_target(settings, mode).node_name, environ))
+
+
+@dataclass(frozen=True)
+class ProtocolRow:
+    """One kubelet protocol, whole: what the agent, `--check`, the exec probes and the settings ask
+    of it. The callables import the protocol's modules only when called (grpc, the API client), so
+    `--check` and `--health-check` load this module without them."""
+
+    # Its side's target from the settings (built again on a reload), and its side from the target.
+    target: Callable[[Settings, modes.Mode], Any]
+    side: Callable[[Any, Shared], KubeletSide]
+    # The socket a running agent of a mode serves its health service on (the exec probes ask
+    # there), for the instance the settings name.
+    health_socket: Callable[[Settings, modes.Mode], str]
+    # The sockets an instance of a mode, under any instance name, answers Describe and the health
+    # service on (peers.py): what finds the agent when its name is not known.
+    instance_sockets: Callable[[Settings, modes.Mode], list[str]]
+    # (setting, directory below it, shortest name bound there) for each socket whose name it
+    # shortens to fit: config.SOCKET_ROOM takes these as data (a test holds the two equal).
+    shortest_names: tuple[tuple[str, str, int], ...] = ()
+    # What `--check` asks beyond the device and the kubelet's directories (the API: credentials,
+    # server, permissions), one (ok, line) each; None: nothing more.
+    preflight: Optional[Callable[[Settings, modes.Mode, Mapping[str, str]], Lines]] = None
+
+
+ROWS: dict[modes.Protocol, ProtocolRow] = {
+    modes.Protocol.DEVICE_PLUGIN: ProtocolRow(
+        device_plugin_target, _device_plugin_side, _device_plugin_health_socket, _device_plugin_instances
+    ),
+    modes.Protocol.DRA: ProtocolRow(
+        dra_target,
+        _dra_side,
+        _dra_health_socket,
+        _dra_instances,
+        shortest_names=names.SHORTEST_NAMES,
+        preflight=_dra_preflight,
+    ),
 }
+
+
+def row(mode: modes.Mode) -> ProtocolRow:
+    """The row of the protocol the mode speaks."""
+    return ROWS[mode.protocol]
 
 
 def side_target(settings: Settings, mode: modes.Mode) -> Any:
     """The mode's kubelet side's target (built again on a reload)."""
-    return SIDES[mode.protocol][0](settings, mode)
+    return row(mode).target(settings, mode)
 
 
 def kubelet_side(settings: Settings, mode: modes.Mode, shared: Shared) -> KubeletSide:
-    target, side = SIDES[mode.protocol]
-    return side(target(settings, mode), shared)
+    found = row(mode)
+    return found.side(found.target(settings, mode), shared)

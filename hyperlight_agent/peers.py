@@ -15,8 +15,8 @@ vendor's driver, a test tool serving the standard gRPC health service at a name 
 socket that accepts and never answers is no instance of ours.
 
 - `successor()`: a ready instance of ours for the same resource, to hand the kubelet over to. All
-  candidates are asked at once, each within PEER_TIMEOUT_S and all within the caller's deadline,
-  so a hundred silent sockets cost the deadline, not a hundred timeouts. An instance of an earlier
+  candidates are asked at once, each within PEER_TIMEOUT_S and all within the caller's timeout,
+  so a hundred silent sockets cost that timeout, not a hundred. An instance of an earlier
   release (no Describe) still counts when it proves its protocol and says it is ready.
 - `newer()`: a live instance of ours for the same resource that started after us. The newest
   instance writes what all of them would write (the CDI spec); the others leave it alone rather
@@ -219,19 +219,21 @@ async def _ask(path: str, budget: float, resolve: Resolve) -> tuple[Optional[str
 async def successor(
     me: Identity,
     candidates: Callable[[], Iterable[str]],
-    deadline: float,
+    timeout: float,
     resolve: Resolve = _same,
     legacy_ready: Optional[LegacyReady] = None,
     pid: Optional[int] = None,
     require_ready: bool = True,
     seen: Optional[Callable[[Description], None]] = None,
 ) -> Optional[str]:
-    """The socket of a ready instance of ours for our resource, looked for until the loop's clock
-    reaches `deadline`; None then. `candidates()` lists sockets that may be one (never ours); the
-    socket returned is the one the successor answered on (resolved from its candidate). With
-    `pid`, only that process counts (the child an in-place upgrade started), and without
-    `require_ready` it need only answer (an unready agent has no readiness to hand over);
-    `seen` is given every answer of that process, ready or not."""
+    """The socket of a ready instance of ours for our resource, looked for at most `timeout` s;
+    None then. Both kubelet sides hand over through this one step (timeout → deadline →
+    candidates → wait): only their candidates, resolve and proof of an earlier release differ.
+    `candidates()` lists sockets that may be one (never ours); the socket returned is the one the
+    successor answered on (resolved from its candidate). With `pid`, only that process counts (the
+    child an in-place upgrade started), and without `require_ready` it need only answer (an
+    unready agent has no readiness to hand over); `seen` is given every answer of that process,
+    ready or not."""
 
     async def ready(path: str, budget: float) -> Optional[str]:
         try:
@@ -252,7 +254,7 @@ async def successor(
             ours = False
         return target if ours else None
 
-    return await _until(candidates, ready, deadline)
+    return await _until(candidates, ready, asyncio.get_running_loop().time() + timeout)
 
 
 async def newer(

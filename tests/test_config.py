@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from hyperlight_agent import cli, config
+from hyperlight_agent import cli, config, modes, parts
 from tests.conftest import run_agent
 
 # Where the default file would be: never the host's real /etc path, which exists on a node where
@@ -237,7 +237,8 @@ def test_a_dra_directory_too_long_for_our_sockets_is_refused_by_name(key: str) -
     from hyperlight_agent.dra import names, registration
 
     below = "" if key == "dra_registry_dir" else "/" + contracts.DRA_DRIVER
-    room = contracts.UNIX_PATH_MAX - 1 - config.DRA_SHORTEST_NAMES[key] - len(below)
+    shortest = {k: n for k, _, n in parts.row(modes.DRA).shortest_names}[key]
+    room = contracts.UNIX_PATH_MAX - 1 - shortest - len(below)
     longest = "/" + "d" * (room - 1)
     flag = "--" + key.replace("_", "-")
     settings = load(["--config", "/dev/null", flag, longest, "--instance", "x" * 20], {})

@@ -15,7 +15,7 @@ from hyperlight_agent import contracts, modes
 from hyperlight_agent.agent import Agent
 from hyperlight_agent.device.helper import ProbeResult
 from hyperlight_agent.device.observation import Cause, Observation, SharedObservation
-from hyperlight_agent.dra import api, health, prepared
+from hyperlight_agent.dra import api, health, prepared, prepared_format
 from hyperlight_agent.dra import side as dra_side_module
 from hyperlight_agent.dra.health import Health
 from standin import dra_kubelet as standin_kubelet
@@ -120,8 +120,10 @@ def test_unknown_until_the_first_check_finishes(tmp: str, helpers: list[FakeHelp
         settings = settings_in(tmp, config)
         _, plugins = dirs(tmp)
         record = prepared.Prepared(os.path.join(plugins, DRIVER))
-        claim = prepared.PreparedClaim(
-            "default", "pod-hv", (prepared.PreparedDevice("hv", NODE, "kvm", ("hyperlight.dev/hypervisor=kvm",)),)
+        claim = prepared_format.PreparedClaim(
+            "default",
+            "pod-hv",
+            (prepared_format.PreparedDevice("hv", NODE, "kvm", ("hyperlight.dev/hypervisor=kvm",)),),
         )
         await record.record("uid-1", claim)
         agent = Agent(settings, modes.DRA)
@@ -266,11 +268,11 @@ async def test_a_device_of_a_recorded_claim_is_reported_too(tmp: str) -> None:
     assert side.health_devices() == []
     await side.service.prepared.record(
         "uid-1",
-        prepared.PreparedClaim("ns", "c", (prepared.PreparedDevice("r", NODE, "mshv-9", ("x",)),)),
+        prepared_format.PreparedClaim("ns", "c", (prepared_format.PreparedDevice("r", NODE, "mshv-9", ("x",)),)),
     )
     await side.service.prepared.record(
         "uid-2",
-        prepared.PreparedClaim("ns", "d", (prepared.PreparedDevice("r", "other-node", "kvm-1", ("x",)),)),
+        prepared_format.PreparedClaim("ns", "d", (prepared_format.PreparedDevice("r", "other-node", "kvm-1", ("x",)),)),
     )
     assert side.health_devices() == ["mshv-9"]
     side._device = dra_side_module.device_info(Observation(False, "failed", "kvm"))

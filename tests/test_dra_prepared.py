@@ -7,12 +7,12 @@ import asyncio
 import json
 import logging
 import os
-from typing import Any
 
 import pytest
 
-from hyperlight_agent.dra import prepared
-from hyperlight_agent.dra.prepared import Prepared, PreparedClaim, PreparedDevice, PreparedError
+from hyperlight_agent.dra import prepared, prepared_format
+from hyperlight_agent.dra.prepared import Prepared, PreparedError
+from hyperlight_agent.dra.prepared_format import PreparedClaim, PreparedDevice
 
 CLAIM = PreparedClaim("ns", "c", (PreparedDevice("hv", "node1", "kvm-0", ("hyperlight.dev/hypervisor=kvm",), "s"),))
 
@@ -85,59 +85,6 @@ def test_a_symlink_at_the_record_path_is_neither_followed_nor_replaced(tmp: str)
         assert f.read() == "{}"
 
 
-def test_encode_and_decode_round_trip() -> None:
-    claims = {"u1": CLAIM, "u2": PreparedClaim("ns", "d", (PreparedDevice("r", "p", "d", (), None),))}
-    raw = {"version": prepared.VERSION, "claims": {uid: prepared.encode_claim(c, 1000.0) for uid, c in claims.items()}}
-    assert prepared.decode(prepared.encode(raw), 2000.0).claims == claims
-    assert json.loads(prepared.encode(raw)) == raw
-
-
-# Issue 30, 3: two releases share the file during a rolling update.
-def test_a_newer_release_s_fields_and_entries_survive_our_writes(tmp: str) -> None:
-    path = os.path.join(tmp, prepared.RECORD_FILE)
-    newer: dict[str, Any] = {
-        "version": 3,
-        "shards": ["a"],
-        "claims": {
-            "u-new": {"namespace": "ns", "name": "n", "preparedAt": 1e12, "devices": [], "owner": "pod-b"},
-            "u-shape": {"namespace": "ns", "name": "m", "preparedAt": 1e12, "resources": {"kvm": 1}},
-        },
-    }
-    with open(path, "w") as f:
-        json.dump(newer, f)
-    record = Prepared(tmp, clock=lambda: 1e12 + 10)
-    assert record.get("u-new") == PreparedClaim("ns", "n", ()) and record.get("u-shape") is None
-    asyncio.run(record.record("u1", CLAIM))
-    with open(path) as f:
-        written = json.load(f)
-    assert written["version"] == 3 and written["shards"] == ["a"], "never lowered, unknown fields kept"
-    assert written["claims"]["u-new"]["owner"] == "pod-b" and written["claims"]["u-shape"] == newer["claims"]["u-shape"]
-    assert set(written["claims"]) == {"u-new", "u-shape", "u1"}
-
-
-def test_a_file_of_version_1_is_migrated_on_the_next_write(tmp: str) -> None:
-    path = os.path.join(tmp, prepared.RECORD_FILE)
-    v1 = {
-        "claims": {
-            "u-old": {
-                "namespace": "ns",
-                "name": "c",
-                "devices": [
-                    {"request": "hv", "pool": "node1", "device": "kvm-0", "cdi_device_ids": ["x"], "share_id": None}
-                ],
-            }
-        }
-    }
-    with open(path, "w") as f:
-        json.dump(v1, f)
-    record = Prepared(tmp, clock=lambda: 5000.0)
-    assert record.get("u-old") == PreparedClaim("ns", "c", (PreparedDevice("hv", "node1", "kvm-0", ("x",), None),))
-    asyncio.run(record.record("u1", CLAIM))
-    with open(path) as f:
-        written = json.load(f)
-    assert written["version"] == prepared.VERSION and written["claims"]["u-old"]["preparedAt"] == 5000.0
-
-
 # Issue 26, 19: entries of claims no longer prepared go, and the file work is off the loop.
 def test_old_entries_expire_and_the_oldest_go_beyond_the_limit(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1_000_000.0]
@@ -171,13 +118,13 @@ def test_the_file_is_written_in_a_thread_not_on_the_loop(tmp: str, monkeypatch: 
 def test_an_unchanged_file_is_parsed_once(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
     asyncio.run(Prepared(tmp).change({f"u{i}": CLAIM for i in range(50)}, ()))
     parses = []
-    decode = prepared.decode
+    decode = prepared_format.decode
 
-    def counted(data: bytes, now: float) -> prepared.Record:
+    def counted(data: bytes, now: float) -> prepared_format.Record:
         parses.append(1)
         return decode(data, now)
 
-    monkeypatch.setattr(prepared, "decode", counted)
+    monkeypatch.setattr(prepared_format, "decode", counted)
     record = Prepared(tmp)
     for _ in range(20):
         assert len(record.claims()) == 50

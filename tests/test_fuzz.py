@@ -32,6 +32,7 @@ from hyperlight_agent.device import helper_process
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Profile, device_ids
+from hyperlight_agent.dra import names
 from hyperlight_agent.files import cdi
 from tests.conftest import count_inputs, fuzz_budget, read_bytes
 
@@ -188,10 +189,9 @@ def assert_in_range(s: config.Settings) -> None:
         assert len(path.encode("utf-8", "surrogateescape")) <= config.PATH_MAX
     socket_bytes = len(s.kubelet_dir.encode("utf-8", "surrogateescape")) + 1 + config.longest_socket_name(s.instance)
     assert socket_bytes <= contracts.UNIX_PATH_MAX
-    assert (
-        len(s.dra_registry_dir.encode("utf-8", "surrogateescape")) + 1 + config.DRA_SHORTEST_NAMES["dra_registry_dir"]
-        <= contracts.UNIX_PATH_MAX
-    )
+    for key, below, shortest in names.SHORTEST_NAMES:
+        directory = os.path.join(getattr(s, key), below) if below else getattr(s, key)
+        assert len(directory.encode("utf-8", "surrogateescape")) + 1 + shortest <= contracts.UNIX_PATH_MAX
     assert isinstance(s.check_interval_seconds, (int, float)) and math.isfinite(s.check_interval_seconds)
     assert 0.1 <= s.check_interval_seconds <= 86400
     assert s.allocation in config.ALLOCATION_MODES and s.log_level in config.LOG_LEVELS

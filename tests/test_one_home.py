@@ -216,3 +216,20 @@ def test_no_constant_is_another_constant_under_a_second_name() -> None:
         if isinstance(t, ast.Name) and t.id.isupper()
     ]
     assert not aliases, aliases
+
+
+def test_only_the_modes_and_the_protocol_rows_name_a_protocol() -> None:
+    """What differs by kubelet protocol is its row (parts.ROWS): a module naming Protocol.DRA or
+    Protocol.DEVICE_PLUGIN elsewhere branches on it (ARCHITECTURE.md, one kubelet side per mode)."""
+    namers = {
+        module
+        for module, tree in trees().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr in {"DRA", "DEVICE_PLUGIN"}
+        and (
+            (isinstance(node.value, ast.Name) and node.value.id == "Protocol")
+            or (isinstance(node.value, ast.Attribute) and node.value.attr == "Protocol")
+        )
+    }
+    assert namers == {"modes", "parts"}, namers

@@ -18,7 +18,6 @@ on its way (ARCHITECTURE.md, "The last Allocate before a handover").
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Awaitable, Callable, Optional
 
@@ -65,11 +64,10 @@ async def wait_for_successor(
 ) -> Optional[str]:
     """The socket path of a ready successor (with `pid`, that process; without `ready`, one that
     answers; `seen` gets each of its answers), or None after `timeout` seconds without one."""
-    deadline = asyncio.get_running_loop().time() + timeout
     return await peers.successor(
         me,
         lambda: candidates(kubelet_dir, base_socket, own),
-        deadline,
+        timeout,
         legacy_ready=legacy_ready,
         pid=pid,
         require_ready=ready,

@@ -3,9 +3,8 @@ answered with, kept as one JSON file so that a prepared claim gets the same answ
 restart, and from any agent instance on the node.
 
     Prepared("/var/lib/kubelet/plugins/hypervisor.hyperlight.dev")
-      → prepared.json   {"version": 2, "claims": {"<uid>": {"namespace", "name", "devices": [...],
-                                                             "preparedAt": <unix seconds>,
-                                                             "bootId": <the kernel's boot id>}}}
+      → prepared.json   {"version": …, "claims": {"<uid>": …}}: the format, its versions and
+                        their migration are dra/prepared_format.py's
       → prepared.lock   flock(2)ed by each writer, so two instances (a rolling update) never
                         lose each other's change (read-modify-write under the lock)
 
@@ -20,10 +19,9 @@ an entry of another boot, or of none (written by a release before this field), i
 itself: the service checks the device again (which writes the spec) and records it anew
 (`this_boot`).
 
-Versions: two releases share the file during a rolling update, so a writer keeps every field it
-does not know (the file's and each claim's) and never lowers the version; a file of version 1 (no
-"version", no preparedAt) is read as prepared now. A version this release does not know is read
-for what it knows and kept whole otherwise.
+Versions: two releases share the file during a rolling update. The format reads any version as
+the latest and keeps what it does not know; the store writes that back with its own changes only,
+so a writer never drops another release's fields or lowers the version.
 
 What it costs: the parsed file is kept and parsed again only when the file changed (another
 instance wrote it); a change is one read-modify-write of the whole file under the lock, done in a
@@ -45,15 +43,15 @@ import asyncio
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import os
 import stat
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 from hyperlight_agent import contracts, waits
+from hyperlight_agent.dra import prepared_format
+from hyperlight_agent.dra.prepared_format import PreparedClaim, Record
 from hyperlight_agent.files import atomic
 from hyperlight_agent.text import cause
 
@@ -63,9 +61,6 @@ RECORD_FILE = "prepared.json"
 LOCK_FILE = "prepared.lock"
 TEMP_PREFIX = ".prepared.json."
 FILE_MODE = 0o600
-VERSION = 2
-# Far above any real record (a claim is ~300 bytes): a bigger file is not ours to parse.
-MAX_FILE_BYTES = 16 << 20
 # A node prepares at most a few hundred claims at once (its pods: the kubelet's maxPods is 110 by
 # default, rarely above 1000); beyond these the oldest go. Every change rewrites the file while
 # holding the interpreter's lock for part of it, so this also bounds what one change costs the loop.
@@ -77,32 +72,8 @@ LOCK_TIMEOUT_S = 5.0
 LOCK_POLL_S = 0.005
 
 
-class PreparedDevice(NamedTuple):
-    request: str
-    pool: str
-    device: str
-    cdi_device_ids: tuple[str, ...]
-    share_id: Optional[str] = None
-
-
-class PreparedClaim(NamedTuple):
-    namespace: str
-    name: str
-    devices: tuple[PreparedDevice, ...]
-
-
 class PreparedError(Exception):
     """The record could not be changed (the message names the path and the cause)."""
-
-
-@dataclass
-class Record:
-    """The file's content: the claims we understand, and everything as it was read (kept whole
-    when written back: fields a newer release added, claims whose entries we cannot read)."""
-
-    claims: dict[str, PreparedClaim] = field(default_factory=dict)
-    raw: dict[str, Any] = field(default_factory=lambda: {"version": VERSION, "claims": {}})
-    boots: dict[str, str] = field(default_factory=dict)  # uid → the boot it was written in ("" unknown)
 
 
 def read_boot_id(path: str = contracts.BOOT_ID_FILE) -> str:
@@ -115,94 +86,14 @@ def read_boot_id(path: str = contracts.BOOT_ID_FILE) -> str:
         return ""
 
 
-def encode_claim(claim: PreparedClaim, prepared_at: float, boot_id: str = "") -> dict[str, Any]:
-    return {
-        "namespace": claim.namespace,
-        "name": claim.name,
-        "preparedAt": round(prepared_at, 3),
-        "bootId": boot_id,
-        "devices": [
-            {
-                "request": d.request,
-                "pool": d.pool,
-                "device": d.device,
-                "cdi_device_ids": list(d.cdi_device_ids),
-                "share_id": d.share_id,
-            }
-            for d in claim.devices
-        ],
-    }
-
-
-def encode(raw: dict[str, Any]) -> bytes:
-    """The file's bytes: compact (not sorted: sorting a large record costs the loop's thread)."""
-    return (json.dumps(raw, separators=(",", ":")) + "\n").encode()
-
-
-def decode(data: bytes, now: float) -> Record:
-    """Parse the file's bytes; ValueError (naming what is wrong) for anything but our format. A
-    claim whose entry we cannot read stays in `raw` (a newer release's shape) but not in `claims`."""
-    if len(data) > MAX_FILE_BYTES:
-        raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
-    doc = json.loads(data.decode())
-    if not isinstance(doc, dict):
-        raise ValueError("the file is not a JSON object")
-    version = doc.get("version", 1)
-    if not isinstance(version, int) or version < 1:
-        raise ValueError(f"'version' {version!r} is not a version")
-    entries = _field(doc, "claims", dict, "the file")
-    claims, boots = {}, {}
-    for uid, entry in entries.items():
-        try:
-            claims[uid] = _claim(uid, entry)
-        except ValueError:
-            if version <= VERSION:
-                raise  # our own format, broken: the file is unreadable
-            continue  # a newer release's entry: kept as it is, not answered from
-        if version == 1 or not isinstance(entry.get("preparedAt"), (int, float)):
-            entry["preparedAt"] = round(now, 3)  # migrated: prepared "now" as far as expiry goes
-        boot = entry.get("bootId")
-        boots[uid] = boot if isinstance(boot, str) else ""
-    doc["version"] = max(version, VERSION)
-    return Record(claims, doc, boots)
-
-
-def _claim(uid: str, entry: Any) -> PreparedClaim:
-    devices = tuple(
-        PreparedDevice(
-            request=_field(d, "request", str, uid),
-            pool=_field(d, "pool", str, uid),
-            device=_field(d, "device", str, uid),
-            cdi_device_ids=tuple(_strings(_field(d, "cdi_device_ids", list, uid), uid)),
-            share_id=_field(d, "share_id", (str, type(None)), uid),
-        )
-        for d in _field(entry, "devices", list, uid)
-    )
-    return PreparedClaim(
-        namespace=_field(entry, "namespace", str, uid), name=_field(entry, "name", str, uid), devices=devices
-    )
-
-
-def _field(doc: Any, key: str, kind: Any, where: str) -> Any:
-    if not isinstance(doc, dict) or not isinstance(doc.get(key), kind):
-        raise ValueError(f"{where}: {key!r} is missing or of the wrong type")
-    return doc[key]
-
-
-def _strings(values: list[Any], where: str) -> list[str]:
-    if not all(isinstance(v, str) for v in values):
-        raise ValueError(f"{where}: cdi_device_ids holds a non-string")
-    return values
-
-
 def expire(raw: dict[str, Any], now: float) -> list[str]:
     """Drop entries older than ENTRY_TTL_S, then the oldest beyond MAX_ENTRIES; the uids dropped."""
     entries: dict[str, Any] = raw["claims"]
     ttl, limit = ENTRY_TTL_S, MAX_ENTRIES
 
     def when(uid: str) -> float:
-        value = entries[uid].get("preparedAt") if isinstance(entries[uid], dict) else None
-        return float(value) if isinstance(value, (int, float)) else now
+        at = prepared_format.prepared_at(entries[uid])
+        return now if at is None else at
 
     gone = [uid for uid in entries if now - when(uid) > ttl]
     for uid in gone:
@@ -282,7 +173,7 @@ class Prepared:
             or not isinstance(raw["claims"].get(uid), dict)
         }
         for uid in added:
-            raw["claims"][uid] = encode_claim(add[uid], now, self.boot_id)
+            raw["claims"][uid] = prepared_format.encode_claim(add[uid], now, self.boot_id)
         expired = expire(raw, now)
         if expired:
             log.info(
@@ -298,7 +189,7 @@ class Prepared:
             atomic.write(
                 self.directory,
                 RECORD_FILE,
-                encode(raw),
+                prepared_format.encode(raw),
                 TEMP_PREFIX,
                 mode=FILE_MODE,
                 replace=current.identity if current is not None else None,
@@ -343,11 +234,11 @@ class Prepared:
             cached = self._unchanged()
             if cached is not None:
                 return cached
-            current = atomic.read_regular(self.path, MAX_FILE_BYTES + 1)
+            current = atomic.read_regular(self.path, prepared_format.MAX_FILE_BYTES + 1)
             if current is None:
                 return Record(), None
             key = (current.st.st_dev, current.st.st_ino, current.st.st_size, current.st.st_mtime_ns)
-            record = decode(current.data, self._clock())
+            record = prepared_format.decode(current.data, self._clock())
         except atomic.Refused as exc:
             problem = f"{self.path} is not a regular file (a symlink?); refusing to follow or replace it"
             self._report(problem)

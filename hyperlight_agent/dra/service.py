@@ -42,7 +42,8 @@ import grpc
 from hyperlight_agent import waits
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.observation import Observation
-from hyperlight_agent.dra.prepared import Prepared, PreparedClaim, PreparedDevice, PreparedError
+from hyperlight_agent.dra.prepared import Prepared, PreparedError
+from hyperlight_agent.dra.prepared_format import PreparedClaim, PreparedDevice
 from hyperlight_agent.dra.types import ClaimError, ClaimReader
 from hyperlight_agent.files import cdi
 

@@ -310,11 +310,10 @@ class DraSide:
         proves it sooner. Returns the successor's socket."""
         if not self.registrar.serving:
             return None
-        deadline = asyncio.get_running_loop().time() + timeout
         successor = await peers.successor(
             self.identity,
             self._candidates,
-            deadline,
+            timeout,
             resolve=self._service_socket,
             legacy_ready=healthcheck.peer_ready,
             pid=pid,
@@ -385,7 +384,7 @@ class DraSide:
         ready = await peers.successor(
             self.identity,
             self._candidates,
-            asyncio.get_running_loop().time() + peers.PEER_TIMEOUT_S,
+            peers.PEER_TIMEOUT_S,
             resolve=self._service_socket,
             legacy_ready=healthcheck.peer_ready,
         )

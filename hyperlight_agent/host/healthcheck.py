@@ -16,7 +16,7 @@ CHECK_RPC_TIMEOUT_S = 2.0
 
 
 def health_check(path: str, which: str) -> tuple[bool, str]:
-    """Ask the health service on the socket at `path` (modes.Mode.health_socket)."""
+    """Ask the health service on the socket at `path` (parts.ProtocolRow.health_socket)."""
     # The socket itself, never through a symlink (which could lead to another agent's socket):
     # opened without following, checked, and connected to through that very descriptor.
     try:

@@ -8,10 +8,10 @@ scripts know how it went.
        nothing was done, a restart is the way to new code
 
 The agent is found by asking Describe on the sockets every mode's instances serve (the caller
-lists them: modes.Mode.instance_sockets): the one that answers with PID is it. A command that finds
-an upgrade of PID already under way (a package script's beside an admin's `systemctl reload`)
-sends nothing and answers that upgrade's outcome, and one that finds PID already replaced by an
-in-place upgrade (the new agent's Describe says `replaced`) answers 0.
+lists them: parts.ProtocolRow.instance_sockets): the one that answers with PID is it. A command
+that finds an upgrade of PID already under way (a package script's beside an admin's `systemctl
+reload`) sends nothing and answers that upgrade's outcome, and one that finds PID already replaced
+by an in-place upgrade (the new agent's Describe says `replaced`) answers 0.
 """
 
 from __future__ import annotations

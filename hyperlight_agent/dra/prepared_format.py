@@ -1,0 +1,163 @@
+"""The format of the record of prepared claims (dra/prepared.py keeps the file): its bytes, read
+and written, and every version of it read as the latest. No I/O and no clock (the caller passes
+the time), standard library only.
+
+    {"version": 2, "claims": {"<uid>": {"namespace", "name", "preparedAt": <unix seconds>,
+                                        "bootId": <the kernel's boot id>,
+                                        "devices": [{"request", "pool", "device",
+                                                     "cdi_device_ids": [...], "share_id"}]}}}
+
+Versions: two releases share the file during a rolling update, so a writer keeps every field it
+does not know (the file's and each claim's) and never lowers the version. A file of an older
+version is brought to VERSION by every step of UPGRADES from its own (version 1: no "version", no
+preparedAt, read as prepared now). A version this release does not know is read for what it knows
+and kept whole otherwise. bootId came within version 2, so an entry may lack it (of no boot).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional
+
+# The first release's file: no "version" field (read as this one), and no preparedAt.
+VERSION_1 = 1
+# What this release writes: each entry says when it was prepared (and, optionally, its boot).
+VERSION = 2
+# Far above any real record (a claim is ~300 bytes): a bigger file is not ours to parse.
+MAX_FILE_BYTES = 16 << 20
+
+
+class PreparedDevice(NamedTuple):
+    request: str
+    pool: str
+    device: str
+    cdi_device_ids: tuple[str, ...]
+    share_id: Optional[str] = None
+
+
+class PreparedClaim(NamedTuple):
+    namespace: str
+    name: str
+    devices: tuple[PreparedDevice, ...]
+
+
+@dataclass
+class Record:
+    """The file's content: the claims we understand, and everything as it was read (kept whole
+    when written back: fields a newer release added, claims whose entries we cannot read)."""
+
+    claims: dict[str, PreparedClaim] = field(default_factory=dict)
+    raw: dict[str, Any] = field(default_factory=lambda: {"version": VERSION, "claims": {}})
+    boots: dict[str, str] = field(default_factory=dict)  # uid → the boot it was written in ("" unknown)
+
+
+def encode_claim(claim: PreparedClaim, prepared_at: float, boot_id: str = "") -> dict[str, Any]:
+    return {
+        "namespace": claim.namespace,
+        "name": claim.name,
+        "preparedAt": round(prepared_at, 3),
+        "bootId": boot_id,
+        "devices": [
+            {
+                "request": d.request,
+                "pool": d.pool,
+                "device": d.device,
+                "cdi_device_ids": list(d.cdi_device_ids),
+                "share_id": d.share_id,
+            }
+            for d in claim.devices
+        ],
+    }
+
+
+def encode(raw: dict[str, Any]) -> bytes:
+    """The file's bytes: compact (not sorted: sorting a large record costs the loop's thread)."""
+    return (json.dumps(raw, separators=(",", ":")) + "\n").encode()
+
+
+def decode(data: bytes, now: float) -> Record:
+    """Parse the file's bytes, brought to VERSION; ValueError (naming what is wrong) for anything
+    but our format. A claim whose entry we cannot read stays in `raw` (a newer release's shape)
+    but not in `claims`."""
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
+    doc = json.loads(data.decode())
+    if not isinstance(doc, dict):
+        raise ValueError("the file is not a JSON object")
+    version = doc.get("version", VERSION_1)
+    if not isinstance(version, int) or version < VERSION_1:
+        raise ValueError(f"'version' {version!r} is not a version")
+    entries = _field(doc, "claims", dict, "the file")
+    to_latest(doc, version, now)
+    claims, boots = {}, {}
+    for uid, entry in entries.items():
+        try:
+            claims[uid] = _claim(uid, entry)
+        except ValueError:
+            if version <= VERSION:
+                raise  # our own format, broken: the file is unreadable
+            continue  # a newer release's entry: kept as it is, not answered from
+        if prepared_at(entry) is None:
+            _stamp(entry, now)  # expiry counts from somewhere: this read, as for version 1's entries
+        boot = entry.get("bootId")
+        boots[uid] = boot if isinstance(boot, str) else ""
+    return Record(claims, doc, boots)
+
+
+def prepared_at(entry: Any) -> Optional[float]:
+    """When an entry says its claim was prepared (None: it does not say, or is no entry of ours)."""
+    value = entry.get("preparedAt") if isinstance(entry, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _stamp(entry: dict[str, Any], now: float) -> None:
+    entry["preparedAt"] = round(now, 3)
+
+
+def _version_1_to_2(doc: dict[str, Any], now: float) -> None:
+    # Version 1 kept no times: counting each entry from its first read after the upgrade lets
+    # expiry (the store's) drop it only a full lifetime later, never at once.
+    for entry in doc["claims"].values():
+        if isinstance(entry, dict):
+            _stamp(entry, now)
+
+
+# Each older version's step to the next one; a new version adds its predecessor's row here.
+UPGRADES: dict[int, Callable[[dict[str, Any], float], None]] = {VERSION_1: _version_1_to_2}
+
+
+def to_latest(doc: dict[str, Any], version: int, now: float) -> None:
+    """Bring a parsed file of `version` to VERSION in place, through every step from its own. A
+    newer release's file keeps its version and its content: we never lower either."""
+    for older in range(version, VERSION):
+        UPGRADES[older](doc, now)
+    doc["version"] = max(version, VERSION)
+
+
+def _claim(uid: str, entry: Any) -> PreparedClaim:
+    devices = tuple(
+        PreparedDevice(
+            request=_field(d, "request", str, uid),
+            pool=_field(d, "pool", str, uid),
+            device=_field(d, "device", str, uid),
+            cdi_device_ids=tuple(_strings(_field(d, "cdi_device_ids", list, uid), uid)),
+            share_id=_field(d, "share_id", (str, type(None)), uid),
+        )
+        for d in _field(entry, "devices", list, uid)
+    )
+    return PreparedClaim(
+        namespace=_field(entry, "namespace", str, uid), name=_field(entry, "name", str, uid), devices=devices
+    )
+
+
+def _field(doc: Any, key: str, kind: Any, where: str) -> Any:
+    if not isinstance(doc, dict) or not isinstance(doc.get(key), kind):
+        raise ValueError(f"{where}: {key!r} is missing or of the wrong type")
+    return doc[key]
+
+
+def _strings(values: list[Any], where: str) -> list[str]:
+    if not all(isinstance(v, str) for v in values):
+        raise ValueError(f"{where}: cdi_device_ids holds a non-string")
+    return values
