@@ -69,9 +69,10 @@ MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.
 IMPORTS := $(VENV)/bin/lint-imports --no-cache
 
 # Everything, system tests included, beside a neighbour agent (tests observe only what they create).
-# The real cluster's components (Go builds: about 11 min cold on two cores alone) build in the
-# background at the lowest priority while everything before them runs: the cluster tests run last
-# (conftest.py) and the cluster waits for that build. The build ends with make at the latest.
+# The real clusters' components (Go builds of every Kubernetes minor, etcd and containerd: the
+# longest set-up step when cold) build in the background at the lowest priority while everything
+# before them runs: the cluster tests run last (conftest.py) and each cluster waits for that
+# build. The build ends with make at the latest.
 test: $(VENV)/.installed e2e-components-background $(JUDGES)/.installed system-deps tools  ## everything: lint, types, imports, and every test (system tests and the real cluster)
 	$(RUFF)
 	$(MYPY)
