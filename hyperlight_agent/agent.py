@@ -2,7 +2,7 @@
 
 Everything the agent waits on is an event on this loop: gRPC calls and streams, inotify on the
 kubelet, CDI and device directories, the check timer, the probe helper's pipe. One thread of
-control means the shared state needs no locks. Signals are the entry point's business (cli.py,
+control means the agent's state needs no locks. Signals are the entry point's business (cli.py,
 signals.py): it calls stop(), reload() and upgrade().
 
 Construct it inside the running event loop (asyncio objects bind to it on Python 3.9).
@@ -29,7 +29,7 @@ from hyperlight_agent.files.watcher import CONTENT, NAMES, DirectoryWatcher
 from hyperlight_agent.host import journal, probes, successor
 from hyperlight_agent.host.metrics import Metrics
 from hyperlight_agent.host.notify import Notifier
-from hyperlight_agent.kubelet_side import Shared, Snapshot
+from hyperlight_agent.kubelet_side import Snapshot, Wiring
 from hyperlight_agent.reload import Reloader
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class Agent:
         self.side = parts.kubelet_side(
             settings,
             mode,
-            Shared(
+            Wiring(
                 observation=self.observation,
                 checker=self.checker,
                 identity=self.identity,

@@ -2,7 +2,7 @@
 agent's own parts (the device check, the observation, the watcher, readiness, sd_notify, metrics)
 and one way of offering the device to the kubelet.
 
-    side = parts.kubelet_side(settings, mode, shared)   # DevicePluginSide or DraSide
+    side = parts.kubelet_side(settings, mode, wiring)   # DevicePluginSide or DraSide
     await side.run()           until cancelled: serve, register, stay registered
     await side.hand_over(t)    on a stop: serve on until a successor of ours is ready
     side.begin_stop()          the stop's first moment (the kubelet must see it at once)
@@ -45,8 +45,9 @@ class Snapshot(Protocol):
 
 
 @dataclass(frozen=True)
-class Shared:
-    """What the agent gives its kubelet side."""
+class Wiring:
+    """What the agent gives its kubelet side: its collaborators, wired in once. (Not "shared":
+    that word is the DRA slice's one shared device's.)"""
 
     observation: SharedObservation  # the device check's result, versioned and broadcast
     checker: Checker  # check(timeout=...): a fresh device check

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from hyperlight_agent.deviceplugin.servicer import Profile
     from hyperlight_agent.deviceplugin.side import DevicePluginTarget
     from hyperlight_agent.dra.side import DraTarget
-    from hyperlight_agent.kubelet_side import KubeletSide, Shared
+    from hyperlight_agent.kubelet_side import KubeletSide, Wiring
 
 
 def check_target(settings: Settings, mode: modes.Mode, read_only: bool = False) -> CheckTarget:
@@ -82,16 +82,16 @@ def dra_target(settings: Settings, mode: modes.Mode) -> DraTarget:
     )
 
 
-def _device_plugin_side(target: Any, shared: Shared) -> KubeletSide:
+def _device_plugin_side(target: Any, wiring: Wiring) -> KubeletSide:
     from hyperlight_agent.deviceplugin.side import DevicePluginSide
 
-    return DevicePluginSide(target, shared)
+    return DevicePluginSide(target, wiring)
 
 
-def _dra_side(target: Any, shared: Shared) -> KubeletSide:
+def _dra_side(target: Any, wiring: Wiring) -> KubeletSide:
     from hyperlight_agent.dra.side import DraSide  # the DRA mode's modules only in that mode
 
-    return DraSide(target, shared)
+    return DraSide(target, wiring)
 
 
 def _device_plugin_health_socket(settings: Settings, mode: modes.Mode) -> str:
@@ -127,7 +127,7 @@ class ProtocolRow:
 
     # Its side's target from the settings (built again on a reload), and its side from the target.
     target: Callable[[Settings, modes.Mode], Any]
-    side: Callable[[Any, Shared], KubeletSide]
+    side: Callable[[Any, Wiring], KubeletSide]
     # The socket a running agent of a mode serves its health service on (the exec probes ask
     # there), for the instance the settings name.
     health_socket: Callable[[Settings, modes.Mode], str]
@@ -167,6 +167,6 @@ def side_target(settings: Settings, mode: modes.Mode) -> Any:
     return row(mode).target(settings, mode)
 
 
-def kubelet_side(settings: Settings, mode: modes.Mode, shared: Shared) -> KubeletSide:
+def kubelet_side(settings: Settings, mode: modes.Mode, wiring: Wiring) -> KubeletSide:
     found = row(mode)
-    return found.side(found.target(settings, mode), shared)
+    return found.side(found.target(settings, mode), wiring)

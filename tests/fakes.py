@@ -141,20 +141,20 @@ class RecordingNotifier(Notifier):
 VERSION_SUFFIX = f"; version {__version__}"
 
 
-def shared(
+def wiring(
     checker: Optional[FakeChecker] = None, identity: Optional[Any] = None, on_change: Callable[[], None] = lambda: None
 ) -> Any:
-    """What an agent gives its kubelet side (kubelet_side.Shared), with a FakeChecker, metrics
+    """What an agent gives its kubelet side (kubelet_side.Wiring), with a FakeChecker, metrics
     off, a watcher nobody runs and one healthy check already done: for building a side on its own."""
     from hyperlight_agent import peers
     from hyperlight_agent.device.observation import SharedObservation
     from hyperlight_agent.files.watcher import DirectoryWatcher
     from hyperlight_agent.host.metrics import Metrics
-    from hyperlight_agent.kubelet_side import Shared
+    from hyperlight_agent.kubelet_side import Wiring
 
     observation = SharedObservation()
     observation.publish(HEALTHY_KVM)
-    return Shared(
+    return Wiring(
         observation=observation,
         checker=checker or FakeChecker(),  # type: ignore[arg-type]
         identity=identity or peers.Identity.of("test", "dra", "hypervisor.hyperlight.dev"),

@@ -23,7 +23,7 @@ from standin.apiserver import FakeApiServer
 from standin.dra_kubelet import DraKubeletStandin
 from tests.conftest import until
 from tests.fakes import FakeHelper, dra_side, shut
-from tests.fakes import shared as fake_shared
+from tests.fakes import wiring as fake_wiring
 from tests.test_dra_side import DRIVER, dirs, settings_in, with_cluster
 
 pytestmark = pytest.mark.usefixtures("quick_deregistration")
@@ -263,7 +263,7 @@ async def test_a_device_of_a_recorded_claim_is_reported_too(tmp: str) -> None:
     _, plugins = dirs(tmp)
     side: Any = dra_side_module.DraSide(
         dra_side_module.DraTarget(NODE, "pod-a", 4, None, *dirs(tmp), shared=False),
-        fake_shared(),
+        fake_wiring(),
     )
     assert side.health_devices() == []
     await side.service.prepared.record(

@@ -20,7 +20,7 @@ from hyperlight_agent.config import Settings
 from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.files import sockets
 from hyperlight_agent.host.healthcheck import health_check
-from hyperlight_agent.kubelet_side import Shared, count
+from hyperlight_agent.kubelet_side import Wiring, count
 from tests.conftest import until
 from tests.fakes import FakeHelper, RecordingNotifier, device_dir, shut
 
@@ -72,9 +72,9 @@ class ToySide:
 
     close_bound_s = transport.STOP_GRACE_S
 
-    def __init__(self, path: str, shared: Shared) -> None:
+    def __init__(self, path: str, wiring: Wiring) -> None:
         self.path = path
-        self._shared = shared
+        self._wiring = wiring
         self._server: Optional[grpc.aio.Server] = None
 
     def describe(self) -> str:
@@ -82,11 +82,11 @@ class ToySide:
 
     async def run(self) -> None:
         server = grpc.aio.server()
-        self._shared.serve_ours(server)
+        self._wiring.serve_ours(server)
         server.add_insecure_port(transport.unix_target(self.path))
         await server.start()
         self._server = server
-        self._shared.on_change()
+        self._wiring.on_change()
         await asyncio.Event().wait()
 
     async def hand_over(self, timeout: float, *args: Any, **kwargs: Any) -> Optional[str]:

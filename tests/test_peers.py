@@ -190,7 +190,7 @@ def dra_driver(tmp: str, instance: str = "old") -> DraSide:
     os.makedirs(registry, exist_ok=True)
     return DraSide(
         DraTarget("node1", instance, 4, None, registry, plugins),
-        fakes.shared(identity=peers.Identity.of(instance, "dra", DRIVER)),
+        fakes.wiring(identity=peers.Identity.of(instance, "dra", DRIVER)),
     )
 
 

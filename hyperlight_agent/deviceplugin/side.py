@@ -2,7 +2,7 @@
 on a server the registrar keeps registered and streamed, the handover to a successor, and what
 readiness needs of it. Everything here exists only in the device plugin modes.
 
-    DevicePluginSide(DevicePluginTarget(kubelet_dir, profile), shared)
+    DevicePluginSide(DevicePluginTarget(kubelet_dir, profile), wiring)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.deviceplugin import api, handover
 from hyperlight_agent.deviceplugin.registration import Registrar, State
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
-from hyperlight_agent.kubelet_side import Shared, count
+from hyperlight_agent.kubelet_side import Wiring, count
 
 log = logging.getLogger(__name__)
 
@@ -83,16 +83,16 @@ class DevicePluginSnapshot:
 class DevicePluginSide:
     close_bound_s = transport.STOP_GRACE_S  # our streams end at once; calls in flight get the grace
 
-    def __init__(self, target: DevicePluginTarget, shared: Shared) -> None:
-        self._shared = shared
+    def __init__(self, target: DevicePluginTarget, wiring: Wiring) -> None:
+        self._wiring = wiring
         self.kubelet_dir = target.kubelet_dir
         self._base_socket = target.base_socket
         self.profile = target.profile
-        metrics = shared.metrics
+        metrics = wiring.metrics
         self.servicer = DevicePluginServicer(
             self.profile,
-            shared.observation,
-            shared.checker,
+            wiring.observation,
+            wiring.checker,
             on_streams_changed=metrics.open_streams.set,
             on_allocate=lambda outcome: metrics.allocations.labels(outcome).inc(),
         )
@@ -102,13 +102,13 @@ class DevicePluginSide:
             self.profile.resource,
             self._configure,
             on_change=self._on_registrar,
-            watched=lambda: shared.watcher.watching(target.kubelet_dir),
+            watched=lambda: wiring.watcher.watching(target.kubelet_dir),
             may_register=self._may_register,
         )
         self.held = ""  # why our Register is held back (the status says it)
         self.registering = False  # waiting for the predecessor's agreement (Describe says it)
         registrar = self.registrar
-        shared.watcher.watch(
+        wiring.watcher.watch(
             target.kubelet_dir, lambda name: registrar.wake(), {contracts.KUBELET_SOCKET, self.profile.socket}
         )
 
@@ -126,7 +126,7 @@ class DevicePluginSide:
         seen: Optional[Callable[[peers.Description], None]] = None,
     ) -> Optional[str]:
         successor = await handover.wait_for_successor(
-            self._shared.identity, self.kubelet_dir, self._base_socket, self.profile.socket, timeout, pid, ready, seen
+            self._wiring.identity, self.kubelet_dir, self._base_socket, self.profile.socket, timeout, pid, ready, seen
         )
         if successor:
             # Its registration made the kubelet send new Allocates there; ours must be over, and
@@ -146,11 +146,11 @@ class DevicePluginSide:
         if successor_registered:
             self.registrar.renew()
         else:
-            self._shared.observation.republish()
+            self._wiring.observation.republish()
 
     def described(self) -> Mapping[str, Any]:
         """What Describe adds for this side (peers.py)."""
-        observation = self._shared.observation
+        observation = self._wiring.observation
         return {
             "serving": self.snapshot(observation.current, observation.version > 0).ready(),
             "calls": self.servicer.received,
@@ -168,7 +168,7 @@ class DevicePluginSide:
         try:
             await peers.hold(
                 lambda observation: self._hold_reason(observation.healthy),
-                self._shared.observation,
+                self._wiring.observation,
                 self._held,
                 # The predecessor agrees within its own poll: ask as often as it asks us.
                 lambda: peers.POLL_S if self.registering else peers.HOLD_POLL_S,
@@ -180,7 +180,7 @@ class DevicePluginSide:
         if reason:
             log.info("%s", reason)
         self.held = reason
-        self._shared.on_change()
+        self._wiring.on_change()
 
     async def _hold_reason(self, healthy: bool) -> str:
         """Why we may not register now ("" when we may). Asked last, after every await: during an
@@ -188,7 +188,7 @@ class DevicePluginSide:
         register again (after_failed_hand_over); a Register of ours racing the child's could
         leave the kubelet with our list and, once we leave, with none."""
         reason = await self._hold_reason_now(healthy)
-        if not reason and self._shared.upgrading():
+        if not reason and self._wiring.upgrading():
             return "not registering during our in-place upgrade: the new agent registers"
         return reason
 
@@ -196,14 +196,14 @@ class DevicePluginSide:
         return self.registrar.registering_now
 
     async def _hold_reason_now(self, healthy: bool) -> str:
-        me = self._shared.identity
+        me = self._wiring.identity
         if not healthy:
             serving = await handover.wait_for_successor(
                 me, self.kubelet_dir, self._base_socket, self.profile.socket, peers.PEER_TIMEOUT_S
             )
             if serving is not None:
                 return f"not registering while the device is unhealthy: {serving} serves the kubelet"
-        predecessor = self._shared.predecessor()
+        predecessor = self._wiring.predecessor()
         if predecessor is None:
             return ""
         found = await peers.find(
@@ -242,7 +242,7 @@ class DevicePluginSide:
 
     async def newer_instance(self) -> Optional[str]:
         found = await peers.newer(
-            self._shared.identity, handover.candidates(self.kubelet_dir, self._base_socket, self.profile.socket)
+            self._wiring.identity, handover.candidates(self.kubelet_dir, self._base_socket, self.profile.socket)
         )
         return found.identity.name if found else None
 
@@ -250,15 +250,15 @@ class DevicePluginSide:
         assert isinstance(target, DevicePluginTarget)
         self.profile = target.profile
         self.servicer.profile = target.profile
-        self._shared.observation.republish()  # streams resend the list (the slot count may have changed)
+        self._wiring.observation.republish()  # streams resend the list (the slot count may have changed)
 
     def _configure(self, server: grpc.aio.Server, on_stream: Callable[[int, object], None]) -> Callable[[], None]:
         endpoint = Endpoint(self.servicer, on_stream)
         server.add_generic_rpc_handlers([api.device_plugin_handler(endpoint)])
-        self._shared.serve_ours(server)
+        self._wiring.serve_ours(server)
         return endpoint.close
 
     def _on_registrar(self) -> None:
         r = self.registrar
-        self._shared.metrics.registrar_totals(r.registrations, r.kubelet_restarts, r.streams_lost)
-        self._shared.on_change()
+        self._wiring.metrics.registrar_totals(r.registrations, r.kubelet_restarts, r.streams_lost)
+        self._wiring.on_change()

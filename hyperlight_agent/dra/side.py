@@ -2,7 +2,7 @@
 plugin watcher's registration) and its API half (this node's ResourceSlice, the claims Prepare
 reads), on the agent's loop.
 
-    DraSide(DraTarget(node_name, instance, devices, kubeconfig, registry_dir, plugins_dir), shared)
+    DraSide(DraTarget(node_name, instance, devices, kubeconfig, registry_dir, plugins_dir), wiring)
     run(): connect to the API server (retried with backoff until it can), serve and register with
            the kubelet's plugin watcher (retried likewise), publish this node's ResourceSlice and
            keep it following every device check until cancelled
@@ -41,7 +41,7 @@ from hyperlight_agent.dra.taints import Escalation, taint_for
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
 from hyperlight_agent.files import sockets
 from hyperlight_agent.host import healthcheck
-from hyperlight_agent.kubelet_side import Shared, count
+from hyperlight_agent.kubelet_side import Wiring, count
 
 log = logging.getLogger(__name__)
 
@@ -179,15 +179,15 @@ class DraSide:
     # The calls in flight, deregistration's wait for the kubelet, then the service's stop grace.
     close_bound_s = registration.CALLS_DRAIN_S + registration.DEREGISTER_GRACE_S + transport.STOP_GRACE_S
 
-    def __init__(self, target: DraTarget, shared: Shared) -> None:
-        self._shared = shared
-        self.identity = shared.identity
+    def __init__(self, target: DraTarget, wiring: Wiring) -> None:
+        self._wiring = wiring
+        self.identity = wiring.identity
         self.node_name = target.node_name
         self.devices = target.devices
         self._shared_device = target.shared
         self._kubeconfig = target.kubeconfig
-        self._observation = shared.observation
-        self._on_change = shared.on_change
+        self._observation = wiring.observation
+        self._on_change = wiring.on_change
         self._kube: Any = None  # the API client (client.KubeApi), once connected
         self.api_error = ""  # why there is no API client yet ("" once there is)
         self.publisher: Optional[SlicePublisher] = None
@@ -196,10 +196,10 @@ class DraSide:
         self._device: Optional[DeviceInfo] = None
         self.escalation = Escalation(target.evict_after_s)
         self.health = Health(
-            shared.observation,
+            wiring.observation,
             self.health_devices,
             lambda: self.node_name,
-            on_stream=shared.metrics.dra_health_stream,
+            on_stream=wiring.metrics.dra_health_stream,
         )
         self._registered = asyncio.Event()  # the kubelet registered us (since the last time we were not)
         self.service = Service(
@@ -211,7 +211,7 @@ class DraSide:
         )
         self.calls = _Counted(self.service)
         self._registry_dir = target.registry_dir
-        watcher = shared.watcher
+        watcher = wiring.watcher
         sockets = (
             names.registration_socket(target.registry_dir, target.driver, target.instance),
             names.service_socket(target.plugins_dir, target.driver, target.instance),
@@ -223,7 +223,7 @@ class DraSide:
             target.registry_dir,
             target.plugins_dir,
             on_change=self._registration_changed,
-            configure=shared.serve_ours,
+            configure=wiring.serve_ours,
             watched=lambda: all(watcher.watching(os.path.dirname(p)) for p in sockets),
             may_register=self._may_register,
             health=self.health,
@@ -281,7 +281,7 @@ class DraSide:
                 newer=self.slice_keeper,
                 on_change=self._slice_changed,
                 shared=self._shared_device,
-                on_event=self._shared.metrics.dra_event,
+                on_event=self._wiring.metrics.dra_event,
             )
             tasks += [
                 asyncio.ensure_future(self._follow_checks(self.publisher)),
@@ -432,7 +432,7 @@ class DraSide:
         from hyperlight_agent.dra import claims, client  # lightkube only in this mode
 
         try:
-            self._kube = client.connect(self._kubeconfig, environ=self._shared.environ)
+            self._kube = client.connect(self._kubeconfig, environ=self._wiring.environ)
         except client.ClientConfigError as exc:
             self.api_error = str(exc)
             raise _Retry(self.api_error) from exc
@@ -475,7 +475,7 @@ class DraSide:
             self._device = device_info(observation) or self._device
             taint = taint_for(observation, self.escalation.effect())
             publisher.set_device(self._device, taint)
-            self._shared.metrics.dra_taint(taint.effect if taint and publisher.taints and self._device else "")
+            self._wiring.metrics.dra_taint(taint.effect if taint and publisher.taints and self._device else "")
             self.health.refresh()
 
     async def _checked(self) -> Observation:
@@ -483,7 +483,7 @@ class DraSide:
         no more (its first step), while a call already with us is still to be answered (the
         registrar deregisters only after it): that one gets the last check's result, a moment old,
         rather than a dropped call, which the kubelet only sees fail as it deregisters us."""
-        check = asyncio.ensure_future(self._shared.checker.check(timeout=PREPARE_CHECK_TIMEOUT_S))
+        check = asyncio.ensure_future(self._wiring.checker.check(timeout=PREPARE_CHECK_TIMEOUT_S))
         try:
             await asyncio.wait({check})
         except asyncio.CancelledError:  # our caller's own cancellation (a server stopping)
@@ -507,7 +507,7 @@ class DraSide:
     def _prepared(self, operation: str, seconds: float, ok: int, failed: int) -> None:
         """After each Prepare or Unprepare: the metrics, and the health of a device of a claim we
         did not list yet."""
-        self._shared.metrics.dra_call(operation, seconds, ok, failed)
+        self._wiring.metrics.dra_call(operation, seconds, ok, failed)
         self.health.refresh()
 
     def _slice_changed(self) -> None:
