@@ -251,7 +251,7 @@ class Agent:
         self.notifier.reloading("upgrading in place: starting the installed agent")
         # A ready agent waits for a ready child; an unready one has no readiness to keep, and
         # only needs the child serving.
-        ready = self.ready
+        require_ready = self.ready
 
         def seen(child: peers.Description) -> None:
             """The child's answers while we wait for it: it asks before it registers."""
@@ -270,7 +270,7 @@ class Agent:
         pid, said = await successor.replace_self(
             self.settings.instance,
             self._environ,
-            lambda pid: self.side.hand_over(successor.READY_TIMEOUT_S, pid=pid, ready=ready, seen=seen),
+            lambda pid: self.side.hand_over(successor.READY_TIMEOUT_S, pid=pid, require_ready=require_ready, seen=seen),
             hand_off=lambda pid: self.notifier.hand_off(pid, f"handed over to pid {pid} in an in-place upgrade"),
             started=started,
         )

@@ -80,10 +80,10 @@ class KubeletSide(Protocol):
         self,
         timeout: float,
         pid: Optional[int] = None,
-        ready: bool = True,
+        require_ready: bool = True,
         seen: Optional[Callable[[peers.Description], None]] = None,
     ) -> Optional[str]:
-        """Serve on until a successor instance of ours is ready (without `ready`: answers), at
+        """Serve on until a successor instance of ours is ready (without `require_ready`: answers), at
         most `timeout` s (with `pid`, only that process counts, and `seen` gets each of its
         answers), and the kubelet is done with us; its socket."""
         ...

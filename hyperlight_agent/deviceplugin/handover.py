@@ -59,10 +59,10 @@ async def wait_for_successor(
     own: str,
     timeout: float,
     pid: Optional[int] = None,
-    ready: bool = True,
+    require_ready: bool = True,
     seen: Optional[Callable[[peers.Description], None]] = None,
 ) -> Optional[str]:
-    """The socket path of a ready successor (with `pid`, that process; without `ready`, one that
+    """The socket path of a ready successor (with `pid`, that process; without `require_ready`, one that
     answers; `seen` gets each of its answers), or None after `timeout` seconds without one."""
     return await peers.successor(
         me,
@@ -70,7 +70,7 @@ async def wait_for_successor(
         timeout,
         legacy_ready=legacy_ready,
         pid=pid,
-        require_ready=ready,
+        require_ready=require_ready,
         seen=seen,
     )
 

@@ -122,11 +122,18 @@ class DevicePluginSide:
         self,
         timeout: float,
         pid: Optional[int] = None,
-        ready: bool = True,
+        require_ready: bool = True,
         seen: Optional[Callable[[peers.Description], None]] = None,
     ) -> Optional[str]:
         successor = await handover.wait_for_successor(
-            self._wiring.identity, self.kubelet_dir, self._base_socket, self.profile.socket, timeout, pid, ready, seen
+            self._wiring.identity,
+            self.kubelet_dir,
+            self._base_socket,
+            self.profile.socket,
+            timeout,
+            pid=pid,
+            require_ready=require_ready,
+            seen=seen,
         )
         if successor:
             # Its registration made the kubelet send new Allocates there; ours must be over, and

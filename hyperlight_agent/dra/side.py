@@ -297,7 +297,7 @@ class DraSide:
         self,
         timeout: float,
         pid: Optional[int] = None,
-        ready: bool = True,
+        require_ready: bool = True,
         seen: Optional[Callable[[peers.Description], None]] = None,
     ) -> Optional[str]:
         """On a stop: serve on until another instance of our driver on this node is registered
@@ -317,7 +317,7 @@ class DraSide:
             resolve=self._service_socket,
             legacy_ready=healthcheck.peer_ready,
             pid=pid,
-            require_ready=ready,
+            require_ready=require_ready,
             seen=seen,
         )
         if successor:
