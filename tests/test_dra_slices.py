@@ -221,7 +221,7 @@ def test_one_shared_device_where_the_server_keeps_it_and_identical_devices_where
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def shared(publisher: SlicePublisher) -> None:
             await until(lambda: publisher.published, what="published")
-            assert publisher.shared and publisher.devices == 1 and equal_to_desired(fake, publisher)
+            assert publisher.shared and publisher.published_devices == 1 and equal_to_desired(fake, publisher)
             assert fake.ours()[0]["spec"]["devices"][0]["allowMultipleAllocations"] is True
 
         await publishing(fake, api, shared, shared=True)
@@ -230,7 +230,7 @@ def test_one_shared_device_where_the_server_keeps_it_and_identical_devices_where
 
         async def dropped(publisher: SlicePublisher) -> None:
             await until(lambda: publisher.published, what="published")
-            assert not publisher.shared and publisher.devices == 4 and equal_to_desired(fake, publisher)
+            assert not publisher.shared and publisher.published_devices == 4 and equal_to_desired(fake, publisher)
             writes = [r for r in fake.requests if r.method in ("POST", "PUT")]
             assert len(writes) == 2, "one write to find out, one with the identical devices"
             # Found out by a dry run: the stored slice never held the one device, which the
@@ -247,7 +247,7 @@ def test_one_shared_device_where_the_server_keeps_it_and_identical_devices_where
 
 def test_the_default_is_128_devices_and_more_than_one_slice_holds_is_refused() -> None:
     api: Any = object()
-    assert SlicePublisher(api, NODE).count == 128
+    assert SlicePublisher(api, NODE).identical_devices == 128
     with pytest.raises(ValueError, match="129: must be 1 to 128"):
         SlicePublisher(api, NODE, DRIVER, 129)
     with pytest.raises(ValueError, match="0: must be 1 to 128"):

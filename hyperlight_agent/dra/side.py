@@ -2,7 +2,7 @@
 plugin watcher's registration) and its API half (this node's ResourceSlice, the claims Prepare
 reads), on the agent's loop.
 
-    DraSide(DraTarget(node_name, instance, devices, kubeconfig, registry_dir, plugins_dir), wiring)
+    DraSide(DraTarget(node_name, instance, identical_devices, kubeconfig, registry_dir, plugins_dir), wiring)
     run(): connect to the API server (retried with backoff until it can), serve and register with
            the kubelet's plugin watcher (retried likewise), publish this node's ResourceSlice and
            keep it following every device check until cancelled
@@ -114,12 +114,13 @@ class _NotConnected:
 
 @dataclass(frozen=True)
 class DraTarget:
-    """Who the DRA driver is and where it talks: its node, its instance (its sockets' names), the
-    devices it publishes, the API credentials and the kubelet's plugin directories."""
+    """Who the DRA driver is and where it talks: its node, its instance (its sockets' names), how
+    many identical devices it publishes where one shared device cannot be, the API credentials and
+    the kubelet's plugin directories."""
 
     node_name: str
     instance: str
-    devices: int
+    identical_devices: int  # the dra_devices setting
     kubeconfig: Optional[str]
     registry_dir: str
     plugins_dir: str
@@ -140,7 +141,7 @@ class DraSnapshot:
     registration_socket: str
     published: bool  # the API server's ResourceSlice equals what the last check says (or a newer instance keeps it)
     slice_error: str
-    slots: int  # the ResourceSlice's devices (the API's word): one share of the device each
+    slots: int  # the devices published (the API's word; SlicePublisher.published_devices): a share each
     kept_by: str = ""  # a newer instance of ours that keeps the slice
     shared: bool = False  # one device every claim shares
 
@@ -183,7 +184,7 @@ class DraSide:
         self._wiring = wiring
         self.identity = wiring.identity
         self.node_name = target.node_name
-        self.devices = target.devices
+        self.identical_devices = target.identical_devices
         self._shared_device = target.shared
         self._kubeconfig = target.kubeconfig
         self._observation = wiring.observation
@@ -236,7 +237,7 @@ class DraSide:
     def describe(self) -> str:
         shape = "one shared device (else " if self._shared_device else "("
         return (
-            f"DRA driver {self.registrar.driver}, node {self.node_name}, {shape}{self.devices} device(s)), "
+            f"DRA driver {self.registrar.driver}, node {self.node_name}, {shape}{self.identical_devices} device(s)), "
             f"socket {self.registrar.service_socket}"
         )
 
@@ -253,7 +254,7 @@ class DraSide:
             self.registrar.registration_socket,
             p is not None and p.published,
             self.api_error if p is None else p.last_error,
-            self.devices if p is None else p.devices,
+            self.identical_devices if p is None else p.published_devices,
             p.kept_by if p is not None else "",
             p is not None and p.shared,
         )
@@ -277,7 +278,7 @@ class DraSide:
                 kube,
                 self.node_name,
                 self.registrar.driver,
-                self.devices,
+                self.identical_devices,
                 newer=self.slice_keeper,
                 on_change=self._slice_changed,
                 shared=self._shared_device,
@@ -499,7 +500,9 @@ class DraSide:
         found = set()
         if self._device is not None:
             shared = self.publisher.shared if self.publisher is not None else self._shared_device
-            found.update([self._device.hypervisor] if shared else device_names(self._device.hypervisor, self.devices))
+            found.update(
+                [self._device.hypervisor] if shared else device_names(self._device.hypervisor, self.identical_devices)
+            )
         for claim in self.service.prepared.claims().values():
             found.update(d.device for d in claim.devices if d.pool == self.node_name)
         return sorted(found)

@@ -5,7 +5,7 @@ deletes or edits it.
 One slice, one pool named after the node. Where the API server keeps a device's
 `allowMultipleAllocations` (Kubernetes 1.36+, DRAConsumableCapacity), one device `kvm` (or `mshv`)
 that any number of claims are allocated at once: what /dev/kvm is. Elsewhere (1.34, 1.35, or
-sharing switched off), `count` devices `kvm-0` … `kvm-{count-1}`, each allocated to one claim. All
+sharing switched off), `identical_devices` devices `kvm-0` … `kvm-{N-1}`, each allocated to one claim. All
 are handed out as the same CDI device by the node service. Which the server keeps is found out by
 a dry run of the write (what the server would store, nothing stored): a server that drops the field
 gets the N devices from then on, without ever showing the one device the scheduler would give to
@@ -105,14 +105,14 @@ def device_names(hypervisor: str, count: int) -> list[str]:
 def desired_spec(
     node_name: str,
     driver: str,
-    count: int,
+    identical_devices: int,
     device: Optional[DeviceInfo],
     shared: bool = False,
     taint: Optional[Taint] = None,
     taints: bool = True,
 ) -> Json:
     """The slice's spec without pool.generation (which only says how often it changed): one shared
-    device, or `count` identical ones; each with `taint` when the device is unusable, or none at
+    device, or `identical_devices` identical ones; each with `taint` when the device is unusable, or none at
     all where the server keeps no taints (`taints` false)."""
     devices: list[Json] = []
     if device is not None and (taint is None or taints):
@@ -127,8 +127,9 @@ def desired_spec(
             devices = [{"name": device.hypervisor, SHARED_FIELD: True, "attributes": attributes}]
         else:
             if taint is not None:
-                count = min(count, contracts.RESOURCE_SLICE_MAX_TAINTED_DEVICES)
-            devices = [{"name": name, "attributes": attributes} for name in device_names(device.hypervisor, count)]
+                identical_devices = min(identical_devices, contracts.RESOURCE_SLICE_MAX_TAINTED_DEVICES)
+            names = device_names(device.hypervisor, identical_devices)
+            devices = [{"name": name, "attributes": attributes} for name in names]
         if taint is not None:
             for entry in devices:
                 entry[TAINTS_FIELD] = [taint.as_json()]
@@ -222,7 +223,7 @@ class SlicePublisher:
         api: KubeApi,
         node_name: str,
         driver: str = contracts.DRA_DRIVER,
-        count: int = contracts.RESOURCE_SLICE_MAX_DEVICES,
+        identical_devices: int = contracts.RESOURCE_SLICE_MAX_DEVICES,
         *,
         clock: Callable[[], float] = time.monotonic,
         backoff_initial_s: float = BACKOFF_INITIAL_S,
@@ -235,12 +236,15 @@ class SlicePublisher:
         on_event: Callable[..., None] = lambda kind, *labels: None,
         taints: bool = True,
     ) -> None:
-        if not 1 <= count <= contracts.RESOURCE_SLICE_MAX_DEVICES:
+        if not 1 <= identical_devices <= contracts.RESOURCE_SLICE_MAX_DEVICES:
             raise ValueError(
-                f"DRA device count {count}: must be 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES} "
+                f"DRA device count {identical_devices}: must be 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES} "
                 f"(the devices of one ResourceSlice)"
             )
-        self._api, self.node_name, self.driver, self.count = api, node_name, driver, count
+        self._api, self.node_name, self.driver = api, node_name, driver
+        # The devices of the slice where it cannot be one shared device (the dra_devices setting);
+        # what it offers now is published_devices.
+        self.identical_devices = identical_devices
         self._clock = clock
         self._backoff = Backoff(backoff_initial_s, backoff_cap_s, rand=backoff.JITTER, immediate_first=True)
         self._watch_timeout_s = watch_timeout_s
@@ -302,12 +306,13 @@ class SlicePublisher:
 
     def desired(self) -> Json:
         return desired_spec(
-            self.node_name, self.driver, self.count, self._device, self.shared, self._taint, self.taints
+            self.node_name, self.driver, self.identical_devices, self._device, self.shared, self._taint, self.taints
         )
 
     @property
-    def devices(self) -> int:
-        """The devices the slice offers (a shared device counts once)."""
+    def published_devices(self) -> int:
+        """The devices the slice offers: 1 while it is one shared device, else identical_devices
+        (fewer while tainted, none without a device)."""
         return len(self.desired()["devices"])
 
     async def run(self) -> None:
@@ -464,7 +469,7 @@ class SlicePublisher:
                 "DRAConsumableCapacity off); publishing %d identical devices instead",
                 _name(answer),
                 SHARED_FIELD,
-                self.count,
+                self.identical_devices,
             )
             self.shared = False
             self._changed()
