@@ -7,6 +7,7 @@ import ast
 import functools
 import os
 import re
+from typing import Optional
 
 import pytest
 
@@ -233,3 +234,81 @@ def test_only_the_modes_and_the_protocol_rows_name_a_protocol() -> None:
         )
     }
     assert namers == {"modes", "parts"}, namers
+
+
+def test_shared_names_only_the_shared_device() -> None:
+    """ "Shared" is the DRA slice's one shared device, a flag wherever it is passed or kept (but for
+    its setting); what the agent gives a kubelet side is its Wiring (ARCHITECTURE.md, Words)."""
+    classes = {
+        n.name
+        for tree in trees().values()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef) and "Shared" in n.name
+    }
+    assert classes == {"SharedObservation"}, classes
+    not_flags = [
+        f"{m}: {name}: {ast.unparse(annotation) if annotation else None}"
+        for m, tree in trees().items()
+        for name, annotation in _named_annotations(tree)
+        if "shared" in name
+        and name != "dra_shared_device"  # the setting: "auto" or "off"
+        and (annotation is None or ast.unparse(annotation) != "bool")
+    ]
+    assert not not_flags, not_flags
+    kept = {
+        t.attr
+        for tree in trees().values()
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Attribute) and "shared" in t.attr
+    }
+    assert kept <= {"shared", "_shared_device", "_keeps_shared"}, kept
+
+
+def _named_annotations(tree: ast.Module) -> list[tuple[str, Optional[ast.expr]]]:
+    """Every argument and annotated class field of a module, with its annotation."""
+    found: list[tuple[str, Optional[ast.expr]]] = []
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found += [(a.arg, a.annotation) for a in [*n.args.args, *n.args.kwonlyargs]]
+        elif isinstance(n, ast.ClassDef):
+            found += [
+                (f.target.id, f.annotation)
+                for f in n.body
+                if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name)
+            ]
+    return found
+
+
+def test_one_name_per_dra_device_count() -> None:
+    """The identical devices the settings ask for (dra_devices) and the devices the slice offers now
+    (one while shared) are two counts with two names."""
+    from hyperlight_agent.dra.side import DraTarget
+    from hyperlight_agent.dra.slices import SlicePublisher
+
+    assert "identical_devices" in DraTarget.__dataclass_fields__ and "devices" not in DraTarget.__dataclass_fields__
+    for module, cls in (("dra.side", "DraSide"), ("dra.slices", "SlicePublisher")):
+        attributes = _instance_attributes(module, cls)
+        assert "identical_devices" in attributes and not {"devices", "count"} & attributes, (cls, attributes)
+    assert isinstance(SlicePublisher.published_devices, property)
+
+
+def test_hand_over_names_what_it_requires_of_the_successor() -> None:
+    """`require_ready` in every handover, as in peers.successor: not `ready`, which is our own."""
+    import inspect
+
+    from hyperlight_agent import kubelet_side, peers
+    from hyperlight_agent.deviceplugin import handover
+    from hyperlight_agent.deviceplugin.side import DevicePluginSide
+    from hyperlight_agent.dra.side import DraSide
+
+    for waits_for_successor in (
+        kubelet_side.KubeletSide.hand_over,
+        DevicePluginSide.hand_over,
+        DraSide.hand_over,
+        handover.wait_for_successor,
+        peers.successor,
+    ):
+        parameters = inspect.signature(waits_for_successor).parameters
+        assert "require_ready" in parameters and "ready" not in parameters, waits_for_successor
