@@ -61,6 +61,7 @@ from tests.test_e2e import (
     release_chart,
     rolled_out,
     run_event,
+    running,
     slice_devices,
     termination_message,
     through_dra,
@@ -307,13 +308,7 @@ def test_control_plane_upgraded_under_a_running_driver(whole: Cluster) -> None:
     a = cluster.nodes["a"]
     holder = dra_pod("holder", ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"])
     cluster.api.create(f"/api/v1/namespaces/{APPS}/pods", holder)
-    before = wait_until(
-        lambda: (
-            (p := cluster.api.get(f"/api/v1/namespaces/{APPS}/pods/holder"))["status"].get("phase") == "Running" and p
-        ),
-        120,
-        "the holding pod running",
-    )
+    before = running(cluster, APPS, "holder")
     (claim_status,) = before["status"]["resourceClaimStatuses"]
     claim = cluster.api.get(
         f"/apis/resource.k8s.io/v1/namespaces/{APPS}/resourceclaims/{claim_status['resourceClaimName']}"
