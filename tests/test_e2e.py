@@ -639,8 +639,10 @@ def rolled_out(cluster: Cluster, name: str) -> bool:
     )
 
 
-def dra_ready(cluster: Cluster) -> bool:
-    return rolled_out(cluster, DRA_DAEMONSET) and slice_devices(cluster, "a") == dra_expected_devices()
+def dra_ready(cluster: Cluster, devices: Optional[int] = None) -> bool:
+    """The driver rolled out and node a's slice holding `devices` (default: the current shape's)."""
+    wanted = dra_expected_devices() if devices is None else devices
+    return rolled_out(cluster, DRA_DAEMONSET) and slice_devices(cluster, "a") == wanted
 
 
 @pytest.fixture(scope="session")

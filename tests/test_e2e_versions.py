@@ -48,6 +48,7 @@ from tests.test_e2e import (
     daemonset_pods,
     dra_event,
     dra_pod,
+    dra_ready,
     ensure_namespace,
     failed_prepares,
     finished,
@@ -59,7 +60,6 @@ from tests.test_e2e import (
     readme_helm_install,
     record,
     release_chart,
-    rolled_out,
     run_event,
     running,
     slice_devices,
@@ -161,10 +161,6 @@ def dra_values(published: Published, mode: str) -> list[str]:
 
 def expected_devices(cluster: Cluster) -> int:
     return 1 if minor(cluster) >= SHARED_SINCE else DRA_DEVICES
-
-
-def dra_ready(cluster: Cluster, devices: int) -> bool:
-    return rolled_out(cluster, DRA_DAEMONSET) and slice_devices(cluster, "a") == devices
 
 
 def container_log(node: Node, pod: dict[str, Any]) -> str:
