@@ -2,7 +2,9 @@
 does: freeze() makes every connection open at that moment stop forwarding in both directions,
 with no FIN and no RST (the peers' sockets stay open, their data unread), while connections made
 afterwards work as before. It counts the bytes it forwards each way (benchmarks read them: what
-crossed the network, TLS included)."""
+crossed the network, TLS included), and how often each of `markers` went down to the client: a
+test that freezes a connection after an answer reached the client waits on that, not on the
+server having been asked."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from typing import Optional
 
 
 class FreezingProxy:
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(self, target_host: str, target_port: int, markers: tuple[bytes, ...] = ()) -> None:
         self._target = (target_host, target_port)
+        self.seen = dict.fromkeys(markers, 0)  # marker → times forwarded to the client
         self._server: Optional[asyncio.base_events.Server] = None
         self._connections: list[tuple[asyncio.Event, list[asyncio.StreamWriter]]] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -54,6 +57,7 @@ class FreezingProxy:
     async def _pump(
         self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, frozen: asyncio.Event, up: bool
     ) -> None:
+        tail = b""  # the end of what went down before, for a marker split between two reads
         with contextlib.suppress(ConnectionError, asyncio.CancelledError):
             while not frozen.is_set():
                 data = await source.read(65536)
@@ -67,5 +71,12 @@ class FreezingProxy:
                     self.bytes_up += len(data)
                 else:
                     self.bytes_down += len(data)
+                    if self.seen:
+                        # The tail is shorter than any marker: an occurrence counted before is not in it.
+                        window = tail + data
+                        for marker in self.seen:
+                            self.seen[marker] += window.count(marker)
+                        keep = max(len(m) for m in self.seen) - 1
+                        tail = window[len(window) - keep :] if keep else b""
                 await sink.drain()
             await asyncio.Event().wait()  # frozen: hold both sockets open, silently

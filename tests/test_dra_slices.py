@@ -632,6 +632,10 @@ class Publishing(NamedTuple):
     proxy: Any  # standin.proxy.FreezingProxy, when asked for
 
 
+# The start of a watch's answer (only watches answer in chunks).
+WATCH_ANSWERED = b"Transfer-Encoding: chunked"
+
+
 @contextlib.asynccontextmanager
 async def running_publisher(
     tmp_path: Any,
@@ -647,7 +651,7 @@ async def running_publisher(
 
     fake = fake or FakeApiServer()
     url = await fake.start()
-    proxy = FreezingProxy("127.0.0.1", int(url.rsplit(":", 1)[1])) if proxied else None
+    proxy = FreezingProxy("127.0.0.1", int(url.rsplit(":", 1)[1]), markers=(WATCH_ANSWERED,)) if proxied else None
     if proxy is not None:
         url = await proxy.start()
     api = dra_client.connect(kubeconfig(tmp_path, url), environ={}, **(client or {}))
@@ -721,6 +725,7 @@ async def test_a_slice_deleted_behind_a_watch_frozen_before_its_first_bookmark_i
     events: list[tuple[str, ...]] = []
     fake = FakeApiServer()
     fake.bookmark_interval_s = 0.4
+    fake.watch_queue_s = 0.3  # the server holds the watch a moment before answering (as a busy one does)
     # The slice is there and right already (an agent restart): the watch hears nothing at first.
     spec = desired_spec(NODE, DRIVER, 4, KVM)
     metadata = {"name": f"{NODE}-{DRIVER}-x7k2p", "creationTimestamp": "2026-11-30T10:15:00Z"}
@@ -733,7 +738,9 @@ async def test_a_slice_deleted_behind_a_watch_frozen_before_its_first_bookmark_i
         watch_timeout_s=(60.0, 60.0),
         on_event=lambda *e: events.append(e),
     ) as (_, publisher, proxy):
-        await until(lambda: publisher.published and fake.of("watch"), what="published")
+        # The watch's answer went down to the client before the freeze (a freeze between the
+        # request and its answer is another case: the answer's own deadline, a minute).
+        await until(lambda: publisher.published and proxy.seen[WATCH_ANSWERED], what="the watch answered")
         assert not fake.of("create") and not fake.of("update")
         # Before the first bookmark (the server would send it 0.4 s after the answer).
         await deleted_behind_a_frozen_watch(fake, publisher, proxy, events)
