@@ -567,24 +567,14 @@ SHARERS = 24
 # claims than the fallback's 128 devices could serve; few pods, so the node's sandbox starts do not
 # dominate the test's time).
 CLAIM_PODS, CLAIMS_PER_POD = 5, 30
-# How the DRA driver publishes the device now: one shared device (the chart's draSharedDevice
-# "auto" on this 1.37 control plane), or DRA_DEVICES identical ones ("off", for the oldest kubelet).
-DRA_SHAPE = {"draSharedDevice": "auto"}
+# The devices of node a's full slice: one shared device (the chart's draSharedDevice "auto", and
+# this control plane keeps allowMultipleAllocations). The DRA_DEVICES identical ones of an API
+# server without it are test_e2e_versions.py's (a whole cluster of the oldest minor).
+SHARED_DEVICES = 1
 
 
 def dra_values(published: Published, version: str, mode: str = "both") -> list[str]:
-    return [
-        *release_chart(published, version),
-        "--set",
-        f"mode={mode}",
-        "--set",
-        f"draSharedDevice={DRA_SHAPE['draSharedDevice']}",
-    ]
-
-
-def dra_expected_devices() -> int:
-    """Devices a full slice of node a holds in the current shape."""
-    return 1 if DRA_SHAPE["draSharedDevice"] == "auto" else DRA_DEVICES
+    return [*release_chart(published, version), "--set", f"mode={mode}", "--set", "draSharedDevice=auto"]
 
 
 def node_slices(cluster: Cluster, node: str) -> list[dict[str, Any]]:
@@ -640,8 +630,8 @@ def rolled_out(cluster: Cluster, name: str) -> bool:
 
 
 def dra_ready(cluster: Cluster, devices: Optional[int] = None) -> bool:
-    """The driver rolled out and node a's slice holding `devices` (default: the current shape's)."""
-    wanted = dra_expected_devices() if devices is None else devices
+    """The driver rolled out and node a's slice holding `devices` (default: the one shared device)."""
+    wanted = SHARED_DEVICES if devices is None else devices
     return rolled_out(cluster, DRA_DAEMONSET) and slice_devices(cluster, "a") == wanted
 
 
@@ -952,24 +942,19 @@ def dra_event(
     return figure
 
 
-@pytest.mark.parametrize("kubelet", KUBELETS)
-def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kubelet: str) -> None:
-    """The DRA mode on the kubelet of each supported minor, one scenario after another: a
-    workload, many sharing the device, a selector no device matches, the device made unusable
-    and usable again, an agent pod deleted and a helm upgrade under load. On the newest kubelet
-    the device is one device every claim shares (the 1.37 control plane keeps
-    allowMultipleAllocations); on the oldest, the chart's draSharedDevice=off gives 128 identical
-    devices (issue 29: 3)."""
+def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published) -> None:
+    """The DRA mode on the newest kubelet, one scenario after another: a workload, many sharing the
+    device, more claims at once than the fallback's devices, a selector no device matches, the
+    device made unusable and usable again, an agent pod deleted and a helm upgrade under load. The
+    device is one device every claim shares (the 1.37 control plane keeps allowMultipleAllocations).
+    (The oldest minor's DRA, DRA_DEVICES identical devices, runs on a whole cluster of its own:
+    test_e2e_versions.py.)"""
+    kubelet = "newest"
     cluster, version = dra_installed, dra_installed.versions[kubelet]
-    shape = "auto" if kubelet == "newest" else "off"
-    dra_on_kubelet(cluster, published, kubelet, shape)
+    on_the_newest_kubelet(cluster)
     (slice_,) = node_slices(cluster, "a")
-    device = slice_["spec"]["devices"][0]
-    if shape == "auto":
-        assert slice_["spec"]["devices"] == [device] and device["name"] == "kvm", slice_["spec"]
-        assert device["allowMultipleAllocations"] is True, device
-    else:
-        assert [d["name"] for d in slice_["spec"]["devices"]] == [f"kvm-{i}" for i in range(DRA_DEVICES)]
+    (device,) = slice_["spec"]["devices"]
+    assert device["name"] == "kvm" and device["allowMultipleAllocations"] is True, device
     assert device["attributes"]["hypervisor"] == {"string": "kvm"}, device
     assert device["attributes"]["apiVersion"] == {"int": 12} and device["attributes"]["devicePath"] == {
         "string": "/dev/kvm"
@@ -990,7 +975,7 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
     assert "HYPERLIGHT_DEVICE_PATH=/dev/kvm" in log and "HYPERLIGHT_HYPERVISOR=kvm" in log, log
     cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")
 
-    # Many pods hold node a's device at once, each through its own claim and device.
+    # Many pods hold node a's device at once, each through its own claim and a share of its own.
     sharers = [f"share-{kubelet}-{i}" for i in range(SHARERS)]
     started = time.monotonic()
     for sharer in sharers:
@@ -1011,18 +996,13 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
 
     wait_until(all_running, 240, f"{SHARERS} pods running at once", interval=0.5)
     record(f"dra.{kubelet}.{version}.{SHARERS}_pods_running_s", round(time.monotonic() - started, 1))
-    # Each claim names node a's pool and a device of its own, or the one shared device with a
-    # share of its own.
+    # Each claim names node a's pool and the one shared device, with a share of its own.
     results = [claim_result(cluster, sharer) for sharer in sharers]
     assert all((r["driver"], r["pool"]) == (DRA_DRIVER, "a") for r in results), results
-    if shape == "auto":
-        assert {r["device"] for r in results} == {"kvm"} and len({r["shareID"] for r in results}) == SHARERS
-    else:
-        assert len({r["device"] for r in results}) == SHARERS
+    assert {r["device"] for r in results} == {"kvm"} and len({r["shareID"] for r in results}) == SHARERS
     for sharer in sharers:
         cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{sharer}")
-    if shape == "auto":
-        claims_at_once(cluster, kubelet, version)
+    claims_at_once(cluster, kubelet, version)
 
     # A claim for mshv on a KVM node: never scheduled, with the scheduler's reason.
     name = f"dra-mshv-{kubelet}"
@@ -1051,7 +1031,7 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
         break_the_device(pid, "unbind")
     started = time.monotonic()
     wait_until(
-        lambda: slice_devices(cluster, "a") == dra_expected_devices() and not unusable_taints(cluster, "a"),
+        lambda: slice_devices(cluster, "a") == SHARED_DEVICES and not unusable_taints(cluster, "a"),
         30,
         "the devices back in the slice, untainted",
     )
@@ -1082,12 +1062,11 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, kub
         assert figure["failed"] == 0 and figure["failed_prepares"] == [], figure
         assert figure["running_pod_untouched"], figure
         # A successor never publishes fewer devices than its predecessor while it starts (issue 29: 6).
-        assert figure["slice_fewest_devices"] == dra_expected_devices(), figure
-    if kubelet == "newest":
-        # The same load with no event: what share of pods is late without one (issue 29: 6).
-        baseline = dra_event(cluster, f"{kubelet}-no-event", lambda: None, lambda: True)
-        record(f"dra.{kubelet}.{version}.no_event", baseline)
-        assert baseline["failed"] == 0, baseline
+        assert figure["slice_fewest_devices"] == SHARED_DEVICES, figure
+    # The same load with no event: what share of pods is late without one (issue 29: 6).
+    baseline = dra_event(cluster, f"{kubelet}-no-event", lambda: None, lambda: True)
+    record(f"dra.{kubelet}.{version}.no_event", baseline)
+    assert baseline["failed"] == 0, baseline
 
 
 # ---- The device's health where the cluster sees it (issue 40) ------------------------------------
@@ -1164,7 +1143,7 @@ def test_dra_device_health_reaches_the_pod_and_a_taint_keeps_new_claims_off(
     Pending with the taint as the scheduler's reason; made usable again, the pod shows Healthy, the
     taint goes and the Pending pod runs."""
     cluster = dra_installed
-    dra_on_kubelet(cluster, published, "newest", "auto")
+    on_the_newest_kubelet(cluster)
     holder, waiter, tolerant = "health-running", "health-waits", "health-tolerates"
     tolerating_template(cluster)
     cluster.api.create(
@@ -1225,7 +1204,7 @@ def test_dra_no_execute_evicts_after_the_debounce_and_a_shorter_flap_evicts_noth
     running pod alone; a device broken for longer turns the taint NoExecute about the debounce
     after it broke, and the device taint eviction controller evicts the pod."""
     cluster, debounce, flap = dra_installed, 30, 5.0
-    dra_on_kubelet(cluster, published, "newest", "auto")
+    on_the_newest_kubelet(cluster)
     version = running_release(published, daemonset_pods(cluster, DRA_DAEMONSET))
     helm(
         cluster,
@@ -1352,13 +1331,10 @@ def test_device_plugin_health_reaches_a_running_pod(installed: Cluster) -> None:
         installed.api.delete(f"/api/v1/namespaces/{ns}/pods/{name}")
 
 
-def dra_on_kubelet(cluster: Cluster, published: Published, kubelet: str, shape: str) -> None:
-    """Node a on that kubelet, the DRA driver publishing in that shape (draSharedDevice), ready."""
-    a, version = cluster.nodes["a"], cluster.versions[kubelet]
-    if DRA_SHAPE["draSharedDevice"] != shape:
-        DRA_SHAPE["draSharedDevice"] = shape
-        running = running_release(published, daemonset_pods(cluster, DRA_DAEMONSET))
-        helm(cluster, "upgrade", "hyperlight", *dra_values(published, running), "--namespace", NAMESPACE)
+def on_the_newest_kubelet(cluster: Cluster) -> None:
+    """Node a on the newest kubelet (an earlier test may have left the oldest's), the DRA driver
+    ready."""
+    a, kubelet, version = cluster.nodes["a"], "newest", cluster.versions["newest"]
     if a.kubelet_version != version:
         a.stop_kubelet()
         started = time.monotonic()
@@ -1453,7 +1429,7 @@ def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(
     two, the mixed cluster: node a by DRA, node b by the .deb's device plugin, the same pod spec
     runs on both."""
     cluster, newest = dra_installed, dra_installed.versions["newest"]
-    dra_on_kubelet(cluster, published, "newest", "auto")
+    on_the_newest_kubelet(cluster)
     a, b = use_kubelet(cluster, newest), cluster.nodes["b"]
     release = running_release(published, daemonset_pods(cluster, DRA_DAEMONSET))
     device_class = cluster.api.get(f"/apis/resource.k8s.io/v1/deviceclasses/{contracts.DRA_DEVICE_CLASS}")
@@ -1700,19 +1676,25 @@ def host_upgrades_in_place(
     release from the repository, each under load with no pod rejected or failed and no moment
     without the device; then (the device plugin's run) a next release that fails before it is
     ready: the reload fails, the old agent serves on, one journal line says why."""
-    b, newest = cluster.nodes["b"], cluster.versions["newest"]
+    b = cluster.nodes["b"]
+    kubelet = b.kubelet_version
     exit0 = ["/bin/sh", "-c", "exit 0"]
 
     def event(name: str, act: Callable[[], None], back: Callable[[], bool]) -> dict[str, Any]:
         if under is not None:
             return under(name, act, back)
-        return run_event(cluster, b, f"{label}-{newest}-{name}", act, back, command=exit0, pin=True)
+        return run_event(cluster, b, f"{label}-{kubelet}-{name}", act, back, command=exit0, pin=True)
 
     def check(figure: dict[str, Any]) -> None:
-        assert figure["failed"] == 0 and figure.get("rejected", 0) == 0, figure
+        assert figure["failed"] == 0, figure
         assert figure.get("running_pod_untouched", True) and figure.get("failed_prepares", []) == [], figure
-        assert figure.get("kubelet_zero_windows_s", []) == [], figure
         assert figure.get("slice_fewest_devices", 1) >= 1, figure
+        if under is not None or int(kubelet.split(".")[1]) >= 37:
+            assert figure.get("rejected", 0) == 0 and figure.get("kubelet_zero_windows_s", []) == [], figure
+        else:
+            # The device plugin before 1.37: the old process's stream end disconnects its successor
+            # once (kubernetes issue 121994; docs/deploy.md): one gap, no more.
+            assert len(figure["kubelet_zero_windows_s"]) <= 1, figure
 
     before = main_pid(guest)
 
@@ -1721,7 +1703,7 @@ def host_upgrades_in_place(
         assert done.returncode == 0, done.stderr + guest.run("journalctl", "-u", UNIT, "--no-pager").stdout[-3000:]
 
     figure = event("systemctl-reload", reload, lambda: main_pid(guest) != before and serving())
-    record(f"{label}.{newest}.systemctl_reload", figure)
+    record(f"{label}.{kubelet}.systemctl_reload", figure)
     check(figure)
     published.serve(CURRENT)
     try:
@@ -1737,7 +1719,7 @@ def host_upgrades_in_place(
             return version == CURRENT and main_pid(guest) != before and serving()
 
         figure = event("apt-upgrade", upgrade, upgraded)
-        record(f"{label}.{newest}.apt_upgrade_{PREVIOUS}_to_{CURRENT}", figure)
+        record(f"{label}.{kubelet}.apt_upgrade_{PREVIOUS}_to_{CURRENT}", figure)
         check(figure)
         assert f"; version {CURRENT}" in guest.status(UNIT)
     finally:
@@ -1758,7 +1740,7 @@ def host_upgrades_in_place(
             assert done.returncode != 0, "the reload must fail"
 
         figure = event("failing-reload", failing_reload, lambda: serving() and main_pid(guest) == before)
-        record(f"{label}.{newest}.failing_reload", figure)
+        record(f"{label}.{kubelet}.failing_reload", figure)
         check(figure)
         journal = guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
         assert sum("in-place upgrade failed:" in line for line in journal.splitlines()) == 1, journal[-3000:]
@@ -2081,7 +2063,7 @@ def test_dra_driver_pod_deleted_again_and_again_fails_no_prepare(dra_installed: 
     it), and the pod started only after the kubelet's retry. The old agent now deregisters only
     once no call is in flight and none came for a while; HANDOVERS deletions under DRA load."""
     cluster = dra_installed
-    dra_on_kubelet(cluster, published, "newest", "auto")
+    on_the_newest_kubelet(cluster)
     back, act = deleting_again_and_again(cluster, DRA_DAEMONSET, lambda: dra_ready(cluster))
     handovers: list[int] = []
     figure = dra_event(cluster, "newest-driver-pod-deleted-again", lambda: handovers.append(act()), back)
@@ -2091,7 +2073,7 @@ def test_dra_driver_pod_deleted_again_and_again_fails_no_prepare(dra_installed: 
     # a prepare that reached a driver and failed is in failed_prepares.)
     assert figure["failed"] == 0 and figure["failed_prepares"] == [], figure
     assert figure["running_pod_untouched"], figure
-    assert figure["slice_fewest_devices"] == dra_expected_devices(), figure
+    assert figure["slice_fewest_devices"] == SHARED_DEVICES, figure
 
 
 def test_labelled_node_without_a_usable_device_admits_nothing(installed: Cluster) -> None:
@@ -2432,49 +2414,54 @@ def test_check_passes_in_every_agent_pod_and_names_a_broken_device(dra_installed
 # Last on the cluster: it uninstalls the chart and installs it again with its defaults (no DRA
 # driver), so every test that needs the session's DRA install (dra_installed) runs before it.
 def test_migration_from_the_upstream_plugin_fails_no_pod(installed: Cluster, published: Published) -> None:
+    """docs/operations.md's migration on node a (below), on this cluster's newest minor."""
+    migrate_from_the_upstream_plugin(installed, published, "migration")
+
+
+def migrate_from_the_upstream_plugin(cluster: Cluster, published: Published, label: str) -> None:
     """docs/operations.md's migration on node a: the upstream plugin's objects serving the node and a
     workload running on its device; then its DaemonSet deleted with its pods orphaned, our chart
     installed into its namespace (our DaemonSet adopts the upstream pod as current) and its rollout
     restarted, which replaces the upstream pod with a surge: the running workload is untouched, and
-    none of the pods created every 0.2 s meanwhile fails."""
-    a = installed.nodes["a"]
+    none of the pods created every 0.2 s meanwhile fails (nor is rejected, on 1.37 and later)."""
+    a = cluster.nodes["a"]
     release = manifest(published.releases[PREVIOUS])
     image = f"{release['image']['repository']}@{release['image']['digest']}"
     # The upstream install alone: ours uninstalled first (its namespace, which Helm keeps, stays:
     # the upstream's is the same namespace, and on this cluster it must allow privileged pods).
-    helm(installed, "uninstall", "hyperlight", "--namespace", NAMESPACE, "--wait", "--timeout", "180s")
+    helm(cluster, "uninstall", "hyperlight", "--namespace", NAMESPACE, "--wait", "--timeout", "180s")
     wait_until(
-        lambda: not installed.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"], 180, "our agents' pods gone"
+        lambda: not cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods")["items"], 180, "our agents' pods gone"
     )
     for path, body in upstream_objects(image):
-        installed.api.create(path, body)
+        cluster.api.create(path, body)
     wait_until(lambda: kubelet_view(a).get(HYPERVISOR) == SLOTS, 180, "the upstream plugin serving node a")
-    (upstream_pod,) = daemonset_pods(installed, UPSTREAM_NAME)
+    (upstream_pod,) = daemonset_pods(cluster, UPSTREAM_NAME)
     ns = "migration"
-    ensure_namespace(installed, ns)
-    installed.api.create(
+    ensure_namespace(cluster, ns)
+    cluster.api.create(
         f"/api/v1/namespaces/{ns}/pods",
         workload_pod("running", ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"], node="a"),
     )
     running = wait_until(
         lambda: (
-            (p := installed.api.get(f"/api/v1/namespaces/{ns}/pods/running"))["status"].get("phase") == "Running" and p
+            (p := cluster.api.get(f"/api/v1/namespaces/{ns}/pods/running"))["status"].get("phase") == "Running" and p
         ),
         120,
         "a workload running on the upstream plugin's device",
     )
     started = time.monotonic()
-    with Load(installed, a, ns, ["/kvmcheck"], pin=True) as load:
+    with Load(cluster, a, ns, ["/kvmcheck"], pin=True) as load:
         # 1. The upstream DaemonSet goes; its pod keeps serving.
-        installed.api.delete(f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{UPSTREAM_NAME}", propagation="Orphan")
+        cluster.api.delete(f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{UPSTREAM_NAME}", propagation="Orphan")
         wait_until(
-            lambda: gone(installed, f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{UPSTREAM_NAME}"),
+            lambda: gone(cluster, f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/{UPSTREAM_NAME}"),
             60,
             "the upstream DaemonSet gone (its pods orphaned)",
         )
-        assert not gone(installed, f"/api/v1/namespaces/{NAMESPACE}/pods/{upstream_pod['metadata']['name']}")
+        assert not gone(cluster, f"/api/v1/namespaces/{NAMESPACE}/pods/{upstream_pod['metadata']['name']}")
         # 2. Ours, into the existing namespace.
-        helm(installed, "install", "hyperlight", *release_chart(published, PREVIOUS), "--namespace", NAMESPACE)
+        helm(cluster, "install", "hyperlight", *release_chart(published, PREVIOUS), "--namespace", NAMESPACE)
         # 3. Our DaemonSet adopts the upstream pod and counts it as up to date: both DaemonSets were
         # created at template generation 1, the pod's pod-template-generation label is "1", and
         # the DaemonSet controller takes a matching generation as current whatever the template
@@ -2482,18 +2469,18 @@ def test_migration_from_the_upstream_plugin_fails_no_pod(installed: Cluster, pub
         ours_path = f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets/hyperlight-device-plugin"
 
         def adopted_as_current() -> bool:
-            pod = installed.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{upstream_pod['metadata']['name']}")
+            pod = cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{upstream_pod['metadata']['name']}")
             owners = [o["name"] for o in pod["metadata"].get("ownerReferences", []) if o.get("controller")]
-            status = installed.api.get(ours_path)["status"]
+            status = cluster.api.get(ours_path)["status"]
             return owners == ["hyperlight-device-plugin"] and status.get("updatedNumberScheduled") == 1
 
         wait_until(adopted_as_current, 120, "the upstream pod adopted by our DaemonSet and counted as current")
-        assert [p["metadata"]["name"] for p in daemonset_pods(installed, "hyperlight-device-plugin")] == [
+        assert [p["metadata"]["name"] for p in daemonset_pods(cluster, "hyperlight-device-plugin")] == [
             upstream_pod["metadata"]["name"]
         ]
         # 4. So the migration restarts the rollout (kubectl rollout restart's patch): a new
         # generation, the upstream pod outdated and replaced with a surge, ours ready first.
-        installed.api.merge_patch(
+        cluster.api.merge_patch(
             ours_path,
             {
                 "spec": {
@@ -2509,10 +2496,10 @@ def test_migration_from_the_upstream_plugin_fails_no_pod(installed: Cluster, pub
         )
         wait_until(
             lambda: (
-                rolled_out(installed, "hyperlight-device-plugin")
+                rolled_out(cluster, "hyperlight-device-plugin")
                 and not [
                     p
-                    for p in daemonset_pods(installed, "hyperlight-device-plugin")
+                    for p in daemonset_pods(cluster, "hyperlight-device-plugin")
                     if p["metadata"]["name"] == upstream_pod["metadata"]["name"]
                 ]
             ),
@@ -2520,22 +2507,28 @@ def test_migration_from_the_upstream_plugin_fails_no_pod(installed: Cluster, pub
             "our device plugin rolled out over the upstream pod",
         )
         wait_until(
-            lambda: gone(installed, f"/api/v1/namespaces/{NAMESPACE}/pods/{upstream_pod['metadata']['name']}"),
+            lambda: gone(cluster, f"/api/v1/namespaces/{NAMESPACE}/pods/{upstream_pod['metadata']['name']}"),
             120,
             "the upstream pod gone",
         )
         # And ten more pods on our plugin alone.
         then = len(load.created)
         wait_until(lambda: len(load.created) >= then + 10, 60, "ten pods created after the switch")
-    record("migration.upstream_to_ours_s", round(time.monotonic() - started, 1))
-    outcomes = load.outcomes()
-    record("migration.load_pods", outcomes)
-    assert outcomes["rejected"] == outcomes["failed"] == 0 and outcomes["succeeded"] == len(load.created), outcomes
-    after = installed.api.get(f"/api/v1/namespaces/{ns}/pods/running")
+    record(f"{label}.upstream_to_ours_s", round(time.monotonic() - started, 1))
+    outcomes, windows = load.outcomes(), [round(w, 3) for w in load.windows(down=False)]
+    record(f"{label}.load_pods", {**outcomes, "kubelet_zero_windows_s": windows})
+    assert outcomes["failed"] == 0, outcomes
+    if int(cluster.nodes["a"].kubelet_version.split(".")[1]) >= 37:
+        assert outcomes["rejected"] == 0 and outcomes["succeeded"] == len(load.created), outcomes
+    else:
+        # Before 1.37 the kubelet ends the newest plugin's stream with the upstream's (kubernetes
+        # issue 121994; docs/deploy.md): one gap, no more, and nothing failing after admission.
+        assert len(windows) <= 1, (outcomes, windows)
+    after = cluster.api.get(f"/api/v1/namespaces/{ns}/pods/running")
     assert after["metadata"]["uid"] == running["metadata"]["uid"] and after["status"]["phase"] == "Running"
     assert [s["restartCount"] for s in after["status"]["containerStatuses"]] == [0]
-    (ours,) = daemonset_pods(installed, "hyperlight-device-plugin")
+    (ours,) = daemonset_pods(cluster, "hyperlight-device-plugin")
     assert ours["spec"]["containers"][0]["name"] == "agent"
     assert kubelet_view(a)[HYPERVISOR] == SLOTS
-    installed.api.delete(f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{UPSTREAM_NAME}")
-    installed.api.delete(f"/api/v1/namespaces/{ns}")
+    cluster.api.delete(f"/api/v1/namespaces/{NAMESPACE}/serviceaccounts/{UPSTREAM_NAME}")
+    cluster.api.delete(f"/api/v1/namespaces/{ns}")

@@ -11,12 +11,21 @@ mode). Managed clusters run one minor throughout; these are those clusters. On e
   DRA pod every 0.3 s (pods failed, prepares failed);
 - an unchanged `resources.limits` pod where only DRA serves the node: run through DRA where the API
   server keeps the DeviceClass's `extendedResourceName`, else Pending, saying what it lacks;
+- on the oldest minor's cluster (FULL_ROWS), the suite's other version-dependent events: the
+  migration from the upstream plugin, the kubelet restarted under load, `helm test` in both
+  modes, the .deb under systemd on node b's kubelet upgraded in place (`systemctl reload`,
+  `apt-get install` of the next release, a next release failing before ready), the device made
+  unusable where the API server keeps no device taints (its devices leave the slice), DRA's
+  `helm upgrade` under load;
 - the control plane upgraded to the newest minor under a running driver and a running claim (the
   oldest row): the driver's slice keeps its shape until the driver restarts; then one shared
   device, the running pod untouched and its claim on the old device unprepared when it ends.
 
 The session's cluster (test_e2e.py) runs the rest of the suite on the newest minor, with the
-oldest minor's kubelet under it (a node-pool upgrade's shape).
+oldest minor's kubelet under it for the device plugin's workload and lifecycle (a node-pool
+upgrade's shape). What neither runs on the oldest minor: the migration of unchanged pods between
+the device plugin and DRA (it needs the DeviceClass's extendedResourceName, 1.36+), and the health
+scenarios that need the newest API server's fields (device taints, pod status).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import yaml
 from tests.e2e import versions
 from tests.e2e.cluster import Cluster, Node, wait_until
 from tests.releases import CURRENT, PREVIOUS, Published
+from tests.test_deb import UNIT
 from tests.test_docs import ROOT
 from tests.test_e2e import (
     BIN_DIR,
@@ -44,7 +54,9 @@ from tests.test_e2e import (
     HYPERVISOR,
     NAMESPACE,
     SLOTS,
+    agent_pid,
     allocatable,
+    break_the_device,
     daemonset_pods,
     dra_event,
     dra_pod,
@@ -54,17 +66,25 @@ from tests.test_e2e import (
     finished,
     give_the_driver_api_access,
     helm,
+    helm_test,
+    host_agent,
+    host_upgrades_in_place,
     kubelet_view,
+    migrate_from_the_upstream_plugin,
     node_slices,
+    other_release,
     pod_ready,
     readme_helm_install,
     record,
     release_chart,
     run_event,
     running,
+    running_release,
+    scheduling_refusal,
     slice_devices,
     termination_message,
     through_dra,
+    unusable_taints,
     workload_pod,
 )
 
@@ -72,6 +92,16 @@ pytestmark = [pytest.mark.system, pytest.mark.e2e]
 
 ROWS = versions.whole_clusters()
 NEWEST = versions.newest()
+# The oldest minor's cluster also runs the suite's other version-dependent events (the module's
+# docstring); the other minors' clusters are a smoke.
+FULL_ROWS = [versions.oldest()]
+
+
+def full(rows: list[versions.Row]) -> pytest.MarkDecorator:
+    """A test for these rows' clusters only (each the module's cluster of its row)."""
+    return pytest.mark.parametrize("whole", rows, indirect=True, ids=[f"1.{row.minor}" for row in rows])
+
+
 APPS = "hyperlight-apps"
 # The first minor whose API server keeps a device's allowMultipleAllocations and a DeviceClass's
 # extendedResourceName by default (DRAConsumableCapacity and DRAExtendedResource beta, on).
@@ -89,11 +119,16 @@ def whole(request: pytest.FixtureRequest, images: dict[str, str], published: Pub
     c = Cluster(os.path.join(run, "cluster"), BIN_DIR, mirrors={"ghcr.io": f"http://{published.host}"})
     try:
         c.start(version=row.version)
-        a = c.add_node("a", row.version, labels={"hyperlight.dev/enabled": "true"})
-        for archive in images.values():
-            a.import_image(archive)
-        a.start_kubelet(row.version)
-        wait_until(a.ready, 180, f"node a Ready on {row.version}")
+        nodes = [c.add_node("a", row.version, labels={"hyperlight.dev/enabled": "true"})]
+        if row in FULL_ROWS:  # node b: the host's agent (its /dev/kvm is /dev/null for containerd)
+            nodes.append(c.add_node("b", row.version, device_unusable=True))
+        for node in nodes:
+            for archive in images.values():
+                node.import_image(archive)
+            node.start_kubelet(row.version)
+        for node in nodes:
+            wait_until(node.ready, 180, f"node {node.name} Ready on {row.version}")
+        a = nodes[0]
         helm(c, *readme_helm_install(published))
         wait_until(lambda: allocatable(a, HYPERVISOR) == SLOTS, 120, "node a's allocatable hyperlight.dev/hypervisor")
         ensure_namespace(c, APPS)
@@ -142,6 +177,13 @@ def device_plugin_event(cluster: Cluster, published: Published, event: str) -> d
     return run_event(cluster, a, f"whole-{cluster.control_plane_version}-{event}", act, replaced_and_healthy)
 
 
+@full(FULL_ROWS)
+def test_migration_from_the_upstream_plugin_on_a_whole_cluster(whole: Cluster, published: Published) -> None:
+    """docs/operations.md's migration from the upstream plugin (test_e2e.py's, on this minor):
+    first, as it leaves the chart as README's install does (the device plugin, N-1)."""
+    migrate_from_the_upstream_plugin(whole, published, f"whole.{whole.control_plane_version}.migration")
+
+
 def test_device_plugin_on_a_whole_cluster(whole: Cluster, published: Published) -> None:
     cluster, version = whole, whole.control_plane_version
     pod = run_workload(cluster, workload_pod("workload", SAYS))
@@ -150,13 +192,51 @@ def test_device_plugin_on_a_whole_cluster(whole: Cluster, published: Published) 
         figure = device_plugin_event(cluster, published, event)
         record(f"whole.{version}.{event}", figure)
         assert figure["failed"] == 0, figure
-        # Before 1.37 a kubelet ends the newest plugin's stream with an older one's (kubelet-contract
-        # "The 1.34–1.36 hand-over gap"): one gap, no more, and nothing failing after admission.
+        # Before 1.37 a kubelet ends the newest plugin's stream with an older one's (kubernetes issue
+        # 121994; docs/deploy.md): one gap, no more, and nothing failing after admission.
         assert len(figure["kubelet_zero_windows_s"]) <= (0 if minor(cluster) >= 37 else 1), figure
 
 
-def dra_values(published: Published, mode: str) -> list[str]:
-    return [*release_chart(published, CURRENT), "--set", f"mode={mode}", "--set", "draSharedDevice=auto"]
+@full(FULL_ROWS)
+def test_kubelet_restart_and_helm_test_on_a_whole_cluster(whole: Cluster) -> None:
+    """The kubelet restarted under a pod every 0.2 s (the agent registers again: no pod rejected),
+    then `helm test`: the chart's test pod gets the device and its --check passes."""
+    cluster, version = whole, whole.control_plane_version
+    a = cluster.nodes["a"]
+
+    def restart() -> None:
+        a.stop_kubelet()
+        a.start_kubelet(version)
+
+    def back() -> bool:
+        return a.ready() and kubelet_view(a).get(HYPERVISOR) == SLOTS
+
+    figure = run_event(cluster, a, f"whole-{version}-kubelet-restart", restart, back)
+    record(f"whole.{version}.kubelet_restart", figure)
+    assert figure["failed"] == figure["rejected"] == 0, figure
+    assert helm_test(cluster) == {"hyperlight-test-device-plugin": "Succeeded"}
+
+
+@full(FULL_ROWS)
+def test_host_reload_and_apt_upgrade_on_a_whole_cluster(whole: Cluster, published: Published, tmp: str) -> None:
+    """The .deb under real systemd (nspawn) serving node b's kubelet of this minor, as on a host:
+    `systemctl reload` and `apt-get install` of the next release hand over in place under load (no
+    pod rejected or failed, no moment without a healthy device), and a next release failing before
+    it is ready leaves the old agent serving."""
+    b = whole.nodes["b"]
+    with host_agent(whole, published, tmp) as (guest, root, _):
+        wait_until(lambda: kubelet_view(b).get(HYPERVISOR) == SLOTS, 120, "node b's kubelet counting the host agent")
+
+        def serving() -> bool:
+            return guest.is_active(UNIT) == "active" and kubelet_view(b).get(HYPERVISOR) == SLOTS
+
+        wait_until(serving, 60, "the unit active")
+        host_upgrades_in_place(whole, published, guest, root, serving, "whole.host")
+    wait_until(lambda: kubelet_view(b).get(HYPERVISOR, 0) == 0, 30, "the stopped host agent's slots gone")
+
+
+def dra_values(published: Published, mode: str, version: str = CURRENT) -> list[str]:
+    return [*release_chart(published, version), "--set", f"mode={mode}", "--set", "draSharedDevice=auto"]
 
 
 def expected_devices(cluster: Cluster) -> int:
@@ -242,6 +322,75 @@ def test_dra_takes_the_shape_the_api_server_allows(whole: Cluster, published: Pu
     assert event["running_pod_untouched"] and event["slice_fewest_devices"] == devices, event
 
 
+# The driver's line where the API server drops device taints (an unusable device leaves the slice).
+NO_TAINTS_SAYS = "the API server does not keep device taints"
+
+
+@full(FULL_ROWS)
+def test_dra_device_unusable_helm_upgrade_and_helm_test_on_a_whole_cluster(
+    whole: Cluster, published: Published
+) -> None:
+    """In the chart's mode both: the device made unusable (/dev/null bound over the driver's
+    /dev/kvm) is tainted where the API server keeps device taints, else its devices leave the slice
+    (the driver says why, once); a new pod waits, and runs when the device is usable again. Then
+    `helm upgrade` to the other release under a DRA pod every 0.3 s, and `helm test` with both
+    test pods."""
+    cluster, version = whole, whole.control_plane_version
+    a = cluster.nodes["a"]
+    devices = expected_devices(cluster)
+    wait_until(lambda: dra_ready(cluster, devices), 60, "the DRA driver ready")
+    (driver,) = daemonset_pods(cluster, DRA_DAEMONSET)
+    pid = agent_pid(driver["metadata"]["name"])
+    keeps_taints = minor(cluster) >= SHARED_SINCE
+    figure: dict[str, Any] = {}
+    name = "dra-waits"
+    started = time.monotonic()
+    break_the_device(pid, "bind")
+    try:
+        if keeps_taints:
+            wait_until(lambda: unusable_taints(cluster, "a") == {"NoSchedule"}, 30, "the devices tainted")
+        else:
+            wait_until(lambda: slice_devices(cluster, "a") == 0, 30, "the devices gone from the slice")
+        figure["unusable_to_slice_s"] = round(time.monotonic() - started, 2)
+        cluster.api.create(f"/api/v1/namespaces/{APPS}/pods", dra_pod(name, SAYS))
+        wait_until(lambda: scheduling_refusal(cluster, APPS, name), 60, "the scheduler's refusal while unusable")
+        assert cluster.api.get(f"/api/v1/namespaces/{APPS}/pods/{name}")["status"]["phase"] == "Pending"
+    finally:
+        break_the_device(pid, "unbind")
+    started = time.monotonic()
+    wait_until(
+        lambda: slice_devices(cluster, "a") == devices and not unusable_taints(cluster, "a"),
+        30,
+        "the devices back in the slice, untainted",
+    )
+    figure["usable_to_slice_full_s"] = round(time.monotonic() - started, 2)
+    pod = finished(cluster, APPS, name)
+    cluster.api.delete(f"/api/v1/namespaces/{APPS}/pods/{name}")
+    assert pod["status"]["phase"] == "Succeeded" and WORKLOAD_SAYS in termination_message(pod), pod["status"]
+    said = [line for line in container_log(a, driver).splitlines() if NO_TAINTS_SAYS in line]
+    assert len(said) == (0 if keeps_taints else 1), said
+    figure["no_taints_log_lines"] = len(said)
+
+    # `helm upgrade` to the other release under DRA load.
+    old = driver["metadata"]["uid"]
+    target = other_release(running_release(published, daemonset_pods(cluster, DRA_DAEMONSET)))
+
+    def act() -> None:
+        helm(cluster, "upgrade", "hyperlight", *dra_values(published, "both", target), "--namespace", NAMESPACE)
+
+    def back() -> bool:
+        pods = daemonset_pods(cluster, DRA_DAEMONSET)
+        return bool(pods) and all(p["metadata"]["uid"] != old for p in pods) and dra_ready(cluster, devices)
+
+    event = dra_event(cluster, f"whole-{version}-dra-helm-upgrade", act, back)
+    figure[f"helm_upgrade_to_{target}"] = event
+    record(f"whole.{version}.dra_events", figure)
+    assert event["failed"] == 0 and event["failed_prepares"] == [], event
+    assert event["running_pod_untouched"] and event["slice_fewest_devices"] == devices, event
+
+    assert helm_test(cluster) == {"hyperlight-test-device-plugin": "Succeeded", "hyperlight-test-dra": "Succeeded"}
+
+
 def test_unchanged_pod_where_only_dra_serves_the_node(whole: Cluster, published: Published) -> None:
     """The chart's mode dra (no device plugin on the node): an unchanged `resources.limits` pod
     runs through DRA where the API server kept the DeviceClass's extendedResourceName, else stays
@@ -292,7 +441,7 @@ def prepared_claims(node: Node) -> set[str]:
 FALLBACK_ROWS = [row for row in ROWS if row.minor < SHARED_SINCE]
 
 
-@pytest.mark.parametrize("whole", FALLBACK_ROWS, indirect=True, ids=[f"1.{row.minor}" for row in FALLBACK_ROWS])
+@full(FALLBACK_ROWS)
 def test_control_plane_upgraded_under_a_running_driver(whole: Cluster) -> None:
     """The control plane moves to the newest minor (API server first, then controller-manager and
     scheduler) while the driver runs and a pod holds a claim. The driver keeps the shape it found
