@@ -29,6 +29,7 @@ from hyperlight_agent.files.watcher import CONTENT, NAMES, DirectoryWatcher
 from hyperlight_agent.host import journal, probes, successor
 from hyperlight_agent.host.metrics import Metrics
 from hyperlight_agent.host.notify import Notifier
+from hyperlight_agent.identity import Description, Identity
 from hyperlight_agent.kubelet_side import Snapshot, Wiring
 from hyperlight_agent.reload import Reloader
 
@@ -74,7 +75,7 @@ class Agent:
             }
         )
         # Who we are to other instances of ours on this node (a successor, a predecessor): peers.py.
-        self.identity = peers.Identity.of(settings.instance or "", mode.protocol, mode.resource)
+        self.identity = Identity.of(settings.instance or "", mode.protocol, mode.resource)
         self.health_service = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.watcher = DirectoryWatcher()
         self.observation = SharedObservation()
@@ -100,7 +101,7 @@ class Agent:
                 checker=self.checker,
                 identity=self.identity,
                 serve_ours=self._serve_ours,
-                metrics=self.metrics,
+                outcomes=self.metrics,
                 watcher=self.watcher,
                 on_change=self._status_changed,
                 environ=self._environ,
@@ -253,7 +254,7 @@ class Agent:
         # only needs the child serving.
         require_ready = self.ready
 
-        def seen(child: peers.Description) -> None:
+        def seen(child: Description) -> None:
             """The child's answers while we wait for it: it asks before it registers."""
             if (
                 child.registering

@@ -19,14 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
 
-if TYPE_CHECKING:
-    import grpc
+from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.identity import Description, Identity
 
-    from hyperlight_agent import peers
-    from hyperlight_agent.device.checker import Checker
-    from hyperlight_agent.device.observation import Observation, SharedObservation
-    from hyperlight_agent.files.watcher import DirectoryWatcher
-    from hyperlight_agent.host.metrics import Metrics
+if TYPE_CHECKING:
+    import grpc  # the sides' modules load it; this one need not
 
 
 class Snapshot(Protocol):
@@ -44,17 +41,68 @@ class Snapshot(Protocol):
     def status(self) -> str: ...
 
 
+class Checks(Protocol):
+    """A fresh device check (device/checker.py's Checker)."""
+
+    async def check(self, timeout: Optional[float] = None) -> Observation: ...
+
+
+class Watches(Protocol):
+    """Directories watched for wake-ups (files/watcher.py's DirectoryWatcher)."""
+
+    def watch(self, directory: str, callback: Callable[[str], None], names: Optional[set[str]] = None) -> None:
+        """Call callback(name) when an entry in directory changes (only `names` if given)."""
+        ...
+
+    def watching(self, directory: str) -> bool:
+        """Whether `directory` has a live watch now."""
+        ...
+
+
+class Outcomes(Protocol):
+    """What a side reports of what it did, each as one outcome (host/metrics.py's Metrics counts
+    them; a side never sees a series)."""
+
+    def streams_open(self, streams: int) -> None:
+        """The device plugin's ListAndWatch streams open now."""
+        ...
+
+    def allocated(self, outcome: str) -> None:
+        """An Allocate's outcome ("ok", "invalid", "unavailable")."""
+        ...
+
+    def registrar_totals(self, registrations: int, kubelet_restarts: int, streams_lost: int) -> None:
+        """The device plugin registrar's running totals."""
+        ...
+
+    def dra_call(self, operation: str, seconds: float, ok: int, failed: int) -> None:
+        """A NodePrepareResources or NodeUnprepareResources answered: its claims ok and failed."""
+        ...
+
+    def dra_event(self, kind: str, *labels: str) -> None:
+        """What the ResourceSlice publisher reports (dra/slices.py: on_event)."""
+        ...
+
+    def dra_health_stream(self, delta: int) -> None:
+        """A resource-health stream opened (+1) or ended (-1)."""
+        ...
+
+    def dra_taint(self, effect: str) -> None:
+        """The effect of the taint the slice's device carries now ("" none)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Wiring:
-    """What the agent gives its kubelet side: its collaborators, wired in once. (Not "shared":
-    that word is the DRA slice's one shared device's.)"""
+    """What the agent gives its kubelet side: its collaborators, wired in once, each typed by what
+    the side asks of it. (Not "shared": that word is the DRA slice's one shared device's.)"""
 
     observation: SharedObservation  # the device check's result, versioned and broadcast
-    checker: Checker  # check(timeout=...): a fresh device check
-    identity: peers.Identity  # who we are to other instances of ours on the node
+    checker: Checks  # check(timeout=...): a fresh device check
+    identity: Identity  # who we are to other instances of ours on the node
     serve_ours: Callable[[grpc.aio.Server], None]  # adds the health service and Describe to a server
-    metrics: Metrics
-    watcher: DirectoryWatcher  # the side adds its directories' watches
+    outcomes: Outcomes  # what the side did (the agent's metrics)
+    watcher: Watches  # the side adds its directories' watches
     on_change: Callable[[], None]  # readiness or status may have changed
     environ: Mapping[str, str]  # the process environment (the entry point's)
     # The agent an in-place upgrade replaces with us, while it lives (host/successor.py): None
@@ -81,7 +129,7 @@ class KubeletSide(Protocol):
         timeout: float,
         pid: Optional[int] = None,
         require_ready: bool = True,
-        seen: Optional[Callable[[peers.Description], None]] = None,
+        seen: Optional[Callable[[Description], None]] = None,
     ) -> Optional[str]:
         """Serve on until a successor instance of ours is ready (without `require_ready`: answers), at
         most `timeout` s (with `pid`, only that process counts, and `seen` gets each of its
