@@ -17,13 +17,17 @@ toy one through the agent).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, TypeVar
 
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.identity import Description, Identity
 
 if TYPE_CHECKING:
     import grpc  # the sides' modules load it; this one need not
+
+
+# A side's target: what parts.py builds from the settings for it (DevicePluginTarget, DraTarget).
+Target_contra = TypeVar("Target_contra", contravariant=True)
 
 
 class Snapshot(Protocol):
@@ -112,7 +116,7 @@ class Wiring:
     upgrading: Callable[[], bool] = lambda: False
 
 
-class KubeletSide(Protocol):
+class KubeletSide(Protocol[Target_contra]):
     # How long close() may take at most (its stop grace and any wait the kubelet needs).
     close_bound_s: float
 
@@ -165,8 +169,9 @@ class KubeletSide(Protocol):
         """A live instance of ours for the same resource that started after us (peers.py)."""
         ...
 
-    def reconfigure(self, target: Any) -> None:
-        """A reload's new target (parts.side_target); restart-only settings are unchanged."""
+    def reconfigure(self, target: Target_contra) -> None:
+        """A reload's new target, of the kind the side was built from (parts.side_target);
+        restart-only settings are unchanged."""
         ...
 
 

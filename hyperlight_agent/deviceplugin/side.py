@@ -253,8 +253,7 @@ class DevicePluginSide:
         )
         return found.identity.name if found else None
 
-    def reconfigure(self, target: Any) -> None:
-        assert isinstance(target, DevicePluginTarget)
+    def reconfigure(self, target: DevicePluginTarget) -> None:
         self.profile = target.profile
         self.servicer.profile = target.profile
         self._wiring.observation.republish()  # streams resend the list (the slot count may have changed)

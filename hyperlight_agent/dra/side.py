@@ -260,7 +260,7 @@ class DraSide:
             p is not None and p.shared,
         )
 
-    def reconfigure(self, target: Any) -> None:
+    def reconfigure(self, target: DraTarget) -> None:
         """Every DRA setting changes only on restart (the device check's follow on their own)."""
 
     # --- lifecycle ------------------------------------------------------------------------------
