@@ -29,7 +29,7 @@ from hyperlight_agent.files.watcher import CONTENT, NAMES, DirectoryWatcher
 from hyperlight_agent.host import journal, probes, successor
 from hyperlight_agent.host.metrics import Metrics
 from hyperlight_agent.host.notify import Notifier
-from hyperlight_agent.identity import Description, Identity
+from hyperlight_agent.identity import Identity
 from hyperlight_agent.kubelet_side import Snapshot, Wiring
 from hyperlight_agent.reload import Reloader
 
@@ -106,7 +106,7 @@ class Agent:
                 on_change=self._status_changed,
                 environ=self._environ,
                 predecessor=lambda: self.notifier.predecessor,
-                upgrading=lambda: self.upgrades.state is peers.UpgradeState.RUNNING,
+                upgrading=lambda: self.upgrader.upgrading,
             ),
         )
         self._stop = asyncio.Event()
@@ -115,10 +115,15 @@ class Agent:
         self._stopping = False
         self._handing_over = False
         self._handed_over = False  # an in-place upgrade's child has the kubelet and the unit
-        self.upgrades = successor.Record()
-        # The agent an in-place upgrade replaced with us (0: none), for the upgrade command.
-        self._replaced = self.notifier.predecessor or 0
-        self._upgrade: Optional[asyncio.Future[None]] = None
+        self.upgrader = successor.Upgrader(
+            settings.instance,
+            self._environ,
+            self.side,
+            self.notifier,
+            ready=lambda: self.ready,
+            handed_over=self._upgraded,
+            on_change=self._status_changed,
+        )
         self.reloader = Reloader(
             reload, lambda: self.settings, self._apply_reload, self.notifier, on_refused=self._forget_status
         )
@@ -144,7 +149,7 @@ class Agent:
         await self.health_service.set(services["readiness"], health_pb2.HealthCheckResponse.NOT_SERVING)
         jobs = [self.side.run(), self.watcher.run(), self._periodic_checks()]
         if self.notifier.predecessor is not None:
-            jobs.append(self._predecessor_gone(self.notifier.predecessor))
+            jobs.append(self.upgrader.predecessor_gone(self.notifier.predecessor))
         if self.notifier.watchdog_interval is not None:
             jobs.append(self._watchdog(self.notifier.watchdog_interval))
         jobs += [server.run() for server in self.http_servers]
@@ -187,7 +192,7 @@ class Agent:
         # log after "stopping" (and a first check may still be running this early).
         self.checker.cancel()
         reloading = self.reloader.stop()
-        upgrading = self._upgrade if self._upgrade is not None and not self._upgrade.done() else None
+        upgrading = self.upgrader.under_way()
         tasks = [*self._tasks, *([reloading] if reloading else []), *([upgrading] if upgrading else [])]
         for task in tasks:
             task.cancel()
@@ -228,87 +233,12 @@ class Agent:
         """Replace this process with the code installed now, without a gap (SIGUSR2): host/successor.py."""
         if self._stopping or self._handing_over or self._handed_over:
             return
-        if self._upgrade is not None and not self._upgrade.done():
-            log.info("in-place upgrade requested: one is already under way")
-            return
-        if not self.notifier.under_systemd or self.notifier.predecessor is not None:
-            # Only systemd can be told that the new process is the one to watch; and until our
-            # predecessor is gone we are not yet the unit's main process.
-            why = "not under systemd" if not self.notifier.under_systemd else "still taking over"
-            self.upgrades.attempts += 1
-            self.upgrades.state, self.upgrades.why = (
-                peers.UpgradeState.FAILED,
-                f"in-place upgrades need systemd's notify socket ({why})",
-            )
-            log.warning("in-place upgrade refused: %s", self.upgrades.why)
-            return
-        self._upgrade = asyncio.ensure_future(self._upgrade_in_place())
+        self.upgrader.request()
 
-    async def _upgrade_in_place(self) -> None:
-        record = self.upgrades
-        record.attempts += 1
-        record.state, record.why, record.pid, record.agreed = peers.UpgradeState.RUNNING, "", 0, 0
-        log.info("in-place upgrade requested: starting the installed agent beside this one")
-        self.notifier.reloading("upgrading in place: starting the installed agent")
-        # A ready agent waits for a ready child; an unready one has no readiness to keep, and
-        # only needs the child serving.
-        require_ready = self.ready
-
-        def seen(child: Description) -> None:
-            """The child's answers while we wait for it: it asks before it registers."""
-            if (
-                child.registering
-                and record.state is peers.UpgradeState.RUNNING
-                and record.agreed != child.identity.pid
-                and not self.side.registration_in_flight()  # the child asks again: ours goes first
-            ):
-                record.agreed = child.identity.pid
-                log.info("in-place upgrade: the new agent (pid %d) may register with the kubelet", record.agreed)
-
-        def started(pid: int) -> None:
-            record.pid = pid
-
-        pid, said = await successor.replace_self(
-            self.settings.instance,
-            self._environ,
-            lambda pid: self.side.hand_over(successor.READY_TIMEOUT_S, pid=pid, require_ready=require_ready, seen=seen),
-            hand_off=lambda pid: self.notifier.hand_off(pid, f"handed over to pid {pid} in an in-place upgrade"),
-            started=started,
-        )
-        if pid is None:
-            registered = record.agreed != 0
-            record.state, record.why = peers.UpgradeState.FAILED, said
-            log.warning("in-place upgrade failed: %s; this agent (%s) serves on", said, __version__)
-            self.notifier.reloaded()
-            # The child is gone; if it may have registered, the kubelet's endpoint or device list
-            # may be its, not ours.
-            self.side.after_failed_hand_over(registered)
-            return
-        record.state, record.pid = peers.UpgradeState.DONE, pid
-        log.info("in-place upgrade: handed over to pid %d (%s); leaving", pid, said)
+    def _upgraded(self) -> None:
+        """An in-place upgrade's child has the kubelet and the unit: we leave."""
         self._handed_over = True
         self.stop()
-
-    async def _predecessor_gone(self, pid: int) -> None:
-        """We are an in-place upgrade's child: once the agent we replace has exited, we are the
-        unit's main process and speak for it."""
-        try:
-            pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            pidfd = -1
-        if pidfd >= 0:
-            gone = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            loop.add_reader(pidfd, gone.set)
-            try:
-                await gone.wait()
-            finally:
-                loop.remove_reader(pidfd)
-                os.close(pidfd)
-        log.info("the agent we replaced (pid %d) has exited: this process speaks for the unit", pid)
-        self.notifier.take_over()
-        self._status_changed()  # READY=1 now if we are ready (it was not ours to say before)
-        await asyncio.Event().wait()  # an agent task runs until cancelled
 
     def _apply_reload(self, new: Settings) -> None:
         if new.check_interval_seconds != self.settings.check_interval_seconds:
@@ -330,7 +260,7 @@ class Agent:
 
     def _described(self) -> dict[str, Any]:
         """What Describe adds to who we are: how our side stands, and our in-place upgrades."""
-        return {**self.side.described(), "replaced": self._replaced, **self.upgrades.said()}
+        return {**self.side.described(), **self.upgrader.said()}
 
     async def _watchdog(self, interval: float) -> None:
         """WATCHDOG=1 from the loop that does the work: if the loop wedges, systemd restarts us."""
