@@ -11,6 +11,7 @@ Construct it inside the running event loop (asyncio objects bind to it on Python
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 from typing import Any, Callable, Mapping, Optional
@@ -38,6 +39,15 @@ log = logging.getLogger(__name__)
 # A cap on the whole of _shutdown beyond what its parts bound themselves (the kubelet side's
 # close_bound_s, the probe helper's CLOSE_BOUND_S): only the last resort for a part that is stuck.
 SHUTDOWN_MARGIN_S = 0.5
+
+
+class Phase(enum.Enum):
+    """Where the agent is in its life: it only moves on, RUNNING first and STOPPING last."""
+
+    RUNNING = "running"  # from construction: serving, or on its way to
+    HANDED_OVER = "handed over"  # an in-place upgrade's child has the kubelet and the unit; a stop follows
+    HANDING_OVER = "handing over"  # a stop serves on until a successor is ready (close)
+    STOPPING = "stopping"  # STOPPING=1 said: the side, the checker and the helper close; nothing more is said
 
 
 class Agent:
@@ -112,9 +122,7 @@ class Agent:
         self._stop = asyncio.Event()
         self._interval_changed = asyncio.Event()
         self._tasks: list[asyncio.Future[Any]] = []
-        self._stopping = False
-        self._handing_over = False
-        self._handed_over = False  # an in-place upgrade's child has the kubelet and the unit
+        self.phase = Phase.RUNNING
         self.upgrader = successor.Upgrader(
             settings.instance,
             self._environ,
@@ -176,15 +184,15 @@ class Agent:
         device plugin's streams end), the side closes (calls in flight get transport.STOP_GRACE_S),
         then the helper is stopped. The CDI spec stays: containers created during an agent restart
         still resolve it."""
-        if self._stopping or self._handing_over:
+        if self.phase in (Phase.HANDING_OVER, Phase.STOPPING):
             return
         # Only a ready agent has something to hand over. An unready one is also one the DaemonSet
         # controller replaces only after it is gone (it surges for available pods only): waiting
         # for a successor would only delay the replacement by handover_seconds.
-        if self.settings.handover_seconds > 0 and self.ready and not self._handed_over:
-            self._handing_over = True
+        if self.settings.handover_seconds > 0 and self.ready and self.phase is not Phase.HANDED_OVER:
+            self.phase = Phase.HANDING_OVER
             await self._hand_over(self.settings.handover_seconds)
-        self._stopping = True
+        self.phase = Phase.STOPPING
         log.info("stopping")
         self.notifier.stopping()
         self.side.begin_stop()
@@ -231,13 +239,12 @@ class Agent:
 
     def upgrade(self) -> None:
         """Replace this process with the code installed now, without a gap (SIGUSR2): host/successor.py."""
-        if self._stopping or self._handing_over or self._handed_over:
-            return
-        self.upgrader.request()
+        if self.phase is Phase.RUNNING:
+            self.upgrader.request()
 
     def _upgraded(self) -> None:
         """An in-place upgrade's child has the kubelet and the unit: we leave."""
-        self._handed_over = True
+        self.phase = Phase.HANDED_OVER
         self.stop()
 
     def _apply_reload(self, new: Settings) -> None:
@@ -307,7 +314,7 @@ class Agent:
 
     def _labels_changed(self) -> None:
         """Someone changed the feature file: put it right (once a check has said what it says)."""
-        if self.labels is not None and self.observation.version > 0 and not self._stopping:
+        if self.labels is not None and self.observation.version > 0 and self.phase is not Phase.STOPPING:
             self.labels.sync(self.observation.current.hypervisor)
 
     async def _newer_instance(self) -> Optional[str]:
@@ -335,7 +342,7 @@ class Agent:
         self._last_status = ""  # something else took systemd's status line: say ours again
 
     def _status_changed(self) -> None:
-        if self._stopping:
+        if self.phase is Phase.STOPPING:
             return  # after STOPPING=1 nothing more is said
         snapshot = self.snapshot()
         text = snapshot.status()
