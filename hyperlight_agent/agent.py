@@ -31,7 +31,7 @@ from hyperlight_agent.host import journal, probes, successor
 from hyperlight_agent.host.metrics import Metrics
 from hyperlight_agent.host.notify import Notifier
 from hyperlight_agent.identity import Identity
-from hyperlight_agent.kubelet_side import Snapshot, Wiring
+from hyperlight_agent.kubelet_side import Snapshot, Wiring, hand_over_on_stop
 from hyperlight_agent.reload import Reloader
 
 log = logging.getLogger(__name__)
@@ -186,12 +186,9 @@ class Agent:
         still resolve it."""
         if self.phase in (Phase.HANDING_OVER, Phase.STOPPING):
             return
-        # Only a ready agent has something to hand over. An unready one is also one the DaemonSet
-        # controller replaces only after it is gone (it surges for available pods only): waiting
-        # for a successor would only delay the replacement by handover_seconds.
-        if self.settings.handover_seconds > 0 and self.ready and self.phase is not Phase.HANDED_OVER:
+        if self.phase is Phase.RUNNING:  # handed over, the kubelet and the unit are the child's
             self.phase = Phase.HANDING_OVER
-            await self._hand_over(self.settings.handover_seconds)
+            await hand_over_on_stop(self.side, self.settings.handover_seconds, self.ready)
         self.phase = Phase.STOPPING
         log.info("stopping")
         self.notifier.stopping()
@@ -219,14 +216,6 @@ class Agent:
     def shutdown_bound_s(self) -> float:
         """The most a shutdown after the handover takes: the side's close, then the helper's."""
         return self.side.close_bound_s + CLOSE_BOUND_S + SHUTDOWN_MARGIN_S
-
-    async def _hand_over(self, timeout: float) -> None:
-        log.info("stop requested: serving until a successor is ready (up to %g s)", timeout)
-        successor = await self.side.hand_over(timeout)
-        if successor:
-            log.info("handing over to %s", successor)
-        else:
-            log.info("no successor within %g s", timeout)
 
     async def _shutdown(self) -> None:
         await self.side.close()

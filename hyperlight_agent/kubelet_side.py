@@ -16,6 +16,7 @@ toy one through the agent).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, TypeVar
 
@@ -25,6 +26,7 @@ from hyperlight_agent.identity import Description, Identity
 if TYPE_CHECKING:
     import grpc  # the sides' modules load it; this one need not
 
+log = logging.getLogger(__name__)
 
 # A side's target: what parts.py builds from the settings for it (DevicePluginTarget, DraTarget).
 Target_contra = TypeVar("Target_contra", contravariant=True)
@@ -173,6 +175,22 @@ class KubeletSide(Protocol[Target_contra]):
         """A reload's new target, of the kind the side was built from (parts.side_target);
         restart-only settings are unchanged."""
         ...
+
+
+async def hand_over_on_stop(side: KubeletSide[Any], timeout: float, ready: bool) -> None:
+    """A stop's first part, with handover_seconds (`timeout`) set: the side serves on until a
+    successor of ours is ready and the kubelet is done with us (its hand_over), at most `timeout`.
+    Only a ready agent has something to hand over. An unready one is also one the DaemonSet
+    controller replaces only after it is gone (it surges for available pods only): waiting for a
+    successor would only delay the replacement by handover_seconds."""
+    if timeout <= 0 or not ready:
+        return
+    log.info("stop requested: serving until a successor is ready (up to %g s)", timeout)
+    successor = await side.hand_over(timeout)
+    if successor:
+        log.info("handing over to %s", successor)
+    else:
+        log.info("no successor within %g s", timeout)
 
 
 def count(n: int, word: str) -> str:
