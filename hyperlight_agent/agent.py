@@ -17,7 +17,7 @@ import os
 from typing import Any, Callable, Mapping, Optional
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from hyperlight_agent import __version__, contracts, modes, parts, peers, waits
 from hyperlight_agent.config import Settings
@@ -75,9 +75,11 @@ class Agent:
             device_dir=settings.device_dir,
             cdi=not mode.inventory_only,
         )
+        self.health_service = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self.readiness = probes.Readiness(self.health_service, self.notifier, advertised=self.metrics.advertised.set)
         # Metrics and the kubelet's httpGet probes: one small HTTP server per address (host/httpd.py);
         # the metrics port answers the probes' paths too (a scraper's or an operator's health check).
-        probe_routes = probes.routes(self._readiness)
+        probe_routes = probes.routes(self.readiness.answer)
         self.http_servers = probes.servers(
             {
                 "metrics_address": (settings.metrics_address, {**probe_routes, **self.metrics.routes()}),
@@ -86,7 +88,6 @@ class Agent:
         )
         # Who we are to other instances of ours on this node (a successor, a predecessor): peers.py.
         self.identity = Identity.of(settings.instance or "", mode.protocol, mode.resource)
-        self.health_service = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.watcher = DirectoryWatcher()
         self.observation = SharedObservation()
         self.helper = ProbeHelper(on_timeout=self.metrics.helper_timeouts.inc)
@@ -133,11 +134,8 @@ class Agent:
             on_change=self._status_changed,
         )
         self.reloader = Reloader(
-            reload, lambda: self.settings, self._apply_reload, self.notifier, on_refused=self._forget_status
+            reload, lambda: self.settings, self._apply_reload, self.notifier, on_refused=self.readiness.forget_status
         )
-        self._last_status = ""
-        self._serving: Optional[bool] = None
-        self._health_update: Optional[asyncio.Future[None]] = None
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -152,9 +150,7 @@ class Agent:
         )
         self._status_changed()
         self.checker.request()
-        services = contracts.HEALTH_SERVICES
-        await self.health_service.set(services["liveness"], health_pb2.HealthCheckResponse.SERVING)
-        await self.health_service.set(services["readiness"], health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.readiness.start()
         jobs = [self.side.run(), self.watcher.run(), self._periodic_checks()]
         if self.notifier.predecessor is not None:
             jobs.append(self.upgrader.predecessor_gone(self.notifier.predecessor))
@@ -323,29 +319,6 @@ class Agent:
     def status(self) -> str:
         return self.snapshot().status()
 
-    def _readiness(self) -> tuple[bool, str]:
-        """What the httpGet readiness probe answers: what the gRPC health service says."""
-        return self._serving is True, self._last_status
-
-    def _forget_status(self) -> None:
-        self._last_status = ""  # something else took systemd's status line: say ours again
-
     def _status_changed(self) -> None:
-        if self.phase is Phase.STOPPING:
-            return  # after STOPPING=1 nothing more is said
-        snapshot = self.snapshot()
-        text = snapshot.status()
-        if text != self._last_status:
-            self._last_status = text
-            log.info("status: %s", text)
-            self.notifier.status(text)
-        ready = snapshot.ready()
-        self.metrics.advertised.set(snapshot.slots if ready else 0)
-        if ready:
-            self.notifier.ready()
-        if ready != self._serving:
-            self._serving = ready
-            status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-            self._health_update = asyncio.ensure_future(
-                self.health_service.set(contracts.HEALTH_SERVICES["readiness"], status)
-            )
+        if self.phase is not Phase.STOPPING:  # after STOPPING=1 nothing more is said
+            self.readiness.changed(self.snapshot())
