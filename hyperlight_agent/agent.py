@@ -98,10 +98,8 @@ class Agent:
             on_result=self._on_check,
             keeper=self._newer_instance,
         )
-        # The NFD feature file: the main plugin's only (one writer).
-        self.labels = (
-            labels.Keeper(settings.nfd_features_dir) if settings.nfd_features_dir and not mode.inventory_only else None
-        )
+        features_dir = parts.features_dir(settings, mode)
+        self.labels = labels.Keeper(features_dir) if features_dir else None
         self._watch_files()
         # How the device reaches the kubelet: the device plugin's side, or DRA's (kubelet_side.py).
         self.side = parts.kubelet_side(

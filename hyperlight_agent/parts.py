@@ -1,6 +1,7 @@
 """The translation of the settings and the mode into what each part of the agent is built from:
-the checker's CheckTarget, and the kubelet side for the mode's protocol with its target (the
-device plugin's DevicePluginTarget, the DRA side's DraTarget). On a reload the agent builds the
+the checker's CheckTarget, the NFD feature file's directory, and the kubelet side for the mode's
+protocol with its target (the device plugin's DevicePluginTarget, the DRA side's DraTarget). On a
+reload the agent builds the
 targets again from the new settings, so no part reads Settings itself; the agent reads only what
 it acts on (the directories it watches, the check interval, the handover time).
 
@@ -44,6 +45,11 @@ def check_target(settings: Settings, mode: modes.Mode, read_only: bool = False) 
         inventory_only=mode.inventory_only,
         read_only=read_only,
     )
+
+
+def features_dir(settings: Settings, mode: modes.Mode) -> Optional[str]:
+    """Where the NFD feature file is kept, if anywhere: the main plugin's only (one writer)."""
+    return settings.nfd_features_dir if settings.nfd_features_dir and not mode.inventory_only else None
 
 
 def profile(settings: Settings, mode: modes.Mode) -> Profile:
