@@ -1,9 +1,9 @@
-"""The translation of the settings and the mode into what each part of the agent is built from:
-the checker's CheckTarget, the NFD feature file's directory, and the kubelet side for the mode's
+"""The translation of the settings and the mode into what each part of the agent is built from: the
+checker's CheckTarget, the NFD feature file's directory, and the kubelet side for the mode's
 protocol with its target (the device plugin's DevicePluginTarget, the DRA side's DraTarget). On a
-reload the agent builds the
-targets again from the new settings, so no part reads Settings itself; the agent reads only what
-it acts on (the directories it watches, the check interval, the handover time).
+reload the agent builds the targets again from the new settings, so no part reads Settings itself;
+the agent reads only what it acts on (the directories it watches, the check interval, the handover
+time).
 
 A kubelet protocol is one row of ROWS (ProtocolRow): everything the rest of the agent asks of it,
 so that nothing else branches on the protocol. A third protocol is its name in modes.Protocol, one
