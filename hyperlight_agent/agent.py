@@ -63,6 +63,7 @@ class Agent:
         self._environ: Mapping[str, str] = environ if environ is not None else {}
         self.settings = settings
         self.mode = mode
+        self.phase = Phase.RUNNING
         self.notifier = notifier or Notifier(self._environ)
         self.metrics = Metrics(
             enabled=settings.metrics_address is not None,
@@ -121,7 +122,6 @@ class Agent:
         self._stop = asyncio.Event()
         self._interval_changed = asyncio.Event()
         self._tasks: list[asyncio.Future[Any]] = []
-        self.phase = Phase.RUNNING
         self.upgrader = successor.Upgrader(
             settings.instance,
             self._environ,
@@ -180,7 +180,7 @@ class Agent:
         still resolve it."""
         if self.phase in (Phase.HANDING_OVER, Phase.STOPPING):
             return
-        if self.phase is Phase.RUNNING:  # handed over, the kubelet and the unit are the child's
+        if self.phase is Phase.RUNNING:  # (HANDED_OVER: the kubelet and the unit are the child's already)
             self.phase = Phase.HANDING_OVER
             await hand_over_on_stop(self.side, self.settings.handover_seconds, self.ready)
         self.phase = Phase.STOPPING
