@@ -30,7 +30,7 @@ import re
 import secrets
 import signal
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
 from hyperlight_agent import __version__, contracts, waits
@@ -231,34 +231,25 @@ async def _nothing() -> Optional[str]:
     return None
 
 
+@dataclass(eq=False)
 class Upgrader:
     """The agent's in-place upgrades, whole: whether one may start, the child started and handed
     the kubelet (its side's hand_over) and the unit, the agreement that lets the child register,
     the outcome recorded (Record) and said; and, in a child, taking over the unit once the agent
     it replaced has exited. The agent asks only while it runs (not once it stops or hands over)."""
 
-    def __init__(
-        self,
-        instance: Optional[str],
-        environ: Mapping[str, str],
-        side: KubeletSide[Any],
-        notifier: Notifier,
-        ready: Callable[[], bool],
-        handed_over: Callable[[], None],
-        on_change: Callable[[], None],
-    ) -> None:
-        """`ready`: the agent's readiness; `handed_over`: the child has the kubelet and the unit
-        (the agent stops); `on_change`: readiness may now be ours to say (we took over)."""
-        self._instance = instance
-        self._environ = environ
-        self._side = side
-        self._notifier = notifier
-        self._ready = ready
-        self._handed_over = handed_over
-        self._on_change = on_change
-        self.record = Record()
+    instance: Optional[str]
+    environ: Mapping[str, str]
+    side: KubeletSide[Any]
+    notifier: Notifier
+    ready: Callable[[], bool]  # the agent's readiness
+    handed_over: Callable[[], None]  # the child has the kubelet and the unit: the agent stops
+    on_change: Callable[[], None]  # readiness may now be ours to say (we took over the unit)
+    record: Record = field(default_factory=Record)
+
+    def __post_init__(self) -> None:
         # The agent an in-place upgrade replaced with us (0: none), for the upgrade command.
-        self.replaced = notifier.predecessor or 0
+        self.replaced = self.notifier.predecessor or 0
         self._task: Optional[asyncio.Future[None]] = None
 
     @property
@@ -275,10 +266,10 @@ class Upgrader:
         if self.under_way() is not None:
             log.info("in-place upgrade requested: one is already under way")
             return
-        if not self._notifier.under_systemd or self._notifier.predecessor is not None:
+        if not self.notifier.under_systemd or self.notifier.predecessor is not None:
             # Only systemd can be told that the new process is the one to watch; and until our
             # predecessor is gone we are not yet the unit's main process.
-            why = "not under systemd" if not self._notifier.under_systemd else "still taking over"
+            why = "not under systemd" if not self.notifier.under_systemd else "still taking over"
             self.record.attempts += 1
             self.record.state, self.record.why = (
                 UpgradeState.FAILED,
@@ -297,33 +288,33 @@ class Upgrader:
         record.attempts += 1
         record.state, record.why, record.pid, record.agreed = UpgradeState.RUNNING, "", 0, 0
         log.info("in-place upgrade requested: starting the installed agent beside this one")
-        self._notifier.reloading("upgrading in place: starting the installed agent")
+        self.notifier.reloading("upgrading in place: starting the installed agent")
         # A ready agent waits for a ready child; an unready one has no readiness to keep, and
         # only needs the child serving.
-        require_ready = self._ready()
+        require_ready = self.ready()
 
         def started(pid: int) -> None:
             record.pid = pid
 
         pid, said = await replace_self(
-            self._instance,
-            self._environ,
-            lambda pid: self._side.hand_over(READY_TIMEOUT_S, pid=pid, require_ready=require_ready, seen=self._seen),
-            hand_off=lambda pid: self._notifier.hand_off(pid, f"handed over to pid {pid} in an in-place upgrade"),
+            self.instance,
+            self.environ,
+            lambda pid: self.side.hand_over(READY_TIMEOUT_S, pid=pid, require_ready=require_ready, seen=self._seen),
+            hand_off=lambda pid: self.notifier.hand_off(pid, f"handed over to pid {pid} in an in-place upgrade"),
             started=started,
         )
         if pid is None:
             registered = record.agreed != 0
             record.state, record.why = UpgradeState.FAILED, said
             log.warning("in-place upgrade failed: %s; this agent (%s) serves on", said, __version__)
-            self._notifier.reloaded()
+            self.notifier.reloaded()
             # The child is gone; if it may have registered, the kubelet's endpoint or device list
             # may be its, not ours.
-            self._side.after_failed_hand_over(registered)
+            self.side.after_failed_hand_over(registered)
             return
         record.state, record.pid = UpgradeState.DONE, pid
         log.info("in-place upgrade: handed over to pid %d (%s); leaving", pid, said)
-        self._handed_over()
+        self.handed_over()
 
     def _seen(self, child: Description) -> None:
         """The child's answers while we wait for it: it asks before it registers."""
@@ -332,7 +323,7 @@ class Upgrader:
             child.registering
             and record.state is UpgradeState.RUNNING
             and record.agreed != child.identity.pid
-            and not self._side.registration_in_flight()  # the child asks again: ours goes first
+            and not self.side.registration_in_flight()  # the child asks again: ours goes first
         ):
             record.agreed = child.identity.pid
             log.info("in-place upgrade: the new agent (pid %d) may register with the kubelet", record.agreed)
@@ -354,6 +345,6 @@ class Upgrader:
                 loop.remove_reader(pidfd)
                 os.close(pidfd)
         log.info("the agent we replaced (pid %d) has exited: this process speaks for the unit", pid)
-        self._notifier.take_over()
-        self._on_change()  # READY=1 now if we are ready (it was not ours to say before)
+        self.notifier.take_over()
+        self.on_change()  # READY=1 now if we are ready (it was not ours to say before)
         await asyncio.Event().wait()  # an agent task runs until cancelled
