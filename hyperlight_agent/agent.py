@@ -28,7 +28,6 @@ from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.files import labels
 from hyperlight_agent.files.watcher import CONTENT, NAMES, DirectoryWatcher
 from hyperlight_agent.host import journal, probes, successor
-from hyperlight_agent.host.metrics import Metrics
 from hyperlight_agent.host.notify import Notifier
 from hyperlight_agent.identity import Identity
 from hyperlight_agent.kubelet_side import Snapshot, Wiring, hand_over_on_stop
@@ -65,17 +64,7 @@ class Agent:
         self.mode = mode
         self.phase = Phase.RUNNING
         self.notifier = notifier or Notifier(self._environ)
-        self.metrics = Metrics(
-            enabled=settings.metrics_address is not None,
-            build={
-                "version": __version__,
-                "commit": self._environ.get(contracts.COMMIT_ENV, "unknown"),
-                "mode": mode.name,
-            },
-            protocol=mode.protocol.value,
-            device_dir=settings.device_dir,
-            cdi=not mode.inventory_only,
-        )
+        self.metrics = parts.metrics(settings, mode, self._environ)
         self.health_service = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.readiness = probes.Readiness(self.health_service, self.notifier, advertised=self.metrics.advertised.set)
         # Metrics and the kubelet's httpGet probes: one small HTTP server per address (host/httpd.py);

@@ -1,9 +1,9 @@
 """The translation of the settings and the mode into what each part of the agent is built from: the
-checker's CheckTarget, the NFD feature file's directory, and the kubelet side for the mode's
-protocol with its target (the device plugin's DevicePluginTarget, the DRA side's DraTarget). On a
-reload the agent builds the targets again from the new settings, so no part reads Settings itself;
-the agent reads only what it acts on (the directories it watches, the check interval, the handover
-time).
+checker's CheckTarget, the metrics (the mode's series), the NFD feature file's directory, and the
+kubelet side for the mode's protocol with its target (the device plugin's DevicePluginTarget, the
+DRA side's DraTarget). On a reload the agent builds the targets again from the new settings, so no
+part reads Settings itself; the agent reads only what it acts on (the directories it watches, the
+check interval, the handover time).
 
 A kubelet protocol is one row of ROWS (ProtocolRow): everything the rest of the agent asks of it,
 so that nothing else branches on the protocol. A third protocol is its name in modes.Protocol, one
@@ -18,7 +18,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, Optional, TypeVar
 
-from hyperlight_agent import contracts, modes
+from hyperlight_agent import __version__, contracts, modes
 from hyperlight_agent.config import Settings
 from hyperlight_agent.contracts import instance_socket_name
 from hyperlight_agent.device.checker import CheckTarget
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from hyperlight_agent.deviceplugin.servicer import Profile
     from hyperlight_agent.deviceplugin.side import DevicePluginTarget
     from hyperlight_agent.dra.side import DraTarget
+    from hyperlight_agent.host.metrics import Metrics
     from hyperlight_agent.kubelet_side import KubeletSide, Wiring
 
 
@@ -44,6 +45,19 @@ def check_target(settings: Settings, mode: modes.Mode, read_only: bool = False) 
         settings.device_gid,
         inventory_only=mode.inventory_only,
         read_only=read_only,
+    )
+
+
+def metrics(settings: Settings, mode: modes.Mode, environ: Mapping[str, str]) -> Metrics:
+    """The mode's series, served only when metrics_address is set; the build's labels."""
+    from hyperlight_agent.host.metrics import Metrics  # the agent's only: not for --check
+
+    return Metrics(
+        enabled=settings.metrics_address is not None,
+        build={"version": __version__, "commit": environ.get(contracts.COMMIT_ENV, "unknown"), "mode": mode.name},
+        protocol=mode.protocol.value,
+        device_dir=settings.device_dir,
+        cdi=not mode.inventory_only,
     )
 
 
