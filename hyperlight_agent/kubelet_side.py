@@ -5,9 +5,13 @@ and one way of offering the device to the kubelet.
     side = parts.kubelet_side(settings, mode, wiring)   # DevicePluginSide or DraSide
     await side.run()           until cancelled: serve, register, stay registered
     await side.hand_over(t)    on a stop: serve on until a successor of ours is ready
+                               (hand_over_on_stop: only when the agent is ready)
     side.begin_stop()          the stop's first moment (the kubelet must see it at once)
     await side.close()         bounded by side.close_bound_s
     side.snapshot(obs, checked).ready() / .status()
+
+The side is given only what it asks of the agent (Wiring, each collaborator typed by a Protocol
+of this module or a callback), and reports what it did as outcomes, never a metric's series.
 
 A third protocol is its name in modes.Protocol, one class implementing KubeletSide and one row of
 parts.ROWS, which carries everything else the agent asks of a protocol (tests/test_parts.py runs a
