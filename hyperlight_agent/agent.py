@@ -11,12 +11,13 @@ Construct it inside the running event loop (asyncio objects bind to it on Python
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 from typing import Any, Callable, Mapping, Optional
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from hyperlight_agent import __version__, contracts, modes, parts, peers, waits
 from hyperlight_agent.config import Settings
@@ -27,9 +28,9 @@ from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.files import labels
 from hyperlight_agent.files.watcher import CONTENT, NAMES, DirectoryWatcher
 from hyperlight_agent.host import journal, probes, successor
-from hyperlight_agent.host.metrics import Metrics
 from hyperlight_agent.host.notify import Notifier
-from hyperlight_agent.kubelet_side import Snapshot, Wiring
+from hyperlight_agent.identity import Identity
+from hyperlight_agent.kubelet_side import Snapshot, Wiring, hand_over_on_stop
 from hyperlight_agent.reload import Reloader
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,15 @@ log = logging.getLogger(__name__)
 # A cap on the whole of _shutdown beyond what its parts bound themselves (the kubelet side's
 # close_bound_s, the probe helper's CLOSE_BOUND_S): only the last resort for a part that is stuck.
 SHUTDOWN_MARGIN_S = 0.5
+
+
+class Phase(enum.Enum):
+    """Where the agent is in its life: it only moves on, RUNNING first and STOPPING last."""
+
+    RUNNING = "running"  # from construction: serving, or on its way to
+    HANDED_OVER = "handed over"  # an in-place upgrade's child has the kubelet and the unit; a stop follows
+    HANDING_OVER = "handing over"  # a stop serves on until a successor is ready (close)
+    STOPPING = "stopping"  # STOPPING=1 said: the side, the checker and the helper close; nothing more is said
 
 
 class Agent:
@@ -52,21 +62,14 @@ class Agent:
         self._environ: Mapping[str, str] = environ if environ is not None else {}
         self.settings = settings
         self.mode = mode
+        self.phase = Phase.RUNNING
         self.notifier = notifier or Notifier(self._environ)
-        self.metrics = Metrics(
-            enabled=settings.metrics_address is not None,
-            build={
-                "version": __version__,
-                "commit": self._environ.get(contracts.COMMIT_ENV, "unknown"),
-                "mode": mode.name,
-            },
-            protocol=mode.protocol.value,
-            device_dir=settings.device_dir,
-            cdi=not mode.inventory_only,
-        )
+        self.metrics = parts.metrics(settings, mode, self._environ)
+        self.health_service = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self.readiness = probes.Readiness(self.health_service, self.notifier, advertised=self.metrics.advertised.set)
         # Metrics and the kubelet's httpGet probes: one small HTTP server per address (host/httpd.py);
         # the metrics port answers the probes' paths too (a scraper's or an operator's health check).
-        probe_routes = probes.routes(self._readiness)
+        probe_routes = probes.routes(self.readiness.answer)
         self.http_servers = probes.servers(
             {
                 "metrics_address": (settings.metrics_address, {**probe_routes, **self.metrics.routes()}),
@@ -74,8 +77,7 @@ class Agent:
             }
         )
         # Who we are to other instances of ours on this node (a successor, a predecessor): peers.py.
-        self.identity = peers.Identity.of(settings.instance or "", mode.protocol, mode.resource)
-        self.health_service = health.aio.HealthServicer()  # type: ignore[attr-defined]
+        self.identity = Identity.of(settings.instance or "", mode.protocol, mode.resource)
         self.watcher = DirectoryWatcher()
         self.observation = SharedObservation()
         self.helper = ProbeHelper(on_timeout=self.metrics.helper_timeouts.inc)
@@ -86,10 +88,8 @@ class Agent:
             on_result=self._on_check,
             keeper=self._newer_instance,
         )
-        # The NFD feature file: the main plugin's only (one writer).
-        self.labels = (
-            labels.Keeper(settings.nfd_features_dir) if settings.nfd_features_dir and not mode.inventory_only else None
-        )
+        features_dir = parts.features_dir(settings, mode)
+        self.labels = labels.Keeper(features_dir) if features_dir else None
         self._watch_files()
         # How the device reaches the kubelet: the device plugin's side, or DRA's (kubelet_side.py).
         self.side = parts.kubelet_side(
@@ -100,30 +100,29 @@ class Agent:
                 checker=self.checker,
                 identity=self.identity,
                 serve_ours=self._serve_ours,
-                metrics=self.metrics,
+                outcomes=self.metrics,
                 watcher=self.watcher,
                 on_change=self._status_changed,
                 environ=self._environ,
                 predecessor=lambda: self.notifier.predecessor,
-                upgrading=lambda: self.upgrades.state is peers.UpgradeState.RUNNING,
+                upgrading=lambda: self.upgrader.upgrading,
             ),
         )
         self._stop = asyncio.Event()
         self._interval_changed = asyncio.Event()
         self._tasks: list[asyncio.Future[Any]] = []
-        self._stopping = False
-        self._handing_over = False
-        self._handed_over = False  # an in-place upgrade's child has the kubelet and the unit
-        self.upgrades = successor.Record()
-        # The agent an in-place upgrade replaced with us (0: none), for the upgrade command.
-        self._replaced = self.notifier.predecessor or 0
-        self._upgrade: Optional[asyncio.Future[None]] = None
-        self.reloader = Reloader(
-            reload, lambda: self.settings, self._apply_reload, self.notifier, on_refused=self._forget_status
+        self.upgrader = successor.Upgrader(
+            settings.instance,
+            self._environ,
+            self.side,
+            self.notifier,
+            ready=lambda: self.ready,
+            handed_over=self._upgraded,
+            on_change=self._status_changed,
         )
-        self._last_status = ""
-        self._serving: Optional[bool] = None
-        self._health_update: Optional[asyncio.Future[None]] = None
+        self.reloader = Reloader(
+            reload, lambda: self.settings, self._apply_reload, self.notifier, on_refused=self.readiness.forget_status
+        )
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -138,12 +137,10 @@ class Agent:
         )
         self._status_changed()
         self.checker.request()
-        services = contracts.HEALTH_SERVICES
-        await self.health_service.set(services["liveness"], health_pb2.HealthCheckResponse.SERVING)
-        await self.health_service.set(services["readiness"], health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.readiness.start()
         jobs = [self.side.run(), self.watcher.run(), self._periodic_checks()]
         if self.notifier.predecessor is not None:
-            jobs.append(self._predecessor_gone(self.notifier.predecessor))
+            jobs.append(self.upgrader.predecessor_gone(self.notifier.predecessor))
         if self.notifier.watchdog_interval is not None:
             jobs.append(self._watchdog(self.notifier.watchdog_interval))
         jobs += [server.run() for server in self.http_servers]
@@ -170,15 +167,12 @@ class Agent:
         device plugin's streams end), the side closes (calls in flight get transport.STOP_GRACE_S),
         then the helper is stopped. The CDI spec stays: containers created during an agent restart
         still resolve it."""
-        if self._stopping or self._handing_over:
+        if self.phase in (Phase.HANDING_OVER, Phase.STOPPING):
             return
-        # Only a ready agent has something to hand over. An unready one is also one the DaemonSet
-        # controller replaces only after it is gone (it surges for available pods only): waiting
-        # for a successor would only delay the replacement by handover_seconds.
-        if self.settings.handover_seconds > 0 and self.ready and not self._handed_over:
-            self._handing_over = True
-            await self._hand_over(self.settings.handover_seconds)
-        self._stopping = True
+        if self.phase is Phase.RUNNING:  # (HANDED_OVER: the kubelet and the unit are the child's already)
+            self.phase = Phase.HANDING_OVER
+            await hand_over_on_stop(self.side, self.settings.handover_seconds, self.ready)
+        self.phase = Phase.STOPPING
         log.info("stopping")
         self.notifier.stopping()
         self.side.begin_stop()
@@ -186,7 +180,7 @@ class Agent:
         # log after "stopping" (and a first check may still be running this early).
         self.checker.cancel()
         reloading = self.reloader.stop()
-        upgrading = self._upgrade if self._upgrade is not None and not self._upgrade.done() else None
+        upgrading = self.upgrader.under_way()
         tasks = [*self._tasks, *([reloading] if reloading else []), *([upgrading] if upgrading else [])]
         for task in tasks:
             task.cancel()
@@ -206,14 +200,6 @@ class Agent:
         """The most a shutdown after the handover takes: the side's close, then the helper's."""
         return self.side.close_bound_s + CLOSE_BOUND_S + SHUTDOWN_MARGIN_S
 
-    async def _hand_over(self, timeout: float) -> None:
-        log.info("stop requested: serving until a successor is ready (up to %g s)", timeout)
-        successor = await self.side.hand_over(timeout)
-        if successor:
-            log.info("handing over to %s", successor)
-        else:
-            log.info("no successor within %g s", timeout)
-
     async def _shutdown(self) -> None:
         await self.side.close()
         await self.checker.close()
@@ -225,89 +211,13 @@ class Agent:
 
     def upgrade(self) -> None:
         """Replace this process with the code installed now, without a gap (SIGUSR2): host/successor.py."""
-        if self._stopping or self._handing_over or self._handed_over:
-            return
-        if self._upgrade is not None and not self._upgrade.done():
-            log.info("in-place upgrade requested: one is already under way")
-            return
-        if not self.notifier.under_systemd or self.notifier.predecessor is not None:
-            # Only systemd can be told that the new process is the one to watch; and until our
-            # predecessor is gone we are not yet the unit's main process.
-            why = "not under systemd" if not self.notifier.under_systemd else "still taking over"
-            self.upgrades.attempts += 1
-            self.upgrades.state, self.upgrades.why = (
-                peers.UpgradeState.FAILED,
-                f"in-place upgrades need systemd's notify socket ({why})",
-            )
-            log.warning("in-place upgrade refused: %s", self.upgrades.why)
-            return
-        self._upgrade = asyncio.ensure_future(self._upgrade_in_place())
+        if self.phase is Phase.RUNNING:
+            self.upgrader.request()
 
-    async def _upgrade_in_place(self) -> None:
-        record = self.upgrades
-        record.attempts += 1
-        record.state, record.why, record.pid, record.agreed = peers.UpgradeState.RUNNING, "", 0, 0
-        log.info("in-place upgrade requested: starting the installed agent beside this one")
-        self.notifier.reloading("upgrading in place: starting the installed agent")
-        # A ready agent waits for a ready child; an unready one has no readiness to keep, and
-        # only needs the child serving.
-        require_ready = self.ready
-
-        def seen(child: peers.Description) -> None:
-            """The child's answers while we wait for it: it asks before it registers."""
-            if (
-                child.registering
-                and record.state is peers.UpgradeState.RUNNING
-                and record.agreed != child.identity.pid
-                and not self.side.registration_in_flight()  # the child asks again: ours goes first
-            ):
-                record.agreed = child.identity.pid
-                log.info("in-place upgrade: the new agent (pid %d) may register with the kubelet", record.agreed)
-
-        def started(pid: int) -> None:
-            record.pid = pid
-
-        pid, said = await successor.replace_self(
-            self.settings.instance,
-            self._environ,
-            lambda pid: self.side.hand_over(successor.READY_TIMEOUT_S, pid=pid, require_ready=require_ready, seen=seen),
-            hand_off=lambda pid: self.notifier.hand_off(pid, f"handed over to pid {pid} in an in-place upgrade"),
-            started=started,
-        )
-        if pid is None:
-            registered = record.agreed != 0
-            record.state, record.why = peers.UpgradeState.FAILED, said
-            log.warning("in-place upgrade failed: %s; this agent (%s) serves on", said, __version__)
-            self.notifier.reloaded()
-            # The child is gone; if it may have registered, the kubelet's endpoint or device list
-            # may be its, not ours.
-            self.side.after_failed_hand_over(registered)
-            return
-        record.state, record.pid = peers.UpgradeState.DONE, pid
-        log.info("in-place upgrade: handed over to pid %d (%s); leaving", pid, said)
-        self._handed_over = True
+    def _upgraded(self) -> None:
+        """An in-place upgrade's child has the kubelet and the unit: we leave."""
+        self.phase = Phase.HANDED_OVER
         self.stop()
-
-    async def _predecessor_gone(self, pid: int) -> None:
-        """We are an in-place upgrade's child: once the agent we replace has exited, we are the
-        unit's main process and speak for it."""
-        try:
-            pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            pidfd = -1
-        if pidfd >= 0:
-            gone = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            loop.add_reader(pidfd, gone.set)
-            try:
-                await gone.wait()
-            finally:
-                loop.remove_reader(pidfd)
-                os.close(pidfd)
-        log.info("the agent we replaced (pid %d) has exited: this process speaks for the unit", pid)
-        self.notifier.take_over()
-        self._status_changed()  # READY=1 now if we are ready (it was not ours to say before)
-        await asyncio.Event().wait()  # an agent task runs until cancelled
 
     def _apply_reload(self, new: Settings) -> None:
         if new.check_interval_seconds != self.settings.check_interval_seconds:
@@ -329,7 +239,7 @@ class Agent:
 
     def _described(self) -> dict[str, Any]:
         """What Describe adds to who we are: how our side stands, and our in-place upgrades."""
-        return {**self.side.described(), "replaced": self._replaced, **self.upgrades.said()}
+        return {**self.side.described(), **self.upgrader.said()}
 
     async def _watchdog(self, interval: float) -> None:
         """WATCHDOG=1 from the loop that does the work: if the loop wedges, systemd restarts us."""
@@ -376,7 +286,7 @@ class Agent:
 
     def _labels_changed(self) -> None:
         """Someone changed the feature file: put it right (once a check has said what it says)."""
-        if self.labels is not None and self.observation.version > 0 and not self._stopping:
+        if self.labels is not None and self.observation.version > 0 and self.phase is not Phase.STOPPING:
             self.labels.sync(self.observation.current.hypervisor)
 
     async def _newer_instance(self) -> Optional[str]:
@@ -396,29 +306,6 @@ class Agent:
     def status(self) -> str:
         return self.snapshot().status()
 
-    def _readiness(self) -> tuple[bool, str]:
-        """What the httpGet readiness probe answers: what the gRPC health service says."""
-        return self._serving is True, self._last_status
-
-    def _forget_status(self) -> None:
-        self._last_status = ""  # something else took systemd's status line: say ours again
-
     def _status_changed(self) -> None:
-        if self._stopping:
-            return  # after STOPPING=1 nothing more is said
-        snapshot = self.snapshot()
-        text = snapshot.status()
-        if text != self._last_status:
-            self._last_status = text
-            log.info("status: %s", text)
-            self.notifier.status(text)
-        ready = snapshot.ready()
-        self.metrics.advertised.set(snapshot.slots if ready else 0)
-        if ready:
-            self.notifier.ready()
-        if ready != self._serving:
-            self._serving = ready
-            status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-            self._health_update = asyncio.ensure_future(
-                self.health_service.set(contracts.HEALTH_SERVICES["readiness"], status)
-            )
+        if self.phase is not Phase.STOPPING:  # after STOPPING=1 nothing more is said
+            self.readiness.changed(self.snapshot())

@@ -5,9 +5,13 @@ and one way of offering the device to the kubelet.
     side = parts.kubelet_side(settings, mode, wiring)   # DevicePluginSide or DraSide
     await side.run()           until cancelled: serve, register, stay registered
     await side.hand_over(t)    on a stop: serve on until a successor of ours is ready
+                               (hand_over_on_stop: only when the agent is ready)
     side.begin_stop()          the stop's first moment (the kubelet must see it at once)
     await side.close()         bounded by side.close_bound_s
     side.snapshot(obs, checked).ready() / .status()
+
+The side is given only what it asks of the agent (Wiring, each collaborator typed by a Protocol
+of this module or a callback), and reports what it did as outcomes, never a metric's series.
 
 A third protocol is its name in modes.Protocol, one class implementing KubeletSide and one row of
 parts.ROWS, which carries everything else the agent asks of a protocol (tests/test_parts.py runs a
@@ -16,17 +20,20 @@ toy one through the agent).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, TypeVar
+
+from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.identity import Description, Identity
 
 if TYPE_CHECKING:
-    import grpc
+    import grpc  # the sides' modules load it; this one need not
 
-    from hyperlight_agent import peers
-    from hyperlight_agent.device.checker import Checker
-    from hyperlight_agent.device.observation import Observation, SharedObservation
-    from hyperlight_agent.files.watcher import DirectoryWatcher
-    from hyperlight_agent.host.metrics import Metrics
+log = logging.getLogger(__name__)
+
+# A side's target: what parts.py builds from the settings for it (DevicePluginTarget, DraTarget).
+Target_contra = TypeVar("Target_contra", contravariant=True)
 
 
 class Snapshot(Protocol):
@@ -44,17 +51,68 @@ class Snapshot(Protocol):
     def status(self) -> str: ...
 
 
+class Checks(Protocol):
+    """A fresh device check (device/checker.py's Checker)."""
+
+    async def check(self, timeout: Optional[float] = None) -> Observation: ...
+
+
+class Watches(Protocol):
+    """Directories watched for wake-ups (files/watcher.py's DirectoryWatcher)."""
+
+    def watch(self, directory: str, callback: Callable[[str], None], names: Optional[set[str]] = None) -> None:
+        """Call callback(name) when an entry in directory changes (only `names` if given)."""
+        ...
+
+    def watching(self, directory: str) -> bool:
+        """Whether `directory` has a live watch now."""
+        ...
+
+
+class Outcomes(Protocol):
+    """What a side reports of what it did, each as one outcome (host/metrics.py's Metrics counts
+    them; a side never sees a series)."""
+
+    def streams_open(self, streams: int) -> None:
+        """The device plugin's ListAndWatch streams open now."""
+        ...
+
+    def allocated(self, outcome: str) -> None:
+        """An Allocate's outcome ("ok", "invalid", "unavailable")."""
+        ...
+
+    def registrar_totals(self, registrations: int, kubelet_restarts: int, streams_lost: int) -> None:
+        """The device plugin registrar's running totals."""
+        ...
+
+    def dra_call(self, operation: str, seconds: float, ok: int, failed: int) -> None:
+        """A NodePrepareResources or NodeUnprepareResources answered: its claims ok and failed."""
+        ...
+
+    def dra_event(self, kind: str, *labels: str) -> None:
+        """What the ResourceSlice publisher reports (dra/slices.py: on_event)."""
+        ...
+
+    def dra_health_stream(self, delta: int) -> None:
+        """A resource-health stream opened (+1) or ended (-1)."""
+        ...
+
+    def dra_taint(self, effect: str) -> None:
+        """The effect of the taint the slice's device carries now ("" none)."""
+        ...
+
+
 @dataclass(frozen=True)
 class Wiring:
-    """What the agent gives its kubelet side: its collaborators, wired in once. (Not "shared":
-    that word is the DRA slice's one shared device's.)"""
+    """What the agent gives its kubelet side: its collaborators, wired in once, each typed by what
+    the side asks of it. (Not "shared": that word is the DRA slice's one shared device's.)"""
 
     observation: SharedObservation  # the device check's result, versioned and broadcast
-    checker: Checker  # check(timeout=...): a fresh device check
-    identity: peers.Identity  # who we are to other instances of ours on the node
+    checker: Checks  # check(timeout=...): a fresh device check
+    identity: Identity  # who we are to other instances of ours on the node
     serve_ours: Callable[[grpc.aio.Server], None]  # adds the health service and Describe to a server
-    metrics: Metrics
-    watcher: DirectoryWatcher  # the side adds its directories' watches
+    outcomes: Outcomes  # what the side did (the agent's metrics)
+    watcher: Watches  # the side adds its directories' watches
     on_change: Callable[[], None]  # readiness or status may have changed
     environ: Mapping[str, str]  # the process environment (the entry point's)
     # The agent an in-place upgrade replaces with us, while it lives (host/successor.py): None
@@ -64,7 +122,7 @@ class Wiring:
     upgrading: Callable[[], bool] = lambda: False
 
 
-class KubeletSide(Protocol):
+class KubeletSide(Protocol[Target_contra]):
     # How long close() may take at most (its stop grace and any wait the kubelet needs).
     close_bound_s: float
 
@@ -81,7 +139,7 @@ class KubeletSide(Protocol):
         timeout: float,
         pid: Optional[int] = None,
         require_ready: bool = True,
-        seen: Optional[Callable[[peers.Description], None]] = None,
+        seen: Optional[Callable[[Description], None]] = None,
     ) -> Optional[str]:
         """Serve on until a successor instance of ours is ready (without `require_ready`: answers), at
         most `timeout` s (with `pid`, only that process counts, and `seen` gets each of its
@@ -117,9 +175,26 @@ class KubeletSide(Protocol):
         """A live instance of ours for the same resource that started after us (peers.py)."""
         ...
 
-    def reconfigure(self, target: Any) -> None:
-        """A reload's new target (parts.side_target); restart-only settings are unchanged."""
+    def reconfigure(self, target: Target_contra) -> None:
+        """A reload's new target, of the kind the side was built from (parts.side_target);
+        restart-only settings are unchanged."""
         ...
+
+
+async def hand_over_on_stop(side: KubeletSide[Any], timeout: float, ready: bool) -> None:
+    """A stop's first part, with handover_seconds (`timeout`) set: the side serves on until a
+    successor of ours is ready and the kubelet is done with us (its hand_over), at most `timeout`.
+    Only a ready agent has something to hand over. An unready one is also one the DaemonSet
+    controller replaces only after it is gone (it surges for available pods only): waiting for a
+    successor would only delay the replacement by handover_seconds."""
+    if timeout <= 0 or not ready:
+        return
+    log.info("stop requested: serving until a successor is ready (up to %g s)", timeout)
+    successor = await side.hand_over(timeout)
+    if successor:
+        log.info("handing over to %s", successor)
+    else:
+        log.info("no successor within %g s", timeout)
 
 
 def count(n: int, word: str) -> str:

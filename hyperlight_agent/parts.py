@@ -1,8 +1,9 @@
-"""The translation of the settings and the mode into what each part of the agent is built from:
-the checker's CheckTarget, and the kubelet side for the mode's protocol with its target (the
-device plugin's DevicePluginTarget, the DRA side's DraTarget). On a reload the agent builds the
-targets again from the new settings, so no part reads Settings itself; the agent reads only what
-it acts on (the directories it watches, the check interval, the handover time).
+"""The translation of the settings and the mode into what each part of the agent is built from: the
+checker's CheckTarget, the metrics (the mode's series), the NFD feature file's directory, and the
+kubelet side for the mode's protocol with its target (the device plugin's DevicePluginTarget, the
+DRA side's DraTarget). On a reload the agent builds the targets again from the new settings, so no
+part reads Settings itself; the agent reads only what it acts on (the directories it watches, the
+check interval, the handover time).
 
 A kubelet protocol is one row of ROWS (ProtocolRow): everything the rest of the agent asks of it,
 so that nothing else branches on the protocol. A third protocol is its name in modes.Protocol, one
@@ -15,9 +16,9 @@ import asyncio
 import os
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, Optional, TypeVar
 
-from hyperlight_agent import contracts, modes
+from hyperlight_agent import __version__, contracts, modes
 from hyperlight_agent.config import Settings
 from hyperlight_agent.contracts import instance_socket_name
 from hyperlight_agent.device.checker import CheckTarget
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from hyperlight_agent.deviceplugin.servicer import Profile
     from hyperlight_agent.deviceplugin.side import DevicePluginTarget
     from hyperlight_agent.dra.side import DraTarget
+    from hyperlight_agent.host.metrics import Metrics
     from hyperlight_agent.kubelet_side import KubeletSide, Wiring
 
 
@@ -44,6 +46,24 @@ def check_target(settings: Settings, mode: modes.Mode, read_only: bool = False) 
         inventory_only=mode.inventory_only,
         read_only=read_only,
     )
+
+
+def metrics(settings: Settings, mode: modes.Mode, environ: Mapping[str, str]) -> Metrics:
+    """The mode's series, served only when metrics_address is set; the build's labels."""
+    from hyperlight_agent.host.metrics import Metrics  # the agent's only: not for --check
+
+    return Metrics(
+        enabled=settings.metrics_address is not None,
+        build={"version": __version__, "commit": environ.get(contracts.COMMIT_ENV, "unknown"), "mode": mode.name},
+        protocol=mode.protocol.value,
+        device_dir=settings.device_dir,
+        cdi=not mode.inventory_only,
+    )
+
+
+def features_dir(settings: Settings, mode: modes.Mode) -> Optional[str]:
+    """Where the NFD feature file is kept, if anywhere: the main plugin's only (one writer)."""
+    return settings.nfd_features_dir if settings.nfd_features_dir and not mode.inventory_only else None
 
 
 def profile(settings: Settings, mode: modes.Mode) -> Profile:
@@ -82,13 +102,13 @@ def dra_target(settings: Settings, mode: modes.Mode) -> DraTarget:
     )
 
 
-def _device_plugin_side(target: Any, wiring: Wiring) -> KubeletSide:
+def _device_plugin_side(target: DevicePluginTarget, wiring: Wiring) -> KubeletSide[DevicePluginTarget]:
     from hyperlight_agent.deviceplugin.side import DevicePluginSide
 
     return DevicePluginSide(target, wiring)
 
 
-def _dra_side(target: Any, wiring: Wiring) -> KubeletSide:
+def _dra_side(target: DraTarget, wiring: Wiring) -> KubeletSide[DraTarget]:
     from hyperlight_agent.dra.side import DraSide  # the DRA mode's modules only in that mode
 
     return DraSide(target, wiring)
@@ -119,15 +139,19 @@ def _dra_preflight(settings: Settings, mode: modes.Mode, environ: Mapping[str, s
     return asyncio.run(preflight.api(settings.kubeconfig, dra_target(settings, mode).node_name, environ))
 
 
+# A row's target: what its side is built from, and built again from on a reload.
+T = TypeVar("T")
+
+
 @dataclass(frozen=True)
-class ProtocolRow:
+class ProtocolRow(Generic[T]):
     """One kubelet protocol, whole: what the agent, `--check`, the exec probes and the settings ask
     of it. The callables import the protocol's modules only when called (grpc, the API client), so
     `--check` and `--health-check` load this module without them."""
 
     # Its side's target from the settings (built again on a reload), and its side from the target.
-    target: Callable[[Settings, modes.Mode], Any]
-    side: Callable[[Any, Wiring], KubeletSide]
+    target: Callable[[Settings, modes.Mode], T]
+    side: Callable[[T, Wiring], KubeletSide[T]]
     # The socket a running agent of a mode serves its health service on (the exec probes ask
     # there), for the instance the settings name.
     health_socket: Callable[[Settings, modes.Mode], str]
@@ -142,31 +166,33 @@ class ProtocolRow:
     preflight: Optional[Callable[[Settings, modes.Mode, Mapping[str, str]], Lines]] = None
 
 
-ROWS: dict[modes.Protocol, ProtocolRow] = {
-    modes.Protocol.DEVICE_PLUGIN: ProtocolRow(
-        device_plugin_target, _device_plugin_side, _device_plugin_health_socket, _device_plugin_instances
-    ),
-    modes.Protocol.DRA: ProtocolRow(
-        dra_target,
-        _dra_side,
-        _dra_health_socket,
-        _dra_instances,
-        shortest_names=names.SHORTEST_NAMES,
-        preflight=_dra_preflight,
-    ),
-}
+# Each row typed by its own target, so that its target and its side are checked to agree; the
+# table holds rows of every target.
+_DEVICE_PLUGIN: ProtocolRow[DevicePluginTarget] = ProtocolRow(
+    device_plugin_target, _device_plugin_side, _device_plugin_health_socket, _device_plugin_instances
+)
+_DRA: ProtocolRow[DraTarget] = ProtocolRow(
+    dra_target,
+    _dra_side,
+    _dra_health_socket,
+    _dra_instances,
+    shortest_names=names.SHORTEST_NAMES,
+    preflight=_dra_preflight,
+)
+ROWS: dict[modes.Protocol, ProtocolRow[Any]] = {modes.Protocol.DEVICE_PLUGIN: _DEVICE_PLUGIN, modes.Protocol.DRA: _DRA}
 
 
-def row(mode: modes.Mode) -> ProtocolRow:
+def row(mode: modes.Mode) -> ProtocolRow[Any]:
     """The row of the protocol the mode speaks."""
     return ROWS[mode.protocol]
 
 
 def side_target(settings: Settings, mode: modes.Mode) -> Any:
-    """The mode's kubelet side's target (built again on a reload)."""
+    """The mode's kubelet side's target (built again on a reload), of the kind its row's side
+    takes: the rows differ in it, so the table says Any and each row is checked whole."""
     return row(mode).target(settings, mode)
 
 
-def kubelet_side(settings: Settings, mode: modes.Mode, wiring: Wiring) -> KubeletSide:
+def kubelet_side(settings: Settings, mode: modes.Mode, wiring: Wiring) -> KubeletSide[Any]:
     found = row(mode)
     return found.side(found.target(settings, mode), wiring)

@@ -40,17 +40,15 @@ import asyncio
 import contextlib
 import enum
 import json
-import os
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional
 
 import grpc
 
-from hyperlight_agent import __version__, transport, waits
+from hyperlight_agent import transport, waits
 from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.identity import AGENT, Description, Identity
 
-AGENT = "hyperlight-agent"
 SERVICE = "hyperlight.agent.v1.Instance"
 DESCRIBE = f"/{SERVICE}/Describe"
 # An instance of ours answers in milliseconds; one that does not within this is not a successor.
@@ -66,10 +64,6 @@ MAX_ANSWER_BYTES = 4096
 HOLD_POLL_S = 1.0
 
 
-def boottime_ns() -> int:
-    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
-
-
 class UpgradeState(str, enum.Enum):
     """How an instance's last in-place upgrade stands, as its Describe says it (`upgrade.state`;
     the values are the wire's: peers of other releases read them)."""
@@ -78,56 +72,6 @@ class UpgradeState(str, enum.Enum):
     RUNNING = "running"  # a child started, not yet handed over to
     DONE = "done"  # the child (`pid`) took over; we are leaving
     FAILED = "failed"  # the child is gone again (`why`); we serve on
-
-
-@dataclass(frozen=True)
-class Identity:
-    """Who an instance is: fixed for its life."""
-
-    instance: str  # its instance name ("" under systemd without one)
-    protocol: str  # "deviceplugin" or "dra"
-    resource: str  # the device plugin's resource name, or the DRA driver's name
-    started: int  # boottime_ns() at its start
-    pid: int
-    version: str = __version__
-    agent: str = AGENT
-
-    @classmethod
-    def of(cls, instance: str, protocol: str, resource: str) -> Identity:
-        return cls(instance, protocol, resource, boottime_ns(), os.getpid())
-
-    @property
-    def name(self) -> str:
-        """How a log line names the instance."""
-        return self.instance or f"pid {self.pid}"
-
-    def same_kind(self, other: Identity) -> bool:
-        """Another instance of ours serving the same resource over the same protocol."""
-        return (other.agent, other.protocol, other.resource) == (self.agent, self.protocol, self.resource)
-
-    def is_newer_than(self, other: Identity) -> bool:
-        """Started later (ties broken by instance name, then pid: a total order)."""
-        return (self.started, self.instance, self.pid) > (other.started, other.instance, other.pid)
-
-
-@dataclass(frozen=True)
-class Description:
-    """What another instance answered: who it is, and how it stood then."""
-
-    identity: Identity
-    ready: bool
-    path: str  # the socket it answered on
-    # How its in-place upgrades stand (host/successor.py, Record); None from an instance that
-    # cannot upgrade in place (an earlier release).
-    upgrade: Optional[Mapping[str, Any]] = None
-    # Ready but for what it shares with its peers (an earlier release's: its readiness).
-    serving: bool = False
-    # The kubelet's calls it has received (None from an earlier release: unknown).
-    calls: Optional[int] = None
-    # It waits for its predecessor's agreement before it registers (host/successor.py).
-    registering: bool = False
-    # The pid of the agent an in-place upgrade replaced with it (0: none).
-    replaced: int = 0
 
 
 def describe_handler(

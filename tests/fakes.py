@@ -146,10 +146,10 @@ def wiring(
 ) -> Any:
     """What an agent gives its kubelet side (kubelet_side.Wiring), with a FakeChecker, metrics
     off, a watcher nobody runs and one healthy check already done: for building a side on its own."""
-    from hyperlight_agent import peers
     from hyperlight_agent.device.observation import SharedObservation
     from hyperlight_agent.files.watcher import DirectoryWatcher
     from hyperlight_agent.host.metrics import Metrics
+    from hyperlight_agent.identity import Identity
     from hyperlight_agent.kubelet_side import Wiring
 
     observation = SharedObservation()
@@ -157,9 +157,9 @@ def wiring(
     return Wiring(
         observation=observation,
         checker=checker or FakeChecker(),  # type: ignore[arg-type]
-        identity=identity or peers.Identity.of("test", "dra", "hypervisor.hyperlight.dev"),
+        identity=identity or Identity.of("test", "dra", "hypervisor.hyperlight.dev"),
         serve_ours=lambda server: None,
-        metrics=Metrics(enabled=False),
+        outcomes=Metrics(enabled=False),
         watcher=DirectoryWatcher(),
         on_change=on_change,
         environ={},

@@ -21,6 +21,7 @@ from hyperlight_agent.deviceplugin import handover
 from hyperlight_agent.dra import api as dra_api
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
 from hyperlight_agent.dra.side import DraSide, DraTarget, candidates
+from hyperlight_agent.identity import Identity
 from tests import fakes
 
 pytestmark = pytest.mark.usefixtures("quick_deregistration")
@@ -28,8 +29,8 @@ RESOURCE = contracts.RESOURCE_HYPERVISOR
 DRIVER = contracts.DRA_DRIVER
 
 
-def me(protocol: str = "deviceplugin", resource: str = RESOURCE, instance: str = "old") -> peers.Identity:
-    return peers.Identity.of(instance, protocol, resource)
+def me(protocol: str = "deviceplugin", resource: str = RESOURCE, instance: str = "old") -> Identity:
+    return Identity.of(instance, protocol, resource)
 
 
 class Server:
@@ -44,7 +45,7 @@ class Server:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         return self
 
-    def with_describe(self, identity: peers.Identity, ready: bool = True) -> Server:
+    def with_describe(self, identity: Identity, ready: bool = True) -> Server:
         self.server.add_generic_rpc_handlers([peers.describe_handler(identity, lambda: ready)])
         return self
 
@@ -117,11 +118,11 @@ def test_candidates_are_sockets_named_like_ours_for_the_same_resource(tmp: str) 
 
 
 def test_identities_order_by_start_then_name() -> None:
-    a = peers.Identity("a", "dra", DRIVER, started=10, pid=1)
-    b = peers.Identity("b", "dra", DRIVER, started=20, pid=2)
+    a = Identity("a", "dra", DRIVER, started=10, pid=1)
+    b = Identity("b", "dra", DRIVER, started=20, pid=2)
     assert b.is_newer_than(a) and not a.is_newer_than(b)
-    assert peers.Identity("b", "dra", DRIVER, 10, 1).is_newer_than(a)  # a tie: the name decides
-    assert a.same_kind(b) and not a.same_kind(peers.Identity("c", "deviceplugin", RESOURCE, 30, 3))
+    assert Identity("b", "dra", DRIVER, 10, 1).is_newer_than(a)  # a tie: the name decides
+    assert a.same_kind(b) and not a.same_kind(Identity("c", "deviceplugin", RESOURCE, 30, 3))
 
 
 # 15: a bare gRPC health server at a name like ours, SERVING, is no successor.
@@ -190,11 +191,11 @@ def dra_driver(tmp: str, instance: str = "old") -> DraSide:
     os.makedirs(registry, exist_ok=True)
     return DraSide(
         DraTarget("node1", instance, 4, None, registry, plugins),
-        fakes.wiring(identity=peers.Identity.of(instance, "dra", DRIVER)),
+        fakes.wiring(identity=Identity.of(instance, "dra", DRIVER)),
     )
 
 
-async def registered_driver(tmp: str, name: str, sock: str, identity: Optional[peers.Identity]) -> list[Server]:
+async def registered_driver(tmp: str, name: str, sock: str, identity: Optional[Identity]) -> list[Server]:
     """A DRA driver's registration socket naming `name`, and its service socket (health SERVING,
     Describe when an identity is given)."""
     endpoint = os.path.join(tmp, f"{sock}-service.sock")
@@ -211,12 +212,12 @@ async def test_a_foreign_dra_driver_is_no_successor(tmp: str) -> None:
     await driver.registrar.start()
     servers = await registered_driver(tmp, "gpu.other-vendor.example", "dra-0a1b2c", None)
     servers += await registered_driver(
-        tmp, "gpu.other-vendor.example", "dra-3d4e5f", peers.Identity.of("x", "dra", "gpu.other-vendor.example")
+        tmp, "gpu.other-vendor.example", "dra-3d4e5f", Identity.of("x", "dra", "gpu.other-vendor.example")
     )
     try:
         assert len(candidates(driver._registry_dir, DRIVER, driver.registrar.registration_socket)) == 2
         assert await driver.hand_over(0.5) is None
-        ours = await registered_driver(tmp, DRIVER, f"{DRIVER}-new", peers.Identity.of("new", "dra", DRIVER))
+        ours = await registered_driver(tmp, DRIVER, f"{DRIVER}-new", Identity.of("new", "dra", DRIVER))
         servers += ours
         assert await driver.hand_over(5) == ours[0].path
     finally:
@@ -241,13 +242,13 @@ async def test_the_dra_successor_search_ends_by_its_deadline_whatever_the_socket
 
 
 async def test_a_newer_live_instance_is_found_and_an_older_one_is_not(tmp: str) -> None:
-    older = peers.Identity.of("older", "dra", DRIVER)
+    older = Identity.of("older", "dra", DRIVER)
     driver = dra_driver(tmp, "middle")
     await driver.registrar.start()
     servers = await registered_driver(tmp, DRIVER, f"{DRIVER}-older", older)
     try:
         assert await driver.newer_instance() is None
-        servers += await registered_driver(tmp, DRIVER, f"{DRIVER}-newest", peers.Identity.of("newest", "dra", DRIVER))
+        servers += await registered_driver(tmp, DRIVER, f"{DRIVER}-newest", Identity.of("newest", "dra", DRIVER))
         assert await driver.newer_instance() == "newest"
     finally:
         for server in servers:

@@ -20,6 +20,7 @@ import pytest
 
 from hyperlight_agent import __version__, contracts, peers
 from hyperlight_agent.host import upgrade
+from hyperlight_agent.identity import Identity, boottime_ns
 from standin import kubelet as standin
 from standin import procs
 from standin.kubelet import KubeletStandin, StandinThread
@@ -309,7 +310,7 @@ async def test_a_successor_that_answers_only_after_the_old_agent_left_is_waited_
     command asks again rather than call the upgrade failed (it did, under load: the .deb's
     `systemctl reload` failed in CI while the new agent served on)."""
     old_agent = await anyio.open_process(["sleep", "60"])  # SIGUSR2 ends it: the old agent leaving
-    old = peers.Identity("", "deviceplugin", R, peers.boottime_ns(), old_agent.pid)
+    old = Identity("", "deviceplugin", R, boottime_ns(), old_agent.pid)
     server = Server(os.path.join(tmp, contracts.PLUGIN_SOCKET))
     server.server.add_generic_rpc_handlers(
         [peers.describe_handler(old, lambda: True, lambda: {"upgrade": {"attempts": 0, "state": "idle"}})]
@@ -321,7 +322,7 @@ async def test_a_successor_that_answers_only_after_the_old_agent_left_is_waited_
         await old_agent.wait()  # the old agent has left (and is reaped)
         await server.stop()
         await anyio.sleep(2 * peers.PEER_TIMEOUT_S)  # between two sockets, longer than one answer's bound
-        new = peers.Identity("host-g0123abcd", "deviceplugin", R, peers.boottime_ns(), os.getpid())
+        new = Identity("host-g0123abcd", "deviceplugin", R, boottime_ns(), os.getpid())
         await successor.with_describe(new).start()
 
     try:
@@ -338,9 +339,9 @@ async def test_a_second_command_joins_the_upgrade_under_way_and_says_its_outcome
     the second command found the upgrade running, waited for a new agent started after *it*, and
     answered 1 ("no new agent answered") for an upgrade that succeeded."""
     old_agent = await anyio.open_process(["sleep", "60"])
-    old = peers.Identity("", "deviceplugin", R, peers.boottime_ns(), old_agent.pid)
+    old = Identity("", "deviceplugin", R, boottime_ns(), old_agent.pid)
     # The child the first command's upgrade started: before this command did.
-    child = peers.Identity("host-g0123abcd", "deviceplugin", R, peers.boottime_ns(), os.getpid())
+    child = Identity("host-g0123abcd", "deviceplugin", R, boottime_ns(), os.getpid())
     asked = [0]
     following = anyio.Event()
 
@@ -374,7 +375,7 @@ async def test_a_second_command_joins_the_upgrade_under_way_and_says_its_outcome
 
 async def test_a_second_command_joining_an_upgrade_that_fails_says_so(tmp: str) -> None:
     old_agent = await anyio.open_process(["sleep", "60"])
-    old = peers.Identity("", "deviceplugin", R, peers.boottime_ns(), old_agent.pid)
+    old = Identity("", "deviceplugin", R, boottime_ns(), old_agent.pid)
     state = {"attempts": 1, "state": "running", "why": "", "pid": 7, "agreed": 0}
     asked = [0]
 

@@ -28,6 +28,7 @@ from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.files import sockets
 from hyperlight_agent.host import healthcheck
+from hyperlight_agent.identity import Description, Identity
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,14 @@ async def legacy_ready(path: str, timeout: float) -> bool:
 
 
 async def wait_for_successor(
-    me: peers.Identity,
+    me: Identity,
     kubelet_dir: str,
     base_socket: str,
     own: str,
     timeout: float,
     pid: Optional[int] = None,
     require_ready: bool = True,
-    seen: Optional[Callable[[peers.Description], None]] = None,
+    seen: Optional[Callable[[Description], None]] = None,
 ) -> Optional[str]:
     """The socket path of a ready successor (with `pid`, that process; without `require_ready`, one that
     answers; `seen` gets each of its answers), or None after `timeout` seconds without one."""

@@ -20,11 +20,11 @@ import grpc
 from hyperlight_agent import contracts, text
 from hyperlight_agent.config import ALLOCATION_BOTH, ALLOCATION_CDI, ALLOCATION_DEVICE_SPEC, MAX_DEVICE_COUNT
 from hyperlight_agent.device import hypervisors
-from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.files import cdi
+from hyperlight_agent.kubelet_side import Checks
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class DevicePluginServicer:
         self,
         profile: Profile,
         observation: SharedObservation,
-        checker: Checker,
+        checker: Checks,
         on_streams_changed: Optional[Callable[[int], None]] = None,
         on_allocate: Optional[Callable[[str], None]] = None,
     ) -> None:

@@ -18,6 +18,7 @@ from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.deviceplugin import api, handover
 from hyperlight_agent.deviceplugin.registration import Registrar, State
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
+from hyperlight_agent.identity import Description
 from hyperlight_agent.kubelet_side import Wiring, count
 
 log = logging.getLogger(__name__)
@@ -88,13 +89,12 @@ class DevicePluginSide:
         self.kubelet_dir = target.kubelet_dir
         self._base_socket = target.base_socket
         self.profile = target.profile
-        metrics = wiring.metrics
         self.servicer = DevicePluginServicer(
             self.profile,
             wiring.observation,
             wiring.checker,
-            on_streams_changed=metrics.open_streams.set,
-            on_allocate=lambda outcome: metrics.allocations.labels(outcome).inc(),
+            on_streams_changed=wiring.outcomes.streams_open,
+            on_allocate=wiring.outcomes.allocated,
         )
         self.registrar = Registrar(
             target.kubelet_dir,
@@ -123,7 +123,7 @@ class DevicePluginSide:
         timeout: float,
         pid: Optional[int] = None,
         require_ready: bool = True,
-        seen: Optional[Callable[[peers.Description], None]] = None,
+        seen: Optional[Callable[[Description], None]] = None,
     ) -> Optional[str]:
         successor = await handover.wait_for_successor(
             self._wiring.identity,
@@ -253,8 +253,7 @@ class DevicePluginSide:
         )
         return found.identity.name if found else None
 
-    def reconfigure(self, target: Any) -> None:
-        assert isinstance(target, DevicePluginTarget)
+    def reconfigure(self, target: DevicePluginTarget) -> None:
         self.profile = target.profile
         self.servicer.profile = target.profile
         self._wiring.observation.republish()  # streams resend the list (the slot count may have changed)
@@ -267,5 +266,5 @@ class DevicePluginSide:
 
     def _on_registrar(self) -> None:
         r = self.registrar
-        self._wiring.metrics.registrar_totals(r.registrations, r.kubelet_restarts, r.streams_lost)
+        self._wiring.outcomes.registrar_totals(r.registrations, r.kubelet_restarts, r.streams_lost)
         self._wiring.on_change()

@@ -41,6 +41,7 @@ from hyperlight_agent.dra.taints import Escalation, taint_for
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
 from hyperlight_agent.files import sockets
 from hyperlight_agent.host import healthcheck
+from hyperlight_agent.identity import Description
 from hyperlight_agent.kubelet_side import Wiring, count
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class DraSide:
             wiring.observation,
             self.health_devices,
             lambda: self.node_name,
-            on_stream=wiring.metrics.dra_health_stream,
+            on_stream=wiring.outcomes.dra_health_stream,
         )
         self._registered = asyncio.Event()  # the kubelet registered us (since the last time we were not)
         self.service = Service(
@@ -259,7 +260,7 @@ class DraSide:
             p is not None and p.shared,
         )
 
-    def reconfigure(self, target: Any) -> None:
+    def reconfigure(self, target: DraTarget) -> None:
         """Every DRA setting changes only on restart (the device check's follow on their own)."""
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -282,7 +283,7 @@ class DraSide:
                 newer=self.slice_keeper,
                 on_change=self._slice_changed,
                 shared=self._shared_device,
-                on_event=self._wiring.metrics.dra_event,
+                on_event=self._wiring.outcomes.dra_event,
             )
             tasks += [
                 asyncio.ensure_future(self._follow_checks(self.publisher)),
@@ -299,7 +300,7 @@ class DraSide:
         timeout: float,
         pid: Optional[int] = None,
         require_ready: bool = True,
-        seen: Optional[Callable[[peers.Description], None]] = None,
+        seen: Optional[Callable[[Description], None]] = None,
     ) -> Optional[str]:
         """On a stop: serve on until another instance of our driver on this node is registered
         and ready (a surge update, or a deleted pod's replacement), at most `timeout` seconds. The
@@ -476,7 +477,7 @@ class DraSide:
             self._device = device_info(observation) or self._device
             taint = taint_for(observation, self.escalation.effect())
             publisher.set_device(self._device, taint)
-            self._wiring.metrics.dra_taint(taint.effect if taint and publisher.taints and self._device else "")
+            self._wiring.outcomes.dra_taint(taint.effect if taint and publisher.taints and self._device else "")
             self.health.refresh()
 
     async def _checked(self) -> Observation:
@@ -510,7 +511,7 @@ class DraSide:
     def _prepared(self, operation: str, seconds: float, ok: int, failed: int) -> None:
         """After each Prepare or Unprepare: the metrics, and the health of a device of a claim we
         did not list yet."""
-        self._wiring.metrics.dra_call(operation, seconds, ok, failed)
+        self._wiring.outcomes.dra_call(operation, seconds, ok, failed)
         self.health.refresh()
 
     def _slice_changed(self) -> None:

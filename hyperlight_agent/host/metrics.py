@@ -279,6 +279,14 @@ class Metrics:
             self.device_info.labels(*device).set(1)
         self._device = device
 
+    def streams_open(self, streams: int) -> None:
+        """The device plugin's ListAndWatch streams open now."""
+        self.open_streams.set(streams)
+
+    def allocated(self, outcome: str) -> None:
+        """An Allocate's outcome (ALLOCATION_OUTCOMES)."""
+        self.allocations.labels(outcome).inc()
+
     def dra_call(self, operation: str, seconds: float, ok: int, failed: int) -> None:
         self.dra_calls.labels(operation).inc()
         self.dra_call_seconds.labels(operation).observe(seconds)

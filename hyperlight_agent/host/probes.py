@@ -8,14 +8,24 @@ Python interpreter: 0.16-0.19 s of CPU and ~35 MB each time; BENCHMARKS.md "Prob
     /readyz            200 when ready, else 503; the body is the status line either way
     /                  the paths this server answers
 
-Both probes answer what the gRPC health service says, from the same state.
+Both probes answer what the gRPC health service says, from the same state: `Readiness`, what the
+agent says of its readiness everywhere it is asked (sd_notify, the gRPC health service, these).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+import asyncio
+import logging
+from typing import Any, Callable, Mapping, Optional
 
+from grpc_health.v1 import health_pb2
+
+from hyperlight_agent import contracts
 from hyperlight_agent.host.httpd import TEXT, HttpServer, Route
+from hyperlight_agent.host.notify import Notifier
+from hyperlight_agent.kubelet_side import Snapshot
+
+log = logging.getLogger(__name__)
 
 LIVEZ = "/livez"
 READYZ = "/readyz"
@@ -50,3 +60,49 @@ def servers(wanted: Mapping[str, tuple[Optional[str], Mapping[str, Route]]]) -> 
         table.setdefault("/", lambda listing=listing: (200, TEXT, listing))  # type: ignore[misc]
         found.append(HttpServer(address, table, " and ".join(names)))
     return found
+
+
+class Readiness:
+    """What the agent says of its readiness, the same answer everywhere it is asked: the status
+    line (logged, sd_notify STATUS=) and READY=1, the gRPC health service (the exec probes, a
+    successor's wait), the httpGet probes (`answer`) and the slots advertised (`advertised`: the
+    metric). Each says only what changed."""
+
+    def __init__(self, health_service: Any, notifier: Notifier, advertised: Callable[[int], None]) -> None:
+        self._health_service = health_service  # grpc_health's aio HealthServicer
+        self._notifier = notifier
+        self._advertised = advertised
+        self._last_status = ""
+        self._serving: Optional[bool] = None
+        self._health_update: Optional[asyncio.Future[None]] = None
+
+    async def start(self) -> None:
+        """The health service's first word: live, not ready."""
+        services = contracts.HEALTH_SERVICES
+        await self._health_service.set(services["liveness"], health_pb2.HealthCheckResponse.SERVING)
+        await self._health_service.set(services["readiness"], health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def answer(self) -> tuple[bool, str]:
+        """What the httpGet readiness probe answers: what the gRPC health service says."""
+        return self._serving is True, self._last_status
+
+    def forget_status(self) -> None:
+        self._last_status = ""  # something else took systemd's status line: say ours again
+
+    def changed(self, snapshot: Snapshot) -> None:
+        """Readiness or status may have changed: say what did."""
+        text = snapshot.status()
+        if text != self._last_status:
+            self._last_status = text
+            log.info("status: %s", text)
+            self._notifier.status(text)
+        ready = snapshot.ready()
+        self._advertised(snapshot.slots if ready else 0)
+        if ready:
+            self._notifier.ready()
+        if ready != self._serving:
+            self._serving = ready
+            status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+            self._health_update = asyncio.ensure_future(
+                self._health_service.set(contracts.HEALTH_SERVICES["readiness"], status)
+            )

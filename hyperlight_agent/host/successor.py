@@ -15,24 +15,31 @@ Record says `agreed`): so if the upgrade fails, we know whether the kubelet's en
 resource may have become the child's, and register again only then (kubelet_side.py,
 after_failed_hand_over).
 
-    pid, said = await replace_self(instance, environ, hand_over=lambda pid: side.hand_over(..., pid=pid),
-                                   hand_off=lambda pid: notifier.hand_off(pid, ...))
+    upgrader = Upgrader(instance, environ, side, notifier, ready=lambda: agent.ready, handed_over=...)
+    upgrader.request()           SIGUSR2: refused (said, recorded) or started as a task
+    upgrader.predecessor_gone()  the child's side: until the agent it replaced has exited
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import secrets
 import signal
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 
-from hyperlight_agent import contracts, waits
+from hyperlight_agent import __version__, contracts, waits
+from hyperlight_agent.host.notify import Notifier
+from hyperlight_agent.identity import Description
+from hyperlight_agent.kubelet_side import KubeletSide
 from hyperlight_agent.peers import UpgradeState
+
+log = logging.getLogger(__name__)
 
 # A child is given this long to stop on SIGTERM before it is killed.
 CHILD_STOP_GRACE_S = 5.0
@@ -222,3 +229,122 @@ async def replace_self(
 
 async def _nothing() -> Optional[str]:
     return None
+
+
+@dataclass(eq=False)
+class Upgrader:
+    """The agent's in-place upgrades, whole: whether one may start, the child started and handed
+    the kubelet (its side's hand_over) and the unit, the agreement that lets the child register,
+    the outcome recorded (Record) and said; and, in a child, taking over the unit once the agent
+    it replaced has exited. The agent asks only while it runs (not once it stops or hands over)."""
+
+    instance: Optional[str]
+    environ: Mapping[str, str]
+    side: KubeletSide[Any]
+    notifier: Notifier
+    ready: Callable[[], bool]  # the agent's readiness
+    handed_over: Callable[[], None]  # the child has the kubelet and the unit: the agent stops
+    on_change: Callable[[], None]  # readiness may now be ours to say (we took over the unit)
+    record: Record = field(default_factory=Record)
+
+    def __post_init__(self) -> None:
+        # The agent an in-place upgrade replaced with us (0: none), for the upgrade command.
+        self.replaced = self.notifier.predecessor or 0
+        self._task: Optional[asyncio.Future[None]] = None
+
+    @property
+    def upgrading(self) -> bool:
+        """Whether an upgrade of ours is under way (its child may register: we do not)."""
+        return self.record.state is UpgradeState.RUNNING
+
+    def said(self) -> dict[str, Any]:
+        """What Describe says of our upgrades, and of the agent we replaced."""
+        return {"replaced": self.replaced, **self.record.said()}
+
+    def request(self) -> None:
+        """Replace this process with the code installed now, without a gap (SIGUSR2)."""
+        if self.under_way() is not None:
+            log.info("in-place upgrade requested: one is already under way")
+            return
+        if not self.notifier.under_systemd or self.notifier.predecessor is not None:
+            # Only systemd can be told that the new process is the one to watch; and until our
+            # predecessor is gone we are not yet the unit's main process.
+            why = "not under systemd" if not self.notifier.under_systemd else "still taking over"
+            self.record.attempts += 1
+            self.record.state, self.record.why = (
+                UpgradeState.FAILED,
+                f"in-place upgrades need systemd's notify socket ({why})",
+            )
+            log.warning("in-place upgrade refused: %s", self.record.why)
+            return
+        self._task = asyncio.ensure_future(self._upgrade())
+
+    def under_way(self) -> Optional[asyncio.Future[None]]:
+        """The upgrade under way, if any (a stop cancels it with the agent's tasks)."""
+        return self._task if self._task is not None and not self._task.done() else None
+
+    async def _upgrade(self) -> None:
+        record = self.record
+        record.attempts += 1
+        record.state, record.why, record.pid, record.agreed = UpgradeState.RUNNING, "", 0, 0
+        log.info("in-place upgrade requested: starting the installed agent beside this one")
+        self.notifier.reloading("upgrading in place: starting the installed agent")
+        # A ready agent waits for a ready child; an unready one has no readiness to keep, and
+        # only needs the child serving.
+        require_ready = self.ready()
+
+        def started(pid: int) -> None:
+            record.pid = pid
+
+        pid, said = await replace_self(
+            self.instance,
+            self.environ,
+            lambda pid: self.side.hand_over(READY_TIMEOUT_S, pid=pid, require_ready=require_ready, seen=self._seen),
+            hand_off=lambda pid: self.notifier.hand_off(pid, f"handed over to pid {pid} in an in-place upgrade"),
+            started=started,
+        )
+        if pid is None:
+            registered = record.agreed != 0
+            record.state, record.why = UpgradeState.FAILED, said
+            log.warning("in-place upgrade failed: %s; this agent (%s) serves on", said, __version__)
+            self.notifier.reloaded()
+            # The child is gone; if it may have registered, the kubelet's endpoint or device list
+            # may be its, not ours.
+            self.side.after_failed_hand_over(registered)
+            return
+        record.state, record.pid = UpgradeState.DONE, pid
+        log.info("in-place upgrade: handed over to pid %d (%s); leaving", pid, said)
+        self.handed_over()
+
+    def _seen(self, child: Description) -> None:
+        """The child's answers while we wait for it: it asks before it registers."""
+        record = self.record
+        if (
+            child.registering
+            and record.state is UpgradeState.RUNNING
+            and record.agreed != child.identity.pid
+            and not self.side.registration_in_flight()  # the child asks again: ours goes first
+        ):
+            record.agreed = child.identity.pid
+            log.info("in-place upgrade: the new agent (pid %d) may register with the kubelet", record.agreed)
+
+    async def predecessor_gone(self, pid: int) -> None:
+        """We are an in-place upgrade's child: once the agent we replace has exited, we are the
+        unit's main process and speak for it."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            pidfd = -1
+        if pidfd >= 0:
+            gone = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            loop.add_reader(pidfd, gone.set)
+            try:
+                await gone.wait()
+            finally:
+                loop.remove_reader(pidfd)
+                os.close(pidfd)
+        log.info("the agent we replaced (pid %d) has exited: this process speaks for the unit", pid)
+        self.notifier.take_over()
+        self.on_change()  # READY=1 now if we are ready (it was not ours to say before)
+        await asyncio.Event().wait()  # an agent task runs until cancelled

@@ -25,6 +25,7 @@ import grpc
 
 from hyperlight_agent import peers, waits
 from hyperlight_agent.host import signals, successor
+from hyperlight_agent.identity import Description
 
 DONE, FAILED, CANNOT = 0, 1, 3
 # Describe is asked this often while the upgrade runs.
@@ -45,7 +46,7 @@ def upgrade_in_place(pid: int, sockets: Callable[[], list[str]]) -> tuple[int, s
     return asyncio.run(_upgrade(pid, sockets))
 
 
-async def _answers(sockets: list[str]) -> list[peers.Description]:
+async def _answers(sockets: list[str]) -> list[Description]:
     """What the instances of ours on these sockets say (one at a time: a host has a few)."""
     found = []
     for path in sockets:
@@ -105,7 +106,7 @@ async def _upgrade(pid: int, sockets: Callable[[], list[str]]) -> tuple[int, str
     )
 
 
-def _not_upgrading(pid: int, found: Optional[peers.Description], answers: list[peers.Description]) -> tuple[int, str]:
+def _not_upgrading(pid: int, found: Optional[Description], answers: list[Description]) -> tuple[int, str]:
     """The answer for a pid that is no agent we can upgrade now."""
     if found is not None:
         return CANNOT, f"pid {pid} runs hyperlight-agent {found.identity.version}, which cannot upgrade in place"
