@@ -74,10 +74,10 @@ async def send_bytes(path: str, method: str, data: bytes) -> None:
     """Call `method` with `data` as the request's bytes (no serializer), reading every answer."""
     async with grpc.aio.insecure_channel(transport.unix_target(path)) as channel:
         if METHODS[method][2]:
-            async for _ in channel.unary_stream(f"/{SERVICE}/{method}")(data, timeout=5):
+            async for _ in channel.unary_stream(f"/{SERVICE}/{method}", None, None)(data, timeout=5):
                 pass
         else:
-            await channel.unary_unary(f"/{SERVICE}/{method}")(data, timeout=5)
+            await channel.unary_unary(f"/{SERVICE}/{method}", None, None)(data, timeout=5)
 
 
 def socket_at(path: str, listening: bool) -> socket.socket:
