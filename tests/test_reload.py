@@ -66,6 +66,15 @@ class Node:
     def rewrite(self, text: str) -> None:
         write(self.tmp, text)
 
+    async def held_reload(self, text: str) -> Reloader:
+        """A reloader whose reload has read `text` and is held at the gate (a slow read)."""
+        self.gate = threading.Event()
+        self.rewrite(text)
+        reloader = self.reloader()
+        reloader.request()
+        await until(self.reading.is_set, timeout=10, what="the first read")
+        return reloader
+
     def after_ready(self) -> list[tuple[str, ...]]:
         """The messages since READY=1 was first sent."""
         return self.notifier.messages[1:]
@@ -138,14 +147,11 @@ async def test_an_invalid_file_is_refused_and_the_running_settings_kept(
 
 async def test_reloads_asked_for_during_a_read_get_one_more_read_after_it(tmp: str) -> None:
     node = Node(tmp, "device_count = 3\n")
-    node.gate = threading.Event()
-    node.rewrite("device_count = 4\n")
-    reloader = node.reloader()
-    reloader.request()
-    await until(node.reading.is_set, timeout=10, what="the first read to begin")
+    reloader = await node.held_reload("device_count = 4\n")
     node.rewrite("device_count = 2\n")  # changed while the first read waits
     for _ in range(3):
         reloader.request()
+    assert node.gate is not None
     node.gate.set()
     await finished(reloader)
     assert node.reads == 2, "three requests during a read make one more read, not three"
@@ -157,14 +163,11 @@ async def test_reloads_asked_for_during_a_read_get_one_more_read_after_it(tmp: s
 
 async def test_no_reload_starts_after_a_stop_and_a_read_ending_after_it_applies_nothing(tmp: str) -> None:
     node = Node(tmp, "device_count = 3\n")
-    node.gate = threading.Event()
-    node.rewrite("device_count = 4\n")
-    reloader = node.reloader()
-    reloader.request()
-    await until(node.reading.is_set, timeout=10, what="the read to begin")
+    reloader = await node.held_reload("device_count = 4\n")
     running = reloader.stop()
     assert running is not None
     reloader.request()  # refused: the agent is being taken down
+    assert node.gate is not None
     node.gate.set()
     await waits.within(asyncio.shield(running), 10)
     assert node.applied == [] and node.reads == 1

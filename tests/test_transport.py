@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import socket
 import time
 from typing import Any, AsyncIterator, Optional
 
@@ -21,6 +20,7 @@ from google.protobuf import wrappers_pb2
 from hyperlight_agent import transport
 from hyperlight_agent.files import atomic
 from tests.conftest import until
+from tests.test_files_sockets import bound
 
 SERVICE = "hyperlight.test.Echo"
 METHODS: transport.Methods = {
@@ -80,14 +80,6 @@ async def send_bytes(path: str, method: str, data: bytes) -> None:
             await channel.unary_unary(f"/{SERVICE}/{method}", None, None)(data, timeout=5)
 
 
-def socket_at(path: str, listening: bool) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.bind(path)
-    if listening:
-        s.listen(8)
-    return s
-
-
 def inode(path: str) -> int:
     return os.lstat(path).st_ino
 
@@ -122,7 +114,7 @@ async def test_a_live_socket_at_the_path_is_never_taken_over(tmp: str) -> None:
 
 async def test_a_stale_socket_is_swapped_out_and_a_file_that_is_no_socket_is_left_alone(tmp: str) -> None:
     path = os.path.join(tmp, "echo.sock")
-    socket_at(path, listening=False).close()  # a socket file no one listens on: an agent that died
+    bound(path, listening=False).close()  # a socket file no one listens on: an agent that died
     serving = await serve(path)
     try:
         assert await echo(path, "fresh") == "fresh!"
@@ -140,7 +132,7 @@ async def test_a_stale_socket_is_swapped_out_and_a_file_that_is_no_socket_is_lef
 async def test_stop_removes_our_socket_only_while_it_is_still_ours(tmp: str) -> None:
     path = os.path.join(tmp, "echo.sock")
     serving = await serve(path)
-    other = socket_at(os.path.join(tmp, "other.sock"), listening=True)
+    other = bound(os.path.join(tmp, "other.sock"), listening=True)
     theirs = inode(os.path.join(tmp, "other.sock"))
     try:
         os.rename(os.path.join(tmp, "other.sock"), path)  # someone else's socket now stands at our path
@@ -156,7 +148,7 @@ async def test_abandoned_private_names_are_swept_and_a_neighbours_similar_name_i
     young = os.path.join(tmp, f"{PREFIX}4243.0a1b2c3d")
     neighbours = os.path.join(tmp, f"{PREFIX}4242.not-hex")
     for name in (abandoned, young, neighbours):
-        socket_at(name, listening=False).close()
+        bound(name, listening=False).close()
     old = time.time() - atomic.ABANDONED_AFTER_S - 5
     for name in (abandoned, neighbours):
         os.utime(name, (old, old))
