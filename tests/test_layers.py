@@ -226,11 +226,18 @@ def _tests_exist(name: str) -> bool:
     return os.path.isfile(os.path.join(TESTS, name))
 
 
+def _holds_a_test(name: str) -> bool:
+    with open(os.path.join(TESTS, name)) as f:
+        return re.search(r"^(async )?def test_", f.read(), flags=re.MULTILINE) is not None
+
+
 def test_every_module_has_its_test_file() -> None:
     missing = [
         f"{m}: tests/{file_of(m)}" for m in TESTED_MODULES if m not in TESTED_ELSEWHERE and not _tests_exist(file_of(m))
     ]
     assert not missing, "modules without their test file (or a reason in TESTED_ELSEWHERE): " + ", ".join(missing)
+    empty = [file_of(m) for m in TESTED_MODULES if m not in TESTED_ELSEWHERE and not _holds_a_test(file_of(m))]
+    assert not empty, f"test files holding no test of their module: {empty}"
 
 
 def test_a_module_tested_elsewhere_is_one_without_a_file_of_its_own() -> None:

@@ -1,4 +1,7 @@
-"""Other instances of ours on the node (peers.py): their identities order by start, then name; and
+"""Other instances of ours on the node (peers.py): their identities order by start, then name;
+Describe says who an instance is and how it stands, and nothing else is taken for an answer; a
+newer instance, one by pid and one that outranks us are found among the candidates; hold waits
+while a reason stands. And
 `Server`, a gRPC server standing for a peer (Describe, gRPC health, a device plugin's or a DRA
 driver's registration) for the files whose modules look for peers: the device plugin's handover
 (test_deviceplugin_handover.py), the DRA side's (test_dra_side.py) and the in-place upgrade
@@ -6,18 +9,23 @@ driver's registration) for the files whose modules look for peers: the device pl
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import socket
 from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hyperlight_agent import contracts, peers, transport
+from hyperlight_agent import contracts, peers, transport, waits
+from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.deviceplugin import api as dp_api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.dra import api as dra_api
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
+from tests.conftest import until
 
 RESOURCE = contracts.RESOURCE_HYPERVISOR
 DRIVER = contracts.DRA_DRIVER
@@ -91,3 +99,168 @@ def test_identities_order_by_start_then_name() -> None:
     assert b.is_newer_than(a) and not a.is_newer_than(b)
     assert peers.Identity("b", "dra", DRIVER, 10, 1).is_newer_than(a)  # a tie: the name decides
     assert a.same_kind(b) and not a.same_kind(peers.Identity("c", "deviceplugin", RESOURCE, 30, 3))
+
+
+def identity(instance: str, started: int, pid: int, resource: str = DRIVER) -> peers.Identity:
+    return peers.Identity(instance, "dra", resource, started=started, pid=pid)
+
+
+async def serve_description(path: str, who: peers.Identity, ready: bool = True, **more: Any) -> Server:
+    """A peer answering Describe as `who`, with `more` fields (serving, calls, upgrade...)."""
+    server = Server(path)
+    server.server.add_generic_rpc_handlers([peers.describe_handler(who, lambda: ready, lambda: more)])
+    return await server.start()
+
+
+async def serve_answer(path: str, answer: bytes) -> Server:
+    """A server whose Describe answers these bytes, whatever they are."""
+
+    async def describe(request: bytes, context: Any) -> bytes:
+        return answer
+
+    server = Server(path)
+    server.server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                peers.SERVICE, {"Describe": grpc.unary_unary_rpc_method_handler(describe)}
+            )
+        ]
+    )
+    return await server.start()
+
+
+async def test_describe_says_who_an_instance_is_and_how_it_stands(tmp: str) -> None:
+    who = peers.Identity.of("pod-a", "dra", DRIVER)
+    upgrade = {"attempts": 1, "state": "done"}
+    server = await serve_description(
+        os.path.join(tmp, "a.sock"), who, ready=False, serving=False, calls=17, upgrade=upgrade, replaced=42
+    )
+    try:
+        found = await peers.describe(server.path, 5)
+    finally:
+        await server.stop()
+    assert found == peers.Description(
+        who, ready=False, path=server.path, upgrade=upgrade, serving=False, calls=17, registering=False, replaced=42
+    )
+
+
+async def test_an_earlier_release_says_nothing_of_what_it_did_not_know(tmp: str) -> None:
+    """Only the fields of the first Describe: serving is its readiness, calls unknown, no upgrade."""
+    who = identity("old", 1, 2)
+    fields = {"agent": who.agent, "version": "0.0.9", "instance": "old", "protocol": "dra", "resource": DRIVER}
+    answer = {**fields, "started": 1, "pid": 2, "ready": True}
+    server = await serve_answer(os.path.join(tmp, "a.sock"), json.dumps(answer).encode())
+    try:
+        found = await peers.describe(server.path, 5)
+    finally:
+        await server.stop()
+    assert found is not None and found.identity.version == "0.0.9"
+    assert (found.ready, found.serving, found.calls, found.upgrade, found.replaced) == (True, True, None, None, 0)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"not json",
+        b'{"agent": "hyperlight-agent"}',  # fields missing
+        json.dumps(
+            {
+                "instance": "a",
+                "protocol": "dra",
+                "resource": DRIVER,
+                "started": "soon",
+                "pid": 1,
+                "version": "1",
+                "agent": "hyperlight-agent",
+                "ready": True,
+            }
+        ).encode(),
+        b'{"padding": "' + b"x" * peers.MAX_ANSWER_BYTES + b'"}',  # longer than any answer of ours
+    ],
+    ids=["not-json", "fields-missing", "not-a-number", "too-long"],
+)
+async def test_an_answer_that_is_no_description_is_no_instance(tmp: str, answer: bytes) -> None:
+    server = await serve_answer(os.path.join(tmp, "a.sock"), answer)
+    try:
+        assert await peers.describe(server.path, 5) is None
+    finally:
+        await server.stop()
+
+
+async def test_a_server_without_describe_is_an_earlier_release_and_a_silent_socket_nothing(tmp: str) -> None:
+    health_only = await Server(os.path.join(tmp, "health.sock")).with_health().start()
+    [silent] = silent_sockets(tmp, ["silent.sock"])
+    try:
+        with pytest.raises(peers.Legacy) as legacy:
+            await peers.describe(health_only.path, 5)
+        assert legacy.value.target == health_only.path
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await peers.describe(os.path.join(tmp, "silent.sock"), 0.2) is None
+        assert loop.time() - started < 5
+    finally:
+        silent.close()
+        await health_only.stop()
+
+
+async def test_a_newer_instance_and_one_by_pid_are_found_among_the_candidates(tmp: str) -> None:
+    me = identity("me", started=20, pid=2)
+    servers = [
+        await serve_description(os.path.join(tmp, "older.sock"), identity("older", 10, 1)),
+        await serve_description(os.path.join(tmp, "other.sock"), identity("other", 40, 4, resource="other.example")),
+        await serve_description(os.path.join(tmp, "newer.sock"), identity("newer", 30, 3)),
+    ]
+    try:
+        paths = [s.path for s in servers]
+        newer = await peers.newer(me, paths)
+        assert newer is not None and newer.identity.instance == "newer", "another resource's instance is no peer"
+        assert await peers.newer(identity("newest", 50, 5), paths) is None
+        by_pid = await peers.find(1, paths)
+        assert by_pid is not None and by_pid.identity.instance == "older"
+        assert await peers.find(9, paths) is None
+    finally:
+        for server in servers:
+            await server.stop()
+
+
+@pytest.mark.parametrize(
+    ("we_serve", "theirs", "outranks"),
+    [
+        (False, ("older", 10, True), True),  # serving beats not serving, whatever the age
+        (True, ("newer", 30, False), False),  # not serving never takes it from one that serves
+        (True, ("older", 10, True), False),  # serving alike: the newer one keeps it
+        (True, ("newer", 30, True), True),
+    ],
+)
+async def test_outranking_is_serving_first_then_age(
+    tmp: str, we_serve: bool, theirs: tuple[str, int, bool], outranks: bool
+) -> None:
+    name, started, serving = theirs
+    server = await serve_description(os.path.join(tmp, "peer.sock"), identity(name, started, 7), serving=serving)
+    try:
+        found = await peers.outranking(identity("me", 20, 2), we_serve, [server.path])
+    finally:
+        await server.stop()
+    assert (found is not None) == outranks
+
+
+async def test_hold_waits_while_a_reason_stands_says_each_new_one_and_asks_again_on_a_new_check() -> None:
+    observation = SharedObservation()
+    reasons = ["a ready instance serves: pod-a", "a ready instance serves: pod-a", "device unhealthy", ""]
+    said: list[str] = []
+    asked: list[Observation] = []
+
+    async def why(current: Observation) -> str:
+        asked.append(current)
+        return reasons[len(asked) - 1]
+
+    holding = asyncio.ensure_future(peers.hold(why, observation, said.append, poll=lambda: 60))
+    await asyncio.sleep(0)
+    assert asked == [], "nothing is asked before the first check completes"
+    for n in range(1, 4):
+        observation.publish(Observation(healthy=n % 2 == 0, reason="", hypervisor="kvm"))
+        await until(lambda n=n: len(asked) == n, what=f"question {n}")  # type: ignore[misc]
+        assert not holding.done()
+    observation.republish()
+    await waits.within(holding, 5)
+    assert said == ["a ready instance serves: pod-a", "device unhealthy", ""], "each new reason once, then the end"
