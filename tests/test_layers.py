@@ -201,8 +201,6 @@ TESTED_ELSEWHERE = {
     "modes": (("test_parts.py", "test_config.py"), "the modes' rows: every row whole, and the mode setting"),
     "deviceplugin.side": (("test_agent.py",), "the device plugin side runs as the agent's, in-process"),
     "dra.types": (("test_dra_claims.py", "test_dra_service.py"), "types only: its reader and its user"),
-    "host.healthcheck": (("test_health_reporting.py",), "the exec probe, run against real agents"),
-    "host.journal": (("test_health_reporting.py",), "the log as the agent's process writes it"),
     "host.successor": (
         ("test_host_upgrade.py",),
         "one behaviour with host/upgrade.py, the in-place upgrade, tested whole under the service manager",
