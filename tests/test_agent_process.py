@@ -443,7 +443,7 @@ def test_old_stream_ends_before_the_next_register(
 def test_shutdown_ends_the_stream_and_removes_the_socket(
     kubelet: StandinThread, start_agent: StartAgent, tmp: str
 ) -> None:
-    """(The order — stream first, then socket — is checked in-process in test_registration.py.)"""
+    """(The order — stream first, then socket — is checked in-process in test_deviceplugin_registration.py.)"""
     agent = start_agent("--device-count", "2")
     kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
     p = plugin(kubelet.kubelet)

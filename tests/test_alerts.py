@@ -42,7 +42,7 @@ from tests.test_deploy import documents, tool
 from tests.test_docs import ROOT
 from tests.test_dra_side import DRIVER, UID, settings_in, with_cluster
 from tests.test_helm import CHART, MODES, MONITORING_API, template
-from tests.test_metrics import documented, free_port, scrape
+from tests.test_host_metrics import documented, free_port, scrape
 
 # promtool, helm (build/tools).
 pytestmark = pytest.mark.judge

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 import pytest
 
 from hyperlight_agent import __version__, contracts, modes
-from hyperlight_agent.host import journal
 from standin.kubelet import StandinThread
 from tests.conftest import StartAgent, make_node, run_agent, wait_for
 
@@ -31,12 +30,6 @@ def probe(tmp: str, which: str, *extra: str) -> tuple[int, str]:
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1, result.stdout + result.stderr
     return result.returncode, lines[0]
-
-
-def test_probes_with_no_agent_fail_with_a_reason(tmp: str) -> None:
-    code, line = probe(tmp, "liveness")
-    assert code == 1
-    assert line.startswith("liveness: not serving: no socket at ")
 
 
 def test_probes_in_every_state(kubelet: StandinThread, start_agent: StartAgent, tmp: str, kvm_dir: str) -> None:
@@ -257,39 +250,6 @@ def test_check_hints_name_the_usual_causes_of_a_failed_probe() -> None:
     assert "not a working hypervisor device" in _probe_hints("something else")[0]
 
 
-def test_journal_only_when_stderr_is_the_journal(tmp: str) -> None:
-    with open(os.path.join(tmp, "f"), "w") as f:
-        st = os.fstat(f.fileno())
-    assert not journal.stderr_is_journal({"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"})
-    assert not journal.stderr_is_journal({"JOURNAL_STREAM": "garbage"})
-    st = os.fstat(sys.stderr.fileno())
-    matching = {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
-    assert journal.stderr_is_journal(matching)
-    # stderr is the journal: python-systemd's handler if it is installed, else stderr, no error.
-    try:
-        import systemd.journal  # noqa: F401
-
-        expected = "journal"
-    except ImportError:
-        expected = "stderr"
-    assert journal.setup("info", matching) == expected
-    assert journal.setup("info", {}) == "stderr"
-
-
-def test_health_check_starts_fast_without_agent_modules(tmp: str) -> None:
-    code = (
-        "import sys, runpy; sys.argv=['x','--config','/dev/null','--kubelet-dir',sys.argv[1],"
-        "'--health-check=liveness']\n"
-        "from hyperlight_agent import cli\ncli.main()\n"
-        "heavy=[m for m in ('hyperlight_agent.agent','hyperlight_agent.deviceplugin.servicer',"
-        "'hyperlight_agent.deviceplugin.registration') if m in sys.modules]\nprint('HEAVY', heavy)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, tmp], capture_output=True, text=True, timeout=30, check=False
-    ).stdout
-    assert "HEAVY []" in out
-
-
 def test_a_notify_reader_that_never_reads_cannot_wedge_the_agent(
     kubelet: StandinThread, start_agent: StartAgent, tmp: str
 ) -> None:
@@ -337,28 +297,3 @@ def test_the_diagnosis_loads_without_grpc() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True).stdout
     assert "GRPC []" in out, out
-
-
-def test_log_lines_carry_their_time_or_are_json_and_debug_keeps_libraries_quiet(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """Outside the journal a line says when (issue 36: 5); `log_format = "json"` makes one object
-    per line with the entry's fields; at debug, grpc's internals stay at info."""
-    import json
-    import logging
-    import re
-
-    try:
-        journal.setup("debug", {}, {"resource": "hyperlight.dev/hypervisor"})
-        logging.getLogger("hyperlight_agent.test").info("status: %s", "ready")
-        line = capsys.readouterr().err.strip()
-        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z INFO: status: ready", line), line
-        assert logging.getLogger("grpc").getEffectiveLevel() == logging.INFO
-        assert logging.getLogger("hyperlight_agent").getEffectiveLevel() == logging.DEBUG
-        journal.setup("info", {}, {"resource": "hyperlight.dev/hypervisor"}, "json")
-        logging.getLogger("hyperlight_agent.test").warning("device unhealthy: %s", "gone")
-        entry = json.loads(capsys.readouterr().err)
-        assert entry["level"] == "warning" and entry["message"] == "device unhealthy: gone"
-        assert entry["resource"] == "hyperlight.dev/hypervisor" and entry["time"].endswith("Z")
-    finally:
-        journal.setup("info", {})

@@ -1,7 +1,8 @@
 """Module boundaries beside what `lint-imports` checks (pyproject.toml's [tool.importlinter]: the
 layers, the protocols' independence, what the files and the device may not know): every module is
 in one of its layers, no import cycle (also none hidden in a function), the leaves import nothing
-of ours, package inits import nothing, and every module imports on its own."""
+of ours, package inits import nothing, and every module imports on its own. And every module has
+its test file, named by one pattern (TESTS)."""
 
 from __future__ import annotations
 
@@ -179,3 +180,84 @@ def test_development_trees_stand_on_their_own(tree: str, forbidden: set[str], al
                     if m.split(".")[0] in forbidden and not any(m == a or m.startswith(a + ".") for a in allowed)
                 }
                 assert not wrong, f"{os.path.relpath(path, ROOT)} imports {sorted(wrong)}"
+
+
+# --- tests by module ------------------------------------------------------------------------------
+# A module's tests live in tests/test_<its path below the package, "/" as "_">.py: test_agent.py for
+# agent.py, test_device_checker.py for device/checker.py, test_dra_service.py for dra/service.py.
+# The files for behaviour across modules (the agent as a process, the faults, the packages...) are
+# named for what they test, never like a module's file. The generated message code (*_pb2) is
+# protoc's, held to proto/ by test_proto.py; __init__ and __main__ are not in MODULES.
+TESTS = os.path.join(ROOT, "tests")
+TESTED_MODULES = [m for m in MODULES if not m.endswith("_pb2")]
+
+# The few modules tested through other modules' files, each with the reason and where.
+TESTED_ELSEWHERE = {
+    "contracts": (
+        ("test_deploy.py", "test_one_home.py", "test_device_hypervisors.py"),
+        "names and numbers other parties own, no behaviour: each held to its owner where a test can see one",
+    ),
+    "kubelet_side": (("test_parts.py",), "the seam's types only: test_parts.py runs a toy side through it"),
+    "modes": (("test_parts.py", "test_config.py"), "the modes' rows: every row whole, and the mode setting"),
+    "deviceplugin.side": (("test_agent.py",), "the device plugin side runs as the agent's, in-process"),
+    "dra.types": (("test_dra_claims.py", "test_dra_service.py"), "types only: its reader and its user"),
+    "host.successor": (
+        ("test_host_upgrade.py",),
+        "one behaviour with host/upgrade.py, the in-place upgrade, tested whole under the service manager",
+    ),
+}
+
+# Test files named like a subpackage module's (test_<subpackage>_<name>.py, or a subpackage
+# module's bare name) that test across modules, and what.
+ACROSS_MODULES = {
+    "test_device_access.py": "the --device-access mode through the agent's parts",
+    "test_handover.py": "two whole agents handing the kubelet over (the device plugin side, its handover, peers)",
+}
+
+
+def file_of(module: str) -> str:
+    """The module's test file's name: "dra.service" → test_dra_service.py."""
+    return "test_" + module.replace(".", "_") + ".py"
+
+
+def _tests_exist(name: str) -> bool:
+    return os.path.isfile(os.path.join(TESTS, name))
+
+
+def _holds_a_test(name: str) -> bool:
+    with open(os.path.join(TESTS, name)) as f:
+        return re.search(r"^(async )?def test_", f.read(), flags=re.MULTILINE) is not None
+
+
+def test_every_module_has_its_test_file() -> None:
+    missing = [
+        f"{m}: tests/{file_of(m)}" for m in TESTED_MODULES if m not in TESTED_ELSEWHERE and not _tests_exist(file_of(m))
+    ]
+    assert not missing, "modules without their test file (or a reason in TESTED_ELSEWHERE): " + ", ".join(missing)
+    empty = [file_of(m) for m in TESTED_MODULES if m not in TESTED_ELSEWHERE and not _holds_a_test(file_of(m))]
+    assert not empty, f"test files holding no test of their module: {empty}"
+
+
+def test_a_module_tested_elsewhere_is_one_without_a_file_of_its_own() -> None:
+    for module, (files, why) in TESTED_ELSEWHERE.items():
+        assert module in TESTED_MODULES, f"{module}: no such module"
+        assert not _tests_exist(file_of(module)), f"{module} has {file_of(module)} now: drop it from TESTED_ELSEWHERE"
+        assert why and all(_tests_exist(f) for f in files), f"{module}: {files} must exist"
+
+
+def test_test_files_follow_the_one_pattern() -> None:
+    """A file named test_<subpackage>_<name>.py is the module <subpackage>/<name>.py's, and no file
+    is named for a subpackage module's bare name (test_registration.py: which registration?)."""
+    bare = {m.split(".", 1)[1] for m in MODULES if "." in m} - set(MODULES)
+    wrong = []
+    for name in sorted(os.listdir(TESTS)):
+        if not (name.startswith("test_") and name.endswith(".py")) or name in ACROSS_MODULES:
+            continue
+        stem = name[len("test_") : -len(".py")]
+        sub = next((s for s in SUBPACKAGES if stem.startswith(s + "_")), None)
+        if sub is not None and f"{sub}.{stem[len(sub) + 1 :]}" not in MODULES:
+            wrong.append(f"{name}: no module {sub}/{stem[len(sub) + 1 :]}.py")
+        if stem in bare:
+            wrong.append(f"{name}: a subpackage module's bare name; its file is test_<subpackage>_{stem}.py")
+    assert not wrong, wrong
+    assert all(_tests_exist(name) for name in ACROSS_MODULES)

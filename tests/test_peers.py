@@ -1,36 +1,35 @@
-"""Other instances of ours on the node (peers.py), and both handovers built on it: a successor is
-an instance of ours for the same resource that says it is ready; sockets that look like one but
-are not (another vendor's driver, a bare gRPC health server, a socket that never answers) are
-never taken for one, and however many there are, the search ends by its deadline."""
+"""Other instances of ours on the node (peers.py): their identities order by start, then name;
+Describe says who an instance is and how it stands, and nothing else is taken for an answer; a
+newer instance, one by pid and one that outranks us are found among the candidates; hold waits
+while a reason stands. And
+`Server`, a gRPC server standing for a peer (Describe, gRPC health, a device plugin's or a DRA
+driver's registration) for the files whose modules look for peers: the device plugin's handover
+(test_deviceplugin_handover.py), the DRA side's (test_dra_side.py) and the in-place upgrade
+(test_host_upgrade.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
-from typing import Any, Optional
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from hyperlight_agent import contracts, peers, transport
+from hyperlight_agent import contracts, peers, transport, waits
+from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.deviceplugin import api as dp_api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
-from hyperlight_agent.deviceplugin import handover
 from hyperlight_agent.dra import api as dra_api
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
-from hyperlight_agent.dra.side import DraSide, DraTarget, candidates
-from hyperlight_agent.identity import Identity
-from tests import fakes
+from hyperlight_agent.identity import Description, Identity
+from tests.conftest import until
 
-pytestmark = pytest.mark.usefixtures("quick_deregistration")
 RESOURCE = contracts.RESOURCE_HYPERVISOR
 DRIVER = contracts.DRA_DRIVER
-
-
-def me(protocol: str = "deviceplugin", resource: str = RESOURCE, instance: str = "old") -> Identity:
-    return Identity.of(instance, protocol, resource)
 
 
 class Server:
@@ -95,187 +94,166 @@ def silent_sockets(directory: str, names: list[str]) -> list[socket.socket]:
     return found
 
 
-def test_candidates_are_sockets_named_like_ours_for_the_same_resource(tmp: str) -> None:
-    names = [
-        "hyperlight.sock",
-        "hyperlight.pod-a.sock",
-        "hyperlight.pod-b.sock",
-        "hyperlight-access.pod-a.sock",
-        "kubelet.sock",
-        ".hyperlight.pod-a.sock.12.abcd",
+def identity(instance: str, started: int, pid: int, resource: str = DRIVER) -> Identity:
+    return Identity(instance, "dra", resource, started=started, pid=pid)
+
+
+async def serve_description(path: str, who: Identity, ready: bool = True, **more: Any) -> Server:
+    """A peer answering Describe as `who`, with `more` fields (serving, calls, upgrade...)."""
+    server = Server(path)
+    server.server.add_generic_rpc_handlers([peers.describe_handler(who, lambda: ready, lambda: more)])
+    return await server.start()
+
+
+async def serve_answer(path: str, answer: bytes) -> Server:
+    """A server whose Describe answers these bytes, whatever they are."""
+
+    async def describe(request: bytes, context: Any) -> bytes:
+        return answer
+
+    server = Server(path)
+    server.server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                peers.SERVICE, {"Describe": grpc.unary_unary_rpc_method_handler(describe)}
+            )
+        ]
+    )
+    return await server.start()
+
+
+async def test_describe_says_who_an_instance_is_and_how_it_stands(tmp: str) -> None:
+    who = Identity.of("pod-a", "dra", DRIVER)
+    upgrade = {"attempts": 1, "state": "done"}
+    server = await serve_description(
+        os.path.join(tmp, "a.sock"), who, ready=False, serving=False, calls=17, upgrade=upgrade, replaced=42
+    )
+    try:
+        found = await peers.describe(server.path, 5)
+    finally:
+        await server.stop()
+    assert found == Description(
+        who, ready=False, path=server.path, upgrade=upgrade, serving=False, calls=17, registering=False, replaced=42
+    )
+
+
+async def test_an_earlier_release_says_nothing_of_what_it_did_not_know(tmp: str) -> None:
+    """Only the fields of the first Describe: serving is its readiness, calls unknown, no upgrade."""
+    who = identity("old", 1, 2)
+    fields = {"agent": who.agent, "version": "0.0.9", "instance": "old", "protocol": "dra", "resource": DRIVER}
+    answer = {**fields, "started": 1, "pid": 2, "ready": True}
+    server = await serve_answer(os.path.join(tmp, "a.sock"), json.dumps(answer).encode())
+    try:
+        found = await peers.describe(server.path, 5)
+    finally:
+        await server.stop()
+    assert found is not None and found.identity.version == "0.0.9"
+    assert (found.ready, found.serving, found.calls, found.upgrade, found.replaced) == (True, True, None, None, 0)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"not json",
+        b'{"agent": "hyperlight-agent"}',  # fields missing
+        json.dumps(
+            {
+                "instance": "a",
+                "protocol": "dra",
+                "resource": DRIVER,
+                "started": "soon",
+                "pid": 1,
+                "version": "1",
+                "agent": "hyperlight-agent",
+                "ready": True,
+            }
+        ).encode(),
+        b'{"padding": "' + b"x" * peers.MAX_ANSWER_BYTES + b'"}',  # longer than any answer of ours
+    ],
+    ids=["not-json", "fields-missing", "not-a-number", "too-long"],
+)
+async def test_an_answer_that_is_no_description_is_no_instance(tmp: str, answer: bytes) -> None:
+    server = await serve_answer(os.path.join(tmp, "a.sock"), answer)
+    try:
+        assert await peers.describe(server.path, 5) is None
+    finally:
+        await server.stop()
+
+
+async def test_a_server_without_describe_is_an_earlier_release_and_a_silent_socket_nothing(tmp: str) -> None:
+    health_only = await Server(os.path.join(tmp, "health.sock")).with_health().start()
+    [silent] = silent_sockets(tmp, ["silent.sock"])
+    try:
+        with pytest.raises(peers.Legacy) as legacy:
+            await peers.describe(health_only.path, 5)
+        assert legacy.value.target == health_only.path
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await peers.describe(os.path.join(tmp, "silent.sock"), 0.2) is None
+        assert loop.time() - started < 5
+    finally:
+        silent.close()
+        await health_only.stop()
+
+
+async def test_a_newer_instance_and_one_by_pid_are_found_among_the_candidates(tmp: str) -> None:
+    me = identity("me", started=20, pid=2)
+    servers = [
+        await serve_description(os.path.join(tmp, "older.sock"), identity("older", 10, 1)),
+        await serve_description(os.path.join(tmp, "other.sock"), identity("other", 40, 4, resource="other.example")),
+        await serve_description(os.path.join(tmp, "newer.sock"), identity("newer", 30, 3)),
     ]
-    sockets = silent_sockets(tmp, names)
-    with open(os.path.join(tmp, "hyperlight.file.sock"), "w"):
-        pass  # a regular file with a matching name is no candidate
     try:
-        found = handover.candidates(tmp, contracts.PLUGIN_SOCKET, "hyperlight.pod-a.sock")
-        assert [os.path.basename(p) for p in found] == ["hyperlight.pod-b.sock", "hyperlight.sock"]
-        access = handover.candidates(tmp, contracts.DEVICE_ACCESS_SOCKET, "hyperlight-access.pod-b.sock")
-        assert [os.path.basename(p) for p in access] == ["hyperlight-access.pod-a.sock"]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def test_identities_order_by_start_then_name() -> None:
-    a = Identity("a", "dra", DRIVER, started=10, pid=1)
-    b = Identity("b", "dra", DRIVER, started=20, pid=2)
-    assert b.is_newer_than(a) and not a.is_newer_than(b)
-    assert Identity("b", "dra", DRIVER, 10, 1).is_newer_than(a)  # a tie: the name decides
-    assert a.same_kind(b) and not a.same_kind(Identity("c", "deviceplugin", RESOURCE, 30, 3))
-
-
-# 15: a bare gRPC health server at a name like ours, SERVING, is no successor.
-async def test_a_health_server_at_a_name_like_ours_is_no_successor(tmp: str) -> None:
-    impostor = await Server(os.path.join(tmp, "hyperlight.sidecar.sock")).with_health().start()
-    try:
-        assert await handover.wait_for_successor(me(), tmp, contracts.PLUGIN_SOCKET, "hyperlight.old.sock", 0.5) is None
-    finally:
-        await impostor.stop()
-
-
-async def test_a_ready_agent_of_ours_is_the_successor_and_one_for_another_resource_is_not(tmp: str) -> None:
-    other = (
-        await Server(os.path.join(tmp, "hyperlight.other.sock"))
-        .with_describe(me(resource=contracts.RESOURCE_DEVICE_ACCESS, instance="other"))
-        .start()
-    )
-    unready = (
-        await Server(os.path.join(tmp, "hyperlight.unready.sock"))
-        .with_describe(me(instance="unready"), ready=False)
-        .start()
-    )
-    try:
-        assert await handover.wait_for_successor(me(), tmp, contracts.PLUGIN_SOCKET, "hyperlight.old.sock", 0.3) is None
-        new = await Server(os.path.join(tmp, "hyperlight.new.sock")).with_describe(me(instance="new")).start()
-        try:
-            found = await handover.wait_for_successor(me(), tmp, contracts.PLUGIN_SOCKET, "hyperlight.old.sock", 5)
-            assert found == new.path
-        finally:
-            await new.stop()
-    finally:
-        await other.stop()
-        await unready.stop()
-
-
-async def test_an_agent_of_an_earlier_release_is_a_successor_when_it_proves_it_is_a_device_plugin(tmp: str) -> None:
-    legacy = await Server(os.path.join(tmp, "hyperlight.legacy.sock")).with_health().with_device_plugin().start()
-    try:
-        found = await handover.wait_for_successor(me(), tmp, contracts.PLUGIN_SOCKET, "hyperlight.old.sock", 5)
-        assert found == legacy.path
-    finally:
-        await legacy.stop()
-
-
-# 8: however many sockets never answer, the search ends by its deadline.
-async def test_the_successor_search_ends_by_its_deadline_whatever_the_sockets_do(tmp: str) -> None:
-    """100 sockets that never answer, each worth PEER_TIMEOUT_S (0.5 s): asked one after another
-    they took 50 s; the search ends by its deadline (1 s here)."""
-    sockets = silent_sockets(tmp, [f"hyperlight.silent-{i}.sock" for i in range(100)])
-    loop = asyncio.get_running_loop()
-    try:
-        started = loop.time()
-        found = await handover.wait_for_successor(me(), tmp, contracts.PLUGIN_SOCKET, "hyperlight.old.sock", 1)
-        lasted = loop.time() - started
-    finally:
-        for s in sockets:
-            s.close()
-    assert found is None and lasted < 1 + peers.PEER_TIMEOUT_S, lasted
-
-
-# --- the DRA side: registration sockets, GetInfo, then Describe on the service socket ---
-
-
-def dra_driver(tmp: str, instance: str = "old") -> DraSide:
-    registry, plugins = os.path.join(tmp, "registry"), os.path.join(tmp, "plugins")
-    os.makedirs(registry, exist_ok=True)
-    return DraSide(
-        DraTarget("node1", instance, 4, None, registry, plugins),
-        fakes.wiring(identity=Identity.of(instance, "dra", DRIVER)),
-    )
-
-
-async def registered_driver(tmp: str, name: str, sock: str, identity: Optional[Identity]) -> list[Server]:
-    """A DRA driver's registration socket naming `name`, and its service socket (health SERVING,
-    Describe when an identity is given)."""
-    endpoint = os.path.join(tmp, f"{sock}-service.sock")
-    service = Server(endpoint).with_health()
-    if identity is not None:
-        service.with_describe(identity)
-    registration = Server(os.path.join(tmp, "registry", f"{sock}-reg.sock")).with_registration(name, endpoint)
-    return [await service.start(), await registration.start()]
-
-
-# 9: another vendor's DRA driver in the registry is no successor.
-async def test_a_foreign_dra_driver_is_no_successor(tmp: str) -> None:
-    driver = dra_driver(tmp)
-    await driver.registrar.start()
-    servers = await registered_driver(tmp, "gpu.other-vendor.example", "dra-0a1b2c", None)
-    servers += await registered_driver(
-        tmp, "gpu.other-vendor.example", "dra-3d4e5f", Identity.of("x", "dra", "gpu.other-vendor.example")
-    )
-    try:
-        assert len(candidates(driver._registry_dir, DRIVER, driver.registrar.registration_socket)) == 2
-        assert await driver.hand_over(0.5) is None
-        ours = await registered_driver(tmp, DRIVER, f"{DRIVER}-new", Identity.of("new", "dra", DRIVER))
-        servers += ours
-        assert await driver.hand_over(5) == ours[0].path
+        paths = [s.path for s in servers]
+        newer = await peers.newer(me, paths)
+        assert newer is not None and newer.identity.instance == "newer", "another resource's instance is no peer"
+        assert await peers.newer(identity("newest", 50, 5), paths) is None
+        by_pid = await peers.find(1, paths)
+        assert by_pid is not None and by_pid.identity.instance == "older"
+        assert await peers.find(9, paths) is None
     finally:
         for server in servers:
             await server.stop()
-        await driver.close()
 
 
-async def test_the_dra_successor_search_ends_by_its_deadline_whatever_the_sockets_do(tmp: str) -> None:
-    driver = dra_driver(tmp)
-    await driver.registrar.start()
-    sockets = silent_sockets(os.path.join(tmp, "registry"), [f"{DRIVER}-silent-{i}-reg.sock" for i in range(100)])
-    loop = asyncio.get_running_loop()
+@pytest.mark.parametrize(
+    ("we_serve", "theirs", "outranks"),
+    [
+        (False, ("older", 10, True), True),  # serving beats not serving, whatever the age
+        (True, ("newer", 30, False), False),  # not serving never takes it from one that serves
+        (True, ("older", 10, True), False),  # serving alike: the newer one keeps it
+        (True, ("newer", 30, True), True),
+    ],
+)
+async def test_outranking_is_serving_first_then_age(
+    tmp: str, we_serve: bool, theirs: tuple[str, int, bool], outranks: bool
+) -> None:
+    name, started, serving = theirs
+    server = await serve_description(os.path.join(tmp, "peer.sock"), identity(name, started, 7), serving=serving)
     try:
-        started = loop.time()
-        assert await driver.hand_over(1) is None
-        assert loop.time() - started < 1 + peers.PEER_TIMEOUT_S
+        found = await peers.outranking(identity("me", 20, 2), we_serve, [server.path])
     finally:
-        for s in sockets:
-            s.close()
-        await driver.close()
+        await server.stop()
+    assert (found is not None) == outranks
 
 
-async def test_a_newer_live_instance_is_found_and_an_older_one_is_not(tmp: str) -> None:
-    older = Identity.of("older", "dra", DRIVER)
-    driver = dra_driver(tmp, "middle")
-    await driver.registrar.start()
-    servers = await registered_driver(tmp, DRIVER, f"{DRIVER}-older", older)
-    try:
-        assert await driver.newer_instance() is None
-        servers += await registered_driver(tmp, DRIVER, f"{DRIVER}-newest", Identity.of("newest", "dra", DRIVER))
-        assert await driver.newer_instance() == "newest"
-    finally:
-        for server in servers:
-            await server.stop()
-        await driver.close()
+async def test_hold_waits_while_a_reason_stands_says_each_new_one_and_asks_again_on_a_new_check() -> None:
+    observation = SharedObservation()
+    reasons = ["a ready instance serves: pod-a", "a ready instance serves: pod-a", "device unhealthy", ""]
+    said: list[str] = []
+    asked: list[Observation] = []
 
+    async def why(current: Observation) -> str:
+        asked.append(current)
+        return reasons[len(asked) - 1]
 
-async def test_the_kubelet_is_done_with_us_once_quiet_or_proven_and_calls_in_flight_get_a_bound() -> None:
-    """transport.until_quiet: calls in flight finish first; then `quiet` seconds without a call,
-    or a proof sooner; a call that never ends is given up after quiet + grace."""
-    loop = asyncio.get_running_loop()
-    in_flight, received = [2], [2]
-
-    async def finish() -> None:
-        await asyncio.sleep(0.02)
-        in_flight[0] = 0
-
-    task = asyncio.ensure_future(finish())
-    started = loop.time()
-    assert await transport.until_quiet(lambda: in_flight[0], lambda: received[0], quiet=0.2) == "no call for 0.2 s"
-    assert loop.time() - started >= 0.2
-    await task
-    proven = await transport.until_quiet(lambda: 0, lambda: 0, lambda: _said("proven"), quiet=60)
-    assert proven == "proven"
-    stuck = await transport.until_quiet(lambda: 1, lambda: 1, quiet=0.05, grace=0.05)
-    assert stuck == "1 call(s) still in flight after 0.1 s"
-
-
-async def _said(why: str) -> Optional[str]:
-    return why
+    holding = asyncio.ensure_future(peers.hold(why, observation, said.append, poll=lambda: 60))
+    await asyncio.sleep(0)
+    assert asked == [], "nothing is asked before the first check completes"
+    for n in range(1, 4):
+        observation.publish(Observation(healthy=n % 2 == 0, reason="", hypervisor="kvm"))
+        await until(lambda n=n: len(asked) == n, what=f"question {n}")  # type: ignore[misc]
+        assert not holding.done()
+    observation.republish()
+    await waits.within(holding, 5)
+    assert said == ["a ready instance serves: pod-a", "device unhealthy", ""], "each new reason once, then the end"

@@ -418,22 +418,6 @@ def test_upgrade_in_place_of_a_process_that_is_no_agent_of_ours_does_nothing(tmp
         sleeper.wait()
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "12ab", "99999999999"])
-def test_upgrade_in_place_needs_a_process_id(value: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", f"--upgrade-in-place={value}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip() == (
-        f"hyperlight-agent: error: argument --upgrade-in-place: not a process id: '{value}'"
-    ), result.stderr
-
-
 # Launchers standing for a next release, each prefixed to LAUNCHER. The old agent gives up on a
 # child after READY_TIMEOUT_S (30 s): shortened for the tests that wait it out.
 QUICK = "from hyperlight_agent.host import successor\nsuccessor.READY_TIMEOUT_S = 3.0\n"

@@ -1,4 +1,4 @@
-"""The device check: single-flight checks, callers that give up, broadcast and recovery, with the
+"""The device check: single-flight checks, callers that give up, and recovery, with the
 real probe helper on real nodes (root: mknod); and its logic in-process for the fast loop, where a
 fake probe helper answers, regular files stand for device nodes (the files_are_devices fixture)
 and the CDI spec is written for real in a temp dir."""
@@ -34,28 +34,6 @@ def target(tmp: str, device_dir: str, **kw: object) -> CheckTarget:
         gid=65534,
         **kw,  # type: ignore[arg-type]
     )
-
-
-async def test_initial_state_is_unhealthy_until_a_check_completes() -> None:
-    state = SharedObservation()
-    assert state.version == 0 and not state.current.healthy
-    waiter = asyncio.ensure_future(state.wait_newer(0))
-    await asyncio.sleep(0)
-    assert not waiter.done()
-    state.publish(Observation(True, "", "kvm"))
-    assert (await waiter).healthy
-
-
-async def test_publish_wakes_all_waiters_once_per_change() -> None:
-    state = SharedObservation()
-    state.publish(Observation(True, "", "kvm"))
-    waiters = [asyncio.ensure_future(state.wait_newer(state.version)) for _ in range(50)]
-    assert not state.publish(Observation(True, "", "kvm"))  # same observation: no wake-up
-    await asyncio.sleep(0)
-    assert not any(w.done() for w in waiters)
-    assert state.publish(Observation(False, "gone", "kvm"))
-    results = await asyncio.gather(*waiters)
-    assert all(r.reason == "gone" for r in results)
 
 
 async def test_burst_of_500_checks_runs_a_handful_of_probes(tmp: str, kvm_dir: str) -> None:
