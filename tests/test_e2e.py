@@ -1016,28 +1016,10 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published) -> 
     # The device made unusable: its devices carry our taint within seconds (this 1.37 control
     # plane keeps device taints), new pods wait; made usable again, the taint goes and the waiting
     # pod runs.
-    (driver_pod,) = daemonset_pods(cluster, DRA_DAEMONSET)
-    pid = agent_pid(driver_pod["metadata"]["name"])
-    started = time.monotonic()
-    break_the_device(pid, "bind")
-    try:
-        wait_until(lambda: unusable_taints(cluster, "a") == {"NoSchedule"}, 30, "the devices tainted")
-        record(f"dra.{kubelet}.unusable_to_slice_tainted_s", round(time.monotonic() - started, 2))
-        name = f"dra-waits-{kubelet}"
-        cluster.api.create(f"/api/v1/namespaces/{DRA_NS}/pods", dra_pod(name, ["/kvmcheck"]))
-        wait_until(lambda: scheduling_refusal(cluster, DRA_NS, name), 60, "the scheduler's refusal while unusable")
-        assert cluster.api.get(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")["status"]["phase"] == "Pending"
-    finally:
-        break_the_device(pid, "unbind")
-    started = time.monotonic()
-    wait_until(
-        lambda: slice_devices(cluster, "a") == SHARED_DEVICES and not unusable_taints(cluster, "a"),
-        30,
-        "the devices back in the slice, untainted",
-    )
-    record(f"dra.{kubelet}.usable_to_slice_full_s", round(time.monotonic() - started, 2))
-    assert finished(cluster, DRA_NS, name)["status"]["phase"] == "Succeeded"
-    cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")
+    pod, tainted_s, full_s = unusable_then_usable(cluster, DRA_NS, f"dra-waits-{kubelet}", ["/kvmcheck"])
+    record(f"dra.{kubelet}.unusable_to_slice_tainted_s", tainted_s)
+    record(f"dra.{kubelet}.usable_to_slice_full_s", full_s)
+    assert pod["status"]["phase"] == "Succeeded"
 
     # An agent pod deleted, then a helm upgrade (surge), under load: running pods untouched, and
     # no pod fails to prepare.
@@ -1067,6 +1049,40 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published) -> 
     baseline = dra_event(cluster, f"{kubelet}-no-event", lambda: None, lambda: True)
     record(f"dra.{kubelet}.{version}.no_event", baseline)
     assert baseline["failed"] == 0, baseline
+
+
+def unusable_then_usable(
+    cluster: Cluster, ns: str, name: str, command: list[str], devices: int = SHARED_DEVICES, taints: bool = True
+) -> tuple[dict[str, Any], float, float]:
+    """Node a's device made unusable (/dev/null bound over the driver's /dev/kvm): its devices
+    tainted (`taints`: the API server keeps device taints), else gone from the slice; a DRA pod
+    `name` created then waits, refused by the scheduler. Made usable again: `devices` devices back
+    in the slice, untainted. The pod once finished (deleted), and the seconds to each slice."""
+    (driver,) = daemonset_pods(cluster, DRA_DAEMONSET)
+    pid = agent_pid(driver["metadata"]["name"])
+    started = time.monotonic()
+    break_the_device(pid, "bind")
+    try:
+        if taints:
+            wait_until(lambda: unusable_taints(cluster, "a") == {"NoSchedule"}, 30, "the devices tainted")
+        else:
+            wait_until(lambda: slice_devices(cluster, "a") == 0, 30, "the devices gone from the slice")
+        unusable_s = round(time.monotonic() - started, 2)
+        cluster.api.create(f"/api/v1/namespaces/{ns}/pods", dra_pod(name, command))
+        wait_until(lambda: scheduling_refusal(cluster, ns, name), 60, "the scheduler's refusal while unusable")
+        assert cluster.api.get(f"/api/v1/namespaces/{ns}/pods/{name}")["status"]["phase"] == "Pending"
+    finally:
+        break_the_device(pid, "unbind")
+    started = time.monotonic()
+    wait_until(
+        lambda: slice_devices(cluster, "a") == devices and not unusable_taints(cluster, "a"),
+        30,
+        "the devices back in the slice, untainted",
+    )
+    usable_s = round(time.monotonic() - started, 2)
+    pod = finished(cluster, ns, name)
+    cluster.api.delete(f"/api/v1/namespaces/{ns}/pods/{name}")
+    return pod, unusable_s, usable_s
 
 
 # ---- The device's health where the cluster sees it (issue 40) ------------------------------------

@@ -54,9 +54,7 @@ from tests.test_e2e import (
     HYPERVISOR,
     NAMESPACE,
     SLOTS,
-    agent_pid,
     allocatable,
-    break_the_device,
     daemonset_pods,
     dra_event,
     dra_pod,
@@ -80,11 +78,10 @@ from tests.test_e2e import (
     run_event,
     running,
     running_release,
-    scheduling_refusal,
     slice_devices,
     termination_message,
     through_dra,
-    unusable_taints,
+    unusable_then_usable,
     workload_pod,
 )
 
@@ -340,32 +337,9 @@ def test_dra_device_unusable_helm_upgrade_and_helm_test_on_a_whole_cluster(
     devices = expected_devices(cluster)
     wait_until(lambda: dra_ready(cluster, devices), 60, "the DRA driver ready")
     (driver,) = daemonset_pods(cluster, DRA_DAEMONSET)
-    pid = agent_pid(driver["metadata"]["name"])
     keeps_taints = minor(cluster) >= SHARED_SINCE
-    figure: dict[str, Any] = {}
-    name = "dra-waits"
-    started = time.monotonic()
-    break_the_device(pid, "bind")
-    try:
-        if keeps_taints:
-            wait_until(lambda: unusable_taints(cluster, "a") == {"NoSchedule"}, 30, "the devices tainted")
-        else:
-            wait_until(lambda: slice_devices(cluster, "a") == 0, 30, "the devices gone from the slice")
-        figure["unusable_to_slice_s"] = round(time.monotonic() - started, 2)
-        cluster.api.create(f"/api/v1/namespaces/{APPS}/pods", dra_pod(name, SAYS))
-        wait_until(lambda: scheduling_refusal(cluster, APPS, name), 60, "the scheduler's refusal while unusable")
-        assert cluster.api.get(f"/api/v1/namespaces/{APPS}/pods/{name}")["status"]["phase"] == "Pending"
-    finally:
-        break_the_device(pid, "unbind")
-    started = time.monotonic()
-    wait_until(
-        lambda: slice_devices(cluster, "a") == devices and not unusable_taints(cluster, "a"),
-        30,
-        "the devices back in the slice, untainted",
-    )
-    figure["usable_to_slice_full_s"] = round(time.monotonic() - started, 2)
-    pod = finished(cluster, APPS, name)
-    cluster.api.delete(f"/api/v1/namespaces/{APPS}/pods/{name}")
+    pod, unusable_s, usable_s = unusable_then_usable(cluster, APPS, "dra-waits", SAYS, devices, keeps_taints)
+    figure: dict[str, Any] = {"unusable_to_slice_s": unusable_s, "usable_to_slice_full_s": usable_s}
     assert pod["status"]["phase"] == "Succeeded" and WORKLOAD_SAYS in termination_message(pod), pod["status"]
     said = [line for line in container_log(a, driver).splitlines() if NO_TAINTS_SAYS in line]
     assert len(said) == (0 if keeps_taints else 1), said
