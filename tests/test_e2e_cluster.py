@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
+import subprocess
 
 import pytest
 
 from tests.e2e import versions
-from tests.e2e.cluster import free_subnets, routed_networks
+from tests.e2e.cluster import BRIDGE_PREFIX, Cluster, free_subnets, routed_networks, run_tag
 
 SLASH_24 = 0xFFFFFF00
 
@@ -52,3 +54,22 @@ def test_the_kubernetes_rows_are_read_newest_first_and_each_pins_its_own_minor(t
     table.write_text("# nothing\n")
     with pytest.raises(ValueError, match="no rows"):
         versions.rows(str(table))
+
+
+@pytest.mark.root
+def test_a_bridge_named_for_the_run_directory_goes_even_without_its_state(tmp_path: pathlib.Path) -> None:
+    """A killed run's checkout removed with its state file (rm -rf) left its node's bridge, with an
+    old address and route: the next run in that directory took other subnets, and the CNI plugin
+    refused the bridge ("already has an IP address different from …"). The directory's own
+    bridges go; another directory's stay."""
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    mine, other = (f"{BRIDGE_PREFIX}{run_tag(d)}a" for d in (ours, theirs))
+    for link in (mine, other):
+        subprocess.run(["ip", "link", "add", link, "type", "bridge"], check=True)
+    try:
+        Cluster.clean_leftovers(os.path.join(ours, "state.json"), ours)
+        assert not os.path.exists(f"/sys/class/net/{mine}")
+        assert os.path.exists(f"/sys/class/net/{other}")
+    finally:
+        for link in (mine, other):
+            subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)

@@ -88,6 +88,14 @@ DEVICE_PLUGINS = "device-plugins"
 SYNC_FREQUENCY_S = 10
 
 
+BRIDGE_PREFIX = "hle2e"
+
+
+def run_tag(directory: str) -> str:
+    """Six hex digits naming a cluster's run directory in host-wide names (cgroups, bridges)."""
+    return hashlib.sha256(directory.encode()).hexdigest()[:6]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -340,9 +348,9 @@ class Node:
         self.labels = labels
         self.directory = os.path.join(cluster.directory, f"node-{name}")
         # Named for the run directory too: two checkouts' clusters on one machine never share one.
-        run = hashlib.sha256(cluster.directory.encode()).hexdigest()[:6]
+        run = run_tag(cluster.directory)
         self.cgroup = f"/hl-e2e-{run}-{name}"
-        self.bridge = f"hle2e{run}{name}"[:15]
+        self.bridge = f"{BRIDGE_PREFIX}{run}{name}"[:15]
         octet = cluster.subnet_base + index
         self.subnet = f"10.250.{octet}.0/24"
         self.gateway = f"10.250.{octet}.1"
@@ -674,6 +682,13 @@ class Cluster:
         if os.path.exists(state_path):
             _kill_everything(State(state_path))
             os.unlink(state_path)
+        # A bridge named for this run directory is this directory's, even when its state file is
+        # gone with the directory (rm -rf of a killed run's checkout): left, its route moves our
+        # subnets and the CNI plugin refuses the bridge's old address.
+        ours = f"{BRIDGE_PREFIX}{run_tag(directory)}"
+        for link in os.listdir("/sys/class/net"):
+            if link.startswith(ours):
+                subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
         shutil.rmtree(directory, ignore_errors=True)
 
     def start(
