@@ -1,15 +1,17 @@
-"""The e2e harness's own choices that need no cluster (tests/e2e/cluster.py)."""
+"""The e2e harness's own choices that need no cluster (tests/e2e)."""
 
 from __future__ import annotations
 
 import os
 import pathlib
 import subprocess
+from typing import Any
 
 import pytest
 
 from tests.e2e import versions
 from tests.e2e.cluster import BRIDGE_PREFIX, Cluster, free_subnets, routed_networks, run_tag
+from tests.e2e.outcomes import rejected_at_admission, start_cut, why_failed
 
 SLASH_24 = 0xFFFFFF00
 
@@ -73,3 +75,27 @@ def test_a_bridge_named_for_the_run_directory_goes_even_without_its_state(tmp_pa
     finally:
         for link in (mine, other):
             subprocess.run(["ip", "link", "del", link], capture_output=True, check=False)
+
+
+def ended(reason: str, code: int, message: str) -> dict[str, Any]:
+    terminated = {"reason": reason, "exitCode": code, "message": message}
+    return {"status": {"phase": "Failed", "containerStatuses": [{"name": "app", "state": {"terminated": terminated}}]}}
+
+
+# What the API server said of the load pod a 1.35.4 kubelet's restart failed (the fourth of four
+# restarts in a row on the whole 1.35 cluster; containerd 2.2.9's StartContainer, "context canceled").
+SAID = 'failed to start containerd task "07722f19207e": context canceled'
+CUT = ended("StartError", 128, SAID)
+
+
+def test_only_a_start_the_kubelets_exit_cancelled_counts_as_cut_by_the_restart() -> None:
+    assert why_failed(CUT) == ("StartError exit 128", SAID)
+    assert start_cut(*why_failed(CUT))
+    # A start that failed for the container's own sake (a device node runc could not open), a
+    # workload that failed (our check said no), a pod the kubelet refused: each still counts.
+    runc = ended("StartError", 128, "failed to create containerd task: open /dev/kvm: no such file or directory")
+    assert not start_cut(*why_failed(runc))
+    assert not start_cut(*why_failed(ended("Error", 1, "context canceled")))
+    refused = {"status": {"phase": "Failed", "reason": "UnexpectedAdmissionError", "message": "context canceled"}}
+    assert rejected_at_admission(refused["status"]) and not start_cut(*why_failed(refused))
+    assert not rejected_at_admission(CUT["status"])

@@ -12,7 +12,7 @@ mode). Managed clusters run one minor throughout; these are those clusters. On e
 - an unchanged `resources.limits` pod where only DRA serves the node: run through DRA where the API
   server keeps the DeviceClass's `extendedResourceName`, else Pending, saying what it lacks;
 - on the oldest minor's cluster (FULL_ROWS), the suite's other version-dependent events: the
-  migration from the upstream plugin, `helm test` in both
+  migration from the upstream plugin, the kubelet restarted under load, `helm test` in both
   modes, the .deb under systemd on node b's kubelet upgraded in place (`systemctl reload`,
   `apt-get install` of the next release, a next release failing before ready), the device made
   unusable where the API server keeps no device taints (its devices leave the slice), DRA's
@@ -195,12 +195,24 @@ def test_device_plugin_on_a_whole_cluster(whole: Cluster, published: Published) 
 
 
 @full(FULL_ROWS)
-def test_helm_test_on_a_whole_cluster(whole: Cluster) -> None:
-    """`helm test`: the chart's test pod gets the device and its --check passes. (The kubelet
-    restarted under load runs on this minor's kubelet under the newest control plane, test_e2e.py:
-    on this whole cluster one load pod failed, with no reason given, in one of three runs; not
-    yet explained.)"""
-    assert helm_test(whole) == {"hyperlight-test-device-plugin": "Succeeded"}
+def test_kubelet_restart_and_helm_test_on_a_whole_cluster(whole: Cluster) -> None:
+    """The kubelet restarted under a pod every 0.2 s (the agent registers again: no pod rejected;
+    a pod fails only if the kubelet's own exit cut its container's start, test_e2e.start_cut),
+    then `helm test`: the chart's test pod gets the device and its --check passes."""
+    cluster, version = whole, whole.control_plane_version
+    a = cluster.nodes["a"]
+
+    def restart() -> None:
+        a.stop_kubelet()
+        a.start_kubelet(version)
+
+    def back() -> bool:
+        return a.ready() and kubelet_view(a).get(HYPERVISOR) == SLOTS
+
+    figure = run_event(cluster, a, f"whole-{version}-kubelet-restart", restart, back)
+    record(f"whole.{version}.kubelet_restart", figure)
+    assert figure["rejected"] == 0 and figure["failed"] == figure["start_cut"], figure
+    assert helm_test(cluster) == {"hyperlight-test-device-plugin": "Succeeded"}
 
 
 @full(FULL_ROWS)
