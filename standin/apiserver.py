@@ -65,6 +65,9 @@ class Request:
 
 
 DISCOVERY_PATH = "/apis/resource.k8s.io/v1"
+# The start of a watch's answer (only watches answer in chunks): a test that freezes a watch's
+# connection once it was answered waits for a proxy to have forwarded this (standin.proxy).
+WATCH_ANSWERED = b"Transfer-Encoding: chunked"
 
 
 class FakeApiServer:
@@ -386,7 +389,7 @@ class FakeApiServer:
         look = None  # when the next bookmark may be due
         if request.query.get("allowWatchBookmarks") == "true":
             look = self._next_look(loop.time(), ends)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + WATCH_ANSWERED + b"\r\n\r\n")
         if self.end_watches:
             writer.write(b"0\r\n\r\n")
             await writer.drain()

@@ -21,7 +21,17 @@ from hyperlight_agent.dra import slices
 from hyperlight_agent.dra.client import ApiError, ClientConfigError, KubeApi
 from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher, desired_spec, owned
 from hyperlight_agent.dra.taints import Taint
-from standin.apiserver import DRIVER, NODE, SLICES_PATH, FakeApiServer, Json, kubeconfig, recorded, status
+from standin.apiserver import (
+    DRIVER,
+    NODE,
+    SLICES_PATH,
+    WATCH_ANSWERED,
+    FakeApiServer,
+    Json,
+    kubeconfig,
+    recorded,
+    status,
+)
 from tests.conftest import until
 from tests.test_docs import ROOT
 
@@ -630,10 +640,6 @@ class Publishing(NamedTuple):
     fake: FakeApiServer
     publisher: SlicePublisher
     proxy: Any  # standin.proxy.FreezingProxy, when asked for
-
-
-# The start of a watch's answer (only watches answer in chunks).
-WATCH_ANSWERED = b"Transfer-Encoding: chunked"
 
 
 @contextlib.asynccontextmanager
