@@ -99,12 +99,17 @@ e2e-components-background:
 # The fast inner loop: no system tests, nothing that needs root, no manifest judges; .ci/run
 # runs it with every capability dropped. Ends with the line coverage of the core modules
 # (pyproject.toml's [tool.coverage]), measured in-process, and fails below its floor.
+# Its tests mostly wait on timers and sockets, so twice as many workers as cores; each worker
+# imports and collects the suite, so compiled code (and pytest's rewritten tests) are kept in
+# build/pycache from one run to the next, even where PYTHONDONTWRITEBYTECODE is set.
+CHECK_WORKERS := $(shell echo $$(( $$(nproc) * 2 )))
+CHECK_ENV := env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(CURDIR)/build/pycache HYPERLIGHT_FUZZ_SCALE=0.1
 check: $(VENV)/.installed  ## the fast loop: lint, types, imports and the tests needing neither root nor system tools
 	$(RUFF)
 	$(MYPY)
 	$(IMPORTS)
 	@mkdir -p build && rm -f build/check.coverage*
-	HYPERLIGHT_FUZZ_SCALE=0.1 $(PY) -m coverage run -m pytest -q -n 2 -m "not system and not root and not judge"
+	$(CHECK_ENV) $(PY) -m coverage run -m pytest -q -n $(CHECK_WORKERS) --dist worksteal -m "not system and not root and not judge"
 	@$(PY) -m coverage combine -q
 	$(PY) -m coverage report
 

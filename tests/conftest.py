@@ -4,6 +4,7 @@ that the host's /dev/kvm and process table are left exactly as found."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import faulthandler
 import os
 import shutil
@@ -288,6 +289,38 @@ def neighbour_agent() -> Iterator[None]:
         log.close()
         standin.close()
         shutil.rmtree(top, ignore_errors=True)
+
+
+class LoopOfATest(asyncio.SelectorEventLoop):
+    """Each test's loop. grpc.aio keeps one completion queue per process and hands each
+    completion to the loop its call or server was made on, from whichever loop reads the queue
+    next; a completion that comes after its test's loop closed (a stopped server's last request
+    slot, seen under load) would raise "Event loop is closed" in a later test's loop, failing a
+    test that never saw the call. Such a completion has nobody left to wake: it is dropped. Every
+    other callback on a closed loop still raises."""
+
+    def call_soon_threadsafe(  # type: ignore[override]  # typeshed's is generic over the args
+        self, callback: Callable[..., object], *args: Any, context: Optional[contextvars.Context] = None
+    ) -> asyncio.Handle:
+        if self.is_closed() and getattr(callback, "__qualname__", "") == GRPC_COMPLETION:
+            dropped = asyncio.Handle(callback, args, self, context)
+            dropped.cancel()
+            return dropped
+        return super().call_soon_threadsafe(callback, *args, context=context)
+
+
+# grpc.aio's callback for a completion whose loop is not the one reading the queue
+# (grpc/_cython/_cygrpc/aio/completion_queue.pyx.pxi).
+GRPC_COMPLETION = "_handle_callback_wrapper"
+
+
+class LoopOfATestPolicy(asyncio.DefaultEventLoopPolicy):  # type: ignore[misc,valid-type]
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return LoopOfATest()
+
+
+# Both anyio's runner and asyncio.run() make their loops through the policy.
+asyncio.set_event_loop_policy(LoopOfATestPolicy())
 
 
 @pytest.fixture
