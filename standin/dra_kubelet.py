@@ -122,6 +122,8 @@ class DraKubeletStandin:
     health_cache: dict[str, dict[str, DeviceHealth]] = field(default_factory=dict)
     # Every change the kubelet would tell the pods of: (loop time, driver, "pool/device", health).
     health_changes: list[tuple[float, str, str, str]] = field(default_factory=list)
+    # When a stream's end forgot a driver's health (the pods are not told): (loop time, driver).
+    health_forgotten: list[tuple[float, str]] = field(default_factory=list)
     # How health streams ended: (driver, endpoint, the gRPC status or "eof").
     health_ends: list[tuple[str, str, str]] = field(default_factory=list)
     health_reopen_s: float = contracts.DRA_HEALTH_REOPEN_S
@@ -268,6 +270,7 @@ class DraKubeletStandin:
             finally:
                 # Whatever ended the stream (a cancel included): the driver's health is forgotten.
                 self.health_cache.pop(instance.driver, None)
+                self.health_forgotten.append((asyncio.get_running_loop().time(), instance.driver))
             self.health_ends.append((instance.driver, instance.endpoint, how))
             if how == grpc.StatusCode.UNIMPLEMENTED.name and self.health_needs_offer:
                 return

@@ -286,9 +286,10 @@ def test_no_api_access_is_said_once_and_retried_without_stopping(
         agent = Agent(settings_in(tmp, os.path.join(tmp, "missing-kubeconfig")), modes.DRA)
         await agent.start()
         try:
+            # The first device check too: until it ends the status says so, whatever the API.
             await until(
-                lambda: len(attempts) >= 5 and dra_side(agent).registrar.registered,
-                what="retries, and registered meanwhile",
+                lambda: len(attempts) >= 5 and dra_side(agent).registrar.registered and agent.observation.version > 0,
+                what="retries, and registered and checked meanwhile",
             )
             lines = [r.getMessage() for r in caplog.records if "API client" in r.getMessage()]
             assert len(lines) == 1 and "missing-kubeconfig" in lines[0], lines
