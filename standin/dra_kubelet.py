@@ -12,7 +12,9 @@ pkg/kubelet/cm/dra), never more forgiving:
   endpoint means the registration socket itself; supported_versions is walked in the plugin's
   order and the first the kubelet knows ("v1.DRAPlugin", "v1beta1.DRAPlugin") is chosen (an
   empty list, or none known, is refused); an endpoint already registered for the driver is
-  refused; then NotifyRegistrationStatus (5 s) says yes, or no with the reason;
+  refused; a refusal is told by NotifyRegistrationStatus (5 s) with the reason; an accepted
+  plugin is first registered (calls go to it, its health stream opens), then told yes: a
+  failed notify (`notify_failed`) leaves it registered;
 - several instances of one driver (different endpoints) are kept in registration order; a call
   goes to the newest one that is connected (its channel is READY or can become so), else the newest;
 - prepare()/unprepare() send only namespace, uid and name, with a 45 s deadline, and check that
@@ -109,6 +111,8 @@ class DraKubeletStandin:
     instances: dict[str, list[Instance]] = field(default_factory=dict)
     # Registration attempts that failed: (registration socket, reason).
     refused: list[tuple[str, str]] = field(default_factory=list)
+    # Registrations whose NotifyRegistrationStatus(yes) failed: (registration socket, why).
+    notify_failed: list[tuple[str, str]] = field(default_factory=list)
     # Awaited with the instance picked and before the call is sent (a test's hook).
     before_call: Optional[Callable[[Instance], Awaitable[None]]] = None
     # The ResourceHealthStatus gate: whether health streams are opened at all.
@@ -185,8 +189,6 @@ class DraKubeletStandin:
             raise
         try:
             instance = await self._validate(info, path)
-            if self.resource_health and instance.health_service:
-                instance.health_task = asyncio.ensure_future(self._watch_health(instance))
         except RegistrationRefused as exc:
             with contextlib.suppress(grpc.RpcError, asyncio.TimeoutError):
                 await waits.within(
@@ -197,18 +199,21 @@ class DraKubeletStandin:
                 )
             await channel.close(None)
             raise
+        # RegisterPlugin (the plugin manager's store, its health stream) before the notify, as
+        # operation_generator.go does: a plugin told it is registered may be called at once, and
+        # stays registered when the notify fails.
+        self.instances.setdefault(instance.driver, []).append(instance)
+        if self.resource_health and instance.health_service:
+            instance.health_task = asyncio.ensure_future(self._watch_health(instance))
         try:
             await waits.within(
                 registration.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True)),
                 contracts.DRA_NOTIFY_TIMEOUT_S,
             )
-        except BaseException:
-            await self._stop_health(instance)
-            await instance.channel.close(None)
-            raise
+        except (grpc.RpcError, asyncio.TimeoutError) as exc:
+            self.notify_failed.append((path, str(exc)))
         finally:
             await channel.close(None)
-        self.instances.setdefault(instance.driver, []).append(instance)
         return instance
 
     async def _validate(self, info: reg.PluginInfo, path: str) -> Instance:

@@ -16,6 +16,7 @@ import pytest
 from hyperlight_agent import contracts, transport
 from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.dra import api, registration
+from hyperlight_agent.dra import pluginregistration_pb2 as reg
 from hyperlight_agent.dra.prepared import Prepared
 from hyperlight_agent.dra.registration import Registrar
 from hyperlight_agent.dra.service import Service
@@ -147,6 +148,47 @@ def test_the_same_endpoint_twice_is_refused(tmp: str) -> None:
         with pytest.raises(RegistrationRefused, match="already registered"):
             await kubelet.register(registrar.registration_socket)
         assert not registrar.registered  # the kubelet told us; our state follows its last word
+
+    run(tmp, body)
+
+
+@pytest.mark.parametrize("notify_fails", [False, True], ids=["told", "telling-failed"])
+def test_the_kubelet_registers_a_plugin_before_it_tells_it_and_keeps_it_if_the_telling_fails(
+    tmp: str, notify_fails: bool
+) -> None:
+    """The stand-in's order is operation_generator.go's: RegisterPlugin, then
+    NotifyRegistrationStatus, so a plugin told it is registered may be called at once; a failed
+    notify is logged and the plugin stays registered."""
+
+    async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        known_when_told: list[bool] = []
+
+        class Plugin:
+            async def GetInfo(self, request: Any, context: Any) -> reg.PluginInfo:
+                return reg.PluginInfo(
+                    type=contracts.DRA_PLUGIN_TYPE,
+                    name=DRIVER,
+                    endpoint=os.path.join(tmp, "dra.sock"),
+                    supported_versions=[contracts.DRA_VERSION_V1],
+                )
+
+            async def NotifyRegistrationStatus(self, request: Any, context: Any) -> reg.RegistrationStatusResponse:
+                known_when_told.append(request.plugin_registered and bool(kubelet.instances.get(DRIVER)))
+                if notify_fails:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "going away")
+                return reg.RegistrationStatusResponse()
+
+        path = os.path.join(tmp, "elsewhere-reg.sock")  # outside the registry: registered by hand
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers([api.registration_handler(Plugin())])
+        server.add_insecure_port(transport.unix_target(path))
+        await server.start()
+        try:
+            instance = await kubelet.register(path)
+        finally:
+            await server.stop(0)
+        assert known_when_told == [True] and kubelet.instances[DRIVER] == [instance]
+        assert [p for p, _ in kubelet.notify_failed] == ([path] if notify_fails else [])
 
     run(tmp, body)
 

@@ -106,10 +106,7 @@ def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: st
         assert agent.mode is modes.DRA and dra_side(agent).registrar.driver == DRIVER
         await agent.start()
         try:
-            # Ready once the kubelet's NotifyRegistrationStatus came; the stand-in records us just after.
-            await until(
-                lambda: agent.ready and bool(kubelet.instances.get(DRIVER)), what="registered, published and healthy"
-            )
+            await until(lambda: agent.ready, what="registered, published and healthy")
             assert agent.status() == "ready: kvm, one device in the ResourceSlice, shared by every claim"
             (published,) = fake.ours()
             assert published["spec"]["nodeName"] == "node1" and published["spec"]["driver"] == DRIVER
@@ -199,8 +196,7 @@ def test_dra_metrics_count_calls_claims_writes_and_watches(tmp: str, helpers: li
         agent = Agent(settings_in(tmp, config, metrics_address=f"127.0.0.1:{free_port()}"), modes.DRA)
         await agent.start()
         try:
-            # Ready once NotifyRegistrationStatus came; the stand-in records us just after.
-            await until(lambda: agent.ready and bool(kubelet.instances.get(DRIVER)), what="ready and registered")
+            await until(lambda: agent.ready, what="ready and registered")
             fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
             await kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID), Claim("default", "gone", "u2")])
             await kubelet.unprepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)])
