@@ -156,11 +156,15 @@ def test_row1_cdi_spec_repaired_exactly_and_allocation_succeeds(node: Node, faul
 
 @pytest.mark.parametrize("obstruction", ["directory", "symlink"])
 def test_row2_non_regular_cdi_path(node: Node, obstruction: str) -> None:
-    os.unlink(node.spec)
+    # Swapped in for the spec in one step: between an unlink and a mkdir the agent may already
+    # have put its spec back (seen under load: FileExistsError).
+    beside = os.path.join(node.cdi_dir, ".obstruction")
     if obstruction == "directory":
-        os.mkdir(node.spec)
+        os.mkdir(beside)
     else:
-        os.symlink(os.path.join(node.cdi_dir, "sentinel.json"), node.spec)
+        os.symlink(os.path.join(node.cdi_dir, "sentinel.json"), beside)
+    assert atomic.exchange(beside, node.spec), "this filesystem cannot swap entries (renameat2)"
+    os.unlink(beside)  # the spec it held
     node.assert_unready()
     assert os.path.lexists(node.spec), "the obstruction is never removed by the agent"
     if obstruction == "directory":
