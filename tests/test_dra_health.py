@@ -205,12 +205,13 @@ def test_another_instances_end_forgets_the_drivers_health_and_ours_puts_it_back(
             def put_back_after() -> Optional[float]:
                 """Seconds from the driver's health last forgotten to its next Healthy report."""
                 forgotten = [t for t, d in kubelet.health_forgotten if d == DRIVER and t >= since]
-                back = [
-                    t
-                    for t, d, k, h in kubelet.health_changes
-                    if forgotten and (d, k, h) == (DRIVER, f"{NODE}/kvm", "Healthy") and t > forgotten[-1]
-                ]
-                return back[0] - forgotten[-1] if back else None
+                if not forgotten:
+                    return None
+                healthy = (DRIVER, f"{NODE}/kvm", "Healthy")
+                back = next(
+                    (t for t, *change in kubelet.health_changes if tuple(change) == healthy and t > forgotten[-1]), None
+                )
+                return None if back is None else back - forgotten[-1]
 
             await until(lambda: put_back_after() is not None, what="the driver's health forgotten, then reported")
             delay = put_back_after()

@@ -157,8 +157,8 @@ def test_the_kubelet_registers_a_plugin_before_it_tells_it_and_keeps_it_if_the_t
     tmp: str, notify_fails: bool
 ) -> None:
     """The stand-in's order is operation_generator.go's: RegisterPlugin, then
-    NotifyRegistrationStatus, so a plugin told it is registered may be called at once; a failed
-    notify is logged and the plugin stays registered."""
+    NotifyRegistrationStatus, so a plugin told it is registered may be called at once; after a
+    failed notify (recorded) the plugin stays registered."""
 
     async def body(node: Node, kubelet: DraKubeletStandin) -> None:
         known_when_told: list[bool] = []
