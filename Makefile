@@ -26,7 +26,7 @@ apt_install = missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $
 	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; \
 	fi
 
-.PHONY: help e2e e2e-components e2e-components-background run test check lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
+.PHONY: help e2e e2e-components e2e-components-background tools-background run test check lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
   image-wheels tools pin-tools lock release publish resign release-deps
 # Package builds run in a copy of the sources under build/, never in the work tree.
 PKG_SOURCES := pyproject.toml README.md hyperlight_agent proto packaging systemd pins
@@ -63,17 +63,19 @@ JUDGES := build/judges
 
 # The judges of the code, written once: every target that lints or type-checks runs these.
 RUFF := $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
-MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.py packaging/targets.py \
+MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.py packaging/targets.py packaging/chart_env.py packaging/settings_doc.py \
   packaging/release.py packaging/publish.py packaging/resign.py pins/update.py
 # The module layers and boundaries (pyproject.toml's [tool.importlinter]).
 IMPORTS := $(VENV)/bin/lint-imports --no-cache
 
 # Everything, system tests included, beside a neighbour agent (tests observe only what they create).
-# The real clusters' components (Go builds of every Kubernetes minor, etcd and containerd: the
-# longest set-up step when cold) build in the background at the lowest priority while everything
-# before them runs: the cluster tests run last (conftest.py) and each cluster waits for that
-# build. The build ends with make at the latest.
-test: $(VENV)/.installed e2e-components-background $(JUDGES)/.installed system-deps tools  ## everything: lint, types, imports, and every test (system tests and the real cluster)
+# The Go builds (cold, the longest set-up steps) run in the background while the tests that need
+# neither run: the tools (tests/e2e/tools.py) at a low priority, the real clusters' components (every
+# Kubernetes minor, etcd and containerd) at the lowest. conftest.py runs the tests that need the
+# tools after the others, and the cluster tests last; each waits for its build (build.sh's lock).
+# Both builds end with make at the latest. One pytest process: the two lanes (conftest.py) are not
+# used until their grouping is proven in xdist's workers. The session ends with its phases' times.
+test: $(VENV)/.installed tools-background e2e-components-background $(JUDGES)/.installed system-deps  ## everything: lint, types, imports, and every test (system tests and the real cluster)
 	$(RUFF)
 	$(MYPY)
 	$(IMPORTS)
@@ -130,6 +132,12 @@ proto: system-deps  ## regenerate the committed protobuf messages with Debian 12
 	protoc -I proto --python_out=hyperlight_agent/dra --pyi_out=hyperlight_agent/dra \
 	  proto/dra_v1.proto proto/dra_v1beta1.proto proto/dra_health_v1.proto proto/dra_health_v1alpha1.proto \
 	  proto/pluginregistration.proto
+
+# The tools' build in the background, as the components' below: its output in build/tools.log.
+tools-background:
+	@mkdir -p $(TOOLS)
+	@BUILD_STOPS_WITH=$$PPID setsid nice -n 10 tests/e2e/components/build.sh $(TOOLS) tools \
+	  >build/tools.log 2>&1 </dev/null &
 
 # Development tools and judges are pinned exactly in pins/ (dev.txt: the `test` extra; dra.txt: the
 # DRA mode's API client and its dependencies, in the development venv; judges.txt),

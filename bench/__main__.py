@@ -27,7 +27,7 @@ from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
 from hyperlight_agent.deviceplugin import api
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.files import cdi
-from standin import procs
+from standin import flood, procs
 from standin.kubelet import Plugin, StandinThread
 
 R = contracts.RESOURCE_HYPERVISOR
@@ -824,22 +824,28 @@ def bench_metrics_flood(top: str) -> None:
                 times.append(time.perf_counter() - t)
             return times
 
-        quiet = allocates(300)
-        flood = subprocess.Popen(
+        def cpu_over(n: int) -> tuple[list[float], float]:
+            """n Allocates' times, and the agent's CPU seconds a second while they ran."""
+            cpu, wall = flood.cpu_seconds(agent.proc.pid), time.monotonic()
+            times = allocates(n)
+            return times, (flood.cpu_seconds(agent.proc.pid) - cpu) / (time.monotonic() - wall)
+
+        quiet, cpu_quiet = cpu_over(300)
+        flooder = subprocess.Popen(
             [sys.executable, "-c", METRICS_FLOOD, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         try:
-            assert flood.stdout is not None and flood.stdin is not None
-            flood.stdout.readline()  # "ready": the idle connections are in place
+            assert flooder.stdout is not None and flooder.stdin is not None
+            flooder.stdout.readline()  # "ready": the idle connections are in place
             lists_before = len(plugin.lists)
-            flooded = allocates(300)
+            flooded, cpu_flooded = cpu_over(300)
             fds = len(os.listdir(f"/proc/{agent.proc.pid}/fd"))
-            flood.stdin.close()
-            garbage = flood.stdout.readline().strip()
+            flooder.stdin.close()
+            garbage = flooder.stdout.readline().strip()
         finally:
-            if flood.poll() is None:
-                flood.kill()
-            flood.wait(10)
+            if flooder.poll() is None:
+                flooder.kill()
+            flooder.wait(10)
         lowest = min(
             (sum(h == contracts.HEALTHY for _, h in devices) for _, devices in plugin.lists[lists_before:]),
             default=2000,
@@ -851,12 +857,58 @@ def bench_metrics_flood(top: str) -> None:
         )
         row("Allocate p99 under a metrics flood, ratio to quiet", f"{pct(flooded, 0.99) / pct(quiet, 0.99):.2f}", "≤ 2")
         row(
+            "agent CPU while the Allocates ran, quiet / under the metrics flood (CPU s per s)",
+            f"{cpu_quiet:.2f} / {cpu_flooded:.2f}",
+        )
+        row(
             "healthy slots at the lowest during the metrics flood",
             f"{lowest}{'' if still_streamed else ' (the stream was lost)'}",
             "2000",
         )
         row("agent descriptors during the metrics flood", str(fds), "< 64")
         agent.stop()
+
+
+def bench_probe_flood(top: str) -> None:
+    """The probe port under issue 47's flood (1000 connections a second from a local process, no
+    request on any, each closed after 50 ms) while the kubelet's liveness probe is sent once a
+    second for 15 s (the flood lasting until the last one's timeout, 20 s): the probes that
+    failed, and the agent's CPU (utime + stime) per second of flood beside the same agent's over
+    15 s of those probes alone."""
+    print("probe flood", flush=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agent = Agent(top, "--device-count", "1", "--probe-address", f"127.0.0.1:{port}")
+    try:
+        with StandinThread(os.path.join(top, "kubelet")) as k:
+            k.wait_until(lambda kk: kk.allocatable() == 1, 15)
+            deadline = time.monotonic() + 10
+            while flood.http_probe("127.0.0.1", port, "/livez", 1) != flood.OK:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"127.0.0.1:{port}: the probe port never served")
+                time.sleep(0.1)  # polled until it serves, within the deadline
+            before = flood.cpu_seconds(agent.proc.pid)
+            for _ in range(flood.SECONDS):  # the probes alone: the baseline
+                assert flood.http_probe("127.0.0.1", port, "/livez", flood.PROBE_TIMEOUT_S) == flood.OK
+                time.sleep(1)  # the kubelet's period
+            quiet = (flood.cpu_seconds(agent.proc.pid) - before) / flood.SECONDS
+            run = flood.under_flood("127.0.0.1", port, agent.proc.pid)
+    finally:
+        agent.stop()
+    seconds = run.made["seconds"]
+    slowest = max(p.took for p in run.probes)
+    row(
+        f"liveness probes failed under a probe-port flood ({flood.RATE}/s, held {flood.HOLD_S * 1000:g} ms, "
+        f"{flood.SECONDS + flood.PROBE_TIMEOUT_S} s), slowest answer",
+        f"{len(run.failed())} of {len(run.probes)}, {ms(slowest)}",
+        "0",
+    )
+    row(
+        "agent CPU under the probe-port flood / with its probes alone (CPU s per s)",
+        f"{run.cpu / seconds:.3f} / {quiet:.3f} ({run.cpu:.2f} s over {seconds:g} s, "
+        f"{run.cpu / run.made['connections'] * 1e6:.0f} µs a connection)",
+    )
 
 
 def bench_dra(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
@@ -1395,6 +1447,7 @@ def main() -> int:
             ("d", bench_restart_and_cdi),
             ("e", bench_plugin_restart),
             ("f", bench_metrics_flood),
+            ("p", bench_probe_flood),
             ("g", bench_idle),
             ("h", bench_dra),
             ("i", bench_mount_storm),

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from hyperlight_agent import __version__, contracts, modes, parts, peers, waits
+from hyperlight_agent import __version__, contracts, identity, modes, parts, peers, waits
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.checker import Checker
@@ -109,6 +109,7 @@ class Agent:
             ),
         )
         self._stop = asyncio.Event()
+        self._stopped_again = asyncio.Event()  # a second stop(): no more waiting for a successor
         self._interval_changed = asyncio.Event()
         self._tasks: list[asyncio.Future[Any]] = []
         self.upgrader = successor.Upgrader(
@@ -131,7 +132,7 @@ class Agent:
         log.info(
             "starting hyperlight-agent %s (commit %s): %s, device dir %s",
             __version__,
-            self._environ.get(contracts.COMMIT_ENV, "unknown"),
+            identity.commit(self._environ),
             self.side.describe(),
             self.settings.device_dir,
         )
@@ -147,7 +148,10 @@ class Agent:
         self._tasks = [asyncio.ensure_future(c) for c in jobs]
 
     def stop(self) -> None:
-        """Ask wait() to return (signal handlers call this)."""
+        """Ask wait() to return (signal handlers call this); asked again, end a handover's wait
+        for a successor at once."""
+        if self._stop.is_set():
+            self._stopped_again.set()
         self._stop.set()
 
     async def wait(self) -> None:
@@ -171,7 +175,7 @@ class Agent:
             return
         if self.phase is Phase.RUNNING:  # (HANDED_OVER: the kubelet and the unit are the child's already)
             self.phase = Phase.HANDING_OVER
-            await hand_over_on_stop(self.side, self.settings.handover_seconds, self.ready)
+            await hand_over_on_stop(self.side, self.settings.handover_seconds, self.ready, self._stopped_again)
         self.phase = Phase.STOPPING
         log.info("stopping")
         self.notifier.stopping()

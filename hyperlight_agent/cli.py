@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--check=device: the runtime and the device only (in a workload's container)",
     )
     actions.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective configuration, every setting as a TOML line with its value and where it came "
+        "from (default, file, environment, flag), and exit 0 (2 on an invalid one, as the agent); the agent logs "
+        "the same at log_level debug when it starts",
+    )
+    actions.add_argument(
         "--upgrade-in-place",
         type=_pid,
         metavar="PID",
@@ -136,31 +143,45 @@ def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, st
     except config.ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    if args.print_config:
+        print("\n".join(config.effective(settings)))
+        return 0
     if args.health_check or args.check or args.upgrade_in_place:
         return _one_shot(args, settings, environ)
-    journal.setup(
-        settings.log_level,
-        environ,
-        {
-            "resource": _mode(settings).resource,
-            "cdi_path": os.path.join(settings.cdi_dir, contracts.CDI_SPEC_FILE),
-            "device_dir": settings.device_dir,
-        },
-        settings.log_format,
-    )
+    journal.setup(settings.log_level, environ, log_fields(settings), settings.log_format)
+    for line in config.effective(settings):
+        logging.getLogger(PROG).debug("config: %s", line)
+    try:
+        asyncio.run(_serve(settings, args, environ))
+    except Exception as exc:  # the one place a fatal runtime error becomes an exit code
+        if not isinstance(exc, _Said):
+            _say_fatal(exc, settings)
+        return 1
+    return 0
+
+
+class _Said(Exception):
+    """A fatal error already logged (before the shutdown it caused said "stopping")."""
+
+
+def _say_fatal(exc: BaseException, settings: config.Settings) -> None:
     from hyperlight_agent.deviceplugin.registration import (
         AlreadyServed,  # grpc is imported only for the long-running modes
     )
 
-    try:
-        asyncio.run(_serve(settings, args, environ))
-    except AlreadyServed as exc:
+    if isinstance(exc, AlreadyServed):
         logging.getLogger(PROG).error("%s", exc)
-        return 1
-    except Exception as exc:  # the one place a fatal runtime error becomes an exit code
+    else:
         logging.getLogger(PROG).error("fatal: %s", exc, exc_info=settings.log_level == "debug")
-        return 1
-    return 0
+
+
+def log_fields(settings: config.Settings) -> dict[str, str]:
+    """The fields on every log entry (docs/agent.md's log-fields table): the journal's in upper case."""
+    return {
+        "resource": _mode(settings).resource,
+        "cdi_path": os.path.join(settings.cdi_dir, contracts.CDI_SPEC_FILE),
+        "device_dir": settings.device_dir,
+    }
 
 
 def _one_shot(args: argparse.Namespace, settings: config.Settings, environ: Mapping[str, str]) -> int:
@@ -201,6 +222,10 @@ async def _serve(settings: config.Settings, args: argparse.Namespace, environ: M
         await agent.start()
         try:
             await agent.wait()
+        except Exception as exc:
+            # Why the agent stops is said before its shutdown says "stopping".
+            _say_fatal(exc, settings)
+            raise _Said() from exc
         finally:
             signals.stopping(loop)
             await agent.close()

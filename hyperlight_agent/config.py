@@ -1,7 +1,7 @@
 """Settings: one table, four sources. A flag beats the environment, which beats the TOML file,
 which beats the default. Every setting is validated here, before anything touches the disk.
 
-The README's settings table and `--help` are both generated from or checked against SETTINGS.
+docs/settings.md's table (packaging/settings_doc.py) and `--help` are both generated from or checked against SETTINGS.
 """
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import difflib
 import ipaddress
+import json
 import logging
 import os
 import re
 import stat
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from hyperlight_agent import contracts
@@ -104,14 +105,21 @@ _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-
 
 
 def _listen_address(value: Any) -> str:
-    """HOST:PORT where HOST is an IP address ([v6] in brackets) or a host name; checked here,
-    not when the server binds after startup."""
-    problem = ValueError("must be HOST:PORT with an IP address or host name, e.g. 127.0.0.1:9464")
+    """HOST:PORT where HOST is an IP address ([v6] in brackets) or a host name, or :PORT for
+    every address of the host (as Go and Prometheus read it); checked here, not when the server
+    binds after startup."""
+    problem = ValueError(
+        "must be HOST:PORT or :PORT (every address), HOST an IP address or host name, e.g. 127.0.0.1:9464"
+    )
     if not isinstance(value, str) or len(value) > 300:
         raise problem
     host, sep, port = value.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+    if not sep or not (port.isascii() and port.isdigit() and len(port) <= 5):
         raise problem
+    if not 0 < int(port) < 65536:
+        raise ValueError("the port must be from 1 to 65535")
+    if host == "":
+        return value
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
@@ -180,8 +188,16 @@ def _seconds_where(ok: Callable[[float], bool], what: str) -> Callable[[Any], fl
 _handover_seconds = _seconds_where(
     lambda n: 0 <= n <= MAX_HANDOVER_S, f"a number of seconds from 0 to {MAX_HANDOVER_S:g}"
 )
-# An opt-in eviction waits at least this long: a check interval, so a single failed check never evicts.
+# An opt-in eviction waits at least this long (the default check interval).
 MIN_EVICT_AFTER_S = 30.0
+# The eviction debounce means "unusable that long, as seen by checks run within it": while one is
+# pending, a check runs every dra_evict_after / EVICT_CHECKS seconds, the last at its end, and the
+# taint turns NoExecute only if that last one fails too (dra/taints.py).
+EVICT_CHECKS = 3
+# Those checks may run at most this many times as often as check_interval, the operator's budget
+# of probes (each creates a VM, on a node that may be loaded already): an interval longer than
+# that allows is refused (load), not silently exceeded, nor left to evict between its checks.
+EVICT_CHECK_SPEEDUP = 10
 _evict_after = _seconds_where(
     lambda n: n == 0 or MIN_EVICT_AFTER_S <= n <= 86400,
     f"0 (never) or a number of seconds from {MIN_EVICT_AFTER_S:g} to 86400",
@@ -196,8 +212,9 @@ class Setting:
     default: Any
     parse: Callable[[Any], Any]
     help: str
-    # For drop-in compatibility with the original's manifests: a bad value in this
-    # environment variable is ignored with a warning instead of stopping the agent.
+    # For drop-in compatibility with the original's manifests: a bad value in this unprefixed
+    # environment variable (the original's name, never HYPERLIGHT_*) is ignored with a warning,
+    # as the original did, instead of stopping the agent; `--check` says FAIL for it.
     lenient_env: bool = False
     # TOML is typed: a quoted number where a number belongs is a mistake worth reporting.
     toml_types: tuple[type, ...] = (str,)
@@ -209,8 +226,19 @@ class Setting:
         return "unset" if self.default is None else str(self.default)
 
     @property
+    def env_names(self) -> tuple[str, ...]:
+        """The environment variables it is read from: its own and, for a name without our prefix
+        (the original plugin's, the downward API's), the prefixed one as well (the environment's rule: _resolve_all)."""
+        return (self.env,) if self.env.startswith(ENV_PREFIX) else (self.env, ENV_PREFIX + self.env)
+
+    @property
+    def env_text(self) -> str:
+        """`DEVICE_COUNT or HYPERLIGHT_DEVICE_COUNT`: for --help, docs/settings.md and agent.toml."""
+        return " or ".join(self.env_names)
+
+    @property
     def meaning(self) -> str:
-        """The help text, with the reload rule: for --help, README and the shipped agent.toml."""
+        """The help text, with the reload rule: for --help, docs/settings.md and the shipped agent.toml."""
         return self.help + ("; changes only on restart" if self.restart_only else "")
 
 
@@ -368,7 +396,8 @@ SETTINGS: tuple[Setting, ...] = (
         0,
         _handover_seconds,
         "on SIGTERM, keep serving up to this long until another agent for the same resource is ready "
-        "in the kubelet dir (a surge update), so the kubelet never counts zero devices; 0: stop at once",
+        "in the kubelet dir (a surge update), so the kubelet never counts zero devices; a second SIGTERM "
+        "ends the wait; 0: stop at once",
         toml_types=(int, float),
     ),
     # The Dynamic Resource Allocation mode (--dra) only.
@@ -403,8 +432,9 @@ SETTINGS: tuple[Setting, ...] = (
         0,
         _evict_after,
         "--dra: an unusable device is tainted NoSchedule at once (no new claims); with this set, its "
-        "taint turns NoExecute (pods using it are evicted) once it has been unusable this long with no "
-        "passing check between, so a shorter flap evicts nothing; 0: never evict",
+        "taint turns NoExecute (pods using it are evicted) once the checks run within this long, one every "
+        "third of it, all found it unusable, so a shorter flap evicts nothing (the interval may be at most "
+        "10/3 of it: those checks run at most 10 times as often); 0: never evict",
         toml_types=(int, float),
         restart_only=True,
     ),
@@ -481,9 +511,10 @@ def suggestion(word: str, candidates: Mapping[str, str]) -> str:
 def check_environment(environ: Mapping[str, str]) -> None:
     """Refuse a HYPERLIGHT_* variable that no setting reads (a typo would otherwise be ignored in
     silence, while the same typo in TOML is an error)."""
-    known = {s.env for s in SETTINGS} | set(OTHER_ENV)
-    candidates = {s.env[len(ENV_PREFIX) :] if s.env.startswith(ENV_PREFIX) else s.env: s.env for s in SETTINGS}
-    candidates.update({s.key.upper(): s.env for s in SETTINGS})
+    known = {name for s in SETTINGS for name in s.env_names} | set(OTHER_ENV)
+    # A mistyped HYPERLIGHT_* name is given the HYPERLIGHT_* name it was meant to be (the last of env_names).
+    candidates = {s.env_names[-1][len(ENV_PREFIX) :]: s.env_names[-1] for s in SETTINGS}
+    candidates.update({s.key.upper(): s.env_names[-1] for s in SETTINGS})
     for name in sorted(environ):
         if not name.startswith(ENV_PREFIX) or name in known or _SERVICE_LINK.fullmatch(name):
             continue
@@ -539,6 +570,11 @@ class Settings:
     dra_registry_dir: str
     dra_plugins_dir: str
     config_file: Optional[str] = None  # the file actually read, if any
+    # Where each setting's value came from ({key: "default", "file", "environment NAME" or "flag
+    # --x"}, as pairs), and the original's variables ignored for a bad value: what
+    # --print-config and --check say. Not settings: equal settings compare equal whatever these say.
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    ignored: tuple[str, ...] = field(default=(), compare=False)
 
     @classmethod
     def defaults(cls, **overrides: Any) -> Settings:
@@ -546,7 +582,9 @@ class Settings:
         return cls(**{**{s.key: s.default for s in SETTINGS}, **overrides})
 
 
-assert {f.name for f in fields(Settings)} - {"config_file"} == set(BY_KEY), "SETTINGS and Settings differ"
+assert {f.name for f in fields(Settings)} - {"config_file", "sources", "ignored"} == set(BY_KEY), (
+    "SETTINGS and Settings differ"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -558,7 +596,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             dest=s.key,
             metavar="VALUE",
             default=None,
-            help=f"{s.meaning} [env {s.env}; toml {s.key}; default {s.default_text}]",
+            help=f"{s.meaning} [env {s.env_text}; toml {s.key}; default {s.default_text}]",
         )
     group.add_argument(
         "--config",
@@ -577,9 +615,7 @@ def load(
     explicit_file = args.config or environ.get(CONFIG_ENV) or None
     path = explicit_file or default_file_path
     from_file, file_read = read_file(path, required=explicit_file is not None)
-    values: dict[str, Any] = {}
-    for s in SETTINGS:
-        values[s.key] = _resolve(s, getattr(args, s.key, None), environ, from_file, path)
+    values, sources, ignored = _resolve_all(args, environ, from_file, path)
     socket_bytes = _bytes(values["kubelet_dir"]) + 1 + longest_socket_name(values["instance"])
     if socket_bytes > contracts.UNIX_PATH_MAX:
         named = f" with instance = {quote(values['instance'])}" if values["instance"] else ""
@@ -599,7 +635,20 @@ def load(
                 f"{key} = {quote(values[key])}: socket paths in it would be at least {socket_bytes} "
                 f"bytes; unix sockets allow {contracts.UNIX_PATH_MAX}"
             )
-    return Settings(**values, config_file=path if file_read else None)
+    _check_eviction(values["dra_evict_after_seconds"], values["check_interval_seconds"])
+    return Settings(**values, config_file=path if file_read else None, sources=sources, ignored=ignored)
+
+
+def _check_eviction(evict_after: float, interval: float) -> None:
+    """Refuse an eviction debounce its checks cannot fill within their budget (EVICT_CHECKS)."""
+    longest = evict_after * EVICT_CHECK_SPEEDUP / EVICT_CHECKS
+    if evict_after and interval > longest:
+        raise ConfigError(
+            f"dra_evict_after_seconds = {evict_after:g} with check_interval_seconds = {interval:g}: an eviction "
+            f"waits for {EVICT_CHECKS} failed checks within its {evict_after:g} s, and checks run at most "
+            f"{EVICT_CHECK_SPEEDUP} times as often as the interval; use check_interval_seconds at most {longest:g} "
+            f"or dra_evict_after_seconds at least {interval * EVICT_CHECKS / EVICT_CHECK_SPEEDUP:g}"
+        )
 
 
 def _bytes(path: str) -> int:
@@ -652,34 +701,66 @@ def read_file(path: str, required: bool) -> tuple[dict[str, Any], bool]:
     return data, True
 
 
+# The environment's rule (docs/settings.md says it to operators): every setting has a
+# HYPERLIGHT_* name, and the five the original plugin or the downward API named without our prefix
+# keep that name too; both set to different values is an error naming both. An invalid value is an
+# error wherever it is given, except in the original's own DEVICE_COUNT, DEVICE_UID and DEVICE_GID
+# (lenient_env), which the original ignored with a warning: ignored so still, and `--check` says
+# FAIL for it.
+def _resolve_all(
+    args: argparse.Namespace, environ: Mapping[str, str], from_file: Mapping[str, Any], path: str
+) -> tuple[dict[str, Any], tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """Every setting's value, where it came from, and the original's variables ignored."""
+    values: dict[str, Any] = {}
+    sources: list[tuple[str, str]] = []
+    ignored: list[str] = []
+    for s in SETTINGS:
+        value, source, dropped = _resolve(s, getattr(args, s.key, None), environ, from_file, path)
+        values[s.key] = value
+        sources.append((s.key, source))
+        ignored += [dropped] if dropped else []
+    return values, tuple(sources), tuple(ignored)
+
+
+def _from_environment(s: Setting, environ: Mapping[str, str]) -> Optional[tuple[str, str]]:
+    """(the variable, its value) the setting is given in, if any; its two names set to different
+    values is an error."""
+    given = [(name, environ[name]) for name in s.env_names if environ.get(name, "") != ""]
+    if len(given) == 2 and given[0][1] != given[1][1]:
+        (a, a_value), (b, b_value) = given
+        raise ConfigError(
+            f"{a}={quote(a_value)} and {b}={quote(b_value)}: two names of {s.key} with different values; set one"
+        )
+    return given[-1] if given else None  # both, and equal: said as the prefixed name
+
+
 def _resolve(
     s: Setting, flag: Optional[str], environ: Mapping[str, str], from_file: Mapping[str, Any], path: str
-) -> Any:
+) -> tuple[Any, str, str]:
+    """(value, where it came from, the original's variable ignored or "")."""
     if flag is not None:
-        return _parse(s, flag, s.flag)
-    env_value = environ.get(s.env, "")
-    if env_value != "":
+        return _parse(s, flag, s.flag), f"flag {s.flag}", ""
+    dropped = ""
+    given = _from_environment(s, environ)
+    if given is not None:
+        name, env_value = given
         try:
-            return s.parse(env_value)
+            return s.parse(env_value), f"environment {name}", ""
         except ValueError as exc:
-            if not s.lenient_env:
-                raise ConfigError(f"{s.env}={quote(env_value)}: {exc}") from None
+            if not (s.lenient_env and name == s.env and not name.startswith(ENV_PREFIX)):
+                raise ConfigError(f"{name}={quote(env_value)}: {exc}") from None
             # The original plugin's manifests set these; a bad one there was ignored, so it still is,
             # for now: said once, with what is used instead and what a later release will do.
-            log.warning(
-                "ignoring %s=%s (%s); using %s instead; a later release will refuse it and not start",
-                s.env,
-                quote(env_value),
-                exc,
-                "the config file's value" if s.key in from_file else f"the default {s.default}",
-            )
+            instead = "the config file's value" if s.key in from_file else f"the default {s.default}"
+            dropped = f"{name}={quote(env_value)} ({exc}); using {instead} instead"
+            log.warning("ignoring %s; a later release will refuse it and not start", dropped)
     if s.key in from_file:
         value = from_file[s.key]
         if isinstance(value, bool) or not isinstance(value, s.toml_types):
             wanted = " or ".join(t.__name__ for t in s.toml_types)
             raise ConfigError(f"{s.key} in {shown(path)} = {quote(value)}: must be a TOML {wanted}")
-        return _parse(s, value, f"{s.key} in {shown(path)}")
-    return s.default
+        return _parse(s, value, f"{s.key} in {shown(path)}"), "file", dropped
+    return s.default, "default", dropped
 
 
 def _parse(s: Setting, value: Any, where: str) -> Any:
@@ -694,10 +775,10 @@ def _one_line(exc: BaseException) -> str:
 
 
 def settings_table() -> str:
-    """The README's settings table, as Markdown rows (a test compares the two)."""
+    """docs/settings.md's table, as Markdown rows (packaging/settings_doc.py writes it; a test compares)."""
     rows = ["| TOML key | environment | flag | default | meaning |", "|---|---|---|---|---|"]
     for s in SETTINGS:
-        rows.append(f"| {s.key} | {s.env} | {s.flag} | {s.default_text} | {s.meaning} |")
+        rows.append(f"| {s.key} | {s.env_text} | {s.flag} | {s.default_text} | {s.meaning} |")
     rows.append(
         f"| (the file itself) | {CONFIG_ENV} | --config | {DEFAULT_CONFIG_FILE} | "
         "TOML file with any of the keys above; a missing default file is fine |"
@@ -716,6 +797,17 @@ UNSET_EXAMPLES = {
 }
 
 
+# The directories the agent writes into (sockets, the CDI spec, the NFD feature file, the DRA record
+# of prepared claims). The packaged unit lets it write the default kubelet_dir and cdi_dir only, so
+# agent.toml says beside each that any other needs a drop-in (tests/test_packaging_files.py holds
+# this to the unit and to the modes' kubelet directories).
+WRITTEN_DIRS = ("kubelet_dir", "cdi_dir", "nfd_features_dir", "dra_registry_dir", "dra_plugins_dir")
+UNIT_DROP_IN_NOTE = (
+    "# Under the packaged systemd unit the agent may write only in the default kubelet_dir and cdi_dir:\n"
+    "# any other directory here needs a drop-in with ReadWritePaths= (docs/hosts.md)."
+)
+
+
 def default_file() -> str:
     """The commented default agent.toml shipped in the packages (a test keeps the two equal)."""
     out = [
@@ -725,7 +817,9 @@ def default_file() -> str:
         "# unserved (an in-place replacement; a file it refuses leaves the running agent as it was).",
     ]
     for s in SETTINGS:
-        out += ["", f"# {s.meaning[0].upper()}{s.meaning[1:]}.", f"# env {s.env}, flag {s.flag}"]
+        out += ["", f"# {s.meaning[0].upper()}{s.meaning[1:]}.", f"# env {s.env_text}, flag {s.flag}"]
+        if s.key in WRITTEN_DIRS:
+            out.append(UNIT_DROP_IN_NOTE)
         if s.default is None:
             out.append(f'#{s.key} = "{UNSET_EXAMPLES[s.key]}"   # unset by default')
         elif isinstance(s.default, str):
@@ -733,3 +827,31 @@ def default_file() -> str:
         else:
             out.append(f"#{s.key} = {s.default}")
     return "\n".join(out) + "\n"
+
+
+def effective(settings: Settings) -> list[str]:
+    """What --print-config prints (and the agent logs at debug on start): every setting as a TOML
+    line with its value and where it came from; unset ones commented out. A file of these lines
+    (without the ignored ones) gives the same settings.
+
+    >>> effective(Settings.defaults(device_count=5, sources=(("device_count", "flag --device-count"),)))[1:3]
+    ['device_count = 5  # flag --device-count', 'device_uid = 65534  # default']
+    """
+    sources = dict(settings.sources)
+    lines = [f"# config file: {shown(settings.config_file) if settings.config_file else 'none read'}"]
+    for s in SETTINGS:
+        value = getattr(settings, s.key)
+        source = sources.get(s.key, "default")
+        if source == "file" and settings.config_file:
+            source = f"file {shown(settings.config_file)}"
+        if value is None:
+            lines.append(f"#{s.key} = unset  # {source}")
+        else:
+            lines.append(f"{s.key} = {_toml_value(value)}  # {source}")
+    lines += [f"# ignored: {text}" for text in settings.ignored]
+    return lines
+
+
+def _toml_value(value: Any) -> str:
+    # json's strings are TOML basic strings (its escapes are TOML's); numbers are the same.
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, str) else repr(value)

@@ -23,7 +23,7 @@ from hyperlight_agent.config import BY_KEY, Settings
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.helper import ProbeHelper
-from hyperlight_agent.device.observation import Observation, SharedObservation
+from hyperlight_agent.device.observation import Cause, Observation, SharedObservation
 from hyperlight_agent.files import cdi
 from hyperlight_agent.parts import Lines
 from hyperlight_agent.text import cause
@@ -73,6 +73,13 @@ RUNTIME_HINT = (
 )
 
 
+CDI_HINT = (
+    "hint the agent owns only hyperlight.json in cdi_dir, and never follows a symlink there or replaces what "
+    "is not its file: set cdi_dir (HYPERLIGHT_CDI_DIR, --cdi-dir) to the real directory the runtime reads, or "
+    "move what is in the way (a missing directory is fine: the agent makes it)"
+)
+
+
 def diagnose(
     settings: Settings,
     mode: modes.Mode = modes.PLUGIN,
@@ -84,16 +91,32 @@ def diagnose(
     and the device alone, as a workload's container can check them (`helm test`)."""
     runtime_ok, runtime_line = runtime()
     lines = [runtime_line] + ([] if runtime_ok else [RUNTIME_HINT])
+    settings_ok = not settings.ignored
+    lines += ignored_settings(settings)
     device_ok, device_lines = _device(settings, mode)
     lines += device_lines
     if device_only:
-        return runtime_ok and device_ok, lines
+        return settings_ok and runtime_ok and device_ok, lines
     found = directories(settings, mode.kubelet_dirs)
     preflight = parts.row(mode).preflight
     if preflight is not None:
         found += preflight(settings, mode, environ or {})
     lines += [line for _, line in found]
-    return runtime_ok and device_ok and all(good for good, _ in found), lines
+    return settings_ok and runtime_ok and device_ok and all(good for good, _ in found), lines
+
+
+def ignored_settings(settings: Settings) -> list[str]:
+    """The original plugin's variables the agent ignores for a bad value (it only warns, as the
+    original did): the node runs on another value than the one given, so the check fails."""
+    lines = []
+    for text in settings.ignored:
+        name = text.split("=", 1)[0]
+        lines += [
+            f"FAIL {text}",
+            f"hint set {name} to a valid value or unset it: the agent warns and runs on another value; "
+            "a later release will refuse it",
+        ]
+    return lines
 
 
 def directories(settings: Settings, keys: tuple[str, ...]) -> Lines:
@@ -147,15 +170,23 @@ def _device(settings: Settings, mode: modes.Mode) -> tuple[bool, list[str]]:
             ]
         lines.append(f"ok   device node: a character device, listed with lstat, not opened (the {mode.name} mode)")
         return True, lines
-    if not observation.healthy:
+    if not observation.healthy and observation.cause is not Cause.CDI:
         return False, [*lines, f"FAIL probe: {observation.reason}", *_probe_hints(observation.reason)]
-    lines.append(f"ok   probe: {hypervisor.proved}")
+    lines.append(f"ok   probe: {hypervisor.proved}")  # the spec is looked at only after a passing probe
+    spec_ok, spec_lines = _spec(settings, observation, cdi_note)
+    return spec_ok, [*lines, *spec_lines]
+
+
+def _spec(settings: Settings, observation: Observation, cdi_note: Optional[str]) -> tuple[bool, list[str]]:
+    """The CDI spec's line(s), after a passing probe."""
+    if not observation.healthy:
+        # What the running agent refuses or cannot do at the spec's place (cdi.present): its check
+        # fails the same way, and it serves nothing for as long as that stays.
+        return False, [f"FAIL CDI spec: {observation.reason}", CDI_HINT]
     if cdi_note is None:
-        lines.append(f"ok   CDI spec: {cdi.spec_path(settings.cdi_dir)} is exact")
-    else:
-        # The agent repairs this when it runs; the node can serve once it does.
-        lines.append(f"note CDI spec: {cdi_note} (the running agent repairs it)")
-    return True, lines
+        return True, [f"ok   CDI spec: {cdi.spec_path(settings.cdi_dir)} is exact"]
+    # The agent repairs this when it runs; the node can serve once it does.
+    return True, [f"note CDI spec: {cdi_note} (the running agent repairs it)"]
 
 
 async def _check(settings: Settings, mode: modes.Mode) -> tuple[Observation, Optional[str]]:

@@ -4,14 +4,47 @@ what the agent gives a side names who we are (kubelet_side.Wiring)."""
 
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from hyperlight_agent import __version__
+from hyperlight_agent import __version__, contracts
 
 AGENT = "hyperlight-agent"
+
+
+# Where the package's source tree would be the top of a git checkout (`make run`, a fork's tests).
+SOURCE_TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIT_TIMEOUT_S = 2.0
+
+
+def commit(environ: Mapping[str, str], source_tree: str = SOURCE_TREE) -> str:
+    """The commit this code was built from: the image says it (HYPERLIGHT_AGENT_COMMIT), a git
+    checkout has it; else "unknown" (an installed package)."""
+    return environ.get(contracts.COMMIT_ENV) or _checkout_commit(source_tree)
+
+
+@functools.lru_cache(maxsize=4)
+def _checkout_commit(source_tree: str) -> str:
+    if not os.path.exists(os.path.join(source_tree, ".git")):  # a directory, or a worktree's file
+        return "unknown"
+    try:
+        done = subprocess.run(
+            # The tree may be another user's (root running a developer's checkout): git would
+            # refuse it as "dubious ownership"; only a commit id is read from it.
+            ["git", "-c", f"safe.directory={source_tree}", "-C", source_tree, "rev-parse", "--verify", "-q", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):  # no git here
+        return "unknown"
+    found = done.stdout.strip()
+    return found if done.returncode == 0 and len(found) in (40, 64) else "unknown"
 
 
 def boottime_ns() -> int:

@@ -20,6 +20,7 @@ toy one through the agent).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, TypeVar
@@ -181,16 +182,34 @@ class KubeletSide(Protocol[Target_contra]):
         ...
 
 
-async def hand_over_on_stop(side: KubeletSide[Any], timeout: float, ready: bool) -> None:
+async def hand_over_on_stop(
+    side: KubeletSide[Any], timeout: float, ready: bool, stopped_again: Optional[asyncio.Event] = None
+) -> None:
     """A stop's first part, with handover_seconds (`timeout`) set: the side serves on until a
-    successor of ours is ready and the kubelet is done with us (its hand_over), at most `timeout`.
-    Only a ready agent has something to hand over. An unready one is also one the DaemonSet
-    controller replaces only after it is gone (it surges for available pods only): waiting for a
-    successor would only delay the replacement by handover_seconds."""
-    if timeout <= 0 or not ready:
+    successor of ours is ready and the kubelet is done with us (its hand_over), at most `timeout`,
+    or until `stopped_again` is set (a second SIGTERM: whoever sent it wants us gone now; an
+    uninstall has no successor to wait for). Only a ready agent has something to hand over. An
+    unready one is also one the DaemonSet controller replaces only after it is gone (it surges
+    for available pods only): waiting for a successor would only delay the replacement by
+    handover_seconds."""
+    if timeout <= 0 or not ready or (stopped_again is not None and stopped_again.is_set()):
         return
-    log.info("stop requested: serving until a successor is ready (up to %g s)", timeout)
-    successor = await side.hand_over(timeout)
+    log.info("stop requested: serving until a successor is ready (up to %g s; stop again to stop now)", timeout)
+    handing_over = asyncio.ensure_future(side.hand_over(timeout))
+    again = asyncio.ensure_future(stopped_again.wait()) if stopped_again is not None else None
+    try:
+        await asyncio.wait([handing_over, *([again] if again else [])], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if again is not None:
+            again.cancel()
+        cut_short = not handing_over.done()
+        if cut_short:
+            handing_over.cancel()
+            await asyncio.gather(handing_over, return_exceptions=True)
+    if cut_short:
+        log.info("stopped again: not waiting for a successor")
+        return
+    successor = handing_over.result()
     if successor:
         log.info("handing over to %s", successor)
     else:

@@ -18,7 +18,7 @@ import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, Optional, TypeVar
 
-from hyperlight_agent import __version__, contracts, modes
+from hyperlight_agent import __version__, contracts, identity, modes
 from hyperlight_agent.config import Settings
 from hyperlight_agent.contracts import instance_socket_name
 from hyperlight_agent.device.checker import CheckTarget
@@ -54,7 +54,7 @@ def metrics(settings: Settings, mode: modes.Mode, environ: Mapping[str, str]) ->
 
     return Metrics(
         enabled=settings.metrics_address is not None,
-        build={"version": __version__, "commit": environ.get(contracts.COMMIT_ENV, "unknown"), "mode": mode.name},
+        build={"version": __version__, "commit": identity.commit(environ), "mode": mode.name},
         protocol=mode.protocol.value,
         device_dir=settings.device_dir,
         cdi=not mode.inventory_only,

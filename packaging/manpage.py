@@ -50,7 +50,7 @@ def render() -> str:
     for s in config.SETTINGS:
         out += [
             ".TP",
-            f"\\fB{esc(s.key)}\\fR (\\fB{esc(s.env)}\\fR, \\fB{esc(s.flag)}\\fR; default {esc(s.default_text)})",
+            f"\\fB{esc(s.key)}\\fR (\\fB{esc(s.env_text)}\\fR, \\fB{esc(s.flag)}\\fR; default {esc(s.default_text)})",
             esc(s.help),
         ]
     out += [

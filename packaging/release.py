@@ -43,7 +43,7 @@ from targets import BY_TAG, TARGETS, Target
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE_REPOSITORY = "ghcr.io/hyperlight-dev/hyperlight-agent"
 CHART = os.path.join(ROOT, "deploy", "helm", "hyperlight-agent")
-# The placeholder the development chart and manifests carry; never in a release.
+# The placeholder the development manifests (the kustomize base) carry; never in a release.
 PLACEHOLDER = "sha256:" + "0" * 64
 APT_COMPONENT = "main"
 # How long apt trusts the repository's signed Release (its Valid-Until): a mirror or proxy frozen

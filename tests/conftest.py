@@ -13,7 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Generator, Iterator
 from typing import Any, Callable, Optional, Sequence
 
 import pytest
@@ -105,7 +106,56 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True)
 
 
+# Where the session's time went, by tier (each test's setup, call and teardown), and by process
+# (pytest-xdist's workers), printed at its end with the background builds' times (make test's phases).
+TIER_TIMES: dict[str, float] = {}
+WORKER_TIMES: dict[str, float] = {}
+
+
+def tier(item: pytest.Item) -> str:
+    if item.get_closest_marker("e2e"):
+        return "real clusters (e2e)"
+    if "release_builder" in getattr(item, "fixturenames", ()):
+        return "releases and what is installed from them"
+    for marker in ("judge", "system", "root"):
+        if item.get_closest_marker(marker):
+            return {"judge": "manifest judges", "system": "system", "root": "root"}[marker]
+    return "fast (make check's)"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each phase of a test, in the process that reports (the controller, with workers)."""
+    named = dict(report.user_properties)
+    if "tier" in named:
+        name = str(named["tier"])
+        TIER_TIMES[name] = TIER_TIMES.get(name, 0.0) + report.duration
+        worker = getattr(getattr(report, "node", None), "gateway", None)
+        name = worker.id if worker is not None else "the session"
+        WORKER_TIMES[name] = WORKER_TIMES.get(name, 0.0) + report.duration
+
+
+def phases(terminalreporter: Any) -> None:
+    from tests.e2e import tools
+
+    terminalreporter.section("phases")
+    for log in ("build/tools.log", "build/e2e/components.log"):
+        try:
+            with open(os.path.join(REPO, log)) as f:
+                ready = [line.strip() for line in f if " ready in " in line]
+        except OSError:
+            ready = []
+        waited = tools.WAITED.get(log)
+        said = f"; the tests waited {waited:.0f} s for it" if waited is not None else ""
+        terminalreporter.write_line(f"{log}: {ready[-1] if ready else 'no build in the background'}{said}")
+    for name, seconds in sorted(TIER_TIMES.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{name}: {seconds:.0f} s")
+    for name, seconds in sorted(WORKER_TIMES.items()):
+        terminalreporter.write_line(f"busy, {name}: {seconds:.0f} s")
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if TIER_TIMES and not hasattr(terminalreporter.config, "workerinput"):
+        phases(terminalreporter)
     if E2E_FIGURES:
         terminalreporter.section("real-cluster figures")
         for key, value in sorted(E2E_FIGURES.items()):
@@ -140,20 +190,60 @@ def run_agent(
 ROOT_FIXTURES = {"kvm_dir", "start_agent", "node"}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# Around every other implementation, so before pytest-xdist's worker reads the groups (below) into
+# the tests' ids. (With pytest 9.2 xdist 3.8's loadgroup writes a field pytest no longer reads, so
+# the groups never reach the scheduler: pytest-dev/pytest-xdist#1386. `make test` runs one process.)
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Generator[None, None, None]:
+    _order_and_lanes(config, items)
+    yield
+
+
+def _order_and_lanes(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if ROOT_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.root)
+        item.user_properties.append(("tier", tier(item)))
 
-    # The real-cluster tests last: `make test` builds their components in the background
-    # meanwhile (the cluster fixture waits for that build). Of those, the whole clusters of the
-    # other minors (test_e2e_versions.py) first: each ends with its module, before the session's
-    # cluster starts, so no two clusters share the machine. The order is otherwise unchanged.
-    def place(item: pytest.Item) -> tuple[bool, bool]:
+    # The real clusters run one at a time: of the real-cluster tests, the whole clusters of the
+    # other minors (test_e2e_versions.py) first, each ending with its module, then the session's
+    # cluster. Alone (one process), they run last: `make test` builds their components in the
+    # background meanwhile (each cluster waits for that build); before them, the tests that drive
+    # the tools (tests/e2e/tools.py: the releases, the manifests' judges), whose build also runs in
+    # the background meanwhile. The order is otherwise unchanged.
+    def place(item: pytest.Item) -> tuple[bool, bool, bool]:
         e2e = item.get_closest_marker("e2e") is not None
-        return e2e, e2e and item.path.name != "test_e2e_versions.py"
+        return e2e, e2e and item.path.name != "test_e2e_versions.py", uses_tools(item)
 
     items.sort(key=place)
+    # (In a worker, xdist has set `dist` to "no" and kept the choice in `loadgroup`: the groups
+    # are read there, from each worker's own collection.)
+    if not (config.getoption("dist", "no") == "loadgroup" or getattr(config.option, "loadgroup", False)):
+        return
+    # Side by side (`make test`: two workers, --dist loadgroup): the clusters are one lane, taken
+    # first by one worker and run in the order above; every other module is a unit of its own
+    # (its fixtures made once) for whichever worker is free, in the order above. The lane of the
+    # clusters waits for the releases as any test does (made once for every worker: releases.py).
+    for item in items:
+        lane = "clusters" if item.get_closest_marker("e2e") else item.path.name
+        item.add_marker(pytest.mark.xdist_group(lane))
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+
+
+def uses_tools(item: pytest.Item) -> bool:
+    """Whether a test drives build/tools: a release's (made and published with them), a judge's
+    (helm, kubectl, promtool) or a real cluster's (helm). A test this misses still gets its tool
+    (tests/e2e/tools.py waits for the build); it only waits sooner."""
+    marked = any(item.get_closest_marker(m) for m in ("judge", "e2e"))
+    return marked or "release_builder" in getattr(item, "fixturenames", ())
+
+
+# The deadline of a wait that holds a start: an agent's first readiness (its imports, its probe
+# helper, its first registration and, in the DRA mode, the API client's first import) or a
+# process's. A start is quick on a quiet machine and many times slower beside two lanes of tests
+# and a Go build (make check's workers under a load of 15 missed the former 10 s): a wait's
+# deadline only says when to give up, never how fast the start must be (bench/ measures that).
+START_S = 60.0
 
 
 def wait_for(
@@ -494,16 +584,63 @@ def host_packages(release_current: str) -> dict[str, str]:
     return {tag: os.path.join(release_current, name) for tag, name in manifest(release_current)["packages"].items()}
 
 
+# A run of several processes (pytest-xdist's workers) by its controller's name for it, which
+# the workers inherit: what they share on disk is named for it.
+SHARED_RUN = "PYTEST_HYPERLIGHT_RUN"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
+        os.environ[SHARED_RUN] = uuid.uuid4().hex[:16]
+
+
+def shared_release_directory(config: pytest.Config) -> Optional[str]:
+    """Where the session's workers share their releases: one directory per run, removed by the
+    controller at the session's end; None in a session of one process."""
+    run = os.environ.get(SHARED_RUN)
+    return os.path.join(tempfile.gettempdir(), f"hl-rel-{run}") if run else None
+
+
 @pytest.fixture(scope="session")
-def release_builder() -> Iterator[Any]:
+def release_builder(pytestconfig: pytest.Config) -> Iterator[Any]:
     from tests.releases import Builder
 
-    builder = Builder(tempfile.mkdtemp(prefix="hl-rel-"))
+    shared = shared_release_directory(pytestconfig)
+    builder = Builder(shared or tempfile.mkdtemp(prefix="hl-rel-"))
     try:
         yield builder
     finally:
-        builder.close()
-        shutil.rmtree(builder.directory, ignore_errors=True)
+        if not shared:  # else the controller's, once every worker is done (pytest_sessionfinish)
+            builder.close()
+            shutil.rmtree(builder.directory, ignore_errors=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.e2e import tools
+
+    if hasattr(session.config, "workerinput"):
+        # What the controller prints at the end, from each worker (pytest_testnodedown).
+        output = session.config.workeroutput  # type: ignore[attr-defined]
+        output.update(waited=dict(tools.WAITED), figures=dict(E2E_FIGURES), fuzzed=dict(FUZZ_INPUTS))
+        return
+    shared = shared_release_directory(session.config)
+    if shared and os.path.isdir(shared):
+        from tests.releases import Builder
+
+        Builder(shared).close()
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """A worker's end (pytest-xdist, in the controller): what it waited for the builds."""
+    from tests.e2e import tools
+
+    output = getattr(node, "workeroutput", {})
+    for log, seconds in output.get("waited", {}).items():
+        tools.WAITED[log] = max(seconds, tools.WAITED.get(log, 0.0))
+    E2E_FIGURES.update(output.get("figures", {}))
+    for surface, n in output.get("fuzzed", {}).items():
+        count_inputs(surface, n)
 
 
 @pytest.fixture(scope="session")

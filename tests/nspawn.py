@@ -12,6 +12,7 @@ import subprocess
 from typing import Optional, Sequence
 
 from tests.conftest import wait_for
+from tests.locks import shared_build_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUILD = os.path.join(ROOT, "build")
@@ -56,7 +57,8 @@ def rootfs(suite: str = "bookworm") -> str:
 def stage(dest: str) -> str:
     """The installed file tree (packaging/stage.sh), as the packages ship it, built in the build
     environment the packages are built in (the Makefile's build/venv)."""
-    subprocess.run(["make", "-s", "build/venv/.installed"], cwd=ROOT, check=True, timeout=600, capture_output=True)
+    with shared_build_tree():
+        subprocess.run(["make", "-s", "build/venv/.installed"], cwd=ROOT, check=True, timeout=600, capture_output=True)
     subprocess.run(
         [os.path.join(ROOT, "packaging", "stage.sh"), dest],
         check=True,
@@ -141,6 +143,49 @@ class Guest:
                 f"stdout: {result.stdout}\nstderr: {result.stderr}\njournal:\n{journal}"
             )
         return result
+
+    def listing(self) -> set[str]:
+        """What the guest's root holds, as paths: the persistent tree and /run (a tmpfs of its
+        own). /proc, /sys, /dev and /tmp are other file systems (-xdev); the kubelet directory is
+        the host's, bind-mounted, and checked from the host."""
+        script = "find / /run -xdev -path /var/lib/kubelet/device-plugins -prune -o -print | sort -u"
+        return set(self.run("sh", "-c", script, timeout=120).stdout.splitlines())
+
+    def jobs(self) -> list[str]:
+        """The units with a job in systemd's queue: a boot job still running, a timer's service."""
+        listed = self.run("systemctl", "list-jobs", "--no-legend", "--plain").stdout
+        return [line.split()[1] for line in listed.splitlines() if line.split()[1:]]
+
+    def settle(self, timeout: float = 60) -> None:
+        """Until systemd's job queue is empty: the boot is over (multi-user.target is reached
+        before the jobs ordered after it, such as systemd-update-utmp-runlevel, have run) and no
+        unit is starting or stopping. A test that compares the guest's state before and after
+        takes each side only then, or it sees systemd's own runtime files (a job's invocation
+        link, its journal stream) come and go. Not for a guest whose unit is held activating.
+        The guest's timers (apt-daily, dpkg-db-backup and the like) are stopped first: their
+        services would otherwise start whenever their time comes, between the two sides too."""
+        self.run("systemctl", "stop", "*.timer")
+        try:
+            wait_for(lambda: self.jobs() == [], timeout, "systemd's job queue to empty")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: still queued {self.jobs()}") from None
+
+    def journal(self, unit: str, holding: str = "", timeout: float = 30) -> str:
+        """The unit's journal; with `holding`, once a line holds that text. journald takes a unit's
+        output from its stream a moment after the unit wrote it: a line the unit wrote before
+        what the test saw (its status, a finished systemctl) may not be in the journal yet."""
+        text = ""
+
+        def read() -> bool:
+            nonlocal text
+            text = self.run("journalctl", "-u", unit, "--no-pager").stdout
+            return holding in text
+
+        try:
+            wait_for(read, timeout, f"{holding!r} in {unit}'s journal")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the journal ends: {text[-3000:]}") from None
+        return text
 
     def is_active(self, unit: str) -> str:
         return self.run("systemctl", "is-active", unit, check=False).stdout.strip()

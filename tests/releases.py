@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import http.client
 import http.server
 import importlib
 import json
@@ -29,10 +30,11 @@ from types import ModuleType
 from typing import Any, Optional, Sequence
 
 from hyperlight_agent import __version__
+from tests.e2e.tools import tool
+from tests.locks import locked, shared_build_tree
 from tests.podman import Podman
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOLS = os.path.join(ROOT, "build", "tools")
 BASE = "localhost/hyperlight-agent-base:trixie"
 # Where the release's chart says its image lives; the tests' registry serves as its mirror.
 IMAGE_REPOSITORY = "ghcr.io/hyperlight-dev/hyperlight-agent"
@@ -77,10 +79,30 @@ class Keyring:
     """A GnuPG home with one signing key, made for a test session (as the release pipeline's
     secret key would be imported), or for a test (another key, a build's throwaway key)."""
 
-    def __init__(self, directory: str, algorithm: str = "rsa3072", name: str = "test release") -> None:
+    def __init__(
+        self, directory: str, algorithm: str = "rsa3072", name: str = "test release", make: bool = True
+    ) -> None:
         self.home = os.path.join(directory, "gnupg")
-        os.makedirs(self.home, mode=0o700)
         self.env = {**os.environ, "GNUPGHOME": self.home}
+        if make:
+            self._make(algorithm, name)
+        listing = subprocess.run(
+            ["gpg", "--batch", "--with-colons", "--list-secret-keys"],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        self.fingerprint = listing.split("fpr:::::::::", 1)[1][:40]
+
+    @classmethod
+    def existing(cls, directory: str) -> Keyring:
+        """The key another of the session's processes made in directory."""
+        return cls(directory, make=False)
+
+    def _make(self, algorithm: str, name: str) -> None:
+        os.makedirs(self.home, mode=0o700)
         subprocess.run(
             [
                 "gpg",
@@ -98,15 +120,6 @@ class Keyring:
             capture_output=True,
             timeout=120,
         )
-        listing = subprocess.run(
-            ["gpg", "--batch", "--with-colons", "--list-secret-keys"],
-            env=self.env,
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
-        self.fingerprint = listing.split("fpr:::::::::", 1)[1][:40]
 
     def gpg(self, *args: str) -> bytes:
         return subprocess.run(
@@ -154,20 +167,28 @@ def resign(release: str, signer: Keyring, carried: Sequence[Keyring], ephemeral:
 
 
 class Builder:
-    """`make release` into a directory of the session's, with its key and podman storage."""
+    """`make release` into a directory of the session's, with its key and podman storage.
+
+    The session's processes (`make test`'s pytest workers) share one: the first to open the
+    directory makes the key, the first to ask for a release builds it, and the others wait for
+    that build (the directory's lock) and read what it made; nothing is built twice."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        self.keyring = Keyring(directory)
-        os.makedirs(os.path.join(directory, "podman"))
-        self.engine = Podman(os.path.join(directory, "podman"))
+        os.makedirs(directory, exist_ok=True)
+        with locked(os.path.join(directory, ".lock")):
+            if os.path.isdir(os.path.join(directory, "gnupg")):
+                self.keyring = Keyring.existing(directory)
+            else:
+                self.keyring = Keyring(directory)
+            os.makedirs(os.path.join(directory, "podman"), exist_ok=True)
+            self.engine = Podman(os.path.join(directory, "podman"))
         self.env = {
             **self.engine.env,
             **{k: v for k, v in self.keyring.env.items() if k == "GNUPGHOME"},
             "RELEASE_GPG_KEY": self.keyring.fingerprint,
             "MAKEFLAGS": "",
         }
-        self._base = False
         # What each `make release` printed, by version (its listing of suites and repositories).
         self.outputs: dict[str, str] = {}
 
@@ -186,15 +207,27 @@ class Builder:
 
     def release(self, version: str, dist: Optional[str] = None, targets: Sequence[str] = ()) -> str:
         """`make release` of version into dist (default the session's), of the rows `targets`
-        names (default all: TARGETS=)."""
-        if not self._base:
-            self.make("image-base")
-            self._base = True
+        names (default all: TARGETS=); built once, whichever of the session's processes asks."""
         dist = dist or os.path.join(self.directory, "dist")
-        done = self.make(
-            "release", f"VERSION={version}", f"DIST={dist}", f"BASE_IMAGE={BASE}", f"TARGETS={' '.join(targets)}"
-        )
-        self.outputs.setdefault(version, done.stdout)
+        said = os.path.join(dist, f".{version}.made")  # what make printed, once the release is whole
+        with locked(os.path.join(self.directory, ".lock")):
+            if not os.path.exists(said):
+                with shared_build_tree():
+                    if not os.path.exists(os.path.join(self.directory, ".base.made")):
+                        self.make("image-base")
+                        open(os.path.join(self.directory, ".base.made"), "w").close()
+                    done = self.make(
+                        "release",
+                        f"VERSION={version}",
+                        f"DIST={dist}",
+                        f"BASE_IMAGE={BASE}",
+                        f"TARGETS={' '.join(targets)}",
+                    )
+                with open(said + ".new", "w") as f:
+                    f.write(done.stdout)
+                os.replace(said + ".new", said)
+            with open(said) as f:
+                self.outputs.setdefault(version, f.read())
         return os.path.join(dist, version)
 
     def close(self) -> None:
@@ -250,34 +283,51 @@ class Registry:
 
     def __init__(self) -> None:
         self.directory = tempfile.mkdtemp(prefix="hl-registry-")
-        self.port = free_port()
-        self.host = f"127.0.0.1:{self.port}"
-        config = os.path.join(self.directory, "config.yml")
-        with open(config, "w") as f:
-            f.write(
-                f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: "
-                f"{self.directory}/data\n  delete:\n    enabled: true\nhttp:\n  addr: {self.host}\n"
-            )
         self._log = open(os.path.join(self.directory, "registry.log"), "wb")  # noqa: SIM115 (closed in close())
-        self.process = subprocess.Popen(
-            [os.path.join(TOOLS, "registry"), "serve", config],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        from tests.conftest import wait_for
+        # A free port can be taken by another process before the registry binds it: then it
+        # exits saying so, and it starts again on another.
+        for _ in range(5):
+            self.port = free_port()
+            self.host = f"127.0.0.1:{self.port}"
+            config = os.path.join(self.directory, "config.yml")
+            with open(config, "w") as f:
+                f.write(
+                    f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: "
+                    f"{self.directory}/data\n  delete:\n    enabled: true\nhttp:\n  addr: {self.host}\n"
+                )
+            self.process = subprocess.Popen(
+                [tool("registry"), "serve", config],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            from tests.conftest import wait_for
 
-        wait_for(self._up, 30, "the registry to listen")
+            if wait_for(self._up, 30, "the registry to listen") == "up":
+                return
+        raise AssertionError(f"the registry found no free port: {self._log_tail()}")
 
-    def _up(self) -> bool:
+    def _log_tail(self) -> str:
+        with open(os.path.join(self.directory, "registry.log")) as f:
+            return f.read()[-2000:]
+
+    def _up(self) -> str:
+        """ "up" once this registry answers (its API's version header: not whatever else may
+        listen there), "taken" if it exited for want of its port, "" while it is starting."""
         if self.process.poll() is not None:
-            with open(os.path.join(self.directory, "registry.log")) as f:
-                raise AssertionError(f"the registry exited: {f.read()[-2000:]}")
+            if "address already in use" in self._log_tail():
+                return "taken"
+            raise AssertionError(f"the registry exited: {self._log_tail()}")
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                return True
+            conn.request("GET", "/v2/")
+            answer = conn.getresponse()
+            answer.read()
         except OSError:
-            return False
+            return ""
+        finally:
+            conn.close()
+        return "up" if answer.getheader("Docker-Distribution-Api-Version") == "registry/2.0" else ""
 
     def close(self) -> None:
         self.process.terminate()
@@ -307,7 +357,7 @@ class Published:
             keys = os.path.join(self.directory, "cosign")
             os.makedirs(keys)
             subprocess.run(
-                [os.path.join(TOOLS, "cosign"), "generate-key-pair"],
+                [tool("cosign"), "generate-key-pair"],
                 cwd=keys,
                 check=True,
                 capture_output=True,

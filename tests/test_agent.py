@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable, Optional
 import pytest
 from grpc_health.v1 import health_pb2
 
-from hyperlight_agent import config, contracts, modes, waits
+from hyperlight_agent import config, contracts, identity, modes, waits
 from hyperlight_agent.agent import Agent
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device.checker import Checker
@@ -28,7 +28,7 @@ from hyperlight_agent.deviceplugin.registration import AlreadyServed, Registrar
 from hyperlight_agent.deviceplugin.side import DevicePluginSnapshot
 from hyperlight_agent.files import cdi, labels
 from standin.kubelet import KubeletStandin
-from tests.conftest import read_bytes, until
+from tests.conftest import START_S, read_bytes, until
 from tests.fakes import VERSION_SUFFIX, FakeHelper, RecordingNotifier, device_dir, dp_side, shut
 
 R = contracts.RESOURCE_HYPERVISOR
@@ -57,7 +57,7 @@ async def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) 
 
         kubelet = KubeletStandin(kubelet_dir)
         await kubelet.start()
-        await until(lambda: agent.ready, what="ready")
+        await until(lambda: agent.ready, timeout=START_S, what="ready")
         assert agent.status() == "ready: kvm, 3 slots, 1 stream"
         # The health service is set by a task the change schedules: it follows within the loop.
         await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.SERVING, what="SERVING")
@@ -193,7 +193,9 @@ def test_start_register_allocate_unhealthy_and_stop_in_process(tmp: str, helpers
         agent = Agent(settings_in(tmp), notifier=notifier)
         await agent.start()
         try:
-            await until(lambda: agent.ready and kubelet.allocatable() == 3, what="ready with 3 healthy slots")
+            await until(
+                lambda: agent.ready and kubelet.allocatable() == 3, timeout=START_S, what="ready with 3 healthy slots"
+            )
             assert agent.status() == "ready: kvm, 3 slots, 1 stream"
             assert read_bytes(cdi.spec_path(os.path.join(tmp, "cdi"))) == cdi.render("kvm", "/dev/kvm", 65534, 65534)
             response = await kubelet.allocate(R, ["kvm-2"])
@@ -208,7 +210,7 @@ def test_start_register_allocate_unhealthy_and_stop_in_process(tmp: str, helpers
             await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.NOT_SERVING, what="NOT_SERVING")
             helpers[0].answers.clear()
             agent.checker.request()
-            await until(lambda: agent.ready and kubelet.allocatable() == 3, what="recovered")
+            await until(lambda: agent.ready and kubelet.allocatable() == 3, timeout=START_S, what="recovered")
         finally:
             await shut(agent)
         assert helpers[0].closed
@@ -231,7 +233,7 @@ def test_a_running_pods_slot_health_follows_the_device_also_when_it_vanishes(
         agent = Agent(settings)
         await agent.start()
         try:
-            await until(lambda: agent.ready and kubelet.allocatable() == 3, what="ready")
+            await until(lambda: agent.ready and kubelet.allocatable() == 3, timeout=START_S, what="ready")
             await kubelet.allocate(R, ["kvm-2"])  # the pod's container holds kvm-2
             assert kubelet.allocated_health(R, "kvm-2") == "Healthy"
             helpers[0].answers["kvm"] = ProbeResult(False, "KVM_CREATE_VM failed")
@@ -260,7 +262,7 @@ def test_run_returns_after_stop_and_close_twice_is_harmless(tmp: str, helpers: l
     async def body(kubelet: KubeletStandin) -> None:
         agent = Agent(settings_in(tmp), notifier=RecordingNotifier())
         running = asyncio.ensure_future(agent.run())
-        await until(lambda: agent.ready, what="ready")
+        await until(lambda: agent.ready, timeout=START_S, what="ready")
         agent.stop()
         await running
         await agent.close()
@@ -275,7 +277,7 @@ def test_a_second_agent_on_the_same_socket_fails_from_wait(tmp: str, helpers: li
         await first.start()
         second = Agent(settings_in(tmp), notifier=RecordingNotifier())
         try:
-            await until(lambda: first.ready, what="the first agent ready")
+            await until(lambda: first.ready, timeout=START_S, what="the first agent ready")
             await second.start()
             with pytest.raises(AlreadyServed, match="another agent is serving it"):
                 await second.wait()
@@ -313,7 +315,7 @@ def test_reload_applies_settings_keeps_restart_only_ones_and_refuses_invalid_fil
         agent = Agent(base, notifier=notifier, reload=reload)
         await agent.start()
         try:
-            await until(lambda: agent.ready and kubelet.allocatable() == 3, what="ready")
+            await until(lambda: agent.ready and kubelet.allocatable() == 3, timeout=START_S, what="ready")
             # More slots and another owner apply at once; a new kubelet_dir only on restart.
             new.append(
                 Settings.defaults(
@@ -404,9 +406,9 @@ def test_http_probes_answer_from_the_agents_state_on_one_port_with_metrics(tmp: 
             async def ask(path: str) -> tuple[int, str]:
                 return await waits.in_thread(lambda: get(address, path), "probe")
 
-            await until(lambda: agent.ready, what="ready")
+            await until(lambda: agent.ready, timeout=START_S, what="ready")
             await until(lambda: serving(agent, "") == health_pb2.HealthCheckResponse.SERVING, what="SERVING")
-            assert await ask("/readyz") == (200, "ready: ready: kvm, 3 slots, 1 stream\n")
+            assert await ask("/readyz") == (200, "ready: kvm, 3 slots, 1 stream\n")
             assert await ask("/livez") == await ask("/healthz") == (200, "live: serving\n")
             assert await ask("/") == (200, "/healthz\n/livez\n/metrics\n/readyz\n")
             code, text = await ask("/metrics")
@@ -481,9 +483,9 @@ def test_a_stop_with_handover_time_and_no_successor_stops_after_it(
     async def body(kubelet: KubeletStandin) -> None:
         agent = Agent(settings_in(tmp, handover_seconds=0.2), notifier=RecordingNotifier())
         await agent.start()
-        await until(lambda: agent.ready, what="ready")
+        await until(lambda: agent.ready, timeout=START_S, what="ready")
         await shut(agent)
-        assert "serving until a successor is ready (up to 0.2 s)" in caplog.text
+        assert "serving until a successor is ready (up to 0.2 s; stop again to stop now)" in caplog.text
         assert "no successor within 0.2 s" in caplog.text
         assert dp_side(agent).registrar is not None
         assert not os.path.exists(dp_side(agent).registrar.socket_path)
@@ -541,7 +543,8 @@ async def test_the_environment_comes_from_the_caller(
     bare = Agent(settings_in(tmp), notifier=RecordingNotifier())
     await bare.start()
     await shut(bare)
-    assert "(commit unknown)" in caplog.text
+    # Without it: the checkout's commit (issue 50: 9), or unknown where there is no git.
+    assert f"(commit {identity.commit({})})" in caplog.text
 
 
 # Issue 26, 10: two agents on one CDI directory with other settings (a surge update that changes
@@ -568,7 +571,7 @@ def test_the_newest_instance_keeps_the_cdi_spec_and_the_older_does_not_fight(
         await old.start()
         new: Optional[Agent] = None
         try:
-            await until(lambda: old.ready and uid_in_spec() == 65534, what="the old agent's spec")
+            await until(lambda: old.ready and uid_in_spec() == 65534, timeout=START_S, what="the old agent's spec")
             new = Agent(settings_in(tmp, instance="new", device_uid=1000), notifier=RecordingNotifier())
             await new.start()
             await until(lambda: new is not None and new.ready and uid_in_spec() == 1000, what="the new agent's spec")
@@ -585,5 +588,56 @@ def test_the_newest_instance_keeps_the_cdi_spec_and_the_older_does_not_fight(
             await shut(old)
             if new is not None:
                 await shut(new)
+
+    with_kubelet(tmp, body)
+
+
+def test_a_kubelet_restart_is_said_before_the_status_it_causes(
+    tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cause first (issue 50: 9): `status: registered; waiting for the kubelet's ListAndWatch
+    stream` came before `kubelet restart detected`, as if we had lost our stream for no reason."""
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+
+    async def body(kubelet: KubeletStandin) -> None:
+        agent = Agent(settings_in(tmp), notifier=RecordingNotifier())
+        await agent.start()
+        try:
+            await until(lambda: agent.ready, timeout=START_S, what="ready")
+            since = len(caplog.records)
+            await kubelet.restart()
+            await until(lambda: len(kubelet.register_calls) == 2 and agent.ready, what="registered again")
+            said = [r.getMessage() for r in caplog.records[since:]]
+            registered = next(i for i, line in enumerate(said) if line.startswith("registered hyperlight.dev/"))
+            # The stream's end is said as what it is, not as a wait for a first stream.
+            assert said[0] == "status: the kubelet's ListAndWatch stream ended; registering again", said
+            assert "status: registered; waiting for the kubelet's ListAndWatch stream" not in said[:registered], said
+            # The restart is named before the registration (and the status lines) it explains.
+            assert any(line.startswith("kubelet restart detected") for line in said[:registered]), said
+        finally:
+            await shut(agent)
+
+    with_kubelet(tmp, body)
+
+
+def test_a_second_stop_ends_the_wait_for_a_successor_at_once(
+    tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second SIGTERM (or Ctrl-C) cuts the handover short (issue 50: 9): with no successor
+    coming (an uninstall) the first would wait all of handover_seconds."""
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+
+    async def body(kubelet: KubeletStandin) -> None:
+        agent = Agent(settings_in(tmp, handover_seconds=3600), notifier=RecordingNotifier())
+        await agent.start()
+        await until(lambda: agent.ready, timeout=START_S, what="ready")
+        agent.stop()
+        await agent.wait()
+        closing = asyncio.ensure_future(agent.close())
+        await until(lambda: "serving until a successor is ready" in caplog.text, what="the handover's wait")
+        agent.stop()  # the second signal
+        await waits.within(closing, 30)  # not the hour of handover_seconds
+        assert "stopped again: not waiting for a successor" in caplog.text
+        assert not os.path.exists(dp_side(agent).registrar.socket_path)
 
     with_kubelet(tmp, body)

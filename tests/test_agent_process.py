@@ -479,6 +479,9 @@ def test_a_foreign_live_socket_is_never_unlinked(kubelet: StandinThread, start_a
         agent = start_agent("--device-count", "2")
         assert agent.proc.wait(15) == 1
         assert "another agent is serving it" in agent.log
+        # Why it stops is said before it stops (issue 50: 9): the stopping line came first.
+        log = agent.log
+        assert "stopping" not in log or log.index("another agent is serving it") < log.index("stopping"), log
         assert socket_identity(path) == before
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
             client.connect(path)  # still the foreign server's, still answering
@@ -656,3 +659,14 @@ def test_a_kubelet_that_is_down_a_while_is_served_anew_when_it_returns(
     kubelet.call(kubelet.kubelet.restart())
     kubelet.wait_until(lambda k: k.allocatable() == 2, 5, "served and registered anew")
     assert len(kubelet.kubelet.register_calls) == calls + 1, "one Register, to a socket that exists"
+
+
+def test_a_second_sigterm_ends_the_handover_wait_at_once(kubelet: StandinThread, start_agent: StartAgent) -> None:
+    """The kubelet or systemd stop once; an operator who cannot wait for handover_seconds (no
+    successor is coming) stops again (issue 50: 9)."""
+    agent = start_agent("--device-count", "1", "--handover-seconds", "3600")
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
+    agent.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "serving until a successor is ready" in agent.log, 10, "the handover's wait")
+    assert agent.stop(signal.SIGTERM, timeout=15) == 0
+    assert "stopped again: not waiting for a successor" in agent.log

@@ -37,8 +37,9 @@ from standin.apiserver import FakeApiServer, recorded
 from standin.dra_kubelet import Claim, DraKubeletStandin
 from standin.kubelet import StandinThread
 from tests.conftest import StartAgent, until, wait_for
+from tests.e2e.tools import tool
 from tests.fakes import FakeHelper, shut
-from tests.test_deploy import documents, tool
+from tests.test_deploy import documents
 from tests.test_docs import ROOT
 from tests.test_dra_side import DRIVER, UID, settings_in, with_cluster
 from tests.test_helm import CHART, MODES, MONITORING_API, template

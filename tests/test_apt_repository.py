@@ -21,7 +21,7 @@ from standin.kubelet import StandinThread
 from tests import nspawn
 from tests.conftest import make_node, wait_for
 from tests.releases import CURRENT, DEBS, PREVIOUS, PUBLIC_SITE, ROOT, Published, Site, readme_commands
-from tests.test_deb import DOCUMENTED, NOT_OURS, UNIT, agent_starts, listing, our_sockets
+from tests.test_deb import DOCUMENTED, NOT_OURS, UNIT, agent_starts, our_sockets
 
 pytestmark = pytest.mark.system
 BY_SUITE = {t.suite: t for t in DEBS}
@@ -248,7 +248,8 @@ def test_installed_from_the_repository_under_the_release_s_own_systemd_to_purge(
         StandinThread(os.path.join(tmp, "kubelet")) as kubelet,
         nspawn.Guest(root, host_binds(tmp), ephemeral=False, private_network=False) as guest,
     ):
-        before = listing(guest)
+        guest.settle()  # the boot's last jobs run after multi-user.target: their files come and go
+        before = guest.listing()
         release = guest.run("sh", "-c", ". /etc/os-release && echo $VERSION_ID $VERSION_CODENAME").stdout.split()
         assert release == [target.release, suite], release
         python = guest.run("python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])").stdout.strip()
@@ -287,7 +288,8 @@ def test_installed_from_the_repository_under_the_release_s_own_systemd_to_purge(
         assert purged.returncode == 0 and "not empty" not in purged.stdout + purged.stderr, purged.stdout
         wait_for(lambda: our_sockets(tmp) == [], 10, "the plugin socket to go")
         assert guest.run("pgrep", "-f", "hyperlight", check=False).returncode == 1, "a process was left"
-        after = listing(guest)
+        guest.settle()
+        after = guest.listing()
     changed = sorted(
         p for p in before ^ after if not p.startswith(NOT_OURS) and p not in DOCUMENTED and p not in OPERATOR_FILES
     )

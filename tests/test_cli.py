@@ -1,7 +1,7 @@
 """The command line (cli.py) as the process runs it: the flags that exclude each other, a process id
 where one is asked for, and every refusal one line with exit code 2; `--version`; and exit_now
 leaving with its code and its output flushed, without the interpreter's teardown. (Each setting's
-refusal, through the same exit: test_config.py; --help against the README: test_docs.py.)"""
+refusal, through the same exit: test_config.py; --help against docs/settings.md: test_docs.py.)"""
 
 from __future__ import annotations
 

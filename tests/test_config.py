@@ -8,10 +8,12 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import pytest
 
 from hyperlight_agent import cli, config, modes, parts
+from hyperlight_agent.host import journal
 from tests.conftest import run_agent
 
 # Where the default file would be: never the host's real /etc path, which exists on a node where
@@ -21,6 +23,10 @@ MISSING_DEFAULT = os.path.join(tempfile.gettempdir(), f"hl-no-such-dir-{os.getpi
 
 def load(argv: list[str], env: dict[str, str]) -> config.Settings:
     return config.load(cli.build_parser().parse_args(argv), env, default_file_path=MISSING_DEFAULT)
+
+
+# What an eviction debounce its checks cannot fill is refused with (config.load).
+EVICT_REFUSAL = "dra_evict_after_seconds = 30 with check_interval_seconds = 300: "
 
 
 def write(tmp: str, text: str) -> str:
@@ -118,6 +124,20 @@ def test_uid_gid_are_unsigned_32_bit() -> None:
         ([], {"HYPERLIGHT_ALLOCATION": "nope"}, "", "HYPERLIGHT_ALLOCATION='nope'"),
         ([], {"HYPERLIGHT_CHECK_INTERVAL": "soon"}, "", "HYPERLIGHT_CHECK_INTERVAL='soon'"),
         ([], {"HYPERLIGHT_KUBELET_DIR": "kubelet"}, "", "HYPERLIGHT_KUBELET_DIR='kubelet'"),
+        # The prefixed names of the original's variables: invalid is an error, as for every
+        # HYPERLIGHT_* name; the two names of one setting must agree (issue 50: 5).
+        ([], {"HYPERLIGHT_DEVICE_COUNT": "100001"}, "", "HYPERLIGHT_DEVICE_COUNT='100001': must be an integer"),
+        ([], {"HYPERLIGHT_DEVICE_UID": "x"}, "", "HYPERLIGHT_DEVICE_UID='x': must be"),
+        ([], {"HYPERLIGHT_HOST_DEVICE_DIR": "dev"}, "", "HYPERLIGHT_HOST_DEVICE_DIR='dev': must be"),
+        ([], {"HYPERLIGHT_NODE_NAME": "Node_1"}, "", "HYPERLIGHT_NODE_NAME='Node_1': must be"),
+        ([], {"NODE_NAME": "Node_1"}, "", "NODE_NAME='Node_1': must be"),
+        (
+            [],
+            {"DEVICE_COUNT": "8", "HYPERLIGHT_DEVICE_COUNT": "7"},
+            "",
+            "DEVICE_COUNT='8' and HYPERLIGHT_DEVICE_COUNT='7': two names of device_count with different values",
+        ),
+        ([], {"DEVICE_COUNT": "0", "HYPERLIGHT_DEVICE_COUNT": "0"}, "", "HYPERLIGHT_DEVICE_COUNT='0': must"),
         ([], {}, "device_count = 0\n", "device_count in"),
         ([], {}, 'device_count = "5"\n', "device_count in"),
         ([], {}, "device_count = true\n", "device_count in"),
@@ -128,7 +148,7 @@ def test_uid_gid_are_unsigned_32_bit() -> None:
             [],
             {"HYPERLIGHT_DEVCE_COUNT": "5"},
             "",
-            "HYPERLIGHT_DEVCE_COUNT='5': unknown setting (did you mean DEVICE_COUNT?)",
+            "HYPERLIGHT_DEVCE_COUNT='5': unknown setting (did you mean HYPERLIGHT_DEVICE_COUNT?)",
         ),
         ([], {"HYPERLIGHT_CHECK_INTERVAL_S": "5"}, "", "(did you mean HYPERLIGHT_CHECK_INTERVAL?)"),
         (["--devce-count", "5"], {}, "", "unrecognized arguments: --devce-count 5 (did you mean --device-count?)"),
@@ -136,6 +156,9 @@ def test_uid_gid_are_unsigned_32_bit() -> None:
         # Caught before anything starts (they used to fail after startup, or with a traceback):
         (["--metrics-address", "not a host:9464"], {}, "", "--metrics-address = 'not a host:9464'"),
         (["--metrics-address", "127.0.0.1:99999"], {}, "", "--metrics-address = '127.0.0.1:99999'"),
+        # The valid range is named (issue 50: 9).
+        (["--metrics-address", "0.0.0.0:70000"], {}, "", "'0.0.0.0:70000': the port must be from 1 to 65535"),
+        ([], {"HYPERLIGHT_PROBE_ADDRESS": "[::]:0"}, "", "'[::]:0': the port must be from 1 to 65535"),
         (["--kubelet-dir", "/" + "k" * 90], {}, "", "kubelet_dir = '/kkk"),
         ([], {"WATCHDOG_USEC": "3\u00b2"}, "", "WATCHDOG_USEC='3\u00b2'"),
         ([], {"HYPERLIGHT_CHECK_INTERVAL": "\u0661\u0660"}, "", "HYPERLIGHT_CHECK_INTERVAL="),
@@ -143,6 +166,11 @@ def test_uid_gid_are_unsigned_32_bit() -> None:
         ([], {}, "device_count = " + "1" * 5000 + "\n", "invalid TOML"),
         ([], {}, "a = " + "[" * 5000 + "]" * 5000 + "\n", "invalid TOML: nested too deeply"),
         (["--device-uid", "1" * 5000], {}, "", "characters): must be"),
+        # An eviction debounce its checks cannot fill (issue 47, 2), from each source and mixed.
+        (["--check-interval", "300", "--dra-evict-after", "30"], {}, "", EVICT_REFUSAL),
+        ([], {"HYPERLIGHT_CHECK_INTERVAL": "300", "HYPERLIGHT_DRA_EVICT_AFTER": "30"}, "", EVICT_REFUSAL),
+        ([], {}, "check_interval_seconds = 300\ndra_evict_after_seconds = 30\n", EVICT_REFUSAL),
+        (["--dra-evict-after", "30"], {}, "check_interval_seconds = 300\n", EVICT_REFUSAL),
     ],
 )
 def test_bad_input_exits_2_with_one_line(
@@ -274,3 +302,114 @@ def test_a_bad_legacy_variable_is_ignored_in_one_line_saying_what_is_used_and_wh
         "ignoring DEVICE_COUNT='lots' (must be an integer from 1 to 100000); using the default 2000 "
         "instead; a later release will refuse it and not start"
     )
+
+
+def test_a_listen_address_without_a_host_is_every_address() -> None:
+    """`:9464` as Go and Prometheus read it (issue 50: 9): every address of the host."""
+    s = load(["--metrics-address", ":9464"], {"HYPERLIGHT_PROBE_ADDRESS": ":8081"})
+    assert (s.metrics_address, s.probe_address) == (":9464", ":8081")
+    with pytest.raises(config.ConfigError, match="port must be from 1 to 65535"):
+        load(["--metrics-address", ":65536"], {})
+    with pytest.raises(config.ConfigError, match="must be HOST:PORT or :PORT"):
+        load(["--metrics-address", "9464"], {})
+
+
+def test_every_setting_has_a_prefixed_name_beside_the_originals(tmp: str) -> None:
+    """`HYPERLIGHT_DEVICE_COUNT` was refused as unknown (issue 50: 5): each of the five unprefixed
+    names has its HYPERLIGHT_* twin; both set and equal is fine."""
+    unprefixed = [s for s in config.SETTINGS if not s.env.startswith(config.ENV_PREFIX)]
+    assert {s.env for s in unprefixed} == {"DEVICE_COUNT", "DEVICE_UID", "DEVICE_GID", "HOST_DEVICE_DIR", "NODE_NAME"}
+    given = {
+        "HYPERLIGHT_DEVICE_COUNT": "7",
+        "HYPERLIGHT_DEVICE_UID": "1000",
+        "HYPERLIGHT_DEVICE_GID": "1001",
+        "HYPERLIGHT_HOST_DEVICE_DIR": "/host-dev",
+        "HYPERLIGHT_NODE_NAME": "node-1",
+    }
+    s = load([], given)
+    assert (s.device_count, s.device_uid, s.device_gid, s.host_device_dir, s.node_name) == (
+        7,
+        1000,
+        1001,
+        "/host-dev",
+        "node-1",
+    )
+    assert dict(s.sources)["device_count"] == "environment HYPERLIGHT_DEVICE_COUNT"
+    assert load([], {"DEVICE_COUNT": "7", "HYPERLIGHT_DEVICE_COUNT": "7"}).device_count == 7
+    # A flag and the file beat either name, as for every setting.
+    assert load(["--device-count", "9"], given).device_count == 9
+    assert load(["--config", write(tmp, "device_count = 11\n")], {"DEVICE_UID": "5"}).device_count == 11
+
+
+def test_an_invalid_original_variable_is_ignored_for_the_files_value_and_said_as_ignored(tmp: str) -> None:
+    """The one lenient path: the unprefixed original name; the next source applies (the file's
+    value, else the default), and the settings say it was ignored (for --check and --print-config)."""
+    s = load(["--config", write(tmp, "device_count = 11\n")], {"DEVICE_COUNT": "100001"})
+    assert s.device_count == 11 and dict(s.sources)["device_count"] == "file"
+    assert s.ignored == (
+        "DEVICE_COUNT='100001' (must be an integer from 1 to 100000); using the config file's value instead",
+    )
+    assert load([], {"DEVICE_UID": "x"}).ignored and not load([], {}).ignored
+
+
+def test_print_config_says_every_setting_its_value_and_where_it_came_from(tmp: str) -> None:
+    """--print-config (issue 50: 7): a TOML line per setting with its source; exit 0, or 2 on an
+    invalid configuration as the agent; the lines read back as a file give the same settings."""
+    path = write(tmp, 'allocation = "cdi"\n')
+    done = run_agent(
+        "--config",
+        path,
+        "--device-uid",
+        "7",
+        "--print-config",
+        env={"HYPERLIGHT_CHECK_INTERVAL": "5", "DEVICE_COUNT": "100001"},
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"# config file: {path}"
+    assert "device_uid = 7  # flag --device-uid" in lines
+    assert "check_interval_seconds = 5.0  # environment HYPERLIGHT_CHECK_INTERVAL" in lines
+    assert f'allocation = "cdi"  # file {path}' in lines
+    assert "device_count = 2000  # default" in lines
+    assert "#metrics_address = unset  # default" in lines
+    assert lines[-1].startswith("# ignored: DEVICE_COUNT='100001'")
+    keys = [line.split(" ", 1)[0].lstrip("#") for line in lines if not line.startswith("# ")]
+    assert keys == [s.key for s in config.SETTINGS]
+    again = load(["--config", write(tmp, done.stdout)], {})
+    assert again == load(["--config", path, "--device-uid", "7"], {"HYPERLIGHT_CHECK_INTERVAL": "5"})
+    bad = run_agent("--config", path, "--print-config", env={"HYPERLIGHT_DEVICE_COUNT": "0"})
+    assert bad.returncode == 2 and bad.stderr.startswith("hyperlight-agent: error: HYPERLIGHT_DEVICE_COUNT='0'")
+    assert bad.stdout == ""
+
+
+def test_the_agent_logs_its_configuration_at_debug_on_start(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same lines as --print-config, at log_level debug, before it serves (issue 50: 7)."""
+    said: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record)
+
+    async def serve(*args: object) -> None:
+        """Stands in for serving: what was logged by then is what matters."""
+
+    setup = journal.setup
+
+    def setup_and_keep(*args: Any, **kw: Any) -> str:
+        kind: str = setup(*args, **kw)
+        logging.getLogger().addHandler(Keep())  # setup() replaced the root logger's handlers
+        return kind
+
+    monkeypatch.setattr(cli, "_serve", serve)
+    monkeypatch.setattr(journal, "setup", setup_and_keep)
+    try:
+        argv = ["--config", "/dev/null", "--log-level", "debug", "--cdi-dir", f"{tmp}/cdi"]
+        assert cli.main(argv, {}) == 0
+        logged = [r.getMessage() for r in said if r.getMessage().startswith("config: ")]
+        assert logged == [f"config: {line}" for line in config.effective(load(argv, {}))]
+        assert all(r.levelno == logging.DEBUG for r in said if r.getMessage().startswith("config: "))
+        said.clear()
+        assert cli.main(argv[:2] + argv[4:], {}) == 0  # at info: not said
+        assert not [r for r in said if r.getMessage().startswith("config: ")]
+    finally:
+        setup("info", {})

@@ -186,10 +186,6 @@ def bare_guest(tmp: str, deb: str, deb_next: str) -> Iterator[nspawn.Guest]:
         yield g
 
 
-# What the guest's root holds, as paths: the persistent tree and /run (a tmpfs of its own).
-# /proc, /sys, /dev and /tmp are other file systems (-xdev), and the kubelet directory is the
-# host's, bind-mounted: the test checks the socket there from the host.
-LISTING = "find / /run -xdev -path /var/lib/kubelet/device-plugins -prune -o -print | sort -u"
 # Paths that changed between the two listings here, none of them ours (the test prints them).
 NOT_OURS = (
     "/var/log/apt/",
@@ -205,13 +201,9 @@ NOT_OURS = (
     "/run/credentials/console-getty.service",
     "/var/cache/debconf/",  # debconf's temporary files (Debian 13's debconf leaves tmp.ci)
 )
-# Documented to stay after purge (README, "On hosts"): /run/cdi, which several CDI producers
+# Documented to stay after purge (docs/hosts.md): /run/cdi, which several CDI producers
 # share (created by our tmpfiles entry if missing), and the CDI spec the agent kept on shutdown.
 DOCUMENTED = ("/run/cdi", "/run/cdi/hyperlight.json")
-
-
-def listing(guest: nspawn.Guest) -> set[str]:
-    return set(guest.run("sh", "-c", LISTING, timeout=120).stdout.splitlines())
 
 
 def our_sockets(tmp: str) -> list[str]:
@@ -252,7 +244,8 @@ def test_upgrade_keeps_the_edited_config_hands_over_in_place_and_purge_leaves_no
     bare_guest: nspawn.Guest, tmp: str
 ) -> None:
     guest = bare_guest
-    before = listing(guest)
+    guest.settle()  # the boot's last jobs run after multi-user.target: their files come and go
+    before = guest.listing()
     with StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
         kubelet.run(lambda k: setattr(k, "flavor", "1.37"))
         result = apt_get(guest, "install", "/root/agent-n.deb")
@@ -298,7 +291,8 @@ def test_upgrade_keeps_the_edited_config_hands_over_in_place_and_purge_leaves_no
         result = apt_get(guest, "purge", "hyperlight-agent")
         assert result.returncode == 0, result.stdout + result.stderr
         assert "not empty" not in result.stdout + result.stderr
-    after = listing(guest)
+    guest.settle()
+    after = guest.listing()
     ignored = sorted(p for p in before ^ after if p.startswith(NOT_OURS) or p in DOCUMENTED)
     print(f"install → upgrade → purge: {len(ignored)} paths changed that are not ours: {ignored}")
     changed = sorted(p for p in before ^ after if not p.startswith(NOT_OURS) and p not in DOCUMENTED)

@@ -20,6 +20,7 @@ from hyperlight_agent.agent import SHUTDOWN_MARGIN_S
 from hyperlight_agent.device.helper import CLOSE_BOUND_S
 from hyperlight_agent.deviceplugin.side import DevicePluginSide
 from hyperlight_agent.dra.side import DraSide
+from tests.e2e.tools import tool
 from tests.test_docs import ROOT
 
 # The most an agent's stop takes after its handover, whichever its side (agent.shutdown_bound_s).
@@ -30,17 +31,9 @@ pytestmark = pytest.mark.judge
 
 DEPLOY = os.path.join(ROOT, "deploy")
 JUDGES = os.path.join(ROOT, "build", "judges", "bin")
-TOOLS = os.path.join(ROOT, "build", "tools")
 OVERLAYS = sorted(os.listdir(os.path.join(DEPLOY, "overlays")))
 WORKLOAD = os.path.join(DEPLOY, "examples", "workload.yaml")
 DRA_WORKLOAD = os.path.join(DEPLOY, "examples", "dra-workload.yaml")
-
-
-def tool(name: str) -> str:
-    """helm or kubectl: `make test` (target `tools`) installs both into build/tools."""
-    path = os.path.join(TOOLS, name)
-    assert os.access(path, os.X_OK), f"{name} is missing: `make tools` installs it into build/tools"
-    return path
 
 
 # The development tree's placeholder, and the digest the tests render in its place (what
@@ -50,9 +43,7 @@ TEST_DIGEST = "sha256:" + "1" * 64
 
 
 def kustomize(path: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    kubectl = tool("kubectl") if os.path.exists(os.path.join(TOOLS, "kubectl")) else shutil.which("kubectl")
-    assert kubectl, "kubectl is missing: `make tools` installs it into build/tools"
-    return subprocess.run([kubectl, "kustomize", path], capture_output=True, text=True, check=check, timeout=60)
+    return subprocess.run([tool("kubectl"), "kustomize", path], capture_output=True, text=True, check=check, timeout=60)
 
 
 def render(path: str) -> str:
@@ -189,8 +180,18 @@ def test_kubernetes_validate_strict(rendered: dict[str, str], overlay: str) -> N
         assert result.stdout.count("passed for resource") == len(documents(f.read()))
 
 
-def _daemonsets(text: str) -> dict[str, dict[str, Any]]:
-    return {d["metadata"]["name"]: d for d in documents(text) if d["kind"] == "DaemonSet"}
+# The names' prefix in each overlay: the AKS pools' are their own, so both fit in one cluster.
+PREFIX = {"aks-kvm": "hl-kvm", "aks-mshv": "hl-mshv"}
+
+
+def _daemonsets(text: str, prefix: str = "hyperlight") -> dict[str, dict[str, Any]]:
+    """The DaemonSets by name, less the overlay's name prefix: hyperlight-device-plugin for
+    hl-kvm-device-plugin."""
+    return {
+        "hyperlight" + d["metadata"]["name"].removeprefix(prefix): d
+        for d in documents(text)
+        if d["kind"] == "DaemonSet"
+    }
 
 
 SECURE_CONTAINER = {
@@ -206,7 +207,7 @@ SECURE_CONTAINER = {
 @pytest.mark.parametrize("overlay", ["base", *OVERLAYS])
 def test_security_context_is_fixed_in_the_base(overlay: str) -> None:
     path = os.path.join(DEPLOY, overlay) if overlay == "base" else os.path.join(DEPLOY, "overlays", overlay)
-    sets = _daemonsets(render(path))
+    sets = _daemonsets(render(path), PREFIX.get(overlay, "hyperlight"))
     kubelet_side = "hyperlight-dra-driver" if overlay == "dra" else "hyperlight-device-plugin"
     assert set(sets) == {"hyperlight-device-access", kubelet_side}
     for name, ds in sets.items():
@@ -267,7 +268,8 @@ def test_security_context_is_fixed_in_the_base(overlay: str) -> None:
 def test_overlays_change_only_what_varies() -> None:
     base = _daemonsets(render(os.path.join(DEPLOY, "base")))
     for overlay in OVERLAYS:
-        sets = _daemonsets(render(os.path.join(DEPLOY, "overlays", overlay)))
+        sets = _daemonsets(render(os.path.join(DEPLOY, "overlays", overlay)), PREFIX.get(overlay, "hyperlight"))
+        assert "hyperlight-device-access" in sets, overlay
         for name, ds in sets.items():
             if name not in base:
                 continue  # a component's own DaemonSet (components/dra): nothing to compare it with
@@ -284,7 +286,9 @@ def test_overlays_change_only_what_varies() -> None:
 )
 def test_overlay_settings(overlay: str, count: str, metrics: bool) -> None:
     path = os.path.join(DEPLOY, overlay) if overlay == "base" else os.path.join(DEPLOY, "overlays", overlay)
-    main = _daemonsets(render(path))["hyperlight-device-plugin"]["spec"]["template"]["spec"]["containers"][0]
+    main = _daemonsets(render(path), PREFIX.get(overlay, "hyperlight"))["hyperlight-device-plugin"]["spec"]["template"][
+        "spec"
+    ]["containers"][0]
     env = {e["name"]: e.get("value") for e in main["env"]}
     assert (env["DEVICE_COUNT"], env["DEVICE_UID"], env["DEVICE_GID"]) == (count, "65534", "65534")
     assert ("HYPERLIGHT_METRICS_ADDRESS" in env) == metrics

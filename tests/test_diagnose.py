@@ -4,6 +4,7 @@ and every FAIL line is followed by what to do (issue 36: 1, 4)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -12,8 +13,10 @@ from typing import Any
 
 import pytest
 
-from hyperlight_agent import config, diagnose, modes
+from hyperlight_agent import cli, config, diagnose, modes, parts
 from hyperlight_agent.config import Settings
+from hyperlight_agent.device.checker import Checker
+from hyperlight_agent.device.observation import Cause, Observation, SharedObservation
 from tests.conftest import HOST_KVM, REPO, run_agent
 from tests.fakes import FakeHelper, device_dir, files_as_devices
 
@@ -67,6 +70,100 @@ def test_the_plugin_mode_probes_and_inspects_the_spec(tmp: str, monkeypatch: pyt
     assert "ok   probe: empty VM created and closed" in lines
     assert f"note CDI spec: {tmp}/cdi/hyperlight.json is missing (the running agent repairs it)" in lines
     assert not os.path.exists(os.path.join(tmp, "cdi")), "--check changes nothing"
+
+
+def spec_obstacle(tmp: str, kind: str) -> str:
+    """A cdi_dir the running agent refuses to serve from (its check fails for as long as it stays);
+    the path given as cdi_dir."""
+    cdi_dir, real = os.path.join(tmp, "cdi"), os.path.join(tmp, "real-cdi")
+    if kind == "cdi_dir a symlink to a directory":
+        os.makedirs(real)
+        os.symlink(real, cdi_dir)
+    elif kind == "cdi_dir a dangling symlink":
+        os.symlink(os.path.join(tmp, "gone"), cdi_dir)
+    elif kind == "cdi_dir a regular file":
+        with open(cdi_dir, "w"):
+            pass
+    elif kind == "the spec a symlink":
+        os.makedirs(cdi_dir)
+        with open(real, "w"):
+            pass
+        os.symlink(real, os.path.join(cdi_dir, "hyperlight.json"))
+    else:
+        assert kind == "the spec a directory"
+        os.makedirs(os.path.join(cdi_dir, "hyperlight.json"))
+    return cdi_dir
+
+
+SPEC_OBSTACLES = (
+    "cdi_dir a symlink to a directory",
+    "cdi_dir a dangling symlink",
+    "cdi_dir a regular file",
+    "the spec a symlink",
+    "the spec a directory",
+)
+
+
+# Issue 47, 4: `--check` said "note CDI spec: ... (the running agent repairs it)" and "this node
+# can serve Hyperlight" where the agent refuses the spec's place and serves nothing.
+@pytest.mark.parametrize("kind", SPEC_OBSTACLES)
+def test_check_fails_where_the_agent_refuses_the_spec_s_place(
+    tmp: str, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    monkeypatch.setattr(diagnose, "ProbeHelper", FakeHelper)
+    files_as_devices(monkeypatch)
+    cdi_dir = spec_obstacle(tmp, kind)
+    settings = Settings.defaults(device_dir=device_dir(tmp, "kvm"), kubelet_dir=kubelet(tmp), cdi_dir=cdi_dir)
+    before = sorted(os.listdir(tmp))
+
+    # What the running agent's own check says of the same settings: unusable, and why.
+    async def agent_check() -> Observation:
+        helper: Any = FakeHelper()
+        return await Checker(parts.check_target(settings, modes.PLUGIN), helper, SharedObservation()).check()
+
+    refused = asyncio.run(agent_check())
+    assert not refused.healthy and refused.cause is Cause.CDI and cdi_dir in refused.reason
+    assert "refusing" in refused.reason or "cannot read" in refused.reason, refused.reason
+    assert sorted(os.listdir(tmp)) == before and os.path.lexists(cdi_dir), "the agent left it in place"
+
+    ok, lines = diagnose.diagnose(settings, modes.PLUGIN)
+    assert not ok, lines
+    ((fail, hint),) = failures(lines)
+    assert fail == f"FAIL CDI spec: {refused.reason}", lines
+    assert hint.startswith("hint "), lines
+    assert "ok   probe: empty VM created and closed" in lines
+    assert not any(line.startswith("note CDI spec") for line in lines), lines
+
+
+# The command itself, in a process of its own (its entry point sets up logging and signals): the
+# probe helper a fake that passes, a regular file counting as the device node.
+FAKE_DEVICE_CLI = """
+import os, sys
+from hyperlight_agent import cli, diagnose
+from hyperlight_agent.device import hypervisors
+from tests.fakes import FakeHelper
+diagnose.ProbeHelper = FakeHelper
+hypervisors.present = lambda d: [h for h in hypervisors.HYPERVISORS if os.path.isfile(h.device_path(d))]
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_check_exits_1_where_the_agent_refuses_the_spec_s_place(tmp: str) -> None:
+    """FAIL, "cannot serve", exit 1 as for its other failures."""
+    cdi_dir = spec_obstacle(tmp, "cdi_dir a symlink to a directory")
+    args = ["--config", "/dev/null", "--check", "--device-dir", device_dir(tmp, "kvm"), "--kubelet-dir", kubelet(tmp)]
+    done = subprocess.run(
+        [sys.executable, "-c", FAKE_DEVICE_CLI, *args, "--cdi-dir", cdi_dir],
+        cwd=REPO,
+        env={"PATH": os.environ["PATH"], "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"FAIL CDI spec: {cdi_dir} (cdi_dir) is a symlink; refusing to follow it" in done.stdout
+    assert done.stdout.splitlines()[-1] == "this node cannot serve Hyperlight"
 
 
 def failures(lines: list[str]) -> list[tuple[str, str]]:
@@ -179,3 +276,20 @@ def test_check_passes_with_a_read_only_root_and_no_writable_temp_dir(tmp: str) -
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[-1] == "this node can serve Hyperlight"
+
+
+def test_an_ignored_original_variable_fails_the_check(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`DEVICE_COUNT=100001` only warns, as the original plugin did; `--check` passed on it
+    (issue 50: 5). The node would run on another value than the one given: FAIL, with a hint."""
+    helper = FakeHelper()
+    monkeypatch.setattr(diagnose, "ProbeHelper", lambda: helper)
+    files_as_devices(monkeypatch)
+    args = ["--device-dir", device_dir(tmp, "kvm"), "--kubelet-dir", kubelet(tmp), "--cdi-dir", f"{tmp}/cdi"]
+    parsed = cli.build_parser().parse_args(["--config", "/dev/null", *args])
+    assert diagnose.diagnose(config.load(parsed, {}), modes.PLUGIN)[0], "passes without it"
+    settings = config.load(parsed, {"DEVICE_COUNT": "100001"})
+    ok, lines = diagnose.diagnose(settings, modes.PLUGIN)
+    assert not ok
+    [(fail, hint)] = failures(lines)
+    assert fail.startswith("FAIL DEVICE_COUNT='100001' (must be an integer from 1 to 100000); using the default 2000")
+    assert hint.startswith("hint set DEVICE_COUNT to a valid value or unset it")

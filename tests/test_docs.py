@@ -1,4 +1,5 @@
-"""The docs are contracts: README's settings table and --help come from the same table."""
+"""The docs are contracts: docs/settings.md's table and --help come from the same table; the pages
+link to what exists."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from hyperlight_agent import cli, config
+from tests.releases import packaging_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,11 +38,15 @@ def test_ci_runs_the_readme_test_command() -> None:
     ]
 
 
-def test_readme_settings_table_is_the_real_one() -> None:
-    readme = read("README.md")
-    table = re.search(r"<!-- settings-table.*?-->\n(.*?)\n<!-- end settings-table -->", readme, re.S)
-    assert table, "README has no settings table"
+def test_the_settings_page_is_the_settings_table() -> None:
+    """README's table moved to docs/settings.md (issue 50: 10), written there by
+    packaging/settings_doc.py from config.SETTINGS: the page holds exactly what it writes."""
+    page = read("docs/settings.md")
+    table = re.search(r"<!-- settings-table.*?-->\n(.*?)\n<!-- end settings-table -->", page, re.S)
+    assert table, "docs/settings.md has no settings table"
     assert table.group(1).strip() == config.settings_table()
+    assert packaging_module("settings_doc").render(page) == page, "run `python packaging/settings_doc.py`"
+    assert "settings-table" not in read("README.md"), "one table, on its own page"
 
 
 def test_help_lists_every_setting_with_env_and_default() -> None:
@@ -54,10 +62,11 @@ def test_help_lists_every_setting_with_env_and_default() -> None:
     documented = {s.flag for s in config.SETTINGS} | {"--config"}
     assert documented <= flags
     for s in config.SETTINGS:
-        assert f"env {s.env}; toml {s.key}; default {s.default_text}" in out
-    readme = read("README.md")
+        assert f"env {s.env_text}; toml {s.key}; default {s.default_text}" in out
+    # The settings' flags are in the settings page's table, the other options on the agent's page.
+    pages = read("docs/settings.md") + read("docs/agent.md")
     for flag in flags - {"--help"}:
-        assert flag in readme, f"{flag} is in --help but not in README"
+        assert flag in pages, f"{flag} is in --help but not in docs/settings.md or docs/agent.md"
 
 
 def test_architecture_names_every_module() -> None:
@@ -76,3 +85,96 @@ def test_parser_description_matches_readme_summary() -> None:
     assert named == {"/dev/mshv", "/dev/kvm", "hyperlight.dev/hypervisor", "hyperlight.json"}
     missing = [name for name in sorted(named) if name not in summary]
     assert not missing, f"README's summary does not mention {missing}"
+
+
+# The pages a reader moves between: README, ARCHITECTURE and the guides under docs/.
+GUIDES = sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md"))
+PAGES = ["README.md", "ARCHITECTURE.md", "SECURITY.md", "BENCHMARKS.md", *GUIDES]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but `-` and `_` dropped, spaces `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: str) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", read(page), flags=re.S | re.M)
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def links(page: str) -> list[tuple[str, str]]:
+    """Each relative Markdown link of a page (outside code blocks), as (file relative to ROOT, anchor)."""
+    text = re.sub(r"^```.*?^```", "", read(page), flags=re.S | re.M)
+    found = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        found.append((os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page, anchor))
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_link_between_the_pages_lands(page: str) -> None:
+    """Pages moved (README's settings and testing, ARCHITECTURE's decisions: issue 50: 10): a link
+    names a file that exists and, with an anchor, one of its headings."""
+    broken = []
+    for path, anchor in links(page):
+        if not os.path.exists(os.path.join(ROOT, path)):
+            broken.append(f"{path} (no such file)")
+        elif anchor and (not path.endswith(".md") or anchor not in anchors(path)):
+            broken.append(f"{path}#{anchor}")
+    assert not broken, f"{page}: {broken}"
+
+
+def source_files() -> list[str]:
+    """The tree's text files a pointer into the docs can be in: code, scripts, manifests, docs."""
+    found = [os.path.join(ROOT, n) for n in os.listdir(ROOT) if n.endswith(".md")]
+    for top in ("hyperlight_agent", "packaging", "standin", "tests", "bench", "deploy", "systemd", "docs"):
+        for directory, _, names in os.walk(os.path.join(ROOT, top)):
+            kept = (n for n in names if n.endswith((".py", ".md", ".yaml", ".service", ".sh")) or "." not in n)
+            found += [os.path.join(directory, n) for n in kept]
+    return found
+
+
+def test_architecture_indexes_every_decision() -> None:
+    """ARCHITECTURE.md keeps the code's shape; its index names every record of docs/decisions.md,
+    in order, so a pointer such as `ARCHITECTURE.md, "Whose spec and slice stand"` still finds it."""
+    index = read("ARCHITECTURE.md").split("## Decisions, and why", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^- \[(.+)\]\(docs/decisions\.md#([\w-]+)\)$", index, re.M)
+    records = re.findall(r"^## (.+)$", read("docs/decisions.md"), re.M)
+    assert [title for title, _ in listed] == records
+    assert all(anchor == slug(title) for title, anchor in listed)
+    # Each pointer the code and the docs give by title names a record or a section.
+    headings = records + re.findall(r"^#+ (.+)$", read("ARCHITECTURE.md"), re.M)
+    pointers = set()
+    for path in source_files():
+        with open(path, errors="replace") as f:
+            pointers |= set(re.findall(r'ARCHITECTURE\.md, "([^"\n]+)', f.read()))
+    assert "Whose spec and slice stand" in pointers
+    missing = [p for p in sorted(pointers) if not any(title.startswith(p.rstrip(",")) for title in headings)]
+    assert not missing, f"pointers to no section of ARCHITECTURE.md or docs/decisions.md: {missing}"
+
+
+def test_readme_and_architecture_stay_short_enough_to_read() -> None:
+    """README was 49 KB and ARCHITECTURE.md 94 KB (issue 50: 10): README says what it is, how to
+    install it, what is supported and where to read on; ARCHITECTURE.md the code's shape."""
+    assert len(read("README.md").encode()) < 20_000
+    assert len(read("ARCHITECTURE.md").encode()) < 32_000
+
+
+HANDOVER = "docs/deploy.md#upgrades-and-restarts-no-pod-notices"
+
+
+def test_the_hand_over_gap_is_measured_in_one_place_and_linked_from_the_others() -> None:
+    """README said 0–5 of 26–107 pods, deploy.md 0–7 of 30–60 (issue 50: 8): the operators' pages
+    give the pods a hand-over gap rejected in one place, deploy.md's upgrades section, and the
+    pages that mention the gap link there. (docs/decisions.md records history, not a claim.)"""
+    figure = re.compile(r"\d+(?:–\d+)? of \d+(?:–\d+)? pods")
+    where = {page: figure.findall(read(page)) for page in ["README.md", *GUIDES] if page != "docs/decisions.md"}
+    assert {page: found for page, found in where.items() if found} == {"docs/deploy.md": ["0–11 of 15–107 pods"]}
+    upgrades = read("docs/deploy.md").split("## Upgrades and restarts: no pod notices", 1)[1].split("\n## ", 1)[0]
+    assert "0–11 of 15–107 pods" in " ".join(upgrades.split())
+    assert f"]({HANDOVER})" in read("README.md").split("## Support matrix", 1)[1]
+    for page in ("docs/hosts.md", "docs/operations.md"):
+        assert "](deploy.md#upgrades-and-restarts-no-pod-notices)" in read(page), page

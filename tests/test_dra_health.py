@@ -21,7 +21,7 @@ from hyperlight_agent.dra.health import Health
 from standin import dra_kubelet as standin_kubelet
 from standin.apiserver import FakeApiServer
 from standin.dra_kubelet import DraKubeletStandin
-from tests.conftest import until
+from tests.conftest import START_S, until
 from tests.fakes import FakeHelper, dra_side, shut
 from tests.fakes import wiring as fake_wiring
 from tests.test_dra_side import DRIVER, dirs, settings_in, taints_published, with_cluster
@@ -161,7 +161,7 @@ def test_a_kubelet_without_the_health_stream_gets_todays_behaviour_and_one_line(
         agent = Agent(settings_in(tmp, config), modes.DRA)
         await agent.start()
         try:
-            await until(lambda: agent.ready, what="ready without a health stream")
+            await until(lambda: agent.ready, timeout=START_S, what="ready without a health stream")
             await until(
                 lambda: len([r for r in caplog.records if "opened no resource-health stream" in r.message]) == 1,
                 what="the line",

@@ -6,13 +6,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hyperlight_agent.dra import prepared, prepared_format
 from hyperlight_agent.dra.prepared import Prepared, PreparedError
 from hyperlight_agent.dra.prepared_format import PreparedClaim, PreparedDevice
+from tests.conftest import count_inputs, fuzz_budget
 
 CLAIM = PreparedClaim("ns", "c", (PreparedDevice("hv", "node1", "kvm-0", ("hyperlight.dev/hypervisor=kvm",), "s"),))
 
@@ -169,3 +177,154 @@ def test_an_unreadable_boot_id_makes_no_entry_this_boots(tmp: str, caplog: pytes
     asyncio.run(main())
     with open("/proc/sys/kernel/random/boot_id") as f:
         assert prepared.read_boot_id() == f.read().strip() != ""
+
+
+# Issue 47, 1: any well-formed JSON at the record's path, whatever its size, depth and types, is
+# reported once and read as empty; the next change writes a good file. Never a crash at start.
+def valid_document() -> dict[str, Any]:
+    return {
+        "version": prepared_format.VERSION,
+        "claims": {"u0": prepared_format.encode_claim(CLAIM, 1000.0, "boot-1")},
+    }
+
+
+def places(doc: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """Every place in a parsed document: the document itself, each value, each list item."""
+    yield path
+    children = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for key, value in children:
+        yield from places(value, (*path, key))
+
+
+def put(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
+    if not path:
+        return value
+    parent = doc
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = value
+    return doc
+
+
+DEEP = 100_000  # far beyond the interpreter's recursion limit: json.loads raises RecursionError
+WRONG_VALUES: tuple[Any, ...] = (
+    None,
+    True,
+    0,
+    -1,
+    10**400,  # float() of it raises OverflowError
+    -(10**400),
+    1.5,
+    1e308,
+    math.inf,  # written as Infinity, which json.loads reads
+    math.nan,
+    "",
+    "\ud800",  # a lone surrogate: valid JSON, no UTF-8 string
+    [],
+    {},
+    [[["x"]]],
+    {"a": {"b": {}}},
+)
+
+
+def write_json(tmp: str, doc: Any) -> str:
+    path = os.path.join(tmp, prepared.RECORD_FILE)
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    return path
+
+
+def survives(tmp: str, data: bytes) -> dict[str, PreparedClaim]:
+    """Start on the file's bytes as the agent does, read it, then record a claim: nothing but
+    PreparedError may come out, and what was recorded reads back."""
+    path = os.path.join(tmp, prepared.RECORD_FILE)
+    with open(path, "wb") as f:
+        f.write(data)
+    record = Prepared(tmp, clock=lambda: 2000.0, boot_id="boot-1")
+    claims = record.claims()
+    record.this_boot("u0")
+    json.dumps(claims, ensure_ascii=False).encode()  # every string a gRPC answer can carry
+    asyncio.run(record.record("u-new", CLAIM))
+    assert Prepared(tmp, clock=lambda: 2000.0).get("u-new") == CLAIM
+    return claims
+
+
+@pytest.mark.parametrize(
+    ("name", "data"),
+    [
+        ("nested too deep to parse", '{"claims": {"u0": ' + "[" * DEEP + "]" * DEEP + "}}"),
+        ("a deep document alone", "[" * DEEP + "]" * DEEP),
+        ("deep in a newer release's field", '{"version": 99, "claims": {}, "x": ' + "[" * 500 + "]" * 500 + "}"),
+    ],
+)
+def test_a_record_the_parser_does_not_expect_is_reported_and_survived(
+    tmp: str, name: str, data: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.ERROR):
+        claims = survives(tmp, data.encode())
+    path = os.path.join(tmp, prepared.RECORD_FILE)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert claims == {}, name
+    assert len(errors) == 1 and errors[0].startswith(f"cannot read prepared claims from {path}: "), errors
+    assert errors[0].endswith("treating it as empty") and "\n" not in errors[0] and len(errors[0]) < 400
+
+
+@pytest.mark.parametrize(
+    "when",
+    [10**400, -(10**400), math.inf, math.nan, "yesterday", None, True],
+    ids=["400 digits", "-400 digits", "inf", "nan", "text", "null", "true"],
+)
+def test_a_time_no_float_holds_is_read_as_no_time(tmp: str, when: Any) -> None:
+    """preparedAt of 400 digits (float() raises OverflowError), or anything but a finite number:
+    the claim stays, counted from this read like an entry that says no time."""
+    claims = survives(tmp, json.dumps(put(valid_document(), ("claims", "u0", "preparedAt"), when)).encode())
+    assert claims == {"u0": CLAIM}
+    with open(os.path.join(tmp, prepared.RECORD_FILE)) as f:
+        assert json.load(f)["claims"]["u0"]["preparedAt"] == 2000.0
+
+
+def test_a_wrong_type_anywhere_in_the_record_is_survived(tmp: str) -> None:
+    """Every place of a valid record (the document, each field, each list item) holding each kind
+    of JSON value in turn: the record starts, reads and writes; a claim is read only when the
+    value still fits (a newer release's field, a time read as no time)."""
+    cases = 0
+    for place in places(valid_document()):
+        for value in WRONG_VALUES:
+            for name in os.listdir(tmp):
+                os.unlink(os.path.join(tmp, name))
+            doc = put(valid_document(), place, value)
+            claims = survives(tmp, json.dumps(doc).encode())
+            assert set(claims) <= {"u0"}, (place, value)
+            cases += 1
+    count_inputs("prepared record", cases)
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**500), max_value=10**500)
+    | st.floats()
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=fuzz_budget(300))
+@given(
+    place=st.integers(min_value=0),
+    value=JSON_VALUES,
+    depth=st.sampled_from([0, 0, 0, 3, 70, 2000]),
+)
+def test_any_json_at_any_place_of_the_record_is_survived(place: int, value: Any, depth: int) -> None:
+    doc = valid_document()
+    spots = list(places(doc))
+    doc = put(doc, spots[place % len(spots)], "@here")
+    # Nested in `depth` lists, spliced in as text: json.dumps itself cannot write the deepest.
+    text = json.dumps(doc).replace('"@here"', "[" * depth + json.dumps(value) + "]" * depth, 1)
+    tmp = tempfile.mkdtemp(prefix="hl-")
+    try:
+        assert set(survives(tmp, text.encode())) <= {"u0"}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    count_inputs("prepared record")

@@ -27,7 +27,7 @@ from hyperlight_agent.host import healthcheck
 from hyperlight_agent.identity import Identity
 from standin.apiserver import FakeApiServer, kubeconfig, recorded
 from standin.dra_kubelet import Claim, DraKubeletStandin, Instance
-from tests.conftest import until
+from tests.conftest import START_S, until
 from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dra_side, shut, wiring
 from tests.test_peers import Server, silent_sockets
 
@@ -73,7 +73,7 @@ def with_cluster(tmp: str, body: Body) -> None:
         registry, _ = dirs(tmp)
         try:
             async with DraKubeletStandin(registry) as kubelet:
-                await asyncio.wait_for(body(fake, kubelet, config), 30)
+                await asyncio.wait_for(body(fake, kubelet, config), 2 * START_S)  # a backstop for a hang
         finally:
             await fake.stop()
 
@@ -106,7 +106,7 @@ def test_a_dra_agent_registers_publishes_prepares_and_follows_the_device(tmp: st
         assert agent.mode is modes.DRA and dra_side(agent).registrar.driver == DRIVER
         await agent.start()
         try:
-            await until(lambda: agent.ready, what="registered, published and healthy")
+            await until(lambda: agent.ready, timeout=START_S, what="registered, published and healthy")
             assert agent.status() == "ready: kvm, one device in the ResourceSlice, shared by every claim"
             (published,) = fake.ours()
             assert published["spec"]["nodeName"] == "node1" and published["spec"]["driver"] == DRIVER
@@ -164,7 +164,9 @@ def test_identical_devices_where_the_api_server_drops_sharing_or_it_is_off(
         agent = Agent(settings_in(tmp, config, dra_shared_device=setting), modes.DRA)
         await agent.start()
         try:
-            await until(lambda: agent.ready and devices_published(fake) == 4, what="four identical devices")
+            await until(
+                lambda: agent.ready and devices_published(fake) == 4, timeout=START_S, what="four identical devices"
+            )
             assert agent.status() == "ready: kvm, 4 devices in the ResourceSlice"
             assert [d["name"] for d in fake.ours()[0]["spec"]["devices"]] == ["kvm-0", "kvm-1", "kvm-2", "kvm-3"]
             tried = [
@@ -196,7 +198,7 @@ def test_dra_metrics_count_calls_claims_writes_and_watches(tmp: str, helpers: li
         agent = Agent(settings_in(tmp, config, metrics_address=f"127.0.0.1:{free_port()}"), modes.DRA)
         await agent.start()
         try:
-            await until(lambda: agent.ready, what="ready and registered")
+            await until(lambda: agent.ready, timeout=START_S, what="ready and registered")
             fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
             await kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID), Claim("default", "gone", "u2")])
             await kubelet.unprepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)])
@@ -226,10 +228,10 @@ def test_a_stopped_dra_agent_hands_over_to_a_ready_successor(
         old = Agent(settings_in(tmp, config, handover_seconds=30), modes.DRA)
         new = Agent(settings_in(tmp, config, instance="pod-b"), modes.DRA)
         await old.start()
-        await until(lambda: old.ready, what="the old agent ready")
+        await until(lambda: old.ready, timeout=START_S, what="the old agent ready")
         await new.start()
         try:
-            await until(lambda: new.ready, what="its successor ready")
+            await until(lambda: new.ready, timeout=START_S, what="its successor ready")
             await waits.within(shut(old), 20)
             successor = dra_side(new).registrar.service_socket
             assert f"handing over to {successor}" in caplog.text
@@ -249,9 +251,9 @@ def test_an_in_place_upgrade_waits_for_the_child_it_started(tmp: str, helpers: l
         child = Agent(settings_in(tmp, config, instance="host-g0123abcd"), modes.DRA)
         await old.start()
         try:
-            await until(lambda: old.ready, what="the old agent ready")
+            await until(lambda: old.ready, timeout=START_S, what="the old agent ready")
             await child.start()
-            await until(lambda: child.ready, what="the child ready")
+            await until(lambda: child.ready, timeout=START_S, what="the child ready")
             assert await old.side.hand_over(0.3, pid=os.getpid() + 1) is None, "a ready instance of another pid is none"
             found = await old.side.hand_over(10, pid=os.getpid())
             assert found == dra_side(child).registrar.service_socket and child.ready
@@ -332,7 +334,9 @@ def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration
         agent = Agent(settings_in(tmp, config), modes.DRA, notifier=notifier)
         await agent.start()
         try:
-            await until(lambda: agent.ready and len(kubelet.instances.get(DRIVER, [])) == 1, what="ready")
+            await until(
+                lambda: agent.ready and len(kubelet.instances.get(DRIVER, [])) == 1, timeout=START_S, what="ready"
+            )
             registrar = dra_side(agent).registrar
             said = len(notifier.messages)
             os.unlink(registrar.registration_socket)  # a cleanup tool, an administrator
@@ -340,7 +344,11 @@ def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration
                 lambda: registrar.served_again == 1 and os.path.exists(registrar.registration_socket),
                 what="the socket back",
             )
-            await until(lambda: agent.ready and len(kubelet.instances.get(DRIVER, [])) == 1, what="registered again")
+            await until(
+                lambda: agent.ready and len(kubelet.instances.get(DRIVER, [])) == 1,
+                timeout=START_S,
+                what="registered again",
+            )
             statuses = [m[0] for m in notifier.messages[said:] if m[0].startswith("STATUS=")]
             assert any("our registration socket was removed" in m for m in statuses), statuses
 
@@ -354,7 +362,7 @@ def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration
             )
             answer = await kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)])
             assert list(answer[UID].devices[0].cdi_device_ids) == ["hyperlight.dev/hypervisor=kvm"]
-            await until(lambda: agent.ready, what="ready with both sockets back")
+            await until(lambda: agent.ready, timeout=START_S, what="ready with both sockets back")
         finally:
             await shut(agent)
 
@@ -388,7 +396,7 @@ def test_a_stop_with_a_prepare_in_flight_ends_within_the_bound(tmp: str, helpers
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         agent = Agent(settings_in(tmp, config), modes.DRA)
         await agent.start()
-        await until(lambda: agent.ready and bool(kubelet.instances.get(DRIVER)), what="ready")
+        await until(lambda: agent.ready and bool(kubelet.instances.get(DRIVER)), timeout=START_S, what="ready")
         side = dra_side(agent)
         reading = asyncio.Event()
 
@@ -423,7 +431,7 @@ def test_a_successor_that_never_becomes_ready_never_takes_the_slice(tmp: str, he
         new = Agent(dataclasses.replace(settings_in(tmp, config, instance="pod-b"), device_dir=empty), modes.DRA)
         await old.start()
         try:
-            await until(lambda: old.ready and devices_published(fake) == 1, what="the old agent ready")
+            await until(lambda: old.ready and devices_published(fake) == 1, timeout=START_S, what="the old agent ready")
             since = len(fake.events)
             await new.start()
 
@@ -458,7 +466,7 @@ def test_a_prepare_in_flight_as_the_agent_stops_is_answered_before_it_deregister
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         agent = Agent(settings_in(tmp, config), modes.DRA)
         await agent.start()
-        await until(lambda: agent.ready and bool(kubelet.instances.get(DRIVER)), what="ready")
+        await until(lambda: agent.ready and bool(kubelet.instances.get(DRIVER)), timeout=START_S, what="ready")
         side = dra_side(agent)
         reading, answer = asyncio.Event(), asyncio.Event()
         real = side.service.claims
@@ -519,7 +527,11 @@ def test_a_prepare_on_its_way_to_the_old_agent_is_answered_before_it_deregisters
         stopping: Optional[asyncio.Future[None]] = None
         try:
             # Ready is ours to say; the kubelet calls only an instance its watcher has registered.
-            await until(lambda: old.ready and bool(kubelet.instances.get(DRIVER)), what="the old agent registered")
+            await until(
+                lambda: old.ready and bool(kubelet.instances.get(DRIVER)),
+                timeout=START_S,
+                what="the old agent registered",
+            )
             fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
             kubelet.before_call = slow_kubelet
             call = asyncio.ensure_future(kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)]))
@@ -527,7 +539,7 @@ def test_a_prepare_on_its_way_to_the_old_agent_is_answered_before_it_deregisters
             assert picked[0].endpoint == dra_side(old).registrar.service_socket
             kubelet.before_call = None
             await new.start()
-            await until(lambda: new.ready, what="the successor ready")
+            await until(lambda: new.ready, timeout=START_S, what="the successor ready")
             stopping = asyncio.ensure_future(shut(old))
             await until(lambda: found.is_set() or picked[0].closed, what="the handover under way, or over")
             if picked[0].closed:
@@ -559,7 +571,7 @@ def test_a_claim_recorded_before_a_reboot_is_checked_again_and_its_cdi_spec_writ
         first = Agent(settings_in(tmp, config), modes.DRA)
         await first.start()
         try:
-            await until(lambda: first.ready and bool(kubelet.instances.get(DRIVER)), what="ready")
+            await until(lambda: first.ready and bool(kubelet.instances.get(DRIVER)), timeout=START_S, what="ready")
             (device,) = (await kubelet.prepare(DRIVER, [claim]))[UID].devices
             assert dra_side(first).service.prepared.this_boot(UID)
         finally:

@@ -10,13 +10,13 @@ import pytest
 
 from hyperlight_agent import cli, config, modes
 from hyperlight_agent.agent import Agent
-from hyperlight_agent.config import ConfigError
-from hyperlight_agent.device.helper import ProbeResult
+from hyperlight_agent.config import EVICT_CHECKS, ConfigError
+from hyperlight_agent.device.helper import ProbeRequest, ProbeResult
 from hyperlight_agent.device.observation import Cause, Observation
 from hyperlight_agent.dra.taints import Escalation, Taint, taint_for
 from standin.apiserver import FakeApiServer
 from standin.dra_kubelet import DraKubeletStandin
-from tests.conftest import until
+from tests.conftest import START_S, until
 from tests.fakes import FakeHelper, shut
 from tests.test_dra_side import settings_in, with_cluster
 
@@ -31,18 +31,53 @@ class Clock:
         return self.now
 
 
-def test_noschedule_at_once_and_noexecute_after_the_debounce_without_a_passing_check() -> None:
+def test_noschedule_at_once_and_noexecute_only_when_a_check_a_whole_debounce_later_fails() -> None:
     clock = Clock()
     escalation = Escalation(60, clock)
     escalation.observe(True)
-    assert escalation.effect() == "NoSchedule" and escalation.due_in() is None
+    assert escalation.effect() == "NoSchedule" and escalation.check_due_in() is None
+    escalation.observe(False)  # seen at 100
+    assert escalation.effect() == "NoSchedule" and escalation.check_due_in() == 20
+    clock.now += 1000  # long past the debounce, and no check since: no eviction (issue 47, 2)
+    assert escalation.effect() == "NoSchedule" and escalation.check_due_in() == 0
+    escalation.observe(False)  # a failure seen, not known to have started within: no evidence
+    assert escalation.effect() == "NoSchedule" and escalation.check_due_in() == 0
+    escalation.observe(False, started=clock.now)
+    assert escalation.effect() == "NoExecute" and escalation.check_due_in() is None
+
+
+def test_while_an_eviction_is_pending_checks_are_due_every_third_of_the_debounce() -> None:
+    """Three checks fall within the debounce, the last at its end; a check that started before
+    the end does not evict, one started at or after it and failed does."""
+    clock = Clock()
+    escalation = Escalation(60, clock)
     escalation.observe(False)
-    assert escalation.effect() == "NoSchedule" and escalation.due_in() == 60
-    clock.now += 59
-    escalation.observe(False)  # another failed check: the count goes on
-    assert escalation.effect() == "NoSchedule" and escalation.due_in() == 1
+    due: list[float] = []
+    while escalation.effect() == "NoSchedule":
+        wait = escalation.check_due_in()
+        assert wait is not None and len(due) < 10
+        clock.now += wait
+        due.append(clock.now - 100)
+        escalation.observe(False, started=clock.now)
+    assert due == [20, 40, 60]
+    escalation.observe(True)  # recovery: the count starts again
     clock.now += 1
-    assert escalation.effect() == "NoExecute" and escalation.due_in() == 0
+    escalation.observe(False)
+    clock.now += 59.5
+    escalation.observe(False, started=clock.now)  # within the new debounce: no eviction yet
+    assert escalation.effect() == "NoSchedule" and escalation.check_due_in() == 0.5
+
+
+def test_a_check_that_concludes_nothing_is_no_evidence_and_the_next_waits_a_step() -> None:
+    clock = Clock()
+    escalation = Escalation(60, clock)
+    escalation.observe(False)
+    clock.now += 100
+    escalation.inconclusive(clock.now)  # stuck, or the agent out of descriptors
+    assert escalation.effect() == "NoSchedule" and escalation.check_due_in() == 20, "not at once again"
+    clock.now += 20
+    escalation.observe(False, started=clock.now)
+    assert escalation.effect() == "NoExecute"
 
 
 def test_a_flap_shorter_than_the_debounce_starts_the_count_again() -> None:
@@ -51,9 +86,10 @@ def test_a_flap_shorter_than_the_debounce_starts_the_count_again() -> None:
     for _ in range(10):  # unusable 50 s, usable for one check, again and again: never evicts
         escalation.observe(False)
         clock.now += 50
+        escalation.observe(False, started=clock.now)
         assert escalation.effect() == "NoSchedule"
         escalation.observe(True)
-        assert escalation.due_in() is None
+        assert escalation.check_due_in() is None
         clock.now += 1
 
 
@@ -62,7 +98,8 @@ def test_without_the_opt_in_a_taint_never_evicts() -> None:
     escalation = Escalation(0, clock)
     escalation.observe(False)
     clock.now += 10**6
-    assert escalation.effect() == "NoSchedule" and escalation.due_in() is None
+    escalation.observe(False, started=clock.now)
+    assert escalation.effect() == "NoSchedule" and escalation.check_due_in() is None
 
 
 def test_the_taint_says_why() -> None:
@@ -86,6 +123,30 @@ def test_the_opt_in_is_0_or_at_least_a_check_interval(value: str, ok: bool) -> N
             config.load(args, {}, "/nonexistent/agent.toml")
 
 
+# Issue 47, 2: `--check-interval 300 --dra-evict-after 30` was accepted, and 30 s after one failed
+# check the taint turned NoExecute with no check run since. The debounce means "failing for that
+# long, as seen by checks run within it": settings whose checks cannot fill it are refused.
+@pytest.mark.parametrize(
+    ("interval", "evict", "ok"),
+    [("300", "30", False), ("100.5", "30", False), ("100", "30", True), ("3000", "900", True), ("3000", "0", True)],
+)
+def test_an_eviction_debounce_its_checks_cannot_fill_is_refused(interval: str, evict: str, ok: bool) -> None:
+    args = cli.build_parser().parse_args(["--check-interval", interval, "--dra-evict-after", evict])
+    if ok:
+        settings = config.load(args, {}, "/nonexistent/agent.toml")
+        assert (settings.check_interval_seconds, settings.dra_evict_after_seconds) == (float(interval), float(evict))
+        return
+    with pytest.raises(ConfigError) as refused:
+        config.load(args, {}, "/nonexistent/agent.toml")
+    assert str(refused.value) == (
+        f"dra_evict_after_seconds = {evict} with check_interval_seconds = {interval}: an eviction waits for "
+        f"{config.EVICT_CHECKS} failed checks within its {evict} s, and checks run at most "
+        f"{config.EVICT_CHECK_SPEEDUP} times as often as the interval; use check_interval_seconds at most 100 "
+        "or dra_evict_after_seconds at least "
+        f"{float(interval) * config.EVICT_CHECKS / config.EVICT_CHECK_SPEEDUP:g}"
+    )
+
+
 def effects(fake: FakeApiServer) -> list[str]:
     """The effect of our taint in every version of the slice the server kept, in order ("" none)."""
     seen: list[str] = []
@@ -100,8 +161,8 @@ def effects(fake: FakeApiServer) -> list[str]:
 
 def test_an_opted_in_device_evicts_only_after_the_debounce(tmp: str, helpers: list[FakeHelper]) -> None:
     """On the agent: NoSchedule at once; a flap shorter than the debounce never reaches NoExecute;
-    broken for longer, NoExecute about the debounce after it broke, without another check; recovery
-    removes the taint."""
+    broken for longer, NoExecute about the debounce after it broke, decided by the checks run
+    within it; recovery removes the taint."""
     debounce = 0.8
 
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
@@ -109,7 +170,7 @@ def test_an_opted_in_device_evicts_only_after_the_debounce(tmp: str, helpers: li
         await agent.start()
         loop = asyncio.get_running_loop()
         try:
-            await until(lambda: agent.ready, what="ready")
+            await until(lambda: agent.ready, timeout=START_S, what="ready")
             # A flap: broken, then well within the debounce usable again.
             helpers[0].answers["kvm"] = ProbeResult(False, "KVM_CREATE_VM failed")
             agent.checker.request()
@@ -126,12 +187,82 @@ def test_an_opted_in_device_evicts_only_after_the_debounce(tmp: str, helpers: li
             agent.checker.request()
             await until(lambda: effects(fake)[-1:] == ["NoExecute"], timeout=5, what="NoExecute")
             assert loop.time() - broke >= debounce
-            assert len(helpers[0].requests) == checks + 1, "escalated by its own timer, not by a check"
+            # Decided by checks run within the debounce (the interval is 30 s: none of them).
+            assert len(helpers[0].requests) >= checks + 1 + EVICT_CHECKS, "escalated by checks"
             helpers[0].answers.clear()
             agent.checker.request()
             await until(lambda: effects(fake)[-1:] == [""], timeout=1, what="the taint gone on recovery")
             assert effects(fake) == ["", "NoSchedule", "", "NoSchedule", "NoExecute", ""], effects(fake)
         finally:
+            await shut(agent)
+
+    with_cluster(tmp, body)
+
+
+def test_a_device_seen_failing_once_is_not_evicted_when_no_check_runs_again(
+    tmp: str, helpers: list[FakeHelper]
+) -> None:
+    """Issue 47, 2, on the agent: a check interval far longer than the debounce (no periodic check
+    within the test), one failed check, then the device is fine again (a loaded node's probe that
+    missed its deadline) and nothing asks for a check: the checks the pending eviction runs itself,
+    more often than the interval, see it usable, and nothing is evicted."""
+    debounce = 0.8
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        settings = settings_in(tmp, config, dra_evict_after_seconds=debounce, check_interval_seconds=300.0)
+        agent: Any = Agent(settings, modes.DRA)
+        await agent.start()
+        failed: list[ProbeRequest] = []
+
+        def once(request: ProbeRequest) -> ProbeResult:
+            """The first probe fails, every later one passes: the load went, and nothing said so."""
+            if failed:
+                return ProbeResult(True)
+            failed.append(request)
+            return ProbeResult(False, "the probe helper missed its deadline")
+
+        try:
+            await until(lambda: agent.ready, timeout=START_S, what="ready")
+            checks = len(helpers[0].requests)
+            helpers[0].answers["kvm"] = once
+            agent.checker.request()
+            await until(lambda: "NoSchedule" in effects(fake), timeout=1, what="NoSchedule at once")
+            await until(lambda: effects(fake)[-1:] == [""], timeout=5, what="the taint gone by a pending check")
+            assert len(helpers[0].requests) == checks + 2, "one failed check, one passing pending check"
+            assert "NoExecute" not in effects(fake), effects(fake)
+        finally:
+            await shut(agent)
+
+    with_cluster(tmp, body)
+
+
+def test_no_eviction_without_a_failed_check_within_the_debounce(tmp: str, helpers: list[FakeHelper]) -> None:
+    """One failed check, then every probe hangs (no check completes): the debounce passes and
+    nothing is evicted, for no check saw the device failing within it. Once the probes answer
+    (still failing), the checks decide: NoExecute."""
+    debounce = 0.6
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        settings = settings_in(tmp, config, dra_evict_after_seconds=debounce, check_interval_seconds=300.0)
+        agent: Any = Agent(settings, modes.DRA)
+        await agent.start()
+        loop = asyncio.get_running_loop()
+        try:
+            await until(lambda: agent.ready, timeout=START_S, what="ready")
+            helpers[0].answers["kvm"] = ProbeResult(False, "KVM_CREATE_VM failed")
+            agent.checker.request()
+            await until(lambda: effects(fake)[-1:] == ["NoSchedule"], timeout=1, what="NoSchedule at once")
+            broke = loop.time()
+            checks = len(helpers[0].requests)
+            helpers[0].gate = asyncio.Event()  # every probe from now on waits
+            await until(lambda: loop.time() - broke > 2 * debounce, timeout=5, what="twice the debounce passed")
+            assert effects(fake)[-1:] == ["NoSchedule"] and "NoExecute" not in effects(fake), effects(fake)
+            assert len(helpers[0].requests) <= checks + 1, "at most one pending check asked, its probe hanging"
+            helpers[0].gate.set()  # the hung check fails; it started within the debounce
+            await until(lambda: effects(fake)[-1:] == ["NoExecute"], timeout=5, what="NoExecute by a check")
+            assert len(helpers[0].requests) >= checks + 2, "the check that decided started after the debounce"
+        finally:
+            helpers[0].gate = None
             await shut(agent)
 
     with_cluster(tmp, body)

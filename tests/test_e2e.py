@@ -37,19 +37,20 @@ from tests.conftest import E2E_FIGURES, E2E_WORKLOAD_IMAGE, make_node
 from tests.e2e import cluster as cluster_module
 from tests.e2e.cluster import Cluster, Node, State, wait_until
 from tests.e2e.kube import Api, ApiError
-from tests.e2e.outcomes import rejected_at_admission, start_cut, why_failed
+from tests.e2e.outcomes import PodSlots, naming, rejected_at_admission, start_cut, why_failed
 from tests.e2e.podresources import PodResources
+from tests.e2e.tools import tool
 from tests.releases import CURRENT, PREVIOUS, PUBLIC_CHARTS, Published, manifest, readme_commands
 from tests.test_apt_repository import fresh_root, operator_install
 from tests.test_deb import UNIT
 from tests.test_docs import ROOT
+from tests.test_helm import documented_helm_commands
 
 pytestmark = [pytest.mark.system, pytest.mark.e2e]
 
 BIN_DIR = os.path.join(ROOT, "build", "e2e", "bin")
 RUN_DIR = os.path.join(ROOT, "build", "e2e", "run")
 FIGURES = os.path.join(ROOT, "build", "e2e", "figures.json")
-TOOLS = os.path.join(ROOT, "build", "tools")
 WORKLOAD = os.path.join(ROOT, "deploy", "examples", "workload.yaml")
 NAMESPACE = "hyperlight-system"
 WORKLOAD_IMAGE = E2E_WORKLOAD_IMAGE
@@ -101,15 +102,18 @@ def cluster(images: dict[str, str], published: Published) -> Iterator[Cluster]:
         record("e2e_session_s", round(time.monotonic() - session_started, 1))
 
 
-def helm(cluster: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
+def helm(cluster: Cluster, *args: str, what: str = "") -> subprocess.CompletedProcess[str]:
+    """helm against the cluster, from the checkout's root (where the docs' chart paths lead); it
+    must succeed (`what` says what the command was, in the failure)."""
     done = subprocess.run(
-        [os.path.join(TOOLS, "helm"), "--kubeconfig", cluster.admin_kubeconfig, *args],
+        [tool("helm"), "--kubeconfig", cluster.admin_kubeconfig, *args],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=ROOT,
         check=False,
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, f"{what}: {done.stderr}" if what else done.stderr
     return done
 
 
@@ -170,6 +174,118 @@ def installed(cluster: Cluster, published: Published) -> Cluster:
     wait_until(lambda: allocatable(a, HYPERVISOR) == SLOTS, 120, "node a's allocatable hyperlight.dev/hypervisor")
     record("install_to_allocatable_s", round(time.monotonic() - started, 1))
     return cluster
+
+
+def on_the_test_registry(argv: list[str], published: Published) -> list[str]:
+    """helm's arguments for a documented command (argv[0] is helm), as written but for the public
+    registry, replaced by the test registry (plain HTTP)."""
+    args = [a.replace(PUBLIC_CHARTS, published.chart().rsplit("/", 1)[0]) for a in argv[1:]]
+    return args + (["--plain-http"] if args != argv[1:] else [])
+
+
+# These run before the session's install (`installed`) and leave the cluster as they found it:
+# they install, check and uninstall releases of their own, in the chart's own namespace.
+@pytest.mark.parametrize(
+    ("document", "block", "argv"), documented_helm_commands(), ids=lambda v: v if isinstance(v, str) else None
+)
+def test_documented_helm_commands_pass_the_api_servers_dry_run(
+    cluster: Cluster, published: Published, document: str, block: int, argv: list[str]
+) -> None:
+    """Each `helm install`/`upgrade` README.md and docs/*.md print, as written, against the real
+    API server (its version, its APIs, the objects already there: --dry-run=server), the registry's
+    chart from the test registry (issue 50: 1). An upgrade of a release not yet there is checked as
+    the install it would be (--install)."""
+    args = on_the_test_registry(argv, published)
+    if args[0] == "upgrade" and "--install" not in args:
+        args.insert(1, "--install")
+    helm(cluster, *args, "--dry-run=server", what=f"{document} (block {block}): {' '.join(argv)}")
+
+
+def uninstall_all(cluster: Cluster, releases: list[str]) -> None:
+    """Uninstalls the releases, then deletes the chart's namespace (the chart keeps it), waiting
+    until it is gone, so the session's own install finds the cluster as it was."""
+    for release in releases:
+        helm(cluster, "uninstall", release, "--namespace", NAMESPACE, "--wait", "--timeout", "3m")
+    cluster.api.delete(f"/api/v1/namespaces/{NAMESPACE}", grace=None)
+
+    def gone() -> bool:
+        try:
+            cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}")
+        except ApiError as exc:
+            return exc.status == 404
+        return False
+
+    wait_until(gone, 180, f"namespace {NAMESPACE} deleted")
+
+
+def test_the_checkout_chart_installs_as_readme_prints_it(cluster: Cluster) -> None:
+    """README's `helm install hyperlight deploy/helm/hyperlight-agent …` stopped with `this chart
+    names no published image` (issue 50: 1): from the checkout, as written, it installs and its
+    agents serve node a (the image of the chart's appVersion, by tag, from the test registry)."""
+    (argv,) = [a for d, _, a in documented_helm_commands() if d == "README.md" and "deploy/helm/hyperlight-agent" in a]
+    a = cluster.nodes["a"]
+    installed_releases: list[str] = []
+    try:
+        helm(cluster, *argv[1:], what=" ".join(argv))
+        installed_releases.append(argv[2])
+        # aks-kvm's nodeSelector: node a as a KVM pool's node.
+        cluster.api.merge_patch("/api/v1/nodes/a", {"metadata": {"labels": {"hyperlight.dev/node-pool": "kvm"}}})
+        wait_until(lambda: allocatable(a, HYPERVISOR) == 5000, 180, "node a's allocatable from the checkout's chart")
+        (pod,) = daemonset_pods(cluster, "hl-kvm-device-plugin")
+        assert pod["spec"]["containers"][0]["image"] == f"ghcr.io/hyperlight-dev/hyperlight-agent:{PREVIOUS}"
+    finally:
+        uninstall_all(cluster, installed_releases)
+        cluster.api.merge_patch("/api/v1/nodes/a", {"metadata": {"labels": {"hyperlight.dev/node-pool": None}}})
+
+
+@pytest.mark.parametrize("mode", ["devicePlugin", "dra"])
+def test_two_hypervisor_pools_install_side_by_side(cluster: Cluster, published: Published, mode: str) -> None:
+    """The aks-kvm and aks-mshv releases collided on every name, and in DRA mode on the DeviceClass
+    (issue 50: 4): docs/deploy.md's two-pool commands, as written, install both in one namespace;
+    each DaemonSet selects its own pool (node a is the KVM pool's; no node is the MSHV pool's), the
+    KVM pool's node is served, and in DRA mode the one DeviceClass is the first release's."""
+    blocks: dict[int, list[list[str]]] = {}
+    for document, block, argv in documented_helm_commands():
+        if document == "docs/deploy.md":
+            blocks.setdefault(block, []).append(argv)
+    # The blocks that install the MSHV pool, with every command in them (the KVM pool's first).
+    pools = [c for c in blocks.values() if any("hyperlight-mshv" in a for a in c)]
+    (commands,) = [c for c in pools if any("mode=dra" in a for a in c) == (mode == "dra")]
+    assert [a[2] for a in commands] == ["hyperlight-kvm", "hyperlight-mshv"]
+    a = cluster.nodes["a"]
+    cluster.api.merge_patch("/api/v1/nodes/a", {"metadata": {"labels": {"hyperlight.dev/node-pool": "kvm"}}})
+    installed_releases: list[str] = []
+    try:
+        for argv in commands:
+            helm(cluster, *on_the_test_registry(argv, published), what=" ".join(argv))
+            installed_releases.append(argv[2])
+        sets = cluster.api.get(f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets")["items"]
+        names = {d["metadata"]["name"] for d in sets}
+        driver = "dra-driver" if mode == "dra" else "device-plugin"
+        assert names == {f"hl-{pool}-{c}" for pool in ("kvm", "mshv") for c in ("device-access", driver)}
+        for ds in sets:
+            pool = ds["metadata"]["name"].split("-")[1]
+            assert ds["spec"]["template"]["spec"]["nodeSelector"]["hyperlight.dev/node-pool"] == pool
+        wait_until(
+            lambda: all(
+                d["status"].get("desiredNumberScheduled") == (1 if "-kvm-" in d["metadata"]["name"] else 0)
+                for d in cluster.api.get(f"/apis/apps/v1/namespaces/{NAMESPACE}/daemonsets")["items"]
+            ),
+            120,
+            "each pool's DaemonSets scheduled on its own nodes only",
+        )
+        if mode == "dra":
+            (device_class,) = [
+                c
+                for c in cluster.api.get("/apis/resource.k8s.io/v1/deviceclasses")["items"]
+                if c["metadata"]["name"] == contracts.DRA_DEVICE_CLASS
+            ]
+            assert device_class["metadata"]["annotations"]["meta.helm.sh/release-name"] == "hyperlight-kvm"
+        else:
+            wait_until(lambda: allocatable(a, HYPERVISOR) == 5000, 180, "node a served by the KVM pool's release")
+    finally:
+        uninstall_all(cluster, list(reversed(installed_releases)))
+        cluster.api.merge_patch("/api/v1/nodes/a", {"metadata": {"labels": {"hyperlight.dev/node-pool": None}}})
 
 
 def test_install_runs_on_the_labelled_node_only(installed: Cluster, published: Published) -> None:
@@ -245,7 +361,7 @@ def helm_test(cluster: Cluster) -> dict[str, str]:
     makes it, shown here.)"""
     done = subprocess.run(
         [
-            os.path.join(TOOLS, "helm"),
+            tool("helm"),
             "--kubeconfig",
             cluster.admin_kubeconfig,
             "test",
@@ -773,7 +889,8 @@ def break_the_device(pid: int, how: str) -> None:
 
 class DraLoad:
     """A DRA pod every interval while an event happens (placed by the scheduler, on `node` when
-    given), running `command`."""
+    given), running `command`; never more of them unfinished than the node holds, less
+    DRA_LOAD_ROOM (PodSlots)."""
 
     def __init__(
         self,
@@ -786,10 +903,18 @@ class DraLoad:
         self.cluster, self.namespace, self.interval = cluster, namespace, interval
         self.node, self.command = node, command or ["/kvmcheck"]
         self.created: list[str] = []
+        self.held_s = 0.0  # how long the load waited for room on the node (PodSlots)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pods)
 
     def __enter__(self) -> DraLoad:
+        nodes = self.cluster.api.get("/api/v1/nodes")["items"]
+        capacity = min(
+            int(n["status"]["allocatable"]["pods"])
+            for n in nodes
+            if self.node is None or n["metadata"]["name"] == self.node
+        )
+        self.slots = PodSlots(capacity - DRA_LOAD_ROOM, self._unfinished)
         self._thread.start()
         return self
 
@@ -799,12 +924,46 @@ class DraLoad:
 
     def _pods(self) -> None:
         while not self._stop.is_set():
+            if not self.slots.free(self.created):
+                held = time.monotonic()
+                self._stop.wait(DRA_LOAD_FULL_RECHECK_S)
+                self.held_s += time.monotonic() - held
+                continue
             name = f"load-{len(self.created)}"
             self.cluster.api.create(
                 f"/api/v1/namespaces/{self.namespace}/pods", dra_pod(name, self.command, node=self.node)
             )
             self.created.append(name)
             self._stop.wait(self.interval)
+
+    def _unfinished(self) -> set[str]:
+        pods = self.cluster.api.get(
+            f"/api/v1/namespaces/{self.namespace}/pods",
+            labelSelector="e2e=dra",
+            fieldSelector="status.phase!=Succeeded,status.phase!=Failed",
+        )["items"]
+        return {p["metadata"]["name"] for p in pods}
+
+    def why_gone(self, names: list[str]) -> str:
+        """What the namespace's events (they outlive the pod) and the control plane's logs say of
+        each pod: who deleted it (the scheduler's "Preempted", the device taint eviction
+        controller's "DeviceTaintManagerEviction", the namespace's deletion, ...)."""
+        said = []
+        for name in names:
+            events = self.cluster.api.get(
+                f"/api/v1/namespaces/{self.namespace}/events", fieldSelector=f"involvedObject.name={name}"
+            )["items"]
+            events.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+            lines = [
+                f"  event {e.get('reason')}: {e.get('message', '')} "
+                f"({e.get('reportingComponent') or e.get('source', {}).get('component', '')})"
+                for e in events
+            ]
+            for process in getattr(self.cluster, "controllers", []):
+                with open(process.log_path, errors="replace") as f:
+                    lines += [f"  {process.name}: {line}" for line in naming(f, self.namespace, name)[-5:]]
+            said.append("\n".join([f"{name}:", *(lines or ["  no event, no log line names it"])]))
+        return "\n".join(said)
 
     def outcomes(self) -> dict[str, Any]:
         """How the pods ended, and how long each took from creation to its container's start
@@ -818,9 +977,10 @@ class DraLoad:
                 ]
             }
             # A pod we created that the (consistent) list lacks was deleted by someone else: no
-            # wait brings it back, and the wait's last answer (its timeout) names it.
+            # wait brings it back, so the wait ends at once and says who.
             gone = [n for n in self.created if n not in pods]
-            assert not gone, f"load pods deleted before they finished: {gone}"
+            if gone:
+                return {"gone": gone}
             phases = [pods[n]["status"].get("phase") for n in self.created]
             if any(p not in ("Succeeded", "Failed") for p in phases):
                 return None
@@ -833,8 +993,18 @@ class DraLoad:
             }
 
         result: dict[str, Any] = wait_until(settled, 300, "every DRA load pod finished", interval=1)
-        return result
+        if "gone" in result:
+            raise AssertionError(f"load pods deleted before they finished:\n{self.why_gone(result['gone'])}")
+        return {**result, "held_s": round(self.held_s, 1)}
 
+
+# Pods of a node the DRA load leaves to others (PodSlots): the DaemonSets' (up to three DRA driver
+# instances while the old ones hand over), the test's long-running pod, what other tests left. Its
+# own pods, one every 0.3 s, each unfinished for 30 s or more on a busy node, would otherwise fill
+# the node's 110, and the driver's replacement pod (system-node-critical) preempts one of them.
+DRA_LOAD_ROOM = 30
+# How often a load with no room left looks again.
+DRA_LOAD_FULL_RECHECK_S = 1.0
 
 # A pod of the DRA load that took longer than this from creation to its container's start was late
 # (the kubelet's own claim read refused and backed off: issue 29, 6).
@@ -1760,7 +1930,7 @@ def host_upgrades_in_place(
         figure = event("failing-reload", failing_reload, lambda: serving() and main_pid(guest) == before)
         record(f"{label}.{kubelet}.failing_reload", figure)
         check(figure)
-        journal = guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
+        journal = guest.journal(UNIT, "in-place upgrade failed:")
         assert sum("in-place upgrade failed:" in line for line in journal.splitlines()) == 1, journal[-3000:]
         state = guest.is_active(UNIT)
         assert state == "active" and main_pid(guest) == before, (
@@ -1773,9 +1943,9 @@ def host_upgrades_in_place(
             f.write(original)
 
 
-def readme_dra_drop_in() -> str:
-    """The systemd drop-in README.md gives for the DRA mode on hosts, exactly as written there."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+def documented_dra_drop_in() -> str:
+    """The systemd drop-in docs/hosts.md gives for the DRA mode on hosts, exactly as written there."""
+    with open(os.path.join(ROOT, "docs", "hosts.md")) as f:
         text = f.read()
     return text.split("<!-- dra-drop-in -->", 1)[1].split("```ini\n", 1)[1].split("```", 1)[0]
 
@@ -1784,7 +1954,7 @@ def readme_dra_drop_in() -> str:
 def dra_host(
     cluster: Cluster, published: Published, tmp: str, suite: str = "bookworm"
 ) -> Iterator[tuple[nspawn.Guest, str]]:
-    """The .deb from the apt repository under systemd (nspawn) in the DRA mode, set up as README.md
+    """The .deb from the apt repository under systemd (nspawn) in the DRA mode, set up as docs/hosts.md
     says (the drop-in, a kubeconfig, node_name), for node B's real kubelet, running: (the guest,
     its root). Afterwards the slices it published are removed (as the kubelet would, 30 s after
     the driver is gone)."""
@@ -1834,7 +2004,7 @@ def dra_host(
     drop_in = os.path.join(root, "etc", "systemd", "system", f"{UNIT}.d")
     os.makedirs(drop_in, exist_ok=True)
     with open(os.path.join(drop_in, "dra.conf"), "w") as f:
-        f.write(readme_dra_drop_in())
+        f.write(documented_dra_drop_in())
     kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)  # the guest's own /dev/kvm: B's is /dev/null
     binds = [
         f"{kvm}:/dev/kvm",
@@ -1853,7 +2023,7 @@ def dra_host(
 
 @pytest.mark.root
 def test_host_mode_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published, tmp: str) -> None:
-    """The .deb from the apt repository under systemd (nspawn) in the DRA mode, set up as README.md
+    """The .deb from the apt repository under systemd (nspawn) in the DRA mode, set up as docs/hosts.md
     says (the drop-in, a kubeconfig, node_name), for node B's real kubelet: it registers, publishes
     node B's slice, and a claim's pod on B is prepared by it. On Debian 13 (systemd 257, Python
     3.13), where the device plugin's host run (above) is Debian 12: both Debians on a real kubelet."""
@@ -1947,7 +2117,7 @@ def a_while_after(
 
 
 def failed_upgrade_journal(guest: nspawn.Guest) -> str:
-    journal = guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
+    journal = guest.journal(UNIT, "in-place upgrade failed:")
     failed = [line for line in journal.splitlines() if "in-place upgrade failed:" in line]
     assert len(failed) == 1 and "was not ready within 30 s" in failed[0], journal[-3000:]
     return journal

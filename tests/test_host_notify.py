@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 from collections.abc import Iterator
 
 import pytest
 
-from hyperlight_agent import __version__, contracts
+from hyperlight_agent import __version__, config, contracts
+from hyperlight_agent.device.observation import Observation
+from hyperlight_agent.deviceplugin.registration import State
+from hyperlight_agent.deviceplugin.side import DevicePluginSnapshot
 from hyperlight_agent.host.notify import Notifier
+from tests.test_docs import read
 
 
 class Systemd:
@@ -142,3 +147,22 @@ async def test_the_watchdog_clock_restarts_at_the_hand_off_and_at_the_take_over(
     assert systemd.received() == [], "not the main process yet: silent"
     child.take_over()
     assert systemd.received() == [["WATCHDOG=1", f"STATUS=; version {__version__}"]]
+
+
+def test_the_status_line_the_hosts_page_shows_is_the_agents(systemd: Systemd) -> None:
+    """README showed `Status: "ready: kvm, 2000 slots, 1 stream"` without the `; version …` the
+    agent appends (issue 50: 8): docs/hosts.md's line is what a ready agent with the default
+    slots and the kubelet's stream tells systemd."""
+    (shown,) = re.findall(r'systemctl status hyperlight-agent +# Status: "([^"]+)"', read("docs/hosts.md"))
+    ready = DevicePluginSnapshot(
+        Observation(True, "", "kvm"),
+        True,
+        State.STREAMED,
+        "",
+        "/k/kubelet.sock",
+        1,
+        config.BY_KEY["device_count"].default,
+    )
+    n = notifier(systemd.path)
+    n.status(ready.status())
+    assert systemd.received() == [[f"STATUS={shown}"]]

@@ -19,6 +19,9 @@ def test_liveness_answers_and_readiness_follows_the_state_with_its_status_line()
     assert routes["/readyz"]() == (503, TEXT, b"not ready: registering with the kubelet\n")
     state[:] = [True, "serving 4 healthy slots"]
     assert routes["/readyz"]() == (200, TEXT, b"ready: serving 4 healthy slots\n")
+    # The agent's status line when ready says "ready: …" itself: said once (issue 50: 9).
+    state[:] = [True, "ready: kvm, 3 slots, 1 stream"]
+    assert routes["/readyz"]() == (200, TEXT, b"ready: kvm, 3 slots, 1 stream\n")
 
 
 def test_settings_sharing_an_address_share_one_server_and_unset_ones_get_none() -> None:

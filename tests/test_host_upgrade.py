@@ -24,7 +24,7 @@ from hyperlight_agent.identity import Identity, boottime_ns
 from standin import kubelet as standin
 from standin import procs
 from standin.kubelet import KubeletStandin, StandinThread
-from tests.conftest import AGENT_ARGV, run_agent, wait_for
+from tests.conftest import AGENT_ARGV, START_S, run_agent, wait_for
 from tests.test_peers import Server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,6 +174,15 @@ def sockets(tmp: str) -> list[str]:
     return sorted(n for n in os.listdir(os.path.join(tmp, "kubelet")) if n.endswith(".sock"))
 
 
+def running(pid: int) -> bool:
+    """Whether the process is there and not a zombie (exited, not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def upgrade_once(u: Unit, kubelet: StandinThread) -> int:
     """One in-place upgrade, checked: the new main process serves, the old one is gone."""
     old = u.main
@@ -182,7 +191,10 @@ def upgrade_once(u: Unit, kubelet: StandinThread) -> int:
     new = u.main
     assert new != old
     assert f"pid {old} handed over to pid {new} (hyperlight-agent {__version__}) and left" in result.stdout
-    assert u.exited(old), "the old agent has left by the time the command returns"
+    # Left: it has exited (a zombie until the service manager's stand-in reaps it, which happens
+    # on that process's own time and records it in the events a moment later).
+    assert not running(old), "the old agent has left by the time the command returns"
+    wait_for(lambda: u.exited(old), START_S, "the stand-in's record of the old agent's exit")
     kubelet.wait_until(
         lambda k: served_by(k).startswith("hyperlight.host-g") and k.allocatable() == 3,
         15,

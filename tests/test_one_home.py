@@ -45,7 +45,7 @@ VERSION_COPIES = {
     "packaging/rpm/hyperlight-agent.spec": r"^Version:\s+(\S+)$",
     "deploy/image/build.sh": r"VERSION:-([^}]+)\}",
     "deploy/helm/hyperlight-agent/Chart.yaml": r"^version: (\S+)$",
-    "README.md": r"hyperlight-agent_([0-9][^_+]*)(?:\+[^_]+)?_amd64\.deb",  # +TAG: the target's (packaging/targets)
+    "docs/hosts.md": r"hyperlight-agent_([0-9][^_+]*)(?:\+[^_]+)?_amd64\.deb",  # +TAG: the target's (packaging/targets)
 }
 
 

@@ -69,3 +69,23 @@ def test_the_troubleshooting_guides_fail_lines_are_the_codes() -> None:
     table = set(re.findall(r"^\| (`FAIL .*?) \|", guide, re.M)[0:])
     in_table = {m + ":" for row in table for m in re.findall(r"`(FAIL [^:`]+):`", row)}
     assert in_table == code, (code - in_table, in_table - code)
+
+
+def test_every_alert_has_the_runbook_metrics_md_promises() -> None:
+    """docs/metrics.md says every alert carries a `runbook_url`; HyperlightDeviceUnusable had none
+    (issue 50: 8). Each alert of the chart's rule has one, into a section of the troubleshooting
+    guide, and metrics.md's table lists exactly the chart's alerts."""
+    rules = read("deploy/helm/hyperlight-agent/templates/prometheusrule.yaml")
+    alerts = re.split(r"^\s+- alert: ", rules, flags=re.M)[1:]
+    names = [alert.split("\n", 1)[0].strip() for alert in alerts]
+    assert len(names) >= 6, names
+    slugs = {
+        re.sub(r"[^\w\- ]", "", s.lower()).replace(" ", "-")
+        for s in re.findall(r"^## (.+)$", read("docs/troubleshooting.md"), re.M)
+    }
+    for name, alert in zip(names, alerts):
+        runbook = re.findall(r'runbook_url: .*"%s/troubleshooting\.md#([\w-]+)"', alert)
+        assert len(runbook) == 1 and runbook[0] in slugs, f"{name}: runbook_url {runbook}"
+    guide = read("docs/metrics.md").split("## Alerts", 1)[1]
+    assert "each with a `runbook_url`" in guide
+    assert re.findall(r"^\| `(Hyperlight\w+)` \|", guide, re.M) == names

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,6 +12,7 @@ import zipfile
 import pytest
 
 from hyperlight_agent import cli, config
+from tests.locks import shared_build_tree
 from tests.test_docs import ROOT
 
 if sys.version_info >= (3, 11):
@@ -182,6 +184,67 @@ def test_postinst_asks_policy_rc_d_about_the_restart_it_makes(tmp: str) -> None:
     assert f"systemctl --no-block restart {UNIT}" not in calls
 
 
+def spec_section(name: str) -> str:
+    """The body of a section of the .rpm's spec (packaging/rpm), e.g. "posttrans": the scriptlet as
+    rpm runs it (these use no macros)."""
+    with open(os.path.join(ROOT, "packaging", "rpm", "hyperlight-agent.spec")) as f:
+        found = re.search(rf"^%{name}\n(.*?)^%(?:files|changelog|pre\w*|post\w*)$", f.read(), re.M | re.S)
+    assert found, f"no %{name} in the spec"
+    return found.group(1)
+
+
+@pytest.mark.system  # the real systemctl
+@pytest.mark.parametrize("package", ["rpm", "deb"])
+def test_an_upgrade_in_an_offline_root_neither_upgrades_nor_reports_a_failure(tmp: str, package: str) -> None:
+    """In an image build (mock, dnf --installroot, kiwi; debootstrap) no systemd runs, and systemctl
+    ignores is-active and show and exits 0 ("Running in chroot, ignoring command"): the .rpm's
+    %posttrans took the agent for running, ran `hyperlight-agent --upgrade-in-place ""` (exit 2)
+    and said the upgrade failed (issue 47: 5). Both packages ask /run/systemd/system first; run
+    here with the real systemctl in its offline mode and no /run/systemd/system in the root."""
+    systemctl = shutil.which("systemctl")
+    assert systemctl, "systemctl (systemd) is a test dependency"
+    offline = {"SYSTEMD_OFFLINE": "1"}
+    said = subprocess.run(
+        [systemctl, "is-active", UNIT], env=offline, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert said.returncode == 0 and "ignoring command" in said.stderr, "the premise: offline, is-active says yes"
+    bin_dir = os.path.join(tmp, "bin")
+    os.mkdir(bin_dir)
+    log = os.path.join(tmp, "calls")
+    # The agent as it answers an empty PID; the others are the host's, not ours to run.
+    stand_ins = {"hyperlight-agent": "exit 2", "python3": "", "deb-systemd-helper": "", "policy-rc.d": ""}
+    for tool, then in stand_ins.items():
+        with open(os.path.join(bin_dir, tool), "w") as f:
+            f.write(f'#!/bin/sh\necho "{tool} $*" >> {log}\n{then}\n')
+        os.chmod(os.path.join(bin_dir, tool), 0o755)  # noqa: S103 - a command on PATH must be executable
+    absent = os.path.join(tmp, "root", "run", "systemd", "system")  # the image's /run: no systemd
+    if package == "rpm":
+        script, args = spec_section("posttrans"), ["posttrans", "0"]
+    else:
+        with open(os.path.join(ROOT, "packaging", "debian", "postinst")) as f:
+            script, args = f.read().replace("#DEBHELPER#", ""), ["postinst", "configure", "0.1.0"]
+    script = (
+        script.replace("/run/systemd/system", absent)
+        .replace("/usr/sbin/policy-rc.d", os.path.join(bin_dir, "policy-rc.d"))
+        .replace("/usr/bin/python3", os.path.join(bin_dir, "python3"))
+    )
+    ran = subprocess.run(
+        ["sh", "-e", "-c", script, *args],
+        env={**offline, "PATH": f"{bin_dir}:{os.path.dirname(systemctl)}:/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    calls = []
+    if os.path.exists(log):
+        with open(log) as f:
+            calls = [line for line in f.read().splitlines() if not line.startswith("python3 ")]
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout + ran.stderr == "", "no systemctl asked (it says it ignores), no failure reported"
+    assert not [c for c in calls if c.startswith("hyperlight-agent")], calls
+
+
 def stand_in_setuptools(directory: str, marker: str) -> str:
     """A wheel claiming to be setuptools 80.99.0 (inside pyproject.toml's build-system range, above
     every real 80.x) whose build backend, when run, leaves `marker` and fails: what an index or
@@ -206,7 +269,8 @@ def test_shipped_wheels_are_built_by_the_hashed_build_environment_only(tmp: str)
     """packaging/wheels.sh with a stand-in setuptools on offer (PIP_FIND_LINKS): the agent's wheel
     and sdnotify's are built by build/venv's setuptools (pins/build.txt, by hash); the stand-in never
     runs. Under pip's build isolation it was fetched and run."""
-    subprocess.run(["make", "-s", "build/venv/.installed"], cwd=ROOT, check=True, timeout=600, capture_output=True)
+    with shared_build_tree():
+        subprocess.run(["make", "-s", "build/venv/.installed"], cwd=ROOT, check=True, timeout=600, capture_output=True)
     links = os.path.join(tmp, "links")
     os.makedirs(links)
     marker = os.path.join(tmp, "stand-in-ran")
@@ -249,3 +313,66 @@ def test_wheels_refuse_a_python_that_is_not_the_build_environment(tmp: str) -> N
         "PYTHON must be the build environment (make build/venv/.installed)\n"
     )
     assert not os.path.exists(os.path.join(tmp, "out"))
+
+
+UNIT_FILE = os.path.join(ROOT, "systemd", "hyperlight-agent.service")
+
+
+def unit_values(directive: str, text: str) -> list[str]:
+    """Every value of a directive in a unit or drop-in, split into words, `-` prefixes dropped."""
+    found: list[str] = []
+    for value in re.findall(rf"^{directive}=(.*)$", text, re.M):
+        found += [word.lstrip("-") for word in value.split()]
+    return found
+
+
+def hosts_block(marker: str) -> str:
+    """The ```ini block after `<!-- MARKER -->` in docs/hosts.md, as written there."""
+    with open(os.path.join(ROOT, "docs", "hosts.md")) as f:
+        text = f.read()
+    return text.split(f"<!-- {marker} -->", 1)[1].split("```ini\n", 1)[1].split("```", 1)[0]
+
+
+def test_agent_toml_says_where_the_unit_lets_the_agent_write() -> None:
+    """The unit allowed writes to the default kubelet and CDI directories only, while agent.toml
+    offered others without saying a drop-in is needed (issue 50: 8): beside each directory the
+    agent writes, agent.toml says so; the unit's ReadWritePaths are exactly those defaults; and
+    docs/hosts.md's drop-ins cover the written directories the unit leaves out."""
+    from hyperlight_agent import modes
+
+    written = {key for mode in modes.MODES for key in mode.kubelet_dirs} | {"cdi_dir", "nfd_features_dir"}
+    assert set(config.WRITTEN_DIRS) == written
+    with open(UNIT_FILE) as f:
+        allowed = unit_values("ReadWritePaths", f.read())
+    # /var/run is the system's link to /run.
+    defaults = [config.BY_KEY[k].default.replace("/var/run/", "/run/") for k in ("kubelet_dir", "cdi_dir")]
+    assert allowed == defaults
+    blocks = re.split(r"\n\n", config.default_file())
+    for key in config.WRITTEN_DIRS:
+        (block,) = [b for b in blocks if re.search(rf"^#{key} = ", b, re.M)]
+        assert config.UNIT_DROP_IN_NOTE in block, key
+    dropped_in = unit_values("ReadWritePaths", hosts_block("dra-drop-in") + hosts_block("write-drop-in"))
+    for key in config.WRITTEN_DIRS:
+        path = config.BY_KEY[key].default or config.UNSET_EXAMPLES[key]
+        assert path.replace("/var/run/", "/run/") in allowed + dropped_in, key
+    with open(os.path.join(ROOT, "docs", "hosts.md")) as f:
+        section = f.read().split("## What the unit lets the agent write", 1)[1].split("\n## ", 1)[0]
+    assert all(f"`{key}`" in section for key in config.WRITTEN_DIRS)
+
+
+def test_the_metrics_drop_in_says_it_keeps_a_remote_prometheus_out() -> None:
+    """The metrics drop-in's IPAddressAllow=localhost kept a Prometheus on another machine out
+    without saying so (issue 50: 8): the drop-in, its comment, the guide's text and the unit's
+    comment say it."""
+    drop_in = hosts_block("metrics-drop-in")
+    assert unit_values("IPAddressAllow", drop_in) == ["localhost"]
+    assert unit_values("RestrictAddressFamilies", drop_in) == ["AF_UNIX", "AF_INET", "AF_INET6"]
+    assert "another machine" in "".join(line for line in drop_in.splitlines() if line.startswith("#"))
+    with open(UNIT_FILE) as f:
+        unit = f.read()
+    assert unit_values("IPAddressDeny", unit) == ["any"] and unit_values("PrivateNetwork", unit) == ["yes"]
+    network = unit.split("# Network:", 1)[1].split("\n\n", 1)[0]
+    assert "IPAddressAllow=localhost" in network and "another machine" in network
+    with open(os.path.join(ROOT, "docs", "hosts.md")) as f:
+        prose = " ".join(f.read().split("<!-- metrics-drop-in -->", 1)[0].rstrip().rsplit("\n\n", 1)[-1].split())
+    assert "**a Prometheus on another machine cannot**" in prose

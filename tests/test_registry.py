@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.releases import CURRENT, PREVIOUS, TOOLS, Keyring, Published, manifest, resign
+from tests.e2e.tools import tool
+from tests.releases import CURRENT, PREVIOUS, Keyring, Published, manifest, resign
 
 pytestmark = pytest.mark.system
 
@@ -25,9 +26,7 @@ INSECURE = ["--allow-http-registry", "--allow-insecure-registry"]
 
 
 def cosign(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [os.path.join(TOOLS, "cosign"), *args], capture_output=True, text=True, timeout=120, check=False
-    )
+    done = subprocess.run([tool("cosign"), *args], capture_output=True, text=True, timeout=120, check=False)
     if check:
         assert done.returncode == 0, done.stdout + done.stderr
     return done
@@ -59,7 +58,7 @@ def test_the_registry_serves_the_image_the_chart_names(published: Published, ver
         == m["image"]["digest"]
     )
     chart = subprocess.run(
-        [os.path.join(TOOLS, "helm"), "show", "values", published.chart(), "--version", version, "--plain-http"],
+        [tool("helm"), "show", "values", published.chart(), "--version", version, "--plain-http"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -185,7 +184,7 @@ def test_an_unsigned_or_retagged_image_fails_verification(published: Published, 
 
 def test_another_key_does_not_verify_the_release_image(published: Published, tmp: str) -> None:
     subprocess.run(
-        [os.path.join(TOOLS, "cosign"), "generate-key-pair"],
+        [tool("cosign"), "generate-key-pair"],
         cwd=tmp,
         check=True,
         capture_output=True,
@@ -277,7 +276,7 @@ def test_cosign_verifies_the_chart_by_digest_and_it_is_the_release_s(published: 
         text = f.read()
     with open(values, "w") as f:
         f.write(text.replace(manifest(release)["image"]["digest"], "sha256:" + "1" * 64))
-    helm = os.path.join(TOOLS, "helm")
+    helm = tool("helm")
     subprocess.run(
         [helm, "package", os.path.join(layout, "hyperlight-agent"), "--destination", tmp],
         check=True,

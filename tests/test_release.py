@@ -23,7 +23,9 @@ import pytest
 import yaml
 from packaging.utils import canonicalize_name
 
-from tests.releases import CURRENT, DEBS, IMAGE_REPOSITORY, RPMS, TARGETS, TOOLS, image_python, manifest
+from tests.e2e.tools import tool
+from tests.locks import shared_build_tree
+from tests.releases import CURRENT, DEBS, IMAGE_REPOSITORY, RPMS, TARGETS, image_python, manifest
 from tests.test_docs import ROOT
 
 pytestmark = pytest.mark.system
@@ -248,7 +250,7 @@ def test_the_charts_default_image_is_the_release_image_by_digest(release_current
             "tag": "",
         }
     rendered = subprocess.run(
-        [os.path.join(TOOLS, "helm"), "template", "hyperlight", chart],
+        [tool("helm"), "template", "hyperlight", chart],
         capture_output=True,
         text=True,
         timeout=120,
@@ -281,8 +283,8 @@ def test_no_placeholder_digest_anywhere_in_a_release(release_current: str) -> No
                 if PLACEHOLDER in f.read():
                     found.append(path)
     assert found == []
-    # (The check is real: the development chart in the tree has one.)
-    with open(os.path.join(ROOT, "deploy", "helm", "hyperlight-agent", "values.yaml"), "rb") as f:
+    # (The check is real: the kustomize base in the tree has one; a release ships no manifest of it.)
+    with open(os.path.join(ROOT, "deploy", "base", "device-plugin.yaml"), "rb") as f:
         assert PLACEHOLDER in f.read()
 
 
@@ -316,8 +318,9 @@ def test_a_second_release_of_the_same_commit_has_the_same_dependency_set(
     release_builder: Any, release_current: str
 ) -> None:
     # Nothing of the first build reused: its wheels (build/wheels/<version>) are made anew.
-    shutil.rmtree(os.path.join(ROOT, "build", "wheels", CURRENT), ignore_errors=True)
-    again = release_builder.release(CURRENT, dist=os.path.join(release_builder.directory, "dist-again"))
+    with shared_build_tree():
+        shutil.rmtree(os.path.join(ROOT, "build", "wheels", CURRENT), ignore_errors=True)
+        again = release_builder.release(CURRENT, dist=os.path.join(release_builder.directory, "dist-again"))
     compared = 0
     for kind in KINDS:
         first, second = vendored(release_current, kind), vendored(again, kind)

@@ -370,9 +370,9 @@ def test_publish_settings_missing_exit_2_with_one_line(
     assert capsys.readouterr().err.startswith("make publish: REGISTRY is not set")
 
 
-def test_readme_s_package_table_is_the_targets_table() -> None:
-    """README's table of packages (On hosts) says each row of packaging/targets: tag, Python, suite."""
+def test_the_package_table_is_the_targets_table() -> None:
+    """docs/hosts.md's table of packages says each row of packaging/targets: tag, Python, suite."""
     rows = re.findall(
-        r"^\| `\.(deb|rpm)` `\+?([^`]+)` \| [^|]+ \| ([0-9.]+) \| `(?:yum/)?([^`]+)` \|$", read("README.md"), re.M
+        r"^\| `\.(deb|rpm)` `\+?([^`]+)` \| [^|]+ \| ([0-9.]+) \| `(?:yum/)?([^`]+)` \|$", read("docs/hosts.md"), re.M
     )
     assert rows == [(t.format, t.tag, t.python, t.suite) for t in TARGETS]

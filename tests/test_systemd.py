@@ -81,10 +81,7 @@ def test_notify_unit_is_active_only_when_ready(guest: nspawn.Guest, tmp: str) ->
         kubelet.run(lambda k: setattr(k, "open_streams", False))
         kubelet.call(kubelet.kubelet.drop_stream(R))
         wait_for(lambda: "waiting for the kubelet's ListAndWatch stream" in guest.status(UNIT), 10)
-        assert (
-            "the kubelet's ListAndWatch stream ended; serving and registering again"
-            in guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
-        )
+        guest.journal(UNIT, "the kubelet's ListAndWatch stream ended; serving and registering again")
         kubelet.run(lambda k: setattr(k, "open_streams", True))
         kubelet.wait_until(lambda k: slots(k) == 2000 and len(k.register_calls) >= 3, 15, "registered again")
         wait_for(lambda: READY_STATUS in guest.status(UNIT), 10)
@@ -156,8 +153,7 @@ def test_reload_upgrades_in_place_and_a_failing_new_agent_leaves_the_old_one_ser
         second = main_pid(guest)
         assert second != first and guest.is_active(UNIT) == "active"
         assert agents(guest) == [second]
-        journal = guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
-        assert f"handed over to pid {second}" in journal
+        journal = guest.journal(UNIT, f"handed over to pid {second}")
         for complaint in ("not our child", "reception only permitted for main PID", "Supervising process"):
             assert complaint not in journal, journal
         wait_for(lambda: READY_STATUS in guest.status(UNIT), 10, "the new process's status line")
@@ -175,7 +171,7 @@ def test_reload_upgrades_in_place_and_a_failing_new_agent_leaves_the_old_one_ser
         assert failed.returncode != 0
         assert main_pid(guest) == second and guest.is_active(UNIT) == "active"
         assert agents(guest) == [second]
-        journal = guest.run("journalctl", "-u", UNIT, "--no-pager").stdout
+        journal = guest.journal(UNIT, "in-place upgrade failed:")
         assert sum("in-place upgrade failed:" in line for line in journal.splitlines()) == 1, journal
         assert "broken on purpose" in journal
         assert [at for at, counts in kubelet.kubelet.timeline if at >= since and counts.get(R, 0) == 0] == []

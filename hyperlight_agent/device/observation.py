@@ -42,6 +42,9 @@ class SharedObservation:
     def __init__(self) -> None:
         self.version = 0
         self.current = INITIAL
+        # Conclusive checks published, changed or not (an inconclusive one publishes nothing): a
+        # reader that asked for a check tells by it whether one concluded since.
+        self.checks = 0
         self._changed = asyncio.Event()
 
     def publish(self, observation: Observation) -> bool:
@@ -50,6 +53,7 @@ class SharedObservation:
         The first publication always counts as a change: it is what lets streams send their
         first list.
         """
+        self.checks += 1
         if observation == self.current and self.version > 0:
             return False
         self.current = observation

@@ -9,7 +9,8 @@ an agent of ours for the same resource, registered, streamed, healthy), then end
 - 1.34 to 1.36 keep one client per resource, and our stream ending disconnects the newest client
   as well (kubernetes issue 121994, fixed in 1.37): the successor registers again at once, so the
   gap is one Register round trip.
-Without a successor within settings.handover_seconds we stop anyway (an uninstall, a drain).
+Without a successor within settings.handover_seconds we stop anyway (an uninstall, a drain); a
+second SIGTERM ends the wait at once (kubelet_side.hand_over_on_stop).
 
 Once the successor is ready, our stream ends only when the kubelet can send us no more Allocates
 (`released`): ending it closes the kubelet's connection to us at once, failing any Allocate still

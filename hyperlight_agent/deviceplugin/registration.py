@@ -185,6 +185,7 @@ class Registrar:
         self.state: State = State.WAITING
         self.registrations = 0
         self.kubelet_restarts = 0
+        self._restart_said = False  # the restart the next Register counts was logged already
         self.streams_lost = 0
         self.last_error = ""
 
@@ -265,8 +266,8 @@ class Registrar:
             self._loss_backoff.reset()  # a long-lived stream: this is no loop
         delay = self._loss_backoff.next()
         self.last_error = outcome_text(outcome, self._stream_open_timeout)
+        log.warning("%s; serving and registering again in %.1f s", self.last_error, delay)  # the cause, then the status
         self._set(State.LOST)
-        log.warning("%s; serving and registering again in %.1f s", self.last_error, delay)
         await self.stop(grace=0)
         if await self._wait_for_kubelet(delay):
             self._after_kubelet_restart()  # a new kubelet.sock: that is why the stream ended
@@ -282,6 +283,7 @@ class Registrar:
     def _after_kubelet_restart(self) -> None:
         """A new kubelet owes us nothing from the old one's losses: no backoff before we register."""
         self._loss_backoff.reset()
+        self._restart_said = True  # (_send_register counts it once the Register is through)
         log.info("kubelet restart detected; serving and registering again")
 
     def _kubelet_starting(self) -> bool:
@@ -348,6 +350,11 @@ class Registrar:
                 self._set(State.STREAMED)
         elif delta < 0 and stream is self._kubelet_stream:
             self._kubelet_stream_open = False
+            if self.state is State.STREAMED:
+                # Said as what it is at once (_watch acts on it next): not as "registered; waiting
+                # for the kubelet's stream", as if the first had yet to open.
+                self.state = State.LOST
+                self.last_error = outcome_text(Ending.LOST, self._stream_open_timeout)
         self._wake.set()
         if self._on_change:
             self._on_change()
@@ -420,6 +427,9 @@ class Registrar:
             # Counted here, where it is certain: a restart first seen as a lost stream (the
             # kubelet stopping ends it before its new socket exists) is registered anew at once.
             self.kubelet_restarts += 1
+            if not self._restart_said:
+                log.info("kubelet restart detected: %s is a new socket", self.kubelet_socket)
+        self._restart_said = False
         self._pin("_kubelet_seen", kubelet)
 
     async def _unserved(self) -> None:

@@ -32,8 +32,9 @@ it prepared, but a kubelet that lost its own state never will. Dropping an entry
 read if the kubelet asks for that claim again.
 
 The file is replaced atomically (files.atomic), so a reader never needs the lock. A file we cannot
-read or parse is reported once, with its path, and treated as empty (never a crash): the kubelet
-asks again for what it needs, and the next change writes a good file. A symlink or anything but a
+read or parse (any JSON of any size, depth or types that is not our format: prepared_format.decode)
+is reported once, with its path, and treated as empty (never a crash): the kubelet asks again for
+what it needs, and the next change writes a good file. A symlink or anything but a
 regular file at its path is refused, never followed or replaced.
 """
 

@@ -17,6 +17,7 @@ and kept whole otherwise. bootId came within version 2, so an entry may lack it 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -26,6 +27,11 @@ VERSION_1 = 1
 VERSION = 2
 # Far above any real record (a claim is ~300 bytes): a bigger file is not ours to parse.
 MAX_FILE_BYTES = 16 << 20
+# Our format nests 6 levels (file, claims, entry, devices, device, cdi_device_ids); a newer
+# release's fields get room beyond. A deeper file is not ours: refused before it reaches
+# json.dumps, which, like json.loads, recurses once per level and fails near the interpreter's
+# recursion limit (where exactly depends on the caller's stack).
+MAX_DEPTH = 64
 
 
 class PreparedDevice(NamedTuple):
@@ -78,11 +84,16 @@ def encode(raw: dict[str, Any]) -> bytes:
 
 def decode(data: bytes, now: float) -> Record:
     """Parse the file's bytes, brought to VERSION; ValueError (naming what is wrong) for anything
-    but our format. A claim whose entry we cannot read stays in `raw` (a newer release's shape)
-    but not in `claims`."""
+    but our format, whatever the bytes: any JSON of any size, depth and types. A claim whose entry
+    we cannot read stays in `raw` (a newer release's shape) but not in `claims`."""
     if len(data) > MAX_FILE_BYTES:
         raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
-    doc = json.loads(data.decode())
+    try:
+        doc = json.loads(data.decode())
+    except RecursionError:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels") from None
+    if nested_deeper(doc, MAX_DEPTH):
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
     if not isinstance(doc, dict):
         raise ValueError("the file is not a JSON object")
     version = doc.get("version", VERSION_1)
@@ -106,9 +117,38 @@ def decode(data: bytes, now: float) -> Record:
 
 
 def prepared_at(entry: Any) -> Optional[float]:
-    """When an entry says its claim was prepared (None: it does not say, or is no entry of ours)."""
+    """When an entry says its claim was prepared (None: it does not say, or is no entry of ours,
+    or says no time a float holds: an integer of 400 digits, inf, nan).
+
+    >>> prepared_at({"preparedAt": 10**400}) is None, prepared_at({"preparedAt": 5})
+    (True, 5.0)
+    """
     value = entry.get("preparedAt") if isinstance(entry, dict) else None
-    return float(value) if isinstance(value, (int, float)) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        at = float(value)
+    except OverflowError:
+        return None
+    return at if math.isfinite(at) else None
+
+
+def nested_deeper(doc: Any, limit: int) -> bool:
+    """Whether a parsed document nests lists and objects more than `limit` levels deep (counted
+    level by level, not recursively: this must hold for any depth json.loads returns).
+
+    >>> nested_deeper({"a": [[1]]}, 3), nested_deeper({"a": [[1]]}, 2)
+    (False, True)
+    """
+    level = [doc] if isinstance(doc, (dict, list)) else []
+    for _ in range(limit):
+        inner: list[Any] = []
+        for value in level:
+            inner.extend(value.values() if isinstance(value, dict) else value)
+        level = [v for v in inner if isinstance(v, (dict, list))]
+        if not level:
+            return False
+    return True
 
 
 def _stamp(entry: dict[str, Any], now: float) -> None:
@@ -154,10 +194,27 @@ def _claim(uid: str, entry: Any) -> PreparedClaim:
 def _field(doc: Any, key: str, kind: Any, where: str) -> Any:
     if not isinstance(doc, dict) or not isinstance(doc.get(key), kind):
         raise ValueError(f"{where}: {key!r} is missing or of the wrong type")
-    return doc[key]
+    value = doc[key]
+    if isinstance(value, str) and not _text(value):
+        raise ValueError(f"{where}: {key!r} is not UTF-8 text")
+    return value
 
 
 def _strings(values: list[Any], where: str) -> list[str]:
-    if not all(isinstance(v, str) for v in values):
-        raise ValueError(f"{where}: cdi_device_ids holds a non-string")
+    if not all(isinstance(v, str) and _text(v) for v in values):
+        raise ValueError(f"{where}: cdi_device_ids holds something but UTF-8 text")
     return values
+
+
+def _text(value: str) -> bool:
+    """Whether a string is UTF-8 text: a JSON escape such as "\\ud800" parses to a lone surrogate, which
+    no gRPC answer can carry (protobuf refuses them as it encodes the Prepare's answer).
+
+    >>> _text("kvm-0"), _text(chr(0xD800))
+    (True, False)
+    """
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

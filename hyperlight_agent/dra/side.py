@@ -52,6 +52,9 @@ RETRY_INITIAL_S = 0.5
 RETRY_CAP_S = 30.0
 # Each Prepare runs a fresh device check (as Allocate does), bounded well below the kubelet's 45 s.
 PREPARE_CHECK_TIMEOUT_S = 10.0
+# A check for a pending eviction is waited for this long (the helper's start and a probe's deadline
+# fit); one that takes longer is no evidence, and the next is asked for.
+PENDING_CHECK_TIMEOUT_S = 15.0
 # The kubelet opens its resource-health stream as it registers us (1.37: in the same call). No
 # stream this long after registration: a kubelet that never will (before 1.36, or its
 # ResourceHealthStatus gate off), said once.
@@ -463,22 +466,42 @@ class DraSide:
 
     async def _follow_checks(self, publisher: SlicePublisher) -> None:
         """The slice follows every completed check: an unusable device tainted NoSchedule at once,
-        NoExecute once the escalation says so (a timer of its own: no check need complete then)."""
+        NoExecute once the escalation says so. While an eviction is pending, the escalation's own
+        checks run when it says (taints.py: the checks run within the debounce decide it)."""
         version = 0
         while True:
-            due = self.escalation.due_in()
-            # A timeout: the escalation is due, the same observation with another effect.
+            due = self.escalation.check_due_in()
             with contextlib.suppress(asyncio.TimeoutError):
-                await waits.within(self._observation.wait_newer(version), due if due else None)
+                await waits.within(self._observation.wait_newer(version), due)
             if self._observation.version != version:
                 version = self._observation.version
                 self.escalation.observe(self._observation.current.healthy)
+            elif due is not None:  # the timeout: a check for the pending eviction
+                version = await self._pending_check()
             observation = self._observation.current
             self._device = device_info(observation) or self._device
             taint = taint_for(observation, self.escalation.effect())
             publisher.set_device(self._device, taint)
             self._wiring.outcomes.dra_taint(taint.effect if taint and publisher.taints and self._device else "")
             self.health.refresh()
+
+    async def _pending_check(self) -> int:
+        """Run a check for the pending eviction and tell the escalation what it found, with when
+        it started at the earliest (now: it starts after we ask); the observation's version then.
+        A check that does not conclude (stuck past PENDING_CHECK_TIMEOUT_S, inconclusive, the
+        checker closing) says nothing: the next one is asked for a step later."""
+        asked, concluded = self.escalation.clock(), self._observation.checks
+        check = asyncio.ensure_future(self._wiring.checker.check(timeout=PENDING_CHECK_TIMEOUT_S))
+        try:
+            await asyncio.wait({check})
+        except asyncio.CancelledError:  # our own cancellation (the side closing)
+            check.cancel()
+            raise
+        if not check.cancelled() and check.exception() is None and self._observation.checks > concluded:
+            self.escalation.observe(self._observation.current.healthy, started=asked)
+        else:
+            self.escalation.inconclusive(asked)
+        return self._observation.version
 
     async def _checked(self) -> Observation:
         """What a Prepare is answered from: a fresh check. Once the agent stops, its checker checks

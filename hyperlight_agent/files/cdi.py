@@ -154,14 +154,21 @@ def directory_present(cdi_dir: str) -> bool:
     return True
 
 
+def present(cdi_dir: str) -> Optional[atomic.Current]:
+    """The spec at our path as a repair would replace it (None: nothing is there yet, and a repair
+    writes it, making cdi_dir if need be). Raises CdiError where no repair can: something else at
+    cdi_dir or at our path (a symlink, a file where the directory belongs: refused, never followed
+    or replaced), or a system call failing. The running agent (examine) and `--check` (inspect)
+    both ask this, so `--check` fails exactly where the agent would serve nothing."""
+    directory_present(cdi_dir)
+    return _read_ours(spec_path(cdi_dir))
+
+
 def inspect(cdi_dir: str, spec: Spec) -> Optional[str]:
-    """What is wrong with the spec, without changing anything; None when it is exact."""
+    """What a repair would change, without changing anything; None when the spec is exact. Raises
+    CdiError where the running agent would not repair but fail (present)."""
     path = spec_path(cdi_dir)
-    try:
-        directory_present(cdi_dir)
-        current = _read_ours(path)
-    except CdiError as exc:
-        return str(exc)
+    current = present(cdi_dir)
     if current is None:
         return f"{path} is missing"
     wanted = spec.wanted(current.data)
@@ -193,11 +200,9 @@ def examine(cdi_dir: str, spec: Spec) -> Optional[Plan]:
     """None when the spec is exactly what `spec` wants (bytes, mode, owner), else what a repair
     would write. The file is read once: the devices it lists and the comparison come from the same
     read. Raises CdiError; abandoned temp files of ours are removed on the way."""
-    path = spec_path(cdi_dir)
-    directory_present(cdi_dir)
+    current = present(cdi_dir)
     for stale in atomic.remove_temps(cdi_dir, contracts.CDI_TEMP_PREFIX, contracts.CDI_TEMP_SUFFIX):
         log.info("removed abandoned temp file %s", stale)
-    current = _read_ours(path)
     wanted = spec.wanted(current.data if current is not None else None)
     if atomic.is_exact(current, wanted, SPEC_MODE):
         return None

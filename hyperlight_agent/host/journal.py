@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from typing import Mapping, Optional
@@ -19,6 +20,24 @@ from hyperlight_agent import contracts
 # Libraries whose debug lines are about their own internals (every HTTP/2 frame, every poll of
 # grpc's completion queue): at log_level debug they stay at info, so debug shows the agent's.
 QUIET_LIBRARIES = ("grpc", "asyncio", "httpx", "httpcore", "hpack", "h2", "prometheus_client")
+
+
+# A journal field's name (systemd.journal-fields(7)). A log call gives its entry fields as
+# logging's `extra` under such names (`extra={"REASON": …}`): python-systemd's handler sends the
+# record's attributes to the journal, which keeps those validly named; json lowercases them.
+# The record's own attributes (name, msg, levelname, …) are never upper case.
+_FIELD_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+
+
+def entry_fields(record: logging.LogRecord) -> dict[str, str]:
+    """The fields a log call gave its entry (`extra`), by their journal names.
+
+    >>> record = logging.LogRecord("x", logging.INFO, "", 0, "device unhealthy", (), None)
+    >>> record.REASON = "gone"
+    >>> entry_fields(record)
+    {'REASON': 'gone'}
+    """
+    return {k: str(v) for k, v in vars(record).items() if _FIELD_NAME.fullmatch(k)}
 
 
 class TextFormatter(logging.Formatter):
@@ -31,8 +50,9 @@ class TextFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, the entry's fields, and a
-    traceback under "exception" when there is one.
+    """One JSON object per line: time, level, logger, message, the fields of every entry, the
+    entry's own (`extra`, lowercased: REASON is "reason"), and a traceback under "exception" when
+    there is one.
 
     >>> record = logging.LogRecord("hyperlight_agent.agent", logging.INFO, "", 0, "ready: %s", ("kvm",), None)
     >>> record.created = 0.0
@@ -53,6 +73,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
             **self._fields,
+            **{k.lower(): v for k, v in entry_fields(record).items()},
         }
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)

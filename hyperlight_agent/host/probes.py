@@ -40,7 +40,10 @@ def routes(readiness: Callable[[], tuple[bool, str]]) -> dict[str, Route]:
 
     def ready() -> tuple[int, str, bytes]:
         ok, status = readiness()
-        return (200 if ok else 503), TEXT, f"{'ready' if ok else 'not ready'}: {status}\n".encode()
+        word = "ready" if ok else "not ready"
+        # A ready agent's status line says "ready: …" itself; an unready one's says why, not that.
+        line = status if status.startswith(f"{word}:") else f"{word}: {status}"
+        return (200 if ok else 503), TEXT, f"{line}\n".encode()
 
     return {LIVEZ: live, HEALTHZ: live, READYZ: ready}
 

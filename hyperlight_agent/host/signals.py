@@ -2,7 +2,8 @@
 
     SIGTERM, SIGINT  stop gracefully (systemd stop, kubelet pod deletion, Ctrl-C): the kubelet's
                      stream ends and our socket goes in the same moment; in-flight Allocates
-                     get a short grace
+                     get a short grace; with handover_seconds, after a successor is ready
+                     (a second one ends that wait at once)
     SIGHUP           re-read the config file and apply it (settings that change only on a
                      restart keep their running value)
     SIGUSR2          upgrade in place (systemctl reload, package upgrades): start the installed
@@ -74,7 +75,8 @@ def attach(
 
 
 def stopping(loop: asyncio.AbstractEventLoop) -> None:
-    """While shutting down: a reload or upgrade must not start work; another TERM/INT changes nothing."""
+    """While shutting down: a reload or upgrade must not start work; another TERM/INT still reaches
+    the agent's stop (it ends a handover's wait, and changes nothing after)."""
     for signum in (*RELOAD, *UPGRADE):
         loop.add_signal_handler(signum, lambda: None)
 

@@ -33,6 +33,8 @@ import time
 import uuid
 from typing import Any, Callable, Optional
 
+from tests.e2e import tools
+
 from . import versions as kube_versions
 from .kube import Api, ApiError
 from .pki import Identity, Pki
@@ -153,9 +155,11 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval
 def build_components(bin_dir: str) -> None:
     """The components built into bin_dir (once: a finished build is reused), or the build `make
     test` started in the background beside the tests before these, waited for (build.sh's lock)."""
+    started = time.monotonic()
     done = subprocess.run(
         [os.path.join(COMPONENTS, "build.sh"), bin_dir], capture_output=True, text=True, timeout=5400, check=False
     )
+    tools.WAITED.setdefault("build/e2e/components.log", time.monotonic() - started)
     if done.returncode != 0:
         raise RuntimeError(f"{COMPONENTS}/build.sh {bin_dir}: status {done.returncode}: {done.stderr[-3000:]}")
 

@@ -1,9 +1,11 @@
 """How a load pod ended, in the terms the e2e's figures count: rejected at admission, or failed
-after it, and why; and which failures the kubelet's own restart causes, whatever the device."""
+after it, and why; and which failures the kubelet's own restart causes, whatever the device. And how
+many of a load's pods may be unfinished at once (PodSlots)."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Callable, Iterable
 
 # containerd's CRI marks a container whose start failed as exited with this reason and exit code,
 # its message the start's error (internal/cri/server/helpers.go, containerd 2.2).
@@ -39,3 +41,47 @@ def start_cut(reason: str, message: str) -> bool:
     container created (the device allocated and its CDI edits applied), so no device plugin is
     involved; with restartPolicy Never the restarted kubelet leaves it Failed."""
     return reason == f"{START_ERROR} exit {START_ERROR_EXIT_CODE}" and message.endswith(CANCELLED_BY_CALLER)
+
+
+class PodSlots:
+    """At most `cap` of a load's pods unfinished (not yet Succeeded or Failed) at once.
+
+    A node holds at most its status.allocatable.pods (the kubelet's maxPods, 110 by default) pods
+    that are not finished: the scheduler counts them so (its pod informer skips only Succeeded and
+    Failed pods) and, on a full node, makes room for a pod of higher priority by deleting the
+    least important one of lower priority. A load that outruns the node (a pod every 0.3 s, each
+    unfinished for 30 s or more on a busy two-core node) fills it, and the DRA driver's replacement
+    pod (system-node-critical) then preempted a just-bound load pod: one pod deleted under the test
+    by the scheduler ("Preempted by pod <uid> on node a").
+
+    `unfinished()` names the load's unfinished pods (one request); free() asks for it only when
+    the pods created since the last answer could have reached the cap.
+
+    >>> slots = PodSlots(2, lambda: {"load-1"})
+    >>> slots.free(["load-0"]), slots.listings
+    (True, 0)
+    >>> slots.free(["load-0", "load-1"]), slots.listings  # load-0 finished meanwhile
+    (True, 1)
+    """
+
+    def __init__(self, cap: int, unfinished: Callable[[], set[str]]) -> None:
+        self.cap = cap
+        self._unfinished = unfinished
+        self._finished: set[str] = set()
+        self.listings = 0
+
+    def free(self, created: list[str]) -> bool:
+        """Whether one more pod may be created now."""
+        if len(created) - len(self._finished) < self.cap:
+            return True
+        self.listings += 1
+        unfinished = self._unfinished()
+        self._finished = {name for name in created if name not in unfinished}
+        return len(created) - len(self._finished) < self.cap
+
+
+def naming(lines: Iterable[str], namespace: str, name: str) -> list[str]:
+    """The log lines that name the pod namespace/name (klog's form), not a longer name it starts:
+    load-22 is not load-225."""
+    pattern = re.compile(re.escape(f"{namespace}/{name}") + r"(?![\w.-])")
+    return [line.rstrip("\n") for line in lines if pattern.search(line)]

@@ -33,25 +33,28 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end }}
 
 {{/* The image's digest, first set wins: image.digest; none when image.tag is set; else
-     image.releaseDigest, this chart release's own image (`make release` writes it). The all-zero
-     placeholder (a chart from a checkout, which has no image) is refused in one line; matched by its
-     shape, so that a released chart holds no copy of it (make release refuses one). */}}
+     image.releaseDigest, a released chart's own image (`make release` writes it). A chart from a
+     checkout has none: it runs its appVersion's tag (hyperlight.imageTag). An all-zero digest (the
+     kustomize base's unpullable placeholder) names no image and is refused in one line; matched by
+     its shape, so that a released chart holds no copy of it (make release refuses one). */}}
 {{- define "hyperlight.imageDigest" -}}
 {{- $image := .Values.image }}
 {{- $digest := $image.digest | default (ternary "" ($image.releaseDigest | default "") (ne ($image.tag | default "") "")) }}
 {{- if regexMatch "^sha256:0{64}$" $digest }}
-{{- fail "image: this chart names no published image (the placeholder digest of a chart from a checkout): set image.digest to your image's digest (make image prints it) or image.tag" }}
-{{- end }}
-{{- if not (or $digest $image.tag) }}
-{{- fail "image: set image.digest or image.tag (image.releaseDigest is empty)" }}
+{{- fail "image: sha256:000…000 is the placeholder digest of a checkout, not an image: set image.digest to your image's digest (make image prints it), or image.tag" }}
 {{- end }}
 {{- $digest }}
 {{- end }}
 
+{{/* The image's tag: image.tag; else, with no digest either (a chart from a checkout), the chart's
+     appVersion, the tag the release of this version pushes (packaging/release.py). */}}
+{{- define "hyperlight.imageTag" -}}
+{{- .Values.image.tag | default (ternary .Chart.AppVersion "" (eq (include "hyperlight.imageDigest" .) "")) }}
+{{- end }}
+
 {{/* repository[:tag][@digest]: the digest decides what runs; a tag beside it is for reading. */}}
 {{- define "hyperlight.image" -}}
-{{- $digest := include "hyperlight.imageDigest" . }}
-{{- .Values.image.repository }}{{ with .Values.image.tag }}:{{ . }}{{ end }}{{ with $digest }}@{{ . }}{{ end }}
+{{- .Values.image.repository }}{{ with include "hyperlight.imageTag" . }}:{{ . }}{{ end }}{{ with include "hyperlight.imageDigest" . }}@{{ . }}{{ end }}
 {{- end }}
 
 {{/* checkov's reasons for the checks that do not apply, shared by the DaemonSets. */}}
@@ -60,7 +63,7 @@ checkov.io/skip1: {{ printf "CKV_K8S_23=root (uid 0, no capabilities) is needed 
 checkov.io/skip2: CKV_K8S_40=see CKV_K8S_23; a high uid cannot write the kubelet's directory
 checkov.io/skip3: CKV_K8S_15=images are pinned by digest; IfNotPresent lets the plugin restart on a node that cannot reach the registry
 {{- if not (include "hyperlight.imageDigest" .root) }}
-checkov.io/skip4: CKV_K8S_43=image.tag is set without image.digest, so the image is referenced by tag (kind loads local images by tag)
+checkov.io/skip4: CKV_K8S_43=no digest is set, so the image is referenced by tag (kind loads local images by tag; a chart from a checkout runs its appVersion's tag)
 {{- end }}
 {{- end }}
 
@@ -94,8 +97,18 @@ annotations:
 {{- end }}
 {{- end }}
 
+{{/* The most an agent's stop takes after its handover, in whole seconds: its side's close, then
+     its helper's (agent.shutdown_bound_s; tests/test_helm.py checks this covers it). */}}
+{{- define "hyperlight.stopSeconds" -}}
+11
+{{- end }}
+
 {{/* Pod-level settings the DaemonSets share. */}}
 {{- define "hyperlight.podSpec" -}}
+{{- $least := add (int .Values.handoverSeconds) (int (include "hyperlight.stopSeconds" .)) }}
+{{- if lt (int .Values.terminationGracePeriodSeconds) (int $least) }}
+{{- fail (printf "terminationGracePeriodSeconds: %d is shorter than handoverSeconds (%d) plus the agent's own stop after it (%s s), so the kubelet would kill agents mid-stop: set it to %d or more, or lower handoverSeconds" (int .Values.terminationGracePeriodSeconds) (int .Values.handoverSeconds) (include "hyperlight.stopSeconds" .) (int $least)) }}
+{{- end }}
 priorityClassName: {{ .Values.priorityClassName }}
 {{- with .Values.runtimeClassName }}
 runtimeClassName: {{ . }}

@@ -1,0 +1,36 @@
+"""The tools the tests drive (helm, kubectl, the CNCF distribution registry, cosign, promtool),
+built from their pinned Go modules into build/tools by tests/e2e/components/build.sh; never shipped.
+
+`make test` starts that build in the background (at a lower priority) beside the first tests,
+which need none of them (conftest.py runs the tests that do after those); the first test that
+asks for a tool waits for the build here (build.sh's lock), and finds it done from then on."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOLS = os.path.join(ROOT, "build", "tools")
+BUILD = os.path.join(ROOT, "tests", "e2e", "components", "build.sh")
+# How long the tests waited for each background build, by its log (the session's phases).
+WAITED: dict[str, float] = {}
+
+
+@functools.cache
+def built() -> str:
+    """build/tools, complete: built here if no build ran, else the running one waited for."""
+    started = time.monotonic()
+    done = subprocess.run([BUILD, TOOLS, "tools"], capture_output=True, text=True, timeout=5400, check=False)
+    WAITED["build/tools.log"] = time.monotonic() - started
+    assert done.returncode == 0, f"{BUILD} {TOOLS} tools: status {done.returncode}: {done.stderr[-3000:]}"
+    return TOOLS
+
+
+def tool(name: str) -> str:
+    """The path of one tool, once the build has them all."""
+    path = os.path.join(built(), name)
+    assert os.access(path, os.X_OK), f"{name} is missing from {TOOLS} after its build"
+    return path
