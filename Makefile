@@ -73,13 +73,14 @@ IMPORTS := $(VENV)/bin/lint-imports --no-cache
 # neither run: the tools (tests/e2e/tools.py) at a low priority, the real clusters' components (every
 # Kubernetes minor, etcd and containerd) at the lowest. conftest.py runs the tests that need the
 # tools after the others, and the cluster tests last; each waits for its build (build.sh's lock).
-# Both builds end with make at the latest. One pytest process: the two lanes (conftest.py) are not
-# used until their grouping is proven in xdist's workers. The session ends with its phases' times.
+# Both builds end with make at the latest. Two pytest-xdist workers, one a lane for the real clusters
+# (conftest.py), so the waits of one (boots, rollouts, pods) leave the cores to the other's tests.
+# The session ends with its phases' times.
 test: $(VENV)/.installed tools-background e2e-components-background $(JUDGES)/.installed system-deps  ## everything: lint, types, imports, and every test (system tests and the real cluster)
 	$(RUFF)
 	$(MYPY)
 	$(IMPORTS)
-	HYPERLIGHT_TEST_NEIGHBOUR=1 $(PY) -m pytest -q --durations=40
+	HYPERLIGHT_TEST_NEIGHBOUR=1 $(PY) -m pytest -q --durations=40 -n 2 --dist loadgroup
 
 # Just the real-cluster tests (tests/test_e2e.py): Kubernetes, etcd and containerd built from the
 # pinned Go modules under tests/e2e/components, once (build/e2e/bin, Go's caches).

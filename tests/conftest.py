@@ -192,7 +192,8 @@ ROOT_FIXTURES = {"kvm_dir", "start_agent", "node"}
 
 # Around every other implementation, so before pytest-xdist's worker reads the groups (below) into
 # the tests' ids. (With pytest 9.2 xdist 3.8's loadgroup writes a field pytest no longer reads, so
-# the groups never reach the scheduler: pytest-dev/pytest-xdist#1386. `make test` runs one process.)
+# the groups never reach the scheduler: pytest-dev/pytest-xdist#1386; pyproject.toml keeps pytest
+# below 9.2 and tests/test_conftest.py runs these lanes in real workers.)
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Generator[None, None, None]:
     _order_and_lanes(config, items)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
+import subprocess
+import sys
+from typing import Any
 
 import pytest
 
-from tests.conftest import GRPC_COMPLETION, LoopOfATest
+from tests.conftest import GRPC_COMPLETION, REPO, LoopOfATest
 
 # grpc.aio's extension module (no stubs)
 cygrpc = importlib.import_module("grpc._cython.cygrpc")
@@ -39,3 +43,58 @@ def test_a_closed_loop_drops_only_grpcs_late_completions() -> None:
         assert got == [1]
     finally:
         running.close()
+
+
+# Two lanes in real pytest-xdist workers (`make test`: -n 2 --dist loadgroup): the harness's hook,
+# unchanged, in a suite of its own whose tests say which worker ran them.
+LANES_SUITE = {
+    "conftest.py": "from tests.conftest import pytest_collection_modifyitems  # noqa: F401\n",
+    "pytest.ini": "[pytest]\nmarkers =\n    e2e: a real cluster's\n    system: x\n    root: x\n    judge: x\n",
+}
+LANES_TEST = """
+import os
+import pytest
+
+{mark}
+@pytest.mark.parametrize("i", range(8))
+def test_where(i):
+    with open(os.path.join(os.path.dirname(__file__), "ran"), "a") as f:
+        f.write(__name__ + " " + os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+"""
+
+
+def test_the_clusters_are_one_lane_in_real_workers(tmp_path: Any) -> None:
+    """Every real-cluster test in one worker (two clusters at once would halve the machine under
+    each) and each other module in one worker (its fixtures made once): a pytest or pytest-xdist
+    whose loadgroup ignores the groups (pytest-dev/pytest-xdist#1386) fails here, not in a
+    cluster's timing an hour into CI."""
+    for name, text in LANES_SUITE.items():
+        (tmp_path / name).write_text(text)
+    for module, mark in [
+        ("test_e2e_versions", "pytestmark = pytest.mark.e2e"),
+        ("test_e2e", "pytestmark = pytest.mark.e2e"),
+        ("test_one", ""),
+        ("test_two", ""),
+        ("test_three", ""),
+    ]:
+        (tmp_path / f"{module}.py").write_text(LANES_TEST.format(mark=mark))
+    env = {**os.environ, "PYTHONPATH": REPO}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    workers: dict[str, set[str]] = {}
+    for line in (tmp_path / "ran").read_text().splitlines():
+        module, worker = line.split()
+        workers.setdefault(module, set()).add(worker)
+    assert len(workers) == 5, workers
+    clusters = workers["test_e2e_versions"] | workers["test_e2e"]
+    assert len(clusters) == 1, f"the real-cluster tests ran in {sorted(clusters)}"
+    for module in ("test_one", "test_two", "test_three"):
+        assert len(workers[module]) == 1, f"{module} ran in {sorted(workers[module])}"
