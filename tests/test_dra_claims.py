@@ -74,9 +74,16 @@ def test_forbidden_names_the_missing_permission(tmp_path: Any) -> None:
         read(tmp_path, status("status-403-get-claim.json"))
 
 
-def test_an_api_server_without_resource_v1_is_said_plainly(tmp_path: Any) -> None:
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "status-404-api.json",  # 1.35-1.37: "the server could not find the requested resource"
+        "status-404-page.json",  # 1.38's handler of unserved paths: "404 page not found", no details
+    ],
+)
+def test_an_api_server_without_resource_v1_is_said_plainly(tmp_path: Any, answer: str) -> None:
     with pytest.raises(ClaimError, match=re.escape("does not serve resource.k8s.io/v1")):
-        read(tmp_path, status("status-404-api.json"))
+        read(tmp_path, status(answer))
 
 
 def test_an_unreachable_server_is_one_line(tmp_path: Any) -> None:

@@ -567,9 +567,10 @@ def test_forbidden_names_the_verb_and_resource_once(tmp_path: Any, caplog: pytes
     run(tmp_path, body)
 
 
-def test_an_api_server_without_resource_v1_is_said_plainly(tmp_path: Any) -> None:
+@pytest.mark.parametrize("answer", ["status-404-api.json", "status-404-page.json"])  # 1.35-1.37, 1.38
+def test_an_api_server_without_resource_v1_is_said_plainly(tmp_path: Any, answer: str) -> None:
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
-        fake.stuck["list"] = status("status-404-api.json")
+        fake.stuck["list"] = status(answer)
 
         async def check(publisher: SlicePublisher) -> None:
             await until(lambda: publisher.last_error, what="an error")

@@ -27,7 +27,7 @@ class ClaimReader:
         try:
             obj = await self._api.get_claim(namespace, name)
         except ApiError as exc:
-            if exc.code == 404 and exc.message.endswith("not found"):
+            if exc.missing:
                 raise ClaimError(f"claim {claim} not found (deleted?)") from exc
             if exc.code == 403:
                 raise ClaimError(

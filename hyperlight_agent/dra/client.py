@@ -95,9 +95,18 @@ class ApiError(Exception):
     """A request the API server refused (code ≥ 400) or never answered (code 0: refused connection,
     timeout, TLS, credentials, an unreadable answer). One line: what we asked, and what came back."""
 
-    def __init__(self, verb: str, resource: str, code: int, reason: str, message: str) -> None:
+    def __init__(self, verb: str, resource: str, code: int, reason: str, message: str, name: str = "") -> None:
         self.verb, self.resource, self.code, self.reason, self.message = verb, resource, code, reason, message
+        # The object the server's Status names (its details.name): a 404 that names one says that
+        # object does not exist; one that names none says the path is not served (Kubernetes 1.38
+        # answers an unserved path with a Status whose message is "404 page not found").
+        self.name = name
         super().__init__(str(self))
+
+    @property
+    def missing(self) -> bool:
+        """The server said the object we asked for does not exist (not: the API is not served)."""
+        return self.code == 404 and bool(self.name)
 
     @property
     def problem(self) -> str:
@@ -121,7 +130,7 @@ class ApiError(Exception):
                 f"{what}: forbidden (RBAC needs verb {self.verb!r} on {self.resource!r} in API group "
                 f"{contracts.RESOURCE_API_GROUP!r}): {self.message}"
             )
-        if self.code == 404 and not self.message.endswith("not found"):
+        if self.code == 404 and not self.missing:
             return (
                 f"{what}: 404, the API server does not serve {contracts.RESOURCE_API_GROUP}/"
                 f"{contracts.RESOURCE_API_VERSION} (Kubernetes 1.35 or newer needed)"
@@ -434,12 +443,14 @@ def _status_error(verb: str, resource: str, response: httpx.Response) -> ApiErro
         status = None
     if isinstance(status, dict) and status.get("kind") == "Status":
         code = status.get("code")
+        details = status.get("details")
         return ApiError(
             verb,
             resource,
             code if isinstance(code, int) and code else response.status_code,
             str(status.get("reason") or ""),
             " ".join(str(status.get("message") or "").split()),
+            str(details.get("name") or "") if isinstance(details, dict) else "",
         )
     return ApiError(verb, resource, response.status_code, response.reason_phrase, "")
 

@@ -7,7 +7,7 @@
 # tests read. Usage: pin-kubernetes.sh v1.37.2 kube-apiserver kube-controller-manager kube-scheduler kubelet
 set -euo pipefail
 version=$1; shift
-minor=$(cut -d. -f2 <<<"$version"); patch=$(cut -d. -f3 <<<"$version")
+minor=$(cut -d. -f2 <<<"$version")
 here=$(cd "$(dirname "$0")" && pwd)
 dir=$here/k8s-v1.$minor
 mkdir -p "$dir" && cd "$dir"
@@ -22,7 +22,8 @@ upstream=$(cd / && GOFLAGS=-mod=mod go mod download -json "k8s.io/kubernetes@$ve
   echo "require k8s.io/kubernetes $version"
   echo
   echo "replace ("
-  awk -v to="v0.$minor.$patch" '$2 == "=>" && $3 ~ /^\.\/staging\// {print "\t" $1 " => " $1 " " to}' "$upstream"
+  # (A pre-release too: v1.38.0-beta.0 <-> v0.38.0-beta.0.)
+  awk -v to="v0.${version#v1.}" '$2 == "=>" && $3 ~ /^\.\/staging\// {print "\t" $1 " => " $1 " " to}' "$upstream"
   echo ")"
 } >go.mod
 rm -f go.sum
