@@ -490,12 +490,18 @@ class AgentProcess:
         full_env.pop("NOTIFY_SOCKET", None)
         full_env.update(env or {})
         # prefix: a wrapper that execs the agent (the PID stays the agent's), e.g. unshare.
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "hyperlight_agent", "--config", "/dev/null", *args],
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+            )
+        except BaseException:
+            # Not started, so never stopped: the log is closed here, not by the collector in
+            # whichever test comes next (an unraisable-exception warning failing that test).
+            self._log.close()
+            raise
         # Helpers seen as this agent's children before it was told to stop: after it is gone
         # they are orphans (no longer its children), and must still exit.
         self.last_helpers: list[int] = []

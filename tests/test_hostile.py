@@ -113,6 +113,9 @@ def raw_call(tmp: str, method: str, request: Any, timeout: float = 10) -> Any:
         ("k" * (1 << 20), "(1048576 characters): longer than 63 characters"),
         ("kvm-" + "9" * 59, "unknown device ID"),
     ],
+    # Named, not shown: a test's id goes into PYTEST_CURRENT_TEST, and a 1 MiB one makes every
+    # process the test starts fail with E2BIG (one environment string is at most 128 KiB).
+    ids=["5000-digits", "newline", "1-MiB", "unknown"],
 )
 def test_hostile_device_ids_are_invalid_arguments_quoted_short(
     kubelet: StandinThread, start_agent: StartAgent, tmp: str, device_id: str, message: str
