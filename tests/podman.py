@@ -5,11 +5,11 @@ writes the system CDI directories podman 4.3 reads."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+
+from tests import locks
 
 CONTAINERS_CONF = """\
 [containers]
@@ -25,15 +25,8 @@ events_logger = "file"
 SYSTEM_CDI_LOCK = "/run/lock/hyperlight-agent-system-cdi.lock"
 
 
-@contextlib.contextmanager
-def system_cdi_lock() -> Iterator[None]:
-    os.makedirs(os.path.dirname(SYSTEM_CDI_LOCK), exist_ok=True)
-    with open(SYSTEM_CDI_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+def system_cdi_lock() -> contextlib.AbstractContextManager[None]:
+    return locks.locked(SYSTEM_CDI_LOCK)
 
 
 class Podman:
