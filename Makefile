@@ -72,7 +72,8 @@ IMPORTS := $(VENV)/bin/lint-imports --no-cache
 # The Go builds (cold, the longest set-up steps) run in the background while the tests that need
 # neither run: the tools (tests/e2e/tools.py) at a low priority, the real clusters' components (every
 # Kubernetes minor, etcd and containerd) at the lowest. conftest.py runs the tests that need the
-# tools after the others, and the cluster tests last; each waits for its build (build.sh's lock).
+# tools after the others, and the cluster tests last; each waits only for what it drives (build.sh's
+# lock on each), and a build that a test waits for runs at the tests' priority from then on.
 # Both builds end with make at the latest. Two pytest-xdist workers, one a lane for the real clusters
 # (conftest.py), so the waits of one (boots, rollouts, pods) leave the cores to the other's tests.
 # The session ends with its phases' times.
@@ -175,6 +176,11 @@ pin-tools:  ## move the pinned development tools to their newest releases
 TOOLS := build/tools
 tools:
 	@tests/e2e/components/build.sh $(TOOLS) tools
+
+# One of them (tool-helm, tool-cosign, …), for a target that drives only it: `make release` waits
+# for helm alone, not for the rest of a build make test runs in the background.
+tool-%:
+	@tests/e2e/components/build.sh $(TOOLS) tools $*
 
 system-deps:
 	@$(call apt_install,$(APT_PACKAGES))
@@ -309,7 +315,7 @@ lock: $(RELEASE_TOOLS)/.installed  ## re-resolve the locks (pins/runtime-py*.txt
 # key: RELEASE_GPG_KEY in GNUPGHOME (none: a key made for this build only, for testing). The image
 # is built as by `make image` (ENGINE, BASE_IMAGE: e.g. make image-base's, where no registry is).
 DIST ?= dist
-release: release-deps $(BUILD_VENV)/.installed $(RELEASE_TOOLS)/.installed tools  ## a complete signed release in dist/<version>/ (VERSION= for another)
+release: release-deps $(BUILD_VENV)/.installed $(RELEASE_TOOLS)/.installed tool-helm  ## a complete signed release in dist/<version>/ (VERSION= for another)
 	@VERSION='$(VERSION)' DIST='$(DIST)' GIT_COMMIT='$(GIT_COMMIT)' SOURCE_DATE_EPOCH='$(SOURCE_DATE_EPOCH)' \
 	  ENGINE='$(ENGINE)' BASE_IMAGE='$(BASE_IMAGE)' IMAGE_PYTHON='$(IMAGE_PYTHON)' TARGETS='$(TARGETS)' \
 	  $(PYTHON) packaging/release.py
@@ -321,7 +327,7 @@ release: release-deps $(BUILD_VENV)/.installed $(RELEASE_TOOLS)/.installed tools
 # (COSIGN_KEY: a key pair's private half; unset: keyless, through the CI's OIDC identity), and the
 # package repositories copied into SITE for hosting. INSECURE_REGISTRY=1: plain HTTP (a registry on
 # this machine).
-publish: release-deps tools  ## push and sign a release: REGISTRY= (OCI), SITE= (the package repositories), RELEASE_GPG_FINGERPRINT=
+publish: release-deps tool-helm tool-cosign  ## push and sign a release: REGISTRY= (OCI), SITE= (the package repositories), RELEASE_GPG_FINGERPRINT=
 	@VERSION='$(VERSION)' DIST='$(DIST)' REGISTRY='$(REGISTRY)' SITE='$(SITE)' INSECURE_REGISTRY='$(INSECURE_REGISTRY)' \
 	  COSIGN_KEY='$(COSIGN_KEY)' RELEASE_GPG_FINGERPRINT='$(RELEASE_GPG_FINGERPRINT)' $(PYTHON) packaging/publish.py
 

@@ -419,6 +419,7 @@ def use_kubelet(cluster: Cluster, version: str) -> Node:
     """Node A with the kubelet of `version` (restarted onto it if needed), agent registered again."""
     a = cluster.nodes["a"]
     if a.kubelet_version != version:
+        cluster.binaries("kubernetes", version)  # built (or waited for) while the kubelet still runs
         a.stop_kubelet()
         a.start_kubelet(version)
         wait_until(a.ready, 180, f"node a Ready on kubelet {version}")

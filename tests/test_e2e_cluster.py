@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import wait_for
 from tests.e2e import versions
 from tests.e2e.cluster import BRIDGE_PREFIX, Cluster, free_subnets, routed_networks, run_tag
 from tests.e2e.outcomes import PodSlots, naming, rejected_at_admission, start_cut, why_failed
@@ -140,3 +141,142 @@ def test_the_log_lines_naming_a_gone_pod_are_its_own() -> None:
     ]
     assert naming(log, "ns", "load-225") == ['I1204 04:22:51.8 "SyncLoop DELETE" pods=["ns/load-225"]']
     assert naming(log, "ns", "load-22") == ['I1204 04:22:51.9 "Deleting pod" pod="ns/load-22"']
+
+
+# A stand-in for go in build.sh (its GO): records the module directory of each build, makes the
+# output named by -o, and holds while HOLD (a path) is set and does not exist yet.
+FAKE_GO = """#!/bin/sh
+echo "$(basename "$PWD")" >>"$FAKE_GO_LOG"
+while [ "$#" -gt 1 ]; do [ "$1" = -o ] && out=$2; shift; done
+case $out in */) ;; *) : >"$out"; chmod +x "$out" ;; esac
+if [ -n "$HOLD" ]; then while [ ! -e "$HOLD" ]; do sleep 0.01; done; fi
+"""
+BUILD_SH = os.path.join(versions.COMPONENTS, "build.sh")
+
+
+@pytest.fixture
+def fake_go(tmp_path: pathlib.Path) -> dict[str, str]:
+    go = tmp_path / "go"
+    go.write_text(FAKE_GO)
+    go.chmod(0o755)
+    return dict(os.environ, GO=str(go), FAKE_GO_LOG=str(tmp_path / "go.log"), HOLD="")
+
+
+def built(env: dict[str, str]) -> list[str]:
+    try:
+        return pathlib.Path(env["FAKE_GO_LOG"]).read_text().split()
+    except FileNotFoundError:
+        return []
+
+
+def build_sh(env: dict[str, str], out: pathlib.Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([BUILD_SH, str(out), *args], env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_components_build_in_the_order_the_clusters_lane_needs_them_and_once(
+    fake_go: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    """etcd and containerd (every cluster's), the oldest row (the lane's first whole cluster), the
+    newest (that cluster's last test moves its control plane there), then the others newest first."""
+    rows = versions.rows()
+    assert len(rows) >= 3  # so that the order below says something
+    out = tmp_path / "bin"
+    assert build_sh(fake_go, out, "components").returncode == 0
+    expected = ["etcd", "containerd", rows[-1].module, rows[0].module, *(row.module for row in rows[1:-1])]
+    assert built(fake_go) == expected
+    assert build_sh(fake_go, out, "components").returncode == 0
+    assert built(fake_go) == expected  # each found complete: nothing built again
+    # Only what is named: a cluster of one row waits for no other row's build.
+    assert build_sh(fake_go, tmp_path / "other", "components", f"1.{rows[1].minor}").returncode == 0
+    assert built(fake_go) == [*expected, rows[1].module]
+
+
+def test_the_tools_build_helm_first_each_reached_by_its_link(fake_go: dict[str, str], tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "tools"
+    assert build_sh(fake_go, out, "tools", "cosign").returncode == 0
+    assert built(fake_go) == ["cosign"] and os.access(out / "cosign", os.X_OK)
+    assert build_sh(fake_go, out, "tools").returncode == 0
+    assert built(fake_go) == ["cosign", "helm", "registry", versions.newest().module, "promtool"]
+    for name in ("helm", "registry", "cosign", "kubectl", "promtool"):
+        assert os.access(out / name, os.X_OK), name
+
+
+@pytest.mark.parametrize("args", [["components", "1.99"], ["tools", "kind"], ["everything"]])
+def test_build_sh_refuses_what_it_does_not_build(
+    fake_go: dict[str, str], tmp_path: pathlib.Path, args: list[str]
+) -> None:
+    done = build_sh(fake_go, tmp_path / "out", *args)
+    assert done.returncode == 2 and args[-1] in done.stderr, done
+    assert built(fake_go) == []
+
+
+def test_a_second_asker_waits_for_the_build_under_way_and_finds_it_done(
+    fake_go: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    held = dict(fake_go, HOLD=str(tmp_path / "release"))
+    out = tmp_path / "bin"
+    first = subprocess.Popen([BUILD_SH, str(out), "components", "etcd"], env=held, stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: built(fake_go) == ["etcd"], 30, "the first build under way")
+        # Asked while the first is held in go: only the lock can make it find etcd built.
+        second = subprocess.Popen(
+            [BUILD_SH, str(out), "components", "etcd"], env=fake_go, stdout=subprocess.PIPE, text=True
+        )
+        # Released once the second has ended (it built etcd itself) or waits at the lock.
+        wait_for(lambda: second.poll() is not None or "flock" in children(second.pid), 30, "the second at the lock")
+        (tmp_path / "release").touch()
+        said, _ = second.communicate(timeout=30)
+        assert first.wait(30) == 0 and second.returncode == 0
+        assert "cached" in said and built(fake_go) == ["etcd"], said
+    finally:
+        (tmp_path / "release").touch()
+        first.kill()
+        first.wait()
+
+
+def children(pid: int) -> list[str]:
+    """The commands (comm) of pid's child processes."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                comm, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+        except (FileNotFoundError, ProcessLookupError):  # ended since listed
+            continue
+        if int(rest.split()[1]) == pid:
+            found.append(comm)
+    return found
+
+
+def nice_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.root  # lowering a process's nice value needs CAP_SYS_NICE
+def test_a_test_that_waits_for_the_background_build_gives_it_the_tests_priority(
+    fake_go: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    """make test's build starts at nice 19, behind every test; once a test waits for it, the build
+    is what the lanes wait on, and it runs at the test's priority from then on."""
+    release = tmp_path / "release"
+    background_env = dict(fake_go, HOLD=str(release), BUILD_STOPS_WITH=str(os.getpid()))
+    out = tmp_path / "bin"
+    background = subprocess.Popen(
+        ["setsid", "nice", "-n", "19", BUILD_SH, str(out), "components", "etcd"], env=background_env
+    )
+    waiter = None
+    try:
+        wait_for(lambda: built(fake_go) == ["etcd"], 30, "the background build under way")
+        assert nice_of(background.pid) == 19
+        waiter = subprocess.Popen([BUILD_SH, str(out), "components", "etcd"], env=fake_go, stdout=subprocess.DEVNULL)
+        wait_for(lambda: nice_of(background.pid) == os.nice(0), 30, "the background build at the waiter's priority")
+        release.touch()
+        assert background.wait(30) == 0 and waiter.wait(30) == 0
+        assert built(fake_go) == ["etcd"] and not (out / ".background").exists()
+    finally:
+        release.touch()
+        for process in (background, waiter):
+            if process is not None:
+                process.kill()
+                process.wait()

@@ -152,16 +152,23 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval
     raise TimeoutError(f"{what}: not within {timeout:g} s (last: {last!r})")
 
 
-def build_components(bin_dir: str) -> None:
-    """The components built into bin_dir (once: a finished build is reused), or the build `make
-    test` started in the background beside the tests before these, waited for (build.sh's lock)."""
+def build_components(bin_dir: str, *names: str) -> float:
+    """Components `names` (etcd, containerd, a Kubernetes minor such as "1.35") built into bin_dir,
+    once: a finished build is reused, one under way (the one `make test` starts in the background
+    beside the tests before these) waited for at each's lock. Returns the seconds it took."""
     started = time.monotonic()
     done = subprocess.run(
-        [os.path.join(COMPONENTS, "build.sh"), bin_dir], capture_output=True, text=True, timeout=5400, check=False
+        [os.path.join(COMPONENTS, "build.sh"), bin_dir, "components", *names],
+        capture_output=True,
+        text=True,
+        timeout=5400,
+        check=False,
     )
-    tools.WAITED.setdefault("build/e2e/components.log", time.monotonic() - started)
+    took = time.monotonic() - started
+    tools.WAITED["build/e2e/components.log"] = tools.WAITED.get("build/e2e/components.log", 0.0) + took
     if done.returncode != 0:
         raise RuntimeError(f"{COMPONENTS}/build.sh {bin_dir}: status {done.returncode}: {done.stderr[-3000:]}")
+    return took
 
 
 def versions() -> dict[str, str]:
@@ -671,13 +678,17 @@ class Cluster:
         self.admin_kubeconfig = ""
         # The nodes' subnets are 10.250.subnet_base+1… (start(): none another bridge routes already).
         self.subnet_base = 0
-        # How long start() waited for the components' build (the one `make test` runs beside).
+        # How long binaries() waited for the components' build (the one `make test` runs beside).
         self.components_wait_s = 0.0
 
     def binaries(self, component: str, version: str) -> str:
+        """The directory of `component` (etcd, containerd, kubernetes) at `version`: built (or its
+        build waited for) the first time a cluster needs it, so that a cluster starts once its own
+        components are built, not every row's."""
         path = os.path.join(self.bin_dir, component, version)
         if not os.path.exists(os.path.join(path, ".complete")):
-            raise FileNotFoundError(f"{path}: not built (make e2e-components)")
+            name = component if component != "kubernetes" else ".".join(version.lstrip("v").split(".")[:2])
+            self.components_wait_s += build_components(self.bin_dir, name)
         return path
 
     @staticmethod
@@ -705,9 +716,11 @@ class Cluster:
         """etcd and the API server, then (`controllers`) the controller-manager and scheduler, of
         Kubernetes `version` (default: the newest row's); the extra arguments are added to etcd's
         and the API server's command lines."""
-        waited = time.monotonic()
-        build_components(self.bin_dir)
-        self.components_wait_s = time.monotonic() - waited
+        self.control_plane_version = version or self.versions["newest"]
+        # Built (or waited for) first: the ports and subnets below are free only when chosen.
+        for component, pinned in (("etcd", self.versions["etcd"]), ("containerd", self.versions["containerd"])):
+            self.binaries(component, pinned)
+        k8s = self.binaries("kubernetes", self.control_plane_version)
         self.clean_leftovers(self.state_path, self.directory)
         os.makedirs(os.path.join(self.directory, "logs"))
         self.state = State(self.state_path)
@@ -757,8 +770,6 @@ class Cluster:
         kubelet_client = self.pki.issue(
             "apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client"
         )
-        self.control_plane_version = version or self.versions["newest"]
-        k8s = self.binaries("kubernetes", self.control_plane_version)
         admission = os.path.join(self.directory, "admission.json")
         with open(admission, "w") as f:
             json.dump(POD_SECURITY, f)

@@ -3,7 +3,7 @@ built from their pinned Go modules into build/tools by tests/e2e/components/buil
 
 `make test` starts that build in the background (at a lower priority) beside the first tests,
 which need none of them (conftest.py runs the tests that do after those); the first test that
-asks for a tool waits for the build here (build.sh's lock), and finds it done from then on."""
+asks for a tool waits here for that one (its lock in build.sh), and finds it built from then on."""
 
 from __future__ import annotations
 
@@ -20,17 +20,12 @@ WAITED: dict[str, float] = {}
 
 
 @functools.cache
-def built() -> str:
-    """build/tools, complete: built here if no build ran, else the running one waited for."""
-    started = time.monotonic()
-    done = subprocess.run([BUILD, TOOLS, "tools"], capture_output=True, text=True, timeout=5400, check=False)
-    WAITED["build/tools.log"] = time.monotonic() - started
-    assert done.returncode == 0, f"{BUILD} {TOOLS} tools: status {done.returncode}: {done.stderr[-3000:]}"
-    return TOOLS
-
-
 def tool(name: str) -> str:
-    """The path of one tool, once the build has them all."""
-    path = os.path.join(built(), name)
+    """The path of one tool: built here if no build ran, else the running build waited for."""
+    started = time.monotonic()
+    done = subprocess.run([BUILD, TOOLS, "tools", name], capture_output=True, text=True, timeout=5400, check=False)
+    WAITED["build/tools.log"] = WAITED.get("build/tools.log", 0.0) + time.monotonic() - started
+    assert done.returncode == 0, f"{BUILD} {TOOLS} tools {name}: status {done.returncode}: {done.stderr[-3000:]}"
+    path = os.path.join(TOOLS, name)
     assert os.access(path, os.X_OK), f"{name} is missing from {TOOLS} after its build"
     return path
