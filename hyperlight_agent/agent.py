@@ -13,20 +13,18 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import os
 from typing import Any, Callable, Mapping, Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from hyperlight_agent import __version__, contracts, identity, modes, parts, peers, waits
+from hyperlight_agent import __version__, identity, modes, parts, peers, waits
 from hyperlight_agent.config import Settings
-from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.helper import CLOSE_BOUND_S, ProbeHelper
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.files import labels
-from hyperlight_agent.files.watcher import CONTENT, NAMES, DirectoryWatcher
+from hyperlight_agent.files.watcher import DirectoryWatcher
 from hyperlight_agent.host import journal, probes, successor
 from hyperlight_agent.host.notify import Notifier
 from hyperlight_agent.identity import Identity
@@ -87,10 +85,13 @@ class Agent:
             self.observation,
             on_result=self._on_check,
             keeper=self._newer_instance,
+            interval_s=settings.check_interval_seconds,
         )
+        self.checker.watch(self.watcher)
         features_dir = parts.features_dir(settings, mode)
         self.labels = labels.Keeper(features_dir) if features_dir else None
-        self._watch_files()
+        if self.labels is not None:
+            self.labels.watch(self.watcher)
         # How the device reaches the kubelet: the device plugin's side, or DRA's (kubelet_side.py).
         self.side = parts.kubelet_side(
             settings,
@@ -110,7 +111,6 @@ class Agent:
         )
         self._stop = asyncio.Event()
         self._stopped_again = asyncio.Event()  # a second stop(): no more waiting for a successor
-        self._interval_changed = asyncio.Event()
         self._tasks: list[asyncio.Future[Any]] = []
         self.upgrader = successor.Upgrader(
             settings.instance,
@@ -139,7 +139,7 @@ class Agent:
         self._status_changed()
         self.checker.request()
         await self.readiness.start()
-        jobs = [self.side.run(), self.watcher.run(), self._periodic_checks()]
+        jobs = [self.side.run(), self.watcher.run(), self.checker.periodic()]
         if self.notifier.predecessor is not None:
             jobs.append(self.upgrader.predecessor_gone(self.notifier.predecessor))
         if self.notifier.watchdog_interval is not None:
@@ -183,6 +183,8 @@ class Agent:
         # Before anything else can run: a check finishing during the shutdown would publish and
         # log after "stopping" (and a first check may still be running this early).
         self.checker.cancel()
+        if self.labels is not None:
+            self.labels.close()
         reloading = self.reloader.stop()
         upgrading = self.upgrader.under_way()
         tasks = [*self._tasks, *([reloading] if reloading else []), *([upgrading] if upgrading else [])]
@@ -224,13 +226,10 @@ class Agent:
         self.stop()
 
     def _apply_reload(self, new: Settings) -> None:
-        if new.check_interval_seconds != self.settings.check_interval_seconds:
-            self._interval_changed.set()
         self.settings = new
         journal.set_level(new.log_level)
         self.side.reconfigure(parts.side_target(new, self.mode))
-        self.checker.target = parts.check_target(new, self.mode)
-        self.checker.request()  # the CDI spec follows new uid/gid at once
+        self.checker.reconfigure(parts.check_target(new, self.mode), new.check_interval_seconds)
         self._status_changed()
 
     # --- collaborators' wiring ------------------------------------------------------------------
@@ -251,47 +250,11 @@ class Agent:
             self.notifier.watchdog()
             await asyncio.sleep(interval)
 
-    def _watch_files(self) -> None:
-        """The device, CDI and feature-file directories (the kubelet side adds its own)."""
-        s, watcher = self.settings, self.watcher
-        device_nodes = {h.node for h in hypervisors.HYPERVISORS}
-        watcher.watch(s.device_dir, lambda name: self.checker.request(), device_nodes)
-        if s.host_device_dir:
-            watcher.watch(s.host_device_dir, lambda name: self.checker.request(), device_nodes)
-        if self.labels is not None:
-            watcher.watch(
-                self.labels.features_dir, lambda name: self._labels_changed(), {labels.FEATURE_FILE}, mask=CONTENT
-            )
-        if not self.mode.inventory_only:
-            # A symlink at cdi_dir is refused (cdi.py), never followed: its removal or a directory
-            # replacing it shows in the parent directory.
-            watcher.watch(
-                s.cdi_dir, lambda name: self.checker.request(), {contracts.CDI_SPEC_FILE}, mask=CONTENT, follow=False
-            )
-            watcher.watch(
-                os.path.dirname(s.cdi_dir),
-                lambda name: self.checker.request(),
-                {os.path.basename(s.cdi_dir)},
-                mask=NAMES,
-            )
-
-    async def _periodic_checks(self) -> None:
-        while True:
-            self._interval_changed.clear()
-            if not await waits.event(self._interval_changed, self.settings.check_interval_seconds):
-                self.checker.request()
-            # else: a reload changed the interval; start waiting anew with the new one.
-
     def _on_check(self, observation: Observation, seconds: float, repaired: bool) -> None:
         self.metrics.check_done(observation, seconds, repaired)
         if self.labels is not None:
             self.labels.sync(observation.hypervisor)
         self._status_changed()
-
-    def _labels_changed(self) -> None:
-        """Someone changed the feature file: put it right (once a check has said what it says)."""
-        if self.labels is not None and self.observation.version > 0 and self.phase is not Phase.STOPPING:
-            self.labels.sync(self.observation.current.hypervisor)
 
     async def _newer_instance(self) -> Optional[str]:
         """A live instance of ours for the same resource on this node that started after us: the

@@ -20,6 +20,8 @@ from hyperlight_agent.device.checker import Checker, CheckTarget
 from hyperlight_agent.device.helper import ProbeHelper, ProbeResult
 from hyperlight_agent.device.observation import Cause, Observation, SharedObservation
 from hyperlight_agent.files import atomic, cdi
+from hyperlight_agent.files import watcher as watcher_module
+from hyperlight_agent.files.watcher import DirectoryWatcher
 from standin.procs import my_helpers
 from tests.conftest import make_node, read_bytes, until
 from tests.fakes import FakeHelper, device_dir, files_as_devices
@@ -537,3 +539,50 @@ async def test_the_host_path_is_the_same_row_under_the_host_device_dir(tmp: str)
     await Checker(target, helper, state).check()  # type: ignore[arg-type]
     assert helper.requests[0].host == "/host-dev/kvm"
     assert b'"uid": 1' in (read_bytes(cdi.spec_path(target.cdi_dir)) or b"")
+
+
+@pytest.mark.usefixtures("files_are_devices")
+async def test_a_new_interval_starts_the_periodic_wait_anew(tmp: str) -> None:
+    """A reload from an hour to a hundredth of a second: the next check comes at once, not an hour
+    after the old wait began."""
+    checker, _, _ = make(tmp, FakeHelper(), "kvm")
+    checker.interval_s = 3600.0
+    timer = asyncio.ensure_future(checker.periodic())
+    try:
+        await checker.check()
+        done = checker.completed
+        checker.reconfigure(checker.target, 0.01)
+        await until(lambda: checker.completed >= done + 3, what="checks at the new interval")
+    finally:
+        timer.cancel()
+        await checker.close()
+
+
+@pytest.mark.usefixtures("files_are_devices")
+async def test_the_checker_watches_the_devices_and_the_cdi_directory_without_following_it(
+    tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A symlink at cdi_dir is refused, never followed or watched through: when a directory takes
+    its place, the check comes from the parent's watch (the retry of an unwatchable directory is
+    put off here, so nothing else could bring it). A device node that goes starts a check too."""
+    monkeypatch.setattr(watcher_module, "RETRY_S", 3600.0)
+    checker, state, _ = make(tmp, FakeHelper(), "kvm")
+    cdi_dir = checker.target.cdi_dir
+    os.mkdir(cdi_dir + ".real")
+    os.symlink(cdi_dir + ".real", cdi_dir)
+    watcher = DirectoryWatcher()
+    checker.watch(watcher)
+    watching = asyncio.ensure_future(watcher.run())
+    try:
+        await until(lambda: watcher.watching(os.path.join(tmp, "dev")) and watcher.watching(tmp), what="the watches")
+        refused = await checker.check()
+        assert refused.cause is Cause.CDI and "symlink" in refused.reason, refused
+        os.unlink(cdi_dir)
+        os.mkdir(cdi_dir)
+        await until(lambda: os.path.exists(cdi.spec_path(cdi_dir)), what="the spec written in the new directory")
+        await until(lambda: state.current.healthy, what="healthy")
+        os.unlink(os.path.join(tmp, "dev", "kvm"))
+        await until(lambda: state.current.cause is Cause.NO_DEVICE, what="a check on the node's removal")
+    finally:
+        watching.cancel()
+        await checker.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import subprocess
@@ -10,8 +11,9 @@ import sys
 import pytest
 
 from hyperlight_agent.files import atomic, labels
+from hyperlight_agent.files.watcher import DirectoryWatcher
 from standin.kubelet import StandinThread
-from tests.conftest import StartAgent, make_node, wait_for
+from tests.conftest import StartAgent, make_node, until, wait_for
 from tests.conftest import read_bytes as read
 
 
@@ -128,3 +130,44 @@ def test_agent_repairs_the_feature_file_like_the_spec(
     # too, which is another problem (said once as well); the same one is never repeated.
     said = [line.split(": ", 1)[1] for line in agent.log.splitlines() if "node labels not written" in line]
     assert said and len(said) == len(set(said)), said
+
+
+async def test_the_keeper_repairs_the_file_it_watches_only_between_its_first_sync_and_close(tmp: str) -> None:
+    """Before a check has said which hypervisor there is, a change to the file is no reason to
+    write it (nothing to say yet); after close (the agent stops), the file stays as it is."""
+    features = os.path.join(tmp, "features.d")
+    os.mkdir(features)
+    path = os.path.join(features, labels.FEATURE_FILE)
+    keeper, watcher = labels.Keeper(features), DirectoryWatcher()
+    keeper.watch(watcher)
+    seen: list[str] = []
+    watcher.watch(features, seen.append, {"marker"})  # the same directory's later events, in order
+    watching = asyncio.ensure_future(watcher.run())
+
+    async def settled() -> None:
+        """Every event before now handled: a marker made after them has been seen."""
+        seen.clear()
+        marker = os.path.join(features, "marker")
+        with open(marker, "w"):
+            pass
+        os.unlink(marker)
+        await until(lambda: "marker" in seen, what="the marker's event")
+
+    try:
+        await until(lambda: watcher.watching(features), what="the feature file's watch")
+        with open(path, "wb") as f:
+            f.write(b"someone=else\n")
+        await settled()
+        assert read(path) == b"someone=else\n"
+        keeper.sync("kvm")  # the first check's word: the file is put right now, and from now on
+        assert read(path) == labels.render("kvm")
+        os.unlink(path)
+        await until(lambda: read(path) == labels.render("kvm"), what="the deleted file written again")
+        keeper.close()
+        os.unlink(path)
+        with open(path, "wb") as f:
+            f.write(b"after=close\n")
+        await settled()
+        assert read(path) == b"after=close\n"
+    finally:
+        watching.cancel()

@@ -198,7 +198,6 @@ TESTED_ELSEWHERE = {
         "names and numbers other parties own, no behaviour: each held to its owner where a test can see one",
     ),
     "kubelet_side": (("test_parts.py",), "the seam's types only: test_parts.py runs a toy side through it"),
-    "modes": (("test_parts.py", "test_config.py"), "the modes' rows: every row whole, and the mode setting"),
     "deviceplugin.side": (("test_agent.py",), "the device plugin side runs as the agent's, in-process"),
     "dra.types": (("test_dra_claims.py", "test_dra_service.py"), "types only: its reader and its user"),
     "host.successor": (

@@ -22,6 +22,7 @@ from hyperlight_agent.device import hypervisors, kernel
 from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
 from hyperlight_agent.device.observation import Cause, Observation, SharedObservation
 from hyperlight_agent.files import cdi
+from hyperlight_agent.files.watcher import DirectoryWatcher
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,11 @@ class Checker:
         observation: SharedObservation,
         on_result: Optional[Callable[[Observation, float, bool], None]] = None,
         keeper: Optional[Callable[[], Awaitable[Optional[str]]]] = None,
+        interval_s: float = 0.0,
     ) -> None:
         self.target = target
+        self.interval_s = interval_s  # periodic(): a check at least this often
+        self._interval_changed: Optional[asyncio.Event] = None  # made in periodic(), on its loop
         # Asked before repairing a spec someone else wrote: the name of a newer instance of ours
         # that keeps the spec now (peers.py), or None. Its spec stands, if it resolves our device.
         self._keeper = keeper
@@ -96,6 +100,33 @@ class Checker:
     def request(self) -> None:
         """Ask for a check that starts after now (for change events); never waits."""
         self._fresh()
+
+    def watch(self, watcher: DirectoryWatcher) -> None:
+        """A check whenever the device nodes change, or (unless inventory only) our CDI spec."""
+        t = self.target
+        nodes = {h.node for h in hypervisors.HYPERVISORS}
+        for directory in filter(None, (t.device_dir, t.host_device_dir)):
+            watcher.watch(directory, lambda name: self.request(), nodes)
+        if not t.inventory_only:
+            cdi.watch(watcher, t.cdi_dir, self.request)
+
+    async def periodic(self) -> None:
+        """A check every interval_s, until cancelled; reconfigure() with a new one waits anew."""
+        self._interval_changed = asyncio.Event()
+        while True:
+            self._interval_changed.clear()
+            if not await waits.event(self._interval_changed, self.interval_s):
+                self.request()
+
+    def reconfigure(self, target: CheckTarget, interval_s: float) -> None:
+        """Reloaded settings: checked at once (the CDI spec follows a new uid/gid), the interval's
+        wait started anew if it changed."""
+        self.target = target
+        if interval_s != self.interval_s:
+            self.interval_s = interval_s
+            if self._interval_changed is not None:
+                self._interval_changed.set()
+        self.request()
 
     def cancel(self) -> None:
         """Refuse new checks and cancel the running one at once: from now on nothing is published

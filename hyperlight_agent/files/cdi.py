@@ -13,10 +13,11 @@ import logging
 import os
 import stat
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from hyperlight_agent import contracts
 from hyperlight_agent.files import atomic
+from hyperlight_agent.files.watcher import CONTENT, NAMES, DirectoryWatcher
 from hyperlight_agent.text import cause
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,14 @@ def directory_present(cdi_dir: str) -> bool:
     if not stat.S_ISDIR(st.st_mode):
         raise CdiError(f"{cdi_dir} (cdi_dir) is not a directory; refusing to replace it")
     return True
+
+
+def watch(watcher: DirectoryWatcher, cdi_dir: str, on_change: Callable[[], None]) -> None:
+    """on_change() when our spec's content changes or anything replaces cdi_dir: a symlink there is
+    refused, never followed (directory_present), so its removal, or a directory in its place, shows
+    only in the parent directory."""
+    watcher.watch(cdi_dir, lambda name: on_change(), {contracts.CDI_SPEC_FILE}, mask=CONTENT, follow=False)
+    watcher.watch(os.path.dirname(cdi_dir), lambda name: on_change(), {os.path.basename(cdi_dir)}, mask=NAMES)
 
 
 def present(cdi_dir: str) -> Optional[atomic.Current]:

@@ -13,6 +13,7 @@ import os
 from typing import Optional
 
 from hyperlight_agent.files import atomic
+from hyperlight_agent.files.watcher import CONTENT, DirectoryWatcher
 from hyperlight_agent.text import cause
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,23 @@ class Keeper:
     def __init__(self, features_dir: str) -> None:
         self.features_dir = features_dir
         self._problem = ""  # why the file cannot be kept right ("" when it is)
+        self._told: Optional[tuple[Optional[str]]] = None  # the last sync's hypervisor, once one came
+        self._closed = False
+
+    def watch(self, watcher: DirectoryWatcher) -> None:
+        """Someone changed the file: put it right, once a check has said what it says."""
+        watcher.watch(self.features_dir, lambda name: self._changed(), {FEATURE_FILE}, mask=CONTENT)
+
+    def close(self) -> None:
+        """No more syncs from file events (the agent stops; the file stays as it is)."""
+        self._closed = True
+
+    def _changed(self) -> None:
+        if self._told is not None and not self._closed:
+            self.sync(self._told[0])
 
     def sync(self, hypervisor: Optional[str]) -> None:
+        self._told = (hypervisor,)
         problem = ""
         try:
             sync(self.features_dir, hypervisor)
