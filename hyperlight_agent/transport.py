@@ -24,7 +24,8 @@ import os
 import re
 import secrets
 import socket
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -46,6 +47,51 @@ QUIET_LOOK_S, QUIET_PROOF_S = 0.01, 0.1
 
 # method name → (request type, response type, server-streaming?)
 Methods = dict[str, tuple[Any, Any, bool]]
+
+
+class Answering(Protocol):
+    """What Calls needs of a call's context (grpc.aio's ServicerContext): when its answer is sent."""
+
+    def add_done_callback(self, callback: Any) -> None: ...
+
+
+class Calls:
+    """The kubelet's calls on one service of ours, counted for a stop: how many are in flight and
+    how many came in all. A call ends when grpc has sent its answer (the context's done callback),
+    not when our handler returns: between the two the answer is still on its way, and a
+    deregistration then (which closes the kubelet's connection) would cancel it there."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.received = 0
+        self.last_ended = float("-inf")  # when the last answer was sent (monotonic)
+        self._none: Optional[asyncio.Event] = None  # set once none is in flight (made in the loop)
+
+    @contextlib.asynccontextmanager
+    async def counted(self, context: Optional[Answering]) -> AsyncIterator[None]:
+        """One call, from its handler's start; without a context (a direct call in a test or a
+        benchmark) it ends with the handler."""
+        self.in_flight += 1
+        self.received += 1
+        try:
+            yield
+        finally:
+            if context is None:
+                self._ended()
+            else:
+                context.add_done_callback(lambda _: self._ended())
+
+    async def none_in_flight(self) -> None:
+        while self.in_flight:
+            if self._none is None or self._none.is_set():
+                self._none = asyncio.Event()
+            await self._none.wait()
+
+    def _ended(self) -> None:
+        self.in_flight -= 1
+        self.last_ended = time.monotonic()
+        if not self.in_flight and self._none is not None:
+            self._none.set()
 
 
 class Unparsable:

@@ -109,6 +109,10 @@ class Context:
     async def abort(self, code: Any, message: str) -> NoReturn:
         raise Aborted(code, message)
 
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        """The answer is sent once the handler returns (where a test calls it directly)."""
+        callback(self)
+
 
 class RecordingNotifier(Notifier):
     """sd_notify messages, kept instead of sent."""

@@ -121,7 +121,7 @@ def test_allocate_both_gives_the_cdi_name_the_device_spec_and_the_environment() 
         ]
         assert dict(container.envs) == {contracts.ENV_HYPERVISOR: "kvm", contracts.ENV_DEVICE_PATH: "/dev/kvm"}
     assert outcomes == ["ok"] and checker.timeouts == [None]
-    assert servicer.allocating == 0
+    assert servicer.calls.in_flight == 0
 
 
 @pytest.mark.parametrize(
@@ -183,7 +183,7 @@ def test_allocate_refuses_what_this_node_never_advertised(containers: tuple[list
     assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
     assert message in refused.message
     assert outcomes == ["invalid"]
-    assert servicer.allocating == 0
+    assert servicer.calls.in_flight == 0
 
 
 async def test_list_and_watch_sends_the_first_list_after_the_first_check_then_each_change() -> None:
@@ -232,7 +232,7 @@ async def test_an_endpoint_ends_its_streams_at_once_when_closed() -> None:
     late = endpoint.ListAndWatch(pb.Empty(), Context())
     with pytest.raises(StopAsyncIteration):
         await late.__anext__()
-    assert endpoint.allocating == 0  # the servicer's attributes show through
+    assert endpoint.calls.in_flight == 0  # the servicer's attributes show through
 
 
 def test_preferred_allocation_honours_must_include_then_takes_the_first_available() -> None:

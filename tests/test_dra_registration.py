@@ -323,7 +323,7 @@ def test_a_stop_deregisters_only_once_the_calls_in_flight_ended_or_the_drain_pas
         prepare = asyncio.ensure_future(kubelet.prepare(DRIVER, [CLAIM]))
         await until(reading.is_set, what="the Prepare in flight")
         closing = asyncio.ensure_future(registrar.close())
-        await until(lambda: not registrar.serving and service.calls == 1, what="the close begun")
+        await until(lambda: not registrar.serving and service.calls.in_flight == 1, what="the close begun")
         assert os.path.lexists(registrar.registration_socket) and kubelet.instances.get(DRIVER)
         if answers:
             answer.set()

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from typing import Any, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import grpc
 import pytest
@@ -511,6 +511,9 @@ class Context:
 
     def time_remaining(self) -> Optional[float]:
         return None
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        callback(self)
 
 
 class FixedChecker:

@@ -235,3 +235,39 @@ async def test_the_kubelet_is_done_with_us_once_quiet_or_proven_and_calls_in_fli
 
 async def _said(why: str) -> Optional[str]:
     return why
+
+
+class Delivery:
+    """A call's context whose answer is sent when the test says (send())."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Any] = []
+
+    def add_done_callback(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    def send(self) -> None:
+        for callback in self.callbacks:
+            callback(self)
+
+
+async def test_a_call_ends_when_its_answer_is_sent_not_when_its_handler_returns() -> None:
+    """The one counter of the kubelet's calls (the device plugin's Allocates, DRA's Prepares and
+    Unprepares): a stop that waits for none in flight waits for the answers to be sent."""
+    calls = transport.Calls()
+    first, second = Delivery(), Delivery()
+    async with calls.counted(first), calls.counted(second):
+        assert (calls.in_flight, calls.received) == (2, 2)
+    assert calls.in_flight == 2, "both handlers returned, neither answer sent"
+    waiting = asyncio.ensure_future(calls.none_in_flight())
+    first.send()
+    assert calls.in_flight == 1
+    await asyncio.sleep(0)  # the waiter runs, and waits on
+    assert not waiting.done()
+    before = time.monotonic()
+    second.send()
+    await asyncio.wait_for(waiting, 5)
+    assert calls.in_flight == 0 and calls.received == 2 and calls.last_ended >= before
+    async with calls.counted(None):  # a direct call (a test, a benchmark): over with its handler
+        assert calls.in_flight == 1
+    assert (calls.in_flight, calls.received) == (0, 3)

@@ -17,7 +17,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Opti
 
 import grpc
 
-from hyperlight_agent import contracts, text
+from hyperlight_agent import contracts, text, transport
 from hyperlight_agent.config import ALLOCATION_BOTH, ALLOCATION_CDI, ALLOCATION_DEVICE_SPEC, MAX_DEVICE_COUNT
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.observation import Observation, SharedObservation
@@ -69,8 +69,9 @@ class DevicePluginServicer:
         self._on_streams_changed = on_streams_changed
         self._on_allocate = on_allocate  # outcome ("ok", "invalid", "unavailable") for metrics
         self.open_streams = 0
-        self.allocating = 0  # Allocate calls in flight
-        self.received = 0  # Allocate calls received in all (a handover's successor says it: peers.py)
+        # Allocates: a handover lets those in flight end first (the kubelet cancels them itself
+        # when our stream ends); a successor says how many it received (peers.py).
+        self.calls = transport.Calls()
         # The last response built, reused by every stream until health or slots change.
         self._cached: Optional[tuple[Observation, int, Optional[str], pb.ListAndWatchResponse]] = None
         self._hypervisor: Optional[str] = None  # the last device seen: its slots outlive it
@@ -153,14 +154,8 @@ class DevicePluginServicer:
         return pb.PreStartContainerResponse()
 
     async def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
-        # Counted, so a handover can let the kubelet's calls in flight finish first: the kubelet
-        # cancels them itself when our stream ends (it closes the connection).
-        self.allocating += 1
-        self.received += 1
-        try:
+        async with self.calls.counted(context):
             return await self._allocate(request, context)
-        finally:
-            self.allocating -= 1
 
     async def _allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
         if not request.container_requests:

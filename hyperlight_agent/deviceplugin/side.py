@@ -140,7 +140,9 @@ class DevicePluginSide:
             # none still on its way to us, before our stream ends (the kubelet then closes our
             # connection, failing whatever is on it).
             why = await handover.released(
-                lambda: self.servicer.allocating, lambda: self.servicer.received, lambda: handover.calls_of(successor)
+                lambda: self.servicer.calls.in_flight,
+                lambda: self.servicer.calls.received,
+                lambda: handover.calls_of(successor),
             )
             log.info("the kubelet is done with us: %s", why)
         return successor
@@ -160,7 +162,7 @@ class DevicePluginSide:
         observation = self._wiring.observation
         return {
             "serving": self.snapshot(observation.current, observation.version > 0).ready(),
-            "calls": self.servicer.received,
+            "calls": self.servicer.calls.received,
             "registering": self.registering,
         }
 

@@ -35,11 +35,11 @@ import inspect
 import logging
 import time
 from types import ModuleType
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union, cast
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
 import grpc
 
-from hyperlight_agent import waits
+from hyperlight_agent import transport, waits
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.dra.prepared import Prepared, PreparedError
@@ -65,18 +65,6 @@ MAX_CONCURRENT_READS = 16
 CLAIM_READ_TIMEOUT_S = 30.0
 
 Observe = Callable[[], Union[Observation, Awaitable[Observation]]]
-
-
-def at_end(context: Optional[grpc.aio.ServicerContext[Any, Any]], ended: Callable[[], None]) -> None:
-    """ended() once the call is over for the kubelet: when grpc has sent its answer (the RPC's
-    done callback), not when our handler returns. Between the two the answer is still being built
-    and sent, and a deregistration then (which closes the kubelet's connection) would cancel it on
-    the kubelet's side. Without a context (a direct call in a test or benchmark): at once."""
-    if context is None:
-        ended()
-    else:
-        # (grpc-stubs types the callback as a class of its own; grpc calls any callable)
-        context.add_done_callback(cast(Any, lambda _: ended()))
 
 
 class Service:
@@ -109,9 +97,7 @@ class Service:
         # One claim is prepared or unprepared by one call at a time; entries go when idle.
         self._busy: dict[str, tuple[asyncio.Lock, int]] = {}  # uid → (its lock, calls using it)
         self._on_call = on_call  # (operation, seconds, claims answered, claims failed): the metrics
-        self.calls = 0  # calls in flight
-        self._idle: Optional[asyncio.Event] = None  # set while none is (made in the loop)
-        self._last_ended = float("-inf")  # when the last call's answer was sent (monotonic)
+        self.calls = transport.Calls()  # the kubelet's: a handover and a stop wait for them
 
     # --- the gRPC methods (api.dra_handlers passes the version's message module) ----------------
 
@@ -120,35 +106,18 @@ class Service:
         kubelet (a stop deregisters only then: the kubelet cancels the calls it has in flight with
         an instance as it deregisters it, an answer it has not yet read among them)."""
         while True:
-            while self.calls:
-                if self._idle is None or self._idle.is_set():
-                    self._idle = asyncio.Event()
-                await self._idle.wait()
-            left = self._last_ended + ANSWER_DELIVERY_S - time.monotonic()
+            await self.calls.none_in_flight()
+            left = self.calls.last_ended + ANSWER_DELIVERY_S - time.monotonic()
             if left <= 0:
                 return
             await asyncio.sleep(left)
-
-    @contextlib.asynccontextmanager
-    async def _call(self, context: Optional[grpc.aio.ServicerContext[Any, Any]]) -> AsyncIterator[None]:
-        self.calls += 1
-        try:
-            yield
-        finally:
-            at_end(context, self._ended)
-
-    def _ended(self) -> None:
-        self.calls -= 1
-        self._last_ended = time.monotonic()
-        if not self.calls and self._idle is not None:
-            self._idle.set()
 
     async def NodePrepareResources(
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any], messages: ModuleType
     ) -> Any:
         claims = list(request.claims)
         started = time.monotonic()
-        async with self._call(context), self._claims_locked(claims):
+        async with self.calls.counted(context), self._claims_locked(claims):
             answers = await self._prepare(claims)
         failed = sum(1 for error, _ in answers.values() if error)
         self._on_call("prepare", time.monotonic() - started, len(answers) - failed, failed)
@@ -175,7 +144,7 @@ class Service:
     ) -> Any:
         claims = list(request.claims)
         started = time.monotonic()
-        async with self._call(context), self._claims_locked(claims):
+        async with self.calls.counted(context), self._claims_locked(claims):
             errors = await self._unprepare(claims)
         failed = sum(1 for uid in {c.uid for c in claims} if errors.get(uid))
         self._on_call("unprepare", time.monotonic() - started, len({c.uid for c in claims}) - failed, failed)

@@ -35,7 +35,7 @@ from hyperlight_agent.dra import api, names, registration
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
 from hyperlight_agent.dra.health import Health
 from hyperlight_agent.dra.prepared import Prepared
-from hyperlight_agent.dra.service import Service, at_end
+from hyperlight_agent.dra.service import Service
 from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher, device_names
 from hyperlight_agent.dra.taints import Escalation, taint_for
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
@@ -72,38 +72,6 @@ def device_info(observation: Observation) -> Optional[DeviceInfo]:
         return None
     row = hypervisors.BY_NAME[observation.hypervisor]
     return DeviceInfo(row.name, row.api_version or 0, row.container_path)
-
-
-class _Counted:
-    """The DRA service with the kubelet's calls counted: a handover waits until none is in flight
-    and none came for a while before it deregisters (the kubelet then closes our connection,
-    failing whatever is on it: DraSide.hand_over)."""
-
-    def __init__(self, service: Service) -> None:
-        self.service = service
-        self.in_flight = 0
-        self.received = 0
-
-    async def NodePrepareResources(self, request: Any, context: Any, messages: Any) -> Any:
-        return await self._counted(self.service.NodePrepareResources(request, context, messages), context)
-
-    async def NodeUnprepareResources(self, request: Any, context: Any, messages: Any) -> Any:
-        return await self._counted(self.service.NodeUnprepareResources(request, context, messages), context)
-
-    async def idle(self) -> None:
-        """The service's: a stop deregisters once no call is in flight (Registrar.close)."""
-        await self.service.idle()
-
-    async def _counted(self, call: Awaitable[Any], context: Any) -> Any:
-        self.in_flight += 1
-        self.received += 1
-        try:
-            return await call
-        finally:
-            at_end(context, self._ended)
-
-    def _ended(self) -> None:
-        self.in_flight -= 1
 
 
 class _NotConnected:
@@ -214,7 +182,6 @@ class DraSide:
             Prepared(os.path.join(target.plugins_dir, target.driver)),
             on_call=self._prepared,
         )
-        self.calls = _Counted(self.service)
         self._registry_dir = target.registry_dir
         watcher = wiring.watcher
         sockets = (
@@ -222,7 +189,7 @@ class DraSide:
             names.service_socket(target.plugins_dir, target.driver, target.instance),
         )
         self.registrar = registration.Registrar(
-            self.calls,
+            self.service,
             target.driver,
             target.instance,
             target.registry_dir,
@@ -326,7 +293,7 @@ class DraSide:
             seen=seen,
         )
         if successor:
-            calls = self.calls
+            calls = self.service.calls
             why = await transport.until_quiet(lambda: calls.in_flight, lambda: calls.received)
             log.info("the kubelet is done with us: %s", why)
         return successor
@@ -343,7 +310,7 @@ class DraSide:
 
     def described(self) -> Mapping[str, Any]:
         """What Describe adds for this side (peers.py): `serving` is ready but for the slice."""
-        return {"serving": self._serving(), "calls": self.calls.received}
+        return {"serving": self._serving(), "calls": self.service.calls.received}
 
     def _serving(self) -> bool:
         """Registered with the kubelet and the device healthy: all but the slice (which only a
