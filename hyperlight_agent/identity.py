@@ -88,7 +88,7 @@ class Description:
     identity: Identity
     ready: bool
     path: str  # the socket it answered on
-    # How its in-place upgrades stand (host/successor.py, Record); None from an instance that
+    # How its in-place upgrades stand (host/successor.py, UpgradeRecord); None from an instance that
     # cannot upgrade in place (an earlier release).
     upgrade: Optional[Mapping[str, Any]] = None
     # Ready but for what it shares with its peers (an earlier release's: its readiness).

@@ -13,7 +13,7 @@ and one way of offering the device to the kubelet.
 The side is given only what it asks of the agent (Wiring, each collaborator typed by a Protocol
 of this module or a callback), and reports what it did as outcomes, never a metric's series.
 
-A third protocol is its name in modes.Protocol, one class implementing KubeletSide and one row of
+A third protocol is its name in modes.KubeletProtocol, one class implementing KubeletSide and one row of
 parts.ROWS, which carries everything else the agent asks of a protocol (tests/test_parts.py runs a
 toy one through the agent).
 """

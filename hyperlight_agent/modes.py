@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 from hyperlight_agent import config, contracts
 
 
-class Protocol(str, enum.Enum):
+class KubeletProtocol(str, enum.Enum):
     """The kubelet protocol a mode speaks (a str: log lines and Describe show its value); each
     is one row of parts.ROWS."""
 
@@ -37,7 +37,7 @@ class Mode(NamedTuple):
     workload_env: bool
     # lstat only: never open the device, never write CDI or node labels.
     inventory_only: bool
-    protocol: Protocol = Protocol.DEVICE_PLUGIN
+    protocol: KubeletProtocol = KubeletProtocol.DEVICE_PLUGIN
     # The settings naming the kubelet's directories this mode serves in. The kubelet makes them,
     # so `--check` finds each: a missing one means no kubelet here, another kubelet root, or a
     # mount left out of the pod.
@@ -75,7 +75,7 @@ DRA = Mode(
     config.ALLOCATION_CDI,
     workload_env=False,
     inventory_only=False,
-    protocol=Protocol.DRA,
+    protocol=KubeletProtocol.DRA,
     kubelet_dirs=("dra_registry_dir", "dra_plugins_dir"),
 )
 

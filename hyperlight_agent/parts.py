@@ -6,7 +6,7 @@ part reads Settings itself; the agent reads only what it acts on (the directorie
 check interval, the handover time).
 
 A kubelet protocol is one row of ROWS (ProtocolRow): everything the rest of the agent asks of it,
-so that nothing else branches on the protocol. A third protocol is its name in modes.Protocol, one
+so that nothing else branches on the protocol. A third protocol is its name in modes.KubeletProtocol, one
 class implementing kubelet_side.KubeletSide, and one row here (tests/test_parts.py runs a toy one).
 """
 
@@ -179,7 +179,10 @@ _DRA: ProtocolRow[DraTarget] = ProtocolRow(
     shortest_names=names.SHORTEST_NAMES,
     preflight=_dra_preflight,
 )
-ROWS: dict[modes.Protocol, ProtocolRow[Any]] = {modes.Protocol.DEVICE_PLUGIN: _DEVICE_PLUGIN, modes.Protocol.DRA: _DRA}
+ROWS: dict[modes.KubeletProtocol, ProtocolRow[Any]] = {
+    modes.KubeletProtocol.DEVICE_PLUGIN: _DEVICE_PLUGIN,
+    modes.KubeletProtocol.DRA: _DRA,
+}
 
 
 def row(mode: modes.Mode) -> ProtocolRow[Any]:

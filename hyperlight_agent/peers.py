@@ -31,7 +31,7 @@ for what it shares with its peers: registered with the kubelet and its device he
 (the kubelet's calls it has received: Allocate, NodePrepareResources), `registering` (it waits for
 its predecessor's agreement before registering: host/successor.py), `replaced` (the pid of the
 agent an in-place upgrade replaced with it) and, from an agent that can upgrade in place, `upgrade`
-(host/successor.py's Record).
+(host/successor.py's UpgradeRecord).
 """
 
 from __future__ import annotations

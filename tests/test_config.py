@@ -271,7 +271,7 @@ def test_a_dra_directory_too_long_for_our_sockets_is_refused_by_name(key: str) -
     flag = "--" + key.replace("_", "-")
     settings = load(["--config", "/dev/null", flag, longest, "--instance", "x" * 20], {})
     # At the limit the registrar still finds names that fit, private names included.
-    registrar = registration.Registrar(
+    registrar = registration.DriverServers(
         object(), contracts.DRA_DRIVER, settings.instance or "", settings.dra_registry_dir, settings.dra_plugins_dir
     )
     for path in (registrar.registration_socket, registrar.service_socket):

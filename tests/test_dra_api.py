@@ -14,7 +14,7 @@ from hyperlight_agent.dra import api
 from hyperlight_agent.dra import dra_v1_pb2 as v1
 from hyperlight_agent.dra import dra_v1beta1_pb2 as v1beta1
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
-from hyperlight_agent.dra.registration import Registrar
+from hyperlight_agent.dra.registration import DriverServers
 
 # NodePrepareResourcesRequest{claims=[Claim{namespace="ns" (1), uid="u1" (2), name="c" (3)}]}
 PREPARE_REQUEST = b"\n\x0b\n\x02ns\x12\x02u1\x1a\x01c"
@@ -96,7 +96,7 @@ def test_unparsable_request_is_invalid_argument(tmp: str) -> None:
     async def main() -> None:
         registry, plugins = os.path.join(tmp, "reg"), os.path.join(tmp, "plugins")
         os.mkdir(registry)
-        registrar = Registrar(Unreached(), "hypervisor.hyperlight.dev", "a", registry, plugins)
+        registrar = DriverServers(Unreached(), "hypervisor.hyperlight.dev", "a", registry, plugins)
         await registrar.start()
         try:
             async with grpc.aio.insecure_channel(transport.unix_target(registrar.service_socket)) as channel:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from hyperlight_agent.dra.claims import ClaimReader
+from hyperlight_agent.dra.claims import ApiClaims
 from hyperlight_agent.dra.client import KubeApi
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
 from standin.apiserver import FakeApiServer, recorded, status
@@ -29,7 +29,7 @@ def read(tmp_path: Any, claim: Any, uid: str = UID) -> list[AllocatedDevice]:
         elif claim is not None:
             fake.claims[CLAIM] = claim
         try:
-            found.append(await ClaimReader(api).allocation(*CLAIM, uid))
+            found.append(await ApiClaims(api).allocation(*CLAIM, uid))
         finally:
             assert [(r.method, r.path) for r in fake.requests] == [("GET", PATH)]
 
@@ -94,7 +94,7 @@ def test_an_unreachable_server_is_one_line(tmp_path: Any) -> None:
             match="^"
             + re.escape("claim default/pod-hv-9x2lq: get resourceclaims.resource.k8s.io: API server unreachable: "),
         ) as raised:
-            await ClaimReader(api).allocation(*CLAIM, UID)
+            await ApiClaims(api).allocation(*CLAIM, UID)
         assert "\n" not in str(raised.value)
 
     run(tmp_path, body)

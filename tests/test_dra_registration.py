@@ -18,7 +18,7 @@ from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.dra import api, registration
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
 from hyperlight_agent.dra.prepared import Prepared
-from hyperlight_agent.dra.registration import Registrar
+from hyperlight_agent.dra.registration import DriverServers
 from hyperlight_agent.dra.service import Service
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
 from hyperlight_agent.transport import NotServing
@@ -62,15 +62,15 @@ class Node:
         os.mkdir(self.registry)
         self.claims = claims
         self.observation = HEALTHY
-        self.started: list[Registrar] = []
+        self.started: list[DriverServers] = []
 
-    def registrar(self, instance: str, observe: Optional[Callable[[], Any]] = None) -> Registrar:
+    def registrar(self, instance: str, observe: Optional[Callable[[], Any]] = None) -> DriverServers:
         service = Service(DRIVER, self.claims, observe or (lambda: self.observation), Prepared(self.data))
-        registrar = Registrar(service, DRIVER, instance, self.registry, self.plugins, deregister_grace=0)
+        registrar = DriverServers(service, DRIVER, instance, self.registry, self.plugins, deregister_grace=0)
         self.started.append(registrar)
         return registrar
 
-    async def start(self, instance: str) -> Registrar:
+    async def start(self, instance: str) -> DriverServers:
         registrar = self.registrar(instance)
         await registrar.start()
         return registrar
@@ -93,7 +93,7 @@ def run(
     asyncio.run(main())
 
 
-async def registered(kubelet: DraKubeletStandin, registrar: Registrar, count: int = 1) -> None:
+async def registered(kubelet: DraKubeletStandin, registrar: DriverServers, count: int = 1) -> None:
     await until(
         lambda: registrar.registered and len(kubelet.instances.get(DRIVER, [])) >= count,
         what="the kubelet registering the instance",
@@ -198,18 +198,18 @@ def test_the_service_is_served_before_the_registration_socket_appears(tmp: str) 
         node = Node(tmp, FakeClaims())
         registrar = node.registrar("pod-a")
         seen: list[bool] = []
-        serve = registration.Registrar._serve
+        serve = registration.DriverServers._serve
 
-        async def spy(self: Registrar, path: str, handlers: Any, configure: Any = None) -> Any:
+        async def spy(self: DriverServers, path: str, handlers: Any, configure: Any = None) -> Any:
             if path == self.registration_socket:
                 seen.append(os.path.exists(self.service_socket) and _accepts(self.service_socket))
             return await serve(self, path, handlers, configure)
 
-        registration.Registrar._serve = spy  # type: ignore[method-assign]
+        registration.DriverServers._serve = spy  # type: ignore[method-assign]
         try:
             await registrar.start()
         finally:
-            registration.Registrar._serve = serve  # type: ignore[method-assign]
+            registration.DriverServers._serve = serve  # type: ignore[method-assign]
             await registrar.close()
         assert seen == [True]
 
@@ -274,7 +274,7 @@ def test_claims_are_answered_until_the_kubelet_has_deregistered_us(tmp: str) -> 
 
     async def body(node: Node, kubelet: DraKubeletStandin) -> None:
         service = Service(DRIVER, node.claims, lambda: node.observation, Prepared(node.data))
-        registrar = Registrar(service, DRIVER, "pod-a", node.registry, node.plugins, deregister_grace=1.0)
+        registrar = DriverServers(service, DRIVER, "pod-a", node.registry, node.plugins, deregister_grace=1.0)
         await registrar.start()
         await registered(kubelet, registrar)
         closing = asyncio.ensure_future(registrar.close())
@@ -314,7 +314,7 @@ def test_a_stop_deregisters_only_once_the_calls_in_flight_ended_or_the_drain_pas
         # The drain bounds a call that never ends (answers=False); one that is answered must not
         # race it on a loaded machine, so there the drain is far longer than any answer takes.
         drain = 60 if answers else 2
-        registrar = Registrar(
+        registrar = DriverServers(
             service, DRIVER, "pod-a", node.registry, node.plugins, deregister_grace=0, calls_drain=drain
         )
         node.started.append(registrar)

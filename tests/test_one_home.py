@@ -220,8 +220,8 @@ def test_no_constant_is_another_constant_under_a_second_name() -> None:
 
 
 def test_only_the_modes_and_the_protocol_rows_name_a_protocol() -> None:
-    """What differs by kubelet protocol is its row (parts.ROWS): a module naming Protocol.DRA or
-    Protocol.DEVICE_PLUGIN elsewhere branches on it (ARCHITECTURE.md, one kubelet side per mode)."""
+    """What differs by kubelet protocol is its row (parts.ROWS): a module naming KubeletProtocol.DRA
+    or KubeletProtocol.DEVICE_PLUGIN elsewhere branches on it (ARCHITECTURE.md, one kubelet side per mode)."""
     namers = {
         module
         for module, tree in trees().items()
@@ -229,8 +229,8 @@ def test_only_the_modes_and_the_protocol_rows_name_a_protocol() -> None:
         if isinstance(node, ast.Attribute)
         and node.attr in {"DRA", "DEVICE_PLUGIN"}
         and (
-            (isinstance(node.value, ast.Name) and node.value.id == "Protocol")
-            or (isinstance(node.value, ast.Attribute) and node.value.attr == "Protocol")
+            (isinstance(node.value, ast.Name) and node.value.id == "KubeletProtocol")
+            or (isinstance(node.value, ast.Attribute) and node.value.attr == "KubeletProtocol")
         )
     }
     assert namers == {"modes", "parts"}, namers
@@ -312,3 +312,15 @@ def test_hand_over_names_what_it_requires_of_the_successor() -> None:
     ):
         parameters = inspect.signature(waits_for_successor).parameters
         assert "require_ready" in parameters and "ready" not in parameters, waits_for_successor
+
+
+def test_one_class_per_name() -> None:
+    """A class name means one thing in the package (and none shadows the typing name a module of
+    ours also uses): two Registrars, a mode's Protocol beside typing.Protocol, read wrong."""
+    homes: dict[str, list[str]] = {}
+    for module, tree in trees().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                homes.setdefault(node.name, []).append(module)
+    assert {name: where for name, where in homes.items() if len(where) > 1} == {}
+    assert not {"Protocol", "NamedTuple", "Enum", "Optional", "Any"} & set(homes)

@@ -26,8 +26,8 @@ from tests.fakes import FakeHelper, RecordingNotifier, device_dir, shut
 
 
 def test_every_protocol_is_one_row() -> None:
-    assert set(parts.ROWS) == set(modes.Protocol)
-    assert {m.protocol for m in modes.MODES} == set(modes.Protocol)
+    assert set(parts.ROWS) == set(modes.KubeletProtocol)
+    assert {m.protocol for m in modes.MODES} == set(modes.KubeletProtocol)
 
 
 @pytest.mark.parametrize(
@@ -47,7 +47,7 @@ def test_the_settings_refuse_a_directory_without_room_for_a_rows_shortest_name(
 
 
 class _Toy(str, enum.Enum):
-    """The toy protocol's name: in the agent, a new member of modes.Protocol."""
+    """The toy protocol's name: in the agent, a new member of modes.KubeletProtocol."""
 
     PROTOCOL = "toy"
 
@@ -139,7 +139,7 @@ TOY = modes.Mode(
     config.ALLOCATION_CDI,
     workload_env=False,
     inventory_only=False,
-    protocol=cast(modes.Protocol, _Toy.PROTOCOL),
+    protocol=cast(modes.KubeletProtocol, _Toy.PROTOCOL),
 )
 
 

@@ -15,7 +15,7 @@ from hyperlight_agent.dra.client import CLAIMS, ApiError, KubeApi
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
 
 
-class ClaimReader:
+class ApiClaims:
     """Reads claims from the API server: the ClaimReader the DRA service is given (types.py)."""
 
     def __init__(self, api: KubeApi) -> None:

@@ -1,6 +1,6 @@
 """One agent instance's DRA servers and its registration with the kubelet's plugin watcher.
 
-    Registrar(service, driver, instance, registry_dir, plugins_dir)
+    DriverServers(service, driver, instance, registry_dir, plugins_dir)
     start(): serve DRAPlugin (v1, v1beta1), and DRAResourceHealth (v1, v1alpha1) when given a
              health service, at <plugins_dir>/<driver>/dra-<instance>.sock,
              then Registration at <registry_dir>/<driver>-<instance>-reg.sock
@@ -69,7 +69,7 @@ DEREGISTER_GRACE_S = 1.5
 CALLS_DRAIN_S = 5.0
 
 
-class Registrar:
+class DriverServers:
     """Owns both gRPC servers of one agent instance: start() → (kubelet registers us) → close()."""
 
     def __init__(

@@ -188,7 +188,7 @@ class DraSide:
             names.registration_socket(target.registry_dir, target.driver, target.instance),
             names.service_socket(target.plugins_dir, target.driver, target.instance),
         )
-        self.registrar = registration.Registrar(
+        self.registrar = registration.DriverServers(
             self.service,
             target.driver,
             target.instance,
@@ -408,7 +408,7 @@ class DraSide:
         except client.ClientConfigError as exc:
             self.api_error = str(exc)
             raise _Retry(self.api_error) from exc
-        self.service.claims = claims.ClaimReader(self._kube)
+        self.service.claims = claims.ApiClaims(self._kube)
         self.api_error = ""
         self._on_change()
         return self._kube

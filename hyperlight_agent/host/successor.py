@@ -11,7 +11,7 @@ over to it as a pod hands over to its successor in a surge update, make it the u
 systemd could not be told of, is stopped, and we serve on.
 
 The child registers with the kubelet only once we agree (its Describe says `registering`, our
-Record says `agreed`): so if the upgrade fails, we know whether the kubelet's endpoint for our
+UpgradeRecord says `agreed`): so if the upgrade fails, we know whether the kubelet's endpoint for our
 resource may have become the child's, and register again only then (kubelet_side.py,
 after_failed_hand_over).
 
@@ -171,7 +171,7 @@ class Child:
 
 
 @dataclass
-class Record:
+class UpgradeRecord:
     """How this agent's in-place upgrades stand, as Describe tells whoever asked for one."""
 
     attempts: int = 0
@@ -235,7 +235,7 @@ async def _nothing() -> Optional[str]:
 class Upgrader:
     """The agent's in-place upgrades, whole: whether one may start, the child started and handed
     the kubelet (its side's hand_over) and the unit, the agreement that lets the child register,
-    the outcome recorded (Record) and said; and, in a child, taking over the unit once the agent
+    the outcome recorded (UpgradeRecord) and said; and, in a child, taking over the unit once the agent
     it replaced has exited. The agent asks only while it runs (not once it stops or hands over)."""
 
     instance: Optional[str]
@@ -245,7 +245,7 @@ class Upgrader:
     ready: Callable[[], bool]  # the agent's readiness
     handed_over: Callable[[], None]  # the child has the kubelet and the unit: the agent stops
     on_change: Callable[[], None]  # readiness may now be ours to say (we took over the unit)
-    record: Record = field(default_factory=Record)
+    record: UpgradeRecord = field(default_factory=UpgradeRecord)
 
     def __post_init__(self) -> None:
         # The agent an in-place upgrade replaced with us (0: none), for the upgrade command.

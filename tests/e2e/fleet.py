@@ -3,7 +3,7 @@ what they cost the API server, read from its own side: its audit log (every requ
 with its user, verb, node, code and times) and its metrics. `python -m bench fleet` and
 tests/test_fleet.py use it.
 
-The publishers are the agent's own (dra.slices.SlicePublisher, dra.claims.ClaimReader, each node
+The publishers are the agent's own (dra.slices.SlicePublisher, dra.claims.ApiClaims, each node
 with its own dra.client.KubeApi: its own httpx client, TLS connections, watch and backoff, as
 separate agents have). They all run in one process, on one event loop in a thread of their own:
 what each sends, and when it would send it, is what separate agents send; what they share is this
@@ -25,7 +25,7 @@ import yaml
 
 from hyperlight_agent import contracts
 from hyperlight_agent.dra import client as dra_client
-from hyperlight_agent.dra.claims import ClaimReader
+from hyperlight_agent.dra.claims import ApiClaims
 from hyperlight_agent.dra.slices import WATCH_TIMEOUT_S, DeviceInfo, SlicePublisher
 
 from .cluster import Cluster
@@ -296,7 +296,7 @@ class Fleet:
 
     async def prepare(self, claims: list[tuple[str, str, str]]) -> None:
         """Each node's agent reads its claim, as NodePrepareResources does: (node, name, uid)."""
-        readers = {p.node_name: ClaimReader(api) for p, api in zip(self.publishers, self.apis)}
+        readers = {p.node_name: ApiClaims(api) for p, api in zip(self.publishers, self.apis)}
         await asyncio.gather(*(readers[node].allocation("default", name, uid) for node, name, uid in claims))
 
     def published(self) -> bool:
