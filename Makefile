@@ -63,7 +63,7 @@ JUDGES := build/judges
 
 # The judges of the code, written once: every target that lints or type-checks runs these.
 RUFF := $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
-MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.py packaging/targets.py packaging/chart_env.py packaging/settings_doc.py \
+MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.py packaging/targets.py packaging/chart_env.py packaging/settings_doc.py packaging/modules_doc.py \
   packaging/release.py packaging/publish.py packaging/resign.py pins/update.py
 # The module layers and boundaries (pyproject.toml's [tool.importlinter]).
 IMPORTS := $(VENV)/bin/lint-imports --no-cache

@@ -29,9 +29,9 @@ def render(text: str) -> str:
 
 def main() -> None:
     with open(PAGE) as f:
-        text = f.read()
+        new = render(f.read())  # before the page is opened for writing: a refusal leaves it whole
     with open(PAGE, "w") as f:
-        f.write(render(text))
+        f.write(new)
 
 
 if __name__ == "__main__":
