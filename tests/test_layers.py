@@ -94,7 +94,6 @@ def test_every_module_is_in_one_layer_of_the_import_contract() -> None:
     assert sorted(named) == MODULES, "each module in exactly one layer of pyproject.toml's import contract"
 
 
-
 @pytest.mark.parametrize("subpackage", SUBPACKAGES)
 def test_subpackage_init_is_import_free(subpackage: str) -> None:
     """The probe helper imports `device` with the standard library only; every package init stays
