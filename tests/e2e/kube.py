@@ -63,7 +63,8 @@ class Api:
                 response = conn.getresponse()
                 raw = response.read().decode()
                 break
-            except (http.client.HTTPException, ConnectionError):
+            # (ssl.SSLEOFError: the server closed it under TLS, which is no ConnectionError)
+            except (http.client.HTTPException, ConnectionError, ssl.SSLEOFError):
                 conn.close()
                 self._local.conn = None
                 if attempt == 2:
