@@ -12,6 +12,8 @@ import os
 import re
 import sys
 
+import settings_doc
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - the development venv's Python decides
@@ -20,8 +22,6 @@ else:  # pragma: no cover - the development venv's Python decides
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "modules.md")
 PACKAGE = "hyperlight_agent"
-# Between the two markers, whole lines: the rest of the page is written by hand.
-BLOCK = re.compile(r"(<!-- modules-table:[^\n]*-->\n).*?(<!-- end modules-table -->)", re.S)
 
 
 def layers() -> list[list[str]]:
@@ -55,17 +55,11 @@ def table() -> str:
 
 def render(text: str) -> str:
     """The page's text with its table made anew; the rest unchanged."""
-    new, count = BLOCK.subn(lambda m: m.group(1) + table() + "\n" + m.group(2), text)
-    if count != 1:
-        raise SystemExit(f"{PAGE}: no single modules-table block to write")
-    return new
+    return settings_doc.fill(text, PAGE, "modules-table", table())
 
 
 def main() -> None:
-    with open(PAGE) as f:
-        new = render(f.read())  # before the page is opened for writing: a refusal leaves it whole
-    with open(PAGE, "w") as f:
-        f.write(new)
+    settings_doc.rewrite(PAGE, render)
 
 
 if __name__ == "__main__":
