@@ -26,7 +26,7 @@ apt_install = missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $
 	  apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; \
 	fi
 
-.PHONY: help e2e e2e-components e2e-components-background tools-background run test check lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
+.PHONY: help hyperlight-example e2e e2e-components e2e-components-background tools-background run test check lint typecheck bench proto system-deps deb-deps rpm-deps clean deb rpm image image-base \
   image-wheels tools pin-tools lock release publish resign release-deps
 # Package builds run in a copy of the sources under build/, never in the work tree.
 PKG_SOURCES := pyproject.toml README.md hyperlight_agent proto packaging systemd pins
@@ -123,6 +123,11 @@ lint: $(VENV)/.installed  ## ruff and the import contracts
 
 typecheck: $(VENV)/.installed  ## mypy --strict
 	$(MYPY)
+
+# The real client (deploy/examples/hyperlight): a Hyperlight host program and its guest, from their
+# committed locks with rustup's 1.95.0 toolchain; the tests run it wherever the device is handed.
+hyperlight-example:  ## build the Hyperlight example workload into build/hyperlight-example
+	@deploy/examples/hyperlight/build.sh build/hyperlight-example
 
 bench: $(VENV)/.installed  ## the speed and memory figures (BENCHMARKS.md)
 	$(PY) -m bench

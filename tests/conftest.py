@@ -79,13 +79,19 @@ E2E_WORKLOAD_IMAGE = "localhost/hyperlight-e2e/workload:1"
 def images() -> Iterator[dict[str, str]]:
     """The workload and the pod sandbox image, as archives containerd imports (the agent's comes
     from the registry), for every real cluster of the session (tests/test_e2e*.py)."""
+    from tests import hyperlight
     from tests.e2e.oci import pause_image, workload_image
 
+    example = hyperlight.example()
     directory = tempfile.mkdtemp(prefix="hl-e2e-img-")
     try:
         yield {
             "pause": pause_image(directory, "localhost/hyperlight-e2e/pause:1"),
-            "workload": workload_image(directory, E2E_WORKLOAD_IMAGE),
+            "workload": workload_image(
+                directory,
+                E2E_WORKLOAD_IMAGE,
+                {hyperlight.HOST_IN_IMAGE: example.host, hyperlight.GUEST_IN_IMAGE: example.guest},
+            ),
         }
     finally:
         subprocess.run(["rm", "-rf", directory], check=False)
@@ -135,10 +141,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def phases(terminalreporter: Any) -> None:
+    from tests import hyperlight
     from tests.e2e import tools
 
     terminalreporter.section("phases")
-    for log in ("build/tools.log", "build/e2e/components.log"):
+    for log in ("build/tools.log", "build/e2e/components.log", hyperlight.LOG):
         try:
             with open(os.path.join(REPO, log)) as f:
                 ready = [line.strip() for line in f if " ready in " in line]

@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from hyperlight_agent import contracts
-from tests import nspawn
+from tests import hyperlight, nspawn
 from tests.conftest import E2E_FIGURES, E2E_WORKLOAD_IMAGE, make_node
 from tests.e2e import cluster as cluster_module
 from tests.e2e.cluster import Cluster, Node, State, wait_until
@@ -57,6 +57,12 @@ WORKLOAD_IMAGE = E2E_WORKLOAD_IMAGE
 HYPERVISOR = contracts.RESOURCE_HYPERVISOR
 DEVICE_ACCESS = contracts.RESOURCE_DEVICE_ACCESS
 SLOTS = 2000
+# The Hyperlight example's run in a workload's container, its lines (or Hyperlight's error) as the
+# pod's termination message: the nodes' only address is loopback, so the API server has no logs.
+RUN_EXAMPLE = hyperlight.HOST_IN_IMAGE
+SAY = ">/dev/termination-log 2>&1"
+# A workload's whole proof: the node as CDI made it, a Hyperlight guest's answer, the environment.
+WORKLOAD_SAYS = ["/bin/sh", "-c", f"{{ /kvmcheck && {RUN_EXAMPLE} && env | grep ^HYPERLIGHT_ | sort; }} {SAY}"]
 # One pod every LOAD_INTERVAL_S while a lifecycle event happens: frequent enough to land in a
 # short window, few enough for two cores.
 LOAD_INTERVAL_S = 0.2
@@ -441,7 +447,7 @@ def test_workload_gets_the_device_through_cdi(installed: Cluster, kubelet: str) 
     # the kubelet does not report, so the API server cannot fetch logs.
     installed.api.create(
         f"/api/v1/namespaces/{ns}/pods",
-        workload_pod(name, ["/bin/sh", "-c", "{ /kvmcheck && env | grep ^HYPERLIGHT_ | sort; } >/dev/termination-log"]),
+        workload_pod(name, WORKLOAD_SAYS),
     )
     try:
         pod = wait_until(
@@ -460,6 +466,28 @@ def test_workload_gets_the_device_through_cdi(installed: Cluster, kubelet: str) 
         # The node comes from our CDI spec (owner and mode), not from the host's 0:0 0600.
         assert "uid=65534 node=660 owner=65534:65534 env=kvm api=12 vm=created" in log, log
         assert "HYPERLIGHT_DEVICE_PATH=/dev/kvm" in log and "HYPERLIGHT_HYPERVISOR=kvm" in log, log
+        # The real client: a Hyperlight sandbox ran the guest there.
+        assert hyperlight.ANSWER in log and "hypervisor: kvm" in log, log
+    finally:
+        installed.api.delete(f"/api/v1/namespaces/{ns}/pods/{name}")
+
+
+def test_a_pod_that_did_not_ask_for_the_device_gets_hyperlights_own_error(installed: Cluster) -> None:
+    """The negative of the above: the same restricted pod on the agent's node without
+    hyperlight.dev/hypervisor has no /dev/kvm, and the Hyperlight example ends at once with
+    Hyperlight's own error (exit 1), not a crash or a hang."""
+    ns = "hyperlight-apps"
+    ensure_namespace(installed, ns)
+    name = "workload-without-the-device"
+    pod = workload_pod(name, ["/bin/sh", "-c", f"{RUN_EXAMPLE} {SAY}"], "a")
+    del pod["spec"]["containers"][0]["resources"]["limits"][HYPERVISOR]
+    installed.api.create(f"/api/v1/namespaces/{ns}/pods", pod)
+    try:
+        done = finished(installed, ns, name)
+        (status,) = done["status"]["containerStatuses"]
+        log = termination_message(done)
+        assert done["status"]["phase"] == "Failed" and status["state"]["terminated"]["exitCode"] == 1, (status, log)
+        assert hyperlight.NO_HYPERVISOR in log and "panicked" not in log, log
     finally:
         installed.api.delete(f"/api/v1/namespaces/{ns}/pods/{name}")
 
@@ -1140,7 +1168,7 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published) -> 
     name = f"dra-workload-{kubelet}"
     cluster.api.create(
         f"/api/v1/namespaces/{DRA_NS}/pods",
-        dra_pod(name, ["/bin/sh", "-c", "{ /kvmcheck && env | grep ^HYPERLIGHT_ | sort; } >/dev/termination-log"]),
+        dra_pod(name, WORKLOAD_SAYS),
     )
     pod = finished(cluster, DRA_NS, name)
     log = termination_message(pod)
@@ -1148,6 +1176,7 @@ def test_dra_on_a_real_kubelet(dra_installed: Cluster, published: Published) -> 
     assert pod["spec"]["nodeName"] == "a"
     assert "uid=65534 node=660 owner=65534:65534 env=kvm api=12 vm=created" in log, log
     assert "HYPERLIGHT_DEVICE_PATH=/dev/kvm" in log and "HYPERLIGHT_HYPERVISOR=kvm" in log, log
+    assert hyperlight.ANSWER in log and "hypervisor: kvm" in log, log
     cluster.api.delete(f"/api/v1/namespaces/{DRA_NS}/pods/{name}")
 
     # Many pods hold node a's device at once, each through its own claim and a share of its own.
@@ -1673,13 +1702,17 @@ def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(
         ns = "mixed"
         ensure_namespace(cluster, ns)
         # B's /dev/kvm is /dev/null for containerd: that pod proves admission and the device plugin's path.
-        cluster.api.create(f"/api/v1/namespaces/{ns}/pods", workload_pod("same-spec-a", ["/kvmcheck"], "a"))
+        # A's pod runs the Hyperlight guest: the unchanged pod's device came through DRA.
+        cluster.api.create(
+            f"/api/v1/namespaces/{ns}/pods", workload_pod("same-spec-a", ["/bin/sh", "-c", f"{RUN_EXAMPLE} {SAY}"], "a")
+        )
         cluster.api.create(
             f"/api/v1/namespaces/{ns}/pods", workload_pod("same-spec-b", ["/bin/sh", "-c", "exit 0"], "b")
         )
         on_a, on_b = finished(cluster, ns, "same-spec-a"), finished(cluster, ns, "same-spec-b")
         assert on_a["status"]["phase"] == on_b["status"]["phase"] == "Succeeded", (on_a["status"], on_b["status"])
         assert through_dra(on_a) and not through_dra(on_b), (on_a["status"], on_b["status"])
+        assert hyperlight.ANSWER in termination_message(on_a), on_a["status"]
         cluster.api.delete(f"/api/v1/namespaces/{ns}")
         guest.run("systemctl", "stop", UNIT)
     wait_until(lambda: kubelet_view(b).get(HYPERVISOR, 0) == 0, 30, "the stopped host agent's slots gone")
@@ -2288,7 +2321,7 @@ def test_labelled_node_without_a_usable_device_admits_nothing(installed: Cluster
         )
         ns = "hyperlight-apps"
         ensure_namespace(installed, ns)
-        installed.api.create(f"/api/v1/namespaces/{ns}/pods", workload_pod("workload-unusable", ["/kvmcheck"], "b"))
+        installed.api.create(f"/api/v1/namespaces/{ns}/pods", workload_pod("workload-unusable", [RUN_EXAMPLE], "b"))
         try:
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:  # observed for a while: never admitted, never restarted

@@ -4,6 +4,7 @@ owner and mode, and a non-root process in the container creates a VM through it.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 
@@ -12,6 +13,7 @@ import pytest
 from hyperlight_agent import contracts
 from hyperlight_agent.files import cdi
 from standin.kubelet import StandinThread
+from tests import hyperlight
 from tests.conftest import StartAgent
 from tests.podman import Podman, system_cdi_lock
 from tests.test_docs import ROOT
@@ -21,9 +23,13 @@ pytestmark = pytest.mark.system
 
 @pytest.fixture
 def podman(tmp: str) -> Iterator[Podman]:
-    """podman with private storage under tmp, and a one-binary image holding kvmcheck."""
+    """podman with private storage under tmp, and an image holding kvmcheck and the Hyperlight
+    example (its host program and guest)."""
     rootfs = os.path.join(tmp, "rootfs")
     os.makedirs(os.path.join(rootfs, "dev"))
+    example = hyperlight.example()
+    shutil.copy2(example.host, rootfs + hyperlight.HOST_IN_IMAGE)
+    shutil.copy2(example.guest, rootfs + hyperlight.GUEST_IN_IMAGE)
     subprocess.run(
         [
             "gcc",
@@ -84,7 +90,7 @@ def _system_cdi_dir() -> Iterator[str]:
         os.rmdir(directory)  # unless someone else has put a spec there meanwhile
 
 
-def run(podman: Podman, user: str) -> subprocess.CompletedProcess[str]:
+def run(podman: Podman, user: str, command: str = "/kvmcheck") -> subprocess.CompletedProcess[str]:
     return podman(
         "run",
         "--rm",
@@ -95,7 +101,7 @@ def run(podman: Podman, user: str) -> subprocess.CompletedProcess[str]:
         "--device",
         "hyperlight.dev/hypervisor=kvm",
         "localhost/kvmcheck:1",
-        "/kvmcheck",
+        command,
         check=False,
     )
 
@@ -112,8 +118,14 @@ def test_podman_resolves_our_spec_and_a_non_root_user_creates_a_vm(
     ok = run(podman, "65534:65534")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "uid=65534 node=660 owner=65534:65534 env=kvm api=12 vm=created" in ok.stdout
+    # The real client, under podman's default seccomp profile: a Hyperlight sandbox runs the guest.
+    sandbox = run(podman, "65534:65534", hyperlight.HOST_IN_IMAGE)
+    assert sandbox.returncode == 0 and hyperlight.ANSWER in sandbox.stdout, sandbox.stdout + sandbox.stderr
 
     # Neither the owner nor in the group: the 0660 mode keeps it out.
     refused = run(podman, "12345:12345")
     assert refused.returncode == 3, refused.stdout + refused.stderr
     assert "open: Permission denied" in refused.stdout
+    # And Hyperlight says so itself: its own error, exit 1.
+    refused = run(podman, "12345:12345", hyperlight.HOST_IN_IMAGE)
+    assert refused.returncode == 1 and hyperlight.NO_HYPERVISOR in refused.stderr, refused.stdout + refused.stderr

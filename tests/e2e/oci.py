@@ -1,7 +1,8 @@
 """Small OCI images for the e2e nodes, made without a registry or a container engine: the pod
-sandbox (a static pause binary) and the workload (busybox for the example's `sh` probes, and
-kvmcheck, which opens /dev/kvm and creates a VM). Written as an OCI image layout in a tar archive
-that `ctr images import` names from its io.containerd.image.name annotation."""
+sandbox (a static pause binary) and the workload (busybox for the example's `sh` probes, kvmcheck,
+which opens /dev/kvm and creates a VM, and the Hyperlight example's host program and guest).
+Written as an OCI image layout in a tar archive that `ctr images import` names from its
+io.containerd.image.name annotation."""
 
 from __future__ import annotations
 
@@ -99,13 +100,14 @@ def pause_image(directory: str, name: str) -> str:
     return write_image(os.path.join(directory, "pause.tar"), name, {"/pause": binary}, {}, ["/pause"])
 
 
-def workload_image(directory: str, name: str) -> str:
+def workload_image(directory: str, name: str, extra: dict[str, str]) -> str:
+    """`extra`: more files (path in image → host file), e.g. the Hyperlight example's."""
     binary = compile_static("kvmcheck.c", os.path.join(directory, "kvmcheck"))
     links = {f"/bin/{tool}": "busybox" for tool in ("sh", "test", "sleep", "cat", "env", "ls", "stat")}
     return write_image(
         os.path.join(directory, "workload.tar"),
         name,
-        {"/bin/busybox": BUSYBOX, "/kvmcheck": binary},
+        {"/bin/busybox": BUSYBOX, "/kvmcheck": binary, **extra},
         links,
         ["/bin/sh"],
     )
