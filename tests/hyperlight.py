@@ -7,6 +7,7 @@ CDI spec) and check the guest's answer, not only that a VM could be created."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import subprocess
 import time
@@ -48,3 +49,33 @@ def example() -> Example:
     built = Example(os.path.join(OUT, "hyperlight-example"), os.path.join(OUT, "hyperlight-guest"))
     assert all(os.path.isfile(p) for p in built), f"{built} missing after the build"
     return built
+
+
+# The figure users care about (issue 48): a sandbox's build and a guest call's round trip, the
+# medians of this many runs, where we hand the device over and on the host, in the same session.
+FIGURE_RUNS = 10
+MEASURE_IN_IMAGE = f"{HOST_IN_IMAGE} --json --runs {FIGURE_RUNS}"
+
+
+def beside_the_host(said: str) -> dict[str, float]:
+    """The --json line in `said` (a container's output) beside the same runs on this host, and
+    their ratios: figures, never bounds."""
+    (line,) = [x for x in said.splitlines() if x.startswith("{")]
+    there = json.loads(line)
+    built = example()
+    done = subprocess.run(
+        [built.host, "--guest", built.guest, "--json", "--runs", str(FIGURE_RUNS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    here = json.loads(done.stdout)
+    return {
+        "build_ms": there["build_ms"],
+        "host_build_ms": here["build_ms"],
+        "build_ratio": round(there["build_ms"] / here["build_ms"], 2),
+        "call_us": there["call_us"],
+        "host_call_us": here["call_us"],
+        "call_ratio": round(there["call_us"] / here["call_us"], 2),
+    }

@@ -33,7 +33,7 @@ import yaml
 
 from hyperlight_agent import contracts
 from tests import hyperlight, nspawn
-from tests.conftest import E2E_FIGURES, E2E_WORKLOAD_IMAGE, make_node
+from tests.conftest import E2E_FIGURES, E2E_HYPERLIGHT_IMAGE, E2E_WORKLOAD_IMAGE, make_node
 from tests.e2e import cluster as cluster_module
 from tests.e2e.cluster import Cluster, Node, State, wait_until
 from tests.e2e.kube import Api, ApiError
@@ -443,11 +443,13 @@ def test_workload_gets_the_device_through_cdi(installed: Cluster, kubelet: str) 
     ns = "hyperlight-apps"
     ensure_namespace(installed, ns)
     name = f"workload-{kubelet}"
+    measured = hyperlight.MEASURE_IN_IMAGE
     # The output comes back as the termination message: the nodes' only address is loopback, which
     # the kubelet does not report, so the API server cannot fetch logs.
     installed.api.create(
         f"/api/v1/namespaces/{ns}/pods",
-        workload_pod(name, WORKLOAD_SAYS),
+        # WORKLOAD_SAYS, and the example's runs measured for the figure beside the host's.
+        workload_pod(name, [*WORKLOAD_SAYS[:2], WORKLOAD_SAYS[2].replace("&& env", f"&& {measured} && env")]),
     )
     try:
         pod = wait_until(
@@ -468,6 +470,7 @@ def test_workload_gets_the_device_through_cdi(installed: Cluster, kubelet: str) 
         assert "HYPERLIGHT_DEVICE_PATH=/dev/kvm" in log and "HYPERLIGHT_HYPERVISOR=kvm" in log, log
         # The real client: a Hyperlight sandbox ran the guest there.
         assert hyperlight.ANSWER in log and "hypervisor: kvm" in log, log
+        record(f"hyperlight.{kubelet}.{version}.pod_vs_host", hyperlight.beside_the_host(log))
     finally:
         installed.api.delete(f"/api/v1/namespaces/{ns}/pods/{name}")
 
@@ -1626,15 +1629,23 @@ def through_dra(pod: dict[str, Any]) -> bool:
 
 
 @pytest.mark.root
-def test_helm_test_gets_the_device_through_a_claim_too(dra_installed: Cluster) -> None:
+def test_helm_test_gets_the_device_through_a_claim_too(dra_installed: Cluster, published: Published) -> None:
     """`helm test` in mode both: the device plugin's test pod and the DRA one (a claim from the
-    chart's test template) each run the agent's --check on the device they got, and pass."""
-    assert helm_test(dra_installed) == {
-        "hyperlight-test-device-plugin": "Succeeded",
-        "hyperlight-test-dra": "Succeeded",
-    }
+    chart's test template) each run the agent's --check on the device they got, and pass. With
+    tests.workloadImage the same pods run the Hyperlight example: a guest answers through each."""
+    both = {"hyperlight-test-device-plugin": "Succeeded", "hyperlight-test-dra": "Succeeded"}
+    assert helm_test(dra_installed) == both
     # The test's claim template and its claims go with the pods that passed.
     assert not dra_installed.api.get(f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/resourceclaimtemplates")["items"]
+
+    # Only the tests' hooks change: the agents' DaemonSets are rendered as before (no rollout).
+    release = running_release(published, daemonset_pods(dra_installed, DRA_DAEMONSET))
+    values = [*dra_values(published, release), "--namespace", NAMESPACE]
+    helm(dra_installed, "upgrade", "hyperlight", *values, "--set", f"tests.workloadImage={E2E_HYPERLIGHT_IMAGE}")
+    try:
+        assert helm_test(dra_installed) == both
+    finally:
+        helm(dra_installed, "upgrade", "hyperlight", *values)
 
 
 def test_unchanged_pods_move_from_the_device_plugin_to_dra_and_back(

@@ -127,6 +127,7 @@ def test_values_files_match_the_overlays() -> None:
         ("imagePullSecrets[0].secret=x", "at '/imagePullSecrets/0'"),
         ("namespace.name=x", "at '/namespace': additional properties 'name' not allowed"),
         ("tests.image=x", "at '/tests': additional properties 'image' not allowed"),
+        ("tests.workloadImage=app@sha256:1234", "at '/tests/workloadImage': 'app@sha256:1234' does not match pattern"),
     ],
 )
 def test_schema_refuses_bad_values_with_a_clear_message(setting: str, message: str) -> None:
@@ -427,7 +428,7 @@ EVERY_VALUE: dict[str, Any] = {
     "extraEnv": [{"name": "HYPERLIGHT_CHECK_INTERVAL", "value": "10"}],
     "kubeletRootDir": "/var/snap/microk8s/common/var/lib/kubelet/x",  # 43 of the 47 allowed
     "namespace": {"create": True, "labels": {"example.com/team": "sandboxes"}},
-    "tests": {"enabled": True},
+    "tests": {"enabled": True, "workloadImage": "registry.example.com/hyperlight-app@sha256:" + "1" * 64},
     "nodeFeatureRule": {"enabled": True, "modules": {"kvm": ["kvm_intel", "kvm_amd", "kvm_pvm"], "mshv": []}},
     "metrics": {"enabled": True, "port": 9500, "dashboard": {"enabled": True, "annotations": {"grafana_folder": "HL"}}},
     "draEvictAfterSeconds": 300,
@@ -605,6 +606,15 @@ def test_helm_test_asks_for_the_device_as_a_restricted_workload(mode: str) -> No
             )
     without = documents(template("--set", f"mode={mode}", "--set", "tests.enabled=false").stdout)
     assert not [d for d in without if "helm.sh/hook" in d["metadata"].get("annotations", {})]
+    # tests.workloadImage: the same pods run that image's own entrypoint (a Hyperlight workload).
+    image = "registry.example.com/hyperlight-app@sha256:" + "2" * 64
+    real = documents(template("--set", f"mode={mode}", "--set", f"tests.workloadImage={image}").stdout)
+    tested = [d for d in real if d["kind"] == "Pod" and d["metadata"]["annotations"].get("helm.sh/hook") == "test"]
+    assert sorted(d["metadata"]["name"] for d in tested) == sorted(pods)
+    for pod in tested:
+        (container,) = pod["spec"]["containers"]
+        assert container["image"] == image and "args" not in container and "command" not in container, container
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -111,3 +111,9 @@ def workload_image(directory: str, name: str, extra: dict[str, str]) -> str:
         links,
         ["/bin/sh"],
     )
+
+
+def hyperlight_image(directory: str, name: str, files: dict[str, str], entrypoint: str) -> str:
+    """The Hyperlight example alone, as its Containerfile makes it: `files` and nothing else, its
+    host program the entrypoint, non-root."""
+    return write_image(os.path.join(directory, "hyperlight.tar"), name, files, {}, [entrypoint], user="65534:65534")
