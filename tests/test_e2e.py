@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import threading
@@ -493,6 +494,54 @@ def test_a_pod_that_did_not_ask_for_the_device_gets_hyperlights_own_error(instal
         assert hyperlight.NO_HYPERVISOR in log and "panicked" not in log, log
     finally:
         installed.api.delete(f"/api/v1/namespaces/{ns}/pods/{name}")
+
+
+# Pods created at once on one node, each building a Hyperlight sandbox on its own slot (issue 48: 3).
+AT_ONCE = 50
+
+
+def test_fifty_pods_on_one_node_each_build_a_sandbox(installed: Cluster) -> None:
+    """The slots' point: AT_ONCE pods asking for the device, created together and pinned to node
+    a, each get a slot and run the Hyperlight example to the end. Figures (not bounds): how long
+    until all had finished, and their sandboxes' median build and call beside the host's."""
+    use_kubelet(installed, installed.versions["newest"])
+    ns = "hyperlight-at-once"
+    ensure_namespace(installed, ns)
+    try:
+        started = time.monotonic()
+        for i in range(AT_ONCE):
+            pod = workload_pod(f"sandbox-{i}", ["/bin/sh", "-c", f"{RUN_EXAMPLE} --json {SAY}"], "a")
+            # The example's 100m each would not fit 50 on a two-core node.
+            pod["spec"]["containers"][0]["resources"]["requests"] = {"cpu": "10m", "memory": "16Mi"}
+            pod["metadata"]["labels"]["e2e"] = "at-once"
+            installed.api.create(f"/api/v1/namespaces/{ns}/pods", pod)
+
+        def all_ended() -> list[dict[str, Any]]:
+            pods: list[dict[str, Any]] = installed.api.get(f"/api/v1/namespaces/{ns}/pods")["items"]
+            ended = [p for p in pods if p["status"].get("phase") in ("Succeeded", "Failed")]
+            return ended if len(ended) == AT_ONCE else []
+
+        pods = wait_until(all_ended, 600, f"{AT_ONCE} pods finished", interval=1)
+        took = time.monotonic() - started
+        failed = {p["metadata"]["name"]: termination_message(p) for p in pods if p["status"]["phase"] != "Succeeded"}
+        assert not failed, failed
+        said = [json.loads(termination_message(p).strip().splitlines()[-1]) for p in pods]
+        assert {(r["add"], r["host_call"]) for r in said} == {(42, 1337)}, said
+        alone = hyperlight.beside_the_host(json.dumps(said[0]))
+        build = statistics.median(r["build_ms"] for r in said)
+        call = statistics.median(r["call_us"] for r in said)
+        record(
+            f"hyperlight.{AT_ONCE}_pods_on_one_node",
+            {
+                "all_ended_s": round(took, 1),
+                "build_ms_median": build,
+                "build_ratio_to_host": round(build / alone["host_build_ms"], 2),
+                "call_us_median": call,
+                "call_ratio_to_host": round(call / alone["host_call_us"], 2),
+            },
+        )
+    finally:
+        installed.api.delete(f"/api/v1/namespaces/{ns}")
 
 
 def test_workload_pinned_to_the_node_without_agent_stays_pending(installed: Cluster) -> None:

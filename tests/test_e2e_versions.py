@@ -40,6 +40,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import hyperlight
 from tests.e2e import versions
 from tests.e2e.cluster import Cluster, Node, wait_until
 from tests.releases import CURRENT, PREVIOUS, Published
@@ -151,7 +152,13 @@ def run_workload(cluster: Cluster, pod: dict[str, Any]) -> dict[str, Any]:
         cluster.api.delete(f"/api/v1/namespaces/{APPS}/pods/{name}")
 
 
-SAYS = ["/bin/sh", "-c", "/kvmcheck >/dev/termination-log"]
+# The node as CDI made it, then the real client: a Hyperlight guest's answer.
+SAYS = ["/bin/sh", "-c", f"{{ /kvmcheck && {hyperlight.HOST_IN_IMAGE}; }} >/dev/termination-log 2>&1"]
+
+
+def worked(pod: dict[str, Any]) -> bool:
+    said = termination_message(pod)
+    return pod["status"]["phase"] == "Succeeded" and WORKLOAD_SAYS in said and hyperlight.ANSWER in said
 
 
 def device_plugin_event(cluster: Cluster, published: Published, event: str) -> dict[str, Any]:
@@ -184,7 +191,7 @@ def test_migration_from_the_upstream_plugin_on_a_whole_cluster(whole: Cluster, p
 def test_device_plugin_on_a_whole_cluster(whole: Cluster, published: Published) -> None:
     cluster, version = whole, whole.control_plane_version
     pod = run_workload(cluster, workload_pod("workload", SAYS))
-    assert pod["status"]["phase"] == "Succeeded" and WORKLOAD_SAYS in termination_message(pod), pod["status"]
+    assert worked(pod), (pod["status"], termination_message(pod))
     for event in ("agent_pod_deleted", f"helm_upgrade_{PREVIOUS}_to_{CURRENT}"):
         figure = device_plugin_event(cluster, published, event)
         record(f"whole.{version}.{event}", figure)
@@ -297,11 +304,11 @@ def test_dra_takes_the_shape_the_api_server_allows(whole: Cluster, published: Pu
     template["metadata"]["namespace"] = APPS
     cluster.api.create(f"/apis/resource.k8s.io/v1/namespaces/{APPS}/resourceclaimtemplates", template)
     pod = run_workload(cluster, dra_pod("dra-workload", SAYS))
-    assert pod["status"]["phase"] == "Succeeded" and WORKLOAD_SAYS in termination_message(pod), pod["status"]
+    assert worked(pod), (pod["status"], termination_message(pod))
 
     # In mode both an unchanged pod is the device plugin's (node a's allocatable is above 0).
     pod = run_workload(cluster, workload_pod("unchanged", SAYS))
-    assert pod["status"]["phase"] == "Succeeded" and not through_dra(pod), pod["status"]
+    assert worked(pod) and not through_dra(pod), (pod["status"], termination_message(pod))
 
     # The driver's pod deleted under DRA load (its successor takes over the slice).
     old = driver["metadata"]["uid"]
@@ -341,7 +348,7 @@ def test_dra_device_unusable_helm_upgrade_and_helm_test_on_a_whole_cluster(
     keeps_taints = minor(cluster) >= SHARED_SINCE
     pod, unusable_s, usable_s = unusable_then_usable(cluster, APPS, "dra-waits", SAYS, devices, keeps_taints)
     figure: dict[str, Any] = {"unusable_to_slice_s": unusable_s, "usable_to_slice_full_s": usable_s}
-    assert pod["status"]["phase"] == "Succeeded" and WORKLOAD_SAYS in termination_message(pod), pod["status"]
+    assert worked(pod), (pod["status"], termination_message(pod))
     said = [line for line in container_log(a, driver).splitlines() if NO_TAINTS_SAYS in line]
     assert len(said) == (0 if keeps_taints else 1), said
     figure["no_taints_log_lines"] = len(said)
@@ -382,7 +389,7 @@ def test_unchanged_pod_where_only_dra_serves_the_node(whole: Cluster, published:
     try:
         if minor(cluster) >= SHARED_SINCE:
             pod = finished(cluster, APPS, name)
-            assert pod["status"]["phase"] == "Succeeded" and through_dra(pod), pod["status"]
+            assert worked(pod) and through_dra(pod), (pod["status"], termination_message(pod))
             outcome = "ran through DRA"
         else:
 
@@ -443,7 +450,7 @@ def test_control_plane_upgraded_under_a_running_driver(whole: Cluster) -> None:
     upgraded_s = time.monotonic() - started
     # Served on, in the shape found at the driver's start: a new claim gets one of the N devices.
     pod = run_workload(cluster, dra_pod("after-upgrade", SAYS))
-    assert pod["status"]["phase"] == "Succeeded", pod["status"]
+    assert worked(pod), (pod["status"], termination_message(pod))
     assert slice_devices(cluster, "a") == DRA_DEVICES
     assert [p["metadata"]["uid"] for p in daemonset_pods(cluster, DRA_DAEMONSET)] == [driver["metadata"]["uid"]]
 
@@ -462,7 +469,7 @@ def test_control_plane_upgraded_under_a_running_driver(whole: Cluster) -> None:
     (slice_,) = node_slices(cluster, "a")
     assert [d["name"] for d in slice_["spec"]["devices"]] == ["kvm"], slice_["spec"]
     pod = run_workload(cluster, dra_pod("after-restart", SAYS))
-    assert pod["status"]["phase"] == "Succeeded", pod["status"]
+    assert worked(pod), (pod["status"], termination_message(pod))
 
     after = cluster.api.get(f"/api/v1/namespaces/{APPS}/pods/holder")
     untouched = (
