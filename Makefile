@@ -11,6 +11,8 @@ PY := $(VENV)/bin/python
 #          contents), man-db (man page lint), dnf (a yum client reading our signed repositories);
 #          for the real cluster (make e2e): containernetworking-plugins (pod networks), busybox-static
 #          (the workload image's shell), openssl (per-run certificates), iproute2 (bridges).
+#          The Hyperlight example (make hyperlight-example) needs gcc + libc6-dev and rustup's
+#          1.95.0 toolchain, which these machines have (rustup is not a Debian package here).
 DEB_BUILD_PACKAGES := python3-venv python3-pip debhelper lintian
 RPM_BUILD_PACKAGES := python3-venv python3-pip rpm rpmlint binutils
 #   release: both of those, plus reprepro (the apt repository), createrepo-c (the yum ones), gnupg
