@@ -1,5 +1,6 @@
-"""A real CDI consumer: podman 4.3 resolves the agent-written spec, creates the node with our
-owner and mode, and a non-root process in the container creates a VM through it."""
+"""A real CDI consumer: podman 4.3 resolves the agent-written spec (the agent's from the source
+tree, and the .deb's under systemd), creates the node with our owner and mode, and a non-root
+process in the container creates a VM and runs a Hyperlight guest through it."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 from hyperlight_agent import contracts
 from hyperlight_agent.files import cdi
 from standin.kubelet import StandinThread
-from tests import hyperlight
-from tests.conftest import StartAgent
+from tests import hyperlight, nspawn
+from tests.conftest import StartAgent, make_node, wait_for
 from tests.podman import Podman, system_cdi_lock
+from tests.test_deb import UNIT, apt
 from tests.test_docs import ROOT
 
 pytestmark = pytest.mark.system
@@ -129,3 +131,31 @@ def test_podman_resolves_our_spec_and_a_non_root_user_creates_a_vm(
     # And Hyperlight says so itself: its own error, exit 1.
     refused = run(podman, "12345:12345", hyperlight.HOST_IN_IMAGE)
     assert refused.returncode == 1 and hyperlight.NO_HYPERVISOR in refused.stderr, refused.stdout + refused.stderr
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not os.path.exists("/dev/kvm"), reason="this machine has no /dev/kvm")
+def test_podman_runs_the_hyperlight_guest_with_the_spec_the_debs_agent_wrote(
+    podman: Podman, system_cdi_dir: str, host_packages: dict[str, str], tmp: str
+) -> None:
+    """A host, end to end: the release's .deb installed on a clean Debian 12 and run by its
+    systemd (the guest's /run/cdi is this machine's, held under the system CDI lock) writes the
+    spec, and podman here resolves it: the Hyperlight guest answers as 65534."""
+    deb = host_packages["deb12"]
+    root = os.path.join(tmp, "root")
+    subprocess.run(["cp", "-a", "--reflink=auto", nspawn.rootfs(), root], check=True, timeout=300)
+    apt(root, "install", "/root/agent.deb", binds=(f"{deb}:/root/agent.deb",))
+    os.makedirs(os.path.join(tmp, "kubelet"))
+    os.makedirs(system_cdi_dir, exist_ok=True)  # the bind's source (the fixture removes it if it made it)
+    kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
+    binds = [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins", f"{system_cdi_dir}:/run/cdi"]
+    with nspawn.Guest(root, binds, ephemeral=False) as guest, StandinThread(os.path.join(tmp, "kubelet")) as kubelet:
+        kubelet.wait_until(lambda k: k.allocatable(contracts.RESOURCE_HYPERVISOR) == 2000, 60)
+        wait_for(lambda: guest.is_active(UNIT) == "active", 30, "the .deb's agent active")
+        response = kubelet.call(kubelet.kubelet.allocate(contracts.RESOURCE_HYPERVISOR, ["kvm-0"]))
+        assert response.container_responses[0].cdi_devices[0].name == "hyperlight.dev/hypervisor=kvm"
+        assert os.path.exists(cdi.spec_path(system_cdi_dir))
+
+        said = run(podman, "65534:65534", hyperlight.HOST_IN_IMAGE)
+        assert said.returncode == 0 and hyperlight.ANSWER in said.stdout, said.stdout + said.stderr
+        guest.run("systemctl", "stop", UNIT)
