@@ -16,7 +16,7 @@ from typing import NamedTuple
 from tests import locks
 from tests.e2e import tools
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = locks.ROOT
 BUILD = os.path.join(ROOT, "deploy", "examples", "hyperlight", "build.sh")
 OUT = os.path.join(ROOT, "build", "hyperlight-example")
 LOG = "build/hyperlight-example.log"
