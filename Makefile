@@ -76,8 +76,9 @@ IMPORTS := $(VENV)/bin/lint-imports --no-cache
 # Kubernetes minor, etcd and containerd) at the lowest. conftest.py runs the tests that need the
 # tools after the others, and the cluster tests last; each waits only for what it drives (build.sh's
 # lock on each), and a build that a test waits for runs at the tests' priority from then on.
-# Both builds end with make at the latest. Two pytest-xdist workers, one a lane for the real clusters
-# (conftest.py), so the waits of one (boots, rollouts, pods) leave the cores to the other's tests.
+# Both builds end with make at the latest. Two pytest-xdist workers: one takes the session's real
+# cluster, the other the rest, the other minors' whole clusters among it (conftest.py's lanes), so
+# the waits of one (boots, rollouts, pods) leave the cores to the other's tests.
 # The session ends with its phases' times.
 test: $(VENV)/.installed tools-background e2e-components-background $(JUDGES)/.installed system-deps  ## everything: lint, types, imports, and every test (system tests and the real cluster)
 	$(RUFF)

@@ -214,12 +214,12 @@ def _order_and_lanes(config: pytest.Config, items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.root)
         item.user_properties.append(("tier", tier(item)))
 
-    # The real clusters run one at a time: of the real-cluster tests, the whole clusters of the
-    # other minors (test_e2e_versions.py) first, each ending with its module, then the session's
-    # cluster. Alone (one process), they run last: `make test` builds their components in the
-    # background meanwhile (each cluster waits for that build); before them, the tests that drive
-    # the tools (tests/e2e/tools.py: the releases, the manifests' judges), whose build also runs in
-    # the background meanwhile. The order is otherwise unchanged.
+    # Alone (one process), the real-cluster tests run last: the whole clusters of the other minors
+    # (test_e2e_versions.py) first, each ending with its module, then the session's cluster.
+    # `make test` builds their components in the background meanwhile (each cluster waits for
+    # that build); before them, the tests that drive the tools (tests/e2e/tools.py: the releases,
+    # the manifests' judges), whose build also runs in the background meanwhile. The order is
+    # otherwise unchanged.
     def place(item: pytest.Item) -> tuple[bool, bool, bool]:
         e2e = item.get_closest_marker("e2e") is not None
         return e2e, e2e and item.path.name != "test_e2e_versions.py", uses_tools(item)
@@ -229,14 +229,23 @@ def _order_and_lanes(config: pytest.Config, items: list[pytest.Item]) -> None:
     # are read there, from each worker's own collection.)
     if not (config.getoption("dist", "no") == "loadgroup" or getattr(config.option, "loadgroup", False)):
         return
-    # Side by side (`make test`: two workers, --dist loadgroup): the clusters are one lane, taken
-    # first by one worker and run in the order above; every other module is a unit of its own
-    # (its fixtures made once) for whichever worker is free, in the order above. The lane of the
-    # clusters waits for the releases as any test does (made once for every worker: releases.py).
+    # Side by side (`make test`: two workers, --dist loadgroup): every module is a unit of work
+    # (its fixtures made once) for whichever worker is free, the biggest first (xdist's order by
+    # tests per unit). The session's cluster (test_e2e.py, and the fleet's control plane) is one
+    # unit, taken first; each other minor's whole cluster is a unit of its own, so that it runs on
+    # the other worker beside the session's cluster (hostwide.py: what clusters at once share).
+    # Every cluster waits for the releases as any test does (made once for every worker: releases.py).
     for item in items:
-        lane = "clusters" if item.get_closest_marker("e2e") else item.path.name
-        item.add_marker(pytest.mark.xdist_group(lane))
+        item.add_marker(pytest.mark.xdist_group(lane(item)))
     items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+
+
+def lane(item: pytest.Item) -> str:
+    """The unit of work a test belongs to in `make test`'s two workers (pytest-xdist's group)."""
+    if not item.get_closest_marker("e2e"):
+        return item.path.name
+    row = getattr(getattr(item, "callspec", None), "params", {}).get("whole")
+    return f"whole cluster 1.{row.minor}" if row is not None else "clusters"
 
 
 def uses_tools(item: pytest.Item) -> bool:

@@ -57,27 +57,44 @@ import pytest
 
 {mark}
 @pytest.mark.parametrize("i", range(8))
-def test_where(i):
+def test_where(request, i):
+    lane = request.node.get_closest_marker("xdist_group").args[0].replace(" ", "_")
     with open(os.path.join(os.path.dirname(__file__), "ran"), "a") as f:
-        f.write(__name__ + " " + os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+        f.write(__name__ + " " + os.environ["PYTEST_XDIST_WORKER"] + " " + lane + "\\n")
 """
 
 
-def test_the_clusters_are_one_lane_in_real_workers(tmp_path: Any) -> None:
-    """Every real-cluster test in one worker (two clusters at once would halve the machine under
-    each) and each other module in one worker (its fixtures made once): a pytest or pytest-xdist
-    whose loadgroup ignores the groups (pytest-dev/pytest-xdist#1386) fails here, not in a
-    cluster's timing an hour into CI."""
+WHOLE_CLUSTERS_TEST = """
+import os
+import types
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module", params=[types.SimpleNamespace(minor=m) for m in (35, 36)], ids=["1.35", "1.36"])
+def whole(request):
+    return request.param
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_where(request, whole, i):
+    lane = request.node.get_closest_marker("xdist_group").args[0].replace(" ", "_")
+    with open(os.path.join(os.path.dirname(__file__), "ran"), "a") as f:
+        f.write(f"{__name__}[1.{whole.minor}] " + os.environ["PYTEST_XDIST_WORKER"] + " " + lane + "\\n")
+"""
+
+
+def test_each_cluster_is_one_lane_in_real_workers(tmp_path: Any) -> None:
+    """The session's cluster in one worker, each other minor's whole cluster in one worker (a
+    module-scoped fixture's parameter), each other module in one worker (its fixtures made once):
+    a pytest or pytest-xdist whose loadgroup ignores the groups (pytest-dev/pytest-xdist#1386)
+    fails here, not in a cluster's timing an hour into CI."""
     for name, text in LANES_SUITE.items():
         (tmp_path / name).write_text(text)
-    for module, mark in [
-        ("test_e2e_versions", "pytestmark = pytest.mark.e2e"),
-        ("test_e2e", "pytestmark = pytest.mark.e2e"),
-        ("test_one", ""),
-        ("test_two", ""),
-        ("test_three", ""),
-    ]:
+    for module, mark in [("test_e2e", "pytestmark = pytest.mark.e2e"), ("test_one", ""), ("test_two", "")]:
         (tmp_path / f"{module}.py").write_text(LANES_TEST.format(mark=mark))
+    (tmp_path / "test_e2e_versions.py").write_text(WHOLE_CLUSTERS_TEST)
     env = {**os.environ, "PYTHONPATH": REPO}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider"],
@@ -90,11 +107,17 @@ def test_the_clusters_are_one_lane_in_real_workers(tmp_path: Any) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     workers: dict[str, set[str]] = {}
+    lanes: dict[str, set[str]] = {}
     for line in (tmp_path / "ran").read_text().splitlines():
-        module, worker = line.split()
+        module, worker, lane = line.split()
         workers.setdefault(module, set()).add(worker)
-    assert len(workers) == 5, workers
-    clusters = workers["test_e2e_versions"] | workers["test_e2e"]
-    assert len(clusters) == 1, f"the real-cluster tests ran in {sorted(clusters)}"
-    for module in ("test_one", "test_two", "test_three"):
-        assert len(workers[module]) == 1, f"{module} ran in {sorted(workers[module])}"
+        lanes.setdefault(module, set()).add(lane)
+    assert lanes == {
+        "test_e2e": {"clusters"},
+        "test_e2e_versions[1.35]": {"whole_cluster_1.35"},
+        "test_e2e_versions[1.36]": {"whole_cluster_1.36"},
+        "test_one": {"test_one.py"},
+        "test_two": {"test_two.py"},
+    }
+    for module, ran_in in workers.items():
+        assert len(ran_in) == 1, f"{module} ran in {sorted(ran_in)}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pathlib
 import subprocess
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import wait_for
-from tests.e2e import versions
+from tests.e2e import hostwide, versions
 from tests.e2e.cluster import BRIDGE_PREFIX, Cluster, free_subnets, routed_networks, run_tag
 from tests.e2e.outcomes import PodSlots, naming, rejected_at_admission, start_cut, why_failed
 
@@ -32,6 +33,76 @@ def test_the_nodes_subnets_avoid_a_bridge_another_run_left() -> None:
     assert free_subnets(4, {(0, 0), (10 << 24, 0xFF000000)}) == 0
     with pytest.raises(RuntimeError, match="no 4 free /24 subnets"):
         free_subnets(4, {(net(i), SLASH_24) for i in range(256)})
+
+
+def test_clusters_at_once_claim_different_subnets_and_a_released_claim_is_free_again(
+    tmp_path: pathlib.Path,
+) -> None:
+    """Two workers' clusters started together both read the routes before either had a bridge (a
+    bridge appears with its first pod), and took the same subnets: a claim is a lock held for the
+    cluster's life, so the second takes the next free base."""
+    locks = str(tmp_path)
+    first = hostwide.SubnetClaim([0, 4, 8], locks)
+    second = hostwide.SubnetClaim([0, 4, 8], locks)
+    assert (first.base, second.base) == (0, 4)
+    with pytest.raises(RuntimeError, match="every candidate is routed or claimed"):
+        hostwide.SubnetClaim([0, 4], locks)
+    first.release()
+    again = hostwide.SubnetClaim([0, 4], locks)
+    assert again.base == 0
+    again.release()
+    # A claim held by another process (a worker's cluster) counts too, and ends with it.
+    lock = os.path.join(locks, "hyperlight-e2e-subnets-8.lock")
+    holder = subprocess.Popen(["flock", "--exclusive", "--no-fork", lock, "sleep", "1000"])
+
+    def held() -> bool:
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+
+    try:
+        wait_for(held, what="the other process's claim")
+        beside = hostwide.SubnetClaim([8, 12], locks)
+        assert beside.base == 12
+        beside.release()
+    finally:
+        holder.kill()
+        holder.wait(10)
+    after = hostwide.SubnetClaim([8], locks)
+    assert after.base == 8
+    after.release()
+    second.release()
+
+
+def test_mountpoints_are_removed_by_the_last_cluster_out(tmp_path: pathlib.Path) -> None:
+    """Removing /var/lib/kubelet while another worker's nodes had it bound detached their mounts:
+    what the host lacked stays while any cluster holds a claim, and goes with the last one."""
+    locks, host = str(tmp_path / "locks"), tmp_path / "host"
+    host.mkdir()
+    (host / "etc-cdi").mkdir()  # the host's own: never ours to remove
+    targets = [str(host / "kubelet"), str(host / "etc-cdi")]
+    first = hostwide.SubnetClaim([0], locks)
+    hostwide.make_mountpoints(targets, locks)
+    second = hostwide.SubnetClaim([4], locks)
+    hostwide.make_mountpoints(targets, locks)
+    first.release()
+    assert hostwide.remove_mountpoints(lock_dir=locks) == [targets[0]]
+    assert (host / "kubelet").is_dir()
+    second.release()
+    assert hostwide.remove_mountpoints(lock_dir=locks) == []
+    assert not (host / "kubelet").exists() and (host / "etc-cdi").is_dir()
+    # A killed run's (its state file's list, from before the registry) goes the same way.
+    (host / "old").mkdir()
+    assert hostwide.remove_mountpoints([str(host / "old")], locks) == []
+    assert not (host / "old").exists()
+    assert sorted(os.listdir(locks)) == [
+        "hyperlight-e2e-host.lock",
+        "hyperlight-e2e-subnets-0.lock",
+        "hyperlight-e2e-subnets-4.lock",
+    ]
 
 
 def test_the_hosts_routes_are_read() -> None:

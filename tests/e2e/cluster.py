@@ -15,7 +15,8 @@ sharing one garbage-collect each other's pods), ports and CNI bridge.
 
 Everything started is recorded in the run directory's state file as it is started; stop() (and the
 next run's start, after a run killed half-way) ends it by PID and by mount namespace, removes the
-cgroups, bridges and mountpoints it created, and nothing is left on the host.
+cgroups and bridges it created, and nothing is left on the host. What clusters running at once
+share (their subnets, the standard paths' mountpoints) is hostwide.py's.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 from tests.e2e import tools
 
+from . import hostwide
 from . import versions as kube_versions
 from .kube import Api, ApiError
 from .pki import Identity, Pki
@@ -117,9 +120,10 @@ def routed_networks() -> set[tuple[int, int]]:
     return networks
 
 
-def free_subnets(count: int, routes: set[tuple[int, int]]) -> int:
-    """The first x for which 10.250.x+1 … 10.250.x+count are /24s within which no route of a /24 or
-    longer lies (a broader route, a VPN's 10.0.0.0/8, loses to our bridge's by its length)."""
+def subnet_bases(count: int, routes: set[tuple[int, int]]) -> Iterator[int]:
+    """Each x, lowest first, for which 10.250.x+1 … 10.250.x+count are /24s within which no route
+    of a /24 or longer lies (a broader route, a VPN's 10.0.0.0/8, loses to our bridge's by its
+    length)."""
 
     def overlaps(octet: int) -> bool:
         net = (10 << 24) | (250 << 16) | (octet << 8)
@@ -127,7 +131,12 @@ def free_subnets(count: int, routes: set[tuple[int, int]]) -> int:
 
     for base in range(0, 255 - count, count):
         if not any(overlaps(base + i) for i in range(1, count + 1)):
-            return base
+            yield base
+
+
+def free_subnets(count: int, routes: set[tuple[int, int]]) -> int:
+    for base in subnet_bases(count, routes):
+        return base
     raise RuntimeError(f"no {count} free /24 subnets in 10.250.0.0/16: every one is routed already")
 
 
@@ -270,7 +279,7 @@ def _kill_everything(state: State) -> None:
     start time, a process in a node's cgroup tree (the containers: their own mount namespaces),
     or one in a node's mount namespace that carries the run's marker (containerd's shims). A
     namespace number alone proves nothing: it is reused at once once its namespace is gone. Then
-    remove what they left on the host: cgroups, bridges, mountpoints."""
+    remove what they left on the host: cgroups and bridges (the mountpoints: hostwide.py)."""
     for _ in range(50):
         victims = _victims(state)
         if not victims:
@@ -284,9 +293,6 @@ def _kill_everything(state: State) -> None:
             _rmdir_tree(os.path.join(CGROUP_ROOT, hierarchy, path.lstrip("/")))
     for bridge in state.data["bridges"]:
         subprocess.run(["ip", "link", "del", bridge], capture_output=True, check=False)
-    for path in state.data["mountpoints"]:
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
 
 
 def _hierarchies() -> list[str]:
@@ -394,10 +400,7 @@ class Node:
         state = self.cluster.state
         for sub in ("logs", *NODE_MOUNTS.values(), "cni-conf", "containerd-root", "volume-plugins"):
             os.makedirs(self.path(sub), exist_ok=True)
-        for target in NODE_MOUNTS:
-            if not os.path.exists(target):
-                os.makedirs(target)
-                state.add("mountpoints", target)
+        hostwide.make_mountpoints(NODE_MOUNTS, self.cluster.lock_dir)
         self._cgroups()
         state.add("bridges", self.bridge)
         script = ["set -e", "mount --make-rprivate /"]
@@ -662,10 +665,18 @@ class Forwarder:
 
 
 class Cluster:
-    def __init__(self, directory: str, bin_dir: str, mirrors: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        directory: str,
+        bin_dir: str,
+        mirrors: Optional[dict[str, str]] = None,
+        lock_dir: str = hostwide.LOCK_DIR,
+    ) -> None:
         """mirrors: registry → URL whose registry the nodes' containerd pulls that registry's
-        images from (as a mirror), e.g. {"ghcr.io": "http://127.0.0.1:5000"}."""
+        images from (as a mirror), e.g. {"ghcr.io": "http://127.0.0.1:5000"}. lock_dir: where
+        the clusters on this host claim their subnets and list their mountpoints."""
         self.directory = directory
+        self.lock_dir = lock_dir
         self.bin_dir = bin_dir
         self.mirrors = dict(mirrors or {})
         self.versions = versions()
@@ -676,8 +687,10 @@ class Cluster:
         self.server = ""
         self.api: Api = None  # type: ignore[assignment]  # set by start()
         self.admin_kubeconfig = ""
-        # The nodes' subnets are 10.250.subnet_base+1… (start(): none another bridge routes already).
+        # The nodes' subnets are 10.250.subnet_base+1… (start(): none another bridge routes already,
+        # none another cluster claims).
         self.subnet_base = 0
+        self.subnets: Optional[hostwide.SubnetClaim] = None
         # How long binaries() waited for the components' build (the one `make test` runs beside).
         self.components_wait_s = 0.0
 
@@ -692,10 +705,12 @@ class Cluster:
         return path
 
     @staticmethod
-    def clean_leftovers(state_path: str, directory: str) -> None:
+    def clean_leftovers(state_path: str, directory: str, lock_dir: str = hostwide.LOCK_DIR) -> None:
         """Whatever a run killed half-way left: its processes, cgroups, bridges, mountpoints, files."""
         if os.path.exists(state_path):
-            _kill_everything(State(state_path))
+            state = State(state_path)
+            _kill_everything(state)
+            hostwide.remove_mountpoints(state.data["mountpoints"], lock_dir)  # a run's before the registry
             os.unlink(state_path)
         # A bridge named for this run directory is this directory's, even when its state file is
         # gone with the directory (rm -rf of a killed run's checkout): left, its route moves our
@@ -721,11 +736,12 @@ class Cluster:
         for component, pinned in (("etcd", self.versions["etcd"]), ("containerd", self.versions["containerd"])):
             self.binaries(component, pinned)
         k8s = self.binaries("kubernetes", self.control_plane_version)
-        self.clean_leftovers(self.state_path, self.directory)
+        self.clean_leftovers(self.state_path, self.directory, self.lock_dir)
         os.makedirs(os.path.join(self.directory, "logs"))
         self.state = State(self.state_path)
         self.logs = os.path.join(self.directory, "logs")
-        self.subnet_base = free_subnets(MAX_NODES, routed_networks())
+        self.subnets = hostwide.SubnetClaim(subnet_bases(MAX_NODES, routed_networks()), self.lock_dir)
+        self.subnet_base = self.subnets.base
         self.pki = Pki(os.path.join(self.directory, "pki"))
         etcd_client, etcd_peer, api_port = free_port(), free_port(), free_port()
         etcd = self.binaries("etcd", self.versions["etcd"])
@@ -942,6 +958,9 @@ class Cluster:
         _kill_everything(self.state)
         for popen in self.state.started:
             popen.wait(10)
+        if self.subnets is not None:
+            self.subnets.release()
+        hostwide.remove_mountpoints(lock_dir=self.lock_dir)
         os.unlink(self.state_path)
 
     def kubectl(

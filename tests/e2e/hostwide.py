@@ -1,0 +1,122 @@
+"""What the real clusters running at once on one host share (two pytest workers' clusters, another
+checkout's run): the nodes' subnets and the standard paths' mountpoints.
+
+A cluster claims its subnets with a lock it holds for its life (flock: the kernel releases it when
+the process ends, however it ends), since its nodes' bridges, whose routes would show the subnets
+taken, appear only with their first pod. A standard path (/var/lib/kubelet, …) that the host
+lacks is made by the first node that needs it and listed in a registry beside the locks; it is
+removed only when no cluster holds a claim: removing a directory detaches the mounts on it in
+every other mount namespace, so a node of another running cluster would lose its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterable, Iterator
+from typing import IO, Optional
+
+LOCK_DIR = "/run/lock"
+PREFIX = "hyperlight-e2e"
+
+
+def _path(lock_dir: str, name: str) -> str:
+    return os.path.join(lock_dir, f"{PREFIX}-{name}")
+
+
+@contextlib.contextmanager
+def _registry_lock(lock_dir: str) -> Iterator[None]:
+    os.makedirs(lock_dir, exist_ok=True)
+    with open(_path(lock_dir, "host.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _try_lock(path: str) -> Optional[IO[str]]:
+    """The file at path, locked exclusively, or None when someone holds it (this process too,
+    through another open file)."""
+    f = open(path, "a")  # noqa: SIM115  # the lock lasts as long as this file stays open
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
+class SubnetClaim:
+    """The first of the candidate bases (those no route takes) that no other cluster claims, held
+    until release()."""
+
+    def __init__(self, candidates: Iterable[int], lock_dir: str = LOCK_DIR) -> None:
+        os.makedirs(lock_dir, exist_ok=True)
+        self._held: Optional[IO[str]] = None
+        for base in candidates:
+            self._held = _try_lock(_path(lock_dir, f"subnets-{base}.lock"))
+            if self._held is not None:
+                self.base = base
+                return
+        raise RuntimeError(f"no free subnets: every candidate is routed or claimed ({lock_dir}/{PREFIX}-subnets-*)")
+
+    def release(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+
+
+def _claimed(lock_dir: str) -> bool:
+    """Whether any cluster holds a claim now."""
+    for name in os.listdir(lock_dir):
+        if name.startswith(f"{PREFIX}-subnets-") and name.endswith(".lock"):
+            held = _try_lock(os.path.join(lock_dir, name))
+            if held is None:
+                return True
+            held.close()
+    return False
+
+
+def _registry(lock_dir: str) -> list[str]:
+    try:
+        with open(_path(lock_dir, "mountpoints.json")) as f:
+            return list(json.load(f))
+    except FileNotFoundError:
+        return []
+
+
+def _write_registry(lock_dir: str, paths: list[str]) -> None:
+    path = _path(lock_dir, "mountpoints.json")
+    if not paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    with open(path + ".tmp", "w") as f:
+        json.dump(sorted(set(paths)), f)
+    os.replace(path + ".tmp", path)
+
+
+def make_mountpoints(targets: Iterable[str], lock_dir: str = LOCK_DIR) -> None:
+    """Each of targets the host lacks, made and listed (by a cluster that holds its claim)."""
+    with _registry_lock(lock_dir):
+        made = [t for t in targets if not os.path.exists(t)]
+        for target in made:
+            os.makedirs(target)
+        if made:
+            _write_registry(lock_dir, _registry(lock_dir) + made)
+
+
+def remove_mountpoints(also: Iterable[str] = (), lock_dir: str = LOCK_DIR) -> list[str]:
+    """Once no cluster holds a claim: every listed mountpoint (and `also`: a killed run's, from its
+    state file) removed, deepest first; else they stay listed for the last one out. Returns what
+    is left listed."""
+    with _registry_lock(lock_dir):
+        listed = sorted(set(_registry(lock_dir)) | set(also), key=len, reverse=True)
+        if _claimed(lock_dir):
+            _write_registry(lock_dir, listed)
+            return listed
+        for path in listed:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+        _write_registry(lock_dir, [])
+        return []
