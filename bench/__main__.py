@@ -1173,7 +1173,8 @@ def bench_watch_hot_loop(top: str) -> None:
     minute, with its real backoff; the baseline is the same minute against a server that keeps
     the watch open (its normal cost)."""
     from hyperlight_agent.dra import client as dra_client
-    from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher
+    from hyperlight_agent.dra.slice_spec import DeviceInfo
+    from hyperlight_agent.dra.slices import SlicePublisher
     from standin.apiserver import NODE, FakeApiServer, kubeconfig
 
     print("watch that ends at once", flush=True)

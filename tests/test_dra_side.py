@@ -21,7 +21,7 @@ from hyperlight_agent.dra import client as dra_client
 from hyperlight_agent.dra import registration as dra_registration
 from hyperlight_agent.dra import side as dra_side_module
 from hyperlight_agent.dra.side import DraSide, DraTarget, candidates
-from hyperlight_agent.dra.slices import DeviceInfo
+from hyperlight_agent.dra.slice_spec import DeviceInfo
 from hyperlight_agent.files import cdi
 from hyperlight_agent.host import healthcheck
 from hyperlight_agent.identity import Identity

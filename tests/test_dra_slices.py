@@ -19,7 +19,8 @@ import pytest
 from hyperlight_agent.dra import client as dra_client
 from hyperlight_agent.dra import slices
 from hyperlight_agent.dra.client import ApiError, ClientConfigError, KubeApi
-from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher, desired_spec, owned
+from hyperlight_agent.dra.slice_spec import DeviceInfo, desired_spec, owned
+from hyperlight_agent.dra.slices import SlicePublisher
 from hyperlight_agent.dra.taints import Taint
 from standin.apiserver import (
     DRIVER,

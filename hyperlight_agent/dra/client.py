@@ -25,6 +25,7 @@ import socket
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Optional
 
 from hyperlight_agent import contracts, text, waits
+from hyperlight_agent.dra.types import Json
 
 if TYPE_CHECKING:
     import httpx
@@ -83,8 +84,6 @@ SLICES_PATH = f"/apis/{contracts.RESOURCE_API_GROUP}/{contracts.RESOURCE_API_VER
 WATCH_EVENTS = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK")
 ACCESS_REVIEWS = "selfsubjectaccessreviews"
 ACCESS_REVIEWS_PATH = f"/apis/authorization.k8s.io/v1/{ACCESS_REVIEWS}"
-
-Json = dict[str, Any]
 
 
 class ClientConfigError(Exception):

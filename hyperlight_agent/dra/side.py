@@ -36,7 +36,8 @@ from hyperlight_agent.dra import pluginregistration_pb2 as reg
 from hyperlight_agent.dra.health import Health
 from hyperlight_agent.dra.prepared import Prepared
 from hyperlight_agent.dra.service import Service
-from hyperlight_agent.dra.slices import DeviceInfo, SlicePublisher, device_names
+from hyperlight_agent.dra.slice_spec import DeviceInfo, device_names
+from hyperlight_agent.dra.slices import SlicePublisher
 from hyperlight_agent.dra.taints import Escalation, taint_for
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
 from hyperlight_agent.files import sockets

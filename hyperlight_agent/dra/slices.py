@@ -55,12 +55,29 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any, Awaitable, Callable, NamedTuple, Optional
+from typing import Awaitable, Callable, Optional
 
 from hyperlight_agent import backoff, contracts
 from hyperlight_agent.backoff import Backoff
-from hyperlight_agent.dra.client import SLICES, ApiError, Json, KubeApi
+from hyperlight_agent.dra.client import SLICES, ApiError, KubeApi
+from hyperlight_agent.dra.slice_spec import (
+    SHARED_FIELD,
+    DeviceInfo,
+    Learned,
+    choose,
+    desired_spec,
+    is_newer,
+    learn,
+    object_name,
+    object_version,
+    owned,
+    pool_generation,
+    right,
+    slice_object,
+    unsure,
+)
 from hyperlight_agent.dra.taints import Taint
+from hyperlight_agent.dra.types import Json
 
 log = logging.getLogger(__name__)
 
@@ -79,130 +96,6 @@ WATCH_TIMEOUT_S = (300.0, 600.0)
 EARLY_END = 0.5
 # "Edited by someone else" and the like: said once per this long, with a count of the repeats.
 NOTICE_INTERVAL_S = 600.0
-# The attributes we publish per device; others' attributes are not compared.
-ATTRIBUTES = ("hypervisor", "apiVersion", "devicePath")
-# The device field that lets the scheduler allocate one device to many claims (KEP-5075).
-SHARED_FIELD = "allowMultipleAllocations"
-# The device field holding its taints (KEP-5055); of those, ours (contracts.TAINT_UNUSABLE) are
-# compared by key, value and effect (the server adds timeAdded).
-TAINTS_FIELD = "taints"
-TAINT_FIELDS = ("key", "value", "effect")
-
-
-class DeviceInfo(NamedTuple):
-    """The device the check found usable: ("kvm", 12, "/dev/kvm")."""
-
-    hypervisor: str
-    api_version: int
-    path: str
-
-
-def device_names(hypervisor: str, count: int) -> list[str]:
-    """kvm-0 … kvm-{count-1}."""
-    return [f"{hypervisor}-{i}" for i in range(count)]
-
-
-def desired_spec(
-    node_name: str,
-    driver: str,
-    identical_devices: int,
-    device: Optional[DeviceInfo],
-    shared: bool = False,
-    taint: Optional[Taint] = None,
-    taints: bool = True,
-) -> Json:
-    """The slice's spec without pool.generation (which only says how often it changed): one shared
-    device, or `identical_devices` identical ones; each with `taint` when the device is unusable, or none at
-    all where the server keeps no taints (`taints` false)."""
-    devices: list[Json] = []
-    if device is not None and (taint is None or taints):
-        # Unprefixed attribute names are in the driver's domain:
-        # device.attributes["hypervisor.hyperlight.dev"].hypervisor.
-        attributes = {
-            "hypervisor": {"string": device.hypervisor},
-            "apiVersion": {"int": device.api_version},
-            "devicePath": {"string": device.path},
-        }
-        if shared:
-            devices = [{"name": device.hypervisor, SHARED_FIELD: True, "attributes": attributes}]
-        else:
-            if taint is not None:
-                identical_devices = min(identical_devices, contracts.RESOURCE_SLICE_MAX_TAINTED_DEVICES)
-            names = device_names(device.hypervisor, identical_devices)
-            devices = [{"name": name, "attributes": attributes} for name in names]
-        if taint is not None:
-            for entry in devices:
-                entry[TAINTS_FIELD] = [taint.as_json()]
-    return {
-        "driver": driver,
-        "nodeName": node_name,
-        "pool": {"name": node_name, "resourceSliceCount": 1},
-        "devices": devices,
-    }
-
-
-def owned(spec: Any) -> Json:
-    """What of a slice's spec is ours to compare with the desired one: the driver, node, pool (no
-    generation), and per device its name, our attributes and our taint (key, value, effect). No
-    devices is the same as `[]` (the server omits an empty list); anything others add is left out.
-
-    >>> owned({"driver": "d", "nodeName": "n", "pool": {"name": "n", "generation": 3, "resourceSliceCount": 1},
-    ...        "devices": [{"name": "kvm-0", "attributes": {"hypervisor": {"string": "kvm"}, "x": {"int": 1}}}]})
-    ... # doctest: +NORMALIZE_WHITESPACE
-    {'driver': 'd', 'nodeName': 'n', 'pool': {'name': 'n', 'resourceSliceCount': 1},
-     'devices': [{'name': 'kvm-0', 'attributes': {'hypervisor': {'string': 'kvm'}}}]}
-    """
-    spec = _mapping(spec)
-    found = []
-    for entry in spec.get("devices") if isinstance(spec.get("devices"), list) else []:
-        device = _mapping(entry)
-        attributes = _mapping(device.get("attributes"))
-        mine: Json = {"name": device.get("name")}
-        if device.get(SHARED_FIELD) is True:
-            mine[SHARED_FIELD] = True
-        mine["attributes"] = {k: attributes[k] for k in ATTRIBUTES if k in attributes}
-        listed = device.get(TAINTS_FIELD)
-        taints = [
-            {k: _mapping(t).get(k) for k in TAINT_FIELDS}
-            for t in (listed if isinstance(listed, list) else [])
-            if _mapping(t).get("key") == contracts.TAINT_UNUSABLE
-        ]
-        if taints:
-            mine[TAINTS_FIELD] = taints
-        found.append(mine)
-    pool = _mapping(spec.get("pool"))
-    return {
-        "driver": spec.get("driver"),
-        "nodeName": spec.get("nodeName"),
-        "pool": {k: pool.get(k) for k in ("name", "resourceSliceCount")},
-        "devices": found,
-    }
-
-
-def _mapping(value: Any) -> Json:
-    return value if isinstance(value, dict) else {}
-
-
-def _generation(obj: Json) -> int:
-    value = ((obj.get("spec") or {}).get("pool") or {}).get("generation")
-    return value if isinstance(value, int) else 0
-
-
-def _name(obj: Json) -> str:
-    return str((obj.get("metadata") or {}).get("name", ""))
-
-
-def _version(obj: Json) -> str:
-    return str((obj.get("metadata") or {}).get("resourceVersion", ""))
-
-
-def _newer(candidate: Json, current: Optional[Json]) -> bool:
-    """Whether `candidate` is a later state of an object than `current` (resourceVersions are
-    opaque, but etcd's are integers: compared as such when both are; else the later arrival wins)."""
-    if current is None:
-        return True
-    a, b = _version(candidate), _version(current)
-    return int(a) >= int(b) if a.isdigit() and b.isdigit() else True
 
 
 class _Relist(Exception):
@@ -253,13 +146,9 @@ class SlicePublisher:
         # first write (nothing allocates from them any more; the kubelet would keep them 30 s).
         self._drivers_before = drivers_before
         self._swept = not drivers_before
-        # One shared device, until the API server shows it drops allowMultipleAllocations.
-        self.shared = shared
-        # An unusable device tainted, until the API server shows it drops taints.
-        self.taints = taints
-        # Whether an answer of the server has kept each (until then a write of it is tried dry first).
-        self._keeps_shared = False
-        self._keeps_taints = False
+        # One shared device, and an unusable device tainted, until the API server shows it drops
+        # allowMultipleAllocations or taints.
+        self._learned = Learned(shared=shared, taints=taints)
         self._taint: Optional[Taint] = None
         self._on_change = on_change  # told when published, kept_by or last_error may have changed
         # For the metrics: ("write", verb), ("api_error", verb, code), ("watch", why it was opened again).
@@ -304,6 +193,16 @@ class SlicePublisher:
         if self._on_change is not None:
             self._on_change()
 
+    @property
+    def shared(self) -> bool:
+        """Whether the slice is one shared device (where the API server keeps the field)."""
+        return self._learned.shared
+
+    @property
+    def taints(self) -> bool:
+        """Whether an unusable device is tainted (where the API server keeps taints)."""
+        return self._learned.taints
+
     def desired(self) -> Json:
         return desired_spec(
             self.node_name, self.driver, self.identical_devices, self._device, self.shared, self._taint, self.taints
@@ -346,7 +245,7 @@ class SlicePublisher:
         if self._listed_version is None:
             self.requests += 1
             items, self._listed_version = await self._api.list_slices(self.node_name, self.driver)
-            self._cache = {_name(o): o for o in items}
+            self._cache = {object_name(o): o for o in items}
         self._dirty.set()  # a session starts by comparing: the last one may have ended mid-write
         timeout = random.uniform(*self._watch_timeout_s)  # noqa: S311 - a spread, not a secret
         loop = asyncio.get_running_loop()
@@ -387,11 +286,11 @@ class SlicePublisher:
         """Follow the server's changes to our slices from `version` until the watch ends."""
         self.requests += 1
         async for kind, obj in self._api.watch_slices(self.node_name, self.driver, version, timeout):
-            self._listed_version = _version(obj)
+            self._listed_version = object_version(obj)
             if kind == "BOOKMARK":
                 continue
-            name, known = _name(obj), self._cache.get(_name(obj))
-            if not _newer(obj, known):
+            name, known = object_name(obj), self._cache.get(object_name(obj))
+            if not is_newer(obj, known):
                 continue
             if kind == "DELETED":
                 self._cache.pop(name, None)
@@ -409,14 +308,9 @@ class SlicePublisher:
         if not self._known:
             return  # set_device wakes us
         desired = self.desired()
-        # Oldest first: of several slices of ours the oldest stays, unless another is already right.
-        ours = sorted(
-            self._cache.values(), key=lambda o: (str((o.get("metadata") or {}).get("creationTimestamp", "")), _name(o))
-        )
-        self._generation = max([self._generation, *(_generation(o) for o in ours)])
-        keep = next((o for o in ours if self._right(o, desired)), ours[0] if ours else None)
-        extras = [o for o in ours if o is not keep]
-        if keep is not None and not extras and self._right(keep, desired):
+        keep, extras = choose(self._cache.values(), desired, self._accepted)
+        self._generation = max([self._generation, *(pool_generation(o) for o in self._cache.values())])
+        if keep is not None and not extras and right(keep, desired, self._accepted):
             self._settled(keep, desired)
             return
         if self._newer is not None:
@@ -434,67 +328,45 @@ class SlicePublisher:
         # A field the server may drop is found out by a dry run first: a stored write of it would
         # show the scheduler, until our next write, one device that holds one claim (or an
         # unusable device without its taint).
-        if self._unsure(desired) and self._dropped(desired, await self._write(desired, keep, [], dry_run=True)):
+        if unsure(self._learned, desired) and self._dropped(
+            desired, await self._write(desired, keep, [], dry_run=True)
+        ):
             return
         result = await self._write(desired, keep, extras)
         self._written = desired
-        if _newer(result, self._cache.get(_name(result))):
-            self._cache[_name(result)] = result
+        if is_newer(result, self._cache.get(object_name(result))):
+            self._cache[object_name(result)] = result
         if self._dropped(desired, result):
             return
         if owned(result.get("spec")) != desired:
             self._accepted = (desired, owned(result.get("spec")))
             self._notice(
                 "mutated",
-                f"ResourceSlice {_name(result)}: the API server changed what we wrote "
+                f"ResourceSlice {object_name(result)}: the API server changed what we wrote "
                 "(a mutating webhook or policy?); keeping its version rather than writing it again",
             )
         self._settled(result, desired)
 
-    def _unsure(self, desired: Json) -> bool:
-        """Whether desired holds a field the server has not yet been seen to keep."""
-        devices = desired["devices"]
-        shared = self.shared and not self._keeps_shared and any(d.get(SHARED_FIELD) for d in devices)
-        return shared or (self.taints and not self._keeps_taints and any(TAINTS_FIELD in d for d in devices))
-
     def _dropped(self, desired: Json, answer: Json) -> bool:
         """Whether the server's answer to a write of desired (stored or dry run) dropped a field of a
         feature it lacks: then desired changes (said once, dirty again) and this write is moot."""
-        kept = owned(answer.get("spec"))["devices"]
-        if self.shared and desired["devices"] and not any(d.get(SHARED_FIELD) for d in kept):
-            # The server dropped the field (a feature it does not have, or has switched off): the
-            # scheduler would allocate our one device to one claim at a time.
+        self._learned, dropped = learn(self._learned, desired, answer.get("spec"))
+        if dropped == "shared":
             log.info(
                 "ResourceSlice %s: the API server does not keep %s (Kubernetes before 1.36, or "
                 "DRAConsumableCapacity off); publishing %d identical devices instead",
-                _name(answer),
+                object_name(answer),
                 SHARED_FIELD,
                 self.identical_devices,
             )
-            self.shared = False
-            self._changed()
-            self._dirty.set()
-            return True
-        if self.shared and desired["devices"]:
-            self._keeps_shared = True
-        if self._dropped_taints(desired, kept, _name(answer)):
-            return True
-        if self.taints and any(TAINTS_FIELD in d for d in kept):
-            self._keeps_taints = True
-        return False
-
-    def _dropped_taints(self, desired: Json, kept: list[Json], name: str) -> bool:
-        """Whether the server dropped the taints we wrote (a feature it does not have): then, from
-        now on, an unusable device leaves the slice, as before taints existed (said once)."""
-        wrote = any(TAINTS_FIELD in d for d in desired["devices"])
-        if not (wrote and self.taints) or any(TAINTS_FIELD in d for d in kept):
+        elif dropped == "taints":
+            log.info(
+                "ResourceSlice %s: the API server does not keep device taints (Kubernetes before 1.36, or "
+                "DRADeviceTaints off); an unusable device leaves the slice instead",
+                object_name(answer),
+            )
+        else:
             return False
-        log.info(
-            "ResourceSlice %s: the API server does not keep device taints (Kubernetes before 1.36, or "
-            "DRADeviceTaints off); an unusable device leaves the slice instead",
-            name,
-        )
-        self.taints = False
         self._changed()
         self._dirty.set()
         return True
@@ -505,11 +377,11 @@ class SlicePublisher:
         try:
             for extra in extras:
                 self._notice(
-                    f"duplicate {_name(extra)}",
-                    f"ResourceSlice {_name(extra)} duplicates "
-                    f"{_name(keep or {})} for node {self.node_name}; deleting it",
+                    f"duplicate {object_name(extra)}",
+                    f"ResourceSlice {object_name(extra)} duplicates "
+                    f"{object_name(keep or {})} for node {self.node_name}; deleting it",
                 )
-                await self._delete(_name(extra))
+                await self._delete(object_name(extra))
             if keep is None:
                 if self._written is not None and not dry_run:
                     self._notice(
@@ -520,14 +392,15 @@ class SlicePublisher:
                 if not dry_run:  # (the metric counts writes; `requests` what the server is asked)
                     self._event("write", "create")
                 return await self._api.create_slice(
-                    self._object(desired, {"generateName": self._prefix()}), dry_run=dry_run
+                    slice_object(desired, {"generateName": self._prefix()}, self._generation + 1), dry_run=dry_run
                 )
-            if self._written == desired and _name(keep) == self.slice_name and not dry_run:
-                self._notice("edited", f"ResourceSlice {_name(keep)} edited by someone else; restoring")
+            if self._written == desired and object_name(keep) == self.slice_name and not dry_run:
+                self._notice("edited", f"ResourceSlice {object_name(keep)} edited by someone else; restoring")
             self.requests += 1
             if not dry_run:
                 self._event("write", "update")
-            return await self._api.replace_slice(self._object(desired, keep.get("metadata") or {}), dry_run=dry_run)
+            metadata = keep.get("metadata") or {}
+            return await self._api.replace_slice(slice_object(desired, metadata, self._generation + 1), dry_run=dry_run)
         except ApiError as exc:
             if exc.code == 409:
                 raise _Relist(f"conflict: {exc.message}") from exc
@@ -535,15 +408,9 @@ class SlicePublisher:
                 raise _Relist("the slice went away while we updated it") from exc
             raise
 
-    def _right(self, obj: Json, desired: Json) -> bool:
-        """The server's slice says what we want: equal in what is ours, or what the server made of
-        exactly this desired spec when we wrote it (accepted once, not fought)."""
-        found = owned(obj.get("spec"))
-        return found == desired or self._accepted == (desired, found)
-
     def _settled(self, obj: Json, desired: Json) -> None:
-        self._generation = max(self._generation, _generation(obj))
-        self.slice_name = _name(obj)
+        self._generation = max(self._generation, pool_generation(obj))
+        self.slice_name = object_name(obj)
         self.kept_by = ""
         self.published = desired == self.desired()
         if self.published and self.first_published_at is None:
@@ -557,7 +424,7 @@ class SlicePublisher:
         self.kept_by = newer
         self._written = None  # what the newer one writes is no edit to complain of when we take over
         self.published = current is not None
-        self.slice_name = _name(current or {})
+        self.slice_name = object_name(current or {})
         self._succeeded()
 
     def _problem(self, problem: str, line: str) -> None:
@@ -596,11 +463,11 @@ class SlicePublisher:
             for obj in old:
                 log.info(
                     "ResourceSlice %s: published under driver %s, our name before %s; deleting it",
-                    _name(obj),
+                    object_name(obj),
                     driver,
                     self.driver,
                 )
-                await self._delete(_name(obj))
+                await self._delete(object_name(obj))
         self._swept = True
 
     async def _delete(self, name: str) -> None:
@@ -617,13 +484,5 @@ class SlicePublisher:
         """generateName: the server appends five random characters ("node1-hypervisor.hyperlight.dev-x7k2p")."""
         return f"{self.node_name}-{self.driver}-"
 
-    def _object(self, desired: Json, metadata: Json) -> Json:
-        spec: Any = dict(desired)
-        spec["pool"] = dict(desired["pool"], generation=self._generation + 1)
-        if not spec["devices"]:
-            del spec["devices"]  # as the server would store it
-        api_version = f"{contracts.RESOURCE_API_GROUP}/{contracts.RESOURCE_API_VERSION}"
-        return {"apiVersion": api_version, "kind": "ResourceSlice", "metadata": dict(metadata), "spec": spec}
 
-
-__all__ = ["SLICES", "DeviceInfo", "SlicePublisher", "desired_spec", "owned"]
+__all__ = ["SLICES", "SlicePublisher"]

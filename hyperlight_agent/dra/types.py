@@ -6,7 +6,10 @@ Types only; the API client that implements ClaimReader lives beside this module.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Protocol
+from typing import Any, NamedTuple, Optional, Protocol
+
+# A Kubernetes object or part of one, as JSON decodes it.
+Json = dict[str, Any]
 
 
 class AllocatedDevice(NamedTuple):

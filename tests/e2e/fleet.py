@@ -26,7 +26,9 @@ import yaml
 from hyperlight_agent import contracts
 from hyperlight_agent.dra import client as dra_client
 from hyperlight_agent.dra.claims import ApiClaims
-from hyperlight_agent.dra.slices import WATCH_TIMEOUT_S, DeviceInfo, SlicePublisher
+from hyperlight_agent.dra.slice_spec import DeviceInfo
+from hyperlight_agent.dra.slices import WATCH_TIMEOUT_S, SlicePublisher
+from hyperlight_agent.dra.types import Json
 
 from .cluster import Cluster
 
@@ -269,7 +271,7 @@ class Fleet:
     def _count_bookmarks(self, api: dra_client.KubeApi) -> None:
         watch = api.watch_slices
 
-        async def counting(*args: Any, **kwargs: Any) -> AsyncIterator[tuple[str, dra_client.Json]]:
+        async def counting(*args: Any, **kwargs: Any) -> AsyncIterator[tuple[str, Json]]:
             async for kind, obj in watch(*args, **kwargs):
                 self.bookmarks += kind == "BOOKMARK"
                 yield kind, obj
