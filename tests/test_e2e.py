@@ -62,8 +62,17 @@ SLOTS = 2000
 # pod's termination message: the nodes' only address is loopback, so the API server has no logs.
 RUN_EXAMPLE = hyperlight.HOST_IN_IMAGE
 SAY = ">/dev/termination-log 2>&1"
-# A workload's whole proof: the node as CDI made it, a Hyperlight guest's answer, the environment.
-WORKLOAD_SAYS = ["/bin/sh", "-c", f"{{ /kvmcheck && {RUN_EXAMPLE} && env | grep ^HYPERLIGHT_ | sort; }} {SAY}"]
+
+
+def workload_says(*also: str) -> list[str]:
+    """A workload's whole proof as its command: the node as CDI made it (kvmcheck), a Hyperlight
+    guest's answer, `also` (more commands that must succeed), then the HYPERLIGHT_ environment, all
+    into its termination message."""
+    steps = " && ".join(["/kvmcheck", RUN_EXAMPLE, *also, "env | grep ^HYPERLIGHT_ | sort"])
+    return ["/bin/sh", "-c", f"{{ {steps}; }} {SAY}"]
+
+
+WORKLOAD_SAYS = workload_says()
 # One pod every LOAD_INTERVAL_S while a lifecycle event happens: frequent enough to land in a
 # short window, few enough for two cores.
 LOAD_INTERVAL_S = 0.2
@@ -450,7 +459,7 @@ def test_workload_gets_the_device_through_cdi(installed: Cluster, kubelet: str) 
     installed.api.create(
         f"/api/v1/namespaces/{ns}/pods",
         # WORKLOAD_SAYS, and the example's runs measured for the figure beside the host's.
-        workload_pod(name, [*WORKLOAD_SAYS[:2], WORKLOAD_SAYS[2].replace("&& env", f"&& {measured} && env")]),
+        workload_pod(name, workload_says(measured)),
     )
     try:
         pod = wait_until(
