@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import shutil
 import signal
 import subprocess
+import uuid
 from typing import Optional, Sequence
 
 from tests.conftest import wait_for
@@ -20,6 +22,51 @@ BUILD = os.path.join(ROOT, "build")
 # (ExecReload); man-db lets `systemd-analyze verify` check the unit's Documentation=; curl runs
 # README's commands for the apt repository as an operator would.
 PACKAGES = "systemd,systemd-sysv,dbus,python3,python3-systemd,procps,man-db,curl"
+
+
+# systemd-nspawn --keep-unit places a guest in "payload" under its own cgroup (and itself in
+# "supervisor"): started from a worker in the root cgroup, every guest would be /payload, two
+# guests' systemd would manage one tree (one's `systemctl stop` ending the other's agent), and
+# each start would remove the others' empty groups. So each guest, and each pipe(), starts in a
+# group of its own, in every hierarchy nspawn places it by.
+CGROUP_ROOT = "/sys/fs/cgroup"
+ENTER = 'for group in $HL_NSPAWN_GROUPS; do echo $$ > "$group/cgroup.procs"; done; exec "$@"'
+
+
+class OwnGroup:
+    """A cgroup of its own in the named systemd hierarchy and the unified one (hybrid), or in the
+    unified root (cgroup v2), for one nspawn; removed, with what nspawn made below it, by close()."""
+
+    def __init__(self) -> None:
+        hierarchies = [
+            os.path.join(CGROUP_ROOT, h)
+            for h in ("systemd", "unified")
+            if os.path.exists(os.path.join(CGROUP_ROOT, h, "cgroup.procs"))
+        ]
+        self.name = f"hl-nspawn-{uuid.uuid4().hex[:12]}"
+        self.paths = [os.path.join(h, self.name) for h in hierarchies or [CGROUP_ROOT]]
+        for path in self.paths:
+            os.mkdir(path)
+
+    def wrap(self, argv: Sequence[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        """argv run from inside the group (the shell moves itself in, then execs it)."""
+        return ["sh", "-c", ENTER, "sh", *argv], {**env, "HL_NSPAWN_GROUPS": " ".join(self.paths)}
+
+    def close(self) -> None:
+        """Every group below ours, deepest first, then ours (the guest's processes have ended)."""
+        for path in self.paths:
+            for directory in sorted((entry[0] for entry in os.walk(path)), key=len, reverse=True):
+                wait_for(functools.partial(_rmdir, directory), 10, f"{directory} to empty")
+
+
+def _rmdir(path: str) -> bool:
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        return True
+    except OSError:  # EBUSY: a process of the guest is still being reaped
+        return False
+    return True
 
 
 def require_tools() -> None:
@@ -91,9 +138,10 @@ class Guest:
         if ephemeral:
             args.append("--ephemeral")
         args += [f"--bind={b}" for b in binds]
-        env = {**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"}
+        self.group = OwnGroup()
+        argv, env = self.group.wrap(args, {**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"})
         self.proc = subprocess.Popen(
-            args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
         )
         self.pid1 = 0
         try:
@@ -210,6 +258,7 @@ class Guest:
             self.proc.wait(30)
         if self.proc.stderr:
             self.proc.stderr.close()
+        self.group.close()
 
     def __enter__(self) -> Guest:
         return self
@@ -222,7 +271,8 @@ def pipe(
     directory: str, *cmd: str, binds: Sequence[str] = (), timeout: float = 600
 ) -> subprocess.CompletedProcess[str]:
     """One command in the root filesystem without booting, with the host's network."""
-    return subprocess.run(
+    group = OwnGroup()
+    argv, env = group.wrap(
         [
             "systemd-nspawn",
             "-q",
@@ -234,9 +284,9 @@ def pipe(
             *(f"--bind-ro={b}" for b in binds),
             *cmd,
         ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        env={**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"},
+        {**os.environ, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"},
     )
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, env=env)
+    finally:
+        group.close()

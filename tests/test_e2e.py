@@ -33,7 +33,7 @@ import pytest
 import yaml
 
 from hyperlight_agent import contracts
-from tests import hyperlight, nspawn
+from tests import hyperlight, locks, nspawn
 from tests.conftest import E2E_FIGURES, E2E_HYPERLIGHT_IMAGE, E2E_WORKLOAD_IMAGE, make_node
 from tests.e2e import cluster as cluster_module
 from tests.e2e.cluster import Cluster, Node, State, wait_until
@@ -81,13 +81,17 @@ VIEW_INTERVAL_S = 0.01
 
 
 def record(key: str, value: Any) -> None:
+    """A figure kept in build/e2e/figures.json, which both workers' clusters add to: one writer at
+    a time, and a reader never sees half a file."""
     figures: dict[str, Any] = {}
-    if os.path.exists(FIGURES):
-        with open(FIGURES) as f:
-            figures = json.load(f)
-    figures[key] = value
-    with open(FIGURES, "w") as f:
-        json.dump(figures, f, indent=1, sort_keys=True)
+    with locks.locked(FIGURES + ".lock"):
+        if os.path.exists(FIGURES):
+            with open(FIGURES) as f:
+                figures = json.load(f)
+        figures[key] = value
+        with open(FIGURES + ".tmp", "w") as f:
+            json.dump(figures, f, indent=1, sort_keys=True)
+        os.replace(FIGURES + ".tmp", FIGURES)
     E2E_FIGURES[key] = value  # printed in the session summary, so CI's log has them
     print(f"\nfigure {key}: {value}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import os
 import pathlib
+import socket
 import subprocess
 from typing import Any
 
@@ -12,7 +13,16 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.e2e import hostwide, versions
-from tests.e2e.cluster import BRIDGE_PREFIX, Cluster, free_subnets, routed_networks, run_tag
+from tests.e2e.cluster import (
+    BRIDGE_PREFIX,
+    MAX_NODES,
+    PORTS_PER_SUBNET,
+    Cluster,
+    claimed_ports,
+    free_subnets,
+    routed_networks,
+    run_tag,
+)
 from tests.e2e.outcomes import PodSlots, naming, rejected_at_admission, start_cut, why_failed
 
 SLASH_24 = 0xFFFFFF00
@@ -77,6 +87,27 @@ def test_clusters_at_once_claim_different_subnets_and_a_released_claim_is_free_a
     second.release()
 
 
+def test_a_clusters_ports_are_its_claims_block_below_the_ephemeral_range() -> None:
+    """A port picked by bind(0) and let go until the API server bound it could be taken meanwhile by
+    a connection's source port or by the other worker's cluster: each cluster's ports are a block
+    of its own, and one a stranger listens on is skipped."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    first, second = claimed_ports(0), claimed_ports(MAX_NODES)
+    mine = [next(first) for _ in range(3)]
+    theirs = [next(second) for _ in range(3)]
+    assert not set(mine) & set(theirs) and max(mine + theirs) < ephemeral, (mine, theirs)
+    with socket.socket() as stranger:
+        stranger.bind(("127.0.0.1", mine[-1] + 1))
+        stranger.listen()
+        assert next(first) == mine[-1] + 2
+    last = claimed_ports(248)  # the highest base free_subnets gives
+    block = [next(last) for _ in range(MAX_NODES * PORTS_PER_SUBNET)]
+    assert max(block) < ephemeral
+    with pytest.raises(RuntimeError, match="every one is taken"):
+        next(last)
+
+
 def test_mountpoints_are_removed_by_the_last_cluster_out(tmp_path: pathlib.Path) -> None:
     """Removing /var/lib/kubelet while another worker's nodes had it bound detached their mounts:
     what the host lacked stays while any cluster holds a claim, and goes with the last one."""
@@ -94,6 +125,12 @@ def test_mountpoints_are_removed_by_the_last_cluster_out(tmp_path: pathlib.Path)
     second.release()
     assert hostwide.remove_mountpoints(lock_dir=locks) == []
     assert not (host / "kubelet").exists() and (host / "etc-cdi").is_dir()
+    # A user that is no cluster (a podman test binding /run/cdi into a guest) holds it too.
+    with hostwide.Claim(locks):
+        hostwide.make_mountpoints(targets, locks)
+        assert hostwide.remove_mountpoints(lock_dir=locks) == [targets[0]]
+    assert hostwide.remove_mountpoints(lock_dir=locks) == []
+    assert not (host / "kubelet").exists()
     # A killed run's (its state file's list, from before the registry) goes the same way.
     (host / "old").mkdir()
     assert hostwide.remove_mountpoints([str(host / "old")], locks) == []

@@ -26,6 +26,11 @@ def test_a_settled_guest_has_run_the_boot_jobs_ordered_after_multi_user(tmp: str
     with open(os.path.join(dropin, "held.conf"), "w") as f:
         f.write(HELD)
     with nspawn.Guest(nspawn.rootfs(), [f"{dropin}:/etc/systemd/system/{LATE_JOB}.d"]) as guest:
+        # In a group of its own: two guests in one (nspawn's "payload" under a worker's root
+        # group) would share one systemd tree, each's stop ending the other's units.
+        with open(f"/proc/{guest.pid1}/cgroup") as f:
+            groups = [line.rstrip("\n").split(":", 2)[2] for line in f if line.split(":")[1] in ("name=systemd", "")]
+        assert groups and all(g.startswith(f"/{guest.group.name}/payload") for g in groups), groups
         # Where Guest() returns (multi-user.target active), the late job is still queued: a
         # listing taken here is not the boot's end, and one taken later differs from it.
         assert LATE_JOB in guest.jobs(), guest.jobs()
@@ -38,3 +43,4 @@ def test_a_settled_guest_has_run_the_boot_jobs_ordered_after_multi_user(tmp: str
         assert timers.stdout.strip() == "", "a timer left running can start its service between two listings"
         settled = guest.listing()
         assert f"/run/systemd/units/invocation:{LATE_JOB}" not in settled
+    assert not any(os.path.exists(path) for path in guest.group.paths), "the guest's groups stay"

@@ -16,6 +16,7 @@ from hyperlight_agent.files import cdi
 from standin.kubelet import StandinThread
 from tests import hyperlight, nspawn
 from tests.conftest import StartAgent, make_node, wait_for
+from tests.e2e import hostwide
 from tests.podman import Podman, system_cdi_lock
 from tests.test_deb import UNIT, apt
 from tests.test_docs import ROOT
@@ -63,20 +64,26 @@ def podman(tmp: str) -> Iterator[Podman]:
 @pytest.fixture
 def system_cdi_dir() -> Iterator[str]:
     """/var/run/cdi is where podman 4.3 looks: hold the machine-wide lock while our spec is there,
-    and restore exactly what was there before."""
+    and restore exactly what was there before. The directory, if the host lacks it, is made and
+    removed as a real cluster's nodes' is (tests/e2e/hostwide.py): never while a node of a cluster
+    running beside us has it bound, nor while we have."""
     with system_cdi_lock():
-        yield from _system_cdi_dir()
+        try:
+            with hostwide.Claim():
+                hostwide.make_mountpoints([contracts.CDI_DIR])
+                yield from _system_cdi_dir()
+        finally:
+            hostwide.remove_mountpoints()
 
 
 def _system_cdi_dir() -> Iterator[str]:
     directory = contracts.CDI_DIR
-    created_dir = not os.path.isdir(directory)
     path = cdi.spec_path(directory)
     before = None
     if os.path.lexists(path):
         with open(path, "rb") as f:
             before = f.read()
-    others = set(os.listdir(directory)) if not created_dir else set()
+    others = set(os.listdir(directory))
     yield directory
     if before is None:
         if os.path.lexists(path):
@@ -88,8 +95,6 @@ def _system_cdi_dir() -> Iterator[str]:
     after = set(os.listdir(directory)) if os.path.isdir(directory) else set()
     strays = {n for n in after - others if n.startswith("hyperlight") and n != contracts.CDI_SPEC_FILE}
     assert not strays, f"left in {directory}: {sorted(strays)}"
-    if created_dir and not after - {contracts.CDI_SPEC_FILE}:
-        os.rmdir(directory)  # unless someone else has put a spec there meanwhile
 
 
 def run(podman: Podman, user: str, command: str = "/kvmcheck") -> subprocess.CompletedProcess[str]:
@@ -146,7 +151,6 @@ def test_podman_runs_the_hyperlight_guest_with_the_spec_the_debs_agent_wrote(
     subprocess.run(["cp", "-a", "--reflink=auto", nspawn.rootfs(), root], check=True, timeout=300)
     apt(root, "install", "/root/agent.deb", binds=(f"{deb}:/root/agent.deb",))
     os.makedirs(os.path.join(tmp, "kubelet"))
-    os.makedirs(system_cdi_dir, exist_ok=True)  # the bind's source (the fixture removes it if it made it)
     kvm = make_node(os.path.join(tmp, "kvm"), 10, 232)
     binds = [f"{kvm}:/dev/kvm", f"{tmp}/kubelet:/var/lib/kubelet/device-plugins", f"{system_cdi_dir}:/run/cdi"]
     with nspawn.Guest(root, binds, ephemeral=False) as guest, StandinThread(os.path.join(tmp, "kubelet")) as kubelet:

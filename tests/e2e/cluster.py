@@ -107,6 +107,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# A cluster's ports come from a block its subnet claim owns (hostwide.py), below the host's
+# ephemeral range: a port picked by bind(0) and let go until its component binds it could be taken
+# meanwhile by any connection's source port or by another cluster's pick (two clusters start at
+# once in `make test`), and an API server's or kubelet's restart binds the same port again.
+PORTS_BASE = 20000
+PORTS_PER_SUBNET = 10  # the claim's base steps by MAX_NODES: 40 ports a cluster, 20000–22519
+
+
+def claimed_ports(subnet_base: int) -> Iterator[int]:
+    """The block of ports of the cluster whose subnets start at subnet_base, each one nothing
+    listens on when it is handed out (a stranger's listener is skipped)."""
+    first = PORTS_BASE + subnet_base * PORTS_PER_SUBNET
+    for port in range(first, first + MAX_NODES * PORTS_PER_SUBNET):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        yield port
+    raise RuntimeError(f"ports {first}–{first + MAX_NODES * PORTS_PER_SUBNET - 1}: every one is taken")
+
+
 def routed_networks() -> set[tuple[int, int]]:
     """The host's IPv4 routes as (network, mask), host byte order (/proc/net/route, every table's
     main entries): a bridge left by another checkout's killed run keeps its route even when down,
@@ -371,8 +393,8 @@ class Node:
         octet = cluster.subnet_base + index
         self.subnet = f"10.250.{octet}.0/24"
         self.gateway = f"10.250.{octet}.1"
-        self.kubelet_port = free_port()
-        self.healthz_port = free_port()
+        self.kubelet_port = cluster.port()
+        self.healthz_port = cluster.port()
         self.device_unusable = device_unusable
         self.holder: Optional[Process] = None
         self.containerd: Optional[Process] = None
@@ -483,6 +505,10 @@ state = "/run/containerd"
   [plugins.'io.containerd.cri.v1.runtime'.cni]
     bin_dirs = ["{CNI_BIN}"]
     conf_dir = "{self.path("cni-conf")}"
+# No NRI: its socket is the host's /run/nri/nri.sock, which every node's containerd (of every
+# cluster running at once) would delete and make again.
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
 """)
         binaries = self.cluster.binaries("containerd", self.cluster.versions["containerd"])
         env = {**os.environ, "PATH": f"{binaries}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
@@ -691,8 +717,13 @@ class Cluster:
         # none another cluster claims).
         self.subnet_base = 0
         self.subnets: Optional[hostwide.SubnetClaim] = None
+        self._ports: Iterator[int] = iter(())
         # How long binaries() waited for the components' build (the one `make test` runs beside).
         self.components_wait_s = 0.0
+
+    def port(self) -> int:
+        """The next port of the cluster's own block (claimed_ports), from start() on."""
+        return next(self._ports)
 
     def binaries(self, component: str, version: str) -> str:
         """The directory of `component` (etcd, containerd, kubernetes) at `version`: built (or its
@@ -742,8 +773,9 @@ class Cluster:
         self.logs = os.path.join(self.directory, "logs")
         self.subnets = hostwide.SubnetClaim(subnet_bases(MAX_NODES, routed_networks()), self.lock_dir)
         self.subnet_base = self.subnets.base
+        self._ports = claimed_ports(self.subnet_base)
         self.pki = Pki(os.path.join(self.directory, "pki"))
-        etcd_client, etcd_peer, api_port = free_port(), free_port(), free_port()
+        etcd_client, etcd_peer, api_port = self.port(), self.port(), self.port()
         etcd = self.binaries("etcd", self.versions["etcd"])
         self.processes.append(
             Process(
@@ -850,7 +882,7 @@ class Cluster:
                 "--bind-address",
                 "127.0.0.1",
                 "--secure-port",
-                str(free_port()),
+                str(self.port()),
                 "--leader-elect=false",
                 "--use-service-account-credentials",
                 "--service-account-private-key-file",
@@ -877,7 +909,7 @@ class Cluster:
                 "--bind-address",
                 "127.0.0.1",
                 "--secure-port",
-                str(free_port()),
+                str(self.port()),
                 "--leader-elect=false",
             ]
         )

@@ -1,12 +1,13 @@
-"""What the real clusters running at once on one host share (two pytest workers' clusters, another
-checkout's run): the nodes' subnets and the standard paths' mountpoints.
+"""What the real clusters and the other tests running at once on one host share (two pytest
+workers, another checkout's run): the nodes' subnets and the standard paths they mount over.
 
 A cluster claims its subnets with a lock it holds for its life (flock: the kernel releases it when
 the process ends, however it ends), since its nodes' bridges, whose routes would show the subnets
-taken, appear only with their first pod. A standard path (/var/lib/kubelet, …) that the host
-lacks is made by the first node that needs it and listed in a registry beside the locks; it is
-removed only when no cluster holds a claim: removing a directory detaches the mounts on it in
-every other mount namespace, so a node of another running cluster would lose its own.
+taken, appear only with their first pod. A standard path (/var/lib/kubelet, /run/cdi, …) that the
+host lacks is made by the first user that needs it (a cluster's node, a podman test binding
+/run/cdi into a guest) and listed in a registry beside the locks; it is removed only when no user
+holds a claim: removing a directory detaches the mounts on it in every other mount namespace, so
+a node of another running cluster would lose its own.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import fcntl
 import json
 import os
+import uuid
 from collections.abc import Iterable, Iterator
 from typing import IO, Optional
 
@@ -66,14 +68,42 @@ class SubnetClaim:
             self._held = None
 
 
+class Claim:
+    """A user of the standard paths that is no cluster (a podman test's /run/cdi), held until
+    release(); its lock file goes with it."""
+
+    def __init__(self, lock_dir: str = LOCK_DIR) -> None:
+        os.makedirs(lock_dir, exist_ok=True)
+        self._path = _path(lock_dir, f"user-{uuid.uuid4().hex}.lock")
+        self._held = _try_lock(self._path)
+
+    def release(self) -> None:
+        if self._held is not None:
+            os.unlink(self._path)
+            self._held.close()
+            self._held = None
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 def _claimed(lock_dir: str) -> bool:
-    """Whether any cluster holds a claim now."""
+    """Whether any user (a cluster's subnets, another's Claim) holds a claim now."""
     for name in os.listdir(lock_dir):
-        if name.startswith(f"{PREFIX}-subnets-") and name.endswith(".lock"):
-            held = _try_lock(os.path.join(lock_dir, name))
-            if held is None:
+        if name.startswith((f"{PREFIX}-subnets-", f"{PREFIX}-user-")) and name.endswith(".lock"):
+            try:  # read-only: a released user's file is gone, and must not be made again
+                fd = os.open(os.path.join(lock_dir, name), os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
                 return True
-            held.close()
+            finally:
+                os.close(fd)
     return False
 
 
@@ -97,9 +127,9 @@ def _write_registry(lock_dir: str, paths: list[str]) -> None:
 
 
 def make_mountpoints(targets: Iterable[str], lock_dir: str = LOCK_DIR) -> None:
-    """Each of targets the host lacks, made and listed (by a cluster that holds its claim)."""
+    """Each of targets the host lacks, made and listed (by a user that holds its claim)."""
     with _registry_lock(lock_dir):
-        made = [t for t in targets if not os.path.exists(t)]
+        made = [os.path.realpath(t) for t in targets if not os.path.exists(t)]
         for target in made:
             os.makedirs(target)
         if made:
@@ -107,11 +137,11 @@ def make_mountpoints(targets: Iterable[str], lock_dir: str = LOCK_DIR) -> None:
 
 
 def remove_mountpoints(also: Iterable[str] = (), lock_dir: str = LOCK_DIR) -> list[str]:
-    """Once no cluster holds a claim: every listed mountpoint (and `also`: a killed run's, from its
+    """Once no user holds a claim: every listed mountpoint (and `also`: a killed run's, from its
     state file) removed, deepest first; else they stay listed for the last one out. Returns what
     is left listed."""
     with _registry_lock(lock_dir):
-        listed = sorted(set(_registry(lock_dir)) | set(also), key=len, reverse=True)
+        listed = sorted(set(_registry(lock_dir)) | {os.path.realpath(p) for p in also}, key=len, reverse=True)
         if _claimed(lock_dir):
             _write_registry(lock_dir, listed)
             return listed
