@@ -232,8 +232,8 @@ def _order_and_lanes(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Side by side (`make test`: two workers, --dist loadgroup): every module is a unit of work
     # (its fixtures made once) for whichever worker is free, the biggest first (xdist's order by
     # tests per unit). The session's cluster (test_e2e.py, and the fleet's control plane) is one
-    # unit, taken first; each other minor's whole cluster is a unit of its own, so that it runs on
-    # the other worker beside the session's cluster (hostwide.py: what clusters at once share).
+    # unit; each other minor's whole cluster is a unit of its own, so that either worker may run it
+    # beside the session's cluster (tests/e2e/hostwide.py: what clusters at once claim).
     # Every cluster waits for the releases as any test does (made once for every worker: releases.py).
     for item in items:
         item.add_marker(pytest.mark.xdist_group(lane(item)))
