@@ -14,6 +14,7 @@ import uuid
 from typing import Optional, Sequence
 
 from tests.conftest import wait_for
+from tests.e2e.cluster import CGROUP_ROOT, rmdir_tree
 from tests.locks import shared_build_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +30,6 @@ PACKAGES = "systemd,systemd-sysv,dbus,python3,python3-systemd,procps,man-db,curl
 # guests' systemd would manage one tree (one's `systemctl stop` ending the other's agent), and
 # each start would remove the others' empty groups. So each guest, and each pipe(), starts in a
 # group of its own, in every hierarchy nspawn places it by.
-CGROUP_ROOT = "/sys/fs/cgroup"
 ENTER = 'for group in $HL_NSPAWN_GROUPS; do echo $$ > "$group/cgroup.procs"; done; exec "$@"'
 
 
@@ -53,20 +53,15 @@ class OwnGroup:
         return ["sh", "-c", ENTER, "sh", *argv], {**env, "HL_NSPAWN_GROUPS": " ".join(self.paths)}
 
     def close(self) -> None:
-        """Every group below ours, deepest first, then ours (the guest's processes have ended)."""
+        """Ours and every group nspawn made below it (the guest's processes have ended; one still
+        being reaped keeps its group busy for a moment)."""
         for path in self.paths:
-            for directory in sorted((entry[0] for entry in os.walk(path)), key=len, reverse=True):
-                wait_for(functools.partial(_rmdir, directory), 10, f"{directory} to empty")
+            wait_for(functools.partial(_removed, path), 10, f"{path} removed")
 
 
-def _rmdir(path: str) -> bool:
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        return True
-    except OSError:  # EBUSY: a process of the guest is still being reaped
-        return False
-    return True
+def _removed(path: str) -> bool:
+    rmdir_tree(path)
+    return not os.path.exists(path)
 
 
 def require_tools() -> None:

@@ -312,7 +312,7 @@ def _kill_everything(state: State) -> None:
         time.sleep(0.1)
     for path in sorted(state.data["cgroups"], key=len, reverse=True):
         for hierarchy in _hierarchies():
-            _rmdir_tree(os.path.join(CGROUP_ROOT, hierarchy, path.lstrip("/")))
+            rmdir_tree(os.path.join(CGROUP_ROOT, hierarchy, path.lstrip("/")))
     for bridge in state.data["bridges"]:
         subprocess.run(["ip", "link", "del", bridge], capture_output=True, check=False)
 
@@ -330,7 +330,8 @@ def _hierarchies() -> list[str]:
     return names
 
 
-def _rmdir_tree(path: str) -> None:
+def rmdir_tree(path: str) -> None:
+    """A tree of empty directories (a cgroup's), deepest first; what is still busy stays."""
     if not os.path.isdir(path):
         return
     for root, dirs, _ in os.walk(path, topdown=False):
