@@ -29,7 +29,9 @@ if [ -n "${BUILD_STOPS_WITH:-}" ]; then
   echo $$ >"$out/.background"
   trap 'kill $watcher 2>/dev/null; rm -f "$out/.background"' EXIT
 fi
-export PATH=/usr/local/go/bin:$PATH CGO_ENABLED=0 GOFLAGS=-mod=readonly
+# No DWARF from the compiler either (the linker's -w drops it anyway): 7–11 % less CPU for a cold
+# build (containerd, measured twice each way), and a cold run is CPU-bound on 2 cores.
+export PATH=/usr/local/go/bin:$PATH CGO_ENABLED=0 GOFLAGS="-mod=readonly -gcflags=all=-dwarf=false"
 go=${GO:-go}  # the go command (the tests' stand-in records what it was asked)
 command -v "$go" >/dev/null || { echo "build.sh: $go: not found (Go 1.26 is expected at /usr/local/go)" >&2; exit 2; }
 
