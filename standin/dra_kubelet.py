@@ -8,6 +8,9 @@ pkg/kubelet/cm/dra), never more forgiving:
   registered, again if it was already (the desired state's new UUID makes the reconciler
   re-register it); one deleted (Remove) deregisters that (driver, endpoint); one moved away
   (Rename) changes nothing; sockets there at the start are registered;
+- a registration that failed (dial, GetInfo, or refused) is tried again while the socket is
+  there: the reconciler looks every second and the operation executor backs off per socket,
+  0.5 s doubling to 2 min 2 s (pluginmanager/reconciler, operationexecutor's goroutinemap);
 - registering: dial the socket, GetInfo with a 1 s deadline; type must be "DRAPlugin"; an empty
   endpoint means the registration socket itself; supported_versions is walked in the plugin's
   order and the first the kubelet knows ("v1.DRAPlugin", "v1beta1.DRAPlugin") is chosen (an
@@ -65,6 +68,11 @@ class RegistrationRefused(Exception):
 
 
 # What grpc-go says of a call on a connection its ClientConn.Close() ended (ErrClientConnClosing).
+# A failed registration's retry (see the module's docstring): the reconciler's period and the
+# operation executor's exponential backoff per socket.
+RECONCILE_S = 1.0
+RETRY_INITIAL_S = 0.5
+RETRY_CAP_S = 122.0
 CONNECTION_CLOSING = "rpc error: code = Canceled desc = grpc: the client connection is closing"
 
 
@@ -132,16 +140,21 @@ class DraKubeletStandin:
     health_ends: list[tuple[str, str, str]] = field(default_factory=list)
     health_reopen_s: float = contracts.DRA_HEALTH_REOPEN_S
     _task: Optional[asyncio.Task[None]] = None
+    # Per registration socket that failed: its next try (a task), and its backoff now with the
+    # loop time before which no try is made.
+    _retries: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    _backoff: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     async def __aenter__(self) -> DraKubeletStandin:
         self._task = asyncio.ensure_future(self._watch())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in [*self._retries.values(), *([self._task] if self._task is not None else [])]:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
+        self._retries.clear()
         for instances in self.instances.values():
             for instance in instances:
                 await self._stop_health(instance)
@@ -161,6 +174,7 @@ class DraKubeletStandin:
                 if event.mask & (Mask.CREATE | Mask.MOVED_TO):
                     await self._created(path)
                 elif event.mask & Mask.DELETE:
+                    self._forget_retry(path)
                     await self._deregister(path)
 
     async def _created(self, path: str) -> None:
@@ -171,13 +185,43 @@ class DraKubeletStandin:
             return
         if os.path.basename(path).startswith(".") or not stat.S_ISSOCK(st.st_mode):
             return
+        if path in self._retries:  # its backoff holds for the new socket too: the pending try waits it out
+            return
         await self._deregister(path)
+        await self._try(path)
+
+    async def _try(self, path: str) -> None:
         try:
             await self.register(path)
-        except RegistrationRefused as exc:
-            self.refused.append((path, str(exc)))
-        except (grpc.RpcError, asyncio.TimeoutError) as exc:
-            self.refused.append((path, f"dial/GetInfo failed: {exc}"))
+        except (RegistrationRefused, grpc.RpcError, asyncio.TimeoutError) as exc:
+            why = str(exc) if isinstance(exc, RegistrationRefused) else f"dial/GetInfo failed: {exc}"
+            self.refused.append((path, why))
+            delay = min(self._backoff.get(path, (RETRY_INITIAL_S / 2, 0.0))[0] * 2, RETRY_CAP_S)
+            self._backoff[path] = (delay, asyncio.get_running_loop().time() + delay)
+            self._retries[path] = asyncio.ensure_future(self._retry(path))
+        else:
+            self._backoff.pop(path, None)
+
+    async def _retry(self, path: str) -> None:
+        """The next try, no sooner than the kubelet's: its backoff, then the reconciler's next look."""
+        loop = asyncio.get_running_loop()
+        wait = max(0.0, self._backoff[path][1] - loop.time())
+        await asyncio.sleep(wait + (-(loop.time() + wait)) % RECONCILE_S)
+        del self._retries[path]
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return
+        if stat.S_ISSOCK(st.st_mode):
+            await self._deregister(path)
+            await self._try(path)
+
+    def _forget_retry(self, path: str) -> None:
+        """The socket is gone from the kubelet's desired state: no more tries (nor backoff)."""
+        pending = self._retries.pop(path, None)
+        if pending is not None:
+            pending.cancel()
+        self._backoff.pop(path, None)
 
     async def register(self, path: str) -> Instance:
         channel = grpc.aio.insecure_channel(transport.unix_target(path))

@@ -411,3 +411,44 @@ def test_a_symlinked_driver_directory_is_refused_and_nothing_is_written_through(
         assert os.listdir(elsewhere) == [] and os.listdir(node.registry) == []
 
     run(tmp, body)
+
+
+async def test_standin_tries_a_failed_registration_again_after_the_kubelets_backoff(tmp: str) -> None:
+    """The kubelet's plugin manager retries a registration that failed while the socket is there
+    (its reconciler every second, its operation executor backing off from 0.5 s): a GetInfo past
+    its deadline once is asked again with no new event, and no sooner than that."""
+    from standin.dra_kubelet import RETRY_INITIAL_S
+
+    loop = asyncio.get_running_loop()
+    registry = os.path.join(tmp, "registry")
+    os.makedirs(registry)
+    asked: list[float] = []
+
+    class LateOnce:
+        async def GetInfo(self, request: Any, context: Any) -> reg.PluginInfo:
+            asked.append(loop.time())
+            if len(asked) == 1:
+                await asyncio.Event().wait()  # never answers: the kubelet's deadline ends the call
+            return reg.PluginInfo(
+                type=contracts.DRA_PLUGIN_TYPE,
+                name=DRIVER,
+                endpoint=os.path.join(tmp, "service.sock"),
+                supported_versions=[contracts.DRA_VERSION_V1],
+            )
+
+        async def NotifyRegistrationStatus(self, request: Any, context: Any) -> reg.RegistrationStatusResponse:
+            return reg.RegistrationStatusResponse()
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([api.registration_handler(LateOnce())])
+    assert server.add_insecure_port(transport.unix_target(os.path.join(registry, "late-reg.sock")))
+    await server.start()
+    try:
+        async with DraKubeletStandin(registry) as kubelet:
+            await until(lambda: DRIVER in kubelet.instances, what="registered on the retry")
+            assert len(kubelet.refused) == 1 and kubelet.refused[0][1].startswith("dial/GetInfo failed"), (
+                kubelet.refused
+            )
+        assert len(asked) == 2 and asked[1] - asked[0] >= contracts.DRA_GET_INFO_TIMEOUT_S + RETRY_INITIAL_S
+    finally:
+        await server.stop(0)
