@@ -51,8 +51,11 @@ from hyperlight_agent.identity import AGENT, Description, Identity
 
 SERVICE = "hyperlight.agent.v1.Instance"
 DESCRIBE = f"/{SERVICE}/Describe"
-# An instance of ours answers in milliseconds; one that does not within this is not a successor.
-PEER_TIMEOUT_S = 0.5
+# An instance of ours answers in milliseconds on an idle host; one that does not within this is
+# not a successor. 0.5 s was too short on a starved host: a ready successor's answer came late in
+# CI (`systemctl reload`) and beside a cold build (a newer instance missed), so the old instance
+# kept what was the new one's. A silent socket costs a search this much, and never its deadline.
+PEER_TIMEOUT_S = 2.0
 # How often the candidates are asked again while waiting for a successor.
 POLL_S = 0.1
 # At most this many candidates are asked at once (a directory full of sockets is no reason to

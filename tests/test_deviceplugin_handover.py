@@ -88,8 +88,8 @@ async def test_an_agent_of_an_earlier_release_is_a_successor_when_it_proves_it_i
 
 # 8: however many sockets never answer, the search ends by its deadline.
 async def test_the_successor_search_ends_by_its_deadline_whatever_the_sockets_do(tmp: str) -> None:
-    """100 sockets that never answer, each worth PEER_TIMEOUT_S (0.5 s): asked one after another
-    they took 50 s; the search ends by its deadline (1 s here)."""
+    """100 sockets that never answer, each worth PEER_TIMEOUT_S: asked one after another (at the
+    0.5 s it was then) they took 50 s; the search ends by its deadline (1 s here)."""
     sockets = silent_sockets(tmp, [f"hyperlight.silent-{i}.sock" for i in range(100)])
     loop = asyncio.get_running_loop()
     try:
