@@ -258,9 +258,10 @@ async def serve_in_place(
         problem = await listen(server, private)
         pin = None if problem else await _start_in_place(server, private, path)
     except BaseException as exc:
-        await server.stop(0)
+        # The name first, before anything that awaits: a stop may cancel this cleanup's await too.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(private)
+        await server.stop(0)
         if isinstance(exc, sockets.InUse):
             raise Taken(str(exc)) from None
         if isinstance(exc, sockets.NotPlaced):
