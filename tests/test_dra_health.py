@@ -22,7 +22,7 @@ from standin import dra_kubelet as standin_kubelet
 from standin.apiserver import FakeApiServer
 from standin.dra_kubelet import DraKubeletStandin
 from tests.conftest import START_S, until
-from tests.fakes import FakeHelper, dra_side, shut
+from tests.fakes import FakeHelper, dra_outcomes, dra_side, shut
 from tests.fakes import wiring as fake_wiring
 from tests.test_dra_side import DRIVER, dirs, settings_in, taints_published, with_cluster
 
@@ -226,10 +226,12 @@ def test_another_instances_end_forgets_the_drivers_health_and_ours_puts_it_back(
 
 async def test_reports_come_within_the_timeout_so_the_kubelet_never_drops_to_unknown() -> None:
     """Nothing changes, yet each device is reported again well within the timeout it was given
-    (the kubelet reads a device as Unknown after it)."""
+    (the kubelet reads a device as Unknown after it). Here the timeout is 40 resends (the
+    agent's is 3): a loaded machine's late wake-up (0.36 s seen beside a cold build, for a 0.1 s
+    resend) stays within it, and only a report left out would not."""
     observation = SharedObservation()
     observation.publish(Observation(True, "", "kvm"))
-    subject = Health(observation, lambda: ["kvm"], lambda: NODE, resend_s=0.1, timeout_s=0.3)
+    subject = Health(observation, lambda: ["kvm"], lambda: NODE, resend_s=0.05, timeout_s=2.0)
     closed = asyncio.Event()
     messages = api.HEALTH_VERSIONS[contracts.DRA_HEALTH_V1]
     loop = asyncio.get_running_loop()
@@ -238,10 +240,10 @@ async def test_reports_come_within_the_timeout_so_the_kubelet_never_drops_to_unk
     async for report in stream:
         times.append(loop.time())
         (device,) = report.devices
-        assert device.health == messages.HEALTHY and device.health_check_timeout_seconds == 0  # int(0.3)
+        assert device.health == messages.HEALTHY and device.health_check_timeout_seconds == 2
         if len(times) == 4:
             closed.set()
-    assert len(times) == 4 and max(b - a for a, b in zip(times, times[1:])) < 0.3
+    assert len(times) == 4 and max(b - a for a, b in zip(times, times[1:])) < 2.0
     assert subject.streams == 0
 
 
@@ -281,6 +283,7 @@ async def test_a_device_of_a_recorded_claim_is_reported_too(tmp: str) -> None:
     side: Any = dra_side_module.DraSide(
         dra_side_module.DraTarget(NODE, "pod-a", 4, None, *dirs(tmp), shared=False),
         fake_wiring(),
+        dra_outcomes(),
     )
     assert side.health_devices() == []
     await side.service.prepared.record(
