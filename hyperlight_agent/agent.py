@@ -28,7 +28,7 @@ from hyperlight_agent.files.watcher import DirectoryWatcher
 from hyperlight_agent.host import journal, probes, successor
 from hyperlight_agent.host.notify import Notifier
 from hyperlight_agent.identity import Identity
-from hyperlight_agent.kubelet_side import Snapshot, Wiring, hand_over_on_stop
+from hyperlight_agent.kubelet_side import Snapshot, Wiring, hand_over_on_stop, succession
 from hyperlight_agent.reload import Reloader
 
 log = logging.getLogger(__name__)
@@ -101,21 +101,22 @@ class Agent:
                 checker=self.checker,
                 identity=self.identity,
                 serve_ours=self._serve_ours,
-                outcomes=self.metrics,
                 watcher=self.watcher,
                 on_change=self._status_changed,
                 environ=self._environ,
                 predecessor=lambda: self.notifier.predecessor,
                 upgrading=lambda: self.upgrader.upgrading,
             ),
+            self.metrics.families,
         )
+        self.succession = succession(self.side)  # None: the side cannot be succeeded without a gap
         self._stop = asyncio.Event()
         self._stopped_again = asyncio.Event()  # a second stop(): no more waiting for a successor
         self._tasks: list[asyncio.Future[Any]] = []
         self.upgrader = successor.Upgrader(
             settings.instance,
             self._environ,
-            self.side,
+            self.succession,
             self.notifier,
             ready=lambda: self.ready,
             handed_over=self._upgraded,
@@ -175,7 +176,7 @@ class Agent:
             return
         if self.phase is Phase.RUNNING:  # (HANDED_OVER: the kubelet and the unit are the child's already)
             self.phase = Phase.HANDING_OVER
-            await hand_over_on_stop(self.side, self.settings.handover_seconds, self.ready, self._stopped_again)
+            await hand_over_on_stop(self.succession, self.settings.handover_seconds, self.ready, self._stopped_again)
         self.phase = Phase.STOPPING
         log.info("stopping")
         self.notifier.stopping()
@@ -259,7 +260,7 @@ class Agent:
     async def _newer_instance(self) -> Optional[str]:
         """A live instance of ours for the same resource on this node that started after us: the
         CDI spec is its to keep (peers.py)."""
-        return await self.side.newer_instance()
+        return await self.succession.newer_instance() if self.succession is not None else None
 
     # --- readiness ----------------------------------------------------------------------------
 

@@ -2,16 +2,17 @@
 agent's own parts (the device check, the observation, the watcher, readiness, sd_notify, metrics)
 and one way of offering the device to the kubelet.
 
-    side = parts.kubelet_side(settings, mode, wiring)   # DevicePluginSide or DraSide
+    side = parts.kubelet_side(settings, mode, wiring, series)   # DevicePluginSide or DraSide
     await side.run()           until cancelled: serve, register, stay registered
-    await side.hand_over(t)    on a stop: serve on until a successor of ours is ready
-                               (hand_over_on_stop: only when the agent is ready)
     side.begin_stop()          the stop's first moment (the kubelet must see it at once)
     await side.close()         bounded by side.close_bound_s
     side.snapshot(obs, checked).ready() / .status()
+    await side.hand_over(t)    if it has Succession: on a stop, serve on until a successor of
+                               ours is ready (hand_over_on_stop: only when the agent is ready)
 
 The side is given only what it asks of the agent (Wiring, each collaborator typed by a Protocol
-of this module or a callback), and reports what it did as outcomes, never a metric's series.
+of this module or a callback), and reports what it did to its protocol's own outcomes, made by its
+row from the agent's metric registry (Series).
 
 A third protocol is its name in modes.KubeletProtocol, one class implementing KubeletSide and one row of
 parts.ROWS, which carries everything else the agent asks of a protocol (tests/test_parts.py runs a
@@ -23,7 +24,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Protocol, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Iterable,
+    Mapping,
+    Optional,
+    Protocol,
+    Sequence,
+    TypeVar,
+    runtime_checkable,
+)
 
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.identity import Description, Identity
@@ -70,37 +82,27 @@ class Watches(Protocol):
         ...
 
 
-class Outcomes(Protocol):
-    """What a side reports of what it did, each as one outcome (host/metrics.py's Metrics counts
-    them; a side never sees a series)."""
+class Series(Protocol):
+    """Where a kubelet protocol makes the metric series it counts, in the agent's registry
+    (host/metrics.py's Families): each maker returns the series, or one that ignores every call
+    while metrics are off. `at_zero`: the label values served at 0 from the start (a series born at
+    1 has no increase() for an alert to see). A protocol's row makes its outcomes from these
+    (parts.ProtocolRow.outcomes), so the agent's metrics know no protocol."""
 
-    def streams_open(self, streams: int) -> None:
-        """The device plugin's ListAndWatch streams open now."""
-        ...
+    def counter(
+        self, name: str, doc: str, labels: Sequence[str] = (), at_zero: Iterable[Sequence[str]] = ()
+    ) -> Any: ...
 
-    def allocated(self, outcome: str) -> None:
-        """An Allocate's outcome ("ok", "invalid", "unavailable")."""
-        ...
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = (), at_zero: Iterable[Sequence[str]] = ()) -> Any: ...
 
-    def registrar_totals(self, registrations: int, kubelet_restarts: int, streams_lost: int) -> None:
-        """The device plugin registrar's running totals."""
-        ...
-
-    def dra_call(self, operation: str, seconds: float, ok: int, failed: int) -> None:
-        """A NodePrepareResources or NodeUnprepareResources answered: its claims ok and failed."""
-        ...
-
-    def dra_event(self, kind: str, *labels: str) -> None:
-        """What the ResourceSlice publisher reports (dra/slices.py: on_event)."""
-        ...
-
-    def dra_health_stream(self, delta: int) -> None:
-        """A resource-health stream opened (+1) or ended (-1)."""
-        ...
-
-    def dra_taint(self, effect: str) -> None:
-        """The effect of the taint the slice's device carries now ("" none)."""
-        ...
+    def histogram(
+        self,
+        name: str,
+        doc: str,
+        buckets: Sequence[float],
+        labels: Sequence[str] = (),
+        at_zero: Iterable[Sequence[str]] = (),
+    ) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,6 @@ class Wiring:
     checker: Checks  # check(timeout=...): a fresh device check
     identity: Identity  # who we are to other instances of ours on the node
     serve_ours: Callable[[grpc.aio.Server], None]  # adds the health service and Describe to a server
-    outcomes: Outcomes  # what the side did (the agent's metrics)
     watcher: Watches  # the side adds its directories' watches
     on_change: Callable[[], None]  # readiness or status may have changed
     environ: Mapping[str, str]  # the process environment (the entry point's)
@@ -135,6 +136,35 @@ class KubeletSide(Protocol[Target_contra]):
         """Serve the kubelet until cancelled; raises only what must end the agent."""
         ...
 
+    def described(self) -> Mapping[str, Any]:
+        """What Describe says of this side: `serving`, `calls` and the like (peers.py)."""
+        ...
+
+    def begin_stop(self) -> None:
+        """The first moment of a stop: what the kubelet must see at once (a stream's end)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop serving and remove our sockets, within close_bound_s."""
+        ...
+
+    def snapshot(self, observation: Observation, checked: bool) -> Snapshot:
+        """This side's readiness inputs, with the device's last observation."""
+        ...
+
+    def reconfigure(self, target: Target_contra) -> None:
+        """A reload's new target, of the kind the side was built from (parts.side_target);
+        restart-only settings are unchanged."""
+        ...
+
+
+@runtime_checkable
+class Succession(Protocol):
+    """What a side may add, to be succeeded by another instance of ours without a gap (a surge
+    update's new pod, an in-place upgrade's child): handing the kubelet over, and yielding the CDI
+    spec to a newer instance. A side without it (a row may omit it) stops at once on a stop, keeps
+    the CDI spec whoever else runs, and refuses in-place upgrades."""
+
     async def hand_over(
         self,
         timeout: float,
@@ -156,34 +186,18 @@ class KubeletSide(Protocol[Target_contra]):
         does not yet agree that its child registers)."""
         ...
 
-    def described(self) -> Mapping[str, Any]:
-        """What Describe says of this side: `serving`, `calls` and the like (peers.py)."""
-        ...
-
-    def begin_stop(self) -> None:
-        """The first moment of a stop: what the kubelet must see at once (a stream's end)."""
-        ...
-
-    async def close(self) -> None:
-        """Stop serving and remove our sockets, within close_bound_s."""
-        ...
-
-    def snapshot(self, observation: Observation, checked: bool) -> Snapshot:
-        """This side's readiness inputs, with the device's last observation."""
-        ...
-
     async def newer_instance(self) -> Optional[str]:
         """A live instance of ours for the same resource that started after us (peers.py)."""
         ...
 
-    def reconfigure(self, target: Target_contra) -> None:
-        """A reload's new target, of the kind the side was built from (parts.side_target);
-        restart-only settings are unchanged."""
-        ...
+
+def succession(side: KubeletSide[Any]) -> Optional[Succession]:
+    """The side's succession, if it has one."""
+    return side if isinstance(side, Succession) else None
 
 
 async def hand_over_on_stop(
-    side: KubeletSide[Any], timeout: float, ready: bool, stopped_again: Optional[asyncio.Event] = None
+    side: Optional[Succession], timeout: float, ready: bool, stopped_again: Optional[asyncio.Event] = None
 ) -> None:
     """A stop's first part, with handover_seconds (`timeout`) set: the side serves on until a
     successor of ours is ready and the kubelet is done with us (its hand_over), at most `timeout`,
@@ -191,8 +205,8 @@ async def hand_over_on_stop(
     uninstall has no successor to wait for). Only a ready agent has something to hand over. An
     unready one is also one the DaemonSet controller replaces only after it is gone (it surges
     for available pods only): waiting for a successor would only delay the replacement by
-    handover_seconds."""
-    if timeout <= 0 or not ready or (stopped_again is not None and stopped_again.is_set()):
+    handover_seconds. A side without succession (`side` None) has no successor to wait for."""
+    if side is None or timeout <= 0 or not ready or (stopped_again is not None and stopped_again.is_set()):
         return
     log.info("stop requested: serving until a successor is ready (up to %g s; stop again to stop now)", timeout)
     handing_over = asyncio.ensure_future(side.hand_over(timeout))

@@ -1,9 +1,9 @@
 """The translation of the settings and the mode into what each part of the agent is built from: the
-checker's CheckTarget, the metrics (the mode's series), the NFD feature file's directory, and the
-kubelet side for the mode's protocol with its target (the device plugin's DevicePluginTarget, the
-DRA side's DraTarget). On a reload the agent builds the targets again from the new settings, so no
-part reads Settings itself; the agent reads only what it acts on (the directories it watches, the
-check interval, the handover time).
+checker's CheckTarget, the agent's metrics, the NFD feature file's directory, and the kubelet side
+for the mode's protocol with its target (the device plugin's DevicePluginTarget, the DRA side's
+DraTarget) and the series it counts in (its outcomes). On a reload the agent builds the targets
+again from the new settings, so no part reads Settings itself; the agent reads only what it acts
+on (the directories it watches, the check interval, the handover time).
 
 A kubelet protocol is one row of ROWS (ProtocolRow): everything the rest of the agent asks of it,
 so that nothing else branches on the protocol. A third protocol is its name in modes.KubeletProtocol, one
@@ -28,11 +28,13 @@ from hyperlight_agent.files import sockets
 if TYPE_CHECKING:
     # grpc comes with the sides' modules: `--check` (diagnose.py) uses this module to report
     # whether grpc imports at all, so it must load without them.
+    from hyperlight_agent.deviceplugin.outcomes import DevicePluginOutcomes
     from hyperlight_agent.deviceplugin.servicer import Profile
     from hyperlight_agent.deviceplugin.side import DevicePluginTarget
+    from hyperlight_agent.dra.outcomes import DraOutcomes
     from hyperlight_agent.dra.side import DraTarget
     from hyperlight_agent.host.metrics import Metrics
-    from hyperlight_agent.kubelet_side import KubeletSide, Wiring
+    from hyperlight_agent.kubelet_side import KubeletSide, Series, Wiring
 
 
 def check_target(settings: Settings, mode: modes.Mode, read_only: bool = False) -> CheckTarget:
@@ -49,13 +51,13 @@ def check_target(settings: Settings, mode: modes.Mode, read_only: bool = False) 
 
 
 def metrics(settings: Settings, mode: modes.Mode, environ: Mapping[str, str]) -> Metrics:
-    """The mode's series, served only when metrics_address is set; the build's labels."""
+    """The agent's series, served only when metrics_address is set; the build's labels. The mode's
+    protocol adds its own (kubelet_side)."""
     from hyperlight_agent.host.metrics import Metrics  # the agent's only: not for --check
 
     return Metrics(
         enabled=settings.metrics_address is not None,
         build={"version": __version__, "commit": identity.commit(environ), "mode": mode.name},
-        protocol=mode.protocol.value,
         device_dir=settings.device_dir,
         cdi=not mode.inventory_only,
     )
@@ -102,16 +104,30 @@ def dra_target(settings: Settings, mode: modes.Mode) -> DraTarget:
     )
 
 
-def _device_plugin_side(target: DevicePluginTarget, wiring: Wiring) -> KubeletSide[DevicePluginTarget]:
+def _device_plugin_outcomes(series: Series) -> DevicePluginOutcomes:
+    from hyperlight_agent.deviceplugin.outcomes import DevicePluginOutcomes
+
+    return DevicePluginOutcomes(series)
+
+
+def _device_plugin_side(
+    target: DevicePluginTarget, wiring: Wiring, outcomes: DevicePluginOutcomes
+) -> KubeletSide[DevicePluginTarget]:
     from hyperlight_agent.deviceplugin.side import DevicePluginSide
 
-    return DevicePluginSide(target, wiring)
+    return DevicePluginSide(target, wiring, outcomes)
 
 
-def _dra_side(target: DraTarget, wiring: Wiring) -> KubeletSide[DraTarget]:
+def _dra_outcomes(series: Series) -> DraOutcomes:
+    from hyperlight_agent.dra.outcomes import DraOutcomes
+
+    return DraOutcomes(series)
+
+
+def _dra_side(target: DraTarget, wiring: Wiring, outcomes: DraOutcomes) -> KubeletSide[DraTarget]:
     from hyperlight_agent.dra.side import DraSide  # the DRA mode's modules only in that mode
 
-    return DraSide(target, wiring)
+    return DraSide(target, wiring, outcomes)
 
 
 def _device_plugin_health_socket(settings: Settings, mode: modes.Mode) -> str:
@@ -139,19 +155,23 @@ def _dra_preflight(settings: Settings, mode: modes.Mode, environ: Mapping[str, s
     return asyncio.run(preflight.api(settings.kubeconfig, dra_target(settings, mode).node_name, environ))
 
 
-# A row's target: what its side is built from, and built again from on a reload.
+# A row's target: what its side is built from, and built again from on a reload; and its outcomes:
+# the metric series it counts what its side did in.
 T = TypeVar("T")
+Counted = TypeVar("Counted")
 
 
 @dataclass(frozen=True)
-class ProtocolRow(Generic[T]):
+class ProtocolRow(Generic[T, Counted]):
     """One kubelet protocol, whole: what the agent, `--check`, the exec probes and the settings ask
     of it. The callables import the protocol's modules only when called (grpc, the API client), so
     `--check` and `--health-check` load this module without them."""
 
-    # Its side's target from the settings (built again on a reload), and its side from the target.
+    # Its side's target from the settings (built again on a reload); its outcomes, made once in the
+    # agent's metric registry (served from the start); and its side from both.
     target: Callable[[Settings, modes.Mode], T]
-    side: Callable[[T, Wiring], KubeletSide[T]]
+    outcomes: Callable[[Series], Counted]
+    side: Callable[[T, Wiring, Counted], KubeletSide[T]]
     # The socket a running agent of a mode serves its health service on (the exec probes ask
     # there), for the instance the settings name.
     health_socket: Callable[[Settings, modes.Mode], str]
@@ -168,24 +188,29 @@ class ProtocolRow(Generic[T]):
 
 # Each row typed by its own target, so that its target and its side are checked to agree; the
 # table holds rows of every target.
-_DEVICE_PLUGIN: ProtocolRow[DevicePluginTarget] = ProtocolRow(
-    device_plugin_target, _device_plugin_side, _device_plugin_health_socket, _device_plugin_instances
+_DEVICE_PLUGIN: ProtocolRow[DevicePluginTarget, DevicePluginOutcomes] = ProtocolRow(
+    device_plugin_target,
+    _device_plugin_outcomes,
+    _device_plugin_side,
+    _device_plugin_health_socket,
+    _device_plugin_instances,
 )
-_DRA: ProtocolRow[DraTarget] = ProtocolRow(
+_DRA: ProtocolRow[DraTarget, DraOutcomes] = ProtocolRow(
     dra_target,
+    _dra_outcomes,
     _dra_side,
     _dra_health_socket,
     _dra_instances,
     shortest_names=names.SHORTEST_NAMES,
     preflight=_dra_preflight,
 )
-ROWS: dict[modes.KubeletProtocol, ProtocolRow[Any]] = {
+ROWS: dict[modes.KubeletProtocol, ProtocolRow[Any, Any]] = {
     modes.KubeletProtocol.DEVICE_PLUGIN: _DEVICE_PLUGIN,
     modes.KubeletProtocol.DRA: _DRA,
 }
 
 
-def row(mode: modes.Mode) -> ProtocolRow[Any]:
+def row(mode: modes.Mode) -> ProtocolRow[Any, Any]:
     """The row of the protocol the mode speaks."""
     return ROWS[mode.protocol]
 
@@ -196,6 +221,7 @@ def side_target(settings: Settings, mode: modes.Mode) -> Any:
     return row(mode).target(settings, mode)
 
 
-def kubelet_side(settings: Settings, mode: modes.Mode, wiring: Wiring) -> KubeletSide[Any]:
+def kubelet_side(settings: Settings, mode: modes.Mode, wiring: Wiring, series: Series) -> KubeletSide[Any]:
+    """The mode's side, counting in `series` (the agent's metric registry)."""
     found = row(mode)
-    return found.side(found.target(settings, mode), wiring)
+    return found.side(found.target(settings, mode), wiring, found.outcomes(series))

@@ -148,11 +148,10 @@ VERSION_SUFFIX = f"; version {__version__}"
 def wiring(
     checker: Optional[FakeChecker] = None, identity: Optional[Any] = None, on_change: Callable[[], None] = lambda: None
 ) -> Any:
-    """What an agent gives its kubelet side (kubelet_side.Wiring), with a FakeChecker, metrics
-    off, a watcher nobody runs and one healthy check already done: for building a side on its own."""
+    """What an agent gives its kubelet side (kubelet_side.Wiring), with a FakeChecker, a watcher
+    nobody runs and one healthy check already done: for building a side on its own."""
     from hyperlight_agent.device.observation import SharedObservation
     from hyperlight_agent.files.watcher import DirectoryWatcher
-    from hyperlight_agent.host.metrics import Metrics
     from hyperlight_agent.identity import Identity
     from hyperlight_agent.kubelet_side import Wiring
 
@@ -163,11 +162,18 @@ def wiring(
         checker=checker or FakeChecker(),  # type: ignore[arg-type]
         identity=identity or Identity.of("test", "dra", "hypervisor.hyperlight.dev"),
         serve_ours=lambda server: None,
-        outcomes=Metrics(enabled=False),
         watcher=DirectoryWatcher(),
         on_change=on_change,
         environ={},
     )
+
+
+def dra_outcomes() -> Any:
+    """A DRA side's outcomes with metrics off: for building a side on its own."""
+    from hyperlight_agent.dra.outcomes import DraOutcomes
+    from hyperlight_agent.host.metrics import Families
+
+    return DraOutcomes(Families(None))
 
 
 def dp_side(agent: Any) -> Any:

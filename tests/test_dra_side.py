@@ -28,7 +28,7 @@ from hyperlight_agent.identity import Identity
 from standin.apiserver import FakeApiServer, kubeconfig, recorded
 from standin.dra_kubelet import Claim, DraKubeletStandin, Instance
 from tests.conftest import START_S, until
-from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dra_side, shut, wiring
+from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dra_outcomes, dra_side, shut, wiring
 from tests.test_peers import Server, silent_sockets
 
 DRIVER = "hypervisor.hyperlight.dev"
@@ -254,8 +254,11 @@ def test_an_in_place_upgrade_waits_for_the_child_it_started(tmp: str, helpers: l
             await until(lambda: old.ready, timeout=START_S, what="the old agent ready")
             await child.start()
             await until(lambda: child.ready, timeout=START_S, what="the child ready")
-            assert await old.side.hand_over(0.3, pid=os.getpid() + 1) is None, "a ready instance of another pid is none"
-            found = await old.side.hand_over(10, pid=os.getpid())
+            assert old.succession is not None
+            assert await old.succession.hand_over(0.3, pid=os.getpid() + 1) is None, (
+                "a ready instance of another pid is none"
+            )
+            found = await old.succession.hand_over(10, pid=os.getpid())
             assert found == dra_side(child).registrar.service_socket and child.ready
         finally:
             await shut(child)
@@ -626,6 +629,7 @@ def dra_driver(tmp: str, instance: str = "old") -> DraSide:
     return DraSide(
         DraTarget("node1", instance, 4, None, registry, plugins),
         wiring(identity=Identity.of(instance, "dra", DRIVER)),
+        dra_outcomes(),
     )
 
 

@@ -180,7 +180,7 @@ def test_desired_spec_names_n_identical_devices_with_qualified_attributes() -> N
 
 
 def test_the_publisher_reports_writes_api_errors_and_watch_restarts(tmp_path: Any) -> None:
-    """What the metrics count (host/metrics.py, dra_event)."""
+    """What the metrics count (dra/outcomes.py, slice_event)."""
     events: list[tuple[str, ...]] = []
 
     async def body(fake: FakeApiServer, api: KubeApi) -> None:

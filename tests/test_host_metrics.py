@@ -14,7 +14,7 @@ from typing import NamedTuple
 import grpc
 import pytest
 
-from hyperlight_agent import contracts, modes
+from hyperlight_agent import contracts, modes, parts
 from standin.kubelet import StandinThread
 from tests.conftest import StartAgent, wait_for
 from tests.test_docs import ROOT
@@ -241,12 +241,8 @@ def exposition(mode: modes.Mode) -> dict[str, tuple[str, set[tuple[tuple[str, st
 
     from hyperlight_agent.host.metrics import Metrics
 
-    metrics = Metrics(
-        True,
-        {"version": "0", "commit": "x", "mode": mode.name},
-        protocol=mode.protocol.value,
-        cdi=not mode.inventory_only,
-    )
+    metrics = Metrics(True, {"version": "0", "commit": "x", "mode": mode.name}, cdi=not mode.inventory_only)
+    parts.row(mode).outcomes(metrics.families)  # the mode's protocol's own series, as the agent makes them
     text = generate_latest(metrics.registry).decode()
     served = {}
     for family in text_string_to_metric_families(text):
@@ -290,7 +286,9 @@ def test_build_info_and_process_series_are_served(tmp: str) -> None:
 
     from hyperlight_agent.host.metrics import Metrics
 
-    text = generate_latest(Metrics(True, {"version": "9.9.9", "commit": "abc", "mode": "dra"}, "dra").registry).decode()
+    metrics = Metrics(True, {"version": "9.9.9", "commit": "abc", "mode": "dra"})
+    parts.row(modes.DRA).outcomes(metrics.families)
+    text = generate_latest(metrics.registry).decode()
     assert 'hyperlight_build_info{commit="abc",mode="dra",version="9.9.9"} 1.0' in text
     assert "process_resident_memory_bytes " in text and "process_start_time_seconds " in text
     # DRA claim outcomes start at 0, so that increase() sees the first failed claim.

@@ -304,7 +304,7 @@ def test_hand_over_names_what_it_requires_of_the_successor() -> None:
     from hyperlight_agent.dra.side import DraSide
 
     for waits_for_successor in (
-        kubelet_side.KubeletSide.hand_over,
+        kubelet_side.Succession.hand_over,
         DevicePluginSide.hand_over,
         DraSide.hand_over,
         handover.wait_for_successor,

@@ -1,6 +1,7 @@
 """parts.py: every kubelet protocol is one row of parts.ROWS, and nothing else knows which
 protocols there are. The toy protocol here is the proof: one class and one row, and the agent runs
-it (start, ready, stop) without a line of the agent, the modes or the settings changed."""
+it (start, ready, its own metric, stop) without a line of the agent, the modes, the settings or
+the metrics changed."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from hyperlight_agent.config import Settings
 from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.files import sockets
 from hyperlight_agent.host.healthcheck import health_check
-from hyperlight_agent.kubelet_side import Wiring, count
+from hyperlight_agent.kubelet_side import Series, Succession, Wiring, count
 from tests.conftest import until
 from tests.fakes import FakeHelper, RecordingNotifier, device_dir, shut
+from tests.test_host_metrics import free_port, scrape
 
 
 def test_every_protocol_is_one_row() -> None:
@@ -46,6 +48,19 @@ def test_the_settings_refuse_a_directory_without_room_for_a_rows_shortest_name(
         config.load(parser.parse_args(["--config", "/dev/null", flag, longest + "d"]), {})
 
 
+def test_the_device_plugin_and_dra_sides_can_be_succeeded() -> None:
+    """Both real sides carry Succession (a surge update's or an in-place upgrade's handover): mypy
+    checks the assignment below, the agent's succession() the same at run time."""
+    from hyperlight_agent.deviceplugin.side import DevicePluginSide
+    from hyperlight_agent.dra.side import DraSide
+
+    def typed(device_plugin: DevicePluginSide, dra: DraSide) -> tuple[Succession, Succession]:
+        return device_plugin, dra
+
+    assert issubclass(DevicePluginSide, Succession) and issubclass(DraSide, Succession)
+    assert not issubclass(ToySide, Succession)
+
+
 class _Toy(str, enum.Enum):
     """The toy protocol's name: in the agent, a new member of modes.KubeletProtocol."""
 
@@ -66,15 +81,24 @@ class _ToySnapshot:
         return f"ready: {count(self.slots, 'toy')}" if self.ready() else "waiting"
 
 
+class ToyOutcomes:
+    """What the toy protocol counts: its own series, in the agent's registry."""
+
+    def __init__(self, series: Series) -> None:
+        self.serving = series.gauge("hyperlight_toy_serving", "1 while the toy socket serves")
+
+
 class ToySide:
     """A third kubelet protocol: one socket that serves only what every socket of ours serves (the
-    health service and Describe), ready once it serves and the device is healthy."""
+    health service and Describe), ready once it serves and the device is healthy. It has no
+    succession (kubelet_side.Succession): a stop stops at once, and in-place upgrades are refused."""
 
     close_bound_s = transport.STOP_GRACE_S
 
-    def __init__(self, path: str, wiring: Wiring) -> None:
+    def __init__(self, path: str, wiring: Wiring, outcomes: ToyOutcomes) -> None:
         self.path = path
         self._wiring = wiring
+        self._outcomes = outcomes
         self._server: Optional[grpc.aio.Server] = None
 
     def describe(self) -> str:
@@ -86,17 +110,9 @@ class ToySide:
         server.add_insecure_port(transport.unix_target(self.path))
         await server.start()
         self._server = server
+        self._outcomes.serving.set(1)
         self._wiring.on_change()
         await asyncio.Event().wait()
-
-    async def hand_over(self, timeout: float, *args: Any, **kwargs: Any) -> Optional[str]:
-        return None  # no successor: a stop stops at once
-
-    def after_failed_hand_over(self, successor_registered: bool) -> None:
-        pass
-
-    def registration_in_flight(self) -> bool:
-        return False
 
     def described(self) -> Mapping[str, Any]:
         return {"serving": self._server is not None, "calls": 0}
@@ -114,9 +130,6 @@ class ToySide:
     def snapshot(self, observation: Observation, checked: bool) -> _ToySnapshot:
         return _ToySnapshot(observation, checked, self._server is not None)
 
-    async def newer_instance(self) -> Optional[str]:
-        return None
-
     def reconfigure(self, target: Any) -> None:
         pass
 
@@ -127,6 +140,7 @@ def _toy_socket(settings: Settings, mode: modes.Mode) -> str:
 
 TOY_ROW = parts.ProtocolRow(
     target=_toy_socket,
+    outcomes=ToyOutcomes,
     side=ToySide,
     health_socket=_toy_socket,
     instance_sockets=lambda settings, mode: sockets.listing(settings.kubelet_dir, lambda name: name == "toy.sock"),
@@ -145,8 +159,12 @@ TOY = modes.Mode(
 
 async def test_a_third_protocol_is_one_class_and_one_row(tmp: str, helpers: list[FakeHelper], monkeypatch: Any) -> None:
     monkeypatch.setitem(parts.ROWS, _Toy.PROTOCOL, TOY_ROW)
+    address = f"127.0.0.1:{free_port()}"
     settings = Settings.defaults(
-        kubelet_dir=os.path.join(tmp, "kubelet"), cdi_dir=os.path.join(tmp, "cdi"), device_dir=device_dir(tmp, "kvm")
+        kubelet_dir=os.path.join(tmp, "kubelet"),
+        cdi_dir=os.path.join(tmp, "cdi"),
+        device_dir=device_dir(tmp, "kvm"),
+        metrics_address=address,
     )
     os.mkdir(settings.kubelet_dir)
     agent = Agent(settings, TOY, notifier=RecordingNotifier())
@@ -162,6 +180,16 @@ async def test_a_third_protocol_is_one_class_and_one_row(tmp: str, helpers: list
         assert parts.row(TOY).instance_sockets(settings, TOY) == [socket]
         found = await peers.describe(socket, peers.PEER_TIMEOUT_S)
         assert found is not None and found.identity.protocol == "toy" and found.ready
+        # Its own series beside the agent's, on /metrics; no other protocol's.
+        await until(lambda: all(server.listening for server in agent.http_servers), what="metrics served")
+        text = await asyncio.to_thread(scrape, address)
+        assert "hyperlight_toy_serving 1.0" in text and "hyperlight_device_healthy 1.0" in text
+        assert "hyperlight_registrations_total" not in text and "hyperlight_dra_" not in text
+        # Without succession, an in-place upgrade is refused, and said so.
+        assert agent.succession is None
+        agent.upgrade()
+        said = agent.upgrader.said()["upgrade"]
+        assert said["state"] == "failed" and "cannot hand over" in said["why"], said
     finally:
         await shut(agent)
     assert not os.path.exists(socket)

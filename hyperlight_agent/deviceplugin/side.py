@@ -2,7 +2,7 @@
 on a server the registrar keeps registered and streamed, the handover to a successor, and what
 readiness needs of it. Everything here exists only in the device plugin modes.
 
-    DevicePluginSide(DevicePluginTarget(kubelet_dir, profile), wiring)
+    DevicePluginSide(DevicePluginTarget(kubelet_dir, profile), wiring, DevicePluginOutcomes(series))
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import grpc
 from hyperlight_agent import contracts, peers, transport
 from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.deviceplugin import api, handover
+from hyperlight_agent.deviceplugin.outcomes import DevicePluginOutcomes
 from hyperlight_agent.deviceplugin.registration import Registrar, State
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
 from hyperlight_agent.identity import Description
@@ -84,8 +85,9 @@ class DevicePluginSnapshot:
 class DevicePluginSide:
     close_bound_s = transport.STOP_GRACE_S  # our streams end at once; calls in flight get the grace
 
-    def __init__(self, target: DevicePluginTarget, wiring: Wiring) -> None:
+    def __init__(self, target: DevicePluginTarget, wiring: Wiring, outcomes: DevicePluginOutcomes) -> None:
         self._wiring = wiring
+        self._outcomes = outcomes
         self.kubelet_dir = target.kubelet_dir
         self._base_socket = target.base_socket
         self.profile = target.profile
@@ -93,8 +95,8 @@ class DevicePluginSide:
             self.profile,
             wiring.observation,
             wiring.checker,
-            on_streams_changed=wiring.outcomes.streams_open,
-            on_allocate=wiring.outcomes.allocated,
+            on_streams_changed=outcomes.streams_open,
+            on_allocate=outcomes.allocated,
         )
         self.registrar = Registrar(
             target.kubelet_dir,
@@ -268,5 +270,5 @@ class DevicePluginSide:
 
     def _on_registrar(self) -> None:
         r = self.registrar
-        self._wiring.outcomes.registrar_totals(r.registrations, r.kubelet_restarts, r.streams_lost)
+        self._outcomes.registrar_totals(r.registrations, r.kubelet_restarts, r.streams_lost)
         self._wiring.on_change()

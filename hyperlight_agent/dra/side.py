@@ -2,7 +2,8 @@
 plugin watcher's registration) and its API half (this node's ResourceSlice, the claims Prepare
 reads), on the agent's loop.
 
-    DraSide(DraTarget(node_name, instance, identical_devices, kubeconfig, registry_dir, plugins_dir), wiring)
+    DraSide(DraTarget(node_name, instance, identical_devices, kubeconfig, registry_dir, plugins_dir), wiring,
+            DraOutcomes(series))
     run(): connect to the API server (retried with backoff until it can), serve and register with
            the kubelet's plugin watcher (retried likewise), publish this node's ResourceSlice and
            keep it following every device check until cancelled
@@ -34,6 +35,7 @@ from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.dra import api, names, registration
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
 from hyperlight_agent.dra.health import Health
+from hyperlight_agent.dra.outcomes import DraOutcomes
 from hyperlight_agent.dra.prepared import Prepared
 from hyperlight_agent.dra.service import Service
 from hyperlight_agent.dra.slice_spec import DeviceInfo, device_names
@@ -153,8 +155,9 @@ class DraSide:
     # The calls in flight, deregistration's wait for the kubelet, then the service's stop grace.
     close_bound_s = registration.CALLS_DRAIN_S + registration.DEREGISTER_GRACE_S + transport.STOP_GRACE_S
 
-    def __init__(self, target: DraTarget, wiring: Wiring) -> None:
+    def __init__(self, target: DraTarget, wiring: Wiring, outcomes: DraOutcomes) -> None:
         self._wiring = wiring
+        self._outcomes = outcomes
         self.identity = wiring.identity
         self.node_name = target.node_name
         self.identical_devices = target.identical_devices
@@ -173,7 +176,7 @@ class DraSide:
             wiring.observation,
             self.health_devices,
             lambda: self.node_name,
-            on_stream=wiring.outcomes.dra_health_stream,
+            on_stream=outcomes.health_stream,
         )
         self._registered = asyncio.Event()  # the kubelet registered us (since the last time we were not)
         self.service = Service(
@@ -254,7 +257,7 @@ class DraSide:
                 newer=self.slice_keeper,
                 on_change=self._slice_changed,
                 shared=self._shared_device,
-                on_event=self._wiring.outcomes.dra_event,
+                on_event=self._outcomes.slice_event,
             )
             tasks += [
                 asyncio.ensure_future(self._follow_checks(self.publisher)),
@@ -450,7 +453,7 @@ class DraSide:
             self._device = device_info(observation) or self._device
             taint = taint_for(observation, self.escalation.effect())
             publisher.set_device(self._device, taint)
-            self._wiring.outcomes.dra_taint(taint.effect if taint and publisher.taints and self._device else "")
+            self._outcomes.taint(taint.effect if taint and publisher.taints and self._device else "")
             self.health.refresh()
 
     async def _pending_check(self) -> int:
@@ -502,7 +505,7 @@ class DraSide:
     def _prepared(self, operation: str, seconds: float, ok: int, failed: int) -> None:
         """After each Prepare or Unprepare: the metrics, and the health of a device of a claim we
         did not list yet."""
-        self._wiring.outcomes.dra_call(operation, seconds, ok, failed)
+        self._outcomes.call(operation, seconds, ok, failed)
         self.health.refresh()
 
     def _slice_changed(self) -> None:

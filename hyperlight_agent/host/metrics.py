@@ -5,16 +5,16 @@ The registry is the agent's own (not the library's global one), so tests and rel
 each other's series. Failure reasons are counted by cause (no-device, probe, cdi), not by the
 free-text reason, which names paths and would make unbounded label values. Every labelled series
 whose values are known beforehand is served from 0 at start: a series born at 1 has no
-increase() for an alert on the first failure to see. A family exists only in the modes that
-count it (FAMILIES, by the mode's kubelet protocol), and no `_created` series is served.
+increase() for an alert on the first failure to see. The series a kubelet protocol counts are its
+own (deviceplugin/outcomes.py, dra/outcomes.py), made through Families in this registry by its
+row (parts.py): they exist only in the modes speaking it. No `_created` series is served.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Sequence
 
-from hyperlight_agent import contracts
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.observation import Cause, Observation
 from hyperlight_agent.host import httpd
@@ -23,26 +23,6 @@ log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
 CAUSES = tuple(c.value for c in Cause if c not in (Cause.NONE, Cause.STARTING))
-# The values of each labelled series, created at 0 (kept equal to where they are counted).
-ALLOCATION_OUTCOMES = ("ok", "invalid", "unavailable")
-DRA_OPERATIONS = ("prepare", "unprepare")
-SLICE_VERBS = ("create", "update", "delete")
-TAINT_EFFECTS = (contracts.TAINT_NO_SCHEDULE, contracts.TAINT_NO_EXECUTE)  # our device taint's
-WATCH_REASONS = ("ended", "early", "failed", "relist")
-# The series only a mode speaking this kubelet protocol counts (attribute names below).
-FAMILIES = {
-    "deviceplugin": ("registrations", "kubelet_restarts", "allocations", "open_streams", "streams_lost"),
-    "dra": (
-        "dra_calls",
-        "dra_claims",
-        "dra_call_seconds",
-        "dra_slice_writes",
-        "dra_api_errors",
-        "dra_watch_restarts",
-        "dra_health_streams",
-        "dra_taint_effect",
-    ),
-}
 
 
 class _Off:
@@ -56,29 +36,68 @@ class _Off:
         return self
 
 
+class Families:
+    """Makes series in one registry (kubelet_side.Series): the agent's, or none while metrics are
+    off, when every series is an _Off."""
+
+    def __init__(self, registry: Any) -> None:
+        self._registry = registry
+
+    def counter(self, name: str, doc: str, labels: Sequence[str] = (), at_zero: Iterable[Sequence[str]] = ()) -> Any:
+        if self._registry is None:
+            return _Off()
+        from prometheus_client import Counter
+
+        return _from_zero(Counter(name, doc, list(labels), registry=self._registry), at_zero)
+
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = (), at_zero: Iterable[Sequence[str]] = ()) -> Any:
+        if self._registry is None:
+            return _Off()
+        from prometheus_client import Gauge
+
+        return _from_zero(Gauge(name, doc, list(labels), registry=self._registry), at_zero)
+
+    def histogram(
+        self,
+        name: str,
+        doc: str,
+        buckets: Sequence[float],
+        labels: Sequence[str] = (),
+        at_zero: Iterable[Sequence[str]] = (),
+    ) -> Any:
+        if self._registry is None:
+            return _Off()
+        from prometheus_client import Histogram
+
+        made = Histogram(name, doc, list(labels), registry=self._registry, buckets=tuple(buckets))
+        return _from_zero(made, at_zero)
+
+
+def _from_zero(series: Any, at_zero: Iterable[Sequence[str]]) -> Any:
+    for values in at_zero:
+        series.labels(*values)
+    return series
+
+
 class Metrics:
     def __init__(
         self,
         enabled: bool,
         build: Optional[dict[str, str]] = None,
-        protocol: str = "deviceplugin",
         device_dir: str = "/dev",
         cdi: bool = True,
     ) -> None:
-        """`build`: hyperlight_build_info's labels (version, commit, mode); `protocol`: the mode's
-        kubelet protocol (its families, FAMILIES); `device_dir`: where the device's path is;
-        `cdi`: whether the mode writes the CDI spec (its repairs' counter)."""
+        """`build`: hyperlight_build_info's labels (version, commit, mode); `device_dir`: where the
+        device's path is; `cdi`: whether the mode writes the CDI spec (its repairs' counter).
+        `families`: where the mode's kubelet protocol makes its own series."""
         self._cause = ""
         self._device: tuple[str, str] = ("", "")  # hyperlight_device_info's labels now
         self._spec_right = False  # a check has found (or made) the CDI spec right: later writes are repairs
         self._healthy: Optional[bool] = None  # the last check's verdict (None: no check yet)
-        self._taint = ""  # the effect of the device's taint in the slice now ("" none)
-        self._counted = (0, 0, 0)  # the registrar's totals already added to our counters
         self._device_dir = device_dir
         self.enabled = enabled
         off: Any = _Off()
-        for family in (name for names in FAMILIES.values() for name in names):
-            setattr(self, family, off)
+        self.families = Families(None)
         if not enabled:
             self.healthy = self.unhealthy_cause = self.check_seconds = self.checks = self.failures = off
             self.cdi_repairs = self.helper_timeouts = self.device_info = self.advertised = off
@@ -98,6 +117,7 @@ class Metrics:
         # process_start_time_seconds does not (docs/metrics.md says so).
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
+        self.families = Families(self.registry)
         r = self.registry
         # The process's own series (resident memory, CPU seconds, start time, open descriptors), as
         # the library's default registry would have them.
@@ -154,89 +174,6 @@ class Metrics:
         for cause in CAUSES:
             self.failures.labels(cause)
             self.unhealthy_cause.labels(cause).set(0)
-        families = FAMILIES.get(protocol, ())
-        if "registrations" in families:
-            self._device_plugin_families()
-        if "dra_calls" in families:
-            self._dra_families()
-
-    def _device_plugin_families(self) -> None:
-        from prometheus_client import Counter, Gauge
-
-        r = self.registry
-        self.registrations = Counter("hyperlight_registrations_total", "successful kubelet registrations", registry=r)
-        self.kubelet_restarts = Counter("hyperlight_kubelet_restarts_total", "kubelet restarts detected", registry=r)
-        self.allocations = Counter("hyperlight_allocations_total", "Allocate calls by outcome", ["outcome"], registry=r)
-        for outcome in ALLOCATION_OUTCOMES:
-            self.allocations.labels(outcome)
-        self.open_streams = Gauge("hyperlight_listandwatch_streams", "open ListAndWatch streams", registry=r)
-        self.streams_lost = Counter(
-            "hyperlight_streams_lost_total",
-            "kubelet streams that ended or never opened (each followed by a new Register)",
-            registry=r,
-        )
-
-    def _dra_families(self) -> None:
-        """The DRA mode's. Labels are fixed words or HTTP status codes: bounded."""
-        from prometheus_client import Counter, Gauge, Histogram
-
-        r = self.registry
-        self.dra_calls = Counter(
-            "hyperlight_dra_calls_total",
-            "NodePrepareResources and NodeUnprepareResources calls from the kubelet",
-            ["operation"],
-            registry=r,
-        )
-        self.dra_claims = Counter(
-            "hyperlight_dra_claims_total",
-            "claims in those calls by result (error: the claim's answer carried an error)",
-            ["operation", "result"],
-            registry=r,
-        )
-        self.dra_call_seconds = Histogram(
-            "hyperlight_dra_call_duration_seconds",
-            "time to answer a NodePrepareResources or NodeUnprepareResources call",
-            ["operation"],
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 45),
-            registry=r,
-        )
-        self.dra_slice_writes = Counter(
-            "hyperlight_dra_slice_writes_total", "writes of this node's ResourceSlices by verb", ["verb"], registry=r
-        )
-        self.dra_api_errors = Counter(
-            "hyperlight_dra_api_errors_total",
-            "ResourceSlice requests the API server refused or never answered (code 0)",
-            ["verb", "code"],
-            registry=r,
-        )
-        self.dra_watch_restarts = Counter(
-            "hyperlight_dra_watch_restarts_total",
-            "ResourceSlice watches opened again, by why the last one ended (ended: its timeout, as asked)",
-            ["reason"],
-            registry=r,
-        )
-        self.dra_health_streams = Gauge(
-            "hyperlight_dra_health_streams",
-            "resource-health streams open now (the kubelet's: 1 once it watches this instance)",
-            registry=r,
-        )
-        self.dra_taint_effect = Gauge(
-            "hyperlight_dra_device_taint",
-            "1 for the effect of the taint on this node's device in the ResourceSlice, else 0 (both 0 while usable)",
-            ["effect"],
-            registry=r,
-        )
-        for effect in TAINT_EFFECTS:
-            self.dra_taint_effect.labels(effect)  # 0 from the start, as every labelled series here
-        for operation in DRA_OPERATIONS:
-            self.dra_calls.labels(operation)
-            self.dra_call_seconds.labels(operation)
-            for result in ("ok", "error"):
-                self.dra_claims.labels(operation, result)
-        for verb in SLICE_VERBS:
-            self.dra_slice_writes.labels(verb)
-        for reason in WATCH_REASONS:
-            self.dra_watch_restarts.labels(reason)
 
     def render(self) -> httpd.Answer:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -278,47 +215,3 @@ class Metrics:
         if device[0]:
             self.device_info.labels(*device).set(1)
         self._device = device
-
-    def streams_open(self, streams: int) -> None:
-        """The device plugin's ListAndWatch streams open now."""
-        self.open_streams.set(streams)
-
-    def allocated(self, outcome: str) -> None:
-        """An Allocate's outcome (ALLOCATION_OUTCOMES)."""
-        self.allocations.labels(outcome).inc()
-
-    def dra_call(self, operation: str, seconds: float, ok: int, failed: int) -> None:
-        self.dra_calls.labels(operation).inc()
-        self.dra_call_seconds.labels(operation).observe(seconds)
-        if ok:
-            self.dra_claims.labels(operation, "ok").inc(ok)
-        if failed:
-            self.dra_claims.labels(operation, "error").inc(failed)
-
-    def dra_event(self, kind: str, *labels: str) -> None:
-        """What the ResourceSlice publisher reports (dra/slices.py: on_event)."""
-        series = {"write": self.dra_slice_writes, "api_error": self.dra_api_errors, "watch": self.dra_watch_restarts}[
-            kind
-        ]
-        series.labels(*labels).inc()
-
-    def registrar_totals(self, registrations: int, kubelet_restarts: int, streams_lost: int) -> None:
-        """The registrar keeps running totals; our counters get what was added since the last call."""
-        done = self._counted
-        self.registrations.inc(registrations - done[0])
-        self.kubelet_restarts.inc(kubelet_restarts - done[1])
-        self.streams_lost.inc(streams_lost - done[2])
-        self._counted = (registrations, kubelet_restarts, streams_lost)
-
-    def dra_health_stream(self, delta: int) -> None:
-        """A resource-health stream opened (+1) or ended (-1)."""
-        self.dra_health_streams.inc(delta)
-
-    def dra_taint(self, effect: str) -> None:
-        """The effect of the taint the slice's device carries now ("" none)."""
-        if self.enabled and effect != self._taint:
-            if self._taint:
-                self.dra_taint_effect.labels(self._taint).set(0)
-            if effect:
-                self.dra_taint_effect.labels(effect).set(1)
-            self._taint = effect

@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence
 from hyperlight_agent import __version__, contracts, waits
 from hyperlight_agent.host.notify import Notifier
 from hyperlight_agent.identity import Description
-from hyperlight_agent.kubelet_side import KubeletSide
+from hyperlight_agent.kubelet_side import Succession
 from hyperlight_agent.peers import UpgradeState
 
 log = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ class Upgrader:
 
     instance: Optional[str]
     environ: Mapping[str, str]
-    side: KubeletSide[Any]
+    side: Optional[Succession]  # None: the side cannot hand over, and every upgrade is refused
     notifier: Notifier
     ready: Callable[[], bool]  # the agent's readiness
     handed_over: Callable[[], None]  # the child has the kubelet and the unit: the agent stops
@@ -266,24 +266,26 @@ class Upgrader:
         if self.under_way() is not None:
             log.info("in-place upgrade requested: one is already under way")
             return
-        if not self.notifier.under_systemd or self.notifier.predecessor is not None:
+        if self.side is None:
+            self._refuse("this agent's kubelet protocol cannot hand over to a successor")
+        elif not self.notifier.under_systemd or self.notifier.predecessor is not None:
             # Only systemd can be told that the new process is the one to watch; and until our
             # predecessor is gone we are not yet the unit's main process.
             why = "not under systemd" if not self.notifier.under_systemd else "still taking over"
-            self.record.attempts += 1
-            self.record.state, self.record.why = (
-                UpgradeState.FAILED,
-                f"in-place upgrades need systemd's notify socket ({why})",
-            )
-            log.warning("in-place upgrade refused: %s", self.record.why)
-            return
-        self._task = asyncio.ensure_future(self._upgrade())
+            self._refuse(f"in-place upgrades need systemd's notify socket ({why})")
+        else:
+            self._task = asyncio.ensure_future(self._upgrade(self.side))
+
+    def _refuse(self, why: str) -> None:
+        self.record.attempts += 1
+        self.record.state, self.record.why = UpgradeState.FAILED, why
+        log.warning("in-place upgrade refused: %s", why)
 
     def under_way(self) -> Optional[asyncio.Future[None]]:
         """The upgrade under way, if any (a stop cancels it with the agent's tasks)."""
         return self._task if self._task is not None and not self._task.done() else None
 
-    async def _upgrade(self) -> None:
+    async def _upgrade(self, side: Succession) -> None:
         record = self.record
         record.attempts += 1
         record.state, record.why, record.pid, record.agreed = UpgradeState.RUNNING, "", 0, 0
@@ -299,7 +301,7 @@ class Upgrader:
         pid, said = await replace_self(
             self.instance,
             self.environ,
-            lambda pid: self.side.hand_over(READY_TIMEOUT_S, pid=pid, require_ready=require_ready, seen=self._seen),
+            lambda pid: side.hand_over(READY_TIMEOUT_S, pid=pid, require_ready=require_ready, seen=self._seen),
             hand_off=lambda pid: self.notifier.hand_off(pid, f"handed over to pid {pid} in an in-place upgrade"),
             started=started,
         )
@@ -310,7 +312,7 @@ class Upgrader:
             self.notifier.reloaded()
             # The child is gone; if it may have registered, the kubelet's endpoint or device list
             # may be its, not ours.
-            self.side.after_failed_hand_over(registered)
+            side.after_failed_hand_over(registered)
             return
         record.state, record.pid = UpgradeState.DONE, pid
         log.info("in-place upgrade: handed over to pid %d (%s); leaving", pid, said)
@@ -323,6 +325,7 @@ class Upgrader:
             child.registering
             and record.state is UpgradeState.RUNNING
             and record.agreed != child.identity.pid
+            and self.side is not None
             and not self.side.registration_in_flight()  # the child asks again: ours goes first
         ):
             record.agreed = child.identity.pid
