@@ -16,7 +16,6 @@ import logging
 from typing import Any, Callable, Mapping, Optional
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
 
 from hyperlight_agent import __version__, identity, modes, parts, peers, waits
 from hyperlight_agent.config import Settings
@@ -25,7 +24,7 @@ from hyperlight_agent.device.helper import CLOSE_BOUND_S, ProbeHelper
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.files import labels
 from hyperlight_agent.files.watcher import DirectoryWatcher
-from hyperlight_agent.host import journal, probes, successor
+from hyperlight_agent.host import journal, successor
 from hyperlight_agent.host.notify import Notifier
 from hyperlight_agent.identity import Identity
 from hyperlight_agent.kubelet_side import Snapshot, Wiring, hand_over_on_stop, succession
@@ -62,18 +61,9 @@ class Agent:
         self.mode = mode
         self.phase = Phase.RUNNING
         self.notifier = notifier or Notifier(self._environ)
-        self.metrics = parts.metrics(settings, mode, self._environ)
-        self.health_service = health.aio.HealthServicer()  # type: ignore[attr-defined]
-        self.readiness = probes.Readiness(self.health_service, self.notifier, advertised=self.metrics.advertised.set)
-        # Metrics and the kubelet's httpGet probes: one small HTTP server per address (host/httpd.py);
-        # the metrics port answers the probes' paths too (a scraper's or an operator's health check).
-        probe_routes = probes.routes(self.readiness.answer)
-        self.http_servers = probes.servers(
-            {
-                "metrics_address": (settings.metrics_address, {**probe_routes, **self.metrics.routes()}),
-                "probe_address": (settings.probe_address, probe_routes),
-            }
-        )
+        # sd_notify, the health service, the probes and metrics: how we are seen (host/face.py).
+        self.face = parts.face(settings, mode, self.notifier, self._environ)
+        self.metrics = self.face.metrics
         # Who we are to other instances of ours on this node (a successor, a predecessor): peers.py.
         self.identity = Identity.of(settings.instance or "", mode.protocol, mode.resource)
         self.watcher = DirectoryWatcher()
@@ -123,7 +113,11 @@ class Agent:
             on_change=self._status_changed,
         )
         self.reloader = Reloader(
-            reload, lambda: self.settings, self._apply_reload, self.notifier, on_refused=self.readiness.forget_status
+            reload,
+            lambda: self.settings,
+            self._apply_reload,
+            self.notifier,
+            on_refused=self.face.readiness.forget_status,
         )
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -139,13 +133,10 @@ class Agent:
         )
         self._status_changed()
         self.checker.request()
-        await self.readiness.start()
-        jobs = [self.side.run(), self.watcher.run(), self.checker.periodic()]
+        await self.face.readiness.start()
+        jobs = [self.side.run(), self.watcher.run(), self.checker.periodic(), *self.face.jobs()]
         if self.notifier.predecessor is not None:
             jobs.append(self.upgrader.predecessor_gone(self.notifier.predecessor))
-        if self.notifier.watchdog_interval is not None:
-            jobs.append(self._watchdog(self.notifier.watchdog_interval))
-        jobs += [server.run() for server in self.http_servers]
         self._tasks = [asyncio.ensure_future(c) for c in jobs]
 
     def stop(self) -> None:
@@ -236,20 +227,12 @@ class Agent:
     # --- collaborators' wiring ------------------------------------------------------------------
 
     def _serve_ours(self, server: grpc.aio.Server) -> None:
-        """What every socket of ours serves beside its kubelet protocol: the gRPC health service
-        (the exec probes, a successor's readiness) and Describe (peers.py)."""
-        health_pb2_grpc.add_HealthServicer_to_server(self.health_service, server)
-        server.add_generic_rpc_handlers([peers.describe_handler(self.identity, lambda: self.ready, self._described)])
+        """The health service and Describe (peers.py), on every socket of ours."""
+        self.face.serve_ours(server, peers.describe_handler(self.identity, lambda: self.ready, self._described))
 
     def _described(self) -> dict[str, Any]:
         """What Describe adds to who we are: how our side stands, and our in-place upgrades."""
         return {**self.side.described(), **self.upgrader.said()}
-
-    async def _watchdog(self, interval: float) -> None:
-        """WATCHDOG=1 from the loop that does the work: if the loop wedges, systemd restarts us."""
-        while True:
-            self.notifier.watchdog()
-            await asyncio.sleep(interval)
 
     def _on_check(self, observation: Observation, seconds: float, repaired: bool) -> None:
         self.metrics.check_done(observation, seconds, repaired)
@@ -276,4 +259,4 @@ class Agent:
 
     def _status_changed(self) -> None:
         if self.phase is not Phase.STOPPING:  # after STOPPING=1 nothing more is said
-            self.readiness.changed(self.snapshot())
+            self.face.readiness.changed(self.snapshot())

@@ -1,7 +1,7 @@
 """The translation of the settings and the mode into what each part of the agent is built from: the
-checker's CheckTarget, the agent's metrics, the NFD feature file's directory, and the kubelet side
-for the mode's protocol with its target (the device plugin's DevicePluginTarget, the DRA side's
-DraTarget) and the series it counts in (its outcomes). On a reload the agent builds the targets
+checker's CheckTarget, the agent's face with its metrics, the NFD feature file's directory, and
+the kubelet side for the mode's protocol with its target (the device plugin's DevicePluginTarget,
+the DRA side's DraTarget) and the series it counts in (its outcomes). On a reload the agent builds the targets
 again from the new settings, so no part reads Settings itself; the agent reads only what it acts
 on (the directories it watches, the check interval, the handover time).
 
@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from hyperlight_agent.deviceplugin.side import DevicePluginTarget
     from hyperlight_agent.dra.outcomes import DraOutcomes
     from hyperlight_agent.dra.side import DraTarget
-    from hyperlight_agent.host.metrics import Metrics
+    from hyperlight_agent.host.face import Face
+    from hyperlight_agent.host.notify import Notifier
     from hyperlight_agent.kubelet_side import KubeletSide, Series, Wiring
 
 
@@ -50,17 +51,20 @@ def check_target(settings: Settings, mode: modes.Mode, read_only: bool = False) 
     )
 
 
-def metrics(settings: Settings, mode: modes.Mode, environ: Mapping[str, str]) -> Metrics:
-    """The agent's series, served only when metrics_address is set; the build's labels. The mode's
-    protocol adds its own (kubelet_side)."""
-    from hyperlight_agent.host.metrics import Metrics  # the agent's only: not for --check
+def face(settings: Settings, mode: modes.Mode, notifier: Notifier, environ: Mapping[str, str]) -> Face:
+    """How the agent is seen (host/face.py), with its metric series: served only when
+    metrics_address is set, with the build's labels. The mode's protocol adds its own (its row's
+    outcomes)."""
+    from hyperlight_agent.host.face import Face  # the agent's only: not for --check
+    from hyperlight_agent.host.metrics import Metrics
 
-    return Metrics(
+    metrics = Metrics(
         enabled=settings.metrics_address is not None,
         build={"version": __version__, "commit": identity.commit(environ), "mode": mode.name},
         device_dir=settings.device_dir,
         cdi=not mode.inventory_only,
     )
+    return Face(notifier, metrics, settings.metrics_address, settings.probe_address)
 
 
 def features_dir(settings: Settings, mode: modes.Mode) -> Optional[str]:

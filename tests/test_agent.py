@@ -35,7 +35,7 @@ R = contracts.RESOURCE_HYPERVISOR
 
 
 def serving(agent: Agent, service: str) -> Optional[int]:
-    status = agent.health_service._server_status.get(service)  # the value the exec probes read
+    status = agent.face.health_service._server_status.get(service)  # the value the exec probes read
     return int(status) if status is not None else None
 
 
@@ -400,8 +400,8 @@ def test_http_probes_answer_from_the_agents_state_on_one_port_with_metrics(tmp: 
         agent = Agent(settings_in(tmp, probe_address=address, metrics_address=address), notifier=RecordingNotifier())
         await agent.start()
         try:
-            await until(lambda: agent.http_servers[0].listening, what="the probe port")
-            assert len(agent.http_servers) == 1
+            await until(lambda: agent.face.http_servers[0].listening, what="the probe port")
+            assert len(agent.face.http_servers) == 1
 
             async def ask(path: str) -> tuple[int, str]:
                 return await waits.in_thread(lambda: get(address, path), "probe")

@@ -181,7 +181,7 @@ async def test_a_third_protocol_is_one_class_and_one_row(tmp: str, helpers: list
         found = await peers.describe(socket, peers.PEER_TIMEOUT_S)
         assert found is not None and found.identity.protocol == "toy" and found.ready
         # Its own series beside the agent's, on /metrics; no other protocol's.
-        await until(lambda: all(server.listening for server in agent.http_servers), what="metrics served")
+        await until(lambda: all(server.listening for server in agent.face.http_servers), what="metrics served")
         text = await asyncio.to_thread(scrape, address)
         assert "hyperlight_toy_serving 1.0" in text and "hyperlight_device_healthy 1.0" in text
         assert "hyperlight_registrations_total" not in text and "hyperlight_dra_" not in text
