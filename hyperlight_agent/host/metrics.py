@@ -89,91 +89,68 @@ class Metrics:
     ) -> None:
         """`build`: hyperlight_build_info's labels (version, commit, mode); `device_dir`: where the
         device's path is; `cdi`: whether the mode writes the CDI spec (its repairs' counter).
-        `families`: where the mode's kubelet protocol makes its own series."""
+        `families`: where the mode's kubelet protocol makes its own series (kubelet_side.Series)."""
         self._cause = ""
         self._device: tuple[str, str] = ("", "")  # hyperlight_device_info's labels now
         self._spec_right = False  # a check has found (or made) the CDI spec right: later writes are repairs
         self._healthy: Optional[bool] = None  # the last check's verdict (None: no check yet)
         self._device_dir = device_dir
         self.enabled = enabled
-        off: Any = _Off()
-        self.families = Families(None)
-        if not enabled:
-            self.healthy = self.unhealthy_cause = self.check_seconds = self.checks = self.failures = off
-            self.cdi_repairs = self.helper_timeouts = self.device_info = self.advertised = off
-            self.transitions = off
-            return
-        from prometheus_client import (
-            CollectorRegistry,
-            Counter,
-            Gauge,
-            Histogram,
-            Info,
-            ProcessCollector,
-            disable_created_metrics,
+        self.families = Families(self._registry(build or {}) if enabled else None)
+        made = self.families
+        self.device_info = made.gauge(
+            "hyperlight_device_info",
+            "1 for the hypervisor device the agent found, by kind and path (none while none is found)",
+            ["hypervisor", "path"],
         )
+        self.advertised = made.gauge(
+            "hyperlight_advertised_slots",
+            "slots (device plugin) or ResourceSlice devices (DRA) offered to the kubelet as usable now: their "
+            "count while the agent is ready, else 0",
+        )
+        self.healthy = made.gauge("hyperlight_device_healthy", "1 when the last device check passed")
+        by_cause = [(cause,) for cause in CAUSES]
+        self.unhealthy_cause = made.gauge(
+            "hyperlight_device_unhealthy_cause", "1 for the cause of the current unhealthy state", ["cause"], by_cause
+        )
+        self.check_seconds = made.histogram(
+            "hyperlight_check_duration_seconds",
+            "device check duration (probe, host identity, CDI)",
+            (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 2, 5),
+        )
+        self.checks = made.counter(
+            "hyperlight_checks_total", "device checks completed", ["result"], [("ok",), ("failed",)]
+        )
+        self.failures = made.counter(
+            "hyperlight_check_failures_total", "failed device checks by cause", ["cause"], by_cause
+        )
+        self.transitions = made.counter(
+            "hyperlight_device_health_transitions_total",
+            "changes of the device check's verdict (the first check's is none), by the new one",
+            ["to"],
+            [("healthy",), ("unhealthy",)],
+        )
+        self.cdi_repairs = (made if cdi else Families(None)).counter(
+            "hyperlight_cdi_repairs_total",
+            "times the CDI spec was written again after a check had found it right (someone changed it)",
+        )
+        self.helper_timeouts = made.counter(
+            "hyperlight_probe_helper_timeouts_total", "probe helpers killed for missing their deadline"
+        )
+
+    def _registry(self, build: dict[str, str]) -> Any:
+        """The agent's own registry, with the process's series and the build's."""
+        from prometheus_client import CollectorRegistry, Info, ProcessCollector, disable_created_metrics
 
         # `_created` series double a counter's output and say nothing a restart's
         # process_start_time_seconds does not (docs/metrics.md says so).
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
-        self.families = Families(self.registry)
-        r = self.registry
         # The process's own series (resident memory, CPU seconds, start time, open descriptors), as
         # the library's default registry would have them.
-        ProcessCollector(registry=r)
-        Info("hyperlight_build", "the agent's version, commit and mode", registry=r).info(build or {})
-        self.device_info = Gauge(
-            "hyperlight_device_info",
-            "1 for the hypervisor device the agent found, by kind and path (none while none is found)",
-            ["hypervisor", "path"],
-            registry=r,
-        )
-        self.advertised = Gauge(
-            "hyperlight_advertised_slots",
-            "slots (device plugin) or ResourceSlice devices (DRA) offered to the kubelet as usable now: their "
-            "count while the agent is ready, else 0",
-            registry=r,
-        )
-        self.healthy = Gauge("hyperlight_device_healthy", "1 when the last device check passed", registry=r)
-        self.unhealthy_cause = Gauge(
-            "hyperlight_device_unhealthy_cause", "1 for the cause of the current unhealthy state", ["cause"], registry=r
-        )
-        self.check_seconds = Histogram(
-            "hyperlight_check_duration_seconds",
-            "device check duration (probe, host identity, CDI)",
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 2, 5),
-            registry=r,
-        )
-        self.checks = Counter("hyperlight_checks_total", "device checks completed", ["result"], registry=r)
-        self.failures = Counter(
-            "hyperlight_check_failures_total", "failed device checks by cause", ["cause"], registry=r
-        )
-        self.transitions = Counter(
-            "hyperlight_device_health_transitions_total",
-            "changes of the device check's verdict (the first check's is none), by the new one",
-            ["to"],
-            registry=r,
-        )
-        for to in ("healthy", "unhealthy"):
-            self.transitions.labels(to)  # from 0, for increase() to see the first
-        self.cdi_repairs = (
-            Counter(
-                "hyperlight_cdi_repairs_total",
-                "times the CDI spec was written again after a check had found it right (someone changed it)",
-                registry=r,
-            )
-            if cdi
-            else off
-        )
-        self.helper_timeouts = Counter(
-            "hyperlight_probe_helper_timeouts_total", "probe helpers killed for missing their deadline", registry=r
-        )
-        for result in ("ok", "failed"):
-            self.checks.labels(result)
-        for cause in CAUSES:
-            self.failures.labels(cause)
-            self.unhealthy_cause.labels(cause).set(0)
+        ProcessCollector(registry=self.registry)
+        Info("hyperlight_build", "the agent's version, commit and mode", registry=self.registry).info(build)
+        return self.registry
 
     def render(self) -> httpd.Answer:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
