@@ -18,6 +18,7 @@ from hyperlight_agent.device.observation import Cause, Observation, SharedObserv
 from hyperlight_agent.dra import api, health, prepared, prepared_format
 from hyperlight_agent.dra import side as dra_side_module
 from hyperlight_agent.dra.health import Health
+from hyperlight_agent.dra.slice_keeper import device_info
 from standin import dra_kubelet as standin_kubelet
 from standin.apiserver import FakeApiServer
 from standin.dra_kubelet import DraKubeletStandin
@@ -295,6 +296,6 @@ async def test_a_device_of_a_recorded_claim_is_reported_too(tmp: str) -> None:
         prepared_format.PreparedClaim("ns", "d", (prepared_format.PreparedDevice("r", "other-node", "kvm-1", ("x",)),)),
     )
     assert side.health_devices() == ["mshv-9"]
-    side._device = dra_side_module.device_info(Observation(False, "failed", "kvm"))
+    side.slices.device = device_info(Observation(False, "failed", "kvm"))
     assert side.health_devices() == ["kvm-0", "kvm-1", "kvm-2", "kvm-3", "mshv-9"]
     assert os.path.isdir(os.path.join(plugins, DRIVER))

@@ -21,7 +21,6 @@ from hyperlight_agent.dra import client as dra_client
 from hyperlight_agent.dra import registration as dra_registration
 from hyperlight_agent.dra import side as dra_side_module
 from hyperlight_agent.dra.side import DraSide, DraTarget, candidates
-from hyperlight_agent.dra.slice_spec import DeviceInfo
 from hyperlight_agent.files import cdi
 from hyperlight_agent.host import healthcheck
 from hyperlight_agent.identity import Identity
@@ -318,15 +317,6 @@ def test_dra_status_names_what_it_waits_for() -> None:
     assert s.status() == "ready: kvm, 1 device in the ResourceSlice" and s.ready()
 
 
-def test_device_info_comes_from_the_table() -> None:
-    from hyperlight_agent.device.observation import Observation
-
-    assert dra_side_module.device_info(Observation(True, "", "mshv")) == DeviceInfo("mshv", 0, "/dev/mshv")
-    # A device that failed its check is still described (it stays in the slice, tainted).
-    assert dra_side_module.device_info(Observation(False, "failed", "kvm")) == DeviceInfo("kvm", 12, "/dev/kvm")
-    assert dra_side_module.device_info(Observation(False, "gone", None)) is None
-
-
 # Issue 26, 2: a removed registration socket is put back, the kubelet registers us again, and we
 # are not ready meanwhile; a removed service socket is served again too.
 def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration(
@@ -439,7 +429,7 @@ def test_a_successor_that_never_becomes_ready_never_takes_the_slice(tmp: str, he
             await new.start()
 
             def decided() -> bool:
-                publisher = dra_side(new).publisher
+                publisher = dra_side(new).slices.publisher
                 return devices_published(fake) == 0 or (publisher is not None and publisher.kept_by == "pod-a")
 
             await until(decided, what="the failing successor leaving the slice to the old agent, or not")
@@ -447,7 +437,7 @@ def test_a_successor_that_never_becomes_ready_never_takes_the_slice(tmp: str, he
             await shut(new)
             assert [len(obj["spec"].get("devices") or []) for _, _, obj in fake.events[since:]] == []
             assert old.ready and devices_published(fake) == 1
-            assert dra_side(old).publisher is not None and dra_side(old).publisher.kept_by == ""
+            assert dra_side(old).slices.publisher is not None and dra_side(old).slices.publisher.kept_by == ""
         finally:
             await shut(old)
 

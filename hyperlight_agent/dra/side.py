@@ -1,6 +1,6 @@
 """The DRA mode as the agent's kubelet side: its kubelet half (the DRAPlugin service and the
-plugin watcher's registration) and its API half (this node's ResourceSlice, the claims Prepare
-reads), on the agent's loop.
+plugin watcher's registration), which builds and runs its API half (dra/slice_keeper.py: this
+node's ResourceSlice) and reads claims for Prepare, on the agent's loop.
 
     DraSide(DraTarget(node_name, instance, identical_devices, kubeconfig, registry_dir, plugins_dir), wiring,
             DraOutcomes(series))
@@ -20,7 +20,6 @@ CDI devices.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ import grpc
 
 from hyperlight_agent import contracts, peers, transport, waits
 from hyperlight_agent.backoff import Backoff
-from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.dra import api, names, registration
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
@@ -38,9 +36,7 @@ from hyperlight_agent.dra.health import Health
 from hyperlight_agent.dra.outcomes import DraOutcomes
 from hyperlight_agent.dra.prepared import Prepared
 from hyperlight_agent.dra.service import Service
-from hyperlight_agent.dra.slice_spec import DeviceInfo, device_names
-from hyperlight_agent.dra.slices import SlicePublisher
-from hyperlight_agent.dra.taints import Escalation, taint_for
+from hyperlight_agent.dra.slice_keeper import SliceKeeper, SliceTarget
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
 from hyperlight_agent.files import sockets
 from hyperlight_agent.host import healthcheck
@@ -55,26 +51,10 @@ RETRY_INITIAL_S = 0.5
 RETRY_CAP_S = 30.0
 # Each Prepare runs a fresh device check (as Allocate does), bounded well below the kubelet's 45 s.
 PREPARE_CHECK_TIMEOUT_S = 10.0
-# A check for a pending eviction is waited for this long (the helper's start and a probe's deadline
-# fit); one that takes longer is no evidence, and the next is asked for.
-PENDING_CHECK_TIMEOUT_S = 15.0
 # The kubelet opens its resource-health stream as it registers us (1.37: in the same call). No
 # stream this long after registration: a kubelet that never will (before 1.36, or its
 # ResourceHealthStatus gate off), said once.
 HEALTH_STREAM_WAIT_S = 10.0
-
-
-def device_info(observation: Observation) -> Optional[DeviceInfo]:
-    """What the slice says about the device found (its path in containers), usable or not; None
-    when no device was found.
-
-    >>> device_info(Observation(False, "KVM_CREATE_VM failed", "kvm"))
-    DeviceInfo(hypervisor='kvm', api_version=12, path='/dev/kvm')
-    """
-    if observation.hypervisor is None:
-        return None
-    row = hypervisors.BY_NAME[observation.hypervisor]
-    return DeviceInfo(row.name, row.api_version or 0, row.container_path)
 
 
 class _NotConnected:
@@ -162,16 +142,8 @@ class DraSide:
         self.node_name = target.node_name
         self.identical_devices = target.identical_devices
         self._shared_device = target.shared
-        self._kubeconfig = target.kubeconfig
         self._observation = wiring.observation
         self._on_change = wiring.on_change
-        self._kube: Any = None  # the API client (client.KubeApi), once connected
-        self.api_error = ""  # why there is no API client yet ("" once there is)
-        self.publisher: Optional[SlicePublisher] = None
-        # The device the slice describes: the last one a check found (a missing device stays in
-        # the slice, tainted, under the name it had).
-        self._device: Optional[DeviceInfo] = None
-        self.escalation = Escalation(target.evict_after_s)
         self.health = Health(
             wiring.observation,
             self.health_devices,
@@ -181,7 +153,7 @@ class DraSide:
         self._registered = asyncio.Event()  # the kubelet registered us (since the last time we were not)
         self.service = Service(
             target.driver,
-            _NotConnected(lambda: self.api_error),
+            _NotConnected(lambda: self.slices.api_error),
             self._checked,
             Prepared(os.path.join(target.plugins_dir, target.driver)),
             on_call=self._prepared,
@@ -204,6 +176,23 @@ class DraSide:
             may_register=self._may_register,
             health=self.health,
         )
+        # The API half: the slice, kept by the newest serving instance of ours.
+        self.slices = SliceKeeper(
+            SliceTarget(
+                target.node_name,
+                target.driver,
+                target.identical_devices,
+                target.shared,
+                target.kubeconfig,
+                target.evict_after_s,
+            ),
+            wiring.observation,
+            wiring.checker,
+            outcomes,
+            keeper=self.slice_keeper,
+            on_change=self._slice_changed,
+            on_checked=self.health.refresh,
+        )
         # Our two sockets (removed by a cleanup tool: served again), and other instances'
         # registration sockets coming and going (whether a newer one keeps the slice).
         for path in sockets:
@@ -220,7 +209,7 @@ class DraSide:
         """Nothing the kubelet must see before close(): deregistration comes first there."""
 
     def snapshot(self, observation: Observation, checked: bool) -> DraSnapshot:
-        p = self.publisher
+        p = self.slices.publisher
         return DraSnapshot(
             observation,
             checked,
@@ -228,7 +217,7 @@ class DraSide:
             self.registrar.error,
             self.registrar.registration_socket,
             p is not None and p.published,
-            self.api_error if p is None else p.last_error,
+            self.slices.api_error if p is None else p.last_error,
             self.identical_devices if p is None else p.published_devices,
             p.kept_by if p is not None else "",
             p is not None and p.shared,
@@ -248,21 +237,8 @@ class DraSide:
             asyncio.ensure_future(self._expect_health_stream()),
         ]
         try:
-            kube = await self._retrying("API client", self._make_client)
-            self.publisher = SlicePublisher(
-                kube,
-                self.node_name,
-                self.registrar.driver,
-                self.identical_devices,
-                newer=self.slice_keeper,
-                on_change=self._slice_changed,
-                shared=self._shared_device,
-                on_event=self._outcomes.slice_event,
-            )
-            tasks += [
-                asyncio.ensure_future(self._follow_checks(self.publisher)),
-                asyncio.ensure_future(self.publisher.run()),
-            ]
+            await self._retrying("API client", self._connect)
+            tasks.append(asyncio.ensure_future(self.slices.run()))
             await asyncio.gather(*tasks)
         finally:
             for task in tasks:
@@ -305,8 +281,7 @@ class DraSide:
     def after_failed_hand_over(self, successor_registered: bool) -> None:
         """The kubelet calls the newest connected instance, and a stopped one is deregistered: it
         calls us again by itself. The ResourceSlice is looked at again (ours to keep again)."""
-        if self.publisher is not None:
-            self.publisher.wake()
+        self.slices.wake()
 
     def registration_in_flight(self) -> bool:
         """The DRA registration is a socket the kubelet finds: nothing of ours is on its way."""
@@ -340,8 +315,7 @@ class DraSide:
         """A socket came or went in the registry or our plugin directory: ours may need serving
         again, and another instance may have come or gone (who keeps the slice)."""
         self.registrar.wake()
-        if self.publisher is not None:
-            self.publisher.wake()
+        self.slices.wake()
         # The kubelet forgets our driver's health when another instance's stream ends: say it again.
         self.health.nudge()
 
@@ -378,8 +352,7 @@ class DraSide:
         else:
             self._registered.clear()
         self._on_change()
-        if self.publisher is not None:
-            self.publisher.wake()
+        self.slices.wake()
 
     def _candidates(self) -> list[str]:
         return candidates(self._registry_dir, self.registrar.driver, self.registrar.registration_socket)
@@ -398,24 +371,19 @@ class DraSide:
     async def close(self) -> None:
         self.health.close()
         await self.registrar.close()
-        if self._kube is not None:
-            kube, self._kube = self._kube, None
-            await kube.close()
+        await self.slices.close()
 
     # --- parts ----------------------------------------------------------------------------------
 
-    async def _make_client(self) -> Any:
+    async def _connect(self) -> None:
         from hyperlight_agent.dra import claims, client  # lightkube only in this mode
 
         try:
-            self._kube = client.connect(self._kubeconfig, environ=self._wiring.environ)
+            kube = self.slices.connect(self._wiring.environ)
         except client.ClientConfigError as exc:
-            self.api_error = str(exc)
-            raise _Retry(self.api_error) from exc
-        self.service.claims = claims.ApiClaims(self._kube)
-        self.api_error = ""
+            raise _Retry(str(exc)) from exc
+        self.service.claims = claims.ApiClaims(kube)
         self._on_change()
-        return self._kube
 
     async def _serve(self) -> None:
         try:
@@ -435,45 +403,6 @@ class DraSide:
                 self._on_change()
             await asyncio.sleep(backoff.next())
 
-    async def _follow_checks(self, publisher: SlicePublisher) -> None:
-        """The slice follows every completed check: an unusable device tainted NoSchedule at once,
-        NoExecute once the escalation says so. While an eviction is pending, the escalation's own
-        checks run when it says (taints.py: the checks run within the debounce decide it)."""
-        version = 0
-        while True:
-            due = self.escalation.check_due_in()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await waits.within(self._observation.wait_newer(version), due)
-            if self._observation.version != version:
-                version = self._observation.version
-                self.escalation.observe(self._observation.current.healthy)
-            elif due is not None:  # the timeout: a check for the pending eviction
-                version = await self._pending_check()
-            observation = self._observation.current
-            self._device = device_info(observation) or self._device
-            taint = taint_for(observation, self.escalation.effect())
-            publisher.set_device(self._device, taint)
-            self._outcomes.taint(taint.effect if taint and publisher.taints and self._device else "")
-            self.health.refresh()
-
-    async def _pending_check(self) -> int:
-        """Run a check for the pending eviction and tell the escalation what it found, with when
-        it started at the earliest (now: it starts after we ask); the observation's version then.
-        A check that does not conclude (stuck past PENDING_CHECK_TIMEOUT_S, inconclusive, the
-        checker closing) says nothing: the next one is asked for a step later."""
-        asked, concluded = self.escalation.clock(), self._observation.checks
-        check = asyncio.ensure_future(self._wiring.checker.check(timeout=PENDING_CHECK_TIMEOUT_S))
-        try:
-            await asyncio.wait({check})
-        except asyncio.CancelledError:  # our own cancellation (the side closing)
-            check.cancel()
-            raise
-        if not check.cancelled() and check.exception() is None and self._observation.checks > concluded:
-            self.escalation.observe(self._observation.current.healthy, started=asked)
-        else:
-            self.escalation.inconclusive(asked)
-        return self._observation.version
-
     async def _checked(self) -> Observation:
         """What a Prepare is answered from: a fresh check. Once the agent stops, its checker checks
         no more (its first step), while a call already with us is still to be answered (the
@@ -492,12 +421,7 @@ class DraSide:
     def health_devices(self) -> list[str]:
         """The devices whose health the kubelet hears of: those the slice offers (or offered, for
         a device gone missing: the shape it had) and those of claims prepared on this node."""
-        found = set()
-        if self._device is not None:
-            shared = self.publisher.shared if self.publisher is not None else self._shared_device
-            found.update(
-                [self._device.hypervisor] if shared else device_names(self._device.hypervisor, self.identical_devices)
-            )
+        found = set(self.slices.offered())
         for claim in self.service.prepared.claims().values():
             found.update(d.device for d in claim.devices if d.pool == self.node_name)
         return sorted(found)
