@@ -61,6 +61,7 @@ def test_a_pods_device_health_follows_the_check_within_a_second(
         try:
             await until(
                 lambda: kubelets_view(kubelet) == ("Healthy", "") and DRIVER in kubelet.instances,
+                timeout=START_S,  # the start, as every test's: 10 s ran out beside a cold build
                 what="registered, and the kubelet hears Healthy",
             )
             (instance,) = kubelet.instances[DRIVER]

@@ -239,8 +239,10 @@ def test_a_device_seen_failing_once_is_not_evicted_when_no_check_runs_again(
 def test_no_eviction_without_a_failed_check_within_the_debounce(tmp: str, helpers: list[FakeHelper]) -> None:
     """One failed check, then every probe hangs (no check completes): the debounce passes and
     nothing is evicted, for no check saw the device failing within it. Once the probes answer
-    (still failing), the checks decide: NoExecute."""
-    debounce = 0.6
+    (still failing), the checks decide: NoExecute. The debounce is long enough (its checks a
+    second apart) that the hung check starts within it even on a loaded machine: at 0.6 s a slow
+    wake-up let it start after, and decide alone."""
+    debounce = 3.0
 
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
         settings = settings_in(tmp, config, dra_evict_after_seconds=debounce, check_interval_seconds=300.0)
@@ -255,7 +257,9 @@ def test_no_eviction_without_a_failed_check_within_the_debounce(tmp: str, helper
             broke = loop.time()
             checks = len(helpers[0].requests)
             helpers[0].gate = asyncio.Event()  # every probe from now on waits
-            await until(lambda: loop.time() - broke > 2 * debounce, timeout=5, what="twice the debounce passed")
+            await until(
+                lambda: loop.time() - broke > 2 * debounce, timeout=3 * debounce, what="twice the debounce passed"
+            )
             assert effects(fake)[-1:] == ["NoSchedule"] and "NoExecute" not in effects(fake), effects(fake)
             assert len(helpers[0].requests) <= checks + 1, "at most one pending check asked, its probe hanging"
             helpers[0].gate.set()  # the hung check fails; it started within the debounce
