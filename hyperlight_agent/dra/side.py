@@ -238,7 +238,7 @@ class DraSide:
         ]
         try:
             await self._retrying("API client", self._connect)
-            tasks.append(asyncio.ensure_future(self.slices.run()))
+            tasks += [asyncio.ensure_future(job) for job in self.slices.jobs()]
             await asyncio.gather(*tasks)
         finally:
             for task in tasks:

@@ -6,7 +6,7 @@ kubelet's Go helper leaves the slice to its resourceslice controller.
 
     keeper = SliceKeeper(SliceTarget(...), observation, checker, outcomes, ...)
     kube = keeper.connect(environ)   the API client, or ClientConfigError (api_error says why)
-    await keeper.run()               until cancelled: publish, follow the checks
+    keeper.jobs()                    what runs until cancelled: publish, follow the checks
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Optional
+from typing import Any, Awaitable, Callable, Coroutine, Mapping, Optional
 
 from hyperlight_agent import waits
 from hyperlight_agent.device import hypervisors
@@ -95,8 +95,9 @@ class SliceKeeper:
         self.api_error = ""
         return self.kube
 
-    async def run(self) -> None:
-        """Once connected, until cancelled: publish the slice and keep it following the checks."""
+    def jobs(self) -> list[Coroutine[Any, Any, None]]:
+        """Once connected: the publisher of the slice, and the slice following the checks; the
+        caller runs them until cancelled."""
         t = self.target
         publisher = self.publisher = SlicePublisher(
             self.kube,
@@ -108,13 +109,7 @@ class SliceKeeper:
             shared=t.shared,
             on_event=self._outcomes.slice_event,
         )
-        tasks = [asyncio.ensure_future(self._follow_checks(publisher)), asyncio.ensure_future(publisher.run())]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        return [self._follow_checks(publisher), publisher.run()]
 
     def wake(self) -> None:
         """Another instance may have come or gone (who keeps the slice): look again."""
