@@ -169,10 +169,11 @@ def _say_fatal(exc: BaseException, settings: config.Settings) -> None:
         AlreadyServed,  # grpc is imported only for the long-running modes
     )
 
+    log = logging.getLogger(PROG)
     if isinstance(exc, AlreadyServed):
-        logging.getLogger(PROG).error("%s", exc)
+        journal.last_words(log, str(exc))
     else:
-        logging.getLogger(PROG).error("fatal: %s", exc, exc_info=settings.log_level == "debug")
+        journal.last_words(log, f"fatal: {exc}", exc if settings.log_level == "debug" else None)
 
 
 def log_fields(settings: config.Settings) -> dict[str, str]:

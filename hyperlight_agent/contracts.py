@@ -78,6 +78,8 @@ ENV_DEVICE_PATH = "HYPERLIGHT_DEVICE_PATH"
 NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"
 WATCHDOG_USEC_ENV = "WATCHDOG_USEC"
 JOURNAL_STREAM_ENV = "JOURNAL_STREAM"
+# A line on a journal stream may start with its syslog priority (sd-daemon(3)): "<3>" is an error.
+JOURNAL_STREAM_ERR_PREFIX = "<3>"
 # Ours, beside systemd's: in an in-place upgrade's child (host/successor.py), the pid of the agent
 # it replaces. Until that process is gone the child is not the unit's main process, and says
 # nothing to systemd (NotifyAccess=main would drop it, with a warning in the journal).

@@ -4,8 +4,12 @@ libraries at info. (The agent's process writing its log: test_health_reporting.p
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import re
 import sys
+import types
 from typing import Any
 
 import pytest
@@ -37,9 +41,6 @@ def test_log_lines_carry_their_time_or_are_json_and_debug_keeps_libraries_quiet(
 ) -> None:
     """Outside the journal a line says when (issue 36: 5); `log_format = "json"` makes one object
     per line with the entry's fields; at debug, grpc's internals stay at info."""
-    import json
-    import logging
-    import re
 
     try:
         journal.setup("debug", {}, {"resource": "hyperlight.dev/hypervisor"})
@@ -59,7 +60,6 @@ def test_log_lines_carry_their_time_or_are_json_and_debug_keeps_libraries_quiet(
 
 def documented_log_fields() -> list[tuple[str, str, str]]:
     """docs/agent.md's log-fields table: (journal field, JSON key, on which entries), each row."""
-    import re
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(root, "docs", "agent.md")) as f:
@@ -91,10 +91,6 @@ def test_a_health_changes_json_line_and_journal_fields_carry_every_documented_fi
 ) -> None:
     """docs/agent.md's log-fields table is what a health change's entry carries, in both forms (issue 50:
     3): the JSON line had only the fields of every entry, dropping the entry's own."""
-    import json
-    import logging
-    import re
-    import types
 
     from hyperlight_agent import cli, config
 
@@ -114,22 +110,7 @@ def test_a_health_changes_json_line_and_journal_fields_carry_every_documented_fi
         # The journal: python-systemd's JournalHandler, at the seam setup() imports it from, is
         # given the fields of every entry when made and each record to emit; it sends the record's
         # attributes, of which journald keeps those with a valid field name.
-        given: dict[str, Any] = {}
-        emitted: list[logging.LogRecord] = []
-
-        class JournalHandler(logging.Handler):
-            def __init__(self, **fields: str) -> None:
-                super().__init__()
-                given.update(fields)
-
-            def emit(self, record: logging.LogRecord) -> None:
-                emitted.append(record)
-
-        fake = types.ModuleType("systemd.journal")
-        fake.JournalHandler = JournalHandler  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, "systemd", types.ModuleType("systemd"))
-        monkeypatch.setitem(sys.modules, "systemd.journal", fake)
-        monkeypatch.setattr(journal, "stderr_is_journal", lambda environ: True)
+        given, emitted = fake_journal_handler(monkeypatch)
         assert journal.setup("info", {}, every, "text") == "journal"
         health_change(os.path.join(tmp, "again"), monkeypatch)
         record = next(r for r in emitted if r.getMessage().startswith("device unhealthy"))
@@ -137,5 +118,60 @@ def test_a_health_changes_json_line_and_journal_fields_carry_every_documented_fi
         missing = [name for name, _, _ in documented if name not in sent]
         assert not missing, f"the journal entry lacks {missing}: {sent}"
         assert sent["REASON"] == "KVM_CREATE_VM failed" and sent["CDI_PATH"] == every["cdi_path"]
+    finally:
+        journal.setup("info", {})
+
+
+def fake_journal_handler(monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], list[logging.LogRecord]]:
+    """python-systemd's JournalHandler, at the seam setup() imports it from, with stderr taken for
+    the journal: what the handler was given when made, and each record it was to send."""
+    given: dict[str, Any] = {}
+    emitted: list[logging.LogRecord] = []
+
+    class JournalHandler(logging.Handler):
+        def __init__(self, **fields: str) -> None:
+            super().__init__()
+            given.update(fields)
+
+        def emit(self, record: logging.LogRecord) -> None:
+            emitted.append(record)
+
+    fake = types.ModuleType("systemd.journal")
+    fake.JournalHandler = JournalHandler  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "systemd", types.ModuleType("systemd"))
+    monkeypatch.setitem(sys.modules, "systemd.journal", fake)
+    monkeypatch.setattr(journal, "stderr_is_journal", lambda environ: True)
+    return given, emitted
+
+
+def test_last_words_go_on_the_stream_under_the_journal_else_to_the_log(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A line said just before exit: on the journal's stderr stream, as errors, traceback and all
+    (journald files a native message from an exited sender under no unit: test_systemd.py shows
+    it); without the journal, an error entry like any other."""
+    log = logging.getLogger("hyperlight-agent")
+
+    def fail() -> None:
+        raise RuntimeError("broken on purpose")
+
+    try:
+        fail()
+    except RuntimeError as caught:
+        exc = caught
+    try:
+        _, emitted = fake_journal_handler(monkeypatch)
+        assert journal.setup("info", {}) == "journal"
+        journal.last_words(log, "fatal: broken on purpose", exc)
+        lines = capsys.readouterr().err.splitlines()
+        assert emitted == []
+        assert lines[0] == "<3>fatal: broken on purpose" and lines[-1] == "<3>RuntimeError: broken on purpose"
+        assert all(line.startswith("<3>") for line in lines) and any("Traceback" in line for line in lines)
+
+        monkeypatch.setattr(journal, "stderr_is_journal", lambda environ: False)
+        assert journal.setup("info", {}) == "stderr"
+        journal.last_words(log, "fatal: broken on purpose")
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.endswith("ERROR: fatal: broken on purpose") and "<3>" not in line
     finally:
         journal.setup("info", {})

@@ -172,13 +172,50 @@ def test_reload_upgrades_in_place_and_a_failing_new_agent_leaves_the_old_one_ser
         assert main_pid(guest) == second and guest.is_active(UNIT) == "active"
         assert agents(guest) == [second]
         guest.journal(UNIT, "in-place upgrade failed:")
-        # The child's traceback came on its stderr stream, our line as a native journal message:
-        # journald files the two channels in no fixed order, so each is waited for.
-        journal = guest.journal(UNIT, "broken on purpose")
+        # The child's last words came on its stderr stream (journal.last_words), our line as a
+        # native journal message: journald files the two channels in no fixed order, so each is
+        # waited for.
+        journal = guest.journal(UNIT, "fatal: broken on purpose")
         assert sum("in-place upgrade failed:" in line for line in journal.splitlines()) == 1, journal
         assert [at for at, counts in kubelet.kubelet.timeline if at >= since and counts.get(R, 0) == 0] == []
         guest.run("systemctl", "stop", UNIT)
         assert agents(guest) == []
+
+
+def broken_tree(tmp: str, staged: str) -> str:
+    """A copy of the installed code whose agent fails at its start (the error is a fatal one)."""
+    tree = os.path.join(tmp, "broken")
+    shutil.copytree(os.path.join(staged, "usr", "lib", "hyperlight-agent"), tree, symlinks=True)
+    with open(os.path.join(tree, "hyperlight_agent", "agent.py"), "a") as f:
+        f.write("\nraise RuntimeError('broken on purpose')\n")
+    return tree
+
+
+@pytest.mark.root
+def test_a_fatal_error_reaches_the_units_journal_after_the_agent_has_exited(tmp: str, staged: str) -> None:
+    """journald files a native message under its sender's unit by reading the sender's /proc when
+    it gets to the message; a busy journald gets to an agent's last words after the agent has
+    exited. Here journald is paused while the agent fails at its start and exits: `journalctl -u`
+    must still say why it failed."""
+    with open(os.path.join(staged, "lib", "systemd", "system", UNIT)) as f:
+        text = f.read()
+    once = os.path.join(tmp, "once.service")
+    with open(once, "w") as f:  # one start: a restart's own fatal line would hide a lost first one
+        f.write(text.replace("Restart=on-failure", "Restart=no"))
+    with boot(tmp, staged, once, broken_tree(tmp, staged)) as guest:
+        guest.run("systemctl", "kill", "--signal=SIGSTOP", "systemd-journald.service")
+        try:
+            guest.run("systemctl", "start", "--no-block", UNIT)
+            wait_for(
+                lambda: guest.run("systemctl", "show", "-P", "ExecMainStatus", UNIT).stdout.strip() == "1",
+                30,
+                "the agent to fail at its start",
+            )
+        finally:
+            guest.run("systemctl", "kill", "--signal=SIGCONT", "systemd-journald.service")
+        pid = guest.run("systemctl", "show", "-P", "ExecMainPID", UNIT).stdout.strip()
+        journal = guest.journal(UNIT, f"[{pid}]: fatal: broken on purpose")
+        assert guest.is_active(UNIT) == "failed", journal
 
 
 @pytest.mark.root

@@ -13,6 +13,7 @@ import os
 import re
 import sys
 import time
+import traceback
 from typing import Mapping, Optional
 
 from hyperlight_agent import contracts
@@ -117,6 +118,27 @@ def setup(level: str, environ: Mapping[str, str], fields: Optional[Mapping[str, 
     root.handlers[:] = [handler]
     set_level(level)
     return kind
+
+
+def last_words(logger: logging.Logger, message: str, exc: Optional[BaseException] = None) -> None:
+    """An error said just before the process exits (with `exc`'s traceback when given).
+
+    journald files a native message under its sender's unit by reading the sender's /proc entry
+    when it gets to the message: from a process that has exited by then (a busy journald, a
+    sender that exits at once) the line is filed under no unit, and `journalctl -u` and `systemctl
+    status` never show why the unit failed. A line on the stderr stream is filed under the unit
+    the stream was opened for, whoever wrote it and however late it is read: under the native
+    handler, these words go there, as errors."""
+    # setup() left a stream handler (stderr) or python-systemd's (the native socket).
+    handlers = logging.getLogger().handlers
+    if not handlers or any(isinstance(h, logging.StreamHandler) for h in handlers):
+        logger.error("%s", message, exc_info=exc)
+        return
+    text = message
+    if exc is not None:
+        text += "\n" + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip("\n")
+    sys.stderr.write("".join(f"{contracts.JOURNAL_STREAM_ERR_PREFIX}{line}\n" for line in text.splitlines()))
+    sys.stderr.flush()
 
 
 def set_level(level: str) -> None:
