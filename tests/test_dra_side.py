@@ -11,6 +11,7 @@ import os
 import socket
 from typing import Any, Awaitable, Callable, Optional
 
+import grpc
 import pytest
 
 from hyperlight_agent import modes, peers, transport, waits
@@ -346,13 +347,21 @@ def test_a_removed_socket_is_served_again_and_readiness_follows_the_registration
             assert any("our registration socket was removed" in m for m in statuses), statuses
 
             fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
+            # The kubelet's connection to the old server: it ends when that server has stopped.
+            channel = kubelet.instance(DRIVER).channel
+            ready = grpc.ChannelConnectivity.READY
+            await until(lambda: channel.get_state(try_to_connect=True) == ready, what="the kubelet connected")
+            left = asyncio.ensure_future(channel.wait_for_state_change(ready))
             os.unlink(registrar.service_socket)
             # Its old server stops (calls in flight get the grace, new ones on its connection are
-            # refused); the kubelet's next call dials the socket anew and reaches the new one.
+            # refused); once the kubelet has seen its connection end, its next call dials the
+            # socket anew and reaches the new one. (A call sent before the kubelet read that end
+            # fails UNAVAILABLE, as a real kubelet's would, and the pod's setup is tried again.)
             await until(
                 lambda: registrar.served_again == 2 and os.path.exists(registrar.service_socket),
                 what="the service socket back, the old server gone",
             )
+            await asyncio.wait_for(left, START_S)
             answer = await kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)])
             assert list(answer[UID].devices[0].cdi_device_ids) == ["hyperlight.dev/hypervisor=kvm"]
             await until(lambda: agent.ready, timeout=START_S, what="ready with both sockets back")
