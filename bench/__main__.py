@@ -767,7 +767,8 @@ def bench_probe_cost(top: str) -> None:
     row("agent pod memory high-water mark, unprobed (MiB)", f"{found['none'][1]:.1f}")
 
 
-IMAGE_RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "image.json")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMAGE_RECORD = os.path.join(ROOT, "build", "image.json")
 SLIM_BASE = "python:3.13-slim"
 
 
@@ -1401,6 +1402,107 @@ def bench_fleet(top: str) -> None:  # noqa: PLR0915 - one scenario, start to end
     )
 
 
+# The Hyperlight example (deploy/examples/hyperlight): its build, and the figures it prints.
+EXAMPLE_BUILD = os.path.join(ROOT, "deploy", "examples", "hyperlight", "build.sh")
+EXAMPLE_OUT = os.path.join(ROOT, "build", "hyperlight-example")
+EXAMPLE_RUNS = "10"
+
+
+def bench_hyperlight(top: str) -> None:
+    """The real client where we hand the device over (issue 48): the Hyperlight example's sandbox
+    build and guest call (medians of its own --json runs) in a container given exactly what our
+    Allocate answered (its DeviceSpec and environment, applied by podman as a runtime applies
+    them), beside the same binary on the host right after: the ratios are the figures."""
+    print("hyperlight", flush=True)
+    if shutil.which("podman") is None:
+        row("Hyperlight example, container / host", "not run: no podman")
+        return
+    built = subprocess.run([EXAMPLE_BUILD, EXAMPLE_OUT], capture_output=True, text=True, timeout=1800, check=False)
+    if built.returncode != 0:
+        row("Hyperlight example, container / host", f"not run: its build failed: {built.stderr.strip()[-200:]}")
+        return
+    host = os.path.join(EXAMPLE_OUT, "hyperlight-example")
+    guest = os.path.join(EXAMPLE_OUT, "hyperlight-guest")
+    agent = Agent(top)
+    try:
+        with StandinThread(os.path.join(top, "kubelet")) as k:
+            k.wait_until(lambda kk: kk.allocatable() > 0, 15)
+            device = next(i for i, health in k.kubelet.plugins[R].devices if health == contracts.HEALTHY)
+            (response,) = k.call(k.kubelet.allocate(R, [device])).container_responses
+    finally:
+        agent.stop()
+    storage = os.path.join(top, "podman")
+    podman = ["podman", "--root", f"{storage}/root", "--runroot", f"{storage}/run", "--storage-driver", "vfs"]
+    env = {**os.environ, "CONTAINERS_CONF": os.path.join(storage, "containers.conf")}
+    os.makedirs(os.path.join(storage, "rootfs", "dev"))
+    with open(env["CONTAINERS_CONF"], "w") as f:
+        # These machines' settings for podman (tests/podman.py: runc, cgroupfs, ulimits it may set).
+        f.write(
+            '[containers]\ndefault_ulimits = ["nofile=20000:20000", "nproc=4096:4096"]\n'
+            '[engine]\nruntime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n'
+        )
+    shutil.copy2(host, os.path.join(storage, "rootfs", "hyperlight-example"))
+    shutil.copy2(guest, os.path.join(storage, "rootfs", "hyperlight-guest"))
+    try:
+        with subprocess.Popen(["tar", "-C", f"{storage}/rootfs", "-cf", "-", "."], stdout=subprocess.PIPE) as tar:
+            subprocess.run(
+                [*podman, "import", "-", "localhost/hl-bench:1"],
+                stdin=tar.stdout,
+                env=env,
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
+        given = [f"--device={d.host_path}:{d.container_path}:{d.permissions}" for d in response.devices]
+        given += [f"--env={name}={value}" for name, value in response.envs.items()]
+        # Root in the container: DeviceSpec keeps the host node's owner and mode (0600 root here);
+        # our CDI spec's owner for workloads needs a CDI-reading runtime (the e2e's figures).
+        ran = subprocess.run(
+            [
+                *podman,
+                "run",
+                "--rm",
+                "--network=none",
+                "--cap-drop=all",
+                "--read-only",
+                *given,
+                "localhost/hl-bench:1",
+                "/hyperlight-example",
+                "--json",
+                "--runs",
+                EXAMPLE_RUNS,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        here = subprocess.run(
+            [host, "--guest", guest, "--json", "--runs", EXAMPLE_RUNS],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    finally:
+        subprocess.run([*podman, "rmi", "-a", "-f"], env=env, capture_output=True, check=False, timeout=120)
+    if ran.returncode != 0 or here.returncode != 0:
+        row("Hyperlight example, container / host", f"failed: {(ran.stderr or here.stderr).strip()[-200:]}")
+        return
+    there, local = json.loads(ran.stdout.splitlines()[-1]), json.loads(here.stdout.splitlines()[-1])
+    row(
+        "Hyperlight sandbox build, container given our Allocate / host (ms), ratio",
+        f"{there['build_ms']:.1f} / {local['build_ms']:.1f}, {there['build_ms'] / local['build_ms']:.2f}",
+        "≈ 1",
+    )
+    row(
+        "Hyperlight guest call round trip, container given our Allocate / host (µs), ratio",
+        f"{there['call_us']:.1f} / {local['call_us']:.1f}, {there['call_us'] / local['call_us']:.2f}",
+        "≈ 1",
+    )
+
+
 def bench_image() -> None:
     """The last `make image`'s size (deploy/image/build.sh records it), if an image was built."""
     try:
@@ -1457,6 +1559,7 @@ def main() -> int:
             ("l", bench_upgrade_in_place),
             ("m", bench_probe_cost),
             ("fleet", bench_fleet),
+            ("hyperlight", bench_hyperlight),
         ):
             if only and name not in only:
                 continue
