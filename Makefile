@@ -17,7 +17,9 @@ DEB_BUILD_PACKAGES := python3-venv python3-pip debhelper lintian
 RPM_BUILD_PACKAGES := python3-venv python3-pip rpm rpmlint binutils
 #   release: both of those, plus reprepro (the apt repository), createrepo-c (the yum ones), gnupg
 #          (signatures), podman + runc (the image), skopeo (pushing its archive unchanged: make publish).
-RELEASE_PACKAGES := $(DEB_BUILD_PACKAGES) $(RPM_BUILD_PACKAGES) reprepro createrepo-c gnupg podman runc skopeo
+# (gcc, libc6-dev and Debian's keyring: the Hyperlight example's build, whose image a release holds.)
+RELEASE_PACKAGES := $(DEB_BUILD_PACKAGES) $(RPM_BUILD_PACKAGES) reprepro createrepo-c gnupg podman runc skopeo \
+  gcc libc6-dev debian-archive-keyring
 TEST_PACKAGES := protobuf-compiler podman runc gcc libc6-dev debootstrap systemd-container cpio man-db \
   containernetworking-plugins busybox-static openssl iproute2 dnf
 APT_PACKAGES := $(sort $(RELEASE_PACKAGES) $(TEST_PACKAGES))
@@ -66,7 +68,7 @@ JUDGES := build/judges
 # The judges of the code, written once: every target that lints or type-checks runs these.
 RUFF := $(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 MYPY := $(VENV)/bin/mypy hyperlight_agent standin tests bench packaging/manpage.py packaging/targets.py packaging/chart_env.py packaging/settings_doc.py packaging/modules_doc.py \
-  packaging/release.py packaging/publish.py packaging/resign.py pins/update.py
+  packaging/release.py packaging/publish.py packaging/resign.py packaging/cargo_sbom.py pins/update.py
 # The module layers and boundaries (pyproject.toml's [tool.importlinter]).
 IMPORTS := $(VENV)/bin/lint-imports --no-cache
 
@@ -318,8 +320,10 @@ lock: $(RELEASE_TOOLS)/.installed  ## re-resolve the locks (pins/runtime-py*.txt
 	$(UV_COMPILE) --universal --python-version 3.9 -o pins/release.txt pins/release.in
 
 # A complete, signed release in $(DIST)/$(VERSION)/ (what it holds: packaging/release.py): the
-# .deb, the signed .rpm, signed apt and yum repositories, the image as an OCI archive, the chart
-# whose default image is that archive's by digest, SBOMs, SHA256SUMS and its signature. Signing
+# .deb, the signed .rpm, signed apt and yum repositories, the image as an OCI archive, the
+# Hyperlight example's image as another (its build needs what make hyperlight-example needs), the
+# chart whose default image is the first's and whose `helm test` runs the second's, by digest,
+# SBOMs, SHA256SUMS and its signature. Signing
 # key: RELEASE_GPG_KEY in GNUPGHOME (none: a key made for this build only, for testing). The image
 # is built as by `make image` (ENGINE, BASE_IMAGE: e.g. make image-base's, where no registry is).
 DIST ?= dist
@@ -330,8 +334,8 @@ release: release-deps $(BUILD_VENV)/.installed $(RELEASE_TOOLS)/.installed tool-
 
 # Publish $(DIST)/$(VERSION)/ (packaging/publish.py): only a release signed by the release key,
 # RELEASE_GPG_FINGERPRINT (the project's, configured where this runs: never read from the release;
-# a release signed with a key made for its build is refused). The image and the chart to REGISTRY
-# (OCI), both signed with cosign by digest and the image's SBOM attached as an attestation
+# a release signed with a key made for its build is refused). The images and the chart to REGISTRY
+# (OCI), each signed with cosign by digest and each image's SBOM attached as an attestation
 # (COSIGN_KEY: a key pair's private half; unset: keyless, through the CI's OIDC identity), and the
 # package repositories copied into SITE for hosting. INSECURE_REGISTRY=1: plain HTTP (a registry on
 # this machine).

@@ -8,13 +8,14 @@
    where the publishing runs, never taken from the release: a release re-signed with any other
    key, the one it carries included, is refused); the public key the release carries (what users
    import) is that key and only that; SHA256SUMS lists every file with its hash.
-2. The image archive is pushed unchanged (skopeo, --preserve-digests) to REGISTRY/hyperlight-agent
-   as VERSION, and the registry must then serve the digest the chart names.
+2. The image archives are pushed unchanged (skopeo, --preserve-digests) as VERSION, the agent's to
+   REGISTRY/hyperlight-agent and the Hyperlight example's to REGISTRY/hyperlight-example, and the
+   registry must then serve the digests the chart names.
 3. The chart is pushed to oci://REGISTRY/charts (helm push): `helm install oci://REGISTRY/charts/
    hyperlight-agent --version VERSION`; the registry must then serve the release's chart package
    as the chart's one layer (its SHA-256 is in SHA256SUMS).
-4. The image and the chart are signed with cosign by digest (the chart decides which image digest
-   users run), and the image's SBOM attached as a CycloneDX attestation. COSIGN_KEY (a cosign
+4. The images and the chart are signed with cosign by digest (the chart decides which image digests
+   users run), and each image's SBOM attached as a CycloneDX attestation. COSIGN_KEY (a cosign
    key file; COSIGN_PASSWORD its password): signed with that key and no transparency log (the
    tests: a key pair per run, no Sigstore reachable). Unset: keyless, the release pipeline's
    way — cosign takes the CI's OIDC identity (GitHub Actions' `id-token: write`), Fulcio
@@ -45,6 +46,7 @@ from release import sha256
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "build", "tools")
 IMAGE_NAME = "hyperlight-agent"
+EXAMPLE_NAME = "hyperlight-example"
 CHARTS = "charts"
 
 
@@ -172,6 +174,43 @@ def verify_release(out: str, fingerprint: str) -> dict[str, object]:
     return manifest
 
 
+class Registries:
+    """skopeo's and helm's flags for the registry (plain HTTP with INSECURE_REGISTRY), and pushing
+    an image archive there."""
+
+    def __init__(self, insecure: bool) -> None:
+        self.tls = ["--tls-verify=false"] if insecure else []
+        self.plain = ["--plain-http"] if insecure else []
+        self._dest_tls = ["--dest-tls-verify=false"] if insecure else []
+
+    def push(self, archive: str, repository: str, version: str, digest: str) -> str:
+        """The archive as it is (its manifest, so its digest, unchanged) as repository:version;
+        repository@digest once the registry serves that digest there."""
+        name = os.path.basename(archive)
+        run(
+            "skopeo",
+            "copy",
+            "--quiet",
+            "--preserve-digests",
+            *self._dest_tls,
+            f"oci-archive:{archive}",
+            f"docker://{repository}:{version}",
+            what=f"skopeo copy ({name})",
+        )
+        served = run(
+            "skopeo",
+            "inspect",
+            "--format",
+            "{{.Digest}}",
+            *self.tls,
+            f"docker://{repository}:{version}",
+            what=f"skopeo inspect ({repository}:{version})",
+        ).strip()
+        if served != digest:
+            raise PublishError(f"{repository}:{version} is {served}, not the chart's {digest}")
+        return f"{repository}@{digest}"
+
+
 def publish() -> None:
     version = os.environ.get("VERSION", "")
     out = os.path.join(os.path.abspath(os.environ.get("DIST") or os.path.join(ROOT, "dist")), version)
@@ -183,50 +222,28 @@ def publish() -> None:
     cosign = os.environ.get("COSIGN") or os.path.join(TOOLS, "cosign")
     fingerprint = release_fingerprint(os.environ.get("RELEASE_GPG_FINGERPRINT", ""))
     manifest = verify_release(out, fingerprint)
-    image = manifest["image"]
-    assert isinstance(image, dict)
-    digest = str(image["digest"])
+    image, example = manifest["image"], manifest["example"]
+    assert isinstance(image, dict) and isinstance(example, dict)
     repository = f"{registry}/{IMAGE_NAME}"
     if repository != image["repository"]:
         print(
             f"make publish: the chart names {image['repository']}; {repository} serves only as its mirror",
             file=sys.stderr,
         )
-
-    # The archive as it is: its manifest (and so its digest) unchanged.
-    tls = ["--dest-tls-verify=false"] if insecure else []
-    archive = os.path.join(out, str(image["archive"]))
-    run(
-        "skopeo",
-        "copy",
-        "--quiet",
-        "--preserve-digests",
-        *tls,
-        f"oci-archive:{archive}",
-        f"docker://{repository}:{version}",
-        what="skopeo copy (the image)",
+    registries = Registries(insecure)
+    reference = registries.push(os.path.join(out, str(image["archive"])), repository, version, str(image["digest"]))
+    example_reference = registries.push(
+        os.path.join(out, str(example["archive"])), f"{registry}/{EXAMPLE_NAME}", version, str(example["digest"])
     )
-    served = run(
-        "skopeo",
-        "inspect",
-        "--format",
-        "{{.Digest}}",
-        *(["--tls-verify=false"] if insecure else []),
-        f"docker://{repository}:{version}",
-        what="skopeo inspect (the pushed image)",
-    ).strip()
-    if served != digest:
-        raise PublishError(f"{repository}:{version} is {served}, not the chart's {digest}")
 
-    plain = ["--plain-http"] if insecure else []
     chart_package = os.path.join(out, str(manifest["chart"]))
-    run(helm, "push", chart_package, f"oci://{registry}/{CHARTS}", *plain, what="helm push (the chart)")
+    run(helm, "push", chart_package, f"oci://{registry}/{CHARTS}", *registries.plain, what="helm push (the chart)")
     chart = f"{registry}/{CHARTS}/{IMAGE_NAME}"
     raw = run(
         "skopeo",
         "inspect",
         "--raw",
-        *(["--tls-verify=false"] if insecure else []),
+        *registries.tls,
         f"docker://{chart}:{version}",
         what="skopeo inspect (the pushed chart)",
     )
@@ -238,24 +255,24 @@ def publish() -> None:
     key = os.environ.get("COSIGN_KEY", "")
     signing = ["--key", key, "--tlog-upload=false", "--use-signing-config=false"] if key else []
     http = ["--allow-http-registry", "--allow-insecure-registry"] if insecure else []
-    reference = f"{repository}@{digest}"
-    run(cosign, "sign", "--yes", *signing, *http, reference, what="cosign sign (the image)")
-    run(cosign, "sign", "--yes", *signing, *http, f"{chart}@{chart_digest}", what="cosign sign (the chart)")
     sboms = manifest["sboms"]
     assert isinstance(sboms, dict)
-    run(
-        cosign,
-        "attest",
-        "--yes",
-        *signing,
-        *http,
-        "--type",
-        "cyclonedx",
-        "--predicate",
-        os.path.join(out, str(sboms["image"])),
-        reference,
-        what="cosign attest (the SBOM)",
-    )
+    for what, signed, sbom in (("the image", reference, "image"), ("the example", example_reference, "example")):
+        run(cosign, "sign", "--yes", *signing, *http, signed, what=f"cosign sign ({what})")
+        run(
+            cosign,
+            "attest",
+            "--yes",
+            *signing,
+            *http,
+            "--type",
+            "cyclonedx",
+            "--predicate",
+            os.path.join(out, str(sboms[sbom])),
+            signed,
+            what=f"cosign attest ({what}'s SBOM)",
+        )
+    run(cosign, "sign", "--yes", *signing, *http, f"{chart}@{chart_digest}", what="cosign sign (the chart)")
 
     site = os.environ.get("SITE", "")
     if site:
@@ -268,7 +285,7 @@ def publish() -> None:
                 shutil.copytree(os.path.join(out, name), os.path.join(site, name), copy_function=shutil.copy)
         shutil.copy(os.path.join(out, "hyperlight-agent.asc"), site)
     print(
-        f"published {version}: {reference}, oci://{chart} --version {version} ({chart_digest})"
+        f"published {version}: {reference}, {example_reference}, oci://{chart} --version {version} ({chart_digest})"
         + (f", repositories in {site}" if site else "")
     )
 

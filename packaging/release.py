@@ -10,8 +10,12 @@ What it holds (names for version 0.1.0), a package per row of packaging/targets:
     yum/<tag>/x86_64/                                   a signed yum repository per RPM target (createrepo_c):
                                                         repodata/repomd.xml.asc
     hyperlight-agent-0.1.0.oci.tar                      the image, an OCI archive
-    hyperlight-agent-0.1.0.tgz                          the Helm chart; its default image is the archive's, by digest
+    hyperlight-example-0.1.0.oci.tar                    the Hyperlight example (deploy/examples/hyperlight) as an
+                                                        image, an OCI archive: what `helm test` runs by default
+    hyperlight-agent-0.1.0.tgz                          the Helm chart; its default image is the archive's, and
+                                                        its tests.workloadImage the example's, by digest
     <artefact>.cdx.json                                 a CycloneDX SBOM per artefact: exactly its lock in pins/
+                                                        (the example's: its two Cargo.lock files)
     hyperlight-agent.asc                                the public key of every signature above
     release.json                                        what publish needs: version, commit, image digest, files
     SHA256SUMS, SHA256SUMS.asc                          every file's hash, signed
@@ -43,6 +47,11 @@ from targets import BY_TAG, TARGETS, Target
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE_REPOSITORY = "ghcr.io/hyperlight-dev/hyperlight-agent"
 CHART = os.path.join(ROOT, "deploy", "helm", "hyperlight-agent")
+# The Hyperlight example: built by its build.sh from its locks, into an image beside the agent's.
+EXAMPLE = os.path.join(ROOT, "deploy", "examples", "hyperlight")
+EXAMPLE_NAME = "hyperlight-example"
+EXAMPLE_LOCKS = ("deploy/examples/hyperlight/host/Cargo.lock", "deploy/examples/hyperlight/guest/Cargo.lock")
+RELEASE_TOOLS = os.path.join(ROOT, "build", "release-tools", "bin")
 # The placeholder the development manifests (the kustomize base) carry; never in a release.
 PLACEHOLDER = "sha256:" + "0" * 64
 APT_COMPONENT = "main"
@@ -271,19 +280,53 @@ def yum_repositories(
     return [t.suite for t in rpms]
 
 
+def engine() -> list[str]:
+    return (os.environ.get("ENGINE") or "podman").split()
+
+
 def image_archive(version: str, out: str, repository: str) -> tuple[str, str]:
     """`make image` as this version, saved as an OCI archive; (path, manifest digest)."""
     image = f"{repository}:{version}"
-    engine = os.environ.get("ENGINE") or "podman"
     make(
         "image",
         f"VERSION={version}",
         f"IMAGE={image}",
-        f"ENGINE={engine}",
+        f"ENGINE={' '.join(engine())}",
         f"BASE_IMAGE={os.environ.get('BASE_IMAGE', '')}",
     )
-    path = os.path.join(out, f"hyperlight-agent-{version}.oci.tar")
-    run(*engine.split(), "save", "--format", "oci-archive", "-o", path, image, what="saving the image")
+    return saved(image, os.path.join(out, f"hyperlight-agent-{version}.oci.tar"))
+
+
+def example_repository(repository: str) -> str:
+    """The example's image beside the agent's (…/hyperlight-agent → …/hyperlight-example)."""
+    return f"{repository.rsplit('/', 1)[0]}/{EXAMPLE_NAME}" if "/" in repository else EXAMPLE_NAME
+
+
+def example_archive(version: str, out: str, repository: str, epoch: str, work: str) -> tuple[str, str]:
+    """The Hyperlight example built from its locks (its build.sh) into an image as its
+    Containerfile says, saved as an OCI archive; (path, manifest digest). Its times are
+    SOURCE_DATE_EPOCH's: a second build of the commit has the same digest."""
+    built = os.path.join(work, "example")
+    run(os.path.join(EXAMPLE, "build.sh"), built, what="the Hyperlight example's build.sh")
+    image = f"{repository}:{version}"
+    run(
+        *engine(),
+        "build",
+        "--quiet",
+        f"--timestamp={epoch}",
+        "-f",
+        os.path.join(EXAMPLE, "Containerfile"),
+        "-t",
+        image,
+        built,
+        what="building the Hyperlight example's image",
+    )
+    return saved(image, os.path.join(out, f"{EXAMPLE_NAME}-{version}.oci.tar"))
+
+
+def saved(image: str, path: str) -> tuple[str, str]:
+    """The image saved as an OCI archive at `path`; (path, its manifest's digest)."""
+    run(*engine(), "save", "--quiet", "--format", "oci-archive", "-o", path, image, what=f"saving {image}")
     with tarfile.open(path) as archive:
         member = archive.extractfile("index.json")
         assert member is not None
@@ -291,8 +334,9 @@ def image_archive(version: str, out: str, repository: str) -> tuple[str, str]:
     return path, str(manifest["digest"])
 
 
-def chart_package(version: str, out: str, repository: str, digest: str, work: str) -> str:
-    """The chart as this version, whose default image is this release's, by digest."""
+def chart_package(version: str, out: str, repository: str, digest: str, workload: str, work: str) -> str:
+    """The chart as this version, whose default image is this release's, by digest, and whose
+    `helm test` runs `workload` (the example's image, by digest)."""
     chart = os.path.join(work, "chart", "hyperlight-agent")
     shutil.copytree(CHART, chart)
     for name, edits in (
@@ -305,6 +349,7 @@ def chart_package(version: str, out: str, repository: str, digest: str, work: st
                 (r"^  releaseDigest: .*$", f'  releaseDigest: "{digest}"'),
                 (r"^  digest: .*$", '  digest: ""'),
                 (r"^  tag: .*$", '  tag: ""'),
+                (r"^  workloadImage: .*$", f'  workloadImage: "{workload}"'),
             ],
         ),
     ):
@@ -330,7 +375,7 @@ def sbom(version: str, lock: str, path: str, epoch: str, work: str) -> None:
         text = f.read().replace('dynamic = ["version"]', f'version = "{version}"', 1)
     with open(project, "w") as f:
         f.write(text)
-    tool = os.environ.get("CYCLONEDX") or os.path.join(ROOT, "build", "release-tools", "bin", "cyclonedx-py")
+    tool = os.environ.get("CYCLONEDX") or os.path.join(RELEASE_TOOLS, "cyclonedx-py")
     run(
         tool,
         "requirements",
@@ -344,6 +389,21 @@ def sbom(version: str, lock: str, path: str, epoch: str, work: str) -> None:
         os.path.join(ROOT, "pins", f"runtime-py{lock}.txt"),
         env={**os.environ, "SOURCE_DATE_EPOCH": epoch},
         what=f"cyclonedx-py for {os.path.basename(path)}",
+    )
+
+
+def example_sbom(version: str, path: str, epoch: str) -> None:
+    """CycloneDX from the example's Cargo.lock files (packaging/cargo_sbom.py, in the release
+    tools' venv: cyclonedx-python-lib)."""
+    run(
+        os.path.join(RELEASE_TOOLS, "python"),
+        os.path.join(ROOT, "packaging", "cargo_sbom.py"),
+        EXAMPLE_NAME,
+        version,
+        path,
+        *(os.path.join(ROOT, lock) for lock in EXAMPLE_LOCKS),
+        env={**os.environ, "SOURCE_DATE_EPOCH": epoch},
+        what=f"cargo_sbom.py for {os.path.basename(path)}",
     )
 
 
@@ -405,7 +465,9 @@ def release() -> str:
         suites = apt_repository(partial, packages, signer, work, targets)
         yums = yum_repositories(partial, packages, signer, epoch, targets)
         archive, digest = image_archive(version, partial, repository)
-        chart = chart_package(version, partial, repository, digest, work)
+        examples = example_repository(repository)
+        example, example_digest = example_archive(version, partial, examples, epoch, work)
+        chart = chart_package(version, partial, repository, digest, f"{examples}@{example_digest}", work)
         artefacts = {**packages, "image": archive}
         # Which lock each artefact's Python dependencies come from (its target's Python).
         locks = {**{t.tag: t.python for t in targets}, "image": image_python()}
@@ -413,16 +475,20 @@ def release() -> str:
         for kind, path in artefacts.items():
             sboms[kind] = path + ".cdx.json"
             sbom(version, locks[kind], sboms[kind], epoch, work)
+        sboms["example"] = example + ".cdx.json"
+        example_sbom(version, sboms["example"], epoch)
         signer.export(os.path.join(partial, PUBLIC_KEY))
         manifest = {
             "version": version,
             "commit": os.environ.get("GIT_COMMIT", "unknown"),
             "source_date_epoch": int(epoch),
             "image": {"repository": repository, "digest": digest, "archive": os.path.basename(archive)},
+            "example": {"repository": examples, "digest": example_digest, "archive": os.path.basename(example)},
             "chart": os.path.basename(chart),
             "packages": {kind: os.path.basename(path) for kind, path in packages.items()},
             "sboms": {kind: os.path.basename(path) for kind, path in sboms.items()},
             "locks": {kind: f"pins/runtime-py{locks[kind]}.txt" for kind in artefacts},
+            "example_locks": list(EXAMPLE_LOCKS),
             "repositories": {"apt": suites, "yum": yums},
             "signing_key": signer.fingerprint,
             "signing_key_ephemeral": signer.ephemeral,
@@ -486,6 +552,7 @@ def main() -> int:
     print(f"apt suites: {' '.join(manifest['repositories']['apt'])} (apt/dists/<suite>/InRelease)")
     print(f"yum repositories: {' '.join(manifest['repositories']['yum'])} (yum/<name>/x86_64/repodata/repomd.xml.asc)")
     print(f"image: {manifest['image']['repository']}@{manifest['image']['digest']}")
+    print(f"example image (helm test's): {manifest['example']['repository']}@{manifest['example']['digest']}")
     return 0
 
 

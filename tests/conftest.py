@@ -73,17 +73,16 @@ def count_inputs(surface: str, n: int = 1) -> None:
 
 # The real-cluster tests' images (tests/e2e/oci.py builds them): the workload's and the pod sandbox's.
 E2E_WORKLOAD_IMAGE = "localhost/hyperlight-e2e/workload:1"
-# The Hyperlight example alone (its entrypoint runs the guest): `helm test`'s tests.workloadImage.
-E2E_HYPERLIGHT_IMAGE = "localhost/hyperlight-e2e/hyperlight:1"
 
 
 @pytest.fixture(scope="session")
 def images() -> Iterator[dict[str, str]]:
-    """The workload's, the Hyperlight example's and the pod sandbox's images, as archives
-    containerd imports (the agent's comes from the registry), for every real cluster of the
-    session (tests/test_e2e*.py)."""
+    """The workload's (the Hyperlight example's files among its tools) and the pod sandbox's
+    images, as archives containerd imports (the agent's and the example's own image, `helm
+    test`'s, come from the registry, as the releases published them), for every real cluster of
+    the session (tests/test_e2e*.py)."""
     from tests import hyperlight
-    from tests.e2e.oci import hyperlight_image, pause_image, workload_image
+    from tests.e2e.oci import pause_image, workload_image
 
     example = hyperlight.example()
     files = {hyperlight.HOST_IN_IMAGE: example.host, hyperlight.GUEST_IN_IMAGE: example.guest}
@@ -92,7 +91,6 @@ def images() -> Iterator[dict[str, str]]:
         yield {
             "pause": pause_image(directory, "localhost/hyperlight-e2e/pause:1"),
             "workload": workload_image(directory, E2E_WORKLOAD_IMAGE, files),
-            "hyperlight": hyperlight_image(directory, E2E_HYPERLIGHT_IMAGE, files, hyperlight.HOST_IN_IMAGE),
         }
     finally:
         subprocess.run(["rm", "-rf", directory], check=False)

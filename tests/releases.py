@@ -38,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = "localhost/hyperlight-agent-base:trixie"
 # Where the release's chart says its image lives; the tests' registry serves as its mirror.
 IMAGE_REPOSITORY = "ghcr.io/hyperlight-dev/hyperlight-agent"
+EXAMPLE_REPOSITORY = "ghcr.io/hyperlight-dev/hyperlight-example"
 PUBLIC_REGISTRY = "ghcr.io/hyperlight-dev"
 
 
@@ -409,6 +410,10 @@ class Published:
     def image(self, version: str) -> str:
         """This release's image in the test registry, by digest."""
         return f"{self.host}/hyperlight-dev/hyperlight-agent@{manifest(self.releases[version])['image']['digest']}"
+
+    def example(self, version: str) -> str:
+        """This release's image of the Hyperlight example in the test registry, by digest."""
+        return f"{self.host}/hyperlight-dev/hyperlight-example@{manifest(self.releases[version])['example']['digest']}"
 
     def chart(self) -> str:
         return f"oci://{self.host}/hyperlight-dev/charts/hyperlight-agent"

@@ -34,14 +34,23 @@ import yaml
 
 from hyperlight_agent import contracts
 from tests import hyperlight, locks, nspawn
-from tests.conftest import E2E_FIGURES, E2E_HYPERLIGHT_IMAGE, E2E_WORKLOAD_IMAGE, make_node
+from tests.conftest import E2E_FIGURES, E2E_WORKLOAD_IMAGE, make_node
 from tests.e2e import cluster as cluster_module
 from tests.e2e.cluster import Cluster, Node, State, wait_until
 from tests.e2e.kube import Api, ApiError
 from tests.e2e.outcomes import PodSlots, naming, rejected_at_admission, start_cut, why_failed
 from tests.e2e.podresources import PodResources
 from tests.e2e.tools import tool
-from tests.releases import CURRENT, PREVIOUS, PUBLIC_CHARTS, Published, manifest, readme_commands
+from tests.releases import (
+    CURRENT,
+    EXAMPLE_REPOSITORY,
+    IMAGE_REPOSITORY,
+    PREVIOUS,
+    PUBLIC_CHARTS,
+    Published,
+    manifest,
+    readme_commands,
+)
 from tests.test_apt_repository import fresh_root, operator_install
 from tests.test_deb import UNIT
 from tests.test_docs import ROOT
@@ -366,14 +375,30 @@ def test_pod_security_refuses_the_agents_pod_outside_the_charts_namespace(instal
         installed.api.delete(f"/api/v1/namespaces/{ns}")
 
 
-def test_helm_test_gets_the_device_as_a_restricted_workload(installed: Cluster) -> None:
-    """`helm test`: the chart's test pod asks for hyperlight.dev/hypervisor and runs the agent's
-    --check in its container, as 65534 with no capabilities; it passes (and is deleted)."""
+def test_helm_test_gets_the_device_as_a_restricted_workload(installed: Cluster, published: Published) -> None:
+    """`helm test` as a release ships it: the chart's test pod asks for hyperlight.dev/hypervisor
+    and runs the release's Hyperlight example (tests.workloadImage's default, pulled by digest
+    through the registry), as 65534 with no capabilities: its guest answered, so it passes (and is
+    deleted)."""
+    running = running_release(published, daemonset_pods(installed, "hyperlight-device-plugin"))
+    example = f"{EXAMPLE_REPOSITORY}@{manifest(published.releases[running])['example']['digest']}"
+    assert helm_test_images(installed) == {example}
     assert helm_test(installed) == {"hyperlight-test-device-plugin": "Succeeded"}
     # Passed tests' pods are deleted.
     assert not installed.api.get(
         f"/api/v1/namespaces/{NAMESPACE}/pods", labelSelector="app.kubernetes.io/name=hyperlight-test"
     )["items"]
+
+
+def helm_test_images(cluster: Cluster) -> set[str]:
+    """The images `helm test`'s pods run, as the installed release renders them."""
+    hooks = helm(cluster, "get", "hooks", "hyperlight", "--namespace", NAMESPACE).stdout
+    return {
+        c["image"]
+        for d in yaml.safe_load_all(hooks)
+        if d and d["kind"] == "Pod" and d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"
+        for c in d["spec"]["containers"]
+    }
 
 
 def helm_test(cluster: Cluster) -> dict[str, str]:
@@ -1693,9 +1718,11 @@ def through_dra(pod: dict[str, Any]) -> bool:
 @pytest.mark.root
 def test_helm_test_gets_the_device_through_a_claim_too(dra_installed: Cluster, published: Published) -> None:
     """`helm test` in mode both: the device plugin's test pod and the DRA one (a claim from the
-    chart's test template) each run the agent's --check on the device they got, and pass. With
-    tests.workloadImage the same pods run the Hyperlight example: a guest answers through each."""
+    chart's test template) each run the release's Hyperlight example (tests.workloadImage's
+    default): a guest answers through each. With tests.workloadImage emptied the same pods run the
+    agent's --check on the device they got, and pass."""
     both = {"hyperlight-test-device-plugin": "Succeeded", "hyperlight-test-dra": "Succeeded"}
+    assert {i.split("@", 1)[0] for i in helm_test_images(dra_installed)} == {EXAMPLE_REPOSITORY}
     assert helm_test(dra_installed) == both
     # The test's claim template and its claims go with the pods that passed.
     assert not dra_installed.api.get(f"/apis/resource.k8s.io/v1/namespaces/{NAMESPACE}/resourceclaimtemplates")["items"]
@@ -1703,8 +1730,9 @@ def test_helm_test_gets_the_device_through_a_claim_too(dra_installed: Cluster, p
     # Only the tests' hooks change: the agents' DaemonSets are rendered as before (no rollout).
     release = running_release(published, daemonset_pods(dra_installed, DRA_DAEMONSET))
     values = [*dra_values(published, release), "--namespace", NAMESPACE]
-    helm(dra_installed, "upgrade", "hyperlight", *values, "--set", f"tests.workloadImage={E2E_HYPERLIGHT_IMAGE}")
+    helm(dra_installed, "upgrade", "hyperlight", *values, "--set", "tests.workloadImage=")
     try:
+        assert {i.split("@", 1)[0] for i in helm_test_images(dra_installed)} == {IMAGE_REPOSITORY}
         assert helm_test(dra_installed) == both
     finally:
         helm(dra_installed, "upgrade", "hyperlight", *values)

@@ -1,7 +1,7 @@
 """`make publish` into a real OCI registry (the CNCF distribution registry, built from its pinned Go
 module, on this machine): the image pushed unchanged (the digest the chart names), the chart
-installable from OCI by --version, the image signed with cosign and its SBOM attached as an
-attestation — and verification failing for an image that is not the signed one."""
+installable from OCI by --version, the images (the agent's, the Hyperlight example's) signed with
+cosign and their SBOMs attached as attestations — and verification failing for an image that is not the signed one."""
 
 from __future__ import annotations
 
@@ -64,12 +64,20 @@ def test_the_registry_serves_the_image_the_chart_names(published: Published, ver
         timeout=120,
         check=True,
     ).stdout
-    image = yaml.safe_load(chart)["image"]
+    values = yaml.safe_load(chart)
+    image = values["image"]
     assert (image["repository"], image["releaseDigest"], image["digest"], image["tag"]) == (
         "ghcr.io/hyperlight-dev/hyperlight-agent",
         m["image"]["digest"],
         "",
         "",
+    )
+    # `helm test`'s pods run the release's Hyperlight example, which the registry serves too.
+    assert values["tests"]["workloadImage"] == f"ghcr.io/hyperlight-dev/hyperlight-example@{m['example']['digest']}"
+    example = f"{published.host}/hyperlight-dev/hyperlight-example"
+    assert (
+        skopeo("inspect", "--tls-verify=false", "--format", "{{.Digest}}", f"docker://{example}:{version}").strip()
+        == m["example"]["digest"]
     )
 
 
@@ -80,7 +88,15 @@ def test_cosign_verifies_the_release_image_by_digest_and_by_tag(published: Publi
     verify(published, f"{published.host}/hyperlight-dev/hyperlight-agent:{CURRENT}")
 
 
-def test_the_sbom_is_attached_as_a_verified_attestation(published: Published) -> None:
+def test_cosign_verifies_the_example_image_by_digest(published: Published) -> None:
+    reference = published.example(CURRENT)
+    claims = json.loads(verify(published, reference).stdout)
+    assert {c["critical"]["image"]["docker-manifest-digest"] for c in claims} == {reference.split("@", 1)[1]}
+
+
+@pytest.mark.parametrize("kind", ["image", "example"])
+def test_the_sbom_is_attached_as_a_verified_attestation(published: Published, kind: str) -> None:
+    reference = published.image(CURRENT) if kind == "image" else published.example(CURRENT)
     done = cosign(
         "verify-attestation",
         "--key",
@@ -89,14 +105,21 @@ def test_the_sbom_is_attached_as_a_verified_attestation(published: Published) ->
         *INSECURE,
         "--type",
         "cyclonedx",
-        published.image(CURRENT),
+        reference,
     )
-    (envelope,) = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-    statement = json.loads(base64.b64decode(envelope["payload"]))
+    statements = [
+        json.loads(base64.b64decode(json.loads(line)["payload"])) for line in done.stdout.splitlines() if line.strip()
+    ]
     release = published.releases[CURRENT]
-    with open(os.path.join(release, manifest(release)["sboms"]["image"])) as f:
-        assert statement["predicate"] == json.load(f)
-    assert statement["subject"][0]["digest"]["sha256"] == published.image(CURRENT).split("sha256:", 1)[1]
+    with open(os.path.join(release, manifest(release)["sboms"][kind])) as f:
+        sbom = json.load(f)
+    # The agent's image differs per release (its version is in it); the example's does not, so
+    # N-1's publish attested the same digest with its own SBOM (the same crates, its version).
+    same = {manifest(r)[kind]["digest"] for r in published.releases.values()}
+    assert len(same) == (2 if kind == "image" else 1)
+    assert len(statements) == (1 if kind == "image" else 2)
+    assert sbom in [s["predicate"] for s in statements]
+    assert {s["subject"][0]["digest"]["sha256"] for s in statements} == {reference.split("sha256:", 1)[1]}
 
 
 def tampered_archive(release: str, directory: str) -> str:

@@ -15,18 +15,35 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
+import urllib.parse
 from typing import Any
 
 import pytest
 import yaml
 from packaging.utils import canonicalize_name
 
+from tests import hyperlight
 from tests.e2e.tools import tool
 from tests.locks import shared_build_tree
-from tests.releases import CURRENT, DEBS, IMAGE_REPOSITORY, RPMS, TARGETS, image_python, manifest
+from tests.releases import (
+    CURRENT,
+    DEBS,
+    EXAMPLE_REPOSITORY,
+    IMAGE_REPOSITORY,
+    RPMS,
+    TARGETS,
+    image_python,
+    manifest,
+)
 from tests.test_docs import ROOT
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 pytestmark = pytest.mark.system
 
@@ -71,24 +88,9 @@ def vendored(release: str, kind: str) -> dict[str, str]:
     m = manifest(release)
     found: dict[str, str] = {}
     if kind == "image":
-        with tarfile.open(os.path.join(release, m["image"]["archive"])) as archive:
-
-            def blob(digest: str) -> bytes:
-                member = archive.extractfile(f"blobs/sha256/{digest.removeprefix('sha256:')}")
-                assert member is not None
-                return member.read()
-
-            (entry,) = json.loads(blob_index(archive))["manifests"]
-            image = json.loads(blob(entry["digest"]))
-            for layer in image["layers"]:
-                with tarfile.open(fileobj=io.BytesIO(gzip.decompress(blob(layer["digest"])))) as tree:
-                    for member in tree.getmembers():
-                        if member.isfile() and member.name.startswith("opt/hyperlight-agent/"):
-                            data = tree.extractfile(member)
-                            assert data is not None
-                            found[member.name.removeprefix("opt/hyperlight-agent/")] = hashlib.sha256(
-                                data.read()
-                            ).hexdigest()
+        _, every = oci_image(os.path.join(release, m["image"]["archive"]))
+        top = "opt/hyperlight-agent/"
+        found = {path.removeprefix(top): digest for path, digest in every.items() if path.startswith(top)}
     else:
         with tempfile.TemporaryDirectory() as scratch:
             package = os.path.join(release, m["packages"][kind])
@@ -106,6 +108,30 @@ def vendored(release: str, kind: str) -> dict[str, str]:
                     with open(path, "rb") as f:
                         found[os.path.relpath(path, lib)] = hashlib.sha256(f.read()).hexdigest()
     return {path: digest for path, digest in found.items() if "__pycache__" not in path and not path.startswith("bin/")}
+
+
+def oci_image(path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """An OCI archive's one image: its configuration, and every regular file of its layers (path →
+    sha256)."""
+    found: dict[str, str] = {}
+    with tarfile.open(path) as archive:
+
+        def blob(digest: str) -> bytes:
+            member = archive.extractfile(f"blobs/sha256/{digest.removeprefix('sha256:')}")
+            assert member is not None
+            return member.read()
+
+        (entry,) = json.loads(blob_index(archive))["manifests"]
+        image = json.loads(blob(entry["digest"]))
+        for layer in image["layers"]:
+            with tarfile.open(fileobj=io.BytesIO(gzip.decompress(blob(layer["digest"])))) as tree:
+                for member in tree.getmembers():
+                    if member.isfile():
+                        data = tree.extractfile(member)
+                        assert data is not None
+                        found[member.name] = hashlib.sha256(data.read()).hexdigest()
+        config: dict[str, Any] = json.loads(blob(image["config"]["digest"]))
+    return config, found
 
 
 def blob_index(archive: tarfile.TarFile) -> bytes:
@@ -135,6 +161,7 @@ def test_make_release_holds_everything_a_release_publishes(release_builder: Any,
     expected = {
         *(t.package(v) for t in TARGETS),
         f"hyperlight-agent-{v}.oci.tar",
+        f"hyperlight-example-{v}.oci.tar",
         f"hyperlight-agent-{v}.tgz",
         "hyperlight-agent.asc",
         "release.json",
@@ -148,8 +175,8 @@ def test_make_release_holds_everything_a_release_publishes(release_builder: Any,
     }
     assert expected <= set(listed), sorted(expected - set(listed))
     assert m["packages"] == {t.tag: t.package(v) for t in TARGETS}
-    assert set(m["sboms"]) == set(KINDS)
-    for kind in KINDS:
+    assert set(m["sboms"]) == {*KINDS, "example"}
+    for kind in m["sboms"]:
         assert m["sboms"][kind] in listed
     assert m["version"] == v and m["image"]["repository"] == IMAGE_REPOSITORY
     assert re.fullmatch(r"sha256:[0-9a-f]{64}", m["image"]["digest"])
@@ -265,6 +292,83 @@ def test_the_charts_default_image_is_the_release_image_by_digest(release_current
     assert images == {f"{IMAGE_REPOSITORY}@{entry['digest']}"}
 
 
+def test_the_example_image_is_the_example_built_from_its_locks_and_what_helm_test_runs(release_current: str) -> None:
+    """The release's image of the Hyperlight example holds the example's two files and nothing
+    else, as this session's build of the same locks made them, runs non-root, and is what the
+    chart's `helm test` pods run, by digest."""
+    m = manifest(release_current)
+    example = m["example"]
+    assert example["repository"] == EXAMPLE_REPOSITORY
+    path = os.path.join(release_current, example["archive"])
+    with tarfile.open(path) as archive:
+        (entry,) = json.loads(blob_index(archive))["manifests"]
+    assert entry["digest"] == example["digest"]
+    config, found = oci_image(path)
+    built = hyperlight.example()
+
+    def sha(path: str) -> str:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    assert found == {"hyperlight-example": sha(built.host), "hyperlight-guest": sha(built.guest)}
+    assert config["config"]["User"] == "65534:65534"
+    assert config["config"]["Entrypoint"] == [hyperlight.HOST_IN_IMAGE]
+    reference = f"{EXAMPLE_REPOSITORY}@{example['digest']}"
+    with tarfile.open(os.path.join(release_current, m["chart"])) as package:
+        member = package.extractfile("hyperlight-agent/values.yaml")
+        assert member is not None
+        assert yaml.safe_load(member)["tests"]["workloadImage"] == reference
+    rendered = subprocess.run(
+        [tool("helm"), "template", "hyperlight", os.path.join(release_current, m["chart"]), "--set", "mode=both"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    tests = [
+        d
+        for d in yaml.safe_load_all(rendered)
+        if d and d["kind"] == "Pod" and d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"
+    ]
+    assert len(tests) == 2, [d["metadata"]["name"] for d in tests]
+    assert {c["image"] for d in tests for c in d["spec"]["containers"]} == {reference}
+
+
+def test_the_example_sbom_lists_exactly_its_cargo_locks(release_current: str) -> None:
+    m = manifest(release_current)
+    assert m["example_locks"] == [
+        "deploy/examples/hyperlight/host/Cargo.lock",
+        "deploy/examples/hyperlight/guest/Cargo.lock",
+    ]
+    expected: dict[tuple[str, str], set[str]] = {}
+    for path in m["example_locks"]:
+        with open(os.path.join(ROOT, path), "rb") as f:
+            for package in tomllib.load(f)["package"]:
+                if "source" in package:
+                    expected[(package["name"], package["version"])] = {package["checksum"]}
+    with open(os.path.join(release_current, m["sboms"]["example"])) as f:
+        bom = json.load(f)
+    assert bom["bomFormat"] == "CycloneDX" and "serialNumber" not in bom
+    assert (bom["metadata"]["component"]["name"], bom["metadata"]["component"]["version"]) == (
+        "hyperlight-example",
+        CURRENT,
+    )
+    listed = {
+        (c["name"], c["version"]): {h["content"] for r in c.get("externalReferences", []) for h in r.get("hashes", [])}
+        for c in bom["components"]
+    }
+    assert listed == expected
+    assert ("hyperlight-host", "0.18.0") in listed
+    # Package URLs percent-encode a version's "+" (toml_edit 0.25.20+spec-1.1.0).
+    assert all(
+        c["purl"].split("@", 1) == [f"pkg:cargo/{c['name']}", urllib.parse.quote(c["version"], safe=".-_~")]
+        for c in bom["components"]
+    )
+    # The graph starts at the example's own crates: what they depend on directly.
+    (root,) = [d for d in bom["dependencies"] if d["ref"] == bom["metadata"]["component"]["bom-ref"]]
+    assert "pkg:cargo/hyperlight-host@0.18.0" in root["dependsOn"]
+
+
 def test_no_placeholder_digest_anywhere_in_a_release(release_current: str) -> None:
     found = []
     for path in files(release_current):
@@ -335,8 +439,16 @@ def test_a_second_release_of_the_same_commit_has_the_same_dependency_set(
             open(os.path.join(again, manifest(again)["sboms"][kind])) as g,
         ):
             assert json.load(f) == json.load(g), kind
+    # The example's image and SBOM: the same bytes.
+    assert manifest(again)["example"]["digest"] == manifest(release_current)["example"]["digest"]
+    with (
+        open(os.path.join(release_current, manifest(release_current)["sboms"]["example"])) as f,
+        open(os.path.join(again, manifest(again)["sboms"]["example"])) as g,
+    ):
+        assert f.read() == g.read()
     print(
-        f"\ntwo builds of {CURRENT}: {compared} dependency files in {len(KINDS)} artefacts, byte-identical; SBOMs equal"
+        f"\ntwo builds of {CURRENT}: {compared} dependency files in {len(KINDS)} artefacts, byte-identical; SBOMs "
+        "equal; the example's image the same digest"
     )
     for release in (release_current, again):
         assert not glob.glob(os.path.join(release, "**", "*.partial"), recursive=True)

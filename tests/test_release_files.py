@@ -157,10 +157,14 @@ def test_readme_gives_operators_the_public_channels_at_this_version() -> None:
     assert f"curl -fsSL {PUBLIC_SITE}/hyperlight-agent.asc" in apt
     yum = readme_commands("yum")
     assert "gpgcheck=1\n" in yum and "repo_gpgcheck=1\n" in yum and f"{PUBLIC_SITE}/yum/el9/$basearch" in yum
-    # The image and the chart are verified alike (tests/test_registry.py verifies both by tag).
+    # The images and the chart are verified alike (tests/test_registry.py verifies them).
     verify = readme_commands("verify")
     registry = PUBLIC_CHARTS.removeprefix("oci://").rsplit("/", 1)[0]
-    for artefact in (f"{registry}/hyperlight-agent", f"{registry}/charts/hyperlight-agent"):
+    for artefact in (
+        f"{registry}/hyperlight-agent",
+        f"{registry}/charts/hyperlight-agent",
+        f"{registry}/hyperlight-example",
+    ):
         command = verify.split(f"cosign verify {artefact}:{__version__} ", 1)[1].split("\ncosign", 1)[0]
         assert "--certificate-identity-regexp '^https://github\\.com/hyperlight-dev/" in command, artefact
 

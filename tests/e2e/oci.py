@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import tarfile
-from typing import Optional
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 BUSYBOX = "/bin/busybox"  # Debian's busybox-static
@@ -43,7 +42,6 @@ def write_image(
     files: dict[str, str],
     links: dict[str, str],
     entrypoint: list[str],
-    user: Optional[str] = None,
 ) -> str:
     """An image whose one layer holds `files` (path in image → host file, mode kept) and
     `links` (path → symlink target)."""
@@ -65,7 +63,7 @@ def write_image(
         "architecture": "amd64",
         "os": "linux",
         "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-        "config": {"Entrypoint": entrypoint, "Env": ["PATH=/bin"], **({"User": user} if user else {})},
+        "config": {"Entrypoint": entrypoint, "Env": ["PATH=/bin"]},
     }
     with tarfile.open(archive, "w") as layout:
         layer_desc = _blob(layout, compressed)
@@ -111,9 +109,3 @@ def workload_image(directory: str, name: str, extra: dict[str, str]) -> str:
         links,
         ["/bin/sh"],
     )
-
-
-def hyperlight_image(directory: str, name: str, files: dict[str, str], entrypoint: str) -> str:
-    """The Hyperlight example alone, as its Containerfile makes it: `files` and nothing else, its
-    host program the entrypoint, non-root."""
-    return write_image(os.path.join(directory, "hyperlight.tar"), name, files, {}, [entrypoint], user="65534:65534")
