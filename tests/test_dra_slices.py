@@ -710,7 +710,7 @@ async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_a_heartbeat(
     ) as (_, publisher, proxy):
         await until(lambda: publisher.published and fake.of("watch"), what="published")
         await fake.advance()  # the cluster moves on: the server's bookmarks start
-        await until(lambda: publisher._listed_version == str(fake.version), what="a bookmark")
+        await until(lambda: publisher._informer.listed_version == str(fake.version), what="a bookmark")
         await deleted_behind_a_frozen_watch(fake, publisher, proxy, events)
 
 

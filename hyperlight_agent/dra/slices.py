@@ -25,9 +25,9 @@ to offer" where a missing one says nothing; and every change stays one update of
 the generation never going back.
 
 How the server's state is known: list once, then watch from the list's resourceVersion, keeping
-the node's slices of our driver as the events say (an informer, as client-go's). A watch asks the
-server to end it after WATCH_TIMEOUT_S and is opened again from the last version it saw, without
-a list; 410 Gone (too old a version) and a conflict on write mean "list again". A dead connection
+the node's slices of our driver as the events say (dra/slice_informer.py, as client-go's informer).
+A watch asks the server to end it after WATCH_TIMEOUT_S and is opened again from the last version
+it saw, without a list; 410 Gone (too old a version) and a conflict on write mean "list again". A dead connection
 is found out by the client (client.py) by the server's minutely bookmarks (their silence, or the
 first one's absence) and TCP keepalive, within two minutes, long before a watch's end. Anything
 that fails, or a watch that ends early, waits the jittered backoff; it starts over only after a
@@ -53,23 +53,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from typing import Awaitable, Callable, Optional
 
 from hyperlight_agent import backoff, contracts
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.dra.client import SLICES, ApiError, KubeApi
+from hyperlight_agent.dra.slice_informer import SliceInformer
+from hyperlight_agent.dra.slice_report import SliceReport
 from hyperlight_agent.dra.slice_spec import (
     SHARED_FIELD,
     DeviceInfo,
     Learned,
     choose,
     desired_spec,
-    is_newer,
     learn,
     object_name,
-    object_version,
     owned,
     pool_generation,
     right,
@@ -92,10 +91,6 @@ BACKOFF_CAP_S = 30.0
 # first, 75 s after the server answered (client.py); a peer gone from the network by TCP keepalive
 # too (ARCHITECTURE.md, "DRA: an informer, and one backoff").
 WATCH_TIMEOUT_S = (300.0, 600.0)
-# A watch the server ended sooner than this fraction of what we asked for ended early: a failure.
-EARLY_END = 0.5
-# "Edited by someone else" and the like: said once per this long, with a count of the repeats.
-NOTICE_INTERVAL_S = 600.0
 
 
 class _Relist(Exception):
@@ -140,7 +135,6 @@ class SlicePublisher:
         self.identical_devices = identical_devices
         self._clock = clock
         self._backoff = Backoff(backoff_initial_s, backoff_cap_s, rand=backoff.JITTER, immediate_first=True)
-        self._watch_timeout_s = watch_timeout_s
         self._newer = newer
         # Our driver's earlier names: this node's slices under them are deleted once, before our
         # first write (nothing allocates from them any more; the kubelet would keep them 30 s).
@@ -159,20 +153,16 @@ class SlicePublisher:
         # whose slice stands, still serves them.
         self._known = False
         self._dirty = asyncio.Event()
-        self._cache: dict[str, Json] = {}  # our node's slices of our driver, as the server has them
-        self._listed_version: Optional[str] = None  # where the next watch starts (None: list first)
+        self._informer = SliceInformer(api, node_name, driver, watch_timeout_s, self._dirty)
         self._written: Optional[Json] = None  # what we last wrote (desired), once we have
         self._accepted: Optional[tuple[Json, Json]] = None  # (desired, what the server made of it)
         self._generation = 0  # the highest pool.generation seen for our pool
-        self._logged: set[str] = set()  # problems said once in this streak of failures
-        self._said_recovered = False  # "published again" said in this streak
-        self._notices: dict[str, tuple[float, int]] = {}  # notice → (when last said, repeats since)
+        self._report = SliceReport(clock, self._changed)
         self.slice_name = ""
         self.published = False
         self.kept_by = ""  # a newer instance of our driver that keeps the slice now
-        self.last_error = ""
         self.first_published_at: Optional[float] = None
-        self.requests = 0  # requests sent to the API server (benchmarks read this)
+        self._requests = 0  # requests sent but the informer's (writes, dry runs, deletes, the sweep's lists)
         self.looks = 0  # comparisons of the server's slices with the desired one done (tests read this)
 
     def set_device(self, device: Optional[DeviceInfo], taint: Optional[Taint] = None) -> None:
@@ -209,6 +199,16 @@ class SlicePublisher:
         )
 
     @property
+    def last_error(self) -> str:
+        """The last failure's line, "" once a read or write succeeded again."""
+        return self._report.last_error
+
+    @property
+    def requests(self) -> int:
+        """Requests sent to the API server (benchmarks read this)."""
+        return self._informer.requests + self._requests
+
+    @property
     def published_devices(self) -> int:
         """The devices the slice offers: 1 while it is one shared device, else identical_devices
         (fewer while tainted, none without a device)."""
@@ -218,12 +218,15 @@ class SlicePublisher:
         """Publish, then keep the slice right until cancelled. Never raises but CancelledError."""
         while True:
             try:
-                await self._session()
+                await self._informer.session(self._reconcile)
+                # A whole watch without trouble: the streak is over, and the next one starts afresh.
+                self._backoff.reset()
+                self._report.streak_over()
                 self._event("watch", "ended")
                 continue  # the watch ran to its end: open the next one at once
             except _Relist as exc:
                 self._event("watch", "relist")
-                self._listed_version = None
+                self._informer.forget()
                 log.debug("ResourceSlice: %s; listing again", exc)
                 line, problem = f"ResourceSlice for node {self.node_name}: {exc}", "relist"
             except ApiError as exc:
@@ -232,71 +235,12 @@ class SlicePublisher:
                 if exc.code == 410 or exc.problem == "unreadable":
                     # Too old to watch from, or a server whose events we cannot read (re-watching
                     # from the same version would replay the same event): a fresh list.
-                    self._listed_version = None
+                    self._informer.forget()
                 line, problem = str(exc), exc.problem
             delay = self._backoff.next()
             if delay > 0:  # an immediate retry is no problem yet; a streak is
-                self._problem(problem, line)
+                self._report.problem(problem, line)
             await asyncio.sleep(delay)
-
-    async def _session(self) -> None:
-        """List if needed, then one watch; reconcile whenever something changed. Returns when the
-        watch ran to its end; raises ApiError or _Relist otherwise."""
-        if self._listed_version is None:
-            self.requests += 1
-            items, self._listed_version = await self._api.list_slices(self.node_name, self.driver)
-            self._cache = {object_name(o): o for o in items}
-        self._dirty.set()  # a session starts by comparing: the last one may have ended mid-write
-        timeout = random.uniform(*self._watch_timeout_s)  # noqa: S311 - a spread, not a secret
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        watch = asyncio.ensure_future(self._watch(self._listed_version, timeout))
-        try:
-            while not watch.done():
-                dirty = asyncio.ensure_future(self._dirty.wait())
-                try:
-                    await asyncio.wait([watch, dirty], return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    dirty.cancel()
-                if self._dirty.is_set():
-                    self._dirty.clear()
-                    await self._reconcile()
-        finally:
-            watch.cancel()
-            await asyncio.wait([watch])
-            # Retrieved even when a failed write ends the session first (else asyncio logs it).
-            ended = None if watch.cancelled() else watch.exception()
-        if ended is not None:
-            raise ended
-        lasted = loop.time() - started
-        if lasted < EARLY_END * timeout:
-            raise ApiError(
-                "watch",
-                SLICES,
-                0,
-                "early",
-                f"the API server ended the watch after {lasted:.1f} s (asked for {timeout:.0f} s)",
-            )
-        # A whole watch without trouble: the streak is over, and the next one starts afresh.
-        self._backoff.reset()
-        self._logged.clear()
-        self._said_recovered = False
-
-    async def _watch(self, version: str, timeout: float) -> None:
-        """Follow the server's changes to our slices from `version` until the watch ends."""
-        self.requests += 1
-        async for kind, obj in self._api.watch_slices(self.node_name, self.driver, version, timeout):
-            self._listed_version = object_version(obj)
-            if kind == "BOOKMARK":
-                continue
-            name, known = object_name(obj), self._cache.get(object_name(obj))
-            if not is_newer(obj, known):
-                continue
-            if kind == "DELETED":
-                self._cache.pop(name, None)
-            else:
-                self._cache[name] = obj
-            self._dirty.set()
 
     async def _reconcile(self) -> None:
         try:
@@ -308,8 +252,9 @@ class SlicePublisher:
         if not self._known:
             return  # set_device wakes us
         desired = self.desired()
-        keep, extras = choose(self._cache.values(), desired, self._accepted)
-        self._generation = max([self._generation, *(pool_generation(o) for o in self._cache.values())])
+        cache = self._informer.cache
+        keep, extras = choose(cache.values(), desired, self._accepted)
+        self._generation = max([self._generation, *(pool_generation(o) for o in cache.values())])
         if keep is not None and not extras and right(keep, desired, self._accepted):
             self._settled(keep, desired)
             return
@@ -334,13 +279,12 @@ class SlicePublisher:
             return
         result = await self._write(desired, keep, extras)
         self._written = desired
-        if is_newer(result, self._cache.get(object_name(result))):
-            self._cache[object_name(result)] = result
+        self._informer.put(result)
         if self._dropped(desired, result):
             return
         if owned(result.get("spec")) != desired:
             self._accepted = (desired, owned(result.get("spec")))
-            self._notice(
+            self._report.notice(
                 "mutated",
                 f"ResourceSlice {object_name(result)}: the API server changed what we wrote "
                 "(a mutating webhook or policy?); keeping its version rather than writing it again",
@@ -376,7 +320,7 @@ class SlicePublisher:
         what the server would store; nothing deleted, nothing stored, nothing said)."""
         try:
             for extra in extras:
-                self._notice(
+                self._report.notice(
                     f"duplicate {object_name(extra)}",
                     f"ResourceSlice {object_name(extra)} duplicates "
                     f"{object_name(keep or {})} for node {self.node_name}; deleting it",
@@ -384,19 +328,19 @@ class SlicePublisher:
                 await self._delete(object_name(extra))
             if keep is None:
                 if self._written is not None and not dry_run:
-                    self._notice(
+                    self._report.notice(
                         "deleted",
                         f"ResourceSlice {self.slice_name} was deleted (a kubelet start wipes them); creating it again",
                     )
-                self.requests += 1
+                self._requests += 1
                 if not dry_run:  # (the metric counts writes; `requests` what the server is asked)
                     self._event("write", "create")
                 return await self._api.create_slice(
                     slice_object(desired, {"generateName": self._prefix()}, self._generation + 1), dry_run=dry_run
                 )
             if self._written == desired and object_name(keep) == self.slice_name and not dry_run:
-                self._notice("edited", f"ResourceSlice {object_name(keep)} edited by someone else; restoring")
-            self.requests += 1
+                self._report.notice("edited", f"ResourceSlice {object_name(keep)} edited by someone else; restoring")
+            self._requests += 1
             if not dry_run:
                 self._event("write", "update")
             metadata = keep.get("metadata") or {}
@@ -416,7 +360,7 @@ class SlicePublisher:
         if self.published and self.first_published_at is None:
             self.first_published_at = self._clock()
             log.info("ResourceSlice %s published: %d devices", self.slice_name, len(desired["devices"]))
-        self._succeeded()
+        self._report.succeeded(self.slice_name)
 
     def _yield_to(self, newer: str, current: Optional[Json]) -> None:
         if self.kept_by != newer:
@@ -425,40 +369,12 @@ class SlicePublisher:
         self._written = None  # what the newer one writes is no edit to complain of when we take over
         self.published = current is not None
         self.slice_name = object_name(current or {})
-        self._succeeded()
-
-    def _problem(self, problem: str, line: str) -> None:
-        """Say each distinct problem once per streak of failures, not once per retry."""
-        self.last_error = line
-        self._changed()
-        if problem not in self._logged:
-            self._logged.add(problem)
-            self._said_recovered = False
-            log.warning("%s; retrying with backoff", line)
-
-    def _notice(self, key: str, line: str) -> None:
-        """Something others did that we answer (an edit, a deletion): said at most once per
-        NOTICE_INTERVAL_S, then with how often it happened meanwhile."""
-        now = self._clock()
-        said, repeats = self._notices.get(key, (None, 0))
-        if said is not None and now - said < NOTICE_INTERVAL_S:
-            self._notices[key] = (said, repeats + 1)
-            log.debug("%s", line)
-            return
-        self._notices[key] = (now, 0)
-        log.warning("%s%s", line, f" ({repeats} more times since it was last said)" if repeats else "")
-
-    def _succeeded(self) -> None:
-        if self._logged and not self._said_recovered:
-            self._said_recovered = True
-            log.info("ResourceSlice %s published again", self.slice_name)
-        self.last_error = ""
-        self._changed()
+        self._report.succeeded(self.slice_name)
 
     async def _sweep(self) -> None:
         """Delete this node's slices published under our driver's earlier names."""
         for driver in self._drivers_before:
-            self.requests += 1
+            self._requests += 1
             old, _ = await self._api.list_slices(self.node_name, driver)
             for obj in old:
                 log.info(
@@ -471,14 +387,14 @@ class SlicePublisher:
         self._swept = True
 
     async def _delete(self, name: str) -> None:
-        self.requests += 1
+        self._requests += 1
         self._event("write", "delete")
         try:
             await self._api.delete_slice(name)
         except ApiError as exc:
             if exc.code != 404:  # already gone is what we wanted
                 raise
-        self._cache.pop(name, None)
+        self._informer.drop(name)
 
     def _prefix(self) -> str:
         """generateName: the server appends five random characters ("node1-hypervisor.hyperlight.dev-x7k2p")."""
