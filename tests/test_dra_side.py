@@ -21,7 +21,7 @@ from hyperlight_agent.device.helper import ProbeResult
 from hyperlight_agent.dra import client as dra_client
 from hyperlight_agent.dra import registration as dra_registration
 from hyperlight_agent.dra import side as dra_side_module
-from hyperlight_agent.dra.side import DraSide, DraTarget, candidates
+from hyperlight_agent.dra.side import DraSide, DraTarget
 from hyperlight_agent.files import cdi
 from hyperlight_agent.host import healthcheck
 from hyperlight_agent.identity import Identity
@@ -652,7 +652,7 @@ async def test_a_foreign_dra_driver_is_no_successor(tmp: str) -> None:
         tmp, "gpu.other-vendor.example", "dra-3d4e5f", Identity.of("x", "dra", "gpu.other-vendor.example")
     )
     try:
-        assert len(candidates(driver._registry_dir, DRIVER, driver.registrar.registration_socket)) == 2
+        assert len(driver.instances.candidates()) == 2
         assert await driver.hand_over(0.5) is None
         ours = await registered_driver(tmp, DRIVER, f"{DRIVER}-new", Identity.of("new", "dra", DRIVER))
         servers += ours

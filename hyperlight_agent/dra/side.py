@@ -25,21 +25,17 @@ import os
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
-import grpc
-
 from hyperlight_agent import contracts, peers, transport, waits
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device.observation import Observation
-from hyperlight_agent.dra import api, names, registration
-from hyperlight_agent.dra import pluginregistration_pb2 as reg
+from hyperlight_agent.dra import names, registration
 from hyperlight_agent.dra.health import Health
+from hyperlight_agent.dra.instances import Instances
 from hyperlight_agent.dra.outcomes import DraOutcomes
 from hyperlight_agent.dra.prepared import Prepared
 from hyperlight_agent.dra.service import Service
 from hyperlight_agent.dra.slice_keeper import SliceKeeper, SliceTarget
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
-from hyperlight_agent.files import sockets
-from hyperlight_agent.host import healthcheck
 from hyperlight_agent.identity import Description
 from hyperlight_agent.kubelet_side import Wiring, count
 
@@ -158,12 +154,12 @@ class DraSide:
             Prepared(os.path.join(target.plugins_dir, target.driver)),
             on_call=self._prepared,
         )
-        self._registry_dir = target.registry_dir
         watcher = wiring.watcher
         sockets = (
             names.registration_socket(target.registry_dir, target.driver, target.instance),
             names.service_socket(target.plugins_dir, target.driver, target.instance),
         )
+        self.instances = Instances(wiring.identity, target.registry_dir, target.driver, sockets[0])
         self.registrar = registration.DriverServers(
             self.service,
             target.driver,
@@ -262,16 +258,7 @@ class DraSide:
         proves it sooner. Returns the successor's socket."""
         if not self.registrar.serving:
             return None
-        successor = await peers.successor(
-            self.identity,
-            self._candidates,
-            timeout,
-            resolve=self._service_socket,
-            legacy_ready=healthcheck.peer_ready,
-            pid=pid,
-            require_ready=require_ready,
-            seen=seen,
-        )
+        successor = await self.instances.successor(timeout, pid=pid, require_ready=require_ready, seen=seen)
         if successor:
             calls = self.service.calls
             why = await transport.until_quiet(lambda: calls.in_flight, lambda: calls.received)
@@ -300,16 +287,12 @@ class DraSide:
     async def newer_instance(self) -> Optional[str]:
         """The name of a live instance of our driver on this node that started after us, if any:
         it keeps the CDI spec (peers.py)."""
-        found = await peers.newer(self.identity, self._candidates(), resolve=self._service_socket)
-        return found.identity.name if found else None
+        return await self.instances.newer()
 
     async def slice_keeper(self) -> Optional[str]:
         """The name of a live instance of our driver on this node that keeps the ResourceSlice
-        instead of us, if any: the newest serving one. A successor that is not serving (its device
-        check fails, it is not registered) never takes the slice from a serving predecessor, whose
-        slice would otherwise lose its devices (peers.outranking)."""
-        found = await peers.outranking(self.identity, self._serving(), self._candidates(), resolve=self._service_socket)
-        return found.identity.name if found else None
+        instead of us, if any (dra/instances.py; serving: registered, the device healthy)."""
+        return await self.instances.keeping_slice(self._serving())
 
     def sockets_changed(self) -> None:
         """A socket came or went in the registry or our plugin directory: ours may need serving
@@ -331,13 +314,7 @@ class DraSide:
     async def _hold_reason(self, observation: Observation) -> str:
         if observation.healthy:
             return ""
-        ready = await peers.successor(
-            self.identity,
-            self._candidates,
-            peers.PEER_TIMEOUT_S,
-            resolve=self._service_socket,
-            legacy_ready=healthcheck.peer_ready,
-        )
+        ready = await self.instances.successor(peers.PEER_TIMEOUT_S)
         return f"not registering while the device is unhealthy: {ready} serves the kubelet" if ready else ""
 
     def _held(self, reason: str) -> None:
@@ -353,20 +330,6 @@ class DraSide:
             self._registered.clear()
         self._on_change()
         self.slices.wake()
-
-    def _candidates(self) -> list[str]:
-        return candidates(self._registry_dir, self.registrar.driver, self.registrar.registration_socket)
-
-    async def _service_socket(self, registration_socket: str, timeout: float) -> Optional[str]:
-        """The DRA service socket an instance of our driver names in GetInfo (None: not one)."""
-        async with grpc.aio.insecure_channel(transport.unix_target(registration_socket)) as channel:
-            try:
-                info = await api.registration_stub(channel).GetInfo(reg.InfoRequest(), timeout=timeout)
-            except grpc.aio.AioRpcError:
-                return None
-        if info.type != contracts.DRA_PLUGIN_TYPE or info.name != self.registrar.driver or not info.endpoint:
-            return None
-        return str(info.endpoint)
 
     async def close(self) -> None:
         self.health.close()
@@ -453,20 +416,6 @@ class DraSide:
                     HEALTH_STREAM_WAIT_S,
                 )
                 return
-
-
-def candidates(registry_dir: str, driver: str, own: str) -> list[str]:
-    """Registration sockets in the registry that may be another instance of our driver: the
-    names registration.registration_socket gives (<driver>-*-reg.sock, or the hashed dra-*), never
-    ours. Whether one is an instance of ours is for GetInfo and peers.py to find out."""
-    return sockets.listing(
-        registry_dir,
-        lambda name: (
-            os.path.join(registry_dir, name) != own
-            and name.endswith("-reg.sock")
-            and name.startswith((f"{driver}-", "dra-"))
-        ),
-    )
 
 
 class _Retry(Exception):
