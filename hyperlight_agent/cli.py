@@ -165,7 +165,7 @@ class _Said(Exception):
 
 
 def _say_fatal(exc: BaseException, settings: config.Settings) -> None:
-    from hyperlight_agent.deviceplugin.registration import (
+    from hyperlight_agent.deviceplugin.plugin_server import (
         AlreadyServed,  # grpc is imported only for the long-running modes
     )
 

@@ -13,6 +13,7 @@ device node and no probe helper process where the kernel is not the point.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from typing import Any, Callable, NoReturn, Optional, Union
 
@@ -201,7 +202,7 @@ def registrar(kubelet_dir: str, on_stream_seen: Optional[Callable[[int], None]] 
     from hyperlight_agent import contracts
     from hyperlight_agent.device.observation import SharedObservation
     from hyperlight_agent.deviceplugin import api
-    from hyperlight_agent.deviceplugin.registration import Registrar
+    from hyperlight_agent.deviceplugin.registration import Registrar, Timing
     from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
 
     state = SharedObservation()
@@ -222,7 +223,10 @@ def registrar(kubelet_dir: str, on_stream_seen: Optional[Callable[[int], None]] 
         server.add_generic_rpc_handlers([api.device_plugin_handler(endpoint)])
         return endpoint.close
 
-    return Registrar(kubelet_dir, contracts.PLUGIN_SOCKET, contracts.RESOURCE_HYPERVISOR, configure, **kw)
+    timing = {k: kw.pop(k) for k in [f.name for f in dataclasses.fields(Timing)] if k in kw}
+    return Registrar(
+        kubelet_dir, contracts.PLUGIN_SOCKET, contracts.RESOURCE_HYPERVISOR, configure, timing=Timing(**timing), **kw
+    )
 
 
 async def shut(agent: Any) -> None:

@@ -23,8 +23,9 @@ from hyperlight_agent.config import Settings
 from hyperlight_agent.device.checker import Checker
 from hyperlight_agent.device.helper import ProbeResult
 from hyperlight_agent.device.observation import Observation
-from hyperlight_agent.deviceplugin import registration
-from hyperlight_agent.deviceplugin.registration import AlreadyServed, Registrar
+from hyperlight_agent.deviceplugin.plugin_server import AlreadyServed
+from hyperlight_agent.deviceplugin.registration import Registrar
+from hyperlight_agent.deviceplugin.registration_state import State
 from hyperlight_agent.deviceplugin.side import DevicePluginSnapshot
 from hyperlight_agent.files import cdi, labels
 from standin.kubelet import KubeletStandin
@@ -95,7 +96,6 @@ async def test_status_and_readiness_through_a_lifecycle(tmp: str, kvm_dir: str) 
 
 
 Snap = DevicePluginSnapshot
-State = registration.State
 
 
 def test_status_lines_are_pure_functions_of_state() -> None:

@@ -19,7 +19,9 @@ from hyperlight_agent import contracts, transport, waits
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.deviceplugin import api, registration
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
-from hyperlight_agent.deviceplugin.registration import AlreadyServed, Registrar
+from hyperlight_agent.deviceplugin.plugin_server import AlreadyServed
+from hyperlight_agent.deviceplugin.registration import Registrar
+from hyperlight_agent.deviceplugin.registration_state import State
 from hyperlight_agent.files import atomic, sockets
 from hyperlight_agent.files.watcher import DirectoryWatcher
 from standin.kubelet import KubeletStandin
@@ -60,7 +62,7 @@ def test_stop_ends_the_stream_while_the_socket_is_still_there(tmp: str) -> None:
         socket_path = os.path.join(kdir, contracts.PLUGIN_SOCKET)
         registrar = make(kdir, lambda delta: seen.append((delta, os.path.exists(socket_path))))
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.State.STREAMED)
+        await until(lambda: registrar.state == State.STREAMED)
         await shut_down(task, registrar)
         assert not os.path.exists(socket_path)
 
@@ -72,10 +74,10 @@ def test_streams_of_a_replaced_server_change_nothing(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, kdir: str) -> None:
         registrar = make(kdir)
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.State.STREAMED)
-        old_generation = registrar._generation - 1  # a server we no longer run
-        registrar._on_stream(old_generation, -1, object())
-        assert (registrar.state, registrar.current_streams) == (registration.State.STREAMED, 1)
+        await until(lambda: registrar.state == State.STREAMED)
+        old_generation = registrar._server._generation - 1  # a server we no longer run
+        registrar._server._on_stream(old_generation, -1, object())
+        assert (registrar.state, registrar.current_streams) == (State.STREAMED, 1)
         await shut_down(task, registrar)
 
     run(tmp, body)
@@ -87,7 +89,7 @@ def test_a_kubelet_that_keeps_dropping_streams_backs_us_off(tmp: str) -> None:
         registrar = make(kdir, loss_backoff=losses)
         task = asyncio.ensure_future(registrar.run())
         for n in range(1, 4):
-            await until(lambda: registrar.state == registration.State.STREAMED)
+            await until(lambda: registrar.state == State.STREAMED)
             await kubelet.drop_stream(R)
             await until(lambda n=n: registrar.streams_lost == n)  # type: ignore[misc]
         assert losses.attempt == 3, "each loss waits longer than the last"
@@ -121,7 +123,7 @@ def test_another_clients_stream_never_hides_the_loss_of_the_kubelets(tmp: str) -
     async def body(kubelet: KubeletStandin, kdir: str) -> None:
         registrar = make(kdir, loss_backoff=Backoff(initial=0.01, rand=lambda: 1.0))
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.State.STREAMED)
+        await until(lambda: registrar.state == State.STREAMED)
         target = transport.unix_target(os.path.join(kdir, contracts.PLUGIN_SOCKET))
         async with grpc.aio.insecure_channel(target) as channel:
             observer = api.device_plugin_stub(channel).ListAndWatch(pb.Empty())
@@ -133,7 +135,7 @@ def test_another_clients_stream_never_hides_the_loss_of_the_kubelets(tmp: str) -
                 what="registered again although another client's stream is open",
             )
         assert registrar.streams_lost == 1 and registrar.kubelet_restarts == 0
-        assert registrar.state == registration.State.STREAMED
+        assert registrar.state == State.STREAMED
         await shut_down(task, registrar)
 
     run(tmp, body)
@@ -162,13 +164,13 @@ def test_a_metadata_change_is_no_kubelet_restart(tmp: str, which: str, change: s
     async def body(kubelet: KubeletStandin, kdir: str) -> None:
         registrar = make(kdir, loss_backoff=Backoff(initial=0.01, rand=lambda: 1.0))
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.State.STREAMED)
+        await until(lambda: registrar.state == State.STREAMED)
         touch_metadata(os.path.join(kdir, which), change)
         registrar.wake()  # as the watcher does on the ATTRIB event
         # Then something the registrar must act on: had the change looked like a restart, it
         # would have been acted on first.
         await kubelet.drop_stream(R)
-        await until(lambda: registrar.streams_lost == 1 and registrar.state == registration.State.STREAMED)
+        await until(lambda: registrar.streams_lost == 1 and registrar.state == State.STREAMED)
         assert registrar.kubelet_restarts == 0
         assert len(kubelet.register_calls) == 2
         await shut_down(task, registrar)
@@ -180,7 +182,7 @@ def test_our_socket_replaced_by_a_live_one_is_no_kubelet_restart(tmp: str, caplo
     async def body(kubelet: KubeletStandin, kdir: str) -> None:
         registrar = make(kdir)
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.State.STREAMED)
+        await until(lambda: registrar.state == State.STREAMED)
         path = os.path.join(kdir, contracts.PLUGIN_SOCKET)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as other:
             other.bind(path + ".other")
@@ -217,7 +219,7 @@ def test_a_stale_socket_that_vanishes_before_the_exchange_is_a_changed_path(
         monkeypatch.setattr(sockets, "is_live", probe_then_vanish)
         registrar = make(kdir)
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.State.STREAMED or task.done(), what="streamed")
+        await until(lambda: registrar.state == State.STREAMED or task.done(), what="streamed")
         assert not task.done(), task.exception()
         await shut_down(task, registrar)
 
@@ -242,7 +244,7 @@ def test_our_private_socket_removed_before_its_rename_is_served_anew(
         monkeypatch.setattr(atomic, "rename_noreplace", remove_first)
         registrar = make(kdir, backoff=Backoff(initial=0.01, rand=lambda: 1.0))
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.State.STREAMED or task.done(), what="streamed")
+        await until(lambda: registrar.state == State.STREAMED or task.done(), what="streamed")
         assert not task.done(), task.exception()
         await shut_down(task, registrar)
 
@@ -285,7 +287,7 @@ def test_only_our_abandoned_private_sockets_are_swept(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, kdir: str) -> None:
         registrar = make(kdir)
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.State.STREAMED)
+        await until(lambda: registrar.state == State.STREAMED)
         await shut_down(task, registrar)
 
     try:
@@ -356,9 +358,9 @@ def test_a_watched_kubelet_dir_wakes_us_with_no_timer(tmp: str, monkeypatch: pyt
         w.watch(kdir, lambda name: registrar.wake(), {contracts.KUBELET_SOCKET, contracts.PLUGIN_SOCKET})
         watching = asyncio.ensure_future(w.run())
         task = asyncio.ensure_future(registrar.run())
-        await until(lambda: registrar.state == registration.State.STREAMED and timeouts[-1] is None)
+        await until(lambda: registrar.state == State.STREAMED and timeouts[-1] is None)
         os.unlink(os.path.join(kdir, contracts.PLUGIN_SOCKET))  # as a starting kubelet does
-        await until(lambda: len(kubelet.register_calls) == 2 and registrar.state == registration.State.STREAMED)
+        await until(lambda: len(kubelet.register_calls) == 2 and registrar.state == State.STREAMED)
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
         registrar.wake()
@@ -401,13 +403,13 @@ def with_registrar(
 
 def streamed(kubelet: KubeletStandin, reg: Registrar) -> bool:
     plugin = kubelet.plugins.get(R)
-    return reg.state == registration.State.STREAMED and plugin is not None and plugin.stream_open
+    return reg.state == State.STREAMED and plugin is not None and plugin.stream_open
 
 
 def test_no_kubelet_yet_waits_then_registers_as_soon_as_one_appears(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
         await until(lambda: reg.last_error, what="a failed attempt")
-        assert reg.state == registration.State.WAITING and not reg.registered
+        assert reg.state == State.WAITING and not reg.registered
         assert reg.last_error == f"no kubelet socket at {kubelet.socket_path}"
         await kubelet.start()
         reg.wake()  # as the kubelet directory's watcher does (agent.py)
@@ -432,7 +434,7 @@ def test_a_regular_file_at_kubelet_sock_is_said_for_what_it_is(tmp: str) -> None
 def test_a_kubelet_that_rejects_us_is_retried_with_backoff(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
         await until(lambda: len(kubelet.register_calls) >= 3, what="retries")
-        assert reg.state == registration.State.WAITING
+        assert reg.state == State.WAITING
         assert reg.last_error == f"Register with {kubelet.socket_path}: INTERNAL: stand-in rejects registrations"
         kubelet.mode = "normal"
         await until(lambda: streamed(kubelet, reg), what="registered once accepted")
@@ -452,7 +454,7 @@ def test_nothing_is_served_while_backing_off(tmp: str) -> None:
         await until(
             lambda: (
                 kubelet.register_calls
-                and reg.state == registration.State.WAITING
+                and reg.state == State.WAITING
                 and reg.last_error
                 and not os.path.exists(reg.socket_path)
             ),
@@ -479,7 +481,7 @@ def test_no_stream_after_register_is_a_lost_registration(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
         kubelet.open_streams = False
         await kubelet.start()
-        await until(lambda: reg.state == registration.State.LOST, what="lost")
+        await until(lambda: reg.state == State.LOST, what="lost")
         assert reg.last_error == "no ListAndWatch stream within 0.2 s of registering"
         kubelet.open_streams = True
         await until(lambda: streamed(kubelet, reg), what="streamed after registering again")
@@ -551,7 +553,7 @@ def test_a_kubelet_restart_seen_before_its_stream_end_registers_at_once(
 
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
         await until(lambda: streamed(kubelet, reg), what="streamed")
-        on_stream = reg._on_stream
+        on_stream = reg._server._on_stream
 
         def late(generation: int, delta: int, stream: object) -> None:  # the end arrives late
             if delta < 0 and not reg.kubelet_restarts:
@@ -559,7 +561,7 @@ def test_a_kubelet_restart_seen_before_its_stream_end_registers_at_once(
             else:
                 on_stream(generation, delta, stream)
 
-        monkeypatch.setattr(reg, "_on_stream", late)
+        monkeypatch.setattr(reg._server, "_on_stream", late)
         await kubelet.restart()
         reg.wake()  # as the watcher does: our socket removed, a new kubelet.sock
         await until(

@@ -14,7 +14,7 @@ import pytest
 
 from hyperlight_agent import __version__, config, contracts
 from hyperlight_agent.device.observation import Observation
-from hyperlight_agent.deviceplugin.registration import State
+from hyperlight_agent.deviceplugin.registration_state import State
 from hyperlight_agent.deviceplugin.side import DevicePluginSnapshot
 from hyperlight_agent.host.notify import Notifier
 from tests.test_docs import read

@@ -159,12 +159,12 @@ def _instance_attributes(module: str, cls: str) -> set[str]:
 
 def test_one_name_per_stream_count() -> None:
     """Open streams on every server (the servicer, the metric) and on the registered server (the
-    registrar, readiness) are two counts with two names."""
+    registrar's plugin server, readiness) are two counts with two names."""
     from hyperlight_agent.deviceplugin.side import DevicePluginSnapshot
 
     assert "current_streams" in DevicePluginSnapshot.__dataclass_fields__
     servicer = _instance_attributes("deviceplugin.servicer", "DevicePluginServicer")
-    registrar = _instance_attributes("deviceplugin.registration", "Registrar")
+    registrar = _instance_attributes("deviceplugin.plugin_server", "PluginServer")
     assert "open_streams" in servicer and "current_streams" not in servicer
     assert "current_streams" in registrar and "open_streams" not in registrar
     assert "streams" not in servicer | registrar

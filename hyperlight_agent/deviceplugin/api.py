@@ -7,11 +7,12 @@ grpcio (Debian 12 ships 1.51), and the services are five methods and one: a tabl
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, Awaitable, Optional
 
 import grpc
 
-from hyperlight_agent import transport
+from hyperlight_agent import contracts, transport
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 
 REGISTRATION_SERVICE = "v1beta1.Registration"
@@ -50,3 +51,30 @@ def device_plugin_stub(channel: Any) -> transport.Stub:
 
 def registration_stub(channel: Any) -> transport.Stub:
     return transport.Stub(channel, REGISTRATION_SERVICE, REGISTRATION_METHODS)
+
+
+async def register(
+    kubelet_socket: str, endpoint: str, resource: str, timeout: float, unless: Awaitable[None]
+) -> Optional[BaseException]:
+    """Register `resource` served at `endpoint` (a socket name in the kubelet's directory) through
+    kubelet_socket, cancelled if `unless` completes first. Returns how it failed, or None: the
+    kubelet's grpc.aio.AioRpcError, or asyncio.CancelledError when `unless` came first.
+
+    The error is taken, not raised, inside the channel: a traceback through this frame would keep
+    the call, and grpc's connection state for kubelet.sock with it, until the garbage collector ran."""
+    request = pb.RegisterRequest(
+        version=contracts.KUBELET_API_VERSION, endpoint=endpoint, resource_name=resource, options=plugin_options()
+    )
+    async with grpc.aio.insecure_channel(transport.unix_target(kubelet_socket)) as channel:
+        call = asyncio.ensure_future(registration_stub(channel).Register(request, timeout=timeout))
+        first = asyncio.ensure_future(unless)
+        try:
+            await asyncio.wait({call, first}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            first.cancel()
+            call.cancel()  # nothing once it is done; else the RPC is cancelled
+        if not call.done():
+            await asyncio.wait({call})
+            return asyncio.CancelledError()
+        error: Optional[BaseException] = call.exception()
+        return error

@@ -17,7 +17,8 @@ from hyperlight_agent import contracts, peers, transport
 from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.deviceplugin import api, handover
 from hyperlight_agent.deviceplugin.outcomes import DevicePluginOutcomes
-from hyperlight_agent.deviceplugin.registration import Registrar, State
+from hyperlight_agent.deviceplugin.registration import Registrar
+from hyperlight_agent.deviceplugin.registration_state import State
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
 from hyperlight_agent.identity import Description
 from hyperlight_agent.kubelet_side import Wiring, count

@@ -79,6 +79,50 @@ class Pin:
             os.close(fd)
 
 
+class Pins:
+    """Sockets remembered under several names at once (say, the kubelet we registered with and
+    the one we last tried, often the same file): a pin is closed once no name holds it."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, Pin] = {}
+
+    def get(self, name: str) -> Optional[Pin]:
+        return self._held.get(name)
+
+    def identity(self, name: str) -> Optional[Identity]:
+        pin = self._held.get(name)
+        return None if pin is None else pin.identity
+
+    def put(self, name: str, new: Optional[Pin]) -> Optional[Pin]:
+        """Remember `new` under `name` (None: forget it); returns `new`."""
+        old = self._held.pop(name, None)
+        if new is not None:
+            self._held[name] = new
+        if old is not None and all(old is not p for p in self._held.values()):
+            old.close()
+        return new
+
+
+def not_a_socket(path: str, owner: str) -> str:
+    """Why there is no socket of `owner`'s (as "kubelet") to connect to at path."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return f"no {owner} socket at {path}"
+    except OSError as exc:
+        return f"cannot look at {path}: {cause(exc)}"
+    kind = (
+        "a directory"
+        if stat.S_ISDIR(mode)
+        else "a symlink"
+        if stat.S_ISLNK(mode)
+        else "a regular file"
+        if stat.S_ISREG(mode)
+        else "not a socket"
+    )
+    return f"{path} is {kind}, not the {owner}'s socket"
+
+
 def listing(directory: str, wanted: Callable[[str], bool]) -> list[str]:
     """The sockets in `directory` (sorted by name) whose names are `wanted` ([] when it cannot be
     read): what might be another instance's, for peers.py to ask."""
