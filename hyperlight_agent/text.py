@@ -6,6 +6,8 @@ Standard library only: the probe helper imports it.
 
 from __future__ import annotations
 
+import stat
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing at run time (the helper)
 if TYPE_CHECKING:
     from typing import Any
@@ -61,3 +63,23 @@ def cause(exc: BaseException) -> str:
         return str(strerror)
     lines = str(exc).splitlines()
     return shown(lines[0], 300) if lines else type(exc).__name__
+
+
+def file_kind(mode: int) -> str:
+    """What kind of file an st_mode is, as a message says it ("/dev/kvm is a directory, not …").
+
+    >>> file_kind(0o040755), file_kind(0o100644), file_kind(0o140777)
+    ('a directory', 'a regular file', 'a socket')
+    """
+    for test, name in (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "an unknown kind of file"

@@ -33,7 +33,9 @@ def host_identity(host_path: str) -> int:
     except OSError as exc:
         raise ProbeError(f"{text.shown(host_path)}: cannot stat host device node: {text.cause(exc)}") from exc
     if not stat.S_ISCHR(st.st_mode):
-        raise ProbeError(f"{text.shown(host_path)}: host device node is {_kind(st.st_mode)}, not a character device")
+        raise ProbeError(
+            f"{text.shown(host_path)}: host device node is {text.file_kind(st.st_mode)}, not a character device"
+        )
     return st.st_rdev
 
 
@@ -57,7 +59,7 @@ def probe_device(
     try:
         st = os.fstat(fd)
         if not stat.S_ISCHR(st.st_mode):
-            raise ProbeError(f"{text.shown(device_path)}: is {_kind(st.st_mode)}, not a character device")
+            raise ProbeError(f"{text.shown(device_path)}: is {text.file_kind(st.st_mode)}, not a character device")
         if st.st_rdev != expected_rdev:
             raise ProbeError(
                 f"{text.shown(device_path)}: device {_numbers(st.st_rdev)} differs from the host's "
@@ -69,20 +71,6 @@ def probe_device(
             raise ProbeError(f"{text.shown(device_path)}: {exc}") from exc
     finally:
         close(fd)
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISLNK, "a symlink"),
-        (stat.S_ISREG, "a regular file"),
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return "not a device"
 
 
 def _numbers(rdev: int) -> str:

@@ -18,7 +18,7 @@ import stat
 from typing import Callable, Optional
 
 from hyperlight_agent.files import atomic
-from hyperlight_agent.text import cause
+from hyperlight_agent.text import cause, file_kind
 
 log = logging.getLogger(__name__)
 
@@ -111,16 +111,7 @@ def not_a_socket(path: str, owner: str) -> str:
         return f"no {owner} socket at {path}"
     except OSError as exc:
         return f"cannot look at {path}: {cause(exc)}"
-    kind = (
-        "a directory"
-        if stat.S_ISDIR(mode)
-        else "a symlink"
-        if stat.S_ISLNK(mode)
-        else "a regular file"
-        if stat.S_ISREG(mode)
-        else "not a socket"
-    )
-    return f"{path} is {kind}, not the {owner}'s socket"
+    return f"{path} is {file_kind(mode)}, not the {owner}'s socket"
 
 
 def listing(directory: str, wanted: Callable[[str], bool]) -> list[str]:
