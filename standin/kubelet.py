@@ -111,7 +111,10 @@ class KubeletStandin:
         # Per resource: the last list, as sent (the device manager's allDevices).
         self.listed: dict[str, dict[str, str]] = {}
         self.register_calls: list[tuple[float, pb.RegisterRequest]] = []
-        self.mode = "normal"  # "normal", "hang" or "reject"
+        # "normal", "hang" or "reject"; "late_reply": connect and start the stream, then hold
+        # Register's reply until release() (the real kubelet starts ListAndWatch in a goroutine
+        # before Register returns, so its first list may reach it before the plugin has the reply).
+        self.mode = "normal"
         self.open_streams = True  # False: register plugins but never call ListAndWatch
         self.flavor = "1.34"  # how an old client's stream end hits a newer registration (FLAVORS)
         # Clients replaced by a later Register whose streams have not ended yet.
@@ -199,7 +202,7 @@ class KubeletStandin:
         await self.start()
 
     def release(self) -> None:
-        """Let hung Register calls return."""
+        """Let held Registers ("hang", "late_reply") go on."""
         self._release.set()
 
     # --- Registration service -------------------------------------------------------------
@@ -249,6 +252,8 @@ class KubeletStandin:
             plugin.stream_task = asyncio.ensure_future(self._watch(plugin))
         self.plugins[request.resource_name] = plugin
         self._changed()
+        if self.mode == "late_reply":
+            await self._release.wait()
         return pb.Empty()
 
     async def _watch(self, plugin: Plugin) -> None:

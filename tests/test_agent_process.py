@@ -661,6 +661,25 @@ def test_a_kubelet_that_is_down_a_while_is_served_anew_when_it_returns(
     assert len(kubelet.kubelet.register_calls) == calls + 1, "one Register, to a socket that exists"
 
 
+def test_an_agent_the_kubelet_counts_is_ready_before_its_registers_reply(
+    kubelet: StandinThread, start_agent: StartAgent
+) -> None:
+    """The kubelet opens ListAndWatch before its Register returns, so its first list can reach it
+    before our Register's reply reaches us: from then on the kubelet counts our slots, and a stop
+    must hand over as for any ready agent (CI failed on this window: a SIGTERM right after the
+    kubelet counted the slots found the agent not yet ready and it stopped without waiting)."""
+    kubelet.run(lambda k: setattr(k, "mode", "late_reply"))
+    agent = start_agent("--device-count", "1", "--handover-seconds", "3600")
+    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
+    wait_for(lambda: "status: ready" in agent.log, 10, "the agent saying it is ready")
+    assert "registered hyperlight.dev/hypervisor" not in agent.log, "the reply is still held"
+    agent.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "serving until a successor is ready" in agent.log, 10, "the handover's wait")
+    kubelet.run(lambda k: k.release())
+    assert agent.stop(signal.SIGTERM, timeout=15) == 0
+    assert "stopped again: not waiting for a successor" in agent.log
+
+
 def test_a_second_sigterm_ends_the_handover_wait_at_once(kubelet: StandinThread, start_agent: StartAgent) -> None:
     """The kubelet or systemd stop once; an operator who cannot wait for handover_seconds (no
     successor is coming) stops again (issue 50: 9)."""

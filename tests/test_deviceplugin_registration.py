@@ -477,6 +477,22 @@ def test_a_hung_register_is_bounded_by_its_deadline(tmp: str) -> None:
     with_registrar(tmp, body, start_kubelet=False, register_timeout=0.2)
 
 
+def test_the_kubelets_stream_before_registers_reply_is_streamed(tmp: str) -> None:
+    """The kubelet starts ListAndWatch before its Register returns: from its stream's opening the
+    kubelet counts our slots, so we are streamed (ready) from then on, reply or not."""
+
+    async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
+        kubelet.mode = "late_reply"
+        await kubelet.start()
+        await until(lambda: streamed(kubelet, reg), what="streamed with the reply held")
+        assert reg.registering_now and reg.registrations == 0, "the Register has no reply yet"
+        kubelet.release()
+        await until(lambda: reg.registrations == 1, what="the reply")
+        assert streamed(kubelet, reg)
+
+    with_registrar(tmp, body, start_kubelet=False)
+
+
 def test_no_stream_after_register_is_a_lost_registration(tmp: str) -> None:
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
         kubelet.open_streams = False
