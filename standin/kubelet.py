@@ -45,7 +45,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional, TypeVar
+from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
 
 import grpc
 
@@ -172,8 +172,12 @@ class KubeletStandin:
             await self._server.stop(0)
             self._server = None
 
-    async def restart(self) -> None:
-        """As the kubelet does on start: remove the sockets in its directory, serve kubelet.sock anew."""
+    async def restart(self, bound_while_down: Sequence[list[str]] = ()) -> list[str]:
+        """As the kubelet does on start: remove the sockets in its directory, serve kubelet.sock
+        anew, then admit the pods bound to the node while it was down (their device IDs), at once:
+        the real one admits them as soon as its pod informer has them, which can be before any
+        plugin has registered again (kubernetes issue 133382). Returns each one's outcome: the
+        error that rejects it, or "allocated"."""
         await self.stop()
         self.plugins.clear()
         self.devices.clear()
@@ -185,6 +189,14 @@ class KubeletStandin:
         self._release = asyncio.Event()
         await self.start()
         self._changed()
+        outcomes = []
+        for ids in bound_while_down:
+            try:
+                await self.allocate(contracts.RESOURCE_HYPERVISOR, ids)
+                outcomes.append("allocated")
+            except (NotAllocatable, AllocateFailed) as exc:
+                outcomes.append(str(exc))
+        return outcomes
 
     async def replace_socket(self) -> None:
         """Serve a new kubelet.sock without touching anything else (plugins' sockets stay)."""

@@ -38,7 +38,15 @@ from tests.conftest import E2E_FIGURES, E2E_WORKLOAD_IMAGE, make_node
 from tests.e2e import cluster as cluster_module
 from tests.e2e.cluster import Cluster, Node, State, wait_until
 from tests.e2e.kube import Api, ApiError
-from tests.e2e.outcomes import PodSlots, naming, rejected_at_admission, start_cut, why_failed
+from tests.e2e.outcomes import (
+    PodSlots,
+    denied_before_a_list,
+    naming,
+    rejected_at_admission,
+    start_cut,
+    start_to_list_s,
+    why_failed,
+)
 from tests.e2e.podresources import PodResources
 from tests.e2e.tools import tool
 from tests.releases import (
@@ -617,6 +625,7 @@ class Load:
         self.cluster, self.node, self.namespace = cluster, node, namespace
         self.command, self.pin, self.interval = command, pin, interval
         self.created: list[str] = []
+        self.rejected: list[str] = []  # by outcomes()
         self.view: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._pods), threading.Thread(target=self._watch)]
@@ -680,6 +689,7 @@ class Load:
         def settled() -> Optional[dict[str, Any]]:
             counts: dict[str, Any] = {"rejected": 0, "succeeded": 0, "failed": 0, "start_cut": 0}
             why: dict[str, list[Any]] = {}
+            self.rejected = []
             # Only the load's own pods: the namespace may hold the test's other pods too.
             created = set(self.created)
             pods = self.cluster.api.get(f"/api/v1/namespaces/{self.namespace}/pods")["items"]
@@ -690,6 +700,8 @@ class Load:
                 elif status.get("phase") == "Failed":
                     admission = rejected_at_admission(status)
                     counts["rejected" if admission else "failed"] += 1
+                    if admission:
+                        self.rejected.append(pod["metadata"]["name"])
                     reason, message = why_failed(pod)
                     counts["start_cut"] += not admission and start_cut(reason, message)
                     seen = why.setdefault(reason, [0, message])
@@ -702,6 +714,21 @@ class Load:
 
         result: dict[str, Any] = wait_until(settled, 300, "every load pod finished", interval=1)
         return result
+
+
+def kubelet_start(node: Node, namespace: str, rejected: list[str]) -> dict[str, Any]:
+    """How many of the rejected pods a restarted kubelet refused before it had our first list (the
+    pods bound while it was down, admitted at its start before any plugin could register again:
+    outcomes.denied_before_a_list; every other rejection is a gap of ours), and how long after its
+    start our first list reached it."""
+    assert node.kubelet is not None
+    with open(node.kubelet.log_path, errors="replace") as f:
+        log = f.read()
+    before = denied_before_a_list(log, HYPERVISOR)
+    return {
+        "rejected_at_kubelet_start": sum(before.get(f"{namespace}/{name}", False) for name in rejected),
+        "kubelet_start_to_our_list_s": start_to_list_s(log, HYPERVISOR),
+    }
 
 
 def run_event(
@@ -728,6 +755,7 @@ def run_event(
     figure = {
         "pods": len(load.created),
         **outcomes,
+        **kubelet_start(node, namespace, load.rejected),
         "recovered_s": round(recovered, 2),
         "kubelet_zero_windows_s": [round(w, 3) for w in windows],
         "kubelet_zero_total_s": round(sum(windows), 3),
@@ -780,10 +808,13 @@ def test_lifecycle_under_load(installed: Cluster, published: Published, kubelet:
     figure = run_event(installed, a, f"{kubelet}-{event}", act, back)
     record(f"lifecycle.{kubelet}.{version}.{event}", figure)
     assert figure["failed"] == (figure["start_cut"] if event == "kubelet_restart" else 0), figure
-    if kubelet == "newest" or event == "kubelet_restart":
+    if event == "kubelet_restart":
+        # A restarted kubelet counts nothing until we register: the pods bound while it was down
+        # that it admits before our first list are its own start's (outcomes.denied_before_a_list).
+        assert figure["rejected"] == figure["rejected_at_kubelet_start"], figure
+    elif kubelet == "newest":
         assert figure["rejected"] == 0, figure
-        if event != "kubelet_restart":  # a restarted kubelet counts nothing until we register
-            assert figure["kubelet_zero_windows_s"] == [], figure
+        assert figure["kubelet_zero_windows_s"] == [], figure
     else:
         # 1.34 to 1.36 disconnect the newest client when an older one's stream ends (fixed in 1.37): the
         # successor registers again at once, and pods admitted in that one gap fail (0-7 of 30-60

@@ -23,7 +23,15 @@ from tests.e2e.cluster import (
     routed_networks,
     run_tag,
 )
-from tests.e2e.outcomes import PodSlots, naming, rejected_at_admission, start_cut, why_failed
+from tests.e2e.outcomes import (
+    PodSlots,
+    denied_before_a_list,
+    naming,
+    rejected_at_admission,
+    start_cut,
+    start_to_list_s,
+    why_failed,
+)
 
 SLASH_24 = 0xFFFFFF00
 
@@ -208,6 +216,26 @@ def test_only_a_start_the_kubelets_exit_cancelled_counts_as_cut_by_the_restart()
     refused = {"status": {"phase": "Failed", "reason": "UnexpectedAdmissionError", "message": "context canceled"}}
     assert rejected_at_admission(refused["status"]) and not start_cut(*why_failed(refused))
     assert not rejected_at_admission(CUT["status"])
+
+
+# The shape of a 1.35.8 kubelet's restart on a cold machine (CI, whole 1.35 cluster): the new
+# kubelet's pod informer handed it the pods bound while it was down 6 ms before our first list
+# arrived, and it refused them; a pod refused by the kubelet before (still serving), and one
+# refused after the list, are not the start's.
+RESTART_LOG = (pathlib.Path(__file__).parent / "data" / "kubelet-1.35-restart.log").read_text()
+
+
+def test_only_refusals_before_a_restarted_kubelet_has_our_list_are_its_start() -> None:
+    assert denied_before_a_list(RESTART_LOG, "hyperlight.dev/hypervisor") == {
+        "load/load-1": False,
+        "load/load-2": True,
+        "load/load-3": True,
+        "load/load-4": False,
+    }
+    # Another resource's list is not ours: for it, nothing here came before its list.
+    assert denied_before_a_list(RESTART_LOG, "hyperlight.dev/device-access")["load/load-2"] is False
+    assert start_to_list_s(RESTART_LOG, "hyperlight.dev/hypervisor") == 0.235
+    assert start_to_list_s(RESTART_LOG.split("I1205 16:33:55.324", maxsplit=1)[0], "hyperlight.dev/hypervisor") is None
 
 
 def test_a_load_never_holds_more_unfinished_pods_than_its_slots() -> None:

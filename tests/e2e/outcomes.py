@@ -5,7 +5,7 @@ many of a load's pods may be unfinished at once (PodSlots)."""
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 # containerd's CRI marks a container whose start failed as exited with this reason and exit code,
 # its message the start's error (internal/cri/server/helpers.go, containerd 2.2).
@@ -85,3 +85,60 @@ def naming(lines: Iterable[str], namespace: str, name: str) -> list[str]:
     load-22 is not load-225."""
     pattern = re.compile(re.escape(f"{namespace}/{name}") + r"(?![\w.-])")
     return [line.rstrip("\n") for line in lines if pattern.search(line)]
+
+
+# A klog line: severity, MMDD hh:mm:ss.micros, thread/PID, file:line] message.
+_KLOG = re.compile(r"^[IWEF](\d{4} \d\d:\d\d:\d\d\.\d+)\s+\d+ [^\]]*\] (.*)$")
+KUBELET_STARTED = '"Kubelet version"'  # the first thing each kubelet process logs at its default verbosity
+_LIST_RECEIVED = re.compile(r'"State pushed for device plugin" resource="([^"]+)"')
+_DENIED = re.compile(r'"Pod admission denied" .*?pod="([^"]+)"')
+
+
+def _klog_seconds(stamp: str) -> float:
+    """Seconds since the day began, of a klog "MMDD hh:mm:ss.micros" (runs do not span a midnight)."""
+    hours, minutes, seconds = stamp.split(" ")[1].split(":")
+    return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+
+
+def start_to_list_s(log: str, resource: str) -> Optional[float]:
+    """From the last kubelet process's start marker to the first list it received from
+    `resource`'s plugin (None if it has none yet): how long our part of its start gap was."""
+    started: Optional[float] = None
+    listed: Optional[float] = None
+    for line in log.splitlines():
+        klog = _KLOG.match(line)
+        if klog is None:
+            continue
+        if klog.group(2).startswith(KUBELET_STARTED):
+            started, listed = _klog_seconds(klog.group(1)), None
+        pushed = _LIST_RECEIVED.match(klog.group(2))
+        if pushed and pushed.group(1) == resource and started is not None and listed is None:
+            listed = _klog_seconds(klog.group(1))
+    return None if started is None or listed is None else round(listed - started, 3)
+
+
+def denied_before_a_list(log: str, resource: str) -> dict[str, bool]:
+    """For each pod ("namespace/name") a kubelet refused at admission: whether its last refusal
+    came from a kubelet process that had not yet received any list from `resource`'s plugin.
+    A kubelet starting admits the pods bound to its node while it was down as soon as its pod
+    informer has them, while every plugin is still registering again (it removed their sockets):
+    those refusals are the kubelet's own start, whatever the plugin does (kubernetes issue 133382).
+    A list counts from its "State pushed" line (logged at -v=2 as the list arrives)."""
+    refused: dict[str, bool] = {}
+    listed = True  # lines before the first start marker: a kubelet that was there already
+    for line in log.splitlines():
+        klog = _KLOG.match(line)
+        if klog is None:
+            continue
+        message = klog.group(2)
+        if message.startswith(KUBELET_STARTED):
+            listed = False
+            continue
+        pushed = _LIST_RECEIVED.match(message)
+        if pushed and pushed.group(1) == resource:
+            listed = True
+            continue
+        denied = _DENIED.match(message)
+        if denied:
+            refused[denied.group(1)] = not listed
+    return refused
