@@ -27,7 +27,7 @@ from hyperlight_agent.files.watcher import DirectoryWatcher
 from hyperlight_agent.host import journal, successor
 from hyperlight_agent.host.notify import Notifier
 from hyperlight_agent.identity import Identity
-from hyperlight_agent.kubelet_side import Snapshot, Wiring, hand_over_on_stop, succession
+from hyperlight_agent.kubelet_side import KubeletSide, Snapshot, Wiring, hand_over_on_stop, succession
 from hyperlight_agent.reload import Reloader
 
 log = logging.getLogger(__name__)
@@ -69,36 +69,13 @@ class Agent:
         self.watcher = DirectoryWatcher()
         self.observation = SharedObservation()
         self.helper = ProbeHelper(on_timeout=self.metrics.helper_timeouts.inc)
-        self.checker = Checker(
-            parts.check_target(settings, mode),
-            self.helper,
-            self.observation,
-            on_result=self._on_check,
-            keeper=self._newer_instance,
-            interval_s=settings.check_interval_seconds,
-        )
-        self.checker.watch(self.watcher)
+        self.checker = self._checker(settings, mode)
         features_dir = parts.features_dir(settings, mode)
         self.labels = labels.Keeper(features_dir) if features_dir else None
         if self.labels is not None:
             self.labels.watch(self.watcher)
         # How the device reaches the kubelet: the device plugin's side, or DRA's (kubelet_side.py).
-        self.side = parts.kubelet_side(
-            settings,
-            mode,
-            Wiring(
-                observation=self.observation,
-                checker=self.checker,
-                identity=self.identity,
-                serve_ours=self._serve_ours,
-                watcher=self.watcher,
-                on_change=self._status_changed,
-                environ=self._environ,
-                predecessor=lambda: self.notifier.predecessor,
-                upgrading=lambda: self.upgrader.upgrading,
-            ),
-            self.metrics.families,
-        )
+        self.side = self._kubelet_side(settings, mode)
         self.succession = succession(self.side)  # None: the side cannot be succeeded without a gap
         self._stop = asyncio.Event()
         self._stopped_again = asyncio.Event()  # a second stop(): no more waiting for a successor
@@ -119,6 +96,32 @@ class Agent:
             self.notifier,
             on_refused=self.face.readiness.forget_status,
         )
+
+    def _checker(self, settings: Settings, mode: modes.Mode) -> Checker:
+        checker = Checker(
+            parts.check_target(settings, mode),
+            self.helper,
+            self.observation,
+            on_result=self._on_check,
+            keeper=self._newer_instance,
+            interval_s=settings.check_interval_seconds,
+        )
+        checker.watch(self.watcher)
+        return checker
+
+    def _kubelet_side(self, settings: Settings, mode: modes.Mode) -> KubeletSide[Any]:
+        wiring = Wiring(
+            observation=self.observation,
+            checker=self.checker,
+            identity=self.identity,
+            serve_ours=self._serve_ours,
+            watcher=self.watcher,
+            on_change=self._status_changed,
+            environ=self._environ,
+            predecessor=lambda: self.notifier.predecessor,
+            upgrading=lambda: self.upgrader.upgrading,
+        )
+        return parts.kubelet_side(settings, mode, wiring, self.metrics.families)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
