@@ -537,6 +537,11 @@ class AgentProcess:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
+    def status(self) -> str:
+        """The last status line the agent logged ("" before its first)."""
+        said = [line.split(": status: ", 1)[1] for line in self.log.splitlines() if ": status: " in line]
+        return said[-1] if said else ""
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10) -> int:
         if self.proc.poll() is None:
             self.helpers()
@@ -555,6 +560,13 @@ class AgentProcess:
 
 
 StartAgent = Callable[..., AgentProcess]
+
+
+def wait_ready(agent: AgentProcess, timeout: float = 15) -> None:
+    """Until the agent says it is ready: the kubelet's count of our slots comes first (its list can
+    arrive before its Register's reply reaches the agent), so what depends on the agent being
+    ready (a stop's wait for a successor) waits for this."""
+    wait_for(lambda: agent.status().startswith("ready: "), timeout, "the agent saying it is ready")
 
 
 @pytest.fixture

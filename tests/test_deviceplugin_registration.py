@@ -477,18 +477,21 @@ def test_a_hung_register_is_bounded_by_its_deadline(tmp: str) -> None:
     with_registrar(tmp, body, start_kubelet=False, register_timeout=0.2)
 
 
-def test_the_kubelets_stream_before_registers_reply_is_streamed(tmp: str) -> None:
-    """The kubelet starts ListAndWatch before its Register returns: from its stream's opening the
-    kubelet counts our slots, so we are streamed (ready) from then on, reply or not."""
+def test_streamed_only_once_the_kubelet_has_answered_our_register(tmp: str) -> None:
+    """The kubelet starts ListAndWatch before its Register returns, so its stream can open (and
+    count our slots) before its reply reaches us. Until the reply we are not streamed (not ready):
+    a Register that then fails (its deadline) tears our server down, and a READY=1 said before it
+    would be taken back. Tests that wait on the kubelet's count, then act on our readiness, wait
+    for ours."""
 
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:
         kubelet.mode = "late_reply"
         await kubelet.start()
-        await until(lambda: streamed(kubelet, reg), what="streamed with the reply held")
-        assert reg.registering_now and reg.registrations == 0, "the Register has no reply yet"
+        await until(lambda: kubelet.allocatable(R) > 0, what="the kubelet counting our slots")
+        assert reg.state is not State.STREAMED and reg.registering_now, "the Register has no reply yet"
         kubelet.release()
-        await until(lambda: reg.registrations == 1, what="the reply")
-        assert streamed(kubelet, reg)
+        await until(lambda: streamed(kubelet, reg), what="streamed once the reply came")
+        assert reg.registrations == 1
 
     with_registrar(tmp, body, start_kubelet=False)
 

@@ -247,9 +247,7 @@ class Registrar:
 
     def _on_streams(self, kubelets: int) -> None:
         """Our server's streams changed: +1 the kubelet's opened, -1 it ended, 0 another's."""
-        if kubelets > 0 and (self.state == State.REGISTERED or self.registering_now):
-            # The kubelet starts ListAndWatch before its Register returns: once its stream is
-            # open it counts our slots, reply or not, so we are ready from then on too.
+        if kubelets > 0 and self.state == State.REGISTERED:
             self._set(State.STREAMED)
         elif kubelets < 0 and self.state is State.STREAMED:
             # Said as what it is at once (_watch acts on it next): not as "registered; waiting
