@@ -15,7 +15,7 @@ import os
 import re
 import stat
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from hyperlight_agent import contracts
@@ -580,11 +580,6 @@ class Settings:
     def defaults(cls, **overrides: Any) -> Settings:
         """Every setting at its default, except `overrides` (for tests and embedders)."""
         return cls(**{**{s.key: s.default for s in SETTINGS}, **overrides})
-
-
-assert {f.name for f in fields(Settings)} - {"config_file", "sources", "ignored"} == set(BY_KEY), (
-    "SETTINGS and Settings differ"
-)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

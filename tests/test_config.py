@@ -3,6 +3,7 @@ bad-input path exiting 2 with one line that names the setting and the value."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -55,6 +56,13 @@ def test_flag_beats_env_beats_file_beats_default(tmp: str) -> None:
 def test_config_file_from_environment(tmp: str) -> None:
     path = write(tmp, 'allocation = "both"\n')
     assert load([], {"HYPERLIGHT_CONFIG": path}).allocation == "both"
+
+
+def test_every_setting_is_one_field_of_settings_and_one_row_of_the_table() -> None:
+    """The table (SETTINGS) and the dataclass name the same settings: a setting added to one and
+    not the other would be neither parsed nor documented, or parsed into nothing."""
+    kept = {f.name for f in dataclasses.fields(config.Settings)} - {"config_file", "sources", "ignored"}
+    assert kept == set(config.BY_KEY)
 
 
 def test_missing_default_file_is_fine() -> None:
