@@ -5,7 +5,7 @@ many of a load's pods may be unfinished at once (PodSlots)."""
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 # containerd's CRI marks a container whose start failed as exited with this reason and exit code,
 # its message the start's error (internal/cri/server/helpers.go, containerd 2.2).
@@ -100,20 +100,25 @@ def _klog_seconds(stamp: str) -> float:
     return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
 
 
+def _klog(log: str) -> Iterator[tuple[str, str]]:
+    """The (time stamp, message) of each klog line in `log`; other lines (flag warnings) skipped."""
+    for line in log.splitlines():
+        klog = _KLOG.match(line)
+        if klog is not None:
+            yield klog.group(1), klog.group(2)
+
+
 def start_to_list_s(log: str, resource: str) -> Optional[float]:
     """From the last kubelet process's start marker to the first list it received from
     `resource`'s plugin (None if it has none yet): how long our part of its start gap was."""
     started: Optional[float] = None
     listed: Optional[float] = None
-    for line in log.splitlines():
-        klog = _KLOG.match(line)
-        if klog is None:
-            continue
-        if klog.group(2).startswith(KUBELET_STARTED):
-            started, listed = _klog_seconds(klog.group(1)), None
-        pushed = _LIST_RECEIVED.match(klog.group(2))
+    for stamp, message in _klog(log):
+        if message.startswith(KUBELET_STARTED):
+            started, listed = _klog_seconds(stamp), None
+        pushed = _LIST_RECEIVED.match(message)
         if pushed and pushed.group(1) == resource and started is not None and listed is None:
-            listed = _klog_seconds(klog.group(1))
+            listed = _klog_seconds(stamp)
     return None if started is None or listed is None else round(listed - started, 3)
 
 
@@ -126,11 +131,7 @@ def denied_before_a_list(log: str, resource: str) -> dict[str, bool]:
     A list counts from its "State pushed" line (logged at -v=2 as the list arrives)."""
     refused: dict[str, bool] = {}
     listed = True  # lines before the first start marker: a kubelet that was there already
-    for line in log.splitlines():
-        klog = _KLOG.match(line)
-        if klog is None:
-            continue
-        message = klog.group(2)
+    for _, message in _klog(log):
         if message.startswith(KUBELET_STARTED):
             listed = False
             continue
