@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import ctypes
 import faulthandler
 import os
 import shutil
@@ -483,6 +484,19 @@ def kubelet(tmp: str) -> Iterator[StandinThread]:
 def make_node(path: str, major: int, minor: int) -> str:
     os.mknod(path, 0o600 | 0o020000, os.makedev(major, minor))
     return path
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange(a: str, b: str) -> None:
+    """Swap two paths in one step (renameat2 RENAME_EXCHANGE): an agent repairing a path the
+    moment it goes missing never finds it missing, so an unlink-then-create race cannot occur."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(_AT_FDCWD, a.encode(), _AT_FDCWD, b.encode(), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"renameat2 exchange with {b}: {os.strerror(err)}", a)
 
 
 @pytest.fixture
