@@ -236,6 +236,9 @@ def test_only_refusals_before_a_restarted_kubelet_has_our_list_are_its_start() -
     assert denied_before_a_list(RESTART_LOG, "hyperlight.dev/device-access")["load/load-2"] is False
     assert start_to_list_s(RESTART_LOG, "hyperlight.dev/hypervisor") == 0.235
     assert start_to_list_s(RESTART_LOG.split("I1205 16:33:55.324", maxsplit=1)[0], "hyperlight.dev/hypervisor") is None
+    # The part of a log after its last start marker: no kubelet started there, so no start figure.
+    after_start = RESTART_LOG[RESTART_LOG.rindex('"Kubelet version"') + 1 :]
+    assert start_to_list_s(after_start, "hyperlight.dev/hypervisor") is None
 
 
 def test_a_load_never_holds_more_unfinished_pods_than_its_slots() -> None:
