@@ -232,9 +232,17 @@ read_row = set -- $$(echo "$$row" | tr : ' '); tag=$$1 py=$$2 unitdir=$$3 suite=
 # packaging/stage.sh, lintian judges with the distribution's profile. The version carries the
 # target's tag (0.1.0+deb13): one apt pool holds them all, and a host moving to a newer release
 # upgrades to its package.
-deb: deb-deps $(BUILD_VENV)/.installed $(sort $(foreach row,$(DEB_TARGETS),$(WHEELS)/py$(word 2,$(subst :, ,$(row)))/.complete))  ## a .deb per Debian/Ubuntu target, judged by lintian
-	rm -rf build/deb && mkdir -p build/deb
-	@set -e; for row in $(DEB_TARGETS); do $(read_row); start=$$(date +%s); \
+deb: $(foreach row,$(DEB_TARGETS),deb-of-$(firstword $(subst :, ,$(row))))  ## a .deb per Debian/Ubuntu target, judged by lintian
+	@ls -l $(foreach row,$(DEB_TARGETS),build/deb/hyperlight-agent_$(VERSION)+$(firstword $(subst :, ,$(row)))_*.deb) 2>/dev/null \
+	  || echo "make deb: TARGETS names no Debian or Ubuntu row"
+# Each row's package is a target of its own (deb-of-TAG, built each time: no file of that name), so
+# `make -j deb` builds them side by side (`make release` does); each works in build/deb/TAG only.
+row_python = $(word 2,$(subst :, ,$(filter $(1):%,$(DEB_TARGETS) $(RPM_TARGETS))))
+.SECONDEXPANSION:
+deb-of-%: deb-deps $(BUILD_VENV)/.installed $(WHEELS)/py$$(call row_python,$$*)/.complete
+	@set -e; row='$(filter $*:%,$(DEB_TARGETS))'; $(read_row); start=$$(date +%s); \
+	  [ -n "$$row" ] || { echo "make $@: no Debian or Ubuntu row '$*' in $(TARGETS_TABLE)" >&2; exit 2; }; \
+	  rm -rf build/deb/$$tag; rm -f build/deb/hyperlight-agent_*+$${tag}_*.deb; \
 	  tree=build/deb/$$tag/hyperlight-agent; mkdir -p $$tree; \
 	  cp -r $(PKG_SOURCES) $$tree/; cp -r packaging/debian $$tree/debian; \
 	  cd $$tree; \
@@ -248,9 +256,7 @@ deb: deb-deps $(BUILD_VENV)/.installed $(sort $(foreach row,$(DEB_TARGETS),$(WHE
 	  cd $(CURDIR); \
 	  lintian --profile $$distribution --fail-on error,warning --suppress-tags-from-file /dev/null build/deb/$$tag/*.deb; \
 	  mv build/deb/$$tag/*.deb build/deb/; \
-	  echo "deb $$tag: built and judged in $$(( $$(date +%s) - start )) s"; \
-	done
-	@ls -l build/deb/*.deb 2>/dev/null || echo "make deb: TARGETS names no Debian or Ubuntu row"
+	  echo "deb $$tag: built and judged in $$(( $$(date +%s) - start )) s"
 
 # An .rpm per RPM target (packaging/targets: EL9, EL10, Azure Linux 3), for its Python, judged by
 # rpmlint with the project's config, a warning failing the build as an error does.
