@@ -11,7 +11,7 @@ Construct it inside the running event loop (asyncio objects bind to it on Python
 from __future__ import annotations
 
 import asyncio
-import enum
+import functools
 import logging
 from typing import Any, Callable, Mapping, Optional
 
@@ -28,6 +28,7 @@ from hyperlight_agent.host import journal, successor
 from hyperlight_agent.host.notify import Notifier
 from hyperlight_agent.identity import Identity
 from hyperlight_agent.kubelet_side import KubeletSide, Snapshot, Wiring, hand_over_on_stop, succession
+from hyperlight_agent.lifecycle import Lifecycle
 from hyperlight_agent.reload import Reloader
 
 log = logging.getLogger(__name__)
@@ -35,15 +36,6 @@ log = logging.getLogger(__name__)
 # A cap on the whole of _shutdown beyond what its parts bound themselves (the kubelet side's
 # close_bound_s, the probe helper's CLOSE_BOUND_S): only the last resort for a part that is stuck.
 SHUTDOWN_MARGIN_S = 0.5
-
-
-class Phase(enum.Enum):
-    """Where the agent is in its life: it only moves on, RUNNING first and STOPPING last."""
-
-    RUNNING = "running"  # from construction: serving, or on its way to
-    HANDED_OVER = "handed over"  # an in-place upgrade's child has the kubelet and the unit; a stop follows
-    HANDING_OVER = "handing over"  # a stop serves on until a successor is ready (close)
-    STOPPING = "stopping"  # STOPPING=1 said: the side, the checker and the helper close; nothing more is said
 
 
 class Agent:
@@ -59,7 +51,7 @@ class Agent:
         self._environ: Mapping[str, str] = environ if environ is not None else {}
         self.settings = settings
         self.mode = mode
-        self.phase = Phase.RUNNING
+        self.life = Lifecycle()
         self.notifier = notifier or Notifier(self._environ)
         # sd_notify, the health service, the probes and metrics: how we are seen (host/face.py).
         self.face = parts.face(settings, mode, self.notifier, self._environ)
@@ -77,8 +69,6 @@ class Agent:
         # How the device reaches the kubelet: the device plugin's side, or DRA's (kubelet_side.py).
         self.side = self._kubelet_side(settings, mode)
         self.succession = succession(self.side)  # None: the side cannot be succeeded without a gap
-        self._stop = asyncio.Event()
-        self._stopped_again = asyncio.Event()  # a second stop(): no more waiting for a successor
         self._tasks: list[asyncio.Future[Any]] = []
         self.upgrader = successor.Upgrader(
             settings.instance,
@@ -86,7 +76,7 @@ class Agent:
             self.succession,
             self.notifier,
             ready=lambda: self.ready,
-            handed_over=self._upgraded,
+            handed_over=self.life.handed_over,
             on_change=self._status_changed,
         )
         self.reloader = Reloader(
@@ -145,20 +135,11 @@ class Agent:
     def stop(self) -> None:
         """Ask wait() to return (signal handlers call this); asked again, end a handover's wait
         for a successor at once."""
-        if self._stop.is_set():
-            self._stopped_again.set()
-        self._stop.set()
+        self.life.stop()
 
     async def wait(self) -> None:
         """Until stop(); raises what a task that ended early raised (they run until cancelled)."""
-        stop_wait = asyncio.ensure_future(self._stop.wait())
-        try:
-            done, _ = await asyncio.wait([stop_wait, *self._tasks], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop_wait.cancel()
-        for task in done:
-            if task is not stop_wait:
-                raise task.exception() or RuntimeError("an agent task ended unexpectedly")
+        await self.life.until_stopped(self._tasks)
 
     async def close(self) -> None:
         """Shut down, bounded: first, with handover_seconds set, serve on until a successor is ready
@@ -166,12 +147,9 @@ class Agent:
         device plugin's streams end), the side closes (calls in flight get transport.STOP_GRACE_S),
         then the helper is stopped. The CDI spec stays: containers created during an agent restart
         still resolve it."""
-        if self.phase in (Phase.HANDING_OVER, Phase.STOPPING):
+        hand_over = functools.partial(hand_over_on_stop, self.succession, self.settings.handover_seconds, self.ready)
+        if not await self.life.begin_stopping(hand_over):
             return
-        if self.phase is Phase.RUNNING:  # (HANDED_OVER: the kubelet and the unit are the child's already)
-            self.phase = Phase.HANDING_OVER
-            await hand_over_on_stop(self.succession, self.settings.handover_seconds, self.ready, self._stopped_again)
-        self.phase = Phase.STOPPING
         log.info("stopping")
         self.notifier.stopping()
         self.side.begin_stop()
@@ -212,13 +190,8 @@ class Agent:
 
     def upgrade(self) -> None:
         """Replace this process with the code installed now, without a gap (SIGUSR2): host/successor.py."""
-        if self.phase is Phase.RUNNING:
+        if self.life.may_upgrade:
             self.upgrader.request()
-
-    def _upgraded(self) -> None:
-        """An in-place upgrade's child has the kubelet and the unit: we leave."""
-        self.phase = Phase.HANDED_OVER
-        self.stop()
 
     def _apply_reload(self, new: Settings) -> None:
         self.settings = new
@@ -261,5 +234,5 @@ class Agent:
         return self.snapshot().status()
 
     def _status_changed(self) -> None:
-        if self.phase is not Phase.STOPPING:  # after STOPPING=1 nothing more is said
+        if self.life.speaking:
             self.face.readiness.changed(self.snapshot())
