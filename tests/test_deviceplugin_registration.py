@@ -17,7 +17,7 @@ import pytest
 
 from hyperlight_agent import contracts, transport, waits
 from hyperlight_agent.backoff import Backoff
-from hyperlight_agent.deviceplugin import api, registration
+from hyperlight_agent.deviceplugin import api, kubelets
 from hyperlight_agent.deviceplugin import deviceplugin_pb2 as pb
 from hyperlight_agent.deviceplugin.plugin_server import AlreadyServed
 from hyperlight_agent.deviceplugin.registration import Registrar
@@ -342,7 +342,7 @@ def test_a_watched_kubelet_dir_wakes_us_with_no_timer(tmp: str, monkeypatch: pyt
     """While the watcher holds a watch on kubelet_dir, the registrar waits for its wake-ups with
     no timeout (the re-check timer here is an hour: only the event can act); once the directory
     is not watched, it re-checks on the timer again."""
-    monkeypatch.setattr(registration, "VERIFY_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(kubelets, "VERIFY_INTERVAL_S", 3600.0)
     timeouts: list[float | None] = []
     event = waits.event
 
@@ -567,7 +567,7 @@ def test_a_kubelet_restart_seen_before_its_stream_end_registers_at_once(
     """The watcher's wake (our socket removed, a new kubelet.sock) may reach us before the old
     stream's end does: that stream was the old kubelet's, gone with it, so there is nothing to
     settle before registering with the new one (issue 30: 8)."""
-    monkeypatch.setattr(registration, "STREAM_SETTLE_S", 30.0)  # a settle here would time out the test
+    monkeypatch.setattr(kubelets, "STREAM_SETTLE_S", 30.0)  # a settle here would time out the test
     held: list[tuple[int, int, object]] = []
 
     async def body(kubelet: KubeletStandin, reg: Registrar) -> None:

@@ -19,8 +19,7 @@ following the kubelet's own stream on this server, so stale events, streams of a
 already replaced and other clients' streams cannot cause anything.
 
 A socket is "the same" while its (device, inode) is: a chmod, touch, chown or a hard link added
-and removed changes its ctime but not the file. We hold every socket we remember open (O_PATH,
-see Pin), so its inode cannot be freed and its number handed to a new file meanwhile.
+and removed changes its ctime but not the file (kubelets.py remembers the kubelets we met).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import grpc
 
 from hyperlight_agent import contracts, transport, waits
 from hyperlight_agent.backoff import JITTER, Backoff
-from hyperlight_agent.deviceplugin import api
+from hyperlight_agent.deviceplugin import api, kubelets
 from hyperlight_agent.deviceplugin.plugin_server import Configure, PluginServer
 from hyperlight_agent.deviceplugin.registration_state import (
     AFTER,
@@ -49,7 +48,6 @@ from hyperlight_agent.deviceplugin.registration_state import (
     retry_delay,
 )
 from hyperlight_agent.files import sockets
-from hyperlight_agent.files.sockets import Pin, Pins
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +55,6 @@ REGISTER_TIMEOUT_S = 5.0
 # The kubelet opens ListAndWatch right after Register returns; without one this long after, the
 # registration did not take.
 STREAM_OPEN_TIMEOUT_S = 3.0
-# After ending a stream the kubelet still had open, before registering again with that same kubelet:
-# it handles the end asynchronously, and in 1.28 an old stream ending after a new Register
-# disconnects the new one (kubernetes issue 121994); later releases mark the resource unhealthy
-# instead. A kubelet that restarted meanwhile never knew that stream: no wait then.
-STREAM_SETTLE_S = 0.1
-# A safety net for when the kubelet directory is not watched (inotify unavailable, the directory
-# missing or its watch refused): re-check the sockets this often. While it is watched, events wake
-# us instead (an overflow or the watch's loss too), and no timer runs.
-VERIFY_INTERVAL_S = 5.0
-
-# The kubelet sockets we remember (Pins' names): the one our last successful Register went
-# through, the one our last attempt used (None: there was none; any other one ends a backoff at
-# once, even one that appeared before the backoff began), and the one whose stream stop() ended.
-SEEN, TRIED, STREAM_ENDED_WITH = "seen", "tried", "stream-ended-with"
 
 
 class RegistrationError(Exception):
@@ -121,13 +105,13 @@ class Registrar:
         instance of ours)."""
         self.socket_path = os.path.join(kubelet_dir, socket_name)
         self.kubelet_socket = os.path.join(kubelet_dir, contracts.KUBELET_SOCKET)
+        self._kubelets = kubelets.Kubelets(self.kubelet_socket)
         self._socket_name, self._resource = socket_name, resource
         self._server = PluginServer(self.socket_path, configure, self._on_streams)
         self._on_change, self._watched, self._may_register = on_change, watched, may_register
         self._timing = timing or Timing()
         self._renew = False
         self.registering_now = False  # a Register of ours is on its way
-        self._pins = Pins()  # SEEN, TRIED, STREAM_ENDED_WITH
         self._starting = KubeletStarting()
         self._wake = asyncio.Event()
         self.state: State = State.WAITING
@@ -154,15 +138,10 @@ class Registrar:
 
     async def _serve_and_register(self) -> bool:
         """Serve and Register; False after a failure (backed off)."""
-        self._pins.put(TRIED, Pin.take(self.kubelet_socket))
+        self._kubelets.trying()
         try:
             await self._server.serve()
-            ended = self._pins.get(STREAM_ENDED_WITH)
-            if ended is not None:
-                same_kubelet = ended.is_at(self.kubelet_socket)
-                self._pins.put(STREAM_ENDED_WITH, None)
-                if same_kubelet:
-                    await asyncio.sleep(STREAM_SETTLE_S)
+            await self._kubelets.settle()
             await self._may_register()
             await self._register()
         except (RegistrationError, transport.NotServing) as exc:
@@ -174,13 +153,13 @@ class Registrar:
             )
             delay = 0.0 if isinstance(exc, Unserved) else self._timing.backoff.next()
             starting = unanswered and self._starting.starting(
-                sockets.identity(self.kubelet_socket), self._pins.identity(SEEN), time.monotonic()
+                self._kubelets.now(), self._kubelets.registered_with, time.monotonic()
             )
             delay = retry_delay(delay, unanswered, starting)  # a kubelet that refuses us is backed off
             log.warning(
                 "registration failed: %s; retrying in %.1f s or when %s appears", exc, delay, self.kubelet_socket
             )
-            await self._wait_for_kubelet(delay)
+            await self._kubelets.wait_for_new(delay, self._wake, self._watched)
             return False
         self.registrations += 1
         self._timing.backoff.reset()  # Register works; stream losses have their own backoff
@@ -208,7 +187,7 @@ class Registrar:
         log.warning("%s", after.said.format(why=self.last_error, delay=delay))  # the cause, then the status
         self._set(after.state)
         await self.stop(grace=0)
-        if await self._wait_for_kubelet(delay):
+        if await self._kubelets.wait_for_new(delay, self._wake, self._watched):
             self._after_kubelet_restart()  # a new kubelet.sock: that is why the stream ended
         else:
             self.streams_lost += 1
@@ -236,9 +215,8 @@ class Registrar:
 
     async def stop(self, grace: float = transport.STOP_GRACE_S) -> None:
         """Stop serving (plugin_server.PluginServer.stop)."""
-        if self._server.stream.open:  # the kubelet of this stream's Register; pinned: a restarted
-            # kubelet's new socket may get the old one's inode number
-            self._pins.put(STREAM_ENDED_WITH, self._pins.get(TRIED))
+        if self._server.stream.open:
+            self._kubelets.stream_ended()
         await self._server.stop(grace)
 
     def _set(self, state: State) -> None:
@@ -267,7 +245,7 @@ class Registrar:
             self.registering_now = False
 
     async def _send_register(self) -> None:
-        kubelet = self._pins.put(TRIED, Pin.take(self.kubelet_socket))
+        kubelet = self._kubelets.trying()
         if kubelet is None:
             raise RegistrationError(sockets.not_a_socket(self.kubelet_socket, "kubelet"))
         self._server.stream.sent()
@@ -285,15 +263,13 @@ class Registrar:
             ) from error
         if error is not None:
             raise error
-        previous = self._pins.identity(SEEN)
-        if previous is not None and previous != kubelet.identity:
+        if self._kubelets.registered(kubelet):
             # Counted here, where it is certain: a restart first seen as a lost stream (the
             # kubelet stopping ends it before its new socket exists) is registered anew at once.
             self.kubelet_restarts += 1
             if not self._restart_said:
                 log.info("kubelet restart detected: %s is a new socket", self.kubelet_socket)
         self._restart_said = False
-        self._pins.put(SEEN, kubelet)
 
     async def _unserved(self) -> None:
         """Returns once our socket is no longer at its path. The kubelet dials back to that path
@@ -304,20 +280,6 @@ class Registrar:
             if not self._server.ours():
                 return
             await self._wake.wait()
-
-    async def _wait_for_kubelet(self, delay: float) -> bool:
-        """Sleep `delay`, cut short (True) as soon as a (new) kubelet.sock exists: woken by the
-        watcher, or looked at every VERIFY_INTERVAL_S while the kubelet directory is not watched."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + delay
-        while loop.time() < deadline:
-            self._wake.clear()
-            now = sockets.identity(self.kubelet_socket)
-            if now is not None and now != self._pins.identity(TRIED):
-                return True
-            left = deadline - loop.time()
-            await waits.event(self._wake, left if self._watched() else min(left, VERIFY_INTERVAL_S))
-        return False
 
     async def _watch(self) -> Ending:
         """Until the registration ends (registration_state.ending); how it did."""
@@ -330,8 +292,8 @@ class Registrar:
             seen = Seen(
                 ours=ours,
                 path_taken=not ours and os.path.lexists(self.socket_path),
-                kubelet=sockets.identity(self.kubelet_socket),
-                registered_with=self._pins.identity(SEEN),
+                kubelet=self._kubelets.now(),
+                registered_with=self._kubelets.registered_with,
                 stream_ended=self._server.stream.ended,
                 renew=self._renew,
                 stream_due_in=due,
@@ -341,4 +303,5 @@ class Registrar:
                 if outcome is Ending.RENEW:
                     self._renew = False
                 return outcome
-            await waits.event(self._wake, due if due is not None else None if self._watched() else VERIFY_INTERVAL_S)
+            unwatched = kubelets.VERIFY_INTERVAL_S
+            await waits.event(self._wake, due if due is not None else None if self._watched() else unwatched)
