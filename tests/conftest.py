@@ -116,6 +116,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # (pytest-xdist's workers), printed at its end with the background builds' times (make test's phases).
 TIER_TIMES: dict[str, float] = {}
 WORKER_TIMES: dict[str, float] = {}
+# Each worker's units of work in time: (worker, lane) → [start, end, busy] in seconds since the
+# session began, as the controller receives the reports.
+LANE_SPANS: dict[tuple[str, str], list[float]] = {}
+SESSION_START = time.monotonic()
+
+
+LANE_SHOWN_S = 60  # the units phases() places in time: the rest is noise beside them
 
 
 def tier(item: pytest.Item) -> str:
@@ -138,6 +145,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         worker = getattr(getattr(report, "node", None), "gateway", None)
         name = worker.id if worker is not None else "the session"
         WORKER_TIMES[name] = WORKER_TIMES.get(name, 0.0) + report.duration
+        now = time.monotonic() - SESSION_START
+        span = LANE_SPANS.setdefault((name, str(named.get("lane", "?"))), [now - report.duration, now, 0.0])
+        span[1], span[2] = now, span[2] + report.duration
 
 
 def phases(terminalreporter: Any) -> None:
@@ -158,6 +168,11 @@ def phases(terminalreporter: Any) -> None:
         terminalreporter.write_line(f"{name}: {seconds:.0f} s")
     for name, seconds in sorted(WORKER_TIMES.items()):
         terminalreporter.write_line(f"busy, {name}: {seconds:.0f} s")
+    # When each worker ran its longer units (a unit's span beyond its busy time: waiting between
+    # its tests' reports, e.g. for another worker's build of the releases).
+    for (worker, lane_name), (start, end, busy) in sorted(LANE_SPANS.items(), key=lambda kv: (kv[0][0], kv[1][0])):
+        if end - start >= LANE_SHOWN_S:
+            terminalreporter.write_line(f"{worker}, {lane_name}: {start:.0f}–{end:.0f} s (busy {busy:.0f} s)")
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -212,6 +227,7 @@ def _order_and_lanes(config: pytest.Config, items: list[pytest.Item]) -> None:
         if ROOT_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.root)
         item.user_properties.append(("tier", tier(item)))
+        item.user_properties.append(("lane", lane(item)))
 
     # Alone (one process), the real-cluster tests run last: the whole clusters of the other minors
     # (test_e2e_versions.py) first, each ending with its module, then the session's cluster.
