@@ -72,9 +72,9 @@ from hyperlight_agent.dra.slice_spec import (
     owned,
     pool_generation,
     right,
-    slice_object,
     unsure,
 )
+from hyperlight_agent.dra.slice_writes import Relist, SliceWrites
 from hyperlight_agent.dra.taints import Taint
 from hyperlight_agent.dra.types import Json
 
@@ -91,10 +91,6 @@ BACKOFF_CAP_S = 30.0
 # first, 75 s after the server answered (client.py); a peer gone from the network by TCP keepalive
 # too (ARCHITECTURE.md, "DRA: an informer, and one backoff").
 WATCH_TIMEOUT_S = (300.0, 600.0)
-
-
-class _Relist(Exception):
-    """What we know of the server is stale (a conflict, an expired watch): list again."""
 
 
 class SlicePublisher:
@@ -154,15 +150,14 @@ class SlicePublisher:
         self._known = False
         self._dirty = asyncio.Event()
         self._informer = SliceInformer(api, node_name, driver, watch_timeout_s, self._dirty)
-        self._written: Optional[Json] = None  # what we last wrote (desired), once we have
         self._accepted: Optional[tuple[Json, Json]] = None  # (desired, what the server made of it)
         self._generation = 0  # the highest pool.generation seen for our pool
         self._report = SliceReport(clock, self._changed)
+        self._writes = SliceWrites(api, node_name, driver, self._informer, self._report, on_event)
         self.slice_name = ""
         self.published = False
         self.kept_by = ""  # a newer instance of our driver that keeps the slice now
         self.first_published_at: Optional[float] = None
-        self._requests = 0  # requests sent but the informer's (writes, dry runs, deletes, the sweep's lists)
         self.looks = 0  # comparisons of the server's slices with the desired one done (tests read this)
 
     def set_device(self, device: Optional[DeviceInfo], taint: Optional[Taint] = None) -> None:
@@ -206,7 +201,7 @@ class SlicePublisher:
     @property
     def requests(self) -> int:
         """Requests sent to the API server (benchmarks read this)."""
-        return self._informer.requests + self._requests
+        return self._informer.requests + self._writes.requests
 
     @property
     def published_devices(self) -> int:
@@ -224,7 +219,7 @@ class SlicePublisher:
                 self._report.streak_over()
                 self._event("watch", "ended")
                 continue  # the watch ran to its end: open the next one at once
-            except _Relist as exc:
+            except Relist as exc:
                 self._event("watch", "relist")
                 self._informer.forget()
                 log.debug("ResourceSlice: %s; listing again", exc)
@@ -269,7 +264,8 @@ class SlicePublisher:
             )
             self.kept_by = ""
         if not self._swept:
-            await self._sweep()
+            await self._writes.sweep(self._drivers_before)
+            self._swept = True
         # A field the server may drop is found out by a dry run first: a stored write of it would
         # show the scheduler, until our next write, one device that holds one claim (or an
         # unusable device without its taint).
@@ -278,7 +274,7 @@ class SlicePublisher:
         ):
             return
         result = await self._write(desired, keep, extras)
-        self._written = desired
+        self._writes.written = desired
         self._informer.put(result)
         if self._dropped(desired, result):
             return
@@ -316,41 +312,7 @@ class SlicePublisher:
         return True
 
     async def _write(self, desired: Json, keep: Optional[Json], extras: list[Json], dry_run: bool = False) -> Json:
-        """Delete the duplicates, then create or update the slice; the server's answer (`dry_run`:
-        what the server would store; nothing deleted, nothing stored, nothing said)."""
-        try:
-            for extra in extras:
-                self._report.notice(
-                    f"duplicate {object_name(extra)}",
-                    f"ResourceSlice {object_name(extra)} duplicates "
-                    f"{object_name(keep or {})} for node {self.node_name}; deleting it",
-                )
-                await self._delete(object_name(extra))
-            if keep is None:
-                if self._written is not None and not dry_run:
-                    self._report.notice(
-                        "deleted",
-                        f"ResourceSlice {self.slice_name} was deleted (a kubelet start wipes them); creating it again",
-                    )
-                self._requests += 1
-                if not dry_run:  # (the metric counts writes; `requests` what the server is asked)
-                    self._event("write", "create")
-                return await self._api.create_slice(
-                    slice_object(desired, {"generateName": self._prefix()}, self._generation + 1), dry_run=dry_run
-                )
-            if self._written == desired and object_name(keep) == self.slice_name and not dry_run:
-                self._report.notice("edited", f"ResourceSlice {object_name(keep)} edited by someone else; restoring")
-            self._requests += 1
-            if not dry_run:
-                self._event("write", "update")
-            metadata = keep.get("metadata") or {}
-            return await self._api.replace_slice(slice_object(desired, metadata, self._generation + 1), dry_run=dry_run)
-        except ApiError as exc:
-            if exc.code == 409:
-                raise _Relist(f"conflict: {exc.message}") from exc
-            if exc.code == 404 and exc.verb == "update":
-                raise _Relist("the slice went away while we updated it") from exc
-            raise
+        return await self._writes.write(desired, keep, extras, self._generation + 1, self.slice_name, dry_run)
 
     def _settled(self, obj: Json, desired: Json) -> None:
         self._generation = max(self._generation, pool_generation(obj))
@@ -366,39 +328,10 @@ class SlicePublisher:
         if self.kept_by != newer:
             log.info("ResourceSlice for node %s: instance %s keeps it; not writing it", self.node_name, newer)
         self.kept_by = newer
-        self._written = None  # what the newer one writes is no edit to complain of when we take over
+        self._writes.written = None  # what the newer one writes is no edit to complain of when we take over
         self.published = current is not None
         self.slice_name = object_name(current or {})
         self._report.succeeded(self.slice_name)
-
-    async def _sweep(self) -> None:
-        """Delete this node's slices published under our driver's earlier names."""
-        for driver in self._drivers_before:
-            self._requests += 1
-            old, _ = await self._api.list_slices(self.node_name, driver)
-            for obj in old:
-                log.info(
-                    "ResourceSlice %s: published under driver %s, our name before %s; deleting it",
-                    object_name(obj),
-                    driver,
-                    self.driver,
-                )
-                await self._delete(object_name(obj))
-        self._swept = True
-
-    async def _delete(self, name: str) -> None:
-        self._requests += 1
-        self._event("write", "delete")
-        try:
-            await self._api.delete_slice(name)
-        except ApiError as exc:
-            if exc.code != 404:  # already gone is what we wanted
-                raise
-        self._informer.drop(name)
-
-    def _prefix(self) -> str:
-        """generateName: the server appends five random characters ("node1-hypervisor.hyperlight.dev-x7k2p")."""
-        return f"{self.node_name}-{self.driver}-"
 
 
 __all__ = ["SLICES", "SlicePublisher"]
