@@ -716,22 +716,19 @@ class Load:
         return result
 
 
-def kubelet_log(node: Node) -> str:
-    assert node.kubelet is not None
-    with open(node.kubelet.log_path, errors="replace") as f:
-        return f.read()
-
-
-def kubelet_start(log: str, since: int, namespace: str, rejected: list[str]) -> dict[str, Any]:
+def kubelet_start(node: Node, since: int, namespace: str, rejected: list[str]) -> dict[str, Any]:
     """How many of the rejected pods a restarted kubelet refused before it had our first list (the
     pods bound while it was down, admitted at its start before any plugin could register again:
     outcomes.denied_before_a_list; every other rejection is a gap of ours), and how long after its
-    start our first list reached it: None unless a kubelet started after `since` (the log's length
-    before the event), so an event without a kubelet restart carries no start figure."""
-    before = denied_before_a_list(log, HYPERVISOR)
+    start our first list reached it: None unless a kubelet started after `since` (the log's size in
+    bytes before the event), so an event without a kubelet restart carries no start figure."""
+    assert node.kubelet is not None
+    with open(node.kubelet.log_path, "rb") as f:
+        log = f.read()
+    before = denied_before_a_list(log.decode(errors="replace"), HYPERVISOR)
     return {
         "rejected_at_kubelet_start": sum(before.get(f"{namespace}/{name}", False) for name in rejected),
-        "kubelet_start_to_our_list_s": start_to_list_s(log[since:], HYPERVISOR),
+        "kubelet_start_to_our_list_s": start_to_list_s(log[since:].decode(errors="replace"), HYPERVISOR),
     }
 
 
@@ -749,7 +746,8 @@ def run_event(
     ensure_namespace(cluster, namespace)
     with Load(cluster, node, namespace, command or ["/kvmcheck"], pin, interval) as load:
         wait_until(lambda: len(load.created) >= 5, 30, "load started")
-        log_before = len(kubelet_log(node))
+        assert node.kubelet is not None
+        log_before = os.path.getsize(node.kubelet.log_path)
         started = time.monotonic()
         event()
         wait_until(back, 180, f"{label}: healthy again")
@@ -760,7 +758,7 @@ def run_event(
     figure = {
         "pods": len(load.created),
         **outcomes,
-        **kubelet_start(kubelet_log(node), log_before, namespace, load.rejected),
+        **kubelet_start(node, log_before, namespace, load.rejected),
         "recovered_s": round(recovered, 2),
         "kubelet_zero_windows_s": [round(w, 3) for w in windows],
         "kubelet_zero_total_s": round(sum(windows), 3),
