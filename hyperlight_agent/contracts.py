@@ -122,6 +122,10 @@ DRA_HEALTH_MESSAGE_MAX = 1024
 DRA_GET_INFO_TIMEOUT_S = 1.0
 DRA_NOTIFY_TIMEOUT_S = 5.0
 DRA_CALL_TIMEOUT_S = 45.0
+# The plugin manager's reconciler looks every second; a failed registration is tried again after
+# the operation executor's backoff, 0.5 s doubling (pluginmanager/reconciler, goroutinemap).
+DRA_RECONCILE_S = 1.0
+DRA_REGISTER_RETRY_INITIAL_S = 0.5
 # Our driver and DeviceClass names (owner: hyperlight-agent), named like what they publish under
 # our domain, as DRA drivers are: ResourceSlice.spec.driver, the class workloads ask for, the
 # chart's (deploy/helm: tests/test_deploy.py keeps them equal to these).

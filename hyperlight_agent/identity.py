@@ -99,3 +99,5 @@ class Description:
     registering: bool = False
     # The pid of the agent an in-place upgrade replaced with it (0: none).
     replaced: int = 0
+    # Registered so recently that the kubelet may still take it back (dra/registration.py).
+    settling: bool = False

@@ -7,7 +7,8 @@ one small gRPC method beside its kubelet protocol, `Describe`, answering who it 
 
     {"agent": "hyperlight-agent", "version": "0.1.0", "instance": "web-1", "protocol": "dra",
      "resource": "hypervisor.hyperlight.dev", "started": 5123456789, "pid": 42, "ready": true,
-     "serving": true, "calls": 17, "registering": false, "replaced": 0, "upgrade": {...}}
+     "serving": true, "calls": 17, "registering": false, "replaced": 0, "settling": false,
+     "upgrade": {...}}
 
 `started` is CLOCK_BOOTTIME in nanoseconds at the agent's start: one clock for every container on
 the node, never set back. Asking by socket is what makes an answer trustworthy enough: another
@@ -30,7 +31,8 @@ Besides who it is, an instance says how it stands: `ready` (its readiness), `ser
 for what it shares with its peers: registered with the kubelet and its device healthy), `calls`
 (the kubelet's calls it has received: Allocate, NodePrepareResources), `registering` (it waits for
 its predecessor's agreement before registering: host/successor.py), `replaced` (the pid of the
-agent an in-place upgrade replaced with it) and, from an agent that can upgrade in place, `upgrade`
+agent an in-place upgrade replaced with it), `settling` (a DRA registration the kubelet may still
+take back: no successor yet) and, from an agent that can upgrade in place, `upgrade`
 (host/successor.py's UpgradeRecord).
 """
 
@@ -137,6 +139,7 @@ def _parse(answer: Any, path: str) -> Optional[Description]:
             calls=calls if isinstance(calls, int) and not isinstance(calls, bool) else None,
             registering=doc.get("registering") is True,
             replaced=replaced if isinstance(replaced, int) and not isinstance(replaced, bool) else 0,
+            settling=doc.get("settling") is True,
         )
     except (ValueError, KeyError, TypeError):
         return None
@@ -190,7 +193,7 @@ async def successor(
             return legacy.target if ok else None
         ours = (
             found is not None
-            and (found.ready or not require_ready)
+            and ((found.ready and not found.settling) or not require_ready)
             and me.same_kind(found.identity)
             and found.identity != me
         )

@@ -1,8 +1,8 @@
 """A DRA kubelet stand-in: the plugin watcher and the DRA plugin manager's side of the contract,
 for tests. Runs on the caller's event loop.
 
-As strict as the kubelet (1.34 and 1.37 behave alike here; pkg/kubelet/pluginmanager and
-pkg/kubelet/cm/dra), never more forgiving:
+As strict as the kubelet (1.37's pkg/kubelet/pluginmanager and pkg/kubelet/cm/dra; 1.35 only where
+said), never more forgiving:
 - it watches the registry directory with inotify, as the plugin watcher does with fsnotify: a
   socket whose name does not start with "." that is created or moved in (fsnotify's Create) is
   registered, again if it was already (the desired state's new UUID makes the reconciler
@@ -16,8 +16,10 @@ pkg/kubelet/cm/dra), never more forgiving:
   order and the first the kubelet knows ("v1.DRAPlugin", "v1beta1.DRAPlugin") is chosen (an
   empty list, or none known, is refused); an endpoint already registered for the driver is
   refused; a refusal is told by NotifyRegistrationStatus (5 s) with the reason; an accepted
-  plugin is first registered (calls go to it, its health stream opens), then told yes: a
-  failed notify (`notify_failed`) leaves it registered;
+  plugin is first registered (calls go to it, its health stream opens), then told yes; when
+  that notify fails (its deadline, or `notify_lost`: the plugin's answer read too late) 1.36 on
+  take the registration back and try again with the backoff above, 1.35 (`keeps_failed_notify`)
+  leaves it registered (`notify_failed` lists them);
 - several instances of one driver (different endpoints) are kept in registration order; a call
   goes to the newest one that is connected (its channel is READY or can become so), else the newest;
 - prepare()/unprepare() send only namespace, uid and name, with a 45 s deadline, and check that
@@ -70,8 +72,8 @@ class RegistrationRefused(Exception):
 # What grpc-go says of a call on a connection its ClientConn.Close() ended (ErrClientConnClosing).
 # A failed registration's retry (see the module's docstring): the reconciler's period and the
 # operation executor's exponential backoff per socket.
-RECONCILE_S = 1.0
-RETRY_INITIAL_S = 0.5
+RECONCILE_S = contracts.DRA_RECONCILE_S
+RETRY_INITIAL_S = contracts.DRA_REGISTER_RETRY_INITIAL_S
 RETRY_CAP_S = 122.0
 CONNECTION_CLOSING = "rpc error: code = Canceled desc = grpc: the client connection is closing"
 
@@ -121,6 +123,13 @@ class DraKubeletStandin:
     refused: list[tuple[str, str]] = field(default_factory=list)
     # Registrations whose NotifyRegistrationStatus(yes) failed: (registration socket, why).
     notify_failed: list[tuple[str, str]] = field(default_factory=list)
+    # A test's hook, asked after a notify the plugin answered: True makes it a notify that failed
+    # anyway (the answer came after the kubelet's deadline).
+    notify_lost: Optional[Callable[[str], bool]] = None
+    # 1.35 keeps a plugin whose notify failed; 1.36 on take it back (and register it again).
+    keeps_failed_notify: bool = False
+    # Every change of a driver's registered instances: (loop time, driver, how many).
+    registered_counts: list[tuple[float, str, int]] = field(default_factory=list)
     # Awaited with the instance picked and before the call is sent (a test's hook).
     before_call: Optional[Callable[[Instance], Awaitable[None]]] = None
     # The ResourceHealthStatus gate: whether health streams are opened at all.
@@ -194,7 +203,7 @@ class DraKubeletStandin:
         try:
             await self.register(path)
         except (RegistrationRefused, grpc.RpcError, asyncio.TimeoutError) as exc:
-            why = str(exc) if isinstance(exc, RegistrationRefused) else f"dial/GetInfo failed: {exc}"
+            why = str(exc) if isinstance(exc, RegistrationRefused) else f"dial/GetInfo/notify failed: {exc}"
             self.refused.append((path, why))
             delay = min(self._backoff.get(path, (RETRY_INITIAL_S / 2, 0.0))[0] * 2, RETRY_CAP_S)
             self._backoff[path] = (delay, asyncio.get_running_loop().time() + delay)
@@ -247,18 +256,27 @@ class DraKubeletStandin:
         # operation_generator.go does: a plugin told it is registered may be called at once, and
         # stays registered when the notify fails.
         self.instances.setdefault(instance.driver, []).append(instance)
+        self._counted(instance.driver)
         if self.resource_health and instance.health_service:
             instance.health_task = asyncio.ensure_future(self._watch_health(instance))
         try:
-            await waits.within(
-                registration.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True)),
-                contracts.DRA_NOTIFY_TIMEOUT_S,
-            )
+            await self._notify_registered(registration, path)
         except (grpc.RpcError, asyncio.TimeoutError) as exc:
             self.notify_failed.append((path, str(exc)))
+            if not self.keeps_failed_notify:
+                await self._deregister(path)
+                raise
         finally:
             await channel.close(None)
         return instance
+
+    async def _notify_registered(self, registration: Any, path: str) -> None:
+        await waits.within(
+            registration.NotifyRegistrationStatus(reg.RegistrationStatus(plugin_registered=True)),
+            contracts.DRA_NOTIFY_TIMEOUT_S,
+        )
+        if self.notify_lost is not None and self.notify_lost(path):
+            raise asyncio.TimeoutError("the plugin's answer came after the deadline")
 
     async def _validate(self, info: reg.PluginInfo, path: str) -> Instance:
         if info.type != contracts.DRA_PLUGIN_TYPE:
@@ -298,8 +316,13 @@ class DraKubeletStandin:
                 instance.closed = True
                 await self._stop_health(instance)
                 await instance.channel.close(None)
+                self._counted(driver)
             if not instances:
                 del self.instances[driver]
+
+    def _counted(self, driver: str) -> None:
+        count = len(self.instances.get(driver, []))
+        self.registered_counts.append((asyncio.get_running_loop().time(), driver, count))
 
     # --- resource health ------------------------------------------------------------------------
 

@@ -481,6 +481,8 @@ def quick_deregistration(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(registration, "DEREGISTER_GRACE_S", 0.05)
     monkeypatch.setattr(registration, "CALLS_DRAIN_S", 0.5)  # (its own test: test_dra_registration)
+    # The stand-in's notify fails only when a test asks it to (test_handover holds the wait itself).
+    monkeypatch.setattr(registration, "REGISTRATION_SETTLE_S", 0.2)
 
 
 @pytest.fixture

@@ -152,15 +152,18 @@ def test_the_same_endpoint_twice_is_refused(tmp: str) -> None:
     run(tmp, body)
 
 
-@pytest.mark.parametrize("notify_fails", [False, True], ids=["told", "telling-failed"])
-def test_the_kubelet_registers_a_plugin_before_it_tells_it_and_keeps_it_if_the_telling_fails(
-    tmp: str, notify_fails: bool
+@pytest.mark.parametrize(
+    ("notify_fails", "keeps"), [(False, False), (True, True), (True, False)], ids=["told", "failed-1.35", "failed-1.37"]
+)
+def test_the_kubelet_registers_a_plugin_before_it_tells_it_and_a_failed_telling_takes_it_back(
+    tmp: str, notify_fails: bool, keeps: bool
 ) -> None:
     """The stand-in's order is operation_generator.go's: RegisterPlugin, then
     NotifyRegistrationStatus, so a plugin told it is registered may be called at once; after a
-    failed notify (recorded) the plugin stays registered."""
+    failed notify (recorded) 1.35 keeps the plugin, 1.36 on take it back (and try again later)."""
 
     async def body(node: Node, kubelet: DraKubeletStandin) -> None:
+        kubelet.keeps_failed_notify = keeps
         known_when_told: list[bool] = []
 
         class Plugin:
@@ -184,10 +187,15 @@ def test_the_kubelet_registers_a_plugin_before_it_tells_it_and_keeps_it_if_the_t
         server.add_insecure_port(transport.unix_target(path))
         await server.start()
         try:
-            instance = await kubelet.register(path)
+            if notify_fails and not keeps:
+                with pytest.raises(grpc.RpcError):
+                    await kubelet.register(path)
+            else:
+                instance = await kubelet.register(path)
         finally:
             await server.stop(0)
-        assert known_when_told == [True] and kubelet.instances[DRIVER] == [instance]
+        assert known_when_told == [True]
+        assert kubelet.instances.get(DRIVER, []) == ([] if notify_fails and not keeps else [instance])
         assert [p for p, _ in kubelet.notify_failed] == ([path] if notify_fails else [])
 
     run(tmp, body)
@@ -446,7 +454,7 @@ async def test_standin_tries_a_failed_registration_again_after_the_kubelets_back
     try:
         async with DraKubeletStandin(registry) as kubelet:
             await until(lambda: DRIVER in kubelet.instances, what="registered on the retry")
-            assert len(kubelet.refused) == 1 and kubelet.refused[0][1].startswith("dial/GetInfo failed"), (
+            assert len(kubelet.refused) == 1 and kubelet.refused[0][1].startswith("dial/GetInfo/notify failed"), (
                 kubelet.refused
             )
         assert len(asked) == 2 and asked[1] - asked[0] >= contracts.DRA_GET_INFO_TIMEOUT_S + RETRY_INITIAL_S

@@ -242,6 +242,46 @@ def test_a_stopped_dra_agent_hands_over_to_a_ready_successor(
     with_cluster(tmp, body)
 
 
+def test_no_handover_while_the_kubelet_may_still_take_the_successors_registration_back(
+    tmp: str, helpers: list[FakeHelper], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1.36 on take a registration back when its NotifyRegistrationStatus fails, and it fails on
+    the kubelet's deadline even after the plugin answered (a starved node): the successor believes
+    it is registered. Handing over to it then left the kubelet with no instance of the driver (a
+    red CI run: pods failed "DRA driver ... is not registered" during a driver pod's deletion). A
+    successor is handed over to only once its registration has stood REGISTRATION_SETTLE_S."""
+    monkeypatch.setattr(dra_registration, "REGISTRATION_SETTLE_S", 2.0)
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        old = Agent(settings_in(tmp, config, handover_seconds=30), modes.DRA)
+        new = Agent(settings_in(tmp, config, instance="pod-b"), modes.DRA)
+        await old.start()
+        await until(lambda: old.ready, timeout=START_S, what="the old agent ready")
+        loop = asyncio.get_running_loop()
+        lost: list[float] = []  # when the successor's notifies were lost: for 2.5 s from the first
+
+        def lose(path: str) -> bool:
+            if "pod-b" not in path or (lost and loop.time() > lost[0] + 2.5):
+                return False
+            lost.append(loop.time())
+            return True
+
+        kubelet.notify_lost = lose
+        await new.start()
+        try:
+            await until(lambda: new.ready, timeout=START_S, what="its successor ready (as it believes)")
+            await waits.within(shut(old), 20)
+            counts = [count for _, driver, count in kubelet.registered_counts if driver == DRIVER]
+            assert lost and 0 not in counts, (lost, counts)
+            assert [i.registration_socket for i in kubelet.instances[DRIVER]] == [
+                dra_side(new).registrar.registration_socket
+            ]
+        finally:
+            await shut(new)
+
+    with_cluster(tmp, body)
+
+
 def test_an_in_place_upgrade_waits_for_the_child_it_started(tmp: str, helpers: list[FakeHelper]) -> None:
     """The in-place upgrade's hand-over (host/successor.py) names the child's pid: another ready
     instance of the driver is no successor; the child, once ready, is."""

@@ -67,6 +67,19 @@ DEREGISTER_GRACE_S = 1.5
 # socket goes, the calls in flight get this long to end; the kubelet sends new ones to the newest
 # instance, so during a handover none follow. Far below the kubelet's 45 s per call.
 CALLS_DRAIN_S = 5.0
+# The kubelet (1.36 on: operation_generator.go) takes a registration back when its
+# NotifyRegistrationStatus fails, and it fails on the kubelet's deadline (contracts.DRA_NOTIFY_TIMEOUT_S)
+# even when we have answered, if our answer reached it too late (a starved node). It then registers
+# us again: its backoff (RETRY_INITIAL_S) and the reconciler's next look (RECONCILE_S) later, with
+# GetInfo first, telling us again. So until this long after the kubelet's last word, our
+# registration may still be taken back without our knowing: a predecessor handing over to us then
+# would leave the kubelet with no instance of the driver ("DRA driver ... is not registered").
+REGISTRATION_SETTLE_S = (
+    contracts.DRA_NOTIFY_TIMEOUT_S
+    + contracts.DRA_REGISTER_RETRY_INITIAL_S
+    + contracts.DRA_RECONCILE_S
+    + contracts.DRA_GET_INFO_TIMEOUT_S
+)
 
 
 class DriverServers:
@@ -110,6 +123,7 @@ class DriverServers:
         self.registered = False
         self.error = ""  # the kubelet's reason for refusing us, or why we could not serve
         self.notifications = 0  # NotifyRegistrationStatus calls received
+        self._registered_at = 0.0  # the loop's time of the kubelet's last "registered"
         self.served_again = 0  # sockets of ours put back after someone removed or replaced them
         # Whether both sockets' directories are watched now: then every change of our sockets
         # calls wake(), and nothing runs on a timer.
@@ -119,6 +133,11 @@ class DriverServers:
         # register (the side holds a registration that would take the kubelet's calls from a ready
         # instance of ours while our device is unhealthy).
         self._may_register = may_register
+
+    def settling(self) -> bool:
+        """Registered, but too recently for the kubelet to be done with it (REGISTRATION_SETTLE_S)."""
+        elapsed = asyncio.get_running_loop().time() - self._registered_at
+        return self.registered and elapsed < REGISTRATION_SETTLE_S
 
     @property
     def serving(self) -> bool:
@@ -225,6 +244,7 @@ class DriverServers:
     ) -> reg.RegistrationStatusResponse:
         self.notifications += 1
         if request.plugin_registered:
+            self._registered_at = asyncio.get_running_loop().time()
             if not self.registered:
                 log.info("the kubelet registered DRA driver %s at %s", self.driver, self.service_socket)
             self._set(True, "")

@@ -275,8 +275,9 @@ class DraSide:
         return False
 
     def described(self) -> Mapping[str, Any]:
-        """What Describe adds for this side (peers.py): `serving` is ready but for the slice."""
-        return {"serving": self._serving(), "calls": self.service.calls.received}
+        """What Describe adds for this side (peers.py): `serving` is ready but for the slice;
+        `settling`: registered too recently to hand over to (registration.REGISTRATION_SETTLE_S)."""
+        return {"serving": self._serving(), "calls": self.service.calls.received, "settling": self.registrar.settling()}
 
     def _serving(self) -> bool:
         """Registered with the kubelet and the device healthy: all but the slice (which only a
