@@ -206,18 +206,18 @@ def test_the_service_is_served_before_the_registration_socket_appears(tmp: str) 
         node = Node(tmp, FakeClaims())
         registrar = node.registrar("pod-a")
         seen: list[bool] = []
-        serve = registration.DriverServers._serve
+        serve = registration.serve_at
 
-        async def spy(self: DriverServers, path: str, handlers: Any, configure: Any = None) -> Any:
-            if path == self.registration_socket:
-                seen.append(os.path.exists(self.service_socket) and _accepts(self.service_socket))
-            return await serve(self, path, handlers, configure)
+        async def spy(path: str, handlers: Any, setting: str, configure: Any = None) -> Any:
+            if path == registrar.registration_socket:
+                seen.append(os.path.exists(registrar.service_socket) and _accepts(registrar.service_socket))
+            return await serve(path, handlers, setting, configure)
 
-        registration.DriverServers._serve = spy  # type: ignore[method-assign]
+        registration.serve_at = spy
         try:
             await registrar.start()
         finally:
-            registration.DriverServers._serve = serve  # type: ignore[method-assign]
+            registration.serve_at = serve
             await registrar.close()
         assert seen == [True]
 

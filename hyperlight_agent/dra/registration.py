@@ -151,7 +151,9 @@ class DriverServers:
             self._dra = await self._serve_dra(self.service_socket)
             if self._may_register is not None:
                 await self._may_register()
-            self._registration = await self._serve(self.registration_socket, [api.registration_handler(self)])
+            self._registration = await serve_at(
+                self.registration_socket, [api.registration_handler(self)], "dra_registry_dir"
+            )
         except transport.NotServing as exc:
             self._set(False, str(exc))
             await self.close()
@@ -196,7 +198,7 @@ class DriverServers:
             )
             self._set(False, "our registration socket was removed; registering again")
             await registration.stop(0)
-            self._registration = await self._serve(registration.path, [api.registration_handler(self)])
+            self._registration = await serve_at(registration.path, [api.registration_handler(self)], "dra_registry_dir")
             self.served_again += 1
 
     async def close(self) -> None:
@@ -269,23 +271,25 @@ class DriverServers:
         if self._health is not None:
             endpoint = self._health.endpoint()
             handlers += api.health_handlers(endpoint)
-        serving = await self._serve(path, handlers, self._configure)
+        serving = await serve_at(path, handlers, "dra_plugins_dir", self._configure)
         self._health_endpoint = endpoint
         return serving
 
-    async def _serve(
-        self,
-        path: str,
-        handlers: list[grpc.GenericRpcHandler[Any, Any]],
-        configure: Optional[Callable[[grpc.aio.Server], None]] = None,
-    ) -> transport.Serving:
-        def add(server: grpc.aio.Server) -> None:
-            server.add_generic_rpc_handlers(handlers)
-            if configure is not None:
-                configure(server)
 
-        setting = "dra_registry_dir" if path == self.registration_socket else "dra_plugins_dir"
-        return await transport.serve_in_place(path, add, names.PRIVATE_PREFIX, setting)
+async def serve_at(
+    path: str,
+    handlers: list[grpc.GenericRpcHandler[Any, Any]],
+    setting: str,
+    configure: Optional[Callable[[grpc.aio.Server], None]] = None,
+) -> transport.Serving:
+    """A server of `handlers` (and what `configure` adds) at `path`, from the directory `setting` names."""
+
+    def add(server: grpc.aio.Server) -> None:
+        server.add_generic_rpc_handlers(handlers)
+        if configure is not None:
+            configure(server)
+
+    return await transport.serve_in_place(path, add, names.PRIVATE_PREFIX, setting)
 
 
 def driver_dir(directory: str) -> None:
