@@ -32,7 +32,7 @@ for what it shares with its peers: registered with the kubelet and its device he
 (the kubelet's calls it has received: Allocate, NodePrepareResources), `registering` (it waits for
 its predecessor's agreement before registering: host/successor.py), `replaced` (the pid of the
 agent an in-place upgrade replaced with it), `settling` (a DRA registration the kubelet may still
-take back: no successor yet) and, from an agent that can upgrade in place, `upgrade`
+take back: dra/instances.py waits it out before handing over) and, from an agent that can upgrade in place, `upgrade`
 (host/successor.py's UpgradeRecord).
 """
 
@@ -193,7 +193,7 @@ async def successor(
             return legacy.target if ok else None
         ours = (
             found is not None
-            and ((found.ready and not found.settling) or not require_ready)
+            and (found.ready or not require_ready)
             and me.same_kind(found.identity)
             and found.identity != me
         )

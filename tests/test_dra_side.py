@@ -282,6 +282,41 @@ def test_no_handover_while_the_kubelet_may_still_take_the_successors_registratio
     with_cluster(tmp, body)
 
 
+def test_a_successor_whose_device_fails_holds_back_beside_an_agent_still_settling(
+    tmp: str, helpers: list[FakeHelper], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only a handover waits for a registration to settle: to a next release whose check fails, a
+    ready instance registered a moment ago serves the kubelet all the same, so it holds its
+    registration back (the real-cluster test caught a first version that made it register)."""
+    monkeypatch.setattr(dra_registration, "REGISTRATION_SETTLE_S", 600.0)  # the old agent settles throughout
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        old = Agent(settings_in(tmp, config), modes.DRA)
+        await old.start()
+        new: Optional[Agent] = None
+        try:
+            await until(lambda: old.ready, timeout=START_S, what="the old agent ready")
+            empty = os.path.join(tmp, "no-device")
+            os.makedirs(empty)
+            new = Agent(dataclasses.replace(settings_in(tmp, config, instance="pod-b"), device_dir=empty), modes.DRA)
+            await new.start()
+            await until(
+                lambda: "not registering while the device is unhealthy" in caplog.text,
+                timeout=START_S,
+                what="the new agent holding its registration back",
+            )
+            assert [i.registration_socket for i in kubelet.instances[DRIVER]] == [
+                dra_side(old).registrar.registration_socket
+            ]
+        finally:
+            if new is not None:
+                await shut(new)
+            await shut(old)
+
+    with_cluster(tmp, body)
+
+
 def test_an_in_place_upgrade_waits_for_the_child_it_started(tmp: str, helpers: list[FakeHelper]) -> None:
     """The in-place upgrade's hand-over (host/successor.py) names the child's pid: another ready
     instance of the driver is no successor; the child, once ready, is."""

@@ -6,12 +6,14 @@ health endpoint says so (host/healthcheck.py).
 
     instances = Instances(identity, registry_dir, driver, own_registration_socket)
     await instances.successor(timeout, pid=..., require_ready=..., seen=...)   its service socket
+    await instances.settled(service_socket, deadline)  once the kubelet can no longer take it back
     await instances.newer()                       the name of a live one started after us
     await instances.keeping_slice(serving=True)   the name of the newest serving one, if not us
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Callable, Optional
 
@@ -76,6 +78,25 @@ class Instances:
             require_ready=require_ready,
             seen=seen,
         )
+
+    async def settled(self, service_socket: str, deadline: float) -> bool:
+        """Whether the instance at `service_socket` no longer says it is settling (a registration
+        the kubelet may still take back: registration.REGISTRATION_SETTLE_S), asked until then or
+        the loop's `deadline`. An instance gone, or one that never says so (an earlier release),
+        has nothing to wait for."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                found = await peers.describe(
+                    service_socket, min(peers.PEER_TIMEOUT_S, max(0.0, deadline - loop.time()))
+                )
+            except peers.Legacy:
+                return True
+            if found is None or not found.settling:
+                return True
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(peers.POLL_S)
 
     async def newer(self) -> Optional[str]:
         """The name of a live instance of our driver that started after us (it keeps the CDI spec)."""

@@ -255,11 +255,16 @@ class DraSide:
         connection to us (dra_plugin_manager.go, remove: conn.Close()), failing it ("the client
         connection is closing"; the pod waits for the kubelet's retry). So we wait until no call
         is in flight and none arrived for transport.QUIET_S: calls are concurrent here, so nothing
-        proves it sooner. Returns the successor's socket."""
+        proves it sooner. Before that, until the successor's registration has settled (within
+        `timeout`): the kubelet may still take it back (registration.REGISTRATION_SETTLE_S).
+        Returns the successor's socket."""
         if not self.registrar.serving:
             return None
+        deadline = asyncio.get_running_loop().time() + timeout
         successor = await self.instances.successor(timeout, pid=pid, require_ready=require_ready, seen=seen)
         if successor:
+            if not await self.instances.settled(successor, deadline):
+                log.info("%s was registered too recently to be sure the kubelet keeps it", successor)
             calls = self.service.calls
             why = await transport.until_quiet(lambda: calls.in_flight, lambda: calls.received)
             log.info("the kubelet is done with us: %s", why)
