@@ -2416,6 +2416,28 @@ def test_agent_pod_deleted_again_and_again_rejects_no_pod(installed: Cluster) ->
     assert figure["kubelet_zero_windows_s"] == [], figure
 
 
+# What the kubelet logged of the driver's pods and registrations (at its --v=2): the order of a
+# handover's steps, for a failure to be read by (two CI runs failed "DRA driver ... is not
+# registered" that runs of the test alone never did).
+DRIVER_STEPS = re.compile(
+    r"RegisterPlugin|UnregisterPlugin|Killing container|Container exited|dra-driver|probe failed", re.IGNORECASE
+)
+
+
+def driver_timeline(log_path: str, since: int, failed: list[str]) -> list[str]:
+    """The kubelet log's lines since `since` (bytes) on the driver's pods and registrations, and
+    its lines on the first and last pod in `failed` (its "load-N: ..." entries)."""
+    pods = [entry.split(":", 1)[0] for entry in failed[:1] + failed[-1:]]
+    with open(log_path, "rb") as f:
+        f.seek(since)
+        lines = f.read().decode(errors="replace").splitlines()
+    return [
+        line[:300]
+        for line in lines
+        if DRIVER_STEPS.search(line) or any(f"/{pod}" in line or f'"{pod}"' in line for pod in pods)
+    ][-400:]
+
+
 def test_dra_driver_pod_deleted_again_and_again_fails_no_prepare(dra_installed: Cluster, published: Published) -> None:
     """Issue 35, 13 (DRA): a driver pod delete made a NodePrepareResources fail with "the client
     connection is closing" (its deregistration closed the kubelet's connection with the call on
@@ -2423,6 +2445,9 @@ def test_dra_driver_pod_deleted_again_and_again_fails_no_prepare(dra_installed: 
     once no call is in flight and none came for a while; HANDOVERS deletions under DRA load."""
     cluster = dra_installed
     on_the_newest_kubelet(cluster)
+    kubelet = cluster.nodes["a"].kubelet
+    assert kubelet is not None
+    log_before = os.path.getsize(kubelet.log_path)
     back, act = deleting_again_and_again(cluster, DRA_DAEMONSET, lambda: dra_ready(cluster))
     handovers: list[int] = []
     figure = dra_event(cluster, "newest-driver-pod-deleted-again", lambda: handovers.append(act()), back)
@@ -2430,7 +2455,10 @@ def test_dra_driver_pod_deleted_again_and_again_fails_no_prepare(dra_installed: 
     record(f"dra.newest.{cluster.versions['newest']}.driver_pod_deleted_again", figure)
     # (Late pods are the kubelet's own claim reads refused, kubelet_claim_reads_refused: issue 29, 6;
     # a prepare that reached a driver and failed is in failed_prepares.)
-    assert figure["failed"] == 0 and figure["failed_prepares"] == [], figure
+    assert figure["failed"] == 0 and figure["failed_prepares"] == [], (
+        figure,
+        driver_timeline(kubelet.log_path, log_before, figure["failed_prepares"]),
+    )
     assert figure["running_pod_untouched"], figure
     assert figure["slice_fewest_devices"] == SHARED_DEVICES, figure
 
