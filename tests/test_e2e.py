@@ -2424,6 +2424,51 @@ DRIVER_STEPS = re.compile(
 )
 
 
+# What each driver agent says of its handover (dra/side.py, kubelet_side.py, registration.py).
+AGENT_STEPS = re.compile(r"stop requested|successor|kubelet is done|handing over|stopping|registered|settl|unhealthy")
+
+
+class DriverLogs:
+    """The driver agents' container logs on node `node`, read every 0.3 s while in use: a deleted
+    pod's log goes with it, and what the old agent said of its handover is the evidence."""
+
+    def __init__(self, node: Node) -> None:
+        self._dir = os.path.join(node.directory, "log-pods")
+        self.seen: dict[str, bytes] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+
+    def __enter__(self) -> DriverLogs:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError):
+                for pod in os.listdir(self._dir):
+                    if f"_{DRA_DAEMONSET}-" not in pod:
+                        continue
+                    for directory, _, names in os.walk(os.path.join(self._dir, pod)):
+                        for name in names:
+                            with contextlib.suppress(OSError), open(os.path.join(directory, name), "rb") as f:
+                                self.seen[f"{pod}/{name}"] = f.read()
+            self._stop.wait(0.3)
+
+    def steps(self) -> list[str]:
+        """Every agent's handover lines, oldest pod first."""
+        lines = [
+            f"{key.split('_')[1]}: {line[:240]}"
+            for key, text in self.seen.items()
+            for line in text.decode(errors="replace").splitlines()
+            if AGENT_STEPS.search(line)
+        ]
+        return sorted(lines, key=lambda line: line.split(": ", 1)[1])[-300:]
+
+
 def driver_timeline(log_path: str, since: int, failed: list[str]) -> list[str]:
     """The kubelet log's lines since `since` (bytes) on the driver's pods and registrations, and
     its lines on the first and last pod in `failed` (its "load-N: ..." entries)."""
@@ -2450,15 +2495,22 @@ def test_dra_driver_pod_deleted_again_and_again_fails_no_prepare(dra_installed: 
     log_before = os.path.getsize(kubelet.log_path)
     back, act = deleting_again_and_again(cluster, DRA_DAEMONSET, lambda: dra_ready(cluster))
     handovers: list[int] = []
-    figure = dra_event(cluster, "newest-driver-pod-deleted-again", lambda: handovers.append(act()), back)
+    with DriverLogs(cluster.nodes["a"]) as agents:
+        figure = dra_event(cluster, "newest-driver-pod-deleted-again", lambda: handovers.append(act()), back)
     figure["handovers"] = handovers[0]
     record(f"dra.newest.{cluster.versions['newest']}.driver_pod_deleted_again", figure)
     # (Late pods are the kubelet's own claim reads refused, kubelet_claim_reads_refused: issue 29, 6;
     # a prepare that reached a driver and failed is in failed_prepares.)
-    assert figure["failed"] == 0 and figure["failed_prepares"] == [], (
-        figure,
-        driver_timeline(kubelet.log_path, log_before, figure["failed_prepares"]),
+    assert figure["failed"] == 0 and figure["failed_prepares"] == [], "\n".join(
+        [
+            repr(figure),
+            "the kubelet:",
+            *driver_timeline(kubelet.log_path, log_before, figure["failed_prepares"]),
+            "the agents:",
+            *agents.steps(),
+        ]
     )
+    assert agents.steps(), "the agents' own account of their handovers was read"
     assert figure["running_pod_untouched"], figure
     assert figure["slice_fewest_devices"] == SHARED_DEVICES, figure
 
