@@ -32,8 +32,8 @@ for what it shares with its peers: registered with the kubelet and its device he
 (the kubelet's calls it has received: Allocate, NodePrepareResources), `registering` (it waits for
 its predecessor's agreement before registering: host/successor.py), `replaced` (the pid of the
 agent an in-place upgrade replaced with it), `settling` (a DRA registration the kubelet may still
-take back: dra/instances.py waits it out before handing over) and, from an agent that can upgrade in place, `upgrade`
-(host/successor.py's UpgradeRecord).
+take back: dra/instances.py waits it out before handing over) and, from an agent that can upgrade
+in place, `upgrade` (host/successor.py's UpgradeRecord).
 """
 
 from __future__ import annotations

@@ -70,10 +70,11 @@ CALLS_DRAIN_S = 5.0
 # The kubelet (1.36 on: operation_generator.go) takes a registration back when its
 # NotifyRegistrationStatus fails, and it fails on the kubelet's deadline (contracts.DRA_NOTIFY_TIMEOUT_S)
 # even when we have answered, if our answer reached it too late (a starved node). It then registers
-# us again: its backoff (RETRY_INITIAL_S) and the reconciler's next look (RECONCILE_S) later, with
-# GetInfo first, telling us again. So until this long after the kubelet's last word, our
-# registration may still be taken back without our knowing: a predecessor handing over to us then
-# would leave the kubelet with no instance of the driver ("DRA driver ... is not registered").
+# us again: its backoff (contracts.DRA_REGISTER_RETRY_INITIAL_S) and the reconciler's next look
+# (contracts.DRA_RECONCILE_S) later, with GetInfo first, telling us again. So until this long
+# after the kubelet's last word, our registration may still be taken back without our knowing: a
+# predecessor handing over to us then would leave the kubelet with no instance of the driver
+# ("DRA driver ... is not registered").
 REGISTRATION_SETTLE_S = (
     contracts.DRA_NOTIFY_TIMEOUT_S
     + contracts.DRA_REGISTER_RETRY_INITIAL_S
