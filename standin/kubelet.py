@@ -139,6 +139,10 @@ class KubeletStandin:
             return 0
         return len(self._healthy(resource))
 
+    def registers_since_start(self) -> list[pb.RegisterRequest]:
+        """The Registers this kubelet.sock (the last one started) has received."""
+        return [request for when, request in self.register_calls if when >= self.started_at]
+
     def allocated_health(self, resource: str, device_id: str) -> str:
         """A running pod's allocatedResourcesStatus for the device ID it was allocated."""
         health = self.listed.get(resource, {}).get(device_id, contracts.HEALTHY)
@@ -164,13 +168,17 @@ class KubeletStandin:
         self._changed()
 
     async def stop(self) -> None:
+        """As the kubelet's exit: kubelet.sock stops answering, and every plugin's stream ends."""
         self._release.set()
-        for plugin in [*self.plugins.values(), *self.replaced]:
-            await self._drop(plugin)
-        self.replaced.clear()
+        # Not listening first: an exiting kubelet's socket closes with its streams, so a plugin that
+        # registers again the moment its stream ends finds nobody there (CI once saw such a Register
+        # counted by the old server, and the new server's after it).
         if self._server is not None:
             await self._server.stop(0)
             self._server = None
+        for plugin in [*self.plugins.values(), *self.replaced]:
+            await self._drop(plugin)
+        self.replaced.clear()
 
     async def restart(self, bound_while_down: Sequence[list[str]] = ()) -> list[str]:
         """As the kubelet does on start: remove the sockets in its directory, serve kubelet.sock
@@ -200,14 +208,9 @@ class KubeletStandin:
 
     async def replace_socket(self) -> None:
         """Serve a new kubelet.sock without touching anything else (plugins' sockets stay)."""
-        self._release.set()
-        for plugin in [*self.plugins.values(), *self.replaced]:
-            await self._drop(plugin)
-        self.replaced.clear()
+        await self.stop()
         self.plugins.clear()
         self.devices.clear()
-        if self._server is not None:
-            await self._server.stop(0)
         with contextlib.suppress(FileNotFoundError):  # grpc may already have removed it
             os.unlink(self.socket_path)
         self._release = asyncio.Event()
