@@ -601,9 +601,21 @@ def wait_ready(agent: AgentProcess, timeout: float = 15) -> None:
     wait_for(lambda: agent.status().startswith("ready: "), timeout, "the agent saying it is ready")
 
 
+CALL_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    report = yield
+    if report.when == "call":
+        item.stash[CALL_FAILED] = report.failed
+    return report
+
+
 @pytest.fixture
-def start_agent(tmp: str) -> Iterator[StartAgent]:
-    """start_agent(*flags, env={...}): runs the agent with temp kubelet and CDI dirs by default."""
+def start_agent(tmp: str, request: pytest.FixtureRequest) -> Iterator[StartAgent]:
+    """start_agent(*flags, env={...}): runs the agent with temp kubelet and CDI dirs by default.
+    A failed test shows each agent's log (its own account of what it saw)."""
     agents: list[AgentProcess] = []
 
     def start(
@@ -617,6 +629,8 @@ def start_agent(tmp: str) -> Iterator[StartAgent]:
     yield start
     for agent in agents:
         agent.kill()
+        if request.node.stash.get(CALL_FAILED, False):
+            print(f"--- {agent.log_path} ---\n{agent.log}")
     wait_for(lambda: not any(a.helpers_left() for a in agents), 5, "probe helpers to exit after the agent")
 
 
