@@ -7,8 +7,8 @@ and one way of offering the device to the kubelet.
     side.begin_stop()          the stop's first moment (the kubelet must see it at once)
     await side.close()         bounded by side.close_bound_s
     side.snapshot(obs, checked).ready() / .status()
-    await side.hand_over(t)    if it has Succession: on a stop, serve on until a successor of
-                               ours is ready (hand_over_on_stop: only when the agent is ready)
+    await side.succession.hand_over(t)   if it offers Succession: on a stop, serve on until a
+                               successor of ours is ready (hand_over_on_stop: only when ready)
 
 The side is given only what it asks of the agent (Wiring, each collaborator typed by a Protocol
 of this module or a callback), and reports what it did to its protocol's own outcomes, made by its
@@ -192,8 +192,9 @@ class Succession(Protocol):
 
 
 def succession(side: KubeletSide[Any]) -> Optional[Succession]:
-    """The side's succession, if it has one."""
-    return side if isinstance(side, Succession) else None
+    """The side's succession, if it offers one (as its `succession`)."""
+    offered = getattr(side, "succession", None)
+    return offered if isinstance(offered, Succession) else None
 
 
 async def hand_over_on_stop(

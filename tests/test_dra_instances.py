@@ -9,7 +9,7 @@ import os
 from hyperlight_agent import contracts
 from hyperlight_agent.dra.instances import Instances, candidates
 from hyperlight_agent.identity import Identity
-from tests.test_dra_side import registered_driver
+from tests.test_dra_succession import registered_driver
 from tests.test_peers import silent_sockets
 
 DRIVER = contracts.DRA_DRIVER

@@ -14,22 +14,19 @@ from typing import Any, Awaitable, Callable, Optional
 import grpc
 import pytest
 
-from hyperlight_agent import modes, peers, transport, waits
+from hyperlight_agent import modes, transport, waits
 from hyperlight_agent.agent import Agent
 from hyperlight_agent.config import Settings
 from hyperlight_agent.device.helper import ProbeResult
 from hyperlight_agent.dra import client as dra_client
 from hyperlight_agent.dra import registration as dra_registration
 from hyperlight_agent.dra import side as dra_side_module
-from hyperlight_agent.dra.side import DraSide, DraTarget
 from hyperlight_agent.files import cdi
 from hyperlight_agent.host import healthcheck
-from hyperlight_agent.identity import Identity
 from standin.apiserver import FakeApiServer, kubeconfig, recorded
 from standin.dra_kubelet import Claim, DraKubeletStandin, Instance
 from tests.conftest import START_S, until
-from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dra_outcomes, dra_side, shut, wiring
-from tests.test_peers import Server, silent_sockets
+from tests.fakes import FakeHelper, RecordingNotifier, device_dir, dra_side, shut
 
 DRIVER = "hypervisor.hyperlight.dev"
 UID = "8d5c0f2a-1b3e-4d6f-a7c9-0e1f2a3b4c5d"  # the recorded claim's uid (default/pod-hv-9x2lq)
@@ -691,78 +688,3 @@ def test_a_claim_recorded_before_a_reboot_is_checked_again_and_its_cdi_spec_writ
             await shut(second)
 
     with_cluster(tmp, body)
-
-
-# --- peers: a successor to hand over to, a newer instance (registration sockets, GetInfo, then
-# Describe on the service socket) ---
-
-
-def dra_driver(tmp: str, instance: str = "old") -> DraSide:
-    registry, plugins = os.path.join(tmp, "registry"), os.path.join(tmp, "plugins")
-    os.makedirs(registry, exist_ok=True)
-    return DraSide(
-        DraTarget("node1", instance, 4, None, registry, plugins),
-        wiring(identity=Identity.of(instance, "dra", DRIVER)),
-        dra_outcomes(),
-    )
-
-
-async def registered_driver(tmp: str, name: str, sock: str, identity: Optional[Identity]) -> list[Server]:
-    """A DRA driver's registration socket naming `name`, and its service socket (health SERVING,
-    Describe when an identity is given)."""
-    endpoint = os.path.join(tmp, f"{sock}-service.sock")
-    service = Server(endpoint).with_health()
-    if identity is not None:
-        service.with_describe(identity)
-    registration = Server(os.path.join(tmp, "registry", f"{sock}-reg.sock")).with_registration(name, endpoint)
-    return [await service.start(), await registration.start()]
-
-
-# 9: another vendor's DRA driver in the registry is no successor.
-async def test_a_foreign_dra_driver_is_no_successor(tmp: str) -> None:
-    driver = dra_driver(tmp)
-    await driver.registrar.start()
-    servers = await registered_driver(tmp, "gpu.other-vendor.example", "dra-0a1b2c", None)
-    servers += await registered_driver(
-        tmp, "gpu.other-vendor.example", "dra-3d4e5f", Identity.of("x", "dra", "gpu.other-vendor.example")
-    )
-    try:
-        assert len(driver.instances.candidates()) == 2
-        assert await driver.hand_over(0.5) is None
-        ours = await registered_driver(tmp, DRIVER, f"{DRIVER}-new", Identity.of("new", "dra", DRIVER))
-        servers += ours
-        assert await driver.hand_over(5) == ours[0].path
-    finally:
-        for server in servers:
-            await server.stop()
-        await driver.close()
-
-
-async def test_the_dra_successor_search_ends_by_its_deadline_whatever_the_sockets_do(tmp: str) -> None:
-    driver = dra_driver(tmp)
-    await driver.registrar.start()
-    sockets = silent_sockets(os.path.join(tmp, "registry"), [f"{DRIVER}-silent-{i}-reg.sock" for i in range(100)])
-    loop = asyncio.get_running_loop()
-    try:
-        started = loop.time()
-        assert await driver.hand_over(1) is None
-        assert loop.time() - started < 1 + peers.PEER_TIMEOUT_S
-    finally:
-        for s in sockets:
-            s.close()
-        await driver.close()
-
-
-async def test_a_newer_live_instance_is_found_and_an_older_one_is_not(tmp: str) -> None:
-    older = Identity.of("older", "dra", DRIVER)
-    driver = dra_driver(tmp, "middle")
-    await driver.registrar.start()
-    servers = await registered_driver(tmp, DRIVER, f"{DRIVER}-older", older)
-    try:
-        assert await driver.newer_instance() is None
-        servers += await registered_driver(tmp, DRIVER, f"{DRIVER}-newest", Identity.of("newest", "dra", DRIVER))
-        assert await driver.newer_instance() == "newest"
-    finally:
-        for server in servers:
-            await server.stop()
-        await driver.close()

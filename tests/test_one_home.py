@@ -301,12 +301,12 @@ def test_hand_over_names_what_it_requires_of_the_successor() -> None:
     from hyperlight_agent import kubelet_side, peers
     from hyperlight_agent.deviceplugin import handover
     from hyperlight_agent.deviceplugin.side import DevicePluginSide
-    from hyperlight_agent.dra.side import DraSide
+    from hyperlight_agent.dra.succession import DraSuccession
 
     for waits_for_successor in (
         kubelet_side.Succession.hand_over,
         DevicePluginSide.hand_over,
-        DraSide.hand_over,
+        DraSuccession.hand_over,
         handover.wait_for_successor,
         peers.successor,
     ):

@@ -21,7 +21,7 @@ from hyperlight_agent.deviceplugin.registration import Registrar
 from hyperlight_agent.deviceplugin.registration_state import State
 from hyperlight_agent.deviceplugin.servicer import DevicePluginServicer, Endpoint, Profile
 from hyperlight_agent.identity import Description
-from hyperlight_agent.kubelet_side import Wiring, count
+from hyperlight_agent.kubelet_side import Succession, Wiring, count
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ class DevicePluginSide:
     def __init__(self, target: DevicePluginTarget, wiring: Wiring, outcomes: DevicePluginOutcomes) -> None:
         self._wiring = wiring
         self._outcomes = outcomes
+        self.succession: Succession = self  # its handover is the registrar's and the servicer's own
         self.kubelet_dir = target.kubelet_dir
         self._base_socket = target.base_socket
         self.profile = target.profile

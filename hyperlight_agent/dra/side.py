@@ -1,6 +1,7 @@
 """The DRA mode as the agent's kubelet side: its kubelet half (the DRAPlugin service and the
 plugin watcher's registration), which builds and runs its API half (dra/slice_keeper.py: this
-node's ResourceSlice) and reads claims for Prepare, on the agent's loop.
+node's ResourceSlice) and its succession (dra/succession.py: handing over to another instance of
+ours) and reads claims for Prepare, on the agent's loop.
 
     DraSide(DraTarget(node_name, instance, identical_devices, kubeconfig, registry_dir, plugins_dir), wiring,
             DraOutcomes(series))
@@ -25,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
-from hyperlight_agent import contracts, peers, transport, waits
+from hyperlight_agent import contracts, transport, waits
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.dra import names, registration
@@ -35,8 +36,8 @@ from hyperlight_agent.dra.outcomes import DraOutcomes
 from hyperlight_agent.dra.prepared import Prepared
 from hyperlight_agent.dra.service import Service
 from hyperlight_agent.dra.slice_keeper import SliceKeeper, SliceTarget
+from hyperlight_agent.dra.succession import DraSuccession
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
-from hyperlight_agent.identity import Description
 from hyperlight_agent.kubelet_side import Wiring, count
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class DraSide:
             on_change=self._registration_changed,
             configure=wiring.serve_ours,
             watched=lambda: all(watcher.watching(os.path.dirname(p)) for p in sockets),
-            may_register=self._may_register,
+            may_register=lambda: self.succession.may_register(),  # noqa: PLW0108 - built below, from these
             health=self.health,
         )
         # The API half: the slice, kept by the newest serving instance of ours.
@@ -185,9 +186,12 @@ class DraSide:
             wiring.observation,
             wiring.checker,
             outcomes,
-            keeper=self.slice_keeper,
+            keeper=lambda: self.succession.slice_keeper(),  # noqa: PLW0108 - likewise
             on_change=self._slice_changed,
             on_checked=self.health.refresh,
+        )
+        self.succession = DraSuccession(
+            self.instances, self.registrar, self.service.calls, wiring.observation, self.slices.wake
         )
         # Our two sockets (removed by a cleanup tool: served again), and other instances'
         # registration sockets coming and going (whether a newer one keeps the slice).
@@ -241,64 +245,14 @@ class DraSide:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def hand_over(
-        self,
-        timeout: float,
-        pid: Optional[int] = None,
-        require_ready: bool = True,
-        seen: Optional[Callable[[Description], None]] = None,
-    ) -> Optional[str]:
-        """On a stop: serve on until another instance of our driver on this node is registered
-        and ready (a surge update, or a deleted pod's replacement), at most `timeout` seconds. The
-        kubelet calls the newest connected instance, so from then on new claims go there; a call it
-        sent us just before may still be on its way, and deregistering closes the kubelet's
-        connection to us (dra_plugin_manager.go, remove: conn.Close()), failing it ("the client
-        connection is closing"; the pod waits for the kubelet's retry). So we wait until no call
-        is in flight and none arrived for transport.QUIET_S: calls are concurrent here, so nothing
-        proves it sooner. Before that, until the successor's registration has settled (within
-        `timeout`): the kubelet may still take it back (registration.REGISTRATION_SETTLE_S).
-        Returns the successor's socket."""
-        if not self.registrar.serving:
-            return None
-        deadline = asyncio.get_running_loop().time() + timeout
-        successor = await self.instances.successor(timeout, pid=pid, require_ready=require_ready, seen=seen)
-        if successor:
-            if not await self.instances.settled(successor, deadline):
-                log.info("%s was registered too recently to be sure the kubelet keeps it", successor)
-            calls = self.service.calls
-            why = await transport.until_quiet(lambda: calls.in_flight, lambda: calls.received)
-            log.info("the kubelet is done with us: %s", why)
-        return successor
-
-    def after_failed_hand_over(self, successor_registered: bool) -> None:
-        """The kubelet calls the newest connected instance, and a stopped one is deregistered: it
-        calls us again by itself. The ResourceSlice is looked at again (ours to keep again)."""
-        self.slices.wake()
-
-    def registration_in_flight(self) -> bool:
-        """The DRA registration is a socket the kubelet finds: nothing of ours is on its way."""
-        return False
-
     def described(self) -> Mapping[str, Any]:
         """What Describe adds for this side (peers.py): `serving` is ready but for the slice;
         `settling`: registered too recently to hand over to (registration.REGISTRATION_SETTLE_S)."""
-        return {"serving": self._serving(), "calls": self.service.calls.received, "settling": self.registrar.settling()}
-
-    def _serving(self) -> bool:
-        """Registered with the kubelet and the device healthy: all but the slice (which only a
-        serving instance may take from another: slice_keeper)."""
-        observation = self._observation
-        return self.registrar.registered and observation.version > 0 and observation.current.healthy
-
-    async def newer_instance(self) -> Optional[str]:
-        """The name of a live instance of our driver on this node that started after us, if any:
-        it keeps the CDI spec (peers.py)."""
-        return await self.instances.newer()
-
-    async def slice_keeper(self) -> Optional[str]:
-        """The name of a live instance of our driver on this node that keeps the ResourceSlice
-        instead of us, if any (dra/instances.py; serving: registered, the device healthy)."""
-        return await self.instances.keeping_slice(self._serving())
+        return {
+            "serving": self.succession.serving(),
+            "calls": self.service.calls.received,
+            "settling": self.registrar.settling(),
+        }
 
     def sockets_changed(self) -> None:
         """A socket came or went in the registry or our plugin directory: ours may need serving
@@ -307,25 +261,6 @@ class DraSide:
         self.slices.wake()
         # The kubelet forgets our driver's health when another instance's stream ends: say it again.
         self.health.nudge()
-
-    async def _may_register(self) -> None:
-        """Returns when we may register: our registration socket makes us the newest instance,
-        which the kubelet calls; with our device unhealthy beside a ready instance of ours (a
-        successor whose check fails) every claim would fail, so it waits for a healthy device or
-        for that instance to go. Alone, we register before the first check has completed: the
-        kubelet's health stream then shows claims prepared before our start as Unknown, not as
-        nothing, and a Prepare waits for a check anyway."""
-        await peers.hold(self._hold_reason, self._observation, self._held, first_check=False)
-
-    async def _hold_reason(self, observation: Observation) -> str:
-        if observation.healthy:
-            return ""
-        ready = await self.instances.successor(peers.PEER_TIMEOUT_S)
-        return f"not registering while the device is unhealthy: {ready} serves the kubelet" if ready else ""
-
-    def _held(self, reason: str) -> None:
-        if reason:
-            log.info("%s", reason)
 
     def _registration_changed(self) -> None:
         """Registered or not: readiness, whether we may keep the slice (slice_keeper), and the
