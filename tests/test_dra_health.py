@@ -155,7 +155,7 @@ def test_a_kubelet_without_the_health_stream_gets_todays_behaviour_and_one_line(
     """ResourceHealthStatus off (or a kubelet before 1.36): no stream is opened; the agent registers
     and becomes ready as before, and says once why pods' status shows no health (not again when it
     registers again)."""
-    monkeypatch.setattr(dra_side_module, "HEALTH_STREAM_WAIT_S", 0.3)
+    monkeypatch.setattr(health, "STREAM_WAIT_S", 0.3)
     caplog.set_level(logging.INFO)
 
     async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:

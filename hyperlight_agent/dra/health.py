@@ -24,13 +24,14 @@ What the kubelet does with the reports (pkg/kubelet/cm/dra, 1.37; standin/dra_ku
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from types import ModuleType
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Sequence
 
 import grpc
 
-from hyperlight_agent import contracts, text
+from hyperlight_agent import contracts, text, waits
 from hyperlight_agent.device.observation import Observation, SharedObservation
 
 # A report of every device this often even when nothing changed; the kubelet trusts each one for
@@ -42,6 +43,12 @@ TIMEOUT_S = 3 * RESEND_S
 # registration socket went, its stream ends (and the driver's health is forgotten) within about
 # that, and our next report puts it back.
 PEER_SETTLE_S = 2.0
+# The kubelet opens its resource-health stream as it registers us (1.37: in the same call). No
+# stream this long after registration: a kubelet that never will (before 1.36, or its
+# ResourceHealthStatus gate off), said once.
+STREAM_WAIT_S = 10.0
+
+log = logging.getLogger(__name__)
 
 HEALTHY, UNHEALTHY, UNKNOWN = "HEALTHY", "UNHEALTHY", "UNKNOWN"
 
@@ -126,6 +133,24 @@ class Health:
     def close(self) -> None:
         if self._nudge is not None:
             self._nudge.cancel()
+
+    async def expect_stream(self, registered: asyncio.Event, driver: str) -> None:
+        """Say once if the kubelet registers us (`registered` set, cleared while we are not) but
+        opens no resource-health stream: pods' status then shows nothing of the device's health
+        (the slice's taint still does)."""
+        while not self.first_opened.is_set():
+            await registered.wait()
+            if await waits.event(self.first_opened, STREAM_WAIT_S):
+                return
+            if registered.is_set():
+                log.info(
+                    "the kubelet registered DRA driver %s but opened no resource-health stream within %g s "
+                    "(a kubelet before 1.36, or its ResourceHealthStatus feature gate off): pods' status will "
+                    "not show the hypervisor's health; the ResourceSlice's taint still does",
+                    driver,
+                    STREAM_WAIT_S,
+                )
+                return
 
     def endpoint(self) -> HealthEndpoint:
         return HealthEndpoint(self)

@@ -21,14 +21,15 @@ CDI devices.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
-from hyperlight_agent import contracts, transport, waits
+from hyperlight_agent import contracts, transport
 from hyperlight_agent.backoff import Backoff
-from hyperlight_agent.device.observation import Observation
+from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.dra import names, registration
 from hyperlight_agent.dra.health import Health
 from hyperlight_agent.dra.instances import Instances
@@ -38,7 +39,7 @@ from hyperlight_agent.dra.service import Service
 from hyperlight_agent.dra.slice_keeper import SliceKeeper, SliceTarget
 from hyperlight_agent.dra.succession import DraSuccession
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
-from hyperlight_agent.kubelet_side import Wiring, count
+from hyperlight_agent.kubelet_side import Checks, Wiring, count
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,6 @@ RETRY_INITIAL_S = 0.5
 RETRY_CAP_S = 30.0
 # Each Prepare runs a fresh device check (as Allocate does), bounded well below the kubelet's 45 s.
 PREPARE_CHECK_TIMEOUT_S = 10.0
-# The kubelet opens its resource-health stream as it registers us (1.37: in the same call). No
-# stream this long after registration: a kubelet that never will (before 1.36, or its
-# ResourceHealthStatus gate off), said once.
-HEALTH_STREAM_WAIT_S = 10.0
 
 
 class _NotConnected:
@@ -151,7 +148,7 @@ class DraSide:
         self.service = Service(
             target.driver,
             _NotConnected(lambda: self.slices.api_error),
-            self._checked,
+            functools.partial(fresh_check, wiring.checker, wiring.observation),
             Prepared(os.path.join(target.plugins_dir, target.driver)),
             on_call=self._prepared,
         )
@@ -233,11 +230,11 @@ class DraSide:
         does not wait for the API: without it a Prepare gets a claim error saying why, and the
         status says why no slice is published."""
         tasks = [
-            asyncio.ensure_future(self._retrying("DRA registration", self._serve)),
-            asyncio.ensure_future(self._expect_health_stream()),
+            asyncio.ensure_future(retrying("DRA registration", self._serve, self._on_change)),
+            asyncio.ensure_future(self.health.expect_stream(self._registered, self.registrar.driver)),
         ]
         try:
-            await self._retrying("API client", self._connect)
+            await retrying("API client", self._connect, self._on_change)
             tasks += [asyncio.ensure_future(job) for job in self.slices.jobs()]
             await asyncio.gather(*tasks)
         finally:
@@ -295,33 +292,6 @@ class DraSide:
         except transport.NotServing as exc:
             raise _Retry(str(exc)) from exc
 
-    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[Any]]) -> Any:
-        backoff, said = Backoff(RETRY_INITIAL_S, RETRY_CAP_S), ""
-        while True:
-            try:
-                return await attempt()
-            except _Retry as exc:
-                if str(exc) != said:  # each distinct problem once, not once per retry
-                    said = str(exc)
-                    log.error("%s: %s; retrying with backoff", what, said)
-                self._on_change()
-            await asyncio.sleep(backoff.next())
-
-    async def _checked(self) -> Observation:
-        """What a Prepare is answered from: a fresh check. Once the agent stops, its checker checks
-        no more (its first step), while a call already with us is still to be answered (the
-        registrar deregisters only after it): that one gets the last check's result, a moment old,
-        rather than a dropped call, which the kubelet only sees fail as it deregisters us."""
-        check = asyncio.ensure_future(self._wiring.checker.check(timeout=PREPARE_CHECK_TIMEOUT_S))
-        try:
-            await asyncio.wait({check})
-        except asyncio.CancelledError:  # our caller's own cancellation (a server stopping)
-            check.cancel()
-            raise
-        if check.cancelled():  # the checker's: the agent is stopping
-            return self._observation.current
-        return check.result()
-
     def health_devices(self) -> list[str]:
         """The devices whose health the kubelet hears of: those the slice offers (or offered, for
         a device gone missing: the shape it had) and those of claims prepared on this node."""
@@ -341,23 +311,36 @@ class DraSide:
         self.health.refresh()
         self._on_change()
 
-    async def _expect_health_stream(self) -> None:
-        """Say once if the kubelet registers us but opens no resource-health stream: pods' status
-        then shows nothing of the device's health (the slice's taint still does)."""
-        while not self.health.first_opened.is_set():
-            await self._registered.wait()
-            if await waits.event(self.health.first_opened, HEALTH_STREAM_WAIT_S):
-                return
-            if self.registrar.registered:
-                log.info(
-                    "the kubelet registered DRA driver %s but opened no resource-health stream within %g s "
-                    "(a kubelet before 1.36, or its ResourceHealthStatus feature gate off): pods' status will "
-                    "not show the hypervisor's health; the ResourceSlice's taint still does",
-                    self.registrar.driver,
-                    HEALTH_STREAM_WAIT_S,
-                )
-                return
-
 
 class _Retry(Exception):
     """A start-up step failed in a way that may pass (said once, then retried with backoff)."""
+
+
+async def retrying(what: str, attempt: Callable[[], Awaitable[Any]], on_failure: Callable[[], None]) -> Any:
+    """attempt() until it returns, backed off after each _Retry (each distinct problem said once)."""
+    backoff, said = Backoff(RETRY_INITIAL_S, RETRY_CAP_S), ""
+    while True:
+        try:
+            return await attempt()
+        except _Retry as exc:
+            if str(exc) != said:
+                said = str(exc)
+                log.error("%s: %s; retrying with backoff", what, said)
+            on_failure()
+        await asyncio.sleep(backoff.next())
+
+
+async def fresh_check(checker: Checks, observation: SharedObservation) -> Observation:
+    """What a Prepare is answered from: a fresh check. Once the agent stops, its checker checks
+    no more (its first step), while a call already with us is still to be answered (the
+    registrar deregisters only after it): that one gets the last check's result, a moment old,
+    rather than a dropped call, which the kubelet only sees fail as it deregisters us."""
+    check = asyncio.ensure_future(checker.check(timeout=PREPARE_CHECK_TIMEOUT_S))
+    try:
+        await asyncio.wait({check})
+    except asyncio.CancelledError:  # our caller's own cancellation (a server stopping)
+        check.cancel()
+        raise
+    if check.cancelled():  # the checker's: the agent is stopping
+        return observation.current
+    return check.result()
