@@ -339,7 +339,7 @@ async def test_a_watch_frozen_before_its_first_bookmark_is_given_up_at_its_due(t
 
         task = asyncio.ensure_future(again())
         await until(lambda: fresh.count("BOOKMARK") >= 3, what="bookmarks on the fresh connection")
-        assert not task.done() and api.expect_bookmarks
+        assert not task.done() and api.bookmarks.expected
         task.cancel()
         await asyncio.wait([task])
     finally:
@@ -372,10 +372,10 @@ async def test_a_server_that_sends_no_bookmarks_while_quiet_costs_one_watch_and_
 
     try:
         kinds, error, _ = await watch(1)
-        assert error is not None and error.problem == "stalled" and api.expect_bookmarks, error
+        assert error is not None and error.problem == "stalled" and api.bookmarks.expected, error
         for _ in range(2):
             kinds, error, lasted = await watch(1)
-            assert (kinds, error) == ([], None) and lasted >= 0.9 and not api.expect_bookmarks
+            assert (kinds, error) == ([], None) and lasted >= 0.9 and not api.bookmarks.expected
         said = [
             r.getMessage() for r in caplog.records if "sent no bookmark within 0.3 s of two watches" in r.getMessage()
         ]
@@ -386,7 +386,7 @@ async def test_a_server_that_sends_no_bookmarks_while_quiet_costs_one_watch_and_
         async for kind, _ in api.watch_slices(NODE, DRIVER, str(fake.version - 1), 10):
             assert kind == "BOOKMARK"
             break
-        assert api.expect_bookmarks and "the API server sends bookmarks again" in caplog.text
+        assert api.bookmarks.expected and "the API server sends bookmarks again" in caplog.text
     finally:
         await api.close()
         await fake.stop()

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, NamedTuple, Optional
 import pytest
 
 from hyperlight_agent.dra import client as dra_client
-from hyperlight_agent.dra import slices
+from hyperlight_agent.dra import slices, watch_liveness
 from hyperlight_agent.dra.client import ApiError, ClientConfigError, KubeApi
 from hyperlight_agent.dra.slice_spec import DeviceInfo, desired_spec, owned
 from hyperlight_agent.dra.slices import SlicePublisher
@@ -272,7 +272,7 @@ def test_a_dead_connection_is_found_within_two_minutes_though_watches_last_minut
     # a write; the watches themselves last client-go's 5-10 minutes.
     low, high = slices.WATCH_TIMEOUT_S
     assert (low, high) == (300, 600), slices.WATCH_TIMEOUT_S
-    silence = max(dra_client.WATCH_ANSWER_S, dra_client.WATCH_HEARTBEAT_S)  # the first bookmark's too
+    silence = max(dra_client.WATCH_ANSWER_S, watch_liveness.WATCH_HEARTBEAT_S)  # the first bookmark's too
     assert silence + 2 * dra_client.REQUEST_TIMEOUT_S <= 120 and silence < low, silence
 
 

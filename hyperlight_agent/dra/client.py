@@ -26,6 +26,13 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Optiona
 
 from hyperlight_agent import contracts, text, waits
 from hyperlight_agent.dra.types import Json
+from hyperlight_agent.dra.watch_liveness import (
+    BOOKMARK_MARGIN_S,
+    WATCH_GRACE_S,
+    WATCH_HEARTBEAT_S,
+    Bookmarks,
+    Watch,
+)
 
 if TYPE_CHECKING:
     import httpx
@@ -35,29 +42,6 @@ log = logging.getLogger(__name__)
 IN_CLUSTER_ENV = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT")
 # Every request but a watch gives up after this long.
 REQUEST_TIMEOUT_S = 10.0
-# A watch asks the server to end it after its timeoutSeconds; one that has not ended this much
-# later is dead (a connection that stopped forwarding: no FIN, no RST) and is given up.
-WATCH_GRACE_S = 5.0
-# How often the API server's watch cache sends a bookmark to a watch that allowed them
-# (k8s.io/apiserver pkg/storage/cacher, defaultBookmarkFrequency; the same in 1.34 and 1.37) --
-# but only once the cache has moved past the version the watch started from: from then on every
-# minute (and 2 s before the watch's deadline), until the watch ends. Before that, a healthy
-# watch of a quiet resource may be silent for its whole life (etcd tells the cache of progress
-# every 10 minutes by default, every 5 s as kubeadm sets it up).
-BOOKMARK_INTERVAL_S = 60.0
-# So a watch that has had a bookmark and then hears nothing for a bookmark interval and this
-# margin (the cacher checks its watchers once a second, in one-second buckets, behind its event
-# dispatch) is dead, long before its timeoutSeconds. A miss costs one watch, never a list.
-BOOKMARK_MARGIN_S = 15.0
-WATCH_HEARTBEAT_S = BOOKMARK_INTERVAL_S + BOOKMARK_MARGIN_S
-# That deadline holds for a watch's first bookmark too, counted from the server's answer: the
-# cacher looks at a new watch a minute after it started, and its version has moved past the
-# watch's start by then wherever etcd tells it of progress (kubeadm's etcd every 5 s). Where it does
-# not (etcd's default, 10 minutes, and a quiet cluster), a healthy watch gets no first bookmark:
-# so a watch without one is given up once (a fresh connection follows), and when the next, on that
-# fresh connection, gets none either, the server is taken not to send bookmarks while quiet: from
-# then on (said once, until a bookmark comes again) a watch without one runs to its end, and a
-# dead connection before the first bookmark is found there, or by TCP keepalive.
 # TCP keepalive on every connection to the API server: a peer gone from the network (a crashed
 # node behind a load balancer, a NAT entry dropped) is found after this much silence and the
 # probes, also before a watch's first bookmark. A proxy that stopped forwarding but still answers
@@ -166,13 +150,7 @@ class KubeApi:
         self._stale = False  # a request's connection failed: the pool's others may be as dead
         self.source = source
         self._timeout_s = timeout_s
-        self._watch_grace_s = watch_grace_s
-        self._watch_heartbeat_s = watch_heartbeat_s
-        self._first_bookmark_s = first_bookmark_s
-        # Whether a watch is given up for want of its first bookmark (see WATCH_HEARTBEAT_S), and
-        # how many watches in a row were.
-        self.expect_bookmarks = True
-        self._first_misses = 0
+        self.bookmarks = Bookmarks(watch_heartbeat_s, first_bookmark_s, watch_grace_s)
 
     async def list_slices(self, node: str, driver: str) -> tuple[list[Json], str]:
         """This node's slices of `driver`, and the list's resourceVersion to watch from."""
@@ -189,10 +167,8 @@ class KubeApi:
         """Events (ADDED, MODIFIED, DELETED, BOOKMARK) after `resource_version`, until the server
         ends the watch (after about `timeout_s`: a normal end). Raises ApiError for anything else:
         an ERROR event (410: the version is too old to watch from), an unreadable event, a
-        connection that failed, or one gone silent: still open WATCH_GRACE_S past the timeout,
-        without its first bookmark WATCH_HEARTBEAT_S after the answer (see there), or, once the
-        server has sent a bookmark or an event, silent for WATCH_HEARTBEAT_S (the server's bookmarks
-        come every minute from then on)."""
+        connection that failed, or one gone silent (dra/watch_liveness.py: still open past the
+        timeout, without its first bookmark in time, or silent for a heartbeat after one)."""
         import httpx
 
         params = {
@@ -202,7 +178,7 @@ class KubeApi:
             "allowWatchBookmarks": "true",
             "timeoutSeconds": str(max(1, int(timeout_s))),
         }
-        limit = timeout_s + self._watch_grace_s
+        limit = timeout_s + self.bookmarks.grace_s
         loop = asyncio.get_running_loop()
         # Our deadlines decide, for the answer and the stream; httpx's read timeout, a second
         # later, never fires first.
@@ -224,7 +200,7 @@ class KubeApi:
                 await self._guarded("watch", SLICES, response.aread())
                 raise _status_error("watch", SLICES, response)
             pending = b""
-            liveness = _Liveness(loop.time(), ends, self.expect_bookmarks)
+            liveness = self.bookmarks.watch(loop.time(), ends)
             async for chunk in self._chunks(response, liveness, params):
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
@@ -239,14 +215,12 @@ class KubeApi:
                         # watch's start, so its bookmarks come every minute from now on.
                         if not liveness.bookmarked:
                             liveness.bookmarked = True
-                            self._bookmarks_come()
+                            self.bookmarks.came()
                         yield kind, obj
         finally:
             await response.aclose()
 
-    async def _chunks(
-        self, response: httpx.Response, liveness: _Liveness, params: dict[str, str]
-    ) -> AsyncIterator[bytes]:
+    async def _chunks(self, response: httpx.Response, liveness: Watch, params: dict[str, str]) -> AsyncIterator[bytes]:
         """The watch's bytes as they come, until the server ends it; ApiError when it goes silent
         past what `liveness` allows (a read in progress is kept across a deadline forgiven)."""
         loop = asyncio.get_running_loop()
@@ -256,15 +230,16 @@ class KubeApi:
             while True:
                 if read is None:
                     read = asyncio.ensure_future(self._guarded("watch", SLICES, chunks.__anext__()))
-                until = liveness.until(self._watch_heartbeat_s, self._first_bookmark_s)
+                until = self.bookmarks.until(liveness)
                 done, _ = await asyncio.wait({read}, timeout=max(0.0, until - loop.time()))
                 if not done:
                     early = until < liveness.ends
-                    if early and not liveness.bookmarked and self._quiet_server():
+                    if early and not liveness.bookmarked and self.bookmarks.forgiven():
                         liveness.first_due = False  # not this watch's fault: on to its end, reading on
                         continue
                     self._stale = True
-                    raise ApiError("watch", SLICES, 0, "stalled", self._silence(params, liveness.bookmarked, early))
+                    why = self.bookmarks.why(params["timeoutSeconds"], liveness.bookmarked, early)
+                    raise ApiError("watch", SLICES, 0, "stalled", why)
                 try:
                     yield read.result()
                 except StopAsyncIteration:
@@ -276,42 +251,6 @@ class KubeApi:
             if read is not None:
                 read.cancel()
                 await asyncio.wait({read})
-
-    def _quiet_server(self) -> bool:
-        """A watch had no first bookmark in time. The first such watch in a row is given up (False);
-        the next, on the fresh connection that follows, proves the server sends none while quiet
-        (True, said once), and from then on none is expected until one comes."""
-        self._first_misses += 1
-        if self._first_misses < 2:
-            return False
-        self.expect_bookmarks = False
-        log.info(
-            "ResourceSlice watches: the API server sent no bookmark within %g s of two watches in a row "
-            "(etcd's watch progress notifications off or slow?): a dead connection is now found at a "
-            "watch's end or by TCP keepalive until bookmarks come again",
-            self._first_bookmark_s,
-        )
-        return True
-
-    def _bookmarks_come(self) -> None:
-        if not self.expect_bookmarks:
-            log.info("ResourceSlice watches: the API server sends bookmarks again")
-        self.expect_bookmarks, self._first_misses = True, 0
-
-    def _silence(self, params: dict[str, str], bookmarked: bool, early: bool) -> str:
-        """Why a watch was given up as dead: its bookmarks stopped or never came, or it went on past
-        its end."""
-        if early and bookmarked:
-            return (
-                f"the watch sent nothing for {self._watch_heartbeat_s:g} s after a bookmark (the API server "
-                f"sends one every {BOOKMARK_INTERVAL_S:g} s once it has sent one)"
-            )
-        if early:
-            return (
-                f"the watch sent no bookmark within {self._first_bookmark_s:g} s of its start (the API server "
-                f"sends the first after {BOOKMARK_INTERVAL_S:g} s where etcd reports progress)"
-            )
-        return f"the watch went on {self._watch_grace_s:g} s past its timeoutSeconds={params['timeoutSeconds']}"
 
     async def create_slice(self, body: Json, dry_run: bool = False) -> Json:
         """POST; `dry_run`: the slice as the server would store it (its defaults, the fields of
@@ -411,23 +350,6 @@ class KubeApi:
             # httpx raises only its own errors, so these come from the credentials: a token file
             # that is missing or unreadable, an exec plugin that failed or printed garbage.
             raise ApiError(verb, resource, 0, CREDENTIALS, f"{self.source}: {_detail(exc)}") from exc
-
-
-class _Liveness:
-    """When a watch's silence means a dead connection: past its end; before its first bookmark (or
-    event), WATCH_HEARTBEAT_S after the server's answer while bookmarks are expected (`first_due`);
-    after one, WATCH_HEARTBEAT_S after the last word."""
-
-    def __init__(self, answered: float, ends: float, first_due: bool) -> None:
-        self.answered = self.heard = answered
-        self.ends = ends
-        self.first_due = first_due
-        self.bookmarked = False
-
-    def until(self, heartbeat_s: float, first_bookmark_s: float) -> float:
-        if self.bookmarked:
-            return min(self.ends, self.heard + heartbeat_s)
-        return min(self.ends, self.answered + first_bookmark_s) if self.first_due else self.ends
 
 
 def _selector(node: str, driver: str) -> dict[str, str]:
