@@ -1,16 +1,12 @@
-"""One device check (detect → bounded probe with host identity → CDI repair), run single-flight.
-
-A caller always gets a check that started after it asked. Callers that arrive while a check is
-running share the next one instead of starting their own, so a burst of Allocates costs at
-most two probes per probe time. The running check is shielded from its callers:
-one that gives up (cancelled, or past its deadline) leaves the check, and the shared health
-observation it will publish, untouched.
+"""One device check (detect → bounded probe with host identity → CDI repair), run single-flight
+(single_flight.py): a caller always gets a check that started after it asked, a burst of
+Allocates costs at most two probes per probe time, and a caller that gives up leaves the check,
+and the shared health observation it will publish, untouched.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -23,6 +19,7 @@ from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
 from hyperlight_agent.device.observation import Cause, Observation, SharedObservation
 from hyperlight_agent.files import cdi
 from hyperlight_agent.files.watcher import DirectoryWatcher
+from hyperlight_agent.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +71,7 @@ class Checker:
         self._helper = helper
         self._observation = observation
         self._on_result = on_result  # (observation, seconds, cdi_repaired) for logs and metrics
-        self._running: Optional[asyncio.Task[Observation]] = None
-        # Callers waiting for the check after the running one, which starts when it ends.
-        self._next: Optional[asyncio.Future[Observation]] = None
-        self._closed = False
+        self._flight = SingleFlight(self._run_one)
         self._helper_trouble = False  # the last check failed because of the helper
         self._rechecked = False  # a prompt re-check was already scheduled for this streak
         self._cdi_retry = Backoff(CDI_RETRY_INITIAL_S, CDI_RETRY_CAP_S)  # after failed spec writes
@@ -95,11 +89,11 @@ class Checker:
         the next one; every caller arriving meanwhile shares that same next check. Raises
         asyncio.TimeoutError past `timeout`; the check itself carries on.
         """
-        return await waits.within(asyncio.shield(self._fresh()), timeout)
+        return await waits.within(asyncio.shield(self._flight.next()), timeout)
 
     def request(self) -> None:
         """Ask for a check that starts after now (for change events); never waits."""
-        self._fresh()
+        self._flight.next()
 
     def watch(self, watcher: DirectoryWatcher) -> None:
         """A check whenever the device nodes change, or (unless inventory only) our CDI spec."""
@@ -131,47 +125,14 @@ class Checker:
     def cancel(self) -> None:
         """Refuse new checks and cancel the running one at once: from now on nothing is published
         or logged (the first step of a shutdown)."""
-        self._closed = True
         if self._retry is not None:
             self._retry.cancel()
-        if self._next is not None:
-            self._next.cancel()
-        if self._running is not None:
-            self._running.cancel()
+        self._flight.close()
 
     async def close(self) -> None:
         """cancel(), then wait for the running check to end."""
         self.cancel()
-        if self._running is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._running
-
-    def _fresh(self) -> asyncio.Future[Observation]:
-        if self._closed:  # shutting down: no new check, no new helper
-            closed: asyncio.Future[Observation] = asyncio.get_running_loop().create_future()
-            closed.cancel()
-            return closed
-        if self._running is None:
-            return self._start()
-        if self._next is None:
-            self._next = asyncio.get_running_loop().create_future()
-        return self._next
-
-    def _start(self) -> asyncio.Task[Observation]:
-        task = asyncio.ensure_future(self._run_one())
-        task.add_done_callback(self._finished)
-        self._running = task
-        return task
-
-    def _finished(self, task: asyncio.Task[Observation]) -> None:
-        self._running = None
-        waiting, self._next = self._next, None
-        if waiting is None or waiting.done():
-            return
-        if self._closed or task.cancelled():
-            waiting.cancel()
-            return
-        self._start().add_done_callback(lambda t: _forward(t, waiting))
+        await self._flight.closed_and_done()
 
     async def _run_one(self) -> Observation:
         started = time.monotonic()
@@ -222,7 +183,7 @@ class Checker:
 
     def _schedule(self, delay: float) -> None:
         """A check `delay` from now (replacing any retry already scheduled)."""
-        if self._closed:
+        if self._flight.closed:
             return
         if self._retry is not None:
             self._retry.cancel()
@@ -316,17 +277,6 @@ class Checker:
             t.gid,
             tuple((h.name, h.container_path) for h in hypervisors.HYPERVISORS),
         )
-
-
-def _forward(source: asyncio.Task[Observation], target: asyncio.Future[Observation]) -> None:
-    if target.done():
-        return
-    if source.cancelled():
-        target.cancel()
-    elif source.exception() is not None:
-        target.set_exception(source.exception())  # type: ignore[arg-type]
-    else:
-        target.set_result(source.result())
 
 
 def _inventory(device: str, host: Optional[str]) -> tuple[bool, str]:
