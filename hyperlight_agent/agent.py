@@ -207,8 +207,9 @@ class Agent:
         self.face.serve_ours(server, peers.describe_handler(self.identity, lambda: self.ready, self._described))
 
     def _described(self) -> dict[str, Any]:
-        """What Describe adds to who we are: how our side stands, and our in-place upgrades."""
-        return {**self.side.described(), **self.upgrader.said()}
+        """What Describe adds to who we are: how our side stands, our in-place upgrades, and whether
+        our stop has begun (then we are no successor: peers.successor)."""
+        return {**self.side.described(), **self.upgrader.said(), "stopping": self.life.leaving}
 
     def _on_check(self, observation: Observation, seconds: float, repaired: bool) -> None:
         self.metrics.check_done(observation, seconds, repaired)

@@ -101,3 +101,5 @@ class Description:
     replaced: int = 0
     # Registered so recently that the kubelet may still take it back (dra/registration.py).
     settling: bool = False
+    # Its stop has begun (it serves on only until a successor of its own is ready): no successor.
+    stopping: bool = False

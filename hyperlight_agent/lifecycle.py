@@ -41,6 +41,11 @@ class Lifecycle:
         return self.phase is Phase.RUNNING
 
     @property
+    def leaving(self) -> bool:
+        """Whether our stop has begun (we serve on at most until a successor is ready)."""
+        return self.phase is not Phase.RUNNING
+
+    @property
     def speaking(self) -> bool:
         """Whether the agent still says how it stands (after STOPPING=1 nothing more is said)."""
         return self.phase is not Phase.STOPPING

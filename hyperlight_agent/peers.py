@@ -8,14 +8,18 @@ one small gRPC method beside its kubelet protocol, `Describe`, answering who it 
     {"agent": "hyperlight-agent", "version": "0.1.0", "instance": "web-1", "protocol": "dra",
      "resource": "hypervisor.hyperlight.dev", "started": 5123456789, "pid": 42, "ready": true,
      "serving": true, "calls": 17, "registering": false, "replaced": 0, "settling": false,
-     "upgrade": {...}}
+     "stopping": false, "upgrade": {...}}
 
 `started` is CLOCK_BOOTTIME in nanoseconds at the agent's start: one clock for every container on
 the node, never set back. Asking by socket is what makes an answer trustworthy enough: another
 vendor's driver, a test tool serving the standard gRPC health service at a name like ours, or a
 socket that accepts and never answers is no instance of ours.
 
-- `successor()`: a ready instance of ours for the same resource, to hand the kubelet over to. All
+- `successor()`: a ready instance of ours for the same resource, to hand the kubelet over to, and
+  never one that is stopping itself: two instances stopping at once (a driver pod deleted while
+  the one it replaced still hands over) would each hand over to the other and leave the kubelet
+  with neither. Each sets `stopping` before it looks, so the later of the two never takes the
+  earlier. (`leaving_too`: any instance serving the kubelet now, for the holds.) All
   candidates are asked at once, each within PEER_TIMEOUT_S and all within the caller's timeout,
   so a hundred silent sockets cost that timeout, not a hundred. An instance of an earlier
   release (no Describe) still counts when it proves its protocol and says it is ready.
@@ -32,8 +36,8 @@ for what it shares with its peers: registered with the kubelet and its device he
 (the kubelet's calls it has received: Allocate, NodePrepareResources), `registering` (it waits for
 its predecessor's agreement before registering: host/successor.py), `replaced` (the pid of the
 agent an in-place upgrade replaced with it), `settling` (a DRA registration the kubelet may still
-take back: dra/instances.py waits it out before handing over) and, from an agent that can upgrade
-in place, `upgrade` (host/successor.py's UpgradeRecord).
+take back: dra/instances.py waits it out before handing over), `stopping` (its stop has begun) and,
+from an agent that can upgrade in place, `upgrade` (host/successor.py's UpgradeRecord).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import asyncio
 import contextlib
 import enum
 import json
+import logging
 from dataclasses import asdict
 from typing import Any, Awaitable, Callable, Iterable, Mapping, Optional
 
@@ -50,6 +55,8 @@ import grpc
 from hyperlight_agent import transport, waits
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.identity import AGENT, Description, Identity
+
+log = logging.getLogger(__name__)
 
 SERVICE = "hyperlight.agent.v1.Instance"
 DESCRIBE = f"/{SERVICE}/Describe"
@@ -140,6 +147,7 @@ def _parse(answer: Any, path: str) -> Optional[Description]:
             registering=doc.get("registering") is True,
             replaced=replaced if isinstance(replaced, int) and not isinstance(replaced, bool) else 0,
             settling=doc.get("settling") is True,
+            stopping=doc.get("stopping") is True,
         )
     except (ValueError, KeyError, TypeError):
         return None
@@ -175,6 +183,7 @@ async def successor(
     pid: Optional[int] = None,
     require_ready: bool = True,
     seen: Optional[Callable[[Description], None]] = None,
+    leaving_too: bool = False,
 ) -> Optional[str]:
     """The socket of a ready instance of ours for our resource, looked for at most `timeout` s;
     None then. Both kubelet sides hand over through this one step (timeout → deadline →
@@ -183,7 +192,9 @@ async def successor(
     successor answered on (resolved from its candidate). With `pid`, only that process counts (the
     child an in-place upgrade started), and without `require_ready` it need only answer (an
     unready agent has no readiness to hand over); `seen` is given every answer of that process,
-    ready or not."""
+    ready or not. One that says it is stopping counts only with `leaving_too`."""
+
+    passed_over: set[str] = set()  # stopping instances said once each
 
     async def ready(path: str, budget: float) -> Optional[str]:
         try:
@@ -197,6 +208,11 @@ async def successor(
             and me.same_kind(found.identity)
             and found.identity != me
         )
+        if ours and found is not None and found.stopping and not leaving_too:
+            ours = False
+            if found.identity.instance not in passed_over:
+                passed_over.add(found.identity.instance)
+                log.info("instance %s is stopping too: no successor", found.identity.instance)
         if pid is not None and found is not None and me.same_kind(found.identity) and found.identity.pid == pid:
             if seen is not None:
                 seen(found)

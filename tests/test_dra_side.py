@@ -314,6 +314,49 @@ def test_a_successor_whose_device_fails_holds_back_beside_an_agent_still_settlin
     with_cluster(tmp, body)
 
 
+def test_two_agents_stopping_at_once_wait_for_a_third_rather_than_hand_over_to_each_other(
+    tmp: str, helpers: list[FakeHelper], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A driver pod deleted while the one it replaced still hands over (the real-cluster test
+    deletes them again and again): each, still ready, looked like the other's successor; both
+    handed over and left, and pods failed "DRA driver ... is not registered". A stopping instance
+    is no successor: both serve on until the next pod is ready, then hand over to it."""
+    caplog.set_level(logging.INFO, "hyperlight_agent")
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        first = Agent(settings_in(tmp, config, handover_seconds=30), modes.DRA)
+        second = Agent(settings_in(tmp, config, instance="pod-b", handover_seconds=30), modes.DRA)
+        third = Agent(settings_in(tmp, config, instance="pod-c"), modes.DRA)
+        stops: list[asyncio.Future[None]] = []
+        try:
+            await first.start()
+            await until(lambda: first.ready, timeout=START_S, what="the first agent ready")
+            await second.start()
+            await until(lambda: second.ready, timeout=START_S, what="the second agent ready")
+            stops = [asyncio.ensure_future(shut(agent)) for agent in (first, second)]
+            passed_over = ("instance pod-b is stopping too", f"instance {first.identity.instance} is stopping too")
+            await until(
+                lambda: all(said in caplog.text for said in passed_over) or any(stop.done() for stop in stops),
+                timeout=START_S,
+                what="each stopping agent passing the other over",
+            )
+            assert not any(stop.done() for stop in stops), "one handed over to the other"
+            await third.start()
+            await waits.within(asyncio.gather(*stops), 30)
+            successor = dra_side(third).registrar.service_socket
+            assert caplog.text.count(f"handing over to {successor}") == 2, caplog.text
+            counts = [count for _, driver, count in kubelet.registered_counts if driver == DRIVER]
+            assert counts and 0 not in counts, counts
+        finally:
+            for agent in (first, second):
+                agent.stop()  # again, if its stop waits for a successor: at once
+            await asyncio.gather(*stops)
+            for agent in (third, *([] if stops else [first, second])):
+                await shut(agent)
+
+    with_cluster(tmp, body)
+
+
 def test_an_in_place_upgrade_waits_for_the_child_it_started(tmp: str, helpers: list[FakeHelper]) -> None:
     """The in-place upgrade's hand-over (host/successor.py) names the child's pid: another ready
     instance of the driver is no successor; the child, once ready, is."""

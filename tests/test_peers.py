@@ -135,6 +135,12 @@ async def test_describe_says_who_an_instance_is_and_how_it_stands(tmp: str) -> N
     assert found == Description(
         who, ready=False, path=server.path, upgrade=upgrade, serving=False, calls=17, registering=False, replaced=42
     )
+    stopping = await serve_description(os.path.join(tmp, "b.sock"), who, stopping=True, settling=True)
+    try:
+        said = await peers.describe(stopping.path, 5)
+    finally:
+        await stopping.stop()
+    assert said is not None and said.stopping and said.settling
 
 
 async def test_an_earlier_release_says_nothing_of_what_it_did_not_know(tmp: str) -> None:
@@ -214,6 +220,24 @@ async def test_a_newer_instance_and_one_by_pid_are_found_among_the_candidates(tm
     finally:
         for server in servers:
             await server.stop()
+
+
+async def test_an_instance_that_is_stopping_itself_is_no_successor_but_still_serves_for_a_hold(tmp: str) -> None:
+    """Two instances stopping at once would each hand over to the other (a red real-cluster run:
+    driver pods deleted one after another left the kubelet with neither); a hold asks who serves
+    the kubelet now, which a stopping instance still does."""
+    me = identity("me", started=20, pid=2)
+    stopping = await serve_description(os.path.join(tmp, "stopping.sock"), identity("leaving", 10, 1), stopping=True)
+    try:
+        assert await peers.successor(me, lambda: [stopping.path], 0.5) is None
+        assert await peers.successor(me, lambda: [stopping.path], 0.5, leaving_too=True) == stopping.path
+        staying = await serve_description(os.path.join(tmp, "staying.sock"), identity("staying", 30, 3))
+        try:
+            assert await peers.successor(me, lambda: [stopping.path, staying.path], 5) == staying.path
+        finally:
+            await staying.stop()
+    finally:
+        await stopping.stop()
 
 
 @pytest.mark.parametrize(

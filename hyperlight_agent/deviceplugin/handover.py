@@ -63,9 +63,11 @@ async def wait_for_successor(
     pid: Optional[int] = None,
     require_ready: bool = True,
     seen: Optional[Callable[[Description], None]] = None,
+    leaving_too: bool = False,
 ) -> Optional[str]:
     """The socket path of a ready successor (with `pid`, that process; without `require_ready`, one that
-    answers; `seen` gets each of its answers), or None after `timeout` seconds without one."""
+    answers; `seen` gets each of its answers; with `leaving_too`, a stopping one too: peers.successor),
+    or None after `timeout` seconds without one."""
     return await peers.successor(
         me,
         lambda: candidates(kubelet_dir, base_socket, own),
@@ -74,6 +76,7 @@ async def wait_for_successor(
         pid=pid,
         require_ready=require_ready,
         seen=seen,
+        leaving_too=leaving_too,
     )
 
 

@@ -212,7 +212,7 @@ class DevicePluginSide:
         me = self._wiring.identity
         if not healthy:
             serving = await handover.wait_for_successor(
-                me, self.kubelet_dir, self._base_socket, self.profile.socket, peers.PEER_TIMEOUT_S
+                me, self.kubelet_dir, self._base_socket, self.profile.socket, peers.PEER_TIMEOUT_S, leaving_too=True
             )
             if serving is not None:
                 return f"not registering while the device is unhealthy: {serving} serves the kubelet"

@@ -66,6 +66,7 @@ class Instances:
         pid: Optional[int] = None,
         require_ready: bool = True,
         seen: Optional[Callable[[Description], None]] = None,
+        leaving_too: bool = False,
     ) -> Optional[str]:
         """The service socket of a ready instance of ours (peers.successor), at most `timeout` s."""
         return await peers.successor(
@@ -77,6 +78,7 @@ class Instances:
             pid=pid,
             require_ready=require_ready,
             seen=seen,
+            leaving_too=leaving_too,
         )
 
     async def settled(self, service_socket: str, deadline: float) -> bool:

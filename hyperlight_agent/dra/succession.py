@@ -108,7 +108,7 @@ class DraSuccession:
     async def _hold_reason(self, observation: Observation) -> str:
         if observation.healthy:
             return ""
-        ready = await self.instances.successor(peers.PEER_TIMEOUT_S)
+        ready = await self.instances.successor(peers.PEER_TIMEOUT_S, leaving_too=True)  # it serves the kubelet
         return f"not registering while the device is unhealthy: {ready} serves the kubelet" if ready else ""
 
 
