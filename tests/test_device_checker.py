@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import pytest
 
-from hyperlight_agent.device import checker as checker_module
+from hyperlight_agent.device import rechecks
 from hyperlight_agent.device.checker import Checker, CheckTarget
 from hyperlight_agent.device.helper import ProbeHelper, ProbeResult
 from hyperlight_agent.device.observation import Cause, Observation, SharedObservation
@@ -410,7 +410,7 @@ async def test_close_cancels_the_running_check_and_refuses_new_ones(tmp: str) ->
 async def test_a_helper_fault_is_checked_again_promptly_once_per_streak(
     tmp: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(checker_module, "HELPER_RECHECK_S", 0.01)
+    monkeypatch.setattr(rechecks, "HELPER_RECHECK_S", 0.01)
 
     helper = FakeHelper({"kvm": ProbeResult(False, "probe helper exited unexpectedly", helper_fault=True)})
     checker, _, _ = make(tmp, helper, "kvm")
@@ -427,7 +427,7 @@ async def test_a_helper_fault_is_checked_again_promptly_once_per_streak(
 async def test_out_of_descriptors_keeps_the_last_result_and_looks_again(
     tmp: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(checker_module, "EXHAUSTED_RETRY_S", 0.01)
+    monkeypatch.setattr(rechecks, "EXHAUSTED_RETRY_S", 0.01)
     caplog.set_level(logging.INFO, "hyperlight_agent")
 
     helper = FakeHelper()
@@ -451,8 +451,8 @@ async def test_out_of_descriptors_keeps_the_last_result_and_looks_again(
 async def test_a_failed_spec_write_is_unhealthy_and_retried_with_growing_delays(
     tmp: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(checker_module, "CDI_RETRY_INITIAL_S", 0.01)
-    monkeypatch.setattr(checker_module, "CDI_RETRY_CAP_S", 0.02)
+    monkeypatch.setattr(rechecks, "CDI_RETRY_INITIAL_S", 0.01)
+    monkeypatch.setattr(rechecks, "CDI_RETRY_CAP_S", 0.02)
     real_write = atomic.write
     full = [True]
 
@@ -477,7 +477,7 @@ async def test_a_failed_spec_write_is_unhealthy_and_retried_with_growing_delays(
 async def test_a_refused_spec_path_is_unhealthy_and_not_retried_on_a_timer(
     tmp: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(checker_module, "CDI_RETRY_INITIAL_S", 0.01)
+    monkeypatch.setattr(rechecks, "CDI_RETRY_INITIAL_S", 0.01)
 
     checker, _, _ = make(tmp, FakeHelper(), "kvm")
     os.makedirs(os.path.join(tmp, "cdi", "hyperlight.json"))

@@ -13,27 +13,15 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional
 
 from hyperlight_agent import waits
-from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device import hypervisors, kernel
 from hyperlight_agent.device.helper import ProbeHelper, ProbeRequest
 from hyperlight_agent.device.observation import Cause, Observation, SharedObservation
+from hyperlight_agent.device.rechecks import Rechecks
 from hyperlight_agent.files import cdi
 from hyperlight_agent.files.watcher import DirectoryWatcher
 from hyperlight_agent.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
-
-# After a check failed because of the helper (stalled, killed, died), check again this soon
-# rather than a whole check interval later; once per streak, so a stuck kernel cannot loop us.
-HELPER_RECHECK_S = 0.2
-# While the spec cannot be written (ENOSPC, a read-only remount, EIO), check again after this,
-# doubling up to the cap: when such a cause goes away no inotify event says so, and the slots
-# must be Healthy again within about a second, not a check interval later.
-CDI_RETRY_INITIAL_S = 0.1
-CDI_RETRY_CAP_S = 1.0
-# Out of descriptors or memory: the check says nothing about the device, so its result is not
-# published (the last one stands); check again this soon.
-EXHAUSTED_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -73,8 +61,7 @@ class Checker:
         self._on_result = on_result  # (observation, seconds, cdi_repaired) for logs and metrics
         self._flight = SingleFlight(self._run_one)
         self._helper_trouble = False  # the last check failed because of the helper
-        self._rechecked = False  # a prompt re-check was already scheduled for this streak
-        self._cdi_retry = Backoff(CDI_RETRY_INITIAL_S, CDI_RETRY_CAP_S)  # after failed spec writes
+        self._rechecks = Rechecks()
         self._exhausted = False  # the last check was inconclusive: out of resources
         self._exhausted_reason = ""
         self._cdi_transient = False  # the last check's spec write failed in a system call
@@ -149,34 +136,17 @@ class Checker:
                     self._exhausted_reason,
                 )
             self._exhausted = True
-            self._schedule(EXHAUSTED_RETRY_S)
-            return self._observation.current
-        if self._exhausted:
+        elif self._exhausted:
             log.info("device check conclusive again")
             self._exhausted = False
+        delay = self._rechecks.after(found, self._helper_trouble, self._cdi_transient)
+        if delay is not None:
+            self._schedule(delay)
+        if found is None:
+            return self._observation.current
         observation = found
-        if not self._helper_trouble:
-            self._rechecked = False
-        elif not self._rechecked:
-            self._rechecked = True
-            self._schedule(HELPER_RECHECK_S)
-        if observation.cause is Cause.CDI and self._cdi_transient:
-            self._schedule(self._cdi_retry.next())
-        else:
-            self._cdi_retry.reset()
         if self._observation.publish(observation):
-            # Structured fields for the journal (journal.py); plain stderr ignores them.
-            fields = {
-                "HYPERVISOR": observation.hypervisor or "",
-                "REASON": observation.reason,
-                "DEVICE_PATH": hypervisors.BY_NAME[observation.hypervisor].device_path(self.target.device_dir)
-                if observation.hypervisor
-                else "",
-            }
-            if observation.healthy:
-                log.info("device healthy: %s", observation.hypervisor, extra=fields)
-            else:
-                log.warning("device unhealthy: %s", observation.reason, extra=fields)
+            _say(observation, self.target.device_dir)
         if self._on_result:
             self._on_result(observation, time.monotonic() - started, repaired)
         return observation
@@ -209,14 +179,14 @@ class Checker:
             return Observation(False, hypervisors.absence_reason(t.device_dir), None, Cause.NO_DEVICE), False
         if t.inventory_only:
             hypervisor = candidates[0]
-            ok, reason = _inventory(hypervisor.device_path(t.device_dir), self._host_path(hypervisor))
+            ok, reason = _inventory(hypervisor.device_path(t.device_dir), _host_path(hypervisor, t))
             return Observation(ok, reason, hypervisor.name, Cause.NONE if ok else Cause.PROBE), False
         # The first row whose probe passes serves; when none does, the first row's failure is
         # what the node reports.
         failure: Optional[Observation] = None
         for hypervisor in candidates:
             result = await self._helper.run(
-                ProbeRequest(hypervisor.name, hypervisor.device_path(t.device_dir), self._host_path(hypervisor))
+                ProbeRequest(hypervisor.name, hypervisor.device_path(t.device_dir), _host_path(hypervisor, t))
             )
             if result.exhausted:
                 self._exhausted_reason = result.reason
@@ -231,9 +201,9 @@ class Checker:
         # Only a hypervisor that passed its probe may change the spec.
         try:
             if t.read_only:
-                self.cdi_note = cdi.inspect(t.cdi_dir, self._spec(hypervisor))
+                self.cdi_note = cdi.inspect(t.cdi_dir, _spec(hypervisor, t))
                 return Observation(True, "", hypervisor.name), False
-            plan = cdi.examine(t.cdi_dir, self._spec(hypervisor))
+            plan = cdi.examine(t.cdi_dir, _spec(hypervisor, t))
             if plan is not None and await self._kept_by_newer(plan, hypervisor.name):
                 return Observation(True, "", hypervisor.name), False
             if plan is not None:
@@ -263,21 +233,6 @@ class Checker:
         self.kept_by = keeper or ""
         return bool(keeper)
 
-    def _host_path(self, hypervisor: hypervisors.Hypervisor) -> Optional[str]:
-        host_dir = self.target.host_device_dir
-        return hypervisor.device_path(host_dir) if host_dir else None
-
-    def _spec(self, hypervisor: hypervisors.Hypervisor) -> cdi.Spec:
-        """Our device; every other row stays while the spec lists it (cdi.Spec says why)."""
-        t = self.target
-        return cdi.Spec(
-            hypervisor.name,
-            hypervisor.container_path,
-            t.uid,
-            t.gid,
-            tuple((h.name, h.container_path) for h in hypervisors.HYPERVISORS),
-        )
-
 
 def _inventory(device: str, host: Optional[str]) -> tuple[bool, str]:
     """lstat only: the node must be a character device (not a symlink) and match the host's."""
@@ -287,3 +242,29 @@ def _inventory(device: str, host: Optional[str]) -> tuple[bool, str]:
     except kernel.ProbeError as exc:
         return False, str(exc)
     return True, ""
+
+
+def _spec(hypervisor: hypervisors.Hypervisor, target: CheckTarget) -> cdi.Spec:
+    """Our device; every other row stays while the spec lists it (cdi.Spec says why)."""
+    return cdi.Spec(
+        hypervisor.name,
+        hypervisor.container_path,
+        target.uid,
+        target.gid,
+        tuple((h.name, h.container_path) for h in hypervisors.HYPERVISORS),
+    )
+
+
+def _host_path(hypervisor: hypervisors.Hypervisor, target: CheckTarget) -> Optional[str]:
+    return hypervisor.device_path(target.host_device_dir) if target.host_device_dir else None
+
+
+def _say(observation: Observation, device_dir: str) -> None:
+    """A newly published observation, with structured fields for the journal (journal.py; plain
+    stderr ignores them)."""
+    device = hypervisors.BY_NAME[observation.hypervisor].device_path(device_dir) if observation.hypervisor else ""
+    fields = {"HYPERVISOR": observation.hypervisor or "", "REASON": observation.reason, "DEVICE_PATH": device}
+    if observation.healthy:
+        log.info("device healthy: %s", observation.hypervisor, extra=fields)
+    else:
+        log.warning("device unhealthy: %s", observation.reason, extra=fields)
