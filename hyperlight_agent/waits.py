@@ -35,6 +35,15 @@ async def within(awaitable: Awaitable[T], timeout: Optional[float]) -> T:
     return task.result()
 
 
+async def condition(holds: Callable[[], bool], wake: asyncio.Event) -> None:
+    """Returns once holds(), looked at again each time `wake` is set (which this clears)."""
+    while True:
+        wake.clear()
+        if holds():
+            return
+        await wake.wait()
+
+
 async def event(flag: asyncio.Event, timeout: Optional[float]) -> bool:
     """True once `flag` is set, False after `timeout` seconds."""
     if flag.is_set():

@@ -92,3 +92,21 @@ def test_no_wait_in_the_package_uses_asyncio_wait_for() -> None:
             if lines:
                 found[name] = lines
     assert not found, f"asyncio.wait_for in {found}: use waits.within or waits.event"
+
+
+async def test_condition_looks_again_on_each_wake_and_returns_once_it_holds() -> None:
+    wake, state = asyncio.Event(), {"holds": False, "looked": 0}
+
+    def holds() -> bool:
+        state["looked"] += 1
+        return bool(state["holds"])
+
+    waiting = asyncio.ensure_future(waits.condition(holds, wake))
+    await asyncio.sleep(0)
+    wake.set()  # woken, but it does not hold yet
+    await asyncio.sleep(0)
+    assert not waiting.done() and state["looked"] == 2 and not wake.is_set(), "looked again, and the wake taken"
+    state["holds"] = True
+    wake.set()
+    await asyncio.wait_for(waiting, 5)
+    assert state["looked"] == 3

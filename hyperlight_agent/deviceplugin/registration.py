@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, NoReturn, Optional
 
 import grpc
 
@@ -148,14 +148,7 @@ class Registrar:
             self.last_error = str(exc)
             await self.stop(grace=0)
             self._set(State.WAITING)
-            unanswered = (
-                isinstance(exc.__cause__, grpc.aio.AioRpcError) and exc.__cause__.code() == grpc.StatusCode.UNAVAILABLE
-            )
-            delay = 0.0 if isinstance(exc, Unserved) else self._timing.backoff.next()
-            starting = unanswered and self._starting.starting(
-                self._kubelets.now(), self._kubelets.registered_with, time.monotonic()
-            )
-            delay = retry_delay(delay, unanswered, starting)  # a kubelet that refuses us is backed off
+            delay = _failure_delay(exc, self._timing.backoff, self._starting, self._kubelets)
             log.warning(
                 "registration failed: %s; retrying in %.1f s or when %s appears", exc, delay, self.kubelet_socket
             )
@@ -250,19 +243,14 @@ class Registrar:
             raise RegistrationError(sockets.not_a_socket(self.kubelet_socket, "kubelet"))
         self._server.stream.sent()
         self._renew = False  # a Register from now on is what renew() asked for
+        # Given up once our socket is no longer at its path: the kubelet dials back to it inside
+        # Register, and a kubelet starting removes every socket in its directory, ours too.
+        unserved = waits.condition(lambda: not self._server.ours(), self._wake)
         error = await api.register(
-            self.kubelet_socket, self._socket_name, self._resource, self._timing.register_timeout, self._unserved()
+            self.kubelet_socket, self._socket_name, self._resource, self._timing.register_timeout, unserved
         )
-        if isinstance(error, asyncio.CancelledError):
-            raise Unserved(
-                f"Register with {self.kubelet_socket}: {self.socket_path} was removed meanwhile (a kubelet starting?)"
-            )
-        if isinstance(error, grpc.aio.AioRpcError):
-            raise RegistrationError(
-                f"Register with {self.kubelet_socket}: {error.code().name}: {error.details()}"
-            ) from error
         if error is not None:
-            raise error
+            _raise_for(error, self.kubelet_socket, self.socket_path)
         if self._kubelets.registered(kubelet):
             # Counted here, where it is certain: a restart first seen as a lost stream (the
             # kubelet stopping ends it before its new socket exists) is registered anew at once.
@@ -270,16 +258,6 @@ class Registrar:
             if not self._restart_said:
                 log.info("kubelet restart detected: %s is a new socket", self.kubelet_socket)
         self._restart_said = False
-
-    async def _unserved(self) -> None:
-        """Returns once our socket is no longer at its path. The kubelet dials back to that path
-        inside Register: a kubelet starting removes every socket in its directory, ours too, and
-        its dial then finds nothing until Register's deadline."""
-        while True:
-            self._wake.clear()
-            if not self._server.ours():
-                return
-            await self._wake.wait()
 
     async def _watch(self) -> Ending:
         """Until the registration ends (registration_state.ending); how it did."""
@@ -305,3 +283,22 @@ class Registrar:
                 return outcome
             unwatched = kubelets.VERIFY_INTERVAL_S
             await waits.event(self._wake, due if due is not None else None if self._watched() else unwatched)
+
+
+def _failure_delay(exc: Exception, backoff: Backoff, starting: KubeletStarting, met: kubelets.Kubelets) -> float:
+    """How long after a failed Register before the next: at once when our socket was removed
+    under it, else the backoff's next delay, cut short for a kubelet still starting that did not
+    answer yet (a kubelet that refuses us is backed off)."""
+    unanswered = isinstance(exc.__cause__, grpc.aio.AioRpcError) and exc.__cause__.code() == grpc.StatusCode.UNAVAILABLE
+    delay = 0.0 if isinstance(exc, Unserved) else backoff.next()
+    still_starting = unanswered and starting.starting(met.now(), met.registered_with, time.monotonic())
+    return retry_delay(delay, unanswered, still_starting)
+
+
+def _raise_for(error: BaseException, kubelet_socket: str, socket_path: str) -> NoReturn:
+    """A failed Register (api.register's answer) as the error that says it."""
+    if isinstance(error, asyncio.CancelledError):
+        raise Unserved(f"Register with {kubelet_socket}: {socket_path} was removed meanwhile (a kubelet starting?)")
+    if isinstance(error, grpc.aio.AioRpcError):
+        raise RegistrationError(f"Register with {kubelet_socket}: {error.code().name}: {error.details()}") from error
+    raise error
