@@ -30,18 +30,18 @@ error would fail every claim of the batch). The only RPC-level error is a malfor
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import time
 from types import ModuleType
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
+from typing import Any, Awaitable, Callable, Optional, Union
 
 import grpc
 
 from hyperlight_agent import transport, waits
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.observation import Observation
+from hyperlight_agent.dra.claim_locks import ClaimLocks
 from hyperlight_agent.dra.prepared import Prepared, PreparedError
 from hyperlight_agent.dra.prepared_format import PreparedClaim, PreparedDevice
 from hyperlight_agent.dra.types import ClaimError, ClaimReader
@@ -65,6 +65,7 @@ MAX_CONCURRENT_READS = 16
 CLAIM_READ_TIMEOUT_S = 30.0
 
 Observe = Callable[[], Union[Observation, Awaitable[Observation]]]
+Answers = dict[str, tuple[str, tuple[PreparedDevice, ...]]]  # claim uid → (error or "", devices)
 
 
 class Service:
@@ -94,8 +95,7 @@ class Service:
         self._max_concurrent = max_concurrent
         self._claim_read_timeout = claim_read_timeout
         self._slots: Optional[asyncio.Semaphore] = None  # made in the loop (Python 3.9)
-        # One claim is prepared or unprepared by one call at a time; entries go when idle.
-        self._busy: dict[str, tuple[asyncio.Lock, int]] = {}  # uid → (its lock, calls using it)
+        self._locks = ClaimLocks()
         self._on_call = on_call  # (operation, seconds, claims answered, claims failed): the metrics
         self.calls = transport.Calls()  # the kubelet's: a handover and a stop wait for them
 
@@ -117,34 +117,18 @@ class Service:
     ) -> Any:
         claims = list(request.claims)
         started = time.monotonic()
-        async with self.calls.counted(context), self._claims_locked(claims):
+        async with self.calls.counted(context), self._locks.held(c.uid for c in claims):
             answers = await self._prepare(claims)
         failed = sum(1 for error, _ in answers.values() if error)
         self._on_call("prepare", time.monotonic() - started, len(answers) - failed, failed)
-        response = messages.NodePrepareResourcesResponse()
-        for claim in claims:
-            error, devices = answers[claim.uid]
-            entry = response.claims[claim.uid]
-            if error:
-                entry.error = error
-                continue
-            for device in devices:
-                out = entry.devices.add(
-                    request_names=[device.request],
-                    pool_name=device.pool,
-                    device_name=device.device,
-                    cdi_device_ids=list(device.cdi_device_ids),
-                )
-                if device.share_id is not None and "share_id" in out.DESCRIPTOR.fields_by_name:
-                    out.share_id = device.share_id  # v1 only: v1beta1 has no such field
-        return response
+        return _prepared_response(messages, claims, answers)
 
     async def NodeUnprepareResources(
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any], messages: ModuleType
     ) -> Any:
         claims = list(request.claims)
         started = time.monotonic()
-        async with self.calls.counted(context), self._claims_locked(claims):
+        async with self.calls.counted(context), self._locks.held(c.uid for c in claims):
             errors = await self._unprepare(claims)
         failed = sum(1 for uid in {c.uid for c in claims} if errors.get(uid))
         self._on_call("unprepare", time.monotonic() - started, len({c.uid for c in claims}) - failed, failed)
@@ -155,29 +139,7 @@ class Service:
 
     # --- the claims of one request --------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def _claims_locked(self, claims: list[Any]) -> AsyncIterator[None]:
-        """Hold each claim's own lock (in uid order: two calls never wait for each other in turn)."""
-        uids = sorted({c.uid for c in claims})
-        locks = []
-        for uid in uids:
-            lock, users = self._busy.get(uid) or (asyncio.Lock(), 0)
-            self._busy[uid] = (lock, users + 1)
-            locks.append(lock)
-        try:
-            async with contextlib.AsyncExitStack() as held:
-                for lock in locks:
-                    await held.enter_async_context(lock)
-                yield
-        finally:
-            for uid in uids:
-                lock, users = self._busy[uid]
-                if users == 1:
-                    del self._busy[uid]
-                else:
-                    self._busy[uid] = (lock, users - 1)
-
-    async def _prepare(self, claims: list[Any]) -> dict[str, tuple[str, tuple[PreparedDevice, ...]]]:
+    async def _prepare(self, claims: list[Any]) -> Answers:
         """(error, devices) per claim uid: error is "" on success."""
         recorded = self.prepared.claims()
         current = {c.uid for c in claims if c.uid in recorded and self.prepared.this_boot(c.uid)}
@@ -191,7 +153,7 @@ class Service:
         ready: dict[str, PreparedClaim] = {}
         for claim, result in zip([*new.values(), *earlier.values()], found):
             if isinstance(result, str):
-                answers[claim.uid] = (self._refuse(claim.namespace, claim.name, result), ())
+                answers[claim.uid] = (_refused(claim.namespace, claim.name, result), ())
             else:
                 ready[claim.uid] = PreparedClaim(namespace=claim.namespace, name=claim.name, devices=result)
         if ready:
@@ -201,7 +163,7 @@ class Service:
                 # Not recorded, not answered: answering without a record would leave a later
                 # Unprepare, or the other instance, unaware of the claim. The kubelet asks again.
                 answers.update({uid: (str(exc), ()) for uid in ready})
-                self._refuse_all(list(ready.values()), str(exc))
+                _all_refused(list(ready.values()), str(exc))
                 return answers
         for uid, claim in ready.items():
             answers[uid] = ("", claim.devices)
@@ -277,7 +239,7 @@ class Service:
         try:
             forgotten = await self.prepared.change({}, known)
         except PreparedError as exc:
-            self._refuse_all([c for c in claims if c.uid in known], str(exc))
+            _all_refused([c for c in claims if c.uid in known], str(exc))
             return {uid: str(exc) for uid in known}
         for claim in claims:
             if claim.uid in forgotten:
@@ -290,14 +252,35 @@ class Service:
             return await observation
         return observation
 
-    @staticmethod
-    def _refuse(namespace: str, name: str, error: str) -> str:
-        log.warning("claim %s/%s: %s", namespace, name, error)
-        return error
 
-    @staticmethod
-    def _refuse_all(claims: list[Any], error: str) -> None:
-        """One line for the claims of a request refused for one reason (the record's)."""
-        names = [f"{c.namespace}/{c.name}" for c in claims]
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        log.warning("claim%s %s: %s", "s" if len(names) > 1 else "", shown, error)
+def _prepared_response(messages: ModuleType, claims: list[Any], answers: Answers) -> Any:
+    """NodePrepareResourcesResponse of the version's `messages`: each claim's devices or error."""
+    response = messages.NodePrepareResourcesResponse()
+    for claim in claims:
+        error, devices = answers[claim.uid]
+        entry = response.claims[claim.uid]
+        if error:
+            entry.error = error
+            continue
+        for device in devices:
+            out = entry.devices.add(
+                request_names=[device.request],
+                pool_name=device.pool,
+                device_name=device.device,
+                cdi_device_ids=list(device.cdi_device_ids),
+            )
+            if device.share_id is not None and "share_id" in out.DESCRIPTOR.fields_by_name:
+                out.share_id = device.share_id  # v1 only: v1beta1 has no such field
+    return response
+
+
+def _refused(namespace: str, name: str, error: str) -> str:
+    log.warning("claim %s/%s: %s", namespace, name, error)
+    return error
+
+
+def _all_refused(claims: list[Any], error: str) -> None:
+    """One line for the claims of a request refused for one reason (the record's)."""
+    names = [f"{c.namespace}/{c.name}" for c in claims]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    log.warning("claim%s %s: %s", "s" if len(names) > 1 else "", shown, error)
