@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from hyperlight_agent.dra.client import KubeApi
-from hyperlight_agent.dra.slice_informer import SliceInformer
+from hyperlight_agent.dra.slice_informer import Relist, SliceInformer
 from hyperlight_agent.dra.slice_report import SliceReport
 from hyperlight_agent.dra.slice_spec import DeviceInfo, desired_spec
-from hyperlight_agent.dra.slice_writes import Relist, SliceWrites
+from hyperlight_agent.dra.slice_writes import SliceWrites
 from standin.apiserver import DRIVER, NODE, FakeApiServer, status
 from tests.test_dra_slices import run
 

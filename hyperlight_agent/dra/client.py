@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Mapping, Optional
 
 from hyperlight_agent import contracts, text, waits
 from hyperlight_agent.dra.types import Json
@@ -201,7 +201,15 @@ class KubeApi:
                 raise _status_error("watch", SLICES, response)
             pending = b""
             liveness = self.bookmarks.watch(loop.time(), ends)
-            async for chunk in self._chunks(response, liveness, params):
+            chunks = response.aiter_bytes()
+            reads = _bounded_reads(
+                lambda: self._guarded("watch", SLICES, chunks.__anext__()),
+                liveness,
+                self.bookmarks,
+                params,
+                self._stalled,
+            )
+            async for chunk in reads:
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
                 if len(pending) > MAX_EVENT_BYTES:
@@ -220,37 +228,8 @@ class KubeApi:
         finally:
             await response.aclose()
 
-    async def _chunks(self, response: httpx.Response, liveness: Watch, params: dict[str, str]) -> AsyncIterator[bytes]:
-        """The watch's bytes as they come, until the server ends it; ApiError when it goes silent
-        past what `liveness` allows (a read in progress is kept across a deadline forgiven)."""
-        loop = asyncio.get_running_loop()
-        chunks = response.aiter_bytes()
-        read: Optional[asyncio.Future[bytes]] = None
-        try:
-            while True:
-                if read is None:
-                    read = asyncio.ensure_future(self._guarded("watch", SLICES, chunks.__anext__()))
-                until = self.bookmarks.until(liveness)
-                done, _ = await asyncio.wait({read}, timeout=max(0.0, until - loop.time()))
-                if not done:
-                    early = until < liveness.ends
-                    if early and not liveness.bookmarked and self.bookmarks.forgiven():
-                        liveness.first_due = False  # not this watch's fault: on to its end, reading on
-                        continue
-                    self._stale = True
-                    why = self.bookmarks.why(params["timeoutSeconds"], liveness.bookmarked, early)
-                    raise ApiError("watch", SLICES, 0, "stalled", why)
-                try:
-                    yield read.result()
-                except StopAsyncIteration:
-                    return
-                finally:
-                    read = None
-                liveness.heard = loop.time()
-        finally:
-            if read is not None:
-                read.cancel()
-                await asyncio.wait({read})
+    def _stalled(self) -> None:
+        self._stale = True  # the pool's other connections may be as dead
 
     async def create_slice(self, body: Json, dry_run: bool = False) -> Json:
         """POST; `dry_run`: the slice as the server would store it (its defaults, the fields of
@@ -350,6 +329,45 @@ class KubeApi:
             # httpx raises only its own errors, so these come from the credentials: a token file
             # that is missing or unreadable, an exec plugin that failed or printed garbage.
             raise ApiError(verb, resource, 0, CREDENTIALS, f"{self.source}: {_detail(exc)}") from exc
+
+
+async def _bounded_reads(
+    read_next: Callable[[], Awaitable[bytes]],
+    liveness: Watch,
+    bookmarks: Bookmarks,
+    params: dict[str, str],
+    stalled: Callable[[], None],
+) -> AsyncIterator[bytes]:
+    """A watch's bytes as they come (read_next() until StopAsyncIteration: the server ended it);
+    ApiError "stalled" once it is silent past what `liveness` allows (a read in progress is kept
+    across a deadline forgiven: dra/watch_liveness.py)."""
+    loop = asyncio.get_running_loop()
+    read: Optional[asyncio.Future[bytes]] = None
+    try:
+        while True:
+            if read is None:
+                read = asyncio.ensure_future(read_next())
+            until = bookmarks.until(liveness)
+            done, _ = await asyncio.wait({read}, timeout=max(0.0, until - loop.time()))
+            if not done:
+                early = until < liveness.ends
+                if early and not liveness.bookmarked and bookmarks.forgiven():
+                    liveness.first_due = False  # not this watch's fault: on to its end, reading on
+                    continue
+                stalled()
+                why = bookmarks.why(params["timeoutSeconds"], liveness.bookmarked, early)
+                raise ApiError("watch", SLICES, 0, "stalled", why)
+            try:
+                yield read.result()
+            except StopAsyncIteration:
+                return
+            finally:
+                read = None
+            liveness.heard = loop.time()
+    finally:
+        if read is not None:
+            read.cancel()
+            await asyncio.wait({read})
 
 
 def _selector(node: str, driver: str) -> dict[str, str]:

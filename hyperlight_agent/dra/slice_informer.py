@@ -8,6 +8,7 @@ failure). Whoever reconciles is called whenever the cache changed or `dirty` was
 events, never during one: what it reads of the cache is one moment's.
 
     informer = SliceInformer(api, node, driver, (300.0, 600.0), dirty)
+    await informer.run(reconcile, backoff, report, on_event)   sessions until cancelled
     await informer.session(reconcile)   one list (if needed) and one watch; raises ApiError
     informer.forget()                   the next session lists again (410 Gone, a conflict)
 """
@@ -18,12 +19,18 @@ import asyncio
 import random
 from typing import Awaitable, Callable, Optional
 
+from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.dra.client import SLICES, ApiError, KubeApi
+from hyperlight_agent.dra.slice_report import SliceReport
 from hyperlight_agent.dra.slice_spec import is_newer, object_name, object_version
 from hyperlight_agent.dra.types import Json
 
 # A watch the server ended sooner than this fraction of what we asked for ended early: a failure.
 EARLY_END = 0.5
+
+
+class Relist(Exception):
+    """What we know of the server is stale (a conflict, an expired watch): list again."""
 
 
 class SliceInformer:
@@ -39,6 +46,41 @@ class SliceInformer:
         self.cache: dict[str, Json] = {}
         self.listed_version: Optional[str] = None  # where the next watch starts (None: list first)
         self.requests = 0
+
+    async def run(
+        self,
+        reconcile: Callable[[], Awaitable[None]],
+        backoff: Backoff,
+        report: SliceReport,
+        on_event: Callable[..., None],
+    ) -> None:
+        """Sessions until cancelled; never raises but CancelledError. A session that failed is
+        followed by the next after `backoff` (reported once a retry has to wait); one that ran to
+        its end, at once. on_event: ("watch", why it was opened again), ("api_error", verb, code)."""
+        while True:
+            try:
+                await self.session(reconcile)
+                # A whole watch without trouble: the streak is over, and the next one starts afresh.
+                backoff.reset()
+                report.streak_over()
+                on_event("watch", "ended")
+                continue
+            except Relist as exc:
+                on_event("watch", "relist")
+                self.forget()
+                line, problem = f"ResourceSlice for node {self._node_name}: {exc}", "relist"
+            except ApiError as exc:
+                on_event("api_error", exc.verb, str(exc.code))
+                on_event("watch", "early" if exc.reason == "early" else "failed")
+                if exc.code == 410 or exc.problem == "unreadable":
+                    # Too old to watch from, or a server whose events we cannot read (re-watching
+                    # from the same version would replay the same event): a fresh list.
+                    self.forget()
+                line, problem = str(exc), exc.problem
+            delay = backoff.next()
+            if delay > 0:  # an immediate retry is no problem yet; a streak is
+                report.problem(problem, line)
+            await asyncio.sleep(delay)
 
     def forget(self) -> None:
         """What we know is stale (a conflict, an expired watch): the next session lists again."""

@@ -179,6 +179,19 @@ def learn(learned: Learned, desired: Json, answer_spec: Any) -> tuple[Learned, s
     return learned, ""
 
 
+def dropped_text(dropped: str, slice_name: str, identical_devices: int) -> str:
+    """What learn()'s dropped field means for the slice, said once."""
+    if dropped == "shared":
+        return (
+            f"ResourceSlice {slice_name}: the API server does not keep {SHARED_FIELD} (Kubernetes before 1.36, "
+            f"or DRAConsumableCapacity off); publishing {identical_devices} identical devices instead"
+        )
+    return (
+        f"ResourceSlice {slice_name}: the API server does not keep device taints (Kubernetes before 1.36, or "
+        "DRADeviceTaints off); an unusable device leaves the slice instead"
+    )
+
+
 def right(obj: Json, desired: Json, accepted: Optional[tuple[Json, Json]]) -> bool:
     """The server's slice says what we want: equal in what is ours, or what the server made of
     exactly this desired spec when we wrote it (`accepted`: once, not fought)."""

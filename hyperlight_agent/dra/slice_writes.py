@@ -9,16 +9,12 @@ import logging
 from typing import Callable, Optional
 
 from hyperlight_agent.dra.client import ApiError, KubeApi
-from hyperlight_agent.dra.slice_informer import SliceInformer
+from hyperlight_agent.dra.slice_informer import Relist, SliceInformer
 from hyperlight_agent.dra.slice_report import SliceReport
 from hyperlight_agent.dra.slice_spec import object_name, slice_object
 from hyperlight_agent.dra.types import Json
 
 log = logging.getLogger(__name__)
-
-
-class Relist(Exception):
-    """What we know of the server is stale (a conflict, an expired watch): list again."""
 
 
 class SliceWrites:

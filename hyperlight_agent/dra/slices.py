@@ -58,15 +58,15 @@ from typing import Awaitable, Callable, Optional
 
 from hyperlight_agent import backoff, contracts
 from hyperlight_agent.backoff import Backoff
-from hyperlight_agent.dra.client import SLICES, ApiError, KubeApi
+from hyperlight_agent.dra.client import SLICES, KubeApi
 from hyperlight_agent.dra.slice_informer import SliceInformer
 from hyperlight_agent.dra.slice_report import SliceReport
 from hyperlight_agent.dra.slice_spec import (
-    SHARED_FIELD,
     DeviceInfo,
     Learned,
     choose,
     desired_spec,
+    dropped_text,
     learn,
     object_name,
     owned,
@@ -74,7 +74,7 @@ from hyperlight_agent.dra.slice_spec import (
     right,
     unsure,
 )
-from hyperlight_agent.dra.slice_writes import Relist, SliceWrites
+from hyperlight_agent.dra.slice_writes import SliceWrites
 from hyperlight_agent.dra.taints import Taint
 from hyperlight_agent.dra.types import Json
 
@@ -140,7 +140,7 @@ class SlicePublisher:
         # allowMultipleAllocations or taints.
         self._learned = Learned(shared=shared, taints=taints)
         self._taint: Optional[Taint] = None
-        self._on_change = on_change  # told when published, kept_by or last_error may have changed
+        self._changed = on_change or (lambda: None)  # published, kept_by or last_error may have changed
         # For the metrics: ("write", verb), ("api_error", verb, code), ("watch", why it was opened again).
         self._event = on_event
         self._device: Optional[DeviceInfo] = None
@@ -173,10 +173,6 @@ class SlicePublisher:
     def wake(self) -> None:
         """Look again (another instance came or went)."""
         self._dirty.set()
-
-    def _changed(self) -> None:
-        if self._on_change is not None:
-            self._on_change()
 
     @property
     def shared(self) -> bool:
@@ -211,31 +207,7 @@ class SlicePublisher:
 
     async def run(self) -> None:
         """Publish, then keep the slice right until cancelled. Never raises but CancelledError."""
-        while True:
-            try:
-                await self._informer.session(self._reconcile)
-                # A whole watch without trouble: the streak is over, and the next one starts afresh.
-                self._backoff.reset()
-                self._report.streak_over()
-                self._event("watch", "ended")
-                continue  # the watch ran to its end: open the next one at once
-            except Relist as exc:
-                self._event("watch", "relist")
-                self._informer.forget()
-                log.debug("ResourceSlice: %s; listing again", exc)
-                line, problem = f"ResourceSlice for node {self.node_name}: {exc}", "relist"
-            except ApiError as exc:
-                self._event("api_error", exc.verb, str(exc.code))
-                self._event("watch", "early" if exc.reason == "early" else "failed")
-                if exc.code == 410 or exc.problem == "unreadable":
-                    # Too old to watch from, or a server whose events we cannot read (re-watching
-                    # from the same version would replay the same event): a fresh list.
-                    self._informer.forget()
-                line, problem = str(exc), exc.problem
-            delay = self._backoff.next()
-            if delay > 0:  # an immediate retry is no problem yet; a streak is
-                self._report.problem(problem, line)
-            await asyncio.sleep(delay)
+        await self._informer.run(self._reconcile, self._backoff, self._report, self._event)
 
     async def _reconcile(self) -> None:
         try:
@@ -291,22 +263,9 @@ class SlicePublisher:
         """Whether the server's answer to a write of desired (stored or dry run) dropped a field of a
         feature it lacks: then desired changes (said once, dirty again) and this write is moot."""
         self._learned, dropped = learn(self._learned, desired, answer.get("spec"))
-        if dropped == "shared":
-            log.info(
-                "ResourceSlice %s: the API server does not keep %s (Kubernetes before 1.36, or "
-                "DRAConsumableCapacity off); publishing %d identical devices instead",
-                object_name(answer),
-                SHARED_FIELD,
-                self.identical_devices,
-            )
-        elif dropped == "taints":
-            log.info(
-                "ResourceSlice %s: the API server does not keep device taints (Kubernetes before 1.36, or "
-                "DRADeviceTaints off); an unusable device leaves the slice instead",
-                object_name(answer),
-            )
-        else:
+        if not dropped:
             return False
+        log.info("%s", dropped_text(dropped, object_name(answer), self.identical_devices))
         self._changed()
         self._dirty.set()
         return True
