@@ -101,5 +101,6 @@ class Description:
     replaced: int = 0
     # Registered so recently that the kubelet may still take it back (dra/registration.py).
     settling: bool = False
-    # Its stop has begun (it serves on only until a successor of its own is ready): no successor.
+    # Its stop has begun (it serves on at most until a successor of its own is ready), or an
+    # in-place upgrade's child has taken over from it: no successor. (An earlier release: never says.)
     stopping: bool = False

@@ -42,7 +42,8 @@ class Lifecycle:
 
     @property
     def leaving(self) -> bool:
-        """Whether our stop has begun (we serve on at most until a successor is ready)."""
+        """Whether our stop has begun (we serve on at most until a successor is ready), or an
+        in-place upgrade's child has taken over from us."""
         return self.phase is not Phase.RUNNING
 
     @property

@@ -19,7 +19,8 @@ socket that accepts and never answers is no instance of ours.
   never one that is stopping itself: two instances stopping at once (a driver pod deleted while
   the one it replaced still hands over) would each hand over to the other and leave the kubelet
   with neither. Each sets `stopping` before it looks, so the later of the two never takes the
-  earlier. (`leaving_too`: any instance serving the kubelet now, for the holds.) All
+  earlier (an earlier release never says `stopping`: beside one, the old way holds). (`leaving_too`:
+  any instance serving the kubelet now, for the holds.) All
   candidates are asked at once, each within PEER_TIMEOUT_S and all within the caller's timeout,
   so a hundred silent sockets cost that timeout, not a hundred. An instance of an earlier
   release (no Describe) still counts when it proves its protocol and says it is ready.

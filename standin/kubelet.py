@@ -163,19 +163,20 @@ class KubeletStandin:
         self._server = grpc.aio.server()
         self._server.add_generic_rpc_handlers([api.registration_handler(self)])
         self._server.add_insecure_port(transport.unix_target(self.socket_path))
+        self.started_at = time.monotonic()  # kubelet.sock answers from here on (no Register before it)
         await self._server.start()
-        self.started_at = time.monotonic()  # when kubelet.sock began answering
         self._changed()
 
     async def stop(self) -> None:
         """As the kubelet's exit: kubelet.sock stops answering, and every plugin's stream ends."""
-        self._release.set()
         # Not listening first: an exiting kubelet's socket closes with its streams, so a plugin that
         # registers again the moment its stream ends finds nobody there (CI once saw such a Register
-        # counted by the old server, and the new server's after it).
+        # counted by the old server, and the new server's after it). A held Register ends with the
+        # server, unanswered, as the kubelet's exit leaves it; only then are the holds let go.
         if self._server is not None:
             await self._server.stop(0)
             self._server = None
+        self._release.set()
         for plugin in [*self.plugins.values(), *self.replaced]:
             await self._drop(plugin)
         self.replaced.clear()

@@ -16,6 +16,7 @@ events, never during one: what it reads of the cache is one moment's.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from typing import Awaitable, Callable, Optional
 
@@ -24,6 +25,8 @@ from hyperlight_agent.dra.client import SLICES, ApiError, KubeApi
 from hyperlight_agent.dra.slice_report import SliceReport
 from hyperlight_agent.dra.slice_spec import is_newer, object_name, object_version
 from hyperlight_agent.dra.types import Json
+
+log = logging.getLogger(__name__)
 
 # A watch the server ended sooner than this fraction of what we asked for ended early: a failure.
 EARLY_END = 0.5
@@ -68,6 +71,7 @@ class SliceInformer:
             except Relist as exc:
                 on_event("watch", "relist")
                 self.forget()
+                log.debug("ResourceSlice: %s; listing again", exc)
                 line, problem = f"ResourceSlice for node {self._node_name}: {exc}", "relist"
             except ApiError as exc:
                 on_event("api_error", exc.verb, str(exc.code))
