@@ -609,7 +609,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     if report.when == "call":
         item.stash[CALL_FAILED] = report.failed
+        if report.failed:
+            _add_agent_pod_logs(item, report)
     return report
+
+
+# The chart's namespace in the real clusters (tests/test_e2e.py installs it there).
+AGENT_NAMESPACE = "hyperlight-system"
+
+
+def _add_agent_pod_logs(item: pytest.Item, report: pytest.TestReport) -> None:
+    """A failed test on a real cluster shows what our agents' pods wrote (ended ones too): the
+    failure alone says only which wait ran out."""
+    from tests.e2e.cluster import Cluster
+
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, Cluster):
+            report.sections.append((f"our agents' pods on {value.directory}", value.pod_logs(AGENT_NAMESPACE)))
 
 
 @pytest.fixture

@@ -121,3 +121,50 @@ def test_each_cluster_is_one_lane_in_real_workers(tmp_path: Any) -> None:
     }
     for module, ran_in in workers.items():
         assert len(ran_in) == 1, f"{module} ran in {sorted(ran_in)}"
+
+
+FAILS_ON_A_CLUSTER = """
+import pytest
+from tests.e2e.cluster import Cluster, Node
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made = Cluster.__new__(Cluster)
+    made.directory = str(tmp_path)
+    node = Node.__new__(Node)
+    node.name, node.directory = "a", str(tmp_path / "node-a")
+    made.nodes = {"a": node}
+    for pod, line in [("hyperlight-system_agent-x_1", "the agent's own line"), ("apps_app_2", "an app's line")]:
+        logs = tmp_path / "node-a" / "log-pods" / pod / "agent"
+        logs.mkdir(parents=True)
+        (logs / "0.log").write_text(line + "\\n")
+    return made
+
+
+def test_fails(cluster):
+    raise AssertionError("the wait ran out")
+
+
+def test_passes(cluster):
+    pass
+"""
+
+
+def test_a_failed_test_on_a_cluster_shows_what_our_agents_pods_wrote(tmp_path: Any) -> None:
+    """The failure of a real-cluster test carries the agents' own account (a timeout alone says
+    only which wait ran out): our namespace's pods only, and only for a failed test."""
+    (tmp_path / "test_cluster.py").write_text(FAILS_ON_A_CLUSTER)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "test_cluster.py"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "1 failed, 1 passed" in done.stdout, done.stdout + done.stderr
+    assert done.stdout.count("the agent's own line") == 1, done.stdout
+    assert "hyperlight-system_agent-x_1/agent/0.log" in done.stdout, done.stdout
+    assert "an app's line" not in done.stdout, done.stdout

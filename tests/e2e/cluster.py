@@ -17,11 +17,14 @@ Everything started is recorded in the run directory's state file as it is starte
 next run's start, after a run killed half-way) ends it by PID and by mount namespace, removes the
 cgroups and bridges it created, and nothing is left on the host. What clusters running at once
 share (their subnets, the standard paths' mountpoints) is hostwide.py's.
+
+Why: docs/decisions/a-real-cluster-in-the-tests.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -978,6 +981,17 @@ class Cluster:
             wait_until(lambda: _has_address(node.gateway), 60, f"{node.gateway} on {node.bridge}")
             self._forwarders[node.name] = Forwarder(node.gateway, ("127.0.0.1", self.api_port))
         return self._forwarders[node.name].port
+
+    def pod_logs(self, namespace: str, lines: int = 200) -> str:
+        """The last `lines` of every container log of the namespace's pods on every node, ended or
+        running, read from the nodes' /var/log/pods (a failed test shows the agents' own account)."""
+        text = ""
+        for node in self.nodes.values():
+            for path in sorted(glob.glob(node.path("log-pods", f"{namespace}_*", "*", "*.log"))):
+                with open(path, errors="replace") as f:
+                    tail = f.readlines()[-lines:]
+                text += f"--- node {node.name}: {os.path.relpath(path, node.path('log-pods'))} ---\n{''.join(tail)}"
+        return text
 
     def stop(self) -> None:
         for forwarder in self._forwarders.values():
