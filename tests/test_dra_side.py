@@ -82,6 +82,29 @@ def devices_published(fake: FakeApiServer) -> int:
     return len(ours[0]["spec"].get("devices") or []) if len(ours) == 1 else -1
 
 
+class WritesNoting(list):  # type: ignore[type-arg]
+    """The fake server's event list, noting for each event whether `registered()` held then and
+    the taints the slice carried."""
+
+    def __init__(self, events: list[Any], registered: Callable[[], bool]) -> None:
+        super().__init__(events)
+        self._registered = registered
+        self.noted: list[tuple[bool, list[Any]]] = []
+
+    def append(self, event: Any) -> None:
+        self.noted.append((self._registered(), taints_of(event[2])))
+        super().append(event)
+
+
+def taints_of(obj: Any) -> list[Any]:
+    """Every taint of a slice's devices, as the slice carries them (without timeAdded)."""
+    return [
+        {k: v for k, v in t.items() if k != "timeAdded"}
+        for d in obj.get("spec", {}).get("devices") or []
+        for t in d.get("taints", [])
+    ]
+
+
 # The taint of a device whose probe fails, as the slice carries it (the server adds timeAdded).
 UNUSABLE_PROBE = {"key": "hyperlight.dev/unusable", "value": "probe", "effect": "NoSchedule"}
 
@@ -353,6 +376,40 @@ def test_two_agents_stopping_at_once_wait_for_a_third_rather_than_hand_over_to_e
             await asyncio.gather(*stops)
             for agent in (third, *([] if stops else [first, second])):
                 await shut(agent)
+
+    with_cluster(tmp, body)
+
+
+def test_a_successor_whose_device_breaks_before_the_handover_leaves_the_slice_to_its_predecessor_until_it_went(
+    tmp: str, helpers: list[FakeHelper]
+) -> None:
+    """A replacement pod ready, then its device failing its check while the pod it replaces still
+    hands over (the real-cluster test broke the new agent's device seconds after the old pod's
+    deletion): the predecessor, healthy and registered, serves the kubelet and keeps the slice
+    untainted for as long as it is registered; once it has deregistered, the successor's slice
+    says the device is unusable. Whether the predecessor took the successor while it was ready is a race either way."""
+
+    async def body(fake: FakeApiServer, kubelet: DraKubeletStandin, config: str) -> None:
+        old = Agent(settings_in(tmp, config, handover_seconds=2), modes.DRA)
+        new = Agent(settings_in(tmp, config, instance="pod-b"), modes.DRA)
+        old_registered = lambda: os.path.exists(dra_side(old).registrar.registration_socket)  # noqa: E731
+        writes = WritesNoting(fake.events, old_registered)
+        fake.events = writes
+        await old.start()
+        stop: Optional[asyncio.Future[None]] = None
+        try:
+            await until(lambda: old.ready and devices_published(fake) == 1, timeout=START_S, what="the old agent ready")
+            stop = asyncio.ensure_future(shut(old))
+            await new.start()
+            await until(lambda: new.ready, timeout=START_S, what="the new agent ready")
+            helpers[1].answers["kvm"] = ProbeResult(False, "KVM_CREATE_VM failed")
+            await new.checker.check()
+            await until(lambda: taints_published(fake) == [UNUSABLE_PROBE], what="the new agent's slice tainted")
+            while_old_registered = [taints for registered, taints in writes.noted if registered]
+            assert while_old_registered and all(t == [] for t in while_old_registered), writes.noted
+        finally:
+            await (stop if stop is not None else shut(old))
+            await shut(new)
 
     with_cluster(tmp, body)
 

@@ -34,7 +34,7 @@ import yaml
 
 from hyperlight_agent import contracts
 from tests import hyperlight, locks, nspawn
-from tests.conftest import E2E_FIGURES, E2E_WORKLOAD_IMAGE, make_node
+from tests.conftest import AGENT_NAMESPACE, E2E_FIGURES, E2E_WORKLOAD_IMAGE, make_node
 from tests.e2e import cluster as cluster_module
 from tests.e2e.cluster import Cluster, Node, State, wait_until
 from tests.e2e.kube import Api, ApiError
@@ -70,7 +70,7 @@ BIN_DIR = os.path.join(ROOT, "build", "e2e", "bin")
 RUN_DIR = os.path.join(ROOT, "build", "e2e", "run")
 FIGURES = os.path.join(ROOT, "build", "e2e", "figures.json")
 WORKLOAD = os.path.join(ROOT, "deploy", "examples", "workload.yaml")
-NAMESPACE = "hyperlight-system"
+NAMESPACE = AGENT_NAMESPACE
 WORKLOAD_IMAGE = E2E_WORKLOAD_IMAGE
 HYPERVISOR = contracts.RESOURCE_HYPERVISOR
 DEVICE_ACCESS = contracts.RESOURCE_DEVICE_ACCESS
@@ -179,11 +179,12 @@ def other_release(version: str) -> str:
     return CURRENT if version == PREVIOUS else PREVIOUS
 
 
-def daemonset_pods(cluster: Cluster, name: str) -> list[dict[str, Any]]:
+def daemonset_pods(cluster: Cluster, name: str, terminating: bool = False) -> list[dict[str, Any]]:
+    """The DaemonSet's pods (with `terminating`: those being deleted too, which may still run)."""
     pods = cluster.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods", labelSelector=f"app.kubernetes.io/name={name}")[
         "items"
     ]
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    return [p for p in pods if terminating or not p["metadata"].get("deletionTimestamp")]
 
 
 def pod_ready(pod: dict[str, Any]) -> bool:
@@ -1000,6 +1001,20 @@ def failed_prepares(cluster: Cluster, ns: str) -> tuple[list[str], list[str]]:
     return [f for f in failed if f not in kubelets_own], kubelets_own
 
 
+def sole_agent(cluster: Cluster, daemonset: str, node: str = "a") -> tuple[dict[str, Any], int]:
+    """The DaemonSet's one pod on `node` and its agent's process, once no other pod of it runs
+    there: a predecessor still handing over is healthy in its own view and serves the kubelet, so
+    it keeps the slice (and the node's slots) until it has gone (peers.outranking), and a device
+    broken in the new agent's view alone would not show until then (up to handoverSeconds)."""
+
+    def sole() -> Optional[dict[str, Any]]:
+        pods = [p for p in daemonset_pods(cluster, daemonset, terminating=True) if p["spec"].get("nodeName") == node]
+        return pods[0] if len(pods) == 1 and not pods[0]["metadata"].get("deletionTimestamp") else None
+
+    pod = wait_until(sole, 120, f"{daemonset}'s one pod on node {node}, its predecessor gone")
+    return pod, agent_pid(pod["metadata"]["name"], dra=daemonset == DRA_DAEMONSET)
+
+
 def agent_pid(pod_name: str, dra: bool = True) -> int:
     """The DRA agent's process (in its container) on this machine, found by its instance name
     (without `dra`: the device plugin's)."""
@@ -1386,8 +1401,7 @@ def unusable_then_usable(
     tainted (`taints`: the API server keeps device taints), else gone from the slice; a DRA pod
     `name` created then waits, refused by the scheduler. Made usable again: `devices` devices back
     in the slice, untainted. The pod once finished (deleted), and the seconds to each slice."""
-    (driver,) = daemonset_pods(cluster, DRA_DAEMONSET)
-    pid = agent_pid(driver["metadata"]["name"])
+    _, pid = sole_agent(cluster, DRA_DAEMONSET)
     started = time.monotonic()
     break_the_device(pid, "bind")
     try:
@@ -1501,8 +1515,7 @@ def test_dra_device_health_reaches_the_pod_and_a_taint_keeps_new_claims_off(
         assert (entry, resource) == ("claim:hypervisor", "hyperlight.dev/hypervisor=kvm"), resource_health(
             cluster, DRA_NS, holder
         )
-        (driver_pod,) = daemonset_pods(cluster, DRA_DAEMONSET)
-        pid = agent_pid(driver_pod["metadata"]["name"])
+        _, pid = sole_agent(cluster, DRA_DAEMONSET)
         figure: dict[str, Any] = {}
         broke = time.monotonic()
         break_the_device(pid, "bind")
@@ -1569,8 +1582,7 @@ def test_dra_no_execute_evicts_after_the_debounce_and_a_shorter_flap_evicts_noth
             return dra_ready(cluster) and {"name": "HYPERLIGHT_DRA_EVICT_AFTER", "value": str(debounce)} in env
 
         wait_until(evicting_driver, 180, "the driver rolled out with draEvictAfterSeconds")
-        (driver_pod,) = daemonset_pods(cluster, DRA_DAEMONSET)
-        pid = agent_pid(driver_pod["metadata"]["name"])
+        _, pid = sole_agent(cluster, DRA_DAEMONSET)
         cluster.api.create(
             f"/api/v1/namespaces/{DRA_NS}/pods",
             dra_pod(holder, ["/bin/sh", "-c", "/kvmcheck && exec sleep 3600"], node="a"),
@@ -1653,10 +1665,7 @@ def test_device_plugin_health_reaches_a_running_pod(installed: Cluster) -> None:
         wait_until(lambda: healths(installed, ns, name) == {"Healthy"}, 60, "the slot Healthy")
         ((entry, slot, _, _),) = resource_health(installed, ns, name)
         assert entry == HYPERVISOR and re.fullmatch(r"kvm-\d+", slot), resource_health(installed, ns, name)
-        (plugin_pod,) = [
-            p for p in daemonset_pods(installed, "hyperlight-device-plugin") if p["spec"]["nodeName"] == "a"
-        ]
-        pid = agent_pid(plugin_pod["metadata"]["name"], dra=False)
+        _, pid = sole_agent(installed, "hyperlight-device-plugin")
         figure: dict[str, Any] = {"slot": slot}
         break_the_device(pid, "bind")
         try:
