@@ -1,5 +1,8 @@
 """`make bench`: the agent's speed and memory figures, each against a baseline measured in the
-same run, printed as one table. Figures, not assertions: nothing here fails a build."""
+same run, printed as one table. Figures, not assertions: nothing here fails a build.
+
+Why: docs/decisions/idle-cost.md.
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ control means the agent's state needs no locks. Signals are the entry point's bu
 signals.py): it calls stop(), reload() and upgrade().
 
 Construct it inside the running event loop (asyncio objects bind to it on Python 3.9).
+
+Why: docs/decisions/one-event-loop.md.
 """
 
 from __future__ import annotations

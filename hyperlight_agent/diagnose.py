@@ -8,6 +8,8 @@ report; each FAIL line is followed by a hint saying what to do.
 
 What differs between the modes is read from their rows (modes.py: `inventory_only`,
 `kubelet_dirs`) and their protocol's (parts.ROWS: `preflight`, the API's checks for DRA).
+
+Why: docs/decisions/check-is-the-operators.md.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ row from the agent's metric registry (Series).
 A third protocol is its name in modes.KubeletProtocol, one class implementing KubeletSide and one row of
 parts.ROWS, which carries everything else the agent asks of a protocol (tests/test_parts.py runs a
 toy one through the agent).
+
+Why: docs/decisions/one-side-per-mode.md and docs/decisions/readiness-is-derived.md.
 """
 
 from __future__ import annotations

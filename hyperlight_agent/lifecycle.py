@@ -1,5 +1,8 @@
 """The agent's life in phases, and the stop requests that move it on (agent.py composes the parts;
-this decides where in its life it is and what a stop means now)."""
+this decides where in its life it is and what a stop means now).
+
+Why: docs/decisions/shutdown-the-kubelet-sees.md.
+"""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ socket that accepts and never answers is no instance of ours.
   release (no Describe) still counts when it proves its protocol and says it is ready.
 - `newer()`: a live instance of ours for the same resource that started after us. The newest
   instance writes what all of them would write (the CDI spec); the others leave it alone rather
-  than fight (ARCHITECTURE.md, "Whose spec and slice stand").
+  than fight (docs/decisions/whose-spec-and-slice-stand.md).
 - `outranking()`: the same for what only a serving instance may write (the ResourceSlice): a
   serving instance outranks one that is not, whatever their age, so a successor that never
   became ready never takes the slice from a ready predecessor.
@@ -39,6 +39,10 @@ its predecessor's agreement before registering: host/successor.py), `replaced` (
 agent an in-place upgrade replaced with it), `settling` (a DRA registration the kubelet may still
 take back: dra/instances.py waits it out before handing over), `stopping` (its stop has begun) and,
 from an agent that can upgrade in place, `upgrade` (host/successor.py's UpgradeRecord).
+
+Why: docs/decisions/an-unready-successor-takes-nothing.md,
+docs/decisions/whose-spec-and-slice-stand.md,
+docs/decisions/who-is-a-successor.md.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ A run already going may have started before the caller's reason to ask, so a cal
 meanwhile waits for the run after it, which every such caller shares: a burst of callers costs at
 most two runs per run's time. The running one belongs to no caller: a caller that gives up (its
 own cancellation, a deadline) leaves it alone, as asyncio.shield around next() keeps it.
+
+Why: docs/decisions/single-flight-checks.md.
 """
 
 from __future__ import annotations

@@ -11,8 +11,7 @@ refuse requests whose bytes are not their message type with INVALID_ARGUMENT.
 grpc turns a deserializer's exception into UNKNOWN "Unexpected …" and logs a traceback per
 request, so the deserializer returns an Unparsable instead and the method refuses it. grpcio
 unlinks whatever is at the path it binds and again when the server stops: binding a private
-name and renaming it into place keeps both off the shared path (ARCHITECTURE.md, "Our socket,
-and nobody else's").
+name and renaming it into place keeps both off the shared path (docs/decisions/our-socket.md).
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ IMAGE_REPOSITORY (default ghcr.io/hyperlight-dev/hyperlight-agent), GNUPGHOME an
 (the signing key; without one, a key made for this build only, said loudly: such a release is for
 testing, never for publishing), HELM, CYCLONEDX (tool paths).
 Any failure is one line naming what failed; a release half-built is removed.
+
+Why: docs/decisions/releases.md.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@
 #   usage: packaging/stage.sh DESTDIR [TARGET_PYTHON_VERSION] [ARCH]   (defaults: 3.11 x86_64)
 # WHEELS (environment), when set: a directory packaging/wheels.sh already filled for this Python
 # and VERSION (the Makefile builds one per Python and shares it between that Python's packages).
+# Why: docs/decisions/a-private-vendored-tree.md
 set -eu
 dest=$1
 pyver=${2:-3.11}

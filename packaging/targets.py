@@ -5,6 +5,8 @@ Makefile reads the same table with awk.
     ['el9', 'el10', 'azl3']
     >>> BY_TAG["deb13"].label, BY_TAG["deb13"].suite, BY_TAG["deb13"].python
     ('Debian 13', 'trixie', '3.13')
+
+Why: docs/decisions/host-targets-are-rows.md.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@
 # nothing is resolved here: --no-deps everywhere.
 #   usage: packaging/wheels.sh OUTDIR [TARGET_PYTHON_VERSION] [ARCHES]   (defaults: 3.11, x86_64)
 #   ARCHES: comma-separated, e.g. x86_64,aarch64
+# Why: docs/decisions/locked-dependencies.md
 set -eu
 out=$1
 pyver=${2:-3.11}

@@ -1,6 +1,9 @@
 """In-cluster manifests: every overlay renders with kubectl kustomize, passes checkov with no
 failed check and kubernetes-validate --strict, and keeps the base's security context; the
-workload example and the kind cluster config fit the defaults."""
+workload example and the kind cluster config fit the defaults.
+
+Why: docs/decisions/one-source-of-truth-for-manifests.md.
+"""
 
 from __future__ import annotations
 

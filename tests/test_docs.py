@@ -97,7 +97,13 @@ def test_parser_description_matches_readme_summary() -> None:
 
 # The pages a reader moves between: README, ARCHITECTURE and the guides under docs/.
 GUIDES = sorted(os.path.join("docs", n) for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md"))
-PAGES = ["README.md", "ARCHITECTURE.md", "SECURITY.md", "BENCHMARKS.md", *GUIDES]
+DECISIONS_INDEX = os.path.join("docs", "decisions", "README.md")
+DECISIONS = sorted(
+    os.path.join("docs", "decisions", n)
+    for n in os.listdir(os.path.join(ROOT, "docs", "decisions"))
+    if n.endswith(".md") and n != "README.md"
+)
+PAGES = ["README.md", "ARCHITECTURE.md", "SECURITY.md", "BENCHMARKS.md", *GUIDES, DECISIONS_INDEX, *DECISIONS]
 
 
 def slug(heading: str) -> str:
@@ -145,26 +151,24 @@ def source_files() -> list[str]:
     return found
 
 
-def test_the_decisions_index_names_every_decision() -> None:
-    """ARCHITECTURE.md keeps the code's shape and links docs/decisions.md, whose index names every
-    record, in order, so a pointer such as `ARCHITECTURE.md, "Whose spec and slice stand"` still
-    finds it."""
-    assert "[docs/decisions.md](docs/decisions.md)" in read("ARCHITECTURE.md").split("## Decisions, and why", 1)[1]
-    decisions = read("docs/decisions.md")
-    index = decisions.split("\n## ", 1)[0]
-    listed = re.findall(r"^- \[(.+)\]\(#([\w-]+)\)$", index, re.M)
-    records = re.findall(r"^## (.+)$", decisions, re.M)
-    assert [title for title, _ in listed] == records
-    assert all(anchor == slug(title) for title, anchor in listed)
-    # Each pointer the code and the docs give by title names a record or a section.
-    headings = records + re.findall(r"^#+ (.+)$", read("ARCHITECTURE.md"), re.M)
-    pointers = set()
+def test_each_decision_has_a_page_listed_in_order_and_named_by_what_it_governs() -> None:
+    """ARCHITECTURE.md keeps the code's shape and links docs/decisions/, one page per record, each
+    listed in its README in order under its own title; every page is named by a file it governs
+    (a module's docstring, a script's or a manifest's comment), and every such pointer lands."""
+    assert "(docs/decisions/README.md)" in read("ARCHITECTURE.md").split("## Decisions, and why", 1)[1]
+    listed = re.findall(r"^- \[(.+)\]\(([\w-]+\.md)\)$", read(DECISIONS_INDEX), re.M)
+    assert sorted(page for _, page in listed) == sorted(os.path.basename(p) for p in DECISIONS)
+    for title, page in listed:
+        assert read(os.path.join("docs", "decisions", page)).startswith(f"# {title}\n\n"), page
+    named: set[str] = set()
     for path in source_files():
-        with open(path, errors="replace") as f:
-            pointers |= set(re.findall(r'ARCHITECTURE\.md, "([^"\n]+)', f.read()))
-    assert "Whose spec and slice stand" in pointers
-    missing = [p for p in sorted(pointers) if not any(title.startswith(p.rstrip(",")) for title in headings)]
-    assert not missing, f"pointers to no section of ARCHITECTURE.md or docs/decisions.md: {missing}"
+        if not path.startswith(os.path.join(ROOT, "docs", "decisions", "")):
+            with open(path, errors="replace") as f:
+                named |= set(re.findall(r"docs/decisions/([\w-]+\.md)", f.read()))
+    pages = {page for _, page in listed}
+    assert not named - pages - {"README.md"}, f"pointers to no decision page: {sorted(named - pages)}"
+    governed = {page for page in pages if any(page in n for n in named)}
+    assert pages == governed, f"decision pages no file names: {sorted(pages - governed)}"
 
 
 def test_readme_and_architecture_stay_short_enough_to_read() -> None:
@@ -181,9 +185,9 @@ HANDOVER = "docs/deploy.md#upgrades-and-restarts-no-pod-notices"
 def test_the_hand_over_gap_is_measured_in_one_place_and_linked_from_the_others() -> None:
     """README said 0–5 of 26–107 pods, deploy.md 0–7 of 30–60 (issue 50: 8): the operators' pages
     give the pods a hand-over gap rejected in one place, deploy.md's upgrades section, and the
-    pages that mention the gap link there. (docs/decisions.md records history, not a claim.)"""
+    pages that mention the gap link there. (docs/decisions/ records history, not a claim.)"""
     figure = re.compile(r"\d+(?:–\d+)? of \d+(?:–\d+)? pods")
-    where = {page: figure.findall(read(page)) for page in ["README.md", *GUIDES] if page != "docs/decisions.md"}
+    where = {page: figure.findall(read(page)) for page in ["README.md", *GUIDES]}
     assert {page: found for page, found in where.items() if found} == {"docs/deploy.md": ["0–11 of 15–107 pods"]}
     upgrades = read("docs/deploy.md").split("## Upgrades and restarts: no pod notices", 1)[1].split("\n## ", 1)[0]
     assert "0–11 of 15–107 pods" in " ".join(upgrades.split())

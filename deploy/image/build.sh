@@ -4,6 +4,7 @@
 # the ID or digest that docs/deploy.md tells operators to use. Any failure is one line saying
 # what is missing. Settings (environment): IMAGE, BASE_IMAGE, PLATFORMS, GIT_COMMIT, VERSION,
 # ENGINE (the engine command, e.g. `podman --root DIR` for private storage).
+# Why: docs/decisions/the-image.md
 set -eu
 here=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$here"

@@ -2,6 +2,8 @@
 (single_flight.py): a caller always gets a check that started after it asked, a burst of
 Allocates costs at most two probes per probe time, and a caller that gives up leaves the check,
 and the shared health observation it will publish, untouched.
+
+Why: docs/decisions/out-of-descriptors.md.
 """
 
 from __future__ import annotations

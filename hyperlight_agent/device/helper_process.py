@@ -3,6 +3,8 @@
 Started by the agent (helper.py) as `python -I -S -B`: standard library only, no grpc, so it
 stays small; it imports the kernel checks and the hypervisor table, nothing else of ours, from
 the sources the agent hands it (helper.SOURCES: the code the agent itself runs), never from disk.
+
+Why: docs/decisions/probe-helper.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ another is one more section and one more entry in HYPERVISORS (a test holds the 
 DeviceAllow= and the deployment docs to the table).
 
 Standard library only: the probe helper (helper_process.py) imports this module.
+
+Why: docs/decisions/character-devices-only.md.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ failed in a system call is retried with a short backoff.
 
     rechecks = Rechecks()
     rechecks.after(observation or None, helper_trouble, cdi_transient) → seconds, or None
+
+Why: docs/decisions/spec-write-retried.md.
 """
 
 from __future__ import annotations

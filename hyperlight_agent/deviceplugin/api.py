@@ -3,6 +3,8 @@ messages (deviceplugin_pb2).
 
 Why not grpcio-tools' *_pb2_grpc.py: recent generated stubs refuse to import under older
 grpcio (Debian 12 ships 1.51), and the services are five methods and one: a table is enough.
+
+Why: docs/decisions/grpc-tables-and-protoc-3-21.md.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ second SIGTERM ends the wait at once (kubelet_side.hand_over_on_stop).
 
 Once the successor is ready, our stream ends only when the kubelet can send us no more Allocates
 (`released`): ending it closes the kubelet's connection to us at once, failing any Allocate still
-on its way (ARCHITECTURE.md, "The last Allocate before a handover").
+on its way (docs/decisions/the-last-allocate.md).
+
+Why: docs/decisions/surge-and-handover.md and docs/decisions/the-last-allocate.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ ended. From these alone it tells a kubelet restart from a stream lost to the sam
 
 Each remembered socket is held open (sockets.Pin), so its inode cannot be freed and its number
 handed to a new file meanwhile: a restarted kubelet's new socket may otherwise get the old one's.
+
+Why: docs/decisions/a-restart-is-a-different-file.md.
 """
 
 from __future__ import annotations

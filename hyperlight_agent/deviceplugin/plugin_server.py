@@ -2,6 +2,8 @@
 at a private name, renamed over no live socket), stopped with its streams ended first, and which
 of its ListAndWatch streams is the kubelet's. The registrar (registration.py) serves a new
 generation for each Register; streams of a generation it already replaced change nothing.
+
+Why: docs/decisions/endpoint-naming.md.
 """
 
 from __future__ import annotations

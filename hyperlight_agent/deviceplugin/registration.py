@@ -20,6 +20,8 @@ already replaced and other clients' streams cannot cause anything.
 
 A socket is "the same" while its (device, inode) is: a chmod, touch, chown or a hard link added
 and removed changes its ctime but not the file (kubelets.py remembers the kubelets we met).
+
+Why: docs/decisions/registered-means-streamed.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ what comes after each ending, which stream is the kubelet's, and when a kubelet 
 deviceplugin/registration.py is the shell: it serves, sends Register, stats the two sockets and
 waits; everything it decides from what it saw is here, as data and pure functions, so each rule has
 a table test (tests/test_deviceplugin_registration_state.py).
+
+Why: docs/decisions/the-kubelets-stream.md.
 """
 
 from __future__ import annotations

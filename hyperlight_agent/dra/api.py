@@ -10,6 +10,8 @@ The two DRAPlugin versions have the same messages in different packages (v1 adds
 so one servicer answers both: each method is called with the request message and the module
 (`v1` or `v1beta1`) whose messages the answer must be built from. The resource-health service's
 two versions are alike too (v1alpha1 is v1 in another package), and served the same way.
+
+Why: docs/decisions/grpc-tables-and-protoc-3-21.md.
 """
 
 from __future__ import annotations

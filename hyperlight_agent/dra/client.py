@@ -13,6 +13,8 @@ ApiError naming what we asked.
 
 The only module that imports lightkube (and with it httpx), and only inside `connect()`: the
 device-plugin modes never talk to the API and never pay for the client (ARCHITECTURE.md).
+
+Why: docs/decisions/dra-our-own-requests.md.
 """
 
 from __future__ import annotations

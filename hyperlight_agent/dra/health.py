@@ -19,6 +19,8 @@ What the kubelet does with the reports (pkg/kubelet/cm/dra, 1.37; standin/dra_ku
 - it forgets the whole driver's health when any stream of it ends (a rolling update's old
   instance going away), without telling the pods; the next report of each device counts as a
   change and updates them: hence `nudge()`, a report soon after another instance came or went.
+
+Why: docs/decisions/health-where-the-cluster-sees-it.md.
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ read or parse (any JSON of any size, depth or types that is not our format: prep
 is reported once, with its path, and treated as empty (never a crash): the kubelet asks again for
 what it needs, and the next change writes a good file. A symlink or anything but a
 regular file at its path is refused, never followed or replaced.
+
+Why: docs/decisions/the-record-of-prepared-claims.md.
 """
 
 from __future__ import annotations

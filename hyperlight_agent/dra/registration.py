@@ -31,6 +31,8 @@ out, anything else (a live socket, a file, a directory) makes start() fail and i
 
 State for readiness and status: `registered` (the kubelet's last NotifyRegistrationStatus said
 so) and `error` (why it did not, or why serving failed); on_change() is called when they change.
+
+Why: docs/decisions/dra-registration-settles.md.
 """
 
 from __future__ import annotations

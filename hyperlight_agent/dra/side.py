@@ -16,6 +16,8 @@ The device check, the CDI spec, readiness, sd_notify and metrics are the agent's
 plugin modes: this module only turns observations into a ResourceSlice (an unusable device tainted,
 dra/taints.py), into the health the kubelet shows in pod status (dra/health.py), and claims into
 CDI devices.
+
+Why: docs/decisions/dra-a-second-kubelet-protocol.md.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ events, never during one: what it reads of the cache is one moment's.
     await informer.run(reconcile, backoff, report, on_event)   sessions until cancelled
     await informer.session(reconcile)   one list (if needed) and one watch; raises ApiError
     informer.forget()                   the next session lists again (410 Gone, a conflict)
+
+Why: docs/decisions/dra-an-informer-and-one-backoff.md.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 the desired spec, the part of a stored slice that is ours, which of our stored slices to keep, and
 which optional fields the server keeps (one shared device, device taints). Pure decisions for the
 publisher (dra/slices.py), which does the reading, writing and saying: no I/O, no clock, no log.
+
+Why: docs/decisions/dra-one-shared-device.md,
+docs/decisions/dra-compare-only-what-we-own.md.
 """
 
 from __future__ import annotations

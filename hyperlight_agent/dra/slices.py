@@ -9,7 +9,7 @@ sharing switched off), `identical_devices` devices `kvm-0` … `kvm-{N-1}`, each
 are handed out as the same CDI device by the node service. Which the server keeps is found out by
 a dry run of the write (what the server would store, nothing stored): a server that drops the field
 gets the N devices from then on, without ever showing the one device the scheduler would give to
-one claim at a time (ARCHITECTURE.md, "DRA: one shared device, N where the API cannot say so").
+one claim at a time (docs/decisions/dra-one-shared-device.md).
 
 A device that is absent or failed its check stays in the slice with our taint (dra/taints.py:
 key hyperlight.dev/unusable, the cause as its value, NoSchedule, or NoExecute once the opt-in
@@ -42,11 +42,13 @@ One writer per node: during a rolling update two instances of the driver run, ma
 settings. Before writing, the publisher asks `newer()` for another live instance of our driver on
 this node that keeps the slice instead (the agent's side gives the newest serving one, so a
 successor whose device check fails never empties a ready predecessor's slice); while there is
-one, it yields and leaves the slice to it (ARCHITECTURE.md, "Whose spec and slice stand").
+one, it yields and leaves the slice to it (docs/decisions/whose-spec-and-slice-stand.md).
 
 The kubelet deletes all of its node's slices when it starts; anyone with RBAC may delete or edit
 ours. The slice is not deleted on close: a successor instance (rolling update) publishes the same
 slice, and the kubelet wipes it 30 s after the last instance unregisters.
+
+Why: docs/decisions/dra-one-shared-device.md.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ BACKOFF_CAP_S = 30.0
 # liveness is not the timeout's: a connection that stopped forwarding (no FIN, no RST, a proxy that
 # still acknowledges) is found by the server's bookmarks, 75 s after the last one or, before the
 # first, 75 s after the server answered (client.py); a peer gone from the network by TCP keepalive
-# too (ARCHITECTURE.md, "DRA: an informer, and one backoff").
+# too (docs/decisions/dra-an-informer-and-one-backoff.md).
 WATCH_TIMEOUT_S = (300.0, 600.0)
 
 

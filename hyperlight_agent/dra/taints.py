@@ -27,6 +27,8 @@ than it, evicts nothing (its NoSchedule taint comes and goes, and the metrics an
 the flapping). A device that stays broken is the case the eviction is for: its pods cannot start
 a sandbox again anyway, and elsewhere they can. On recovery the taint goes at once, whatever its
 effect: what was evicted stays evicted, new pods may come.
+
+Why: docs/decisions/health-where-the-cluster-sees-it.md.
 """
 
 from __future__ import annotations

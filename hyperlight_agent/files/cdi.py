@@ -3,6 +3,8 @@
 We own that one file and nothing else in the directory. Repair writes a temp file whose name
 CDI runtimes ignore (they read only *.json and *.yaml), fsyncs it, renames it over the target
 and fsyncs the directory, so a reader sees the complete old file or the complete new one.
+
+Why: docs/decisions/cdi-exact-bytes.md.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ names a killed run abandoned.
 
 Used by both kubelet protocols (device plugin and DRA registration): each binds a private name
 (which the kubelet's watchers ignore) and renames it into place.
+
+Why: docs/decisions/our-socket.md.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ A filesystem mounted over a watched directory raises no inotify event: the mount
 change notification (/proc/self/mountinfo) makes the watcher compare each directory with the one
 it watches. Nothing runs on a timer unless a directory cannot be watched (yet), or the mount
 table cannot be polled.
+
+Why: docs/decisions/watches-follow-their-directory.md and docs/decisions/events-are-hints.md.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ whose values are known beforehand is served from 0 at start: a series born at 1 
 increase() for an alert on the first failure to see. The series a kubelet protocol counts are its
 own (deviceplugin/outcomes.py, dra/outcomes.py), made through Families in this registry by its
 row (parts.py): they exist only in the modes speaking it. No `_created` series is served.
+
+Why: docs/decisions/metrics-never-cost-slots.md.
 """
 
 from __future__ import annotations

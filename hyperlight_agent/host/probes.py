@@ -10,6 +10,8 @@ Python interpreter: 0.16-0.19 s of CPU and ~35 MB each time; BENCHMARKS.md "Prob
 
 Both probes answer what the gRPC health service says, from the same state: `Readiness`, what the
 agent says of its readiness everywhere it is asked (sd_notify, the gRPC health service, these).
+
+Why: docs/decisions/http-probes.md.
 """
 
 from __future__ import annotations

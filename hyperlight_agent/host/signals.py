@@ -13,6 +13,8 @@
 install_early() runs first, when the entry module (__main__.py) is imported: a signal that
 arrives while the agent is still starting is remembered instead of killing the process with the
 default action, and replayed once the event loop takes over (attach()).
+
+Why: docs/decisions/signals-from-the-first-line.md.
 """
 
 from __future__ import annotations

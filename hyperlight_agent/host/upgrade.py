@@ -12,6 +12,8 @@ lists them: parts.ProtocolRow.instance_sockets): the one that answers with PID i
 that finds an upgrade of PID already under way (a package script's beside an admin's `systemctl
 reload`) sends nothing and answers that upgrade's outcome, and one that finds PID already replaced
 by an in-place upgrade (the new agent's Describe says `replaced`) answers 0.
+
+Why: docs/decisions/host-upgrades-in-place.md.
 """
 
 from __future__ import annotations

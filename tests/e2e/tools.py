@@ -3,7 +3,10 @@ built from their pinned Go modules into build/tools by tests/e2e/components/buil
 
 `make test` starts that build in the background (at a lower priority) beside the first tests,
 which need none of them (conftest.py runs the tests that do after those); the first test that
-asks for a tool waits here for that one (its lock in build.sh), and finds it built from then on."""
+asks for a tool waits here for that one (its lock in build.sh), and finds it built from then on.
+
+Why: docs/decisions/test-tools-from-go-modules.md.
+"""
 
 from __future__ import annotations
 
