@@ -17,19 +17,13 @@ import functools
 import logging
 from typing import Any, Callable, Mapping, Optional
 
-import grpc
-
-from hyperlight_agent import __version__, identity, modes, parts, peers, waits
+from hyperlight_agent import __version__, identity, modes, parts, waits
+from hyperlight_agent.assembly import AgentHooks, assemble
 from hyperlight_agent.config import Settings
-from hyperlight_agent.device.checker import Checker
-from hyperlight_agent.device.helper import CLOSE_BOUND_S, ProbeHelper
-from hyperlight_agent.device.observation import Observation, SharedObservation
-from hyperlight_agent.files import labels
-from hyperlight_agent.files.watcher import DirectoryWatcher
+from hyperlight_agent.device.helper import CLOSE_BOUND_S
 from hyperlight_agent.host import journal, successor
 from hyperlight_agent.host.notify import Notifier
-from hyperlight_agent.identity import Identity
-from hyperlight_agent.kubelet_side import KubeletSide, Snapshot, Wiring, hand_over_on_stop, succession
+from hyperlight_agent.kubelet_side import Snapshot, hand_over_on_stop, succession
 from hyperlight_agent.lifecycle import Lifecycle
 from hyperlight_agent.reload import Reloader
 
@@ -55,21 +49,18 @@ class Agent:
         self.mode = mode
         self.life = Lifecycle()
         self.notifier = notifier or Notifier(self._environ)
-        # sd_notify, the health service, the probes and metrics: how we are seen (host/face.py).
-        self.face = parts.face(settings, mode, self.notifier, self._environ)
-        self.metrics = self.face.metrics
-        # Who we are to other instances of ours on this node (a successor, a predecessor): peers.py.
-        self.identity = Identity.of(settings.instance or "", mode.protocol, mode.resource)
-        self.watcher = DirectoryWatcher()
-        self.observation = SharedObservation()
-        self.helper = ProbeHelper(on_timeout=self.metrics.helper_timeouts.inc)
-        self.checker = self._checker(settings, mode)
-        features_dir = parts.features_dir(settings, mode)
-        self.labels = labels.Keeper(features_dir) if features_dir else None
-        if self.labels is not None:
-            self.labels.watch(self.watcher)
-        # How the device reaches the kubelet: the device plugin's side, or DRA's (kubelet_side.py).
-        self.side = self._kubelet_side(settings, mode)
+        hooks = AgentHooks(
+            self._status_changed,
+            lambda: self.ready,
+            # Describe's word on our upgrades and our stop (then we are no successor: peers.successor)
+            lambda: {**self.upgrader.said(), "stopping": self.life.leaving},
+            lambda: self.notifier.predecessor,
+            lambda: self.upgrader.upgrading,
+        )
+        # How we are seen (host/face.py), who we are to other instances of ours (peers.py), the
+        # device's checks, and how the device reaches the kubelet (kubelet_side.py): assembly.py.
+        built = self.parts = assemble(settings, mode, self.notifier, self._environ, hooks)
+        self.face, self.identity, self.checker, self.side = built.face, built.identity, built.checker, built.side
         self.succession = succession(self.side)  # None: the side cannot be succeeded without a gap
         self._tasks: list[asyncio.Future[Any]] = []
         self.upgrader = successor.Upgrader(
@@ -89,32 +80,6 @@ class Agent:
             on_refused=self.face.readiness.forget_status,
         )
 
-    def _checker(self, settings: Settings, mode: modes.Mode) -> Checker:
-        checker = Checker(
-            parts.check_target(settings, mode),
-            self.helper,
-            self.observation,
-            on_result=self._on_check,
-            keeper=self._newer_instance,
-            interval_s=settings.check_interval_seconds,
-        )
-        checker.watch(self.watcher)
-        return checker
-
-    def _kubelet_side(self, settings: Settings, mode: modes.Mode) -> KubeletSide[Any]:
-        wiring = Wiring(
-            observation=self.observation,
-            checker=self.checker,
-            identity=self.identity,
-            serve_ours=self._serve_ours,
-            watcher=self.watcher,
-            on_change=self._status_changed,
-            environ=self._environ,
-            predecessor=lambda: self.notifier.predecessor,
-            upgrading=lambda: self.upgrader.upgrading,
-        )
-        return parts.kubelet_side(settings, mode, wiring, self.metrics.families)
-
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -129,7 +94,7 @@ class Agent:
         self._status_changed()
         self.checker.request()
         await self.face.readiness.start()
-        jobs = [self.side.run(), self.watcher.run(), self.checker.periodic(), *self.face.jobs()]
+        jobs = [self.side.run(), self.parts.watcher.run(), self.checker.periodic(), *self.face.jobs()]
         if self.notifier.predecessor is not None:
             jobs.append(self.upgrader.predecessor_gone(self.notifier.predecessor))
         self._tasks = [asyncio.ensure_future(c) for c in jobs]
@@ -158,14 +123,9 @@ class Agent:
         # Before anything else can run: a check finishing during the shutdown would publish and
         # log after "stopping" (and a first check may still be running this early).
         self.checker.cancel()
-        if self.labels is not None:
-            self.labels.close()
-        reloading = self.reloader.stop()
-        upgrading = self.upgrader.under_way()
-        tasks = [*self._tasks, *([reloading] if reloading else []), *([upgrading] if upgrading else [])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.parts.labels is not None:
+            self.parts.labels.close()
+        await waits.cancelled([*self._tasks, self.reloader.stop(), self.upgrader.under_way()])
         await waits.within(self._shutdown(), self.shutdown_bound_s)
 
     async def run(self) -> None:
@@ -184,7 +144,7 @@ class Agent:
     async def _shutdown(self) -> None:
         await self.side.close()
         await self.checker.close()
-        await self.helper.close()
+        await self.parts.helper.close()
 
     def reload(self) -> None:
         """Re-read the settings and apply them (SIGHUP): reload.py."""
@@ -202,32 +162,11 @@ class Agent:
         self.checker.reconfigure(parts.check_target(new, self.mode), new.check_interval_seconds)
         self._status_changed()
 
-    # --- collaborators' wiring ------------------------------------------------------------------
-
-    def _serve_ours(self, server: grpc.aio.Server) -> None:
-        """The health service and Describe (peers.py), on every socket of ours."""
-        self.face.serve_ours(server, peers.describe_handler(self.identity, lambda: self.ready, self._described))
-
-    def _described(self) -> dict[str, Any]:
-        """What Describe adds to who we are: how our side stands, our in-place upgrades, and whether
-        our stop has begun (then we are no successor: peers.successor)."""
-        return {**self.side.described(), **self.upgrader.said(), "stopping": self.life.leaving}
-
-    def _on_check(self, observation: Observation, seconds: float, repaired: bool) -> None:
-        self.metrics.check_done(observation, seconds, repaired)
-        if self.labels is not None:
-            self.labels.sync(observation.hypervisor)
-        self._status_changed()
-
-    async def _newer_instance(self) -> Optional[str]:
-        """A live instance of ours for the same resource on this node that started after us: the
-        CDI spec is its to keep (peers.py)."""
-        return await self.succession.newer_instance() if self.succession is not None else None
-
     # --- readiness ----------------------------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
-        return self.side.snapshot(self.observation.current, self.observation.version > 0)
+        observation = self.parts.observation
+        return self.side.snapshot(observation.current, observation.version > 0)
 
     @property
     def ready(self) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Awaitable, Callable, Optional, TypeVar
+from typing import Any, Awaitable, Callable, Iterable, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -53,6 +53,14 @@ async def event(flag: asyncio.Event, timeout: Optional[float]) -> bool:
     except asyncio.TimeoutError:
         return False
     return True
+
+
+async def cancelled(tasks: Iterable[Optional[asyncio.Future[Any]]]) -> None:
+    """Cancel each task (None: no task there) and wait until all have ended, whatever they raise."""
+    found = [task for task in tasks if task is not None]
+    for task in found:
+        task.cancel()
+    await asyncio.gather(*found, return_exceptions=True)
 
 
 async def in_thread(fn: Callable[[], T], name: str) -> T:

@@ -458,7 +458,7 @@ def anyio_backend() -> str:
 def helpers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Every agent built in the test gets a FakeHelper (listed here) instead of a helper process,
     and a regular file at a row's path counts as its node (tests/fakes.py)."""
-    from hyperlight_agent import agent as agent_module
+    from hyperlight_agent import assembly as assembly_module
     from tests.fakes import FakeHelper, files_as_devices
 
     made: list[FakeHelper] = []
@@ -467,7 +467,7 @@ def helpers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         made.append(FakeHelper(**kw))
         return made[-1]
 
-    monkeypatch.setattr(agent_module, "ProbeHelper", fake)
+    monkeypatch.setattr(assembly_module, "ProbeHelper", fake)
     files_as_devices(monkeypatch)
     return made
 

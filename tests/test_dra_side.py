@@ -222,7 +222,7 @@ def test_dra_metrics_count_calls_claims_writes_and_watches(tmp: str, helpers: li
             fake.claims[("default", "pod-hv-9x2lq")] = recorded("resourceclaim-allocated.json")
             await kubelet.prepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID), Claim("default", "gone", "u2")])
             await kubelet.unprepare(DRIVER, [Claim("default", "pod-hv-9x2lq", UID)])
-            text = generate_latest(agent.metrics.registry).decode()
+            text = generate_latest(agent.face.metrics.registry).decode()
         finally:
             await shut(agent)
         for line in (
@@ -461,7 +461,9 @@ def test_no_api_access_is_said_once_and_retried_without_stopping(
         try:
             # The first device check too: until it ends the status says so, whatever the API.
             await until(
-                lambda: len(attempts) >= 5 and dra_side(agent).registrar.registered and agent.observation.version > 0,
+                lambda: (
+                    len(attempts) >= 5 and dra_side(agent).registrar.registered and agent.parts.observation.version > 0
+                ),
                 what="retries, and registered and checked meanwhile",
             )
             lines = [r.getMessage() for r in caplog.records if "API client" in r.getMessage()]

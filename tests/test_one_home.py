@@ -112,9 +112,11 @@ def _settings_readers() -> set[str]:
 
 def test_settings_become_parts_in_parts_only() -> None:
     """The device and protocol parts never see Settings: parts.py translates, the composition reads
-    what it wires itself (directories to watch, intervals), config owns the table, the entry points
-    (cli, diagnose) read what they act on, and a mode names the socket its exec probe asks."""
-    assert _settings_readers() <= {"parts", "agent", "config", "cli", "diagnose", "modes"}, _settings_readers()
+    what it wires itself (agent and assembly: intervals, the instance's name), config owns the table,
+    the entry points (cli, diagnose) read what they act on, and a mode names the socket its exec
+    probe asks."""
+    composition = {"parts", "agent", "assembly"}
+    assert _settings_readers() <= {*composition, "config", "cli", "diagnose", "modes"}, _settings_readers()
     takers = {
         m
         for m, tree in trees().items()
@@ -123,7 +125,7 @@ def test_settings_become_parts_in_parts_only() -> None:
         and n.module == "hyperlight_agent.config"
         and any(a.name == "Settings" for a in n.names)
     }
-    assert takers <= {"parts", "agent", "reload", "cli", "diagnose"}, takers
+    assert takers <= {*composition, "reload", "cli", "diagnose"}, takers
 
 
 def _constant_names(module: str) -> set[str]:
