@@ -110,3 +110,17 @@ async def test_condition_looks_again_on_each_wake_and_returns_once_it_holds() ->
     wake.set()
     await asyncio.wait_for(waiting, 5)
     assert state["looked"] == 3
+
+
+async def test_cancelled_ends_every_task_given_skips_none_and_swallows_what_they_raise() -> None:
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    async def fails() -> None:
+        raise RuntimeError("already failed")
+
+    running, failed = asyncio.ensure_future(forever()), asyncio.ensure_future(fails())
+    await asyncio.sleep(0)
+    assert failed.done() and not running.done()
+    await waits.cancelled([running, None, failed])
+    assert running.cancelled() and isinstance(failed.exception(), RuntimeError)
