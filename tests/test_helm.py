@@ -178,7 +178,16 @@ def test_the_chart_from_a_checkout_runs_its_app_versions_image() -> None:
 # The chart as README.md and docs/*.md name it from the registry: the tests render the checkout's
 # in its place, as a release's (releaseDigest set), at the version they name.
 PUBLIC_CHART = "oci://ghcr.io/hyperlight-dev/charts/hyperlight-agent"
-DOCUMENTS = ["README.md", *(os.path.join("docs", n) for n in sorted(os.listdir(os.path.join(ROOT, "docs"))))]
+# README and every page under docs/ (the decision records included).
+DOCUMENTS = [
+    "README.md",
+    *sorted(
+        os.path.relpath(os.path.join(d, n), ROOT)
+        for d, _, names in os.walk(os.path.join(ROOT, "docs"))
+        for n in names
+        if n.endswith(".md")
+    ),
+]
 
 
 def documented_helm_commands() -> list[tuple[str, int, list[str]]]:
