@@ -685,9 +685,16 @@ def host_packages(release_current: str) -> dict[str, str]:
 SHARED_RUN = "PYTEST_HYPERLIGHT_RUN"
 
 
+# Set in the controller that chose the run's shared directory: only it removes that directory. A
+# pytest this session starts (a test of the harness) inherits SHARED_RUN; its end must not take
+# the releases from under the session's workers (it once did: test_deb found no release.json).
+OWNS_SHARED_RUN = pytest.StashKey[bool]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
         os.environ[SHARED_RUN] = uuid.uuid4().hex[:16]
+        config.stash[OWNS_SHARED_RUN] = True
 
 
 def shared_release_directory(config: pytest.Config) -> Optional[str]:
@@ -720,7 +727,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         output.update(waited=dict(tools.WAITED), figures=dict(E2E_FIGURES), fuzzed=dict(FUZZ_INPUTS))
         return
     shared = shared_release_directory(session.config)
-    if shared and os.path.isdir(shared):
+    if shared and os.path.isdir(shared) and session.config.stash.get(OWNS_SHARED_RUN, False):
         from tests.releases import Builder
 
         Builder(shared).close()

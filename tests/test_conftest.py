@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import GRPC_COMPLETION, REPO, LoopOfATest
+from tests.conftest import GRPC_COMPLETION, REPO, SHARED_RUN, LoopOfATest
 
 # grpc.aio's extension module (no stubs)
 cygrpc = importlib.import_module("grpc._cython.cygrpc")
@@ -158,7 +158,7 @@ def test_a_failed_test_on_a_cluster_shows_what_our_agents_pods_wrote(tmp_path: A
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "test_cluster.py"],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": REPO},
+        env={**{k: v for k, v in os.environ.items() if k != SHARED_RUN}, "PYTHONPATH": REPO},
         capture_output=True,
         text=True,
         timeout=120,
@@ -168,3 +168,25 @@ def test_a_failed_test_on_a_cluster_shows_what_our_agents_pods_wrote(tmp_path: A
     assert done.stdout.count("the agent's own line") == 1, done.stdout
     assert "hyperlight-system_agent-x_1/agent/0.log" in done.stdout, done.stdout
     assert "an app's line" not in done.stdout, done.stdout
+
+
+def test_a_pytest_a_test_starts_leaves_the_sessions_shared_releases_alone(tmp_path: Any) -> None:
+    """A pytest started by a test, with our conftest, inherits the session's SHARED_RUN: at its end
+    it removed the workers' shared releases (CI: test_deb and test_podman found no release.json).
+    Only the controller that chose the directory removes it."""
+    run = "0123456789abcdef"
+    made = tmp_path / f"hl-rel-{run}" / "dist" / "0.1.1" / "release.json"
+    made.parent.mkdir(parents=True)
+    made.write_text("{}")
+    (tmp_path / "test_one.py").write_text("def test_one():\n    pass\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "test_one.py"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp_path), SHARED_RUN: run},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert made.exists(), "the session's releases removed by a pytest it started"
