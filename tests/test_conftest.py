@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import GRPC_COMPLETION, REPO, SHARED_RUN, LoopOfATest
+from tests.conftest import GRPC_COMPLETION, NEIGHBOUR_ENV, REPO, SHARED_RUN, LoopOfATest
 
 # grpc.aio's extension module (no stubs)
 cygrpc = importlib.import_module("grpc._cython.cygrpc")
@@ -123,6 +123,17 @@ def test_each_cluster_is_one_lane_in_real_workers(tmp_path: Any) -> None:
         assert len(ran_in) == 1, f"{module} ran in {sorted(ran_in)}"
 
 
+def inner_env() -> dict[str, str]:
+    """The environment of a pytest a test starts with our conftest: none of the session's own (its
+    shared release directory, its suite switches such as the neighbour agent `make test` asks for,
+    its xdist worker's name: PYTEST_*)."""
+    assert SHARED_RUN.startswith("PYTEST_")
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k != NEIGHBOUR_ENV},
+        "PYTHONPATH": REPO,
+    }
+
+
 FAILS_ON_A_CLUSTER = """
 import pytest
 from tests.e2e.cluster import Cluster, Node
@@ -158,7 +169,7 @@ def test_a_failed_test_on_a_cluster_shows_what_our_agents_pods_wrote(tmp_path: A
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "test_cluster.py"],
         cwd=tmp_path,
-        env={**{k: v for k, v in os.environ.items() if k != SHARED_RUN}, "PYTHONPATH": REPO},
+        env=inner_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -182,7 +193,7 @@ def test_a_pytest_a_test_starts_leaves_the_sessions_shared_releases_alone(tmp_pa
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "test_one.py"],
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp_path), SHARED_RUN: run},
+        env={**inner_env(), "TMPDIR": str(tmp_path), SHARED_RUN: run},
         capture_output=True,
         text=True,
         timeout=120,
