@@ -50,12 +50,12 @@ class Agent:
         self.life = Lifecycle()
         self.notifier = notifier or Notifier(self._environ)
         hooks = AgentHooks(
-            self._status_changed,
-            lambda: self.ready,
+            status_changed=self._status_changed,
+            ready=lambda: self.ready,
             # Describe's word on our upgrades and our stop (then we are no successor: peers.successor)
-            lambda: {**self.upgrader.said(), "stopping": self.life.leaving},
-            lambda: self.notifier.predecessor,
-            lambda: self.upgrader.upgrading,
+            described=lambda: {**self.upgrader.said(), "stopping": self.life.leaving},
+            predecessor=lambda: self.notifier.predecessor,
+            upgrading=lambda: self.upgrader.upgrading,
         )
         # How we are seen (host/face.py), who we are to other instances of ours (peers.py), the
         # device's checks, and how the device reaches the kubelet (kubelet_side.py): assembly.py.

@@ -16,7 +16,7 @@ status and readiness, its stop, its upgrades) comes in as AgentHooks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import grpc
 
@@ -106,12 +106,8 @@ def assemble(
     return Assembly(face, me, watcher, observation, helper, checker, keeper, side)
 
 
-def _newer_instance(side: Optional[KubeletSide[Any]]) -> Awaitable[Optional[str]]:
+async def _newer_instance(side: Optional[KubeletSide[Any]]) -> Optional[str]:
     """A live instance of ours for the same resource on this node that started after us: the CDI
     spec is its to keep (peers.py). A side that cannot be succeeded has none."""
     offered = succession(side) if side is not None else None
-    return offered.newer_instance() if offered is not None else _none()
-
-
-async def _none() -> Optional[str]:
-    return None
+    return await offered.newer_instance() if offered is not None else None
