@@ -49,7 +49,24 @@ class Agent:
         self.mode = mode
         self.life = Lifecycle()
         self.notifier = notifier or Notifier(self._environ)
-        hooks = AgentHooks(
+        # How we are seen (host/face.py), who we are to other instances of ours (peers.py), the
+        # device's checks, and how the device reaches the kubelet (kubelet_side.py): assembly.py.
+        built = self.parts = assemble(settings, mode, self.notifier, self._environ, self._hooks())
+        self.face, self.identity, self.checker, self.side = built.face, built.identity, built.checker, built.side
+        self.succession = succession(self.side)  # None: the side cannot be succeeded without a gap
+        self._tasks: list[asyncio.Future[Any]] = []
+        self.upgrader = self._upgrader()
+        self.reloader = Reloader(
+            reload,
+            lambda: self.settings,
+            self._apply_reload,
+            self.notifier,
+            on_refused=self.face.readiness.forget_status,
+        )
+
+    def _hooks(self) -> AgentHooks:
+        """What the parts ask of the agent."""
+        return AgentHooks(
             status_changed=self._status_changed,
             ready=lambda: self.ready,
             # Describe's word on our upgrades and our stop (then we are no successor: peers.successor)
@@ -57,27 +74,17 @@ class Agent:
             predecessor=lambda: self.notifier.predecessor,
             upgrading=lambda: self.upgrader.upgrading,
         )
-        # How we are seen (host/face.py), who we are to other instances of ours (peers.py), the
-        # device's checks, and how the device reaches the kubelet (kubelet_side.py): assembly.py.
-        built = self.parts = assemble(settings, mode, self.notifier, self._environ, hooks)
-        self.face, self.identity, self.checker, self.side = built.face, built.identity, built.checker, built.side
-        self.succession = succession(self.side)  # None: the side cannot be succeeded without a gap
-        self._tasks: list[asyncio.Future[Any]] = []
-        self.upgrader = successor.Upgrader(
-            settings.instance,
+
+    def _upgrader(self) -> successor.Upgrader:
+        """In-place upgrades: a successor started beside us (host/successor.py)."""
+        return successor.Upgrader(
+            self.settings.instance,
             self._environ,
             self.succession,
             self.notifier,
             ready=lambda: self.ready,
             handed_over=self.life.handed_over,
             on_change=self._status_changed,
-        )
-        self.reloader = Reloader(
-            reload,
-            lambda: self.settings,
-            self._apply_reload,
-            self.notifier,
-            on_refused=self.face.readiness.forget_status,
         )
 
     # --- lifecycle ----------------------------------------------------------------------------

@@ -30,7 +30,6 @@ from typing import (
     TYPE_CHECKING,
     Any,
     Callable,
-    Iterable,
     Mapping,
     Optional,
     Protocol,
@@ -84,27 +83,27 @@ class Watches(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Family:
+    """One metric family a part counts into, declared as data: its type ("counter", "gauge" or
+    "histogram"), name, help, label names, the label values served at 0 from the start (a series
+    born at 1 has no increase() for an alert to see), and a histogram's buckets."""
+
+    kind: str
+    name: str
+    doc: str
+    labels: Sequence[str] = ()
+    at_zero: Sequence[Sequence[str]] = ()
+    buckets: Sequence[float] = ()
+
+
 class Series(Protocol):
     """Where a kubelet protocol makes the metric series it counts, in the agent's registry
-    (host/metrics.py's Families): each maker returns the series, or one that ignores every call
-    while metrics are off. `at_zero`: the label values served at 0 from the start (a series born at
-    1 has no increase() for an alert to see). A protocol's row makes its outcomes from these
+    (host/metrics.py's Families): make() returns the family's series, or one that ignores every
+    call while metrics are off. A protocol's row makes its outcomes from these
     (parts.ProtocolRow.outcomes), so the agent's metrics know no protocol."""
 
-    def counter(
-        self, name: str, doc: str, labels: Sequence[str] = (), at_zero: Iterable[Sequence[str]] = ()
-    ) -> Any: ...
-
-    def gauge(self, name: str, doc: str, labels: Sequence[str] = (), at_zero: Iterable[Sequence[str]] = ()) -> Any: ...
-
-    def histogram(
-        self,
-        name: str,
-        doc: str,
-        buckets: Sequence[float],
-        labels: Sequence[str] = (),
-        at_zero: Iterable[Sequence[str]] = (),
-    ) -> Any: ...
+    def make(self, family: Family) -> Any: ...
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.dra import api, registration
 from hyperlight_agent.dra import pluginregistration_pb2 as reg
 from hyperlight_agent.dra.prepared import Prepared
-from hyperlight_agent.dra.registration import DriverServers
+from hyperlight_agent.dra.registration import DriverServers, Graces
 from hyperlight_agent.dra.service import Service
 from hyperlight_agent.dra.types import AllocatedDevice, ClaimError
 from hyperlight_agent.transport import NotServing
@@ -66,7 +66,7 @@ class Node:
 
     def registrar(self, instance: str, observe: Optional[Callable[[], Any]] = None) -> DriverServers:
         service = Service(DRIVER, self.claims, observe or (lambda: self.observation), Prepared(self.data))
-        registrar = DriverServers(service, DRIVER, instance, self.registry, self.plugins, deregister_grace=0)
+        registrar = DriverServers(service, DRIVER, instance, self.registry, self.plugins, graces=Graces(deregister_s=0))
         self.started.append(registrar)
         return registrar
 
@@ -282,7 +282,9 @@ def test_claims_are_answered_until_the_kubelet_has_deregistered_us(tmp: str) -> 
 
     async def body(node: Node, kubelet: DraKubeletStandin) -> None:
         service = Service(DRIVER, node.claims, lambda: node.observation, Prepared(node.data))
-        registrar = DriverServers(service, DRIVER, "pod-a", node.registry, node.plugins, deregister_grace=1.0)
+        registrar = DriverServers(
+            service, DRIVER, "pod-a", node.registry, node.plugins, graces=Graces(deregister_s=1.0)
+        )
         await registrar.start()
         await registered(kubelet, registrar)
         closing = asyncio.ensure_future(registrar.close())
@@ -307,7 +309,7 @@ def test_a_stop_deregisters_only_once_the_calls_in_flight_ended_or_the_drain_pas
     """The kubelet cancels the calls it has in flight with an instance as it deregisters it (its
     connection closes: "grpc: the client connection is closing", a pod's Prepare failed so on the
     1.34 kubelet during a rolling update). So a stop keeps the registration socket until the calls
-    in flight ended, at most calls_drain: an answer that comes is delivered; one that never comes
+    in flight ended, at most calls_drain_s: an answer that comes is delivered; one that never comes
     does not hold the stop."""
     reading, answer = asyncio.Event(), asyncio.Event()
 
@@ -323,7 +325,7 @@ def test_a_stop_deregisters_only_once_the_calls_in_flight_ended_or_the_drain_pas
         # race it on a loaded machine, so there the drain is far longer than any answer takes.
         drain = 60 if answers else 2
         registrar = DriverServers(
-            service, DRIVER, "pod-a", node.registry, node.plugins, deregister_grace=0, calls_drain=drain
+            service, DRIVER, "pod-a", node.registry, node.plugins, graces=Graces(deregister_s=0, calls_drain_s=drain)
         )
         node.started.append(registrar)
         await registrar.start()

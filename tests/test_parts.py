@@ -21,7 +21,7 @@ from hyperlight_agent.config import Settings
 from hyperlight_agent.device.observation import Observation
 from hyperlight_agent.files import sockets
 from hyperlight_agent.host.healthcheck import health_check
-from hyperlight_agent.kubelet_side import Series, Succession, Wiring, count
+from hyperlight_agent.kubelet_side import Family, Series, Succession, Wiring, count
 from tests.conftest import until
 from tests.fakes import FakeHelper, RecordingNotifier, device_dir, shut
 from tests.test_host_metrics import free_port, scrape
@@ -84,7 +84,7 @@ class ToyOutcomes:
     """What the toy protocol counts: its own series, in the agent's registry."""
 
     def __init__(self, series: Series) -> None:
-        self.serving = series.gauge("hyperlight_toy_serving", "1 while the toy socket serves")
+        self.serving = series.make(Family("gauge", "hyperlight_toy_serving", "1 while the toy socket serves"))
 
 
 class ToySide:

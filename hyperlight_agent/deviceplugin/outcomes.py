@@ -3,26 +3,33 @@ made by its row (parts.py) in the agent's registry: they exist only in the devic
 
 from __future__ import annotations
 
-from hyperlight_agent.kubelet_side import Series
+from hyperlight_agent.kubelet_side import Family, Series
 
 # An Allocate's outcomes, each served from 0.
 ALLOCATION_OUTCOMES = ("ok", "invalid", "unavailable")
 
 
+REGISTRATIONS = Family("counter", "hyperlight_registrations_total", "successful kubelet registrations")
+KUBELET_RESTARTS = Family("counter", "hyperlight_kubelet_restarts_total", "kubelet restarts detected")
+ALLOCATIONS = Family(
+    "counter",
+    "hyperlight_allocations_total",
+    "Allocate calls by outcome",
+    ("outcome",),
+    tuple((outcome,) for outcome in ALLOCATION_OUTCOMES),
+)
+OPEN_STREAMS = Family("gauge", "hyperlight_listandwatch_streams", "open ListAndWatch streams")
+STREAMS_LOST = Family(
+    "counter",
+    "hyperlight_streams_lost_total",
+    "kubelet streams that ended or never opened (each followed by a new Register)",
+)
+
+
 class DevicePluginOutcomes:
     def __init__(self, series: Series) -> None:
-        self.registrations = series.counter("hyperlight_registrations_total", "successful kubelet registrations")
-        self.kubelet_restarts = series.counter("hyperlight_kubelet_restarts_total", "kubelet restarts detected")
-        self.allocations = series.counter(
-            "hyperlight_allocations_total",
-            "Allocate calls by outcome",
-            ["outcome"],
-            at_zero=[(outcome,) for outcome in ALLOCATION_OUTCOMES],
-        )
-        self.open_streams = series.gauge("hyperlight_listandwatch_streams", "open ListAndWatch streams")
-        self.streams_lost = series.counter(
-            "hyperlight_streams_lost_total",
-            "kubelet streams that ended or never opened (each followed by a new Register)",
+        self.registrations, self.kubelet_restarts, self.allocations, self.open_streams, self.streams_lost = map(
+            series.make, (REGISTRATIONS, KUBELET_RESTARTS, ALLOCATIONS, OPEN_STREAMS, STREAMS_LOST)
         )
         self._counted = (0, 0, 0)  # the registrar's totals already added to the counters
 

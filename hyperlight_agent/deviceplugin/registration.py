@@ -103,8 +103,7 @@ class Registrar:
         """configure: our services on each new server (plugin_server.Configure). on_change: our
         state changed (readiness and status are derived from it). watched(): every change of the
         two sockets wakes us now (else a timer does). may_register() returns when we may send
-        Register (handover.py: not while it would take the kubelet from a ready
-        instance of ours)."""
+        Register (handover.py: not while it would take the kubelet from a ready instance of ours)."""
         self.socket_path = os.path.join(kubelet_dir, socket_name)
         self.kubelet_socket = os.path.join(kubelet_dir, contracts.KUBELET_SOCKET)
         self._kubelets = kubelets.Kubelets(self.kubelet_socket)

@@ -42,6 +42,7 @@ import contextlib
 import logging
 import os
 import stat
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 import grpc
@@ -85,6 +86,16 @@ REGISTRATION_SETTLE_S = (
 )
 
 
+@dataclass(frozen=True)
+class Graces:
+    """How long a stop waits: for the calls in flight before our registration socket goes, for the
+    kubelet's deregistration after it, and for the service's calls as it stops."""
+
+    calls_drain_s: float = CALLS_DRAIN_S
+    deregister_s: float = DEREGISTER_GRACE_S
+    stop_s: float = transport.STOP_GRACE_S
+
+
 class DriverServers:
     """Owns both gRPC servers of one agent instance: start() → (kubelet registers us) → close()."""
 
@@ -96,9 +107,7 @@ class DriverServers:
         registry_dir: str = contracts.DRA_REGISTRY_DIR,
         plugins_dir: str = contracts.DRA_PLUGINS_DIR,
         on_change: Optional[Callable[[], None]] = None,
-        stop_grace: float = transport.STOP_GRACE_S,
-        deregister_grace: Optional[float] = None,
-        calls_drain: Optional[float] = None,
+        graces: Graces = Graces(),
         configure: Optional[Callable[[grpc.aio.Server], None]] = None,
         watched: Callable[[], bool] = lambda: False,
         may_register: Optional[Callable[[], Awaitable[None]]] = None,
@@ -106,20 +115,13 @@ class DriverServers:
     ) -> None:
         if not instance:
             raise ValueError("a DRA plugin instance needs a name unique on the node (the pod name or uid)")
-        self.driver = driver
-        self.instance = instance
+        self.driver, self.instance = driver, instance
         self.registration_socket = names.registration_socket(registry_dir, driver, instance)
         self.service_socket = names.service_socket(plugins_dir, driver, instance)
         self._service = service  # answers NodePrepareResources / NodeUnprepareResources (service.Service)
-        self._on_change = on_change
-        self._stop_grace = stop_grace
-        self._deregister_grace = DEREGISTER_GRACE_S if deregister_grace is None else deregister_grace
-        self._calls_drain = CALLS_DRAIN_S if calls_drain is None else calls_drain
-        # Adds more services to the DRA socket's server (the agent's gRPC health service, which the
-        # exec probes ask there).
-        self._configure = configure
-        # The resource-health service, served beside DRAPlugin and named in GetInfo (None: neither).
-        self._health = health
+        self._on_change, self._graces = on_change, graces
+        self._configure = configure  # more services on the DRA socket's server (the gRPC health service)
+        self._health = health  # the resource-health service beside DRAPlugin, named in GetInfo (None: neither)
         self._dra: Optional[transport.Serving] = None
         self._health_endpoint: Optional[HealthEndpoint] = None  # the current DRA server's
         self._registration: Optional[transport.Serving] = None
@@ -128,13 +130,10 @@ class DriverServers:
         self.notifications = 0  # NotifyRegistrationStatus calls received
         self._registered_at = 0.0  # the loop's time of the kubelet's last "registered"
         self.served_again = 0  # sockets of ours put back after someone removed or replaced them
-        # Whether both sockets' directories are watched now: then every change of our sockets
-        # calls wake(), and nothing runs on a timer.
-        self._watched = watched
+        self._watched = watched  # both sockets' directories are watched: their changes wake() us, no timer
         self._wake = asyncio.Event()
-        # Awaited between serving the DRA service and the registration socket: returns when we may
-        # register (the side holds a registration that would take the kubelet's calls from a ready
-        # instance of ours while our device is unhealthy).
+        # Awaited between serving the DRA service and the registration socket (the side's succession
+        # holds a registration that would take the kubelet's calls from a ready instance of ours).
         self._may_register = may_register
 
     def settling(self) -> bool:
@@ -191,7 +190,7 @@ class DriverServers:
             self._dra = await self._serve_dra(dra.path)
             if old_health is not None:
                 old_health.close()  # the kubelet opens its stream again on the new server
-            await dra.stop(self._stop_grace)  # calls in flight finish on the old server
+            await dra.stop(self._graces.stop_s)  # calls in flight finish on the old server
             self.served_again += 1  # (once the old server is gone: the kubelet's next call dials anew)
         if registration is not None and not registration.pin.is_at(registration.path):
             # The kubelet has deregistered us (or will in a moment): not registered until it says so.
@@ -214,17 +213,17 @@ class DriverServers:
                 idle = getattr(self._service, "idle", None)
                 if idle is not None and dra is not None:
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await waits.within(idle(), self._calls_drain)
+                        await waits.within(idle(), self._graces.calls_drain_s)
                 await registration.stop(0)
-                if dra is not None and self._deregister_grace > 0:
-                    await asyncio.sleep(self._deregister_grace)  # still serving claims meanwhile
+                if dra is not None and self._graces.deregister_s > 0:
+                    await asyncio.sleep(self._graces.deregister_s)  # still serving claims meanwhile
         finally:
             # Also when a stop cancels this close (a start cut short): our sockets must not stay.
             if self._health_endpoint is not None:
                 self._health_endpoint.close()  # a stream would hold the stop for its whole grace
                 self._health_endpoint = None
             if dra is not None:
-                await dra.stop(self._stop_grace)
+                await dra.stop(self._graces.stop_s)
             if self.registered:
                 self._set(False, "")
 

@@ -138,42 +138,57 @@ class DraSide:
         self.node_name = target.node_name
         self.identical_devices = target.identical_devices
         self._shared_device = target.shared
-        self._observation = wiring.observation
         self._on_change = wiring.on_change
-        self.health = Health(
-            wiring.observation,
-            self.health_devices,
-            lambda: self.node_name,
-            on_stream=outcomes.health_stream,
-        )
         self._registered = asyncio.Event()  # the kubelet registered us (since the last time we were not)
-        self.service = Service(
+        self.health = Health(
+            wiring.observation, self.health_devices, lambda: self.node_name, on_stream=outcomes.health_stream
+        )
+        self.service = self._service(target)
+        sockets = (
+            names.registration_socket(target.registry_dir, target.driver, target.instance),
+            names.service_socket(target.plugins_dir, target.driver, target.instance),
+        )
+        self.instances = Instances(wiring.identity, target.registry_dir, target.driver, sockets[0])
+        self.registrar = self._driver_servers(target, sockets)
+        self.slices = self._slice_keeper(target, outcomes)  # the API half
+        self.succession = DraSuccession(
+            self.instances, self.registrar, self.service.calls, wiring.observation, self.slices.wake
+        )
+        # Our two sockets (removed by a cleanup tool: served again), and other instances'
+        # registration sockets coming and going (whether a newer one keeps the slice).
+        for path in sockets:
+            wiring.watcher.watch(os.path.dirname(path), lambda name: self.sockets_changed())
+
+    def _service(self, target: DraTarget) -> Service:
+        """The DRAPlugin service: claims read once the API client exists, each Prepare a fresh check."""
+        wiring = self._wiring
+        return Service(
             target.driver,
             _NotConnected(lambda: self.slices.api_error),
             functools.partial(fresh_check, wiring.checker, wiring.observation),
             Prepared(os.path.join(target.plugins_dir, target.driver)),
             on_call=self._prepared,
         )
-        watcher = wiring.watcher
-        sockets = (
-            names.registration_socket(target.registry_dir, target.driver, target.instance),
-            names.service_socket(target.plugins_dir, target.driver, target.instance),
-        )
-        self.instances = Instances(wiring.identity, target.registry_dir, target.driver, sockets[0])
-        self.registrar = registration.DriverServers(
+
+    def _driver_servers(self, target: DraTarget, sockets: tuple[str, str]) -> registration.DriverServers:
+        """The kubelet half: our service and registration sockets, served while succession allows."""
+        watcher = self._wiring.watcher
+        return registration.DriverServers(
             self.service,
             target.driver,
             target.instance,
             target.registry_dir,
             target.plugins_dir,
             on_change=self._registration_changed,
-            configure=wiring.serve_ours,
+            configure=self._wiring.serve_ours,
             watched=lambda: all(watcher.watching(os.path.dirname(p)) for p in sockets),
-            may_register=lambda: self.succession.may_register(),  # noqa: PLW0108 - built below, from these
+            may_register=lambda: self.succession.may_register(),  # noqa: PLW0108 - built after this
             health=self.health,
         )
-        # The API half: the slice, kept by the newest serving instance of ours.
-        self.slices = SliceKeeper(
+
+    def _slice_keeper(self, target: DraTarget, outcomes: DraOutcomes) -> SliceKeeper:
+        """The API half: the slice, kept by the newest serving instance of ours."""
+        return SliceKeeper(
             SliceTarget(
                 target.node_name,
                 target.driver,
@@ -182,20 +197,13 @@ class DraSide:
                 target.kubeconfig,
                 target.evict_after_s,
             ),
-            wiring.observation,
-            wiring.checker,
+            self._wiring.observation,
+            self._wiring.checker,
             outcomes,
             keeper=lambda: self.succession.slice_keeper(),  # noqa: PLW0108 - likewise
             on_change=self._slice_changed,
             on_checked=self.health.refresh,
         )
-        self.succession = DraSuccession(
-            self.instances, self.registrar, self.service.calls, wiring.observation, self.slices.wake
-        )
-        # Our two sockets (removed by a cleanup tool: served again), and other instances'
-        # registration sockets coming and going (whether a newer one keeps the slice).
-        for path in sockets:
-            watcher.watch(os.path.dirname(path), lambda name: self.sockets_changed())
 
     def describe(self) -> str:
         shape = "one shared device (else " if self._shared_device else "("

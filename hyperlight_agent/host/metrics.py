@@ -15,11 +15,12 @@ Why: docs/decisions/metrics-never-cost-slots.md.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional
 
 from hyperlight_agent.device import hypervisors
 from hyperlight_agent.device.observation import Cause, Observation
 from hyperlight_agent.host import httpd
+from hyperlight_agent.kubelet_side import Family
 
 log = logging.getLogger(__name__)
 
@@ -45,40 +46,68 @@ class Families:
     def __init__(self, registry: Any) -> None:
         self._registry = registry
 
-    def counter(self, name: str, doc: str, labels: Sequence[str] = (), at_zero: Iterable[Sequence[str]] = ()) -> Any:
+    def make(self, family: Family) -> Any:
         if self._registry is None:
             return _Off()
-        from prometheus_client import Counter
+        import prometheus_client
 
-        return _from_zero(Counter(name, doc, list(labels), registry=self._registry), at_zero)
-
-    def gauge(self, name: str, doc: str, labels: Sequence[str] = (), at_zero: Iterable[Sequence[str]] = ()) -> Any:
-        if self._registry is None:
-            return _Off()
-        from prometheus_client import Gauge
-
-        return _from_zero(Gauge(name, doc, list(labels), registry=self._registry), at_zero)
-
-    def histogram(
-        self,
-        name: str,
-        doc: str,
-        buckets: Sequence[float],
-        labels: Sequence[str] = (),
-        at_zero: Iterable[Sequence[str]] = (),
-    ) -> Any:
-        if self._registry is None:
-            return _Off()
-        from prometheus_client import Histogram
-
-        made = Histogram(name, doc, list(labels), registry=self._registry, buckets=tuple(buckets))
-        return _from_zero(made, at_zero)
+        kind = {"counter": prometheus_client.Counter, "gauge": prometheus_client.Gauge}
+        if family.kind == "histogram":
+            made: Any = prometheus_client.Histogram(
+                family.name, family.doc, list(family.labels), registry=self._registry, buckets=tuple(family.buckets)
+            )
+        else:
+            made = kind[family.kind](family.name, family.doc, list(family.labels), registry=self._registry)
+        for values in family.at_zero:
+            made.labels(*values)
+        return made
 
 
-def _from_zero(series: Any, at_zero: Iterable[Sequence[str]]) -> Any:
-    for values in at_zero:
-        series.labels(*values)
-    return series
+# The agent's own families, whatever its mode (Metrics; a protocol's are its row's).
+_BY_CAUSE = tuple((cause,) for cause in CAUSES)
+DEVICE_INFO = Family(
+    "gauge",
+    "hyperlight_device_info",
+    "1 for the hypervisor device the agent found, by kind and path (none while none is found)",
+    ("hypervisor", "path"),
+)
+ADVERTISED = Family(
+    "gauge",
+    "hyperlight_advertised_slots",
+    "slots (device plugin) or ResourceSlice devices (DRA) offered to the kubelet as usable now: their "
+    "count while the agent is ready, else 0",
+)
+HEALTHY = Family("gauge", "hyperlight_device_healthy", "1 when the last device check passed")
+UNHEALTHY_CAUSE = Family(
+    "gauge",
+    "hyperlight_device_unhealthy_cause",
+    "1 for the cause of the current unhealthy state",
+    ("cause",),
+    _BY_CAUSE,
+)
+CHECK_SECONDS = Family(
+    "histogram",
+    "hyperlight_check_duration_seconds",
+    "device check duration (probe, host identity, CDI)",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 2, 5),
+)
+CHECKS = Family("counter", "hyperlight_checks_total", "device checks completed", ("result",), (("ok",), ("failed",)))
+FAILURES = Family("counter", "hyperlight_check_failures_total", "failed device checks by cause", ("cause",), _BY_CAUSE)
+TRANSITIONS = Family(
+    "counter",
+    "hyperlight_device_health_transitions_total",
+    "changes of the device check's verdict (the first check's is none), by the new one",
+    ("to",),
+    (("healthy",), ("unhealthy",)),
+)
+CDI_REPAIRS = Family(
+    "counter",
+    "hyperlight_cdi_repairs_total",
+    "times the CDI spec was written again after a check had found it right (someone changed it)",
+)
+HELPER_TIMEOUTS = Family(
+    "counter", "hyperlight_probe_helper_timeouts_total", "probe helpers killed for missing their deadline"
+)
 
 
 class Metrics:
@@ -99,46 +128,15 @@ class Metrics:
         self._device_dir = device_dir
         self.enabled = enabled
         self.families = Families(self._registry(build or {}) if enabled else None)
-        made = self.families
-        self.device_info = made.gauge(
-            "hyperlight_device_info",
-            "1 for the hypervisor device the agent found, by kind and path (none while none is found)",
-            ["hypervisor", "path"],
+        make = self.families.make
+        self.device_info, self.advertised, self.healthy, self.unhealthy_cause = map(
+            make, (DEVICE_INFO, ADVERTISED, HEALTHY, UNHEALTHY_CAUSE)
         )
-        self.advertised = made.gauge(
-            "hyperlight_advertised_slots",
-            "slots (device plugin) or ResourceSlice devices (DRA) offered to the kubelet as usable now: their "
-            "count while the agent is ready, else 0",
+        self.check_seconds, self.checks, self.failures, self.transitions, self.helper_timeouts = map(
+            make, (CHECK_SECONDS, CHECKS, FAILURES, TRANSITIONS, HELPER_TIMEOUTS)
         )
-        self.healthy = made.gauge("hyperlight_device_healthy", "1 when the last device check passed")
-        by_cause = [(cause,) for cause in CAUSES]
-        self.unhealthy_cause = made.gauge(
-            "hyperlight_device_unhealthy_cause", "1 for the cause of the current unhealthy state", ["cause"], by_cause
-        )
-        self.check_seconds = made.histogram(
-            "hyperlight_check_duration_seconds",
-            "device check duration (probe, host identity, CDI)",
-            (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 2, 5),
-        )
-        self.checks = made.counter(
-            "hyperlight_checks_total", "device checks completed", ["result"], [("ok",), ("failed",)]
-        )
-        self.failures = made.counter(
-            "hyperlight_check_failures_total", "failed device checks by cause", ["cause"], by_cause
-        )
-        self.transitions = made.counter(
-            "hyperlight_device_health_transitions_total",
-            "changes of the device check's verdict (the first check's is none), by the new one",
-            ["to"],
-            [("healthy",), ("unhealthy",)],
-        )
-        self.cdi_repairs = (made if cdi else Families(None)).counter(
-            "hyperlight_cdi_repairs_total",
-            "times the CDI spec was written again after a check had found it right (someone changed it)",
-        )
-        self.helper_timeouts = made.counter(
-            "hyperlight_probe_helper_timeouts_total", "probe helpers killed for missing their deadline"
-        )
+        # Only a mode that writes the CDI spec repairs it.
+        self.cdi_repairs = (self.families if cdi else Families(None)).make(CDI_REPAIRS)
 
     def _registry(self, build: dict[str, str]) -> Any:
         """The agent's own registry, with the process's series and the build's."""
