@@ -20,7 +20,7 @@ from hyperlight_agent.dra import client as dra_client
 from hyperlight_agent.dra import slices, watch_liveness
 from hyperlight_agent.dra.client import ApiError, ClientConfigError, KubeApi
 from hyperlight_agent.dra.slice_spec import DeviceInfo, desired_spec, owned
-from hyperlight_agent.dra.slices import SlicePublisher
+from hyperlight_agent.dra.slices import WATCH_TIMEOUT_S, Pacing, SlicePublisher
 from hyperlight_agent.dra.taints import Taint
 from standin.apiserver import (
     DRIVER,
@@ -37,6 +37,7 @@ from tests.conftest import until
 from tests.test_docs import ROOT
 
 KVM = DeviceInfo("kvm", 12, "/dev/kvm")
+QUICK = Pacing(0.01, 0.05)  # retries within a test's time
 
 
 Body = Callable[[FakeApiServer, KubeApi], Awaitable[None]]
@@ -68,7 +69,7 @@ async def publishing(
     shared: bool = False,
 ) -> None:
     """A publisher of `count` identical devices (of one shared device with `shared`)."""
-    publisher = SlicePublisher(api, NODE, DRIVER, count, backoff_initial_s=0.01, backoff_cap_s=0.05, shared=shared)
+    publisher = SlicePublisher(api, NODE, DRIVER, count, pacing=QUICK, shared=shared)
     publisher.set_device(device)
     task = asyncio.ensure_future(publisher.run())
     try:
@@ -150,7 +151,7 @@ def test_nothing_is_written_before_the_first_check_says_what_the_device_is(tmp_p
         }
 
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
-        publisher = SlicePublisher(api, NODE, DRIVER, 4, backoff_initial_s=0.01, backoff_cap_s=0.05)
+        publisher = SlicePublisher(api, NODE, DRIVER, 4, pacing=QUICK)
         task = asyncio.ensure_future(publisher.run())
         try:
             await until(lambda: publisher.looks >= 1, what="a first look at the server's slices")
@@ -189,10 +190,8 @@ def test_the_publisher_reports_writes_api_errors_and_watch_restarts(tmp_path: An
             NODE,
             DRIVER,
             4,
-            backoff_initial_s=0.01,
-            backoff_cap_s=0.05,
+            pacing=Pacing(0.01, 0.05, watch_timeout_s=(2.0, 2.0)),
             shared=False,
-            watch_timeout_s=(2.0, 2.0),
             on_event=lambda *e: events.append(e),
         )
         publisher.set_device(KVM)
@@ -624,10 +623,11 @@ def test_the_device_plugin_modes_never_load_the_api_client() -> None:
 # --- hostile neighbours and a broken network (issue 26) ---
 
 
-async def publisher_on(api: KubeApi, count: int = 4, **kw: Any) -> tuple[SlicePublisher, asyncio.Task[None]]:
-    publisher = SlicePublisher(
-        api, NODE, DRIVER, count, backoff_initial_s=0.05, backoff_cap_s=0.4, **{"shared": False, **kw}
-    )
+async def publisher_on(
+    api: KubeApi, count: int = 4, watch_timeout_s: tuple[float, float] = WATCH_TIMEOUT_S, **kw: Any
+) -> tuple[SlicePublisher, asyncio.Task[None]]:
+    pacing = Pacing(0.05, 0.4, watch_timeout_s)
+    publisher = SlicePublisher(api, NODE, DRIVER, count, pacing=pacing, **{"shared": False, **kw})
     publisher.set_device(KVM)
     return publisher, asyncio.ensure_future(publisher.run())
 
@@ -762,7 +762,7 @@ async def test_publishers_failing_together_retry_apart(tmp_path: Any) -> None:
         fake.stuck["list"] = status("status-403-list.json")
         os.mkdir(os.path.join(str(tmp_path), str(i)))
         apis.append(dra_client.connect(kubeconfig(os.path.join(str(tmp_path), str(i)), await fake.start()), environ={}))
-    publishers = [SlicePublisher(api, NODE, DRIVER, 4, backoff_initial_s=0.8, backoff_cap_s=1.6) for api in apis]
+    publishers = [SlicePublisher(api, NODE, DRIVER, 4, pacing=Pacing(0.8, 1.6)) for api in apis]
     for publisher in publishers:
         publisher.set_device(KVM)
     tasks = [asyncio.ensure_future(publisher.run()) for publisher in publishers]

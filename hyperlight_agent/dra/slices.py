@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional
 
 from hyperlight_agent import backoff, contracts
@@ -95,6 +96,27 @@ BACKOFF_CAP_S = 30.0
 WATCH_TIMEOUT_S = (300.0, 600.0)
 
 
+@dataclass(frozen=True)
+class Pacing:
+    """How soon failures are retried and how long each watch is asked to last (tests shorten them),
+    and the clock of first_published_at."""
+
+    backoff_initial_s: float = BACKOFF_INITIAL_S
+    backoff_cap_s: float = BACKOFF_CAP_S
+    watch_timeout_s: tuple[float, float] = WATCH_TIMEOUT_S
+    clock: Callable[[], float] = time.monotonic
+
+
+def devices_of_one_slice(identical_devices: int) -> int:
+    """The dra_devices setting, if one ResourceSlice can hold that many devices."""
+    if not 1 <= identical_devices <= contracts.RESOURCE_SLICE_MAX_DEVICES:
+        raise ValueError(
+            f"DRA device count {identical_devices}: must be 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES} "
+            f"(the devices of one ResourceSlice)"
+        )
+    return identical_devices
+
+
 class SlicePublisher:
     """Keeps this node's ResourceSlice equal to the desired one while `run()` runs.
 
@@ -111,10 +133,7 @@ class SlicePublisher:
         driver: str = contracts.DRA_DRIVER,
         identical_devices: int = contracts.RESOURCE_SLICE_MAX_DEVICES,
         *,
-        clock: Callable[[], float] = time.monotonic,
-        backoff_initial_s: float = BACKOFF_INITIAL_S,
-        backoff_cap_s: float = BACKOFF_CAP_S,
-        watch_timeout_s: tuple[float, float] = WATCH_TIMEOUT_S,
+        pacing: Pacing = Pacing(),
         newer: Optional[Callable[[], Awaitable[Optional[str]]]] = None,
         on_change: Optional[Callable[[], None]] = None,
         drivers_before: tuple[str, ...] = contracts.DRA_DRIVERS_BEFORE,
@@ -122,39 +141,32 @@ class SlicePublisher:
         on_event: Callable[..., None] = lambda kind, *labels: None,
         taints: bool = True,
     ) -> None:
-        if not 1 <= identical_devices <= contracts.RESOURCE_SLICE_MAX_DEVICES:
-            raise ValueError(
-                f"DRA device count {identical_devices}: must be 1 to {contracts.RESOURCE_SLICE_MAX_DEVICES} "
-                f"(the devices of one ResourceSlice)"
-            )
         self._api, self.node_name, self.driver = api, node_name, driver
-        # The devices of the slice where it cannot be one shared device (the dra_devices setting);
-        # what it offers now is published_devices.
-        self.identical_devices = identical_devices
-        self._clock = clock
-        self._backoff = Backoff(backoff_initial_s, backoff_cap_s, rand=backoff.JITTER, immediate_first=True)
+        # The devices of the slice where it cannot be one shared device; what it offers now is published_devices.
+        self.identical_devices = devices_of_one_slice(identical_devices)
+        self._clock = pacing.clock
+        self._backoff = Backoff(
+            pacing.backoff_initial_s, pacing.backoff_cap_s, rand=backoff.JITTER, immediate_first=True
+        )
         self._newer = newer
         # Our driver's earlier names: this node's slices under them are deleted once, before our
         # first write (nothing allocates from them any more; the kubelet would keep them 30 s).
-        self._drivers_before = drivers_before
-        self._swept = not drivers_before
+        self._sweep_first = drivers_before
         # One shared device, and an unusable device tainted, until the API server shows it drops
         # allowMultipleAllocations or taints.
         self._learned = Learned(shared=shared, taints=taints)
-        self._taint: Optional[Taint] = None
         self._changed = on_change or (lambda: None)  # published, kept_by or last_error may have changed
         # For the metrics: ("write", verb), ("api_error", verb, code), ("watch", why it was opened again).
         self._event = on_event
-        self._device: Optional[DeviceInfo] = None
-        # Whether a check has said what the device is. Until then nothing is written: a successor's
-        # empty slice would take the node's devices from the scheduler while its predecessor,
-        # whose slice stands, still serves them.
-        self._known = False
+        # The device and its taint, as the last check said (None: no check yet). Until one has said,
+        # nothing is written: a successor's empty slice would take the node's devices from the
+        # scheduler while its predecessor, whose slice stands, still serves them.
+        self._said: Optional[tuple[Optional[DeviceInfo], Optional[Taint]]] = None
         self._dirty = asyncio.Event()
-        self._informer = SliceInformer(api, node_name, driver, watch_timeout_s, self._dirty)
+        self._informer = SliceInformer(api, node_name, driver, pacing.watch_timeout_s, self._dirty)
         self._accepted: Optional[tuple[Json, Json]] = None  # (desired, what the server made of it)
         self._generation = 0  # the highest pool.generation seen for our pool
-        self._report = SliceReport(clock, self._changed)
+        self._report = SliceReport(pacing.clock, self._changed)
         self._writes = SliceWrites(api, node_name, driver, self._informer, self._report, on_event)
         self.slice_name = ""
         self.published = False
@@ -165,9 +177,9 @@ class SlicePublisher:
     def set_device(self, device: Optional[DeviceInfo], taint: Optional[Taint] = None) -> None:
         """The device the slice describes (None: no device known, no devices), and its taint while
         it is unusable (where the server keeps no taints, its devices leave the slice)."""
-        if (device, taint) == (self._device, self._taint) and self._known:
+        if self._said == (device, taint):
             return
-        self._device, self._taint, self._known = device, taint, True
+        self._said = (device, taint)
         self.published = False
         self._changed()
         self._dirty.set()
@@ -187,8 +199,9 @@ class SlicePublisher:
         return self._learned.taints
 
     def desired(self) -> Json:
+        device, taint = self._said or (None, None)
         return desired_spec(
-            self.node_name, self.driver, self.identical_devices, self._device, self.shared, self._taint, self.taints
+            self.node_name, self.driver, self.identical_devices, device, self.shared, taint, self.taints
         )
 
     @property
@@ -218,7 +231,7 @@ class SlicePublisher:
             self.looks += 1
 
     async def _compare_and_write(self) -> None:
-        if not self._known:
+        if self._said is None:
             return  # set_device wakes us
         desired = self.desired()
         cache = self._informer.cache
@@ -237,9 +250,9 @@ class SlicePublisher:
                 "ResourceSlice for node %s: instance %s is gone; keeping the slice again", self.node_name, self.kept_by
             )
             self.kept_by = ""
-        if not self._swept:
-            await self._writes.sweep(self._drivers_before)
-            self._swept = True
+        if self._sweep_first:
+            await self._writes.sweep(self._sweep_first)
+            self._sweep_first = ()
         # A field the server may drop is found out by a dry run first: a stored write of it would
         # show the scheduler, until our next write, one device that holds one claim (or an
         # unusable device without its taint).

@@ -27,7 +27,7 @@ from hyperlight_agent import contracts
 from hyperlight_agent.dra import client as dra_client
 from hyperlight_agent.dra.claims import ApiClaims
 from hyperlight_agent.dra.slice_spec import DeviceInfo
-from hyperlight_agent.dra.slices import WATCH_TIMEOUT_S, SlicePublisher
+from hyperlight_agent.dra.slices import WATCH_TIMEOUT_S, Pacing, SlicePublisher
 from hyperlight_agent.dra.types import Json
 
 from .cluster import Cluster
@@ -262,7 +262,7 @@ class Fleet:
         for node in self.nodes:
             api = dra_client.connect(self.kubeconfig, environ={})
             self._count_bookmarks(api)
-            publisher = SlicePublisher(api, node, DRIVER, watch_timeout_s=self.watch_timeout_s)
+            publisher = SlicePublisher(api, node, DRIVER, pacing=Pacing(watch_timeout_s=self.watch_timeout_s))
             publisher.set_device(device)
             self.apis.append(api)
             self.publishers.append(publisher)
