@@ -69,6 +69,27 @@ def test_help_lists_every_setting_with_env_and_default() -> None:
         assert flag in pages, f"{flag} is in --help but not in docs/settings.md or docs/agent.md"
 
 
+def test_the_tier_table_is_the_suites_own_collection() -> None:
+    """docs/testing.md's tests by tier are what pytest collects now, in the tiers conftest.py gives
+    (a new module, or a test moved to another tier, changes it: `python -m tests.tier_index --write`)."""
+    from tests.test_conftest import inner_env
+    from tests.tier_index import BEGIN, END
+
+    page = read("docs/testing.md")
+    now = subprocess.run(
+        [sys.executable, "-m", "tests.tier_index"],
+        cwd=ROOT,
+        env=inner_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert now.startswith("| module |") and "| all |" in now
+    assert page[page.index(BEGIN) + len(BEGIN) : page.index(END)].strip() == now.strip(), (
+        "run `python -m tests.tier_index --write`"
+    )
+
+
 def test_the_modules_page_is_what_the_modules_say_of_themselves() -> None:
     """docs/modules.md's table is written by packaging/modules_doc.py from each module's docstring,
     in its layer: the page holds exactly what it writes, every module of the package in it."""
