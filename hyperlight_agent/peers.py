@@ -383,7 +383,4 @@ async def _first(
                     return task.result()
         return None
     finally:
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending)
+        await waits.cancelled(pending)

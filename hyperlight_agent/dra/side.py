@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
-from hyperlight_agent import contracts, transport
+from hyperlight_agent import contracts, transport, waits
 from hyperlight_agent.backoff import Backoff
 from hyperlight_agent.device.observation import Observation, SharedObservation
 from hyperlight_agent.dra import names, registration
@@ -248,9 +248,7 @@ class DraSide:
             tasks += [asyncio.ensure_future(job) for job in self.slices.jobs()]
             await asyncio.gather(*tasks)
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await waits.cancelled(tasks)
 
     def described(self) -> Mapping[str, Any]:
         """What Describe adds for this side (peers.py): `serving` is ready but for the slice;
