@@ -49,8 +49,7 @@ class Agent:
         self.mode = mode
         self.life = Lifecycle()
         self.notifier = notifier or Notifier(self._environ)
-        # How we are seen (host/face.py), who we are to other instances of ours (peers.py), the
-        # device's checks, and how the device reaches the kubelet (kubelet_side.py): assembly.py.
+        # The parts (assembly.py): our face, who we are to our peers, the checks, the kubelet side.
         built = self.parts = assemble(settings, mode, self.notifier, self._environ, self._hooks())
         self.face, self.identity, self.checker, self.side = built.face, built.identity, built.checker, built.side
         self.succession = succession(self.side)  # None: the side cannot be succeeded without a gap
