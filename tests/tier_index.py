@@ -43,9 +43,9 @@ class _Tiers:
         from tests.conftest import tier
 
         for item in session.items:
-            module = item.nodeid.split("::", 1)[0]
-            by_tier = self.counts.setdefault(module, {})
-            by_tier[tier(item)] = by_tier.get(tier(item), 0) + 1
+            by_tier = self.counts.setdefault(item.nodeid.split("::", 1)[0], {})
+            name = tier(item)
+            by_tier[name] = by_tier.get(name, 0) + 1
 
 
 def collected() -> dict[str, dict[str, int]]:
