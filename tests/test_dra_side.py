@@ -613,14 +613,14 @@ def test_a_successor_that_never_becomes_ready_never_takes_the_slice(tmp: str, he
 
             def decided() -> bool:
                 publisher = dra_side(new).slices.publisher
-                return devices_published(fake) == 0 or (publisher is not None and publisher.kept_by == "pod-a")
+                return devices_published(fake) == 0 or (publisher is not None and publisher.standing.kept_by == "pod-a")
 
             await until(decided, what="the failing successor leaving the slice to the old agent, or not")
             assert new.status().startswith("unhealthy: no hypervisor device"), new.status()
             await shut(new)
             assert [len(obj["spec"].get("devices") or []) for _, _, obj in fake.events[since:]] == []
             assert old.ready and devices_published(fake) == 1
-            assert dra_side(old).slices.publisher is not None and dra_side(old).slices.publisher.kept_by == ""
+            assert dra_side(old).slices.publisher is not None and dra_side(old).slices.publisher.standing.kept_by == ""
         finally:
             await shut(old)
 

@@ -123,8 +123,8 @@ def test_slices_under_the_drivers_earlier_name_are_deleted_once(
 
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def check(publisher: SlicePublisher) -> None:
-            await until(lambda: publisher.published, what="published")
-            assert sorted(fake.slices) == sorted(["elsewhere", "someone", publisher.slice_name])
+            await until(lambda: publisher.standing.published, what="published")
+            assert sorted(fake.slices) == sorted(["elsewhere", "someone", publisher.standing.slice_name])
             deletes = [r for r in fake.requests if r.method == "DELETE"]
             assert [r.path.rsplit("/", 1)[1] for r in deletes] == ["ours-before"]
             assert (
@@ -197,7 +197,7 @@ def test_the_publisher_reports_writes_api_errors_and_watch_restarts(tmp_path: An
         publisher.set_device(KVM)
         task = asyncio.ensure_future(publisher.run())
         try:
-            await until(lambda: publisher.published, what="published")
+            await until(lambda: publisher.standing.published, what="published")
             fake.end_watches = True  # every watch ends at once: early
             await until(lambda: ("watch", "early") in events, what="an early end counted")
         finally:
@@ -230,7 +230,7 @@ def test_desired_spec_with_sharing_is_one_device_every_claim_may_share() -> None
 def test_one_shared_device_where_the_server_keeps_it_and_identical_devices_where_it_drops_it(tmp_path: Any) -> None:
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def shared(publisher: SlicePublisher) -> None:
-            await until(lambda: publisher.published, what="published")
+            await until(lambda: publisher.standing.published, what="published")
             assert publisher.shared and publisher.published_devices == 1 and equal_to_desired(fake, publisher)
             assert fake.ours()[0]["spec"]["devices"][0]["allowMultipleAllocations"] is True
 
@@ -239,7 +239,7 @@ def test_one_shared_device_where_the_server_keeps_it_and_identical_devices_where
         fake.consumable_capacity = False  # 1.34, 1.35: dropped on the way in
 
         async def dropped(publisher: SlicePublisher) -> None:
-            await until(lambda: publisher.published, what="published")
+            await until(lambda: publisher.standing.published, what="published")
             assert not publisher.shared and publisher.published_devices == 4 and equal_to_desired(fake, publisher)
             writes = [r for r in fake.requests if r.method in ("POST", "PUT")]
             assert len(writes) == 2, "one write to find out, one with the identical devices"
@@ -286,14 +286,14 @@ def test_the_server_omitting_an_empty_device_list_is_no_difference() -> None:
 def test_first_publish_creates_the_slice_with_generate_name(tmp_path: Any) -> None:
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def check(publisher: SlicePublisher) -> None:
-            await until(lambda: publisher.published, what="published")
-            assert publisher.first_published_at is not None and publisher.last_error == ""
+            await until(lambda: publisher.standing.published, what="published")
+            assert publisher.standing.first_published_at is not None and publisher.last_error == ""
             assert equal_to_desired(fake, publisher)
             (create,) = fake.of("create")
             assert create.path == SLICES_PATH
             assert create.body and create.body["spec"]["pool"]["generation"] == 1
             assert [d["name"] for d in create.body["spec"]["devices"]] == ["kvm-0", "kvm-1", "kvm-2", "kvm-3"]
-            assert publisher.slice_name == fake.ours()[0]["metadata"]["name"]
+            assert publisher.standing.slice_name == fake.ours()[0]["metadata"]["name"]
             await until(lambda: fake.of("watch"), what="a watch")
             assert fake.of("watch")[0].query["resourceVersion"] == "1042"  # from the list
 
@@ -305,13 +305,15 @@ def test_first_publish_creates_the_slice_with_generate_name(tmp_path: Any) -> No
 def test_a_deleted_slice_is_created_again(tmp_path: Any) -> None:
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def check(publisher: SlicePublisher) -> None:
-            await until(lambda: publisher.published and fake.of("watch"), what="published")
-            first = publisher.slice_name
+            await until(lambda: publisher.standing.published and fake.of("watch"), what="published")
+            first = publisher.standing.slice_name
             await fake.remove(first)  # the kubelet's wipe at its start
             await until(lambda: len(fake.of("create")) == 2 and equal_to_desired(fake, publisher), what="re-created")
             (again,) = fake.ours()
             assert again["metadata"]["name"] != first and again["spec"]["pool"]["generation"] == 2
-            await until(lambda: publisher.published and publisher.slice_name == again["metadata"]["name"])
+            await until(
+                lambda: publisher.standing.published and publisher.standing.slice_name == again["metadata"]["name"]
+            )
 
         await publishing(fake, api, check)
 
@@ -321,7 +323,7 @@ def test_a_deleted_slice_is_created_again(tmp_path: Any) -> None:
 def test_an_edited_slice_is_restored_with_one_line(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def check(publisher: SlicePublisher) -> None:
-            await until(lambda: publisher.published and fake.of("watch"), what="published")
+            await until(lambda: publisher.standing.published and fake.of("watch"), what="published")
             (mine,) = fake.ours()
             edited = copy.deepcopy(mine)
             edited["spec"]["devices"] = edited["spec"]["devices"][:1]
@@ -340,16 +342,16 @@ def test_an_edited_slice_is_restored_with_one_line(tmp_path: Any, caplog: pytest
 def test_an_unusable_device_leaves_the_slice_and_comes_back(tmp_path: Any) -> None:
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def check(publisher: SlicePublisher) -> None:
-            await until(lambda: publisher.published, what="published")
+            await until(lambda: publisher.standing.published, what="published")
             publisher.set_device(None)
-            assert not publisher.published
-            await until(lambda: publisher.published, what="published empty")
+            assert not publisher.standing.published
+            await until(lambda: publisher.standing.published, what="published empty")
             (empty,) = fake.ours()
             assert "devices" not in empty["spec"] and empty["spec"]["pool"]["generation"] == 2
             update = fake.of("update")[-1].body
             assert update and "devices" not in update["spec"]
             publisher.set_device(DeviceInfo("mshv", 0, "/dev/mshv"))
-            await until(lambda: publisher.published, what="published again")
+            await until(lambda: publisher.standing.published, what="published again")
             (back,) = fake.ours()
             assert [d["name"] for d in back["spec"]["devices"]][:1] == ["mshv-0"]
             assert back["spec"]["pool"]["generation"] == 3 and len(fake.of("create")) == 1
@@ -374,10 +376,10 @@ def test_an_unusable_device_stays_with_our_taint_which_goes_on_recovery(tmp_path
 
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def check(publisher: SlicePublisher) -> None:
-            await until(lambda: publisher.published, what="published")
+            await until(lambda: publisher.standing.published, what="published")
             publisher.set_device(KVM, PROBE)
-            assert not publisher.published
-            await until(lambda: publisher.published, what="published with the taint")
+            assert not publisher.standing.published
+            await until(lambda: publisher.standing.published, what="published with the taint")
             taints = tainted(fake)
             assert len(taints) == 4 and all(t == taints[0] for t in taints)
             (taint,) = taints[0]
@@ -389,10 +391,10 @@ def test_an_unusable_device_stays_with_our_taint_which_goes_on_recovery(tmp_path
             assert fake.ours()[0]["spec"]["devices"][0]["attributes"]["hypervisor"] == {"string": "kvm"}
             updates = len(fake.of("update"))
             publisher.set_device(KVM, Taint("probe", "NoExecute"))
-            await until(lambda: publisher.published, what="NoExecute")
+            await until(lambda: publisher.standing.published, what="NoExecute")
             assert [t["effect"] for t in tainted(fake)[0]] == ["NoExecute"] and len(fake.of("update")) == updates + 1
             publisher.set_device(KVM)
-            await until(lambda: publisher.published, what="the taint gone")
+            await until(lambda: publisher.standing.published, what="the taint gone")
             assert tainted(fake) == [[]] * 4 and publisher.taints
 
         await publishing(fake, api, check)
@@ -409,12 +411,12 @@ def test_a_tainted_slice_holds_at_most_64_identical_devices(tmp_path: Any) -> No
 
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def check(publisher: SlicePublisher) -> None:
-            await until(lambda: publisher.published, what="published")
+            await until(lambda: publisher.standing.published, what="published")
             publisher.set_device(KVM, PROBE)
-            await until(lambda: publisher.published, what="64 tainted devices")
+            await until(lambda: publisher.standing.published, what="64 tainted devices")
             assert len(tainted(fake)) == 64
             publisher.set_device(KVM)
-            await until(lambda: publisher.published, what="128 again")
+            await until(lambda: publisher.standing.published, what="128 again")
             assert len(tainted(fake)) == 128
 
         await publishing(fake, api, check, count=128)
@@ -434,13 +436,13 @@ def test_a_server_without_device_taints_gets_the_device_out_of_the_slice_said_on
         fake.device_taints = False
 
         async def check(publisher: SlicePublisher) -> None:
-            await until(lambda: publisher.published, what="published")
+            await until(lambda: publisher.standing.published, what="published")
             for _ in range(3):
                 publisher.set_device(KVM, PROBE)
-                await until(lambda: publisher.published, what="published without the device")
+                await until(lambda: publisher.standing.published, what="published without the device")
                 assert "devices" not in fake.ours()[0]["spec"] and not publisher.taints
                 publisher.set_device(KVM)
-                await until(lambda: publisher.published, what="back")
+                await until(lambda: publisher.standing.published, what="back")
                 assert len(fake.ours()[0]["spec"]["devices"]) == 4
             said = [r.getMessage() for r in caplog.records if "does not keep device taints" in r.getMessage()]
             assert len(said) == 1 and "an unusable device leaves the slice instead" in said[0], said
@@ -480,7 +482,7 @@ def test_duplicates_are_deleted_and_other_slices_left_alone(tmp_path: Any) -> No
 
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def check(publisher: SlicePublisher) -> None:
-            await until(lambda: publisher.published, what="published")
+            await until(lambda: publisher.standing.published, what="published")
             assert [r.path for r in fake.of("delete")] == [f"{SLICES_PATH}/s1"]
             assert sorted(fake.slices) == ["s0", "s2", "s3"]  # the oldest of ours stays, updated
             assert fake.slices["s0"]["spec"]["pool"]["generation"] == 6
@@ -496,10 +498,10 @@ def test_a_conflict_is_read_again_and_retried_without_a_warning(
 ) -> None:
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def check(publisher: SlicePublisher) -> None:
-            await until(lambda: publisher.published, what="published")
-            fake.faults["update"] = [status("status-409-conflict.json", publisher.slice_name)]
+            await until(lambda: publisher.standing.published, what="published")
+            fake.faults["update"] = [status("status-409-conflict.json", publisher.standing.slice_name)]
             publisher.set_device(None)
-            await until(lambda: publisher.published, what="published after the conflict")
+            await until(lambda: publisher.standing.published, what="published after the conflict")
             assert len(fake.of("update")) == 2 and "devices" not in fake.ours()[0]["spec"]
             assert warnings(caplog) == []
 
@@ -514,7 +516,7 @@ def test_an_expired_watch_is_listed_again(tmp_path: Any) -> None:
 
         async def check(publisher: SlicePublisher) -> None:
             await until(lambda: len(fake.of("watch")) >= 2, what="a second watch")
-            assert len(fake.of("list")) >= 2 and publisher.published and publisher.last_error == ""
+            assert len(fake.of("list")) >= 2 and publisher.standing.published and publisher.last_error == ""
 
         await publishing(fake, api, check)
 
@@ -526,17 +528,17 @@ def test_a_server_that_goes_away_is_said_once_and_backed_off(tmp_path: Any, capl
 
     async def body(fake: FakeApiServer, api: KubeApi) -> None:
         async def check(publisher: SlicePublisher) -> None:
-            await until(lambda: publisher.published and fake.of("watch"), what="published")
+            await until(lambda: publisher.standing.published and fake.of("watch"), what="published")
             await fake.go_down()
             publisher.set_device(None)
             await until(lambda: fake.refused >= 4, what="retries")
-            assert "API server unreachable" in publisher.last_error and not publisher.published
+            assert "API server unreachable" in publisher.last_error and not publisher.standing.published
             assert len(warnings(caplog)) == 1 and "unreachable" in warnings(caplog)[0]
             fake.down = False
             # A connection the server dropped while down may still fail one request (a pooled one):
             # that is said, and the next look clears it.
             await until(
-                lambda: publisher.published and publisher.last_error == "",
+                lambda: publisher.standing.published and publisher.last_error == "",
                 what="published, and no error left, after the server came back",
             )
             assert "devices" not in fake.ours()[0]["spec"]
@@ -558,9 +560,9 @@ def test_forbidden_names_the_verb_and_resource_once(tmp_path: Any, caplog: pytes
                 "list resourceslices.resource.k8s.io: forbidden (RBAC needs verb 'list' on "
                 "'resourceslices' in API group 'resource.k8s.io')"
             ), line
-            assert "\n" not in line and publisher.last_error in line and not publisher.published
+            assert "\n" not in line and publisher.last_error in line and not publisher.standing.published
             del fake.stuck["list"]
-            await until(lambda: publisher.published, what="published once allowed")
+            await until(lambda: publisher.standing.published, what="published once allowed")
 
         await publishing(fake, api, check)
 
@@ -684,11 +686,11 @@ async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_the_watch_ti
         watch_timeout_s=(1.0, 1.0),
         on_event=lambda *e: events.append(e),
     ) as (fake, publisher, proxy):
-        await until(lambda: publisher.published and fake.of("watch"), what="published")
+        await until(lambda: publisher.standing.published and fake.of("watch"), what="published")
         proxy.freeze()  # the watch's connection stops forwarding: no FIN, no RST
-        await fake.remove(publisher.slice_name)  # as a starting kubelet does
+        await fake.remove(publisher.standing.slice_name)  # as a starting kubelet does
         await until(lambda: len(fake.ours()) == 1, what="the slice back")
-        await until(lambda: publisher.published, what="published again")
+        await until(lambda: publisher.standing.published, what="published again")
         # Found out by the client giving up the silent watch (an ApiError of no HTTP status), not
         # by a wall-clock bound a loaded machine could miss.
         assert ("api_error", "watch", "0") in events and ("watch", "failed") in events, events
@@ -708,7 +710,7 @@ async def test_a_slice_deleted_behind_a_silent_watch_is_back_within_a_heartbeat(
         watch_timeout_s=(60.0, 60.0),
         on_event=lambda *e: events.append(e),
     ) as (_, publisher, proxy):
-        await until(lambda: publisher.published and fake.of("watch"), what="published")
+        await until(lambda: publisher.standing.published and fake.of("watch"), what="published")
         await fake.advance()  # the cluster moves on: the server's bookmarks start
         await until(lambda: publisher._informer.listed_version == str(fake.version), what="a bookmark")
         await deleted_behind_a_frozen_watch(fake, publisher, proxy, events)
@@ -720,7 +722,7 @@ async def deleted_behind_a_frozen_watch(
     """The watch's connection stops forwarding and the slice is deleted: it is back long before
     the 60 s watch would end, by a new watch from where the last one was (no list)."""
     proxy.freeze()
-    await fake.remove(publisher.slice_name)
+    await fake.remove(publisher.standing.slice_name)
     await until(lambda: len(fake.ours()) == 1, what="the slice back")
     assert ("api_error", "watch", "0") in events, events
     lists = [r for r in fake.of("list") if r.query["fieldSelector"].endswith(f"spec.driver={DRIVER}")]
@@ -748,7 +750,7 @@ async def test_a_slice_deleted_behind_a_watch_frozen_before_its_first_bookmark_i
     ) as (_, publisher, proxy):
         # The watch's answer went down to the client before the freeze (a freeze between the
         # request and its answer is another case: the answer's own deadline, a minute).
-        await until(lambda: publisher.published and proxy.seen[WATCH_ANSWERED], what="the watch answered")
+        await until(lambda: publisher.standing.published and proxy.seen[WATCH_ANSWERED], what="the watch answered")
         assert not fake.of("create") and not fake.of("update")
         # Before the first bookmark (the server would send it 0.4 s after the answer).
         await deleted_behind_a_frozen_watch(fake, publisher, proxy, events)
@@ -791,7 +793,7 @@ async def test_a_watch_that_keeps_ending_is_backed_off_not_a_hot_loop(
     else:
         fake.stuck["watch"] = (410, recorded("watch-error-410.json")["object"])
     async with running_publisher(tmp_path, fake) as (_, publisher, _):
-        await until(lambda: publisher.published, what="published")
+        await until(lambda: publisher.standing.published, what="published")
         await asyncio.sleep(1.5)  # a window to count requests in, not synchronisation
         watches, lists = len(fake.of("watch")), len(fake.of("list"))
         # Backoff 0 (the first retry), then 0.05 doubling to 0.4, each 0.5-1.0 of that: at most ~12.
@@ -817,20 +819,24 @@ async def test_two_publishers_for_one_node_do_not_fight(tmp_path: Any, caplog: p
     old, old_task = await publisher_on(api, count=8, newer=newer_than_old)
     alive["new"] = False
     try:
-        await until(lambda: old.published, what="the old instance published")
+        await until(lambda: old.standing.published, what="the old instance published")
         alive["new"] = True
         new, new_task = await publisher_on(api, count=4, newer=nobody)
-        await until(lambda: new.published and len(fake.ours()[0]["spec"]["devices"]) == 4, what="the new one's slice")
+        await until(
+            lambda: new.standing.published and len(fake.ours()[0]["spec"]["devices"]) == 4, what="the new one's slice"
+        )
         writes = len(fake.of("update")) + len(fake.of("create"))
         await asyncio.sleep(1.0)  # a window in which a fight would show, not synchronisation
         assert len(fake.of("update")) + len(fake.of("create")) == writes, "nobody rewrote the new slice"
         assert len(fake.ours()[0]["spec"]["devices"]) == 4 and writes <= 3
-        await until(lambda: old.kept_by == "new" and old.published, what="the old one yielded")
+        await until(lambda: old.standing.kept_by == "new" and old.standing.published, what="the old one yielded")
         # The newer instance gone, the old one keeps the slice again (its own count).
         await stopped(new_task)
         alive["new"] = False
         old.wake()
-        await until(lambda: len(fake.ours()[0]["spec"]["devices"]) == 8 and old.kept_by == "", what="taken back")
+        await until(
+            lambda: len(fake.ours()[0]["spec"]["devices"]) == 8 and old.standing.kept_by == "", what="taken back"
+        )
     finally:
         await stopped(old_task)
         await api.close()
@@ -855,10 +861,10 @@ async def test_a_mutating_webhook_neither_starves_readiness_nor_causes_rewrites(
 
     fake.mutate = mutate
     async with running_publisher(tmp_path, fake) as (_, publisher, _):
-        await until(lambda: publisher.published and fake.of("watch"), what="published")
+        await until(lambda: publisher.standing.published and fake.of("watch"), what="published")
         await asyncio.sleep(0.5)  # a window in which a rewrite loop would show, not synchronisation
         assert len(fake.of("create")) == 1 and not fake.of("update")
-        assert publisher.published and publisher.last_error == ""
+        assert publisher.standing.published and publisher.last_error == ""
         said = [w for w in warnings(caplog) if "changed what we wrote" in w]
         assert len(said) == (1 if webhook == "changes ours" else 0), warnings(caplog)
 
@@ -866,18 +872,18 @@ async def test_a_mutating_webhook_neither_starves_readiness_nor_causes_rewrites(
 # 16: a watch event without a resourceVersion ends that watch, not the publisher.
 async def test_an_unreadable_event_is_followed_by_a_new_watch_that_still_repairs(tmp_path: Any) -> None:
     async with running_publisher(tmp_path) as (fake, publisher, _):
-        await until(lambda: publisher.published and fake.of("watch"), what="published")
+        await until(lambda: publisher.standing.published and fake.of("watch"), what="published")
         watches = len(fake.of("watch"))
         await fake.inject("MODIFIED", {"metadata": {"name": "x"}, "spec": {"nodeName": NODE, "driver": DRIVER}})
         await until(lambda: len(fake.of("watch")) > watches, what="a new watch")
-        await fake.remove(publisher.slice_name)
-        await until(lambda: len(fake.ours()) == 1 and publisher.published, what="the deleted slice back")
+        await fake.remove(publisher.standing.slice_name)
+        await until(lambda: len(fake.ours()) == 1 and publisher.standing.published, what="the deleted slice back")
 
 
 # 21: a repeated edit is answered every time but said once.
 async def test_repeated_edits_are_restored_and_said_once(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     async with running_publisher(tmp_path) as (fake, publisher, _):
-        await until(lambda: publisher.published and fake.of("watch"), what="published")
+        await until(lambda: publisher.standing.published and fake.of("watch"), what="published")
 
         def restored(edits: int) -> bool:
             return len(fake.of("update")) == edits and equal_to_desired(fake, publisher)

@@ -96,6 +96,20 @@ class Graces:
     stop_s: float = transport.STOP_GRACE_S
 
 
+@dataclass(frozen=True)
+class Hooks:
+    """What the agent's DRA side tells the servers and asks of them."""
+
+    on_change: Callable[[], None] = lambda: None  # `registered` or `error` may have changed
+    # More services on the DRA socket's server (the gRPC health service).
+    configure: Optional[Callable[[grpc.aio.Server], None]] = None
+    # Whether both sockets' directories are watched: their changes wake() us, no timer.
+    watched: Callable[[], bool] = lambda: False
+    # Awaited between serving the DRA service and the registration socket (the side's succession
+    # holds a registration that would take the kubelet's calls from a ready instance of ours).
+    may_register: Optional[Callable[[], Awaitable[None]]] = None
+
+
 class DriverServers:
     """Owns both gRPC servers of one agent instance: start() → (kubelet registers us) → close()."""
 
@@ -106,11 +120,8 @@ class DriverServers:
         instance: str = "",
         registry_dir: str = contracts.DRA_REGISTRY_DIR,
         plugins_dir: str = contracts.DRA_PLUGINS_DIR,
-        on_change: Optional[Callable[[], None]] = None,
+        hooks: Hooks = Hooks(),
         graces: Graces = Graces(),
-        configure: Optional[Callable[[grpc.aio.Server], None]] = None,
-        watched: Callable[[], bool] = lambda: False,
-        may_register: Optional[Callable[[], Awaitable[None]]] = None,
         health: Optional[Health] = None,
     ) -> None:
         if not instance:
@@ -119,8 +130,7 @@ class DriverServers:
         self.registration_socket = names.registration_socket(registry_dir, driver, instance)
         self.service_socket = names.service_socket(plugins_dir, driver, instance)
         self._service = service  # answers NodePrepareResources / NodeUnprepareResources (service.Service)
-        self._on_change, self._graces = on_change, graces
-        self._configure = configure  # more services on the DRA socket's server (the gRPC health service)
+        self._hooks, self._graces = hooks, graces
         self._health = health  # the resource-health service beside DRAPlugin, named in GetInfo (None: neither)
         self._dra: Optional[transport.Serving] = None
         self._health_endpoint: Optional[HealthEndpoint] = None  # the current DRA server's
@@ -130,11 +140,7 @@ class DriverServers:
         self.notifications = 0  # NotifyRegistrationStatus calls received
         self._registered_at = 0.0  # the loop's time of the kubelet's last "registered"
         self.served_again = 0  # sockets of ours put back after someone removed or replaced them
-        self._watched = watched  # both sockets' directories are watched: their changes wake() us, no timer
         self._wake = asyncio.Event()
-        # Awaited between serving the DRA service and the registration socket (the side's succession
-        # holds a registration that would take the kubelet's calls from a ready instance of ours).
-        self._may_register = may_register
 
     def settling(self) -> bool:
         """Registered, but too recently for the kubelet to be done with it (REGISTRATION_SETTLE_S)."""
@@ -151,8 +157,8 @@ class DriverServers:
         try:
             driver_dir(os.path.dirname(self.service_socket))
             self._dra = await self._serve_dra(self.service_socket)
-            if self._may_register is not None:
-                await self._may_register()
+            if self._hooks.may_register is not None:
+                await self._hooks.may_register()
             self._registration = await serve_at(
                 self.registration_socket, [api.registration_handler(self)], "dra_registry_dir"
             )
@@ -179,7 +185,7 @@ class DriverServers:
         while True:
             self._wake.clear()
             await self.keep()
-            await waits.event(self._wake, None if self._watched() else VERIFY_INTERVAL_S)
+            await waits.event(self._wake, None if self._hooks.watched() else VERIFY_INTERVAL_S)
 
     async def keep(self) -> None:
         """Serve anew whichever of our sockets is no longer ours at its path."""
@@ -263,8 +269,8 @@ class DriverServers:
     def _set(self, registered: bool, error: str) -> None:
         changed = (registered, error) != (self.registered, self.error)
         self.registered, self.error = registered, error
-        if changed and self._on_change:
-            self._on_change()
+        if changed:
+            self._hooks.on_change()
 
     async def _serve_dra(self, path: str) -> transport.Serving:
         """The DRA service socket's server: DRAPlugin, the health service, and what `configure` adds."""
@@ -273,7 +279,7 @@ class DriverServers:
         if self._health is not None:
             endpoint = self._health.endpoint()
             handlers += api.health_handlers(endpoint)
-        serving = await serve_at(path, handlers, "dra_plugins_dir", self._configure)
+        serving = await serve_at(path, handlers, "dra_plugins_dir", self._hooks.configure)
         self._health_endpoint = endpoint
         return serving
 

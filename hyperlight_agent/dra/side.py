@@ -179,10 +179,12 @@ class DraSide:
             target.instance,
             target.registry_dir,
             target.plugins_dir,
-            on_change=self._registration_changed,
-            configure=self._wiring.serve_ours,
-            watched=lambda: all(watcher.watching(os.path.dirname(p)) for p in sockets),
-            may_register=lambda: self.succession.may_register(),  # noqa: PLW0108 - built after this
+            registration.Hooks(
+                self._registration_changed,
+                self._wiring.serve_ours,
+                lambda: all(watcher.watching(os.path.dirname(p)) for p in sockets),
+                lambda: self.succession.may_register(),  # noqa: PLW0108 - built after this
+            ),
             health=self.health,
         )
 
@@ -223,10 +225,10 @@ class DraSide:
             self.registrar.registered,
             self.registrar.error,
             self.registrar.registration_socket,
-            p is not None and p.published,
+            p is not None and p.standing.published,
             self.slices.api_error if p is None else p.last_error,
             self.identical_devices if p is None else p.published_devices,
-            p.kept_by if p is not None else "",
+            p.standing.kept_by if p is not None else "",
             p is not None and p.shared,
         )
 

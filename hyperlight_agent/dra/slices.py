@@ -106,6 +106,22 @@ class Pacing:
     watch_timeout_s: tuple[float, float] = WATCH_TIMEOUT_S
     clock: Callable[[], float] = time.monotonic
 
+    def backoff(self) -> Backoff:
+        """The retries' backoff; the first retry of a streak is immediate."""
+        return Backoff(self.backoff_initial_s, self.backoff_cap_s, rand=backoff.JITTER, immediate_first=True)
+
+
+@dataclass
+class Standing:
+    """Where the slice stands, for readiness and status: `published` (the server's slice was equal
+    to the desired one at the last look, and the desired one has not changed since; or a newer
+    instance, `kept_by`, keeps it), its name, and clock() of the first time it was published."""
+
+    published: bool = False
+    kept_by: str = ""
+    slice_name: str = ""
+    first_published_at: Optional[float] = None
+
 
 def devices_of_one_slice(identical_devices: int) -> int:
     """The dra_devices setting, if one ResourceSlice can hold that many devices."""
@@ -139,48 +155,34 @@ class SlicePublisher:
         drivers_before: tuple[str, ...] = contracts.DRA_DRIVERS_BEFORE,
         shared: bool = True,
         on_event: Callable[..., None] = lambda kind, *labels: None,
-        taints: bool = True,
     ) -> None:
-        self._api, self.node_name, self.driver = api, node_name, driver
-        # The devices of the slice where it cannot be one shared device; what it offers now is published_devices.
-        self.identical_devices = devices_of_one_slice(identical_devices)
-        self._clock = pacing.clock
-        self._backoff = Backoff(
-            pacing.backoff_initial_s, pacing.backoff_cap_s, rand=backoff.JITTER, immediate_first=True
-        )
-        self._newer = newer
-        # Our driver's earlier names: this node's slices under them are deleted once, before our
-        # first write (nothing allocates from them any more; the kubelet would keep them 30 s).
-        self._sweep_first = drivers_before
-        # One shared device, and an unusable device tainted, until the API server shows it drops
-        # allowMultipleAllocations or taints.
-        self._learned = Learned(shared=shared, taints=taints)
-        self._changed = on_change or (lambda: None)  # published, kept_by or last_error may have changed
-        # For the metrics: ("write", verb), ("api_error", verb, code), ("watch", why it was opened again).
-        self._event = on_event
-        # The device and its taint, as the last check said (None: no check yet). Until one has said,
-        # nothing is written: a successor's empty slice would take the node's devices from the
-        # scheduler while its predecessor, whose slice stands, still serves them.
-        self._said: Optional[tuple[Optional[DeviceInfo], Optional[Taint]]] = None
+        self.node_name, self.driver = node_name, driver
+        self.identical_devices = devices_of_one_slice(identical_devices)  # offered now: published_devices
+        self._clock, self._backoff, self._newer = pacing.clock, pacing.backoff(), newer
+        self._sweep_first = drivers_before  # our driver's earlier names, swept once (_compare_and_write)
+        self._learned = Learned(shared=shared)  # until the API server shows it drops a field
+        self._changed = on_change or (lambda: None)  # the standing or last_error may have changed
+        self._event = on_event  # metrics: ("write", verb), ("api_error", verb, code), ("watch", why)
+        self._said: Optional[tuple[Optional[DeviceInfo], Optional[Taint]]] = None  # see set_device
         self._dirty = asyncio.Event()
         self._informer = SliceInformer(api, node_name, driver, pacing.watch_timeout_s, self._dirty)
         self._accepted: Optional[tuple[Json, Json]] = None  # (desired, what the server made of it)
         self._generation = 0  # the highest pool.generation seen for our pool
         self._report = SliceReport(pacing.clock, self._changed)
         self._writes = SliceWrites(api, node_name, driver, self._informer, self._report, on_event)
-        self.slice_name = ""
-        self.published = False
-        self.kept_by = ""  # a newer instance of our driver that keeps the slice now
-        self.first_published_at: Optional[float] = None
+        self.standing = Standing()
         self.looks = 0  # comparisons of the server's slices with the desired one done (tests read this)
 
     def set_device(self, device: Optional[DeviceInfo], taint: Optional[Taint] = None) -> None:
         """The device the slice describes (None: no device known, no devices), and its taint while
-        it is unusable (where the server keeps no taints, its devices leave the slice)."""
+        it is unusable (where the server keeps no taints, its devices leave the slice).
+
+        Until a check has said, nothing is written: a successor's empty slice would take the node's
+        devices from the scheduler while its predecessor, whose slice stands, still serves them."""
         if self._said == (device, taint):
             return
         self._said = (device, taint)
-        self.published = False
+        self.standing.published = False
         self._changed()
         self._dirty.set()
 
@@ -245,11 +247,15 @@ class SlicePublisher:
             if newer:
                 self._yield_to(newer, keep)
                 return
-        if self.kept_by:
+        if self.standing.kept_by:
             log.info(
-                "ResourceSlice for node %s: instance %s is gone; keeping the slice again", self.node_name, self.kept_by
+                "ResourceSlice for node %s: instance %s is gone; keeping the slice again",
+                self.node_name,
+                self.standing.kept_by,
             )
-            self.kept_by = ""
+            self.standing.kept_by = ""
+        # Our driver's earlier names: this node's slices under them are deleted once, before our
+        # first write (nothing allocates from them any more; the kubelet would keep them 30 s).
         if self._sweep_first:
             await self._writes.sweep(self._sweep_first)
             self._sweep_first = ()
@@ -286,26 +292,25 @@ class SlicePublisher:
         return True
 
     async def _write(self, desired: Json, keep: Optional[Json], extras: list[Json], dry_run: bool = False) -> Json:
-        return await self._writes.write(desired, keep, extras, self._generation + 1, self.slice_name, dry_run)
+        return await self._writes.write(desired, keep, extras, self._generation + 1, self.standing.slice_name, dry_run)
 
     def _settled(self, obj: Json, desired: Json) -> None:
         self._generation = max(self._generation, pool_generation(obj))
-        self.slice_name = object_name(obj)
-        self.kept_by = ""
-        self.published = desired == self.desired()
-        if self.published and self.first_published_at is None:
-            self.first_published_at = self._clock()
-            log.info("ResourceSlice %s published: %d devices", self.slice_name, len(desired["devices"]))
-        self._report.succeeded(self.slice_name)
+        st = self.standing
+        st.slice_name, st.kept_by, st.published = object_name(obj), "", desired == self.desired()
+        if st.published and st.first_published_at is None:
+            st.first_published_at = self._clock()
+            log.info("ResourceSlice %s published: %d devices", st.slice_name, len(desired["devices"]))
+        self._report.succeeded(st.slice_name)
 
     def _yield_to(self, newer: str, current: Optional[Json]) -> None:
-        if self.kept_by != newer:
+        st = self.standing
+        if st.kept_by != newer:
             log.info("ResourceSlice for node %s: instance %s keeps it; not writing it", self.node_name, newer)
-        self.kept_by = newer
+        st.kept_by = newer
         self._writes.written = None  # what the newer one writes is no edit to complain of when we take over
-        self.published = current is not None
-        self.slice_name = object_name(current or {})
-        self._report.succeeded(self.slice_name)
+        st.published, st.slice_name = current is not None, object_name(current or {})
+        self._report.succeeded(st.slice_name)
 
 
-__all__ = ["SLICES", "SlicePublisher"]
+__all__ = ["SLICES", "Pacing", "SlicePublisher", "Standing"]

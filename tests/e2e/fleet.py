@@ -302,7 +302,7 @@ class Fleet:
         await asyncio.gather(*(readers[node].allocation("default", name, uid) for node, name, uid in claims))
 
     def published(self) -> bool:
-        return len(self.publishers) == len(self.nodes) and all(p.published for p in self.publishers)
+        return len(self.publishers) == len(self.nodes) and all(p.standing.published for p in self.publishers)
 
 
 def per_node(requests: list[Request], user: str, nodes: int, start: float, end: float) -> dict[str, float]:
