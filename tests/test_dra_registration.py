@@ -26,6 +26,7 @@ from standin.dra_kubelet import CONNECTION_CLOSING, CallFailed, Claim, DraKubele
 from tests.conftest import until
 
 DRIVER = contracts.DRA_DRIVER
+DEREGISTER_WHOLE_S = registration.DEREGISTER_GRACE_S  # as imported, before any test shortens it
 HEALTHY = Observation(healthy=True, reason="", hypervisor="kvm")
 CDI_KVM = "hyperlight.dev/hypervisor=kvm"
 CLAIM = Claim(namespace="ns", name="c1", uid="uid-1")
@@ -101,6 +102,16 @@ async def registered(kubelet: DraKubeletStandin, registrar: DriverServers, count
 
 
 # --- registration --------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("quick_deregistration")
+def test_the_stops_waits_are_the_constants_as_they_are_when_the_servers_are_made(tmp: str) -> None:
+    """Every DRA agent's stop waits these; the tests' quick_deregistration shortens them by the
+    module's constants, so a default bound at import would make each test's stop 1.5 s (one did)."""
+    servers = DriverServers(object(), DRIVER, "a", tmp, tmp)
+    quick = Graces(registration.CALLS_DRAIN_S, registration.DEREGISTER_GRACE_S, transport.STOP_GRACE_S)
+    assert servers.graces == Graces() == quick and quick.deregister_s < DEREGISTER_WHOLE_S
+    assert DriverServers(object(), DRIVER, "a", tmp, tmp, graces=Graces(1, 2, 3)).graces.stop_s == 3
 
 
 def test_registers_and_the_kubelet_chooses_v1(tmp: str) -> None:

@@ -42,7 +42,7 @@ import contextlib
 import logging
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 import grpc
@@ -89,11 +89,12 @@ REGISTRATION_SETTLE_S = (
 @dataclass(frozen=True)
 class Graces:
     """How long a stop waits: for the calls in flight before our registration socket goes, for the
-    kubelet's deregistration after it, and for the service's calls as it stops."""
+    kubelet's deregistration after it, and for the service's calls as it stops. Each default is its
+    constant as it is when a Graces is made, not when this module was imported (tests shorten them)."""
 
-    calls_drain_s: float = CALLS_DRAIN_S
-    deregister_s: float = DEREGISTER_GRACE_S
-    stop_s: float = transport.STOP_GRACE_S
+    calls_drain_s: float = field(default_factory=lambda: CALLS_DRAIN_S)
+    deregister_s: float = field(default_factory=lambda: DEREGISTER_GRACE_S)
+    stop_s: float = field(default_factory=lambda: transport.STOP_GRACE_S)
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class DriverServers:
         registry_dir: str = contracts.DRA_REGISTRY_DIR,
         plugins_dir: str = contracts.DRA_PLUGINS_DIR,
         hooks: Hooks = Hooks(),
-        graces: Graces = Graces(),
+        graces: Optional[Graces] = None,
         health: Optional[Health] = None,
     ) -> None:
         if not instance:
@@ -130,7 +131,7 @@ class DriverServers:
         self.registration_socket = names.registration_socket(registry_dir, driver, instance)
         self.service_socket = names.service_socket(plugins_dir, driver, instance)
         self._service = service  # answers NodePrepareResources / NodeUnprepareResources (service.Service)
-        self._hooks, self._graces = hooks, graces
+        self._hooks, self.graces = hooks, graces or Graces()
         self._health = health  # the resource-health service beside DRAPlugin, named in GetInfo (None: neither)
         self._dra: Optional[transport.Serving] = None
         self._health_endpoint: Optional[HealthEndpoint] = None  # the current DRA server's
@@ -196,7 +197,7 @@ class DriverServers:
             self._dra = await self._serve_dra(dra.path)
             if old_health is not None:
                 old_health.close()  # the kubelet opens its stream again on the new server
-            await dra.stop(self._graces.stop_s)  # calls in flight finish on the old server
+            await dra.stop(self.graces.stop_s)  # calls in flight finish on the old server
             self.served_again += 1  # (once the old server is gone: the kubelet's next call dials anew)
         if registration is not None and not registration.pin.is_at(registration.path):
             # The kubelet has deregistered us (or will in a moment): not registered until it says so.
@@ -219,17 +220,17 @@ class DriverServers:
                 idle = getattr(self._service, "idle", None)
                 if idle is not None and dra is not None:
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await waits.within(idle(), self._graces.calls_drain_s)
+                        await waits.within(idle(), self.graces.calls_drain_s)
                 await registration.stop(0)
-                if dra is not None and self._graces.deregister_s > 0:
-                    await asyncio.sleep(self._graces.deregister_s)  # still serving claims meanwhile
+                if dra is not None and self.graces.deregister_s > 0:
+                    await asyncio.sleep(self.graces.deregister_s)  # still serving claims meanwhile
         finally:
             # Also when a stop cancels this close (a start cut short): our sockets must not stay.
             if self._health_endpoint is not None:
                 self._health_endpoint.close()  # a stream would hold the stop for its whole grace
                 self._health_endpoint = None
             if dra is not None:
-                await dra.stop(self._graces.stop_s)
+                await dra.stop(self.graces.stop_s)
             if self.registered:
                 self._set(False, "")
 
