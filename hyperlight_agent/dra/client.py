@@ -201,7 +201,6 @@ class KubeApi:
             if response.status_code >= 400:
                 await self._guarded("watch", SLICES, response.aread())
                 raise _status_error("watch", SLICES, response)
-            pending = b""
             liveness = self.bookmarks.watch(loop.time(), ends)
             chunks = response.aiter_bytes()
             reads = _bounded_reads(
@@ -211,22 +210,14 @@ class KubeApi:
                 params,
                 self._stalled,
             )
-            async for chunk in reads:
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                if len(pending) > MAX_EVENT_BYTES:
-                    raise ApiError(
-                        "watch", SLICES, 0, "unreadable", f"a watch event longer than {MAX_EVENT_BYTES} bytes"
-                    )
-                for line in lines:
-                    if line.strip():
-                        kind, obj = _event(line)
-                        # A bookmark, or an event for us: the server's version has moved past the
-                        # watch's start, so its bookmarks come every minute from now on.
-                        if not liveness.bookmarked:
-                            liveness.bookmarked = True
-                            self.bookmarks.came()
-                        yield kind, obj
+            async for line in _lines(reads):
+                kind, obj = _event(line)
+                # A bookmark, or an event for us: the server's version has moved past the watch's
+                # start, so its bookmarks come every minute from now on.
+                if not liveness.bookmarked:
+                    liveness.bookmarked = True
+                    self.bookmarks.came()
+                yield kind, obj
         finally:
             await response.aclose()
 
@@ -394,6 +385,20 @@ def _status_error(verb: str, resource: str, response: httpx.Response) -> ApiErro
             str(details.get("name") or "") if isinstance(details, dict) else "",
         )
     return ApiError(verb, resource, response.status_code, response.reason_phrase, "")
+
+
+async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A watch's lines (one event each, blank ones skipped) from its chunks, however they are cut;
+    ApiError "unreadable" for a line longer than MAX_EVENT_BYTES."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        if len(pending) > MAX_EVENT_BYTES:
+            raise ApiError("watch", SLICES, 0, "unreadable", f"a watch event longer than {MAX_EVENT_BYTES} bytes")
+        for line in lines:
+            if line.strip():
+                yield line
 
 
 def _event(line: bytes) -> tuple[str, Json]:
