@@ -461,3 +461,16 @@ async def test_a_cluster_ca_without_key_usage_is_trusted_as_client_go_trusts_it(
         await api.close()
         listener.close()
         await listener.wait_closed()
+
+
+async def _chunks(*parts: bytes) -> Any:
+    for part in parts:
+        yield part
+
+
+async def test_a_watchs_lines_are_whole_however_the_stream_is_cut_and_a_huge_one_is_refused() -> None:
+    lines = [line async for line in dra_client._lines(_chunks(b'{"a"', b':1}\n\n{"b":2}\n{"c', b'":3}\n'))]
+    assert lines == [b'{"a":1}', b'{"b":2}', b'{"c":3}']
+    huge = b"x" * (dra_client.MAX_EVENT_BYTES + 1)
+    with pytest.raises(ApiError, match="a watch event longer than"):
+        [line async for line in dra_client._lines(_chunks(b'{"a":1}\n', huge))]
