@@ -246,18 +246,13 @@ def _order_and_lanes(config: pytest.Config, items: list[pytest.Item]) -> None:
         return
     # Side by side (`make test`: two workers, --dist loadgroup): every module is a unit of work
     # (its fixtures made once) for whichever worker is free, the biggest first (xdist's order by
-    # tests per unit). The session's cluster (test_e2e.py) is one unit; each other minor's whole
-    # cluster is a unit of its own, and so is any other module's control plane (test_fleet.py's), so
-    # that either worker may run it beside the session's cluster (tests/e2e/hostwide.py: what
-    # clusters at once claim).
+    # tests per unit). The session's cluster (test_e2e.py, and the fleet's control plane) is one
+    # unit; each other minor's whole cluster is a unit of its own, so that either worker may run it
+    # beside the session's cluster (tests/e2e/hostwide.py: what clusters at once claim).
     # Every cluster waits for the releases as any test does (made once for every worker: releases.py).
     for item in items:
         item.add_marker(pytest.mark.xdist_group(lane(item)))
     items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
-
-
-# The module whose tests share the session's cluster (its module-scoped fixture `cluster`).
-SESSION_CLUSTER_MODULE = "test_e2e.py"
 
 
 def lane(item: pytest.Item) -> str:
@@ -265,9 +260,7 @@ def lane(item: pytest.Item) -> str:
     if not item.get_closest_marker("e2e"):
         return item.path.name
     row = getattr(getattr(item, "callspec", None), "params", {}).get("whole")
-    if row is not None:
-        return f"whole cluster 1.{row.minor}"
-    return "clusters" if item.path.name == SESSION_CLUSTER_MODULE else item.path.name
+    return f"whole cluster 1.{row.minor}" if row is not None else "clusters"
 
 
 def uses_tools(item: pytest.Item) -> bool:

@@ -87,14 +87,12 @@ def test_where(request, whole, i):
 
 def test_each_cluster_is_one_lane_in_real_workers(tmp_path: Any) -> None:
     """The session's cluster in one worker, each other minor's whole cluster in one worker (a
-    module-scoped fixture's parameter), each other module in one worker (its fixtures made once;
-    an e2e module with a control plane of its own, as test_fleet.py, too):
+    module-scoped fixture's parameter), each other module in one worker (its fixtures made once):
     a pytest or pytest-xdist whose loadgroup ignores the groups (pytest-dev/pytest-xdist#1386)
     fails here, not in a cluster's timing an hour into CI."""
     for name, text in LANES_SUITE.items():
         (tmp_path / name).write_text(text)
-    e2e = "pytestmark = pytest.mark.e2e"
-    for module, mark in [("test_e2e", e2e), ("test_fleet", e2e), ("test_one", ""), ("test_two", "")]:
+    for module, mark in [("test_e2e", "pytestmark = pytest.mark.e2e"), ("test_one", ""), ("test_two", "")]:
         (tmp_path / f"{module}.py").write_text(LANES_TEST.format(mark=mark))
     (tmp_path / "test_e2e_versions.py").write_text(WHOLE_CLUSTERS_TEST)
     env = {**os.environ, "PYTHONPATH": REPO}
@@ -116,7 +114,6 @@ def test_each_cluster_is_one_lane_in_real_workers(tmp_path: Any) -> None:
         lanes.setdefault(module, set()).add(lane)
     assert lanes == {
         "test_e2e": {"clusters"},
-        "test_fleet": {"test_fleet.py"},
         "test_e2e_versions[1.35]": {"whole_cluster_1.35"},
         "test_e2e_versions[1.36]": {"whole_cluster_1.36"},
         "test_one": {"test_one.py"},
