@@ -180,10 +180,10 @@ class DraSide:
             target.registry_dir,
             target.plugins_dir,
             registration.Hooks(
-                self._registration_changed,
-                self._wiring.serve_ours,
-                lambda: all(watcher.watching(os.path.dirname(p)) for p in sockets),
-                lambda: self.succession.may_register(),  # noqa: PLW0108 - built after this
+                on_change=self._registration_changed,
+                configure=self._wiring.serve_ours,
+                watched=lambda: all(watcher.watching(os.path.dirname(p)) for p in sockets),
+                may_register=lambda: self.succession.may_register(),  # noqa: PLW0108 - built after this
             ),
             health=self.health,
         )

@@ -160,7 +160,7 @@ class SlicePublisher:
         self.identical_devices = devices_of_one_slice(identical_devices)  # offered now: published_devices
         self._clock, self._backoff, self._newer = pacing.clock, pacing.backoff(), newer
         self._sweep_first = drivers_before  # our driver's earlier names, swept once (_compare_and_write)
-        self._learned = Learned(shared=shared)  # until the API server shows it drops a field
+        self._learned = Learned(shared=shared)  # sharing and taints, until the server shows it drops them
         self._changed = on_change or (lambda: None)  # the standing or last_error may have changed
         self._event = on_event  # metrics: ("write", verb), ("api_error", verb, code), ("watch", why)
         self._said: Optional[tuple[Optional[DeviceInfo], Optional[Taint]]] = None  # see set_device
