@@ -8,6 +8,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -179,15 +180,18 @@ def test_one_load_window_at_a_time_on_the_host(tmp_path: pathlib.Path) -> None:
     other = subprocess.Popen([sys.executable, "-c", OTHER_WINDOW, locks], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         again.release()
-        assert subprocess.run(nonblocking, check=False).returncode == 1  # still held by `first`
         # The other process blocked on the lock (the kernel lists it as waiting: "->").
         wait_for(lambda: waiting_on_a_lock(other.pid), what="the other window waiting")
+        blocked = time.monotonic()
+        assert subprocess.run(nonblocking, check=False).returncode == 1  # still held by `first`
+        held_until = time.monotonic()
         first.release()
         out, _ = other.communicate(timeout=60)
     finally:
         other.kill()
         other.wait(10)
-    assert other.returncode == 0 and float(out) > 0, out
+    # Its wait began before it was seen blocked and ended after the release (one clock for both).
+    assert other.returncode == 0 and float(out) >= held_until - blocked, (out, held_until - blocked)
     assert subprocess.run(nonblocking, check=False).returncode == 0  # and nobody holds it now
 
 
